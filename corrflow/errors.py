@@ -1,0 +1,37 @@
+"""Error types shared by every layer (DESIGN.md: bad input names the field and what was expected)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CorrflowError(Exception):
+    """Base class of corrflow's own errors."""
+
+
+class InvalidArgumentError(CorrflowError, ValueError):
+    """A caller passed a value that cannot be used; ``field`` names it (the CLI maps this to exit code 2)."""
+
+    def __init__(self, field: str, expected: str, got: Any = None):
+        self.field = field
+        self.expected = expected
+        self.got = got
+        msg = f"{field}: expected {expected}"
+        if got is not None:
+            msg += f", got {_short(got)}"
+        super().__init__(msg)
+
+
+class IntegrityError(CorrflowError):
+    """A stored artifact (factorization file, state file) is corrupted, foreign, or inconsistent."""
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def require(condition: bool, field: str, expected: str, got: Any = None) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``condition`` holds."""
+    if not condition:
+        raise InvalidArgumentError(field, expected, got)

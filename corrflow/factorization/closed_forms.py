@@ -1,0 +1,66 @@
+"""Closed-form banded and banded-inverse Toeplitz families (003_0d2702d296af0f0c.txt; digest §2–3).
+
+Generating functions: the workload A ↔ a(x) = 1/((1 − x)(1 − βx)) (prefix: β = 0). Then
+* γ-BIFR (003 Def. 2): noising C⁻¹ = the first ``bands`` coefficients of a(x)^(−γ); γ = 1/2 is BISR,
+  bands = 2 is DP-λCGD with λ = γ (prefix workload), γ = 0 is DP-SGD;
+* BSR (Kalinin & Lampert 2024): strategy C = the first ``bands`` coefficients of a(x)^(1/2);
+* γ-BFR: strategy C = the first ``bands`` coefficients of a(x)^γ.
+A learning-rate schedule is not Toeplitz; the families use its Toeplitz part (momentum only) and the errors are
+still computed for the full workload. γ is chosen by a bounded 1-D search on the unamplified RMSE
+sens(C)·‖A C⁻¹‖_F/√n under the run's participation (003 §3.3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import minimize_scalar
+
+from corrflow.errors import require
+from corrflow.factorization.encoders import Encoder, InverseToeplitzEncoder, ToeplitzEncoder
+from corrflow.factorization.participation import Participation
+from corrflow.factorization.toeplitz import binomial_series
+from corrflow.factorization.workloads import Workload
+
+
+def workload_power_series(workload: Workload, power: float, p: int) -> np.ndarray:
+    """First p coefficients of a(x)^power with a(x) = 1/((1 − x)(1 − βx)): (1−x)^(−power)·(1−βx)^(−power)."""
+    first = binomial_series(-power, p)
+    if workload.momentum == 0.0:
+        return first
+    second = binomial_series(-power, p) * workload.momentum ** np.arange(p)
+    return np.convolve(first, second)[:p]
+
+
+def bifr_noising(workload: Workload, gamma: float, bands: int) -> np.ndarray:
+    """γ-BIFR noising coefficients r (003 recursion r_j = r_{j−1}(j − 1 − γ)/j for the prefix workload)."""
+    require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
+    return workload_power_series(workload, -gamma, bands)
+
+
+def bifr_encoder(workload: Workload, n: int, bands: int, gamma: float) -> InverseToeplitzEncoder:
+    return InverseToeplitzEncoder(bifr_noising(workload, gamma, bands), n)
+
+
+def bsr_encoder(workload: Workload, n: int, bands: int, gamma: float = 0.5) -> ToeplitzEncoder:
+    """Banded (fractional) root: C = first ``bands`` coefficients of a(x)^γ (γ = 1/2: BSR)."""
+    return ToeplitzEncoder(workload_power_series(workload, gamma, bands), n)
+
+
+def unamplified_rmse(encoder: Encoder, workload: Workload, participation: Participation) -> float:
+    """sens(C)·‖A C⁻¹‖_F/√n (003 Eqs. 3, 6; σ_{ε,δ} factored out)."""
+    sens = encoder.sensitivity(participation).value
+    return float(sens * np.sqrt(encoder.per_query_error(workload).sum() / encoder.n))
+
+
+def best_gamma(build, workload: Workload, participation: Participation, lo: float = 0.0, hi: float = 1.0,
+               xatol: float = 1e-5) -> tuple[float, float]:
+    """Bounded golden-section search of γ ∈ [lo, hi] minimising the unamplified RMSE of ``build(γ)``."""
+    res = minimize_scalar(lambda g: unamplified_rmse(build(g), workload, participation), bounds=(lo, hi),
+                          method="bounded", options={"xatol": xatol})
+    return float(res.x), float(res.fun)
+
+
+def nu_dpftrl_noising(n: int, nu: float) -> np.ndarray:
+    """ν-DP-FTRL noising coefficients a_j(1/2)·ν^j over the full horizon (003 §2.5; Choquette-Choo et al. 2023a)."""
+    require(0.0 < nu <= 1.0, "nu", "a number in (0, 1]", nu)
+    return binomial_series(0.5, n) * nu ** np.arange(n)

@@ -1,0 +1,384 @@
+"""Encoders C (strategy matrices) with the structure that makes noise and error computations cheap.
+
+Every encoder is lower-triangular and invertible, acts on the round axis (axis 0), and offers
+``solve`` (C⁻¹ z, the gradient-space noise of 000 §4.4 / 001 Alg. 1), ``gram`` (X = CᵀC),
+``column_norms`` and, where the structure allows it, an O(n·bands) sensitivity and error:
+
+* :class:`DenseEncoder`          any lower-triangular C (optimal multi-epoch, tree, FFT, stamped);
+* :class:`BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column layout;
+* :class:`ToeplitzEncoder`       banded Toeplitz C, optionally column-normalised (001 §3.1–3.2);
+* :class:`InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003: BISR, γ-BIFR,
+  DP-λCGD).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+from scipy.linalg import solve_banded, solve_triangular
+from scipy.signal import lfilter
+
+from corrflow.errors import InvalidArgumentError, require
+from corrflow.factorization.participation import Participation
+from corrflow.factorization.sensitivity import (
+    Sensitivity,
+    is_nonneg_nonincreasing,
+    sensitivity_from_gram,
+    toeplitz_min_sep_sensitivity,
+    vec_sens,
+)
+from corrflow.factorization.workloads import Workload
+
+#: Above this many rounds the O(n²)-memory fallbacks (Gram matrix, dense C) are refused with a clear error.
+DENSE_LIMIT = 8192
+
+
+def _check_matrix_values(M: np.ndarray, field: str) -> None:
+    require(bool(np.all(np.isfinite(M))), field, "finite entries (no NaN or Inf)")
+
+
+class Encoder(ABC):
+    """A lower-triangular, invertible n×n encoder C acting along axis 0."""
+
+    structure: ClassVar[str]
+    n: int
+
+    @property
+    def bands(self) -> int | None:
+        """Non-zero diagonals of C (banded), of C⁻¹ (banded-inverse), or None (dense)."""
+        return None
+
+    @abstractmethod
+    def solve(self, z: np.ndarray) -> np.ndarray:
+        """C⁻¹ z along axis 0 (z has n rows)."""
+
+    @abstractmethod
+    def matrix(self) -> np.ndarray:
+        """The dense n×n C (float64)."""
+
+    @abstractmethod
+    def scaled(self, factor: float) -> Encoder:
+        """The encoder factor·C."""
+
+    @abstractmethod
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Arrays that define the encoder (saved in the factorization file)."""
+
+    def params(self) -> dict:
+        """JSON-able non-array parameters."""
+        return {}
+
+    def column_norms(self) -> np.ndarray:
+        return np.linalg.norm(self.matrix(), axis=0)
+
+    def gram(self) -> np.ndarray:
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense Gram matrix", self.n)
+        C = self.matrix()
+        return C.T @ C
+
+    def sensitivity(self, participation: Participation) -> Sensitivity:
+        """Sensitivity under ``participation``: structural exact formula when one applies, else via X = CᵀC."""
+        require(participation.rounds == self.n, "rounds", f"{self.n} (the encoder's size)", participation.rounds)
+        fast = self._structured_sensitivity(participation)
+        if fast is not None:
+            return fast
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the general sensitivity computation "
+                f"of a {self.structure} encoder with this participation", self.n)
+        return sensitivity_from_gram(self.gram(), participation)
+
+    def _structured_sensitivity(self, participation: Participation) -> Sensitivity | None:
+        return None
+
+    def per_query_error(self, workload: Workload) -> np.ndarray:
+        """Squared row norms of B = A C⁻¹ (unit noise, unit sensitivity factor). Blockwise, O(n²) per block."""
+        return _per_query_generic(self, workload)
+
+    def _disjoint_sensitivity(self, participation: Participation) -> Sensitivity:
+        """Exact when X has bandwidth ≤ min_sep: contributions of one user hit disjoint rows (001 §1.3)."""
+        d = self.column_norms() ** 2
+        if participation.kind == "fixed-epoch":
+            k, b = participation.epochs, participation.min_sep
+            s2 = float(d.reshape(k, b).sum(axis=0).max())
+        else:
+            s2 = float(vec_sens(d, participation.min_sep, participation.max_participations))
+        return Sensitivity(float(np.sqrt(s2)), True, "banded-disjoint-columns")
+
+
+def _per_query_generic(encoder: Encoder, workload: Workload, block_bytes: int = 1 << 26) -> np.ndarray:
+    n = encoder.n
+    m = int(max(1, min(n, block_bytes // (8 * n))))
+    acc = np.zeros(n)
+    for j0 in range(0, n, m):
+        cols = min(m, n - j0)
+        E = np.zeros((n, cols))
+        E[j0 + np.arange(cols), np.arange(cols)] = 1.0
+        acc += np.sum(workload.apply(encoder.solve(E)) ** 2, axis=1)
+    return acc
+
+
+class DenseEncoder(Encoder):
+    structure = "dense"
+
+    def __init__(self, C: np.ndarray):
+        C = np.array(C, dtype=np.float64)
+        require(C.ndim == 2 and C.shape[0] == C.shape[1], "encoder", "a square matrix", C.shape)
+        _check_matrix_values(C, "encoder")
+        scale = max(float(np.abs(C).max()), 1e-300)
+        require(bool(np.all(np.abs(np.triu(C, 1)) <= 1e-12 * scale)), "encoder",
+                "a lower-triangular matrix (the noise must be streamable round by round)")
+        C = np.tril(C)
+        diag = np.abs(np.diag(C))
+        require(bool(diag.min() > 1e-12 * scale), "encoder", "a non-singular matrix (non-zero diagonal)",
+                float(diag.min()))
+        self.C = C
+        self.n = C.shape[0]
+
+    def solve(self, z):
+        return solve_triangular(self.C, np.asarray(z, dtype=np.float64), lower=True, check_finite=False)
+
+    def matrix(self):
+        return self.C.copy()
+
+    def gram(self):
+        return self.C.T @ self.C
+
+    def column_norms(self):
+        return np.linalg.norm(self.C, axis=0)
+
+    def scaled(self, factor):
+        return DenseEncoder(self.C * factor)
+
+    def arrays(self):
+        return {"C": self.C}
+
+    def per_query_error(self, workload):
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense encoder", self.n)
+        # B = A C⁻¹, i.e. Bᵀ = C⁻ᵀ Aᵀ: one triangular solve with all of Aᵀ.
+        Bt = solve_triangular(self.C, workload.matrix(self.n).T, lower=True, trans="T", check_finite=False)
+        return np.sum(Bt**2, axis=0)
+
+
+class BandedEncoder(Encoder):
+    """Banded C stored by columns: ``band[j, r] = C[j + r, j]`` (the n×bands layout of 001 §2.2)."""
+
+    structure = "banded"
+
+    def __init__(self, band: np.ndarray):
+        band = np.array(band, dtype=np.float64)
+        require(band.ndim == 2 and band.shape[1] >= 1, "encoder", "an (n, bands) band array", band.shape)
+        _check_matrix_values(band, "encoder")
+        n, p = band.shape
+        require(p <= n, "bands", f"at most rounds={n}", p)
+        out_of_range = np.arange(n)[:, None] + np.arange(p)[None, :] >= n
+        band[out_of_range] = 0.0
+        scale = max(float(np.abs(band).max()), 1e-300)
+        require(bool(np.abs(band[:, 0]).min() > 1e-12 * scale), "encoder", "a non-singular matrix (non-zero "
+                "diagonal)", float(np.abs(band[:, 0]).min()))
+        self.band = band
+        self.n = n
+
+    @property
+    def bands(self):
+        return self.band.shape[1]
+
+    def solve(self, z):
+        z = np.asarray(z, dtype=np.float64)
+        return solve_banded((self.bands - 1, 0), self.band.T, z, check_finite=False)
+
+    def matrix(self):
+        n, p = self.band.shape
+        C = np.zeros((n, n))
+        for r in range(p):
+            idx = np.arange(n - r)
+            C[idx + r, idx] = self.band[: n - r, r]
+        return C
+
+    def column_norms(self):
+        return np.linalg.norm(self.band, axis=1)
+
+    def scaled(self, factor):
+        return BandedEncoder(self.band * factor)
+
+    def arrays(self):
+        return {"band": self.band}
+
+    def _structured_sensitivity(self, participation):
+        if self.bands <= participation.min_sep:
+            return self._disjoint_sensitivity(participation)
+        return None
+
+
+def toeplitz_column_scale(coef: np.ndarray, n: int) -> np.ndarray:
+    """s_j = ‖θ‖ / ‖θ[:min(p, n−j)]‖: multiplying column j by s_j gives every column the norm ‖θ‖ (001 §3.2)."""
+    sq = np.cumsum(np.asarray(coef, dtype=np.float64) ** 2)
+    p = len(coef)
+    lengths = np.minimum(p, n - np.arange(n))
+    return np.sqrt(sq[-1] / sq[lengths - 1])
+
+
+class ToeplitzEncoder(Encoder):
+    """Banded Toeplitz C = T(θ)·diag(s): θ = first column (``bands`` entries); s = 1 or column normalisation."""
+
+    structure = "toeplitz"
+
+    def __init__(self, coef: np.ndarray, n: int, column_normalize: bool = False):
+        coef = np.array(coef, dtype=np.float64).ravel()
+        require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
+        require(1 <= len(coef) <= n, "bands", f"between 1 and rounds={n}", len(coef))
+        _check_matrix_values(coef, "encoder")
+        require(abs(coef[0]) > 1e-12 * max(float(np.abs(coef).max()), 1e-300), "encoder",
+                "a non-zero leading Toeplitz coefficient (non-singular C)", float(coef[0]))
+        self.coef = coef
+        self.n = int(n)
+        self.column_normalize = bool(column_normalize)
+        self.col_scale = toeplitz_column_scale(coef, self.n) if column_normalize else np.ones(self.n)
+
+    @property
+    def bands(self):
+        return len(self.coef)
+
+    def solve(self, z):
+        z = np.asarray(z, dtype=np.float64)
+        y = lfilter([1.0], self.coef, z, axis=0)
+        if self.column_normalize:
+            y = y / self.col_scale.reshape((-1,) + (1,) * (y.ndim - 1))
+        return y
+
+    def solve_transposed(self, v: np.ndarray) -> np.ndarray:
+        """C⁻ᵀ v along axis 0: T⁻ᵀ is the time-reversed recursion."""
+        v = np.asarray(v, dtype=np.float64)
+        if self.column_normalize:
+            v = v / self.col_scale.reshape((-1,) + (1,) * (v.ndim - 1))
+        return lfilter([1.0], self.coef, v[::-1], axis=0)[::-1]
+
+    def matrix(self):
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
+        return BandedEncoder(self.band_array()).matrix()
+
+    def band_array(self) -> np.ndarray:
+        """The (n, bands) column layout of :class:`BandedEncoder`."""
+        band = np.tile(self.coef, (self.n, 1)) * self.col_scale[:, None]
+        return band
+
+    def column_norms(self):
+        sq = np.cumsum(self.coef**2)
+        lengths = np.minimum(self.bands, self.n - np.arange(self.n))
+        return np.sqrt(sq[lengths - 1]) * self.col_scale
+
+    def scaled(self, factor):
+        return ToeplitzEncoder(self.coef * factor, self.n, self.column_normalize)
+
+    def arrays(self):
+        return {"coef": self.coef}
+
+    def params(self):
+        return {"n": self.n, "column_normalize": self.column_normalize}
+
+    def _structured_sensitivity(self, participation):
+        if self.bands <= participation.min_sep:
+            return self._disjoint_sensitivity(participation)
+        if not is_nonneg_nonincreasing(self.coef):
+            return None
+        k = participation.max_participations
+        formula = toeplitz_min_sep_sensitivity(self.coef, self.n, participation.min_sep, k)
+        if not self.column_normalize:
+            return Sensitivity(formula, True, "toeplitz-min-sep-closed-form")
+        # Column normalisation only enlarges the last bands−1 columns, each by at most max(s): entrywise bound.
+        return Sensitivity(formula * float(self.col_scale.max()), False, "toeplitz-min-sep-scaled-bound")
+
+    def per_query_error(self, workload):
+        if not workload.is_toeplitz:
+            return _per_query_generic(self, workload)
+        n, p = self.n, self.bands
+        w = lfilter([1.0], self.coef, workload.toeplitz_coefs(n))
+        err = np.cumsum(w**2)  # 001 Prop. D.1: query i has error Σ_{j≤i} w_j²
+        if self.column_normalize and p > 1:
+            lam = workload.toeplitz_coefs(n)
+            tail = np.arange(max(0, n - p + 1), n)
+            rows = np.zeros((n, len(tail)))  # column c = row tail[c] of A, transposed
+            for c, i in enumerate(tail):
+                rows[: i + 1, c] = lam[i::-1]
+            err[tail] = np.sum(self.solve_transposed(rows) ** 2, axis=0)
+        return err
+
+
+class InverseToeplitzEncoder(Encoder):
+    """C with banded Toeplitz inverse: C⁻¹ = T(r), r = noising coefficients (``bands`` entries) (003 Def. 2)."""
+
+    structure = "banded-inverse"
+
+    def __init__(self, noising: np.ndarray, n: int):
+        r = np.array(noising, dtype=np.float64).ravel()
+        require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
+        require(1 <= len(r) <= n, "bands", f"between 1 and rounds={n}", len(r))
+        _check_matrix_values(r, "encoder")
+        require(abs(r[0]) > 1e-12 * max(float(np.abs(r).max()), 1e-300), "encoder",
+                "a non-zero leading noising coefficient (non-singular C)", float(r[0]))
+        self.noising = r
+        self.n = int(n)
+
+    @property
+    def bands(self):
+        return len(self.noising)
+
+    def strategy_coefs(self) -> np.ndarray:
+        """First column c of C = T(r)⁻¹ (length n): the impulse response of 1/r(x) (003 recursion (41))."""
+        e0 = np.zeros(self.n)
+        e0[0] = 1.0
+        return lfilter([1.0], self.noising, e0)
+
+    def solve(self, z):
+        return lfilter(self.noising, [1.0], np.asarray(z, dtype=np.float64), axis=0)
+
+    def matrix(self):
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
+        c = self.strategy_coefs()
+        idx = np.arange(self.n)
+        diff = idx[:, None] - idx[None, :]
+        return np.where(diff >= 0, c[np.clip(diff, 0, None)], 0.0)
+
+    def column_norms(self):
+        c = self.strategy_coefs()
+        return np.sqrt(np.cumsum(c**2)[::-1])
+
+    def scaled(self, factor):
+        return InverseToeplitzEncoder(self.noising / factor, self.n)
+
+    def arrays(self):
+        return {"noising": self.noising}
+
+    def params(self):
+        return {"n": self.n}
+
+    def _structured_sensitivity(self, participation):
+        c = self.strategy_coefs()
+        if not is_nonneg_nonincreasing(c):
+            return None
+        value = toeplitz_min_sep_sensitivity(c, self.n, participation.min_sep, participation.max_participations)
+        return Sensitivity(value, True, "toeplitz-min-sep-closed-form")
+
+    def per_query_error(self, workload):
+        if not workload.is_toeplitz:
+            return _per_query_generic(self, workload)
+        w = np.convolve(workload.toeplitz_coefs(self.n), self.noising)[: self.n]
+        return np.cumsum(w**2)
+
+
+ENCODER_TYPES: dict[str, type[Encoder]] = {
+    cls.structure: cls for cls in (DenseEncoder, BandedEncoder, ToeplitzEncoder, InverseToeplitzEncoder)
+}
+
+
+def encoder_from_arrays(structure: str, arrays: dict[str, np.ndarray], params: dict) -> Encoder:
+    """Rebuild an encoder saved with :meth:`Encoder.arrays` and :meth:`Encoder.params`."""
+    if structure == "dense":
+        return DenseEncoder(arrays["C"])
+    if structure == "banded":
+        return BandedEncoder(arrays["band"])
+    if structure == "toeplitz":
+        return ToeplitzEncoder(arrays["coef"], int(params["n"]), bool(params["column_normalize"]))
+    if structure == "banded-inverse":
+        return InverseToeplitzEncoder(arrays["noising"], int(params["n"]))
+    raise InvalidArgumentError("encoder", f"a structure in {sorted(ENCODER_TYPES)}", structure)

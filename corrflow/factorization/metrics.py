@@ -1,0 +1,39 @@
+"""Error metrics of a factorization (DESIGN.md "Errors"; 000 Eq. 4; 001 App. D).
+
+With per-query error e_i = ‖B[i, :]‖² (B = A C⁻¹) and sensitivity s:
+total squared error L = s²·Σ e_i, RMSE = √(L/n), max error = s·max √e_i, per-iterate variance = s²·e.
+All at unit noise multiplier and unit clip norm, per model coordinate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    total_squared_error: float
+    rmse: float
+    max_error: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def error_report(per_query_error: np.ndarray, sensitivity: float) -> ErrorReport:
+    """Aggregate per-query errors (squared row norms of B) at the given sensitivity."""
+    e = np.asarray(per_query_error, dtype=np.float64)
+    total = float(sensitivity**2 * e.sum())
+    return ErrorReport(total, float(np.sqrt(total / len(e))), float(sensitivity * np.sqrt(e.max())))
+
+
+def total_squared_error(B: np.ndarray, sensitivity: float = 1.0) -> float:
+    """L = sens²·‖B‖²_F (000 Eq. 4) for an explicit decoder B (any shape n×n')."""
+    return float(sensitivity**2 * np.sum(np.asarray(B, dtype=np.float64) ** 2))
+
+
+def per_iterate_variance(B: np.ndarray, sensitivity: float = 1.0) -> np.ndarray:
+    """sens²·‖B[i, :]‖² for every round i (000 Figs. 4–5)."""
+    return sensitivity**2 * np.sum(np.asarray(B, dtype=np.float64) ** 2, axis=1)

@@ -1,0 +1,102 @@
+"""Participation schemas: who may contribute in which rounds (000 §2, 001 §5, 004).
+
+* ``fixed-epoch`` (k, b): users split once into b groups in a fixed order; group p trains in rounds
+  p, p+b, …, p+(k−1)b. n = k·b exactly (000 §2, "(k,b)-participation").
+* ``min-sep`` (b-min-separation): at most k participations, any two at least b rounds apart.
+  Every fixed-epoch pattern is also a b-min-sep pattern.
+
+Rounds are 0-based.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from corrflow.errors import require
+
+PARTICIPATION_KINDS = ("fixed-epoch", "min-sep")
+
+
+@dataclass(frozen=True)
+class Participation:
+    """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b) apart."""
+
+    kind: str
+    rounds: int
+    epochs: int
+    min_sep: int
+
+    def __post_init__(self) -> None:
+        require(self.kind in PARTICIPATION_KINDS, "participation", f"one of {PARTICIPATION_KINDS}", self.kind)
+        for name in ("rounds", "epochs", "min_sep"):
+            v = getattr(self, name)
+            require(isinstance(v, int | np.integer) and v >= 1, name.replace("_", "-"), "a positive integer", v)
+        n, k, b = self.rounds, self.epochs, self.min_sep
+        require(b <= n, "min-sep", f"at most rounds={n}", b)
+        if self.kind == "fixed-epoch":
+            require(n == k * b, "epochs", f"a divisor of rounds={n} with min_sep = rounds/epochs (got min_sep={b})",
+                    k)
+        else:
+            most = -(-n // b)
+            require(k <= most, "epochs", f"at most ceil(rounds/min_sep) = {most}: more participations cannot be "
+                    f"{b} rounds apart within {n} rounds", k)
+
+    @classmethod
+    def fixed_epoch(cls, rounds: int, epochs: int) -> Participation:
+        """(k, b)-participation with b = n / k (000 §2). ``rounds % epochs`` must be 0."""
+        require(isinstance(epochs, int | np.integer) and epochs >= 1, "epochs", "a positive integer", epochs)
+        require(isinstance(rounds, int | np.integer) and rounds >= 1, "rounds", "a positive integer", rounds)
+        require(rounds % epochs == 0, "epochs", f"a divisor of rounds={rounds} for fixed-epoch participation",
+                epochs)
+        return cls("fixed-epoch", int(rounds), int(epochs), int(rounds // epochs))
+
+    @classmethod
+    def min_separation(cls, rounds: int, min_sep: int, epochs: int | None = None) -> Participation:
+        """b-min-separation with at most k participations (k defaults to ⌈n/b⌉, the most b allows)."""
+        require(isinstance(min_sep, int | np.integer) and min_sep >= 1, "min-sep", "a positive integer", min_sep)
+        k = -(-rounds // min_sep) if epochs is None else epochs
+        return cls("min-sep", int(rounds), int(k), int(min_sep))
+
+    @classmethod
+    def single(cls, rounds: int) -> Participation:
+        return cls.fixed_epoch(rounds, 1)
+
+    @property
+    def max_participations(self) -> int:
+        return min(self.epochs, -(-self.rounds // self.min_sep))
+
+    def patterns(self) -> np.ndarray:
+        """Fixed-epoch patterns as a (b, k) int array: row p = rounds p, p+b, …, p+(k−1)b."""
+        require(self.kind == "fixed-epoch", "participation", "fixed-epoch for an explicit pattern list", self.kind)
+        return np.arange(self.rounds).reshape(self.epochs, self.min_sep).T.copy()
+
+    def contribution_matrix(self) -> np.ndarray:
+        """The n×b 0/1 matrix H whose column p is the indicator of pattern p (000 §3.4)."""
+        H = np.zeros((self.rounds, self.min_sep))
+        for p, rows in enumerate(self.patterns()):
+            H[rows, p] = 1.0
+        return H
+
+    def same_pattern_mask(self) -> np.ndarray:
+        """Boolean n×n mask of the pairs (i, j), i ≠ j, that one user can both contribute to (Π̂ of 000 Eq. 36)."""
+        idx = np.arange(self.rounds)
+        if self.kind == "fixed-epoch":
+            m = (idx[:, None] % self.min_sep) == (idx[None, :] % self.min_sep)
+        else:
+            m = np.abs(idx[:, None] - idx[None, :]) >= self.min_sep
+        np.fill_diagonal(m, False)
+        return m
+
+    def describe(self) -> str:
+        return f"{self.kind} (rounds={self.rounds}, epochs={self.epochs}, min_sep={self.min_sep})"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Participation:
+        unknown = set(d) - {"kind", "rounds", "epochs", "min_sep"}
+        require(not unknown, "participation", "keys kind, rounds, epochs, min_sep", sorted(unknown))
+        return cls(**d)

@@ -1,0 +1,112 @@
+"""Workload matrices A: what the server's optimizer computes from the stream of noisy gradient sums.
+
+000_747c4ada1ff1f482.txt §5.3 and the digest `000_multi_epoch_mf.md` §1.2:
+``A = tri(n) · diag(η) · M_β`` with ``M_β[i, j] = β^(i-j)``, i.e. ``A[i, j] = Σ_{t=j..i} η_t β^(t-j)``:
+the iterates of ``m_t = β m_{t-1} + g_t; θ_{t+1} = θ_t − η_t m_t`` (θ_0 = 0, unit base learning rate).
+The prefix sum is β = 0, η = 1. The linear cooldown decays η from 1 to ``cooldown_final`` over the last
+``int(n · cooldown_fraction)`` rounds (reference code: ``n // 4`` for the StackOverflow runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.signal import lfilter
+
+from corrflow.errors import InvalidArgumentError, require
+
+WORKLOAD_KINDS = ("prefix", "momentum")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """SGD with momentum and a learning-rate schedule, as a lower-triangular n×n matrix (streamed, never stored)."""
+
+    kind: str = "prefix"
+    momentum: float = 0.0
+    cooldown_fraction: float = 0.0
+    cooldown_final: float = 0.05
+
+    def __post_init__(self) -> None:
+        require(self.kind in WORKLOAD_KINDS, "workload", f"one of {WORKLOAD_KINDS}", self.kind)
+        require(np.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0, "momentum", "a number in [0, 1)",
+                self.momentum)
+        if self.kind == "prefix":
+            require(self.momentum == 0.0, "momentum", "0 for the prefix workload (use --workload momentum)",
+                    self.momentum)
+        require(np.isfinite(self.cooldown_fraction) and 0.0 <= self.cooldown_fraction <= 1.0,
+                "cooldown_fraction", "a number in [0, 1]", self.cooldown_fraction)
+        require(np.isfinite(self.cooldown_final) and 0.0 < self.cooldown_final <= 1.0, "cooldown_final",
+                "a number in (0, 1]", self.cooldown_final)
+
+    @classmethod
+    def prefix(cls) -> Workload:
+        return cls("prefix")
+
+    @classmethod
+    def sgd_momentum(cls, momentum: float = 0.95, cooldown_fraction: float = 0.25,
+                     cooldown_final: float = 0.05) -> Workload:
+        """The StackOverflow workload of 000 §5.3: momentum 0.95, cooldown to 0.05× over the last quarter."""
+        return cls("momentum", float(momentum), float(cooldown_fraction), float(cooldown_final))
+
+    @property
+    def is_toeplitz(self) -> bool:
+        """True when A is Toeplitz (no learning-rate schedule), enabling O(n·bands) error formulas (001 Prop. D.1)."""
+        return self.cooldown_fraction == 0.0
+
+    def toeplitz_part(self) -> Workload:
+        """The same workload without its learning-rate schedule (Toeplitz)."""
+        return Workload(self.kind, self.momentum) if not self.is_toeplitz else self
+
+    def cooldown_rounds(self, n: int) -> int:
+        return int(n * self.cooldown_fraction)
+
+    def learning_rates(self, n: int) -> np.ndarray:
+        """Per-round learning-rate multipliers η (length n, float64)."""
+        _check_rounds(n)
+        eta = np.ones(n)
+        m = self.cooldown_rounds(n)
+        if m > 0:
+            eta[n - m:] = np.linspace(1.0, self.cooldown_final, m)
+        return eta
+
+    def toeplitz_coefs(self, n: int) -> np.ndarray:
+        """First column λ of a Toeplitz workload: λ_j = Σ_{t≤j} β^t (all ones for the prefix sum)."""
+        if not self.is_toeplitz:
+            raise InvalidArgumentError("workload", "a workload without learning-rate cooldown (Toeplitz)",
+                                       self.to_dict())
+        return self.apply(_unit(n))
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """A @ x along axis 0 in O(n) per column (a 2-buffer streaming operator, 001 App. D)."""
+        x = np.asarray(x, dtype=np.float64)
+        n = x.shape[0]
+        m = lfilter([1.0], [1.0, -self.momentum], x, axis=0) if self.momentum else x
+        eta = self.learning_rates(n)
+        if not np.all(eta == 1.0):
+            m = m * eta.reshape((n,) + (1,) * (x.ndim - 1))
+        return np.cumsum(m, axis=0)
+
+    def matrix(self, n: int) -> np.ndarray:
+        """The dense n×n workload A (float64). Only for small n: it holds n² numbers."""
+        return self.apply(np.eye(n))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Workload:
+        unknown = set(d) - {"kind", "momentum", "cooldown_fraction", "cooldown_final"}
+        require(not unknown, "workload", "keys kind, momentum, cooldown_fraction, cooldown_final", sorted(unknown))
+        return cls(**d)
+
+
+def _unit(n: int) -> np.ndarray:
+    e = np.zeros(n)
+    e[0] = 1.0
+    return e
+
+
+def _check_rounds(n: int) -> None:
+    require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)

@@ -1,0 +1,47 @@
+"""Progress reporting for long computations: a rich bar on stderr that appears only after one second."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+#: Optimizers call ``callback(iteration, loss)``; returning nothing.
+ProgressCallback = Callable[[int, float], None]
+
+
+class Progress:
+    """Context manager yielding a :data:`ProgressCallback`; silent when ``quiet`` or for work under a second."""
+
+    def __init__(self, description: str, total: int | None = None, quiet: bool = False, delay: float = 1.0):
+        self.description = description
+        self.total = total
+        self.quiet = quiet
+        self.delay = delay
+        self._bar = None
+        self._task = None
+        self._start = 0.0
+
+    def __enter__(self) -> ProgressCallback:
+        self._start = time.monotonic()
+        return self.update
+
+    def update(self, iteration: int, loss: float) -> None:
+        if self.quiet:
+            return
+        if self._bar is None:
+            if time.monotonic() - self._start < self.delay:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                                     TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self.description, total=self.total, info="")
+        self._bar.update(self._task, completed=iteration, info=f"iter {iteration}  loss {loss:.6g}")
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,114 @@
+"""The ``corrflow`` command (DESIGN.md "CLI"): one subcommand per job; ``--json`` prints exactly one JSON object
+as the last stdout line; progress goes to stderr; bad arguments exit with code 2 and name the argument."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="corrflow: federated learning with differential privacy through correlated noise.")
+
+
+@app.callback()
+def _root() -> None:
+    """corrflow: federated learning with differential privacy through correlated noise."""
+
+
+def _emit(obj: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj, default=_jsonable, sort_keys=True))
+    else:
+        for key, value in obj.items():
+            print(f"{key:>24}: {value}")
+
+
+def _jsonable(x):
+    import numpy as np
+
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=2 if isinstance(exc, InvalidArgumentError) else 1)
+
+
+@app.command()
+def factorize(
+    kind: Annotated[str | None, typer.Option(help="dpsgd, tree, dense, banded, toeplitz, bisr, bifr, bsr, "
+                                                   "lambda-cgd or fft")] = None,
+    rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
+    epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
+    min_sep: Annotated[int | None, typer.Option(help="b: fewest rounds between two participations "
+                                                     "(default rounds/epochs, fixed-epoch)")] = None,
+    participation: Annotated[str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")] = None,
+    bands: Annotated[int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")]
+    = None,
+    workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
+    momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
+    cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate cooldown"
+                                                          " (momentum workload)")] = 0.25,
+    stamps: Annotated[int, typer.Option(help="repeat a rounds/stamps mechanism along the diagonal")] = 1,
+    gamma: Annotated[float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")]
+    = None,
+    search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
+    tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 1e-3,
+    out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
+    describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+) -> None:
+    """Build a correlated-noise factorization (or describe a saved one) and print its errors."""
+    from corrflow.factorization.base import Factorization
+    from corrflow.factorization.build import factorize as build
+    from corrflow.factorization.build import participation_for
+    from corrflow.factorization.workloads import Workload
+    from corrflow.progress import Progress
+
+    try:
+        if describe is not None:
+            _emit(Factorization.load(describe).summary(), as_json)
+            return
+        if kind is None:
+            raise InvalidArgumentError("--kind", "a factorization kind (or --describe FILE)")
+        if rounds is None:
+            raise InvalidArgumentError("--rounds", "the number of rounds")
+        if workload == "momentum":
+            wl = Workload.sgd_momentum(momentum, cooldown_fraction)
+        elif workload == "prefix":
+            wl = Workload.prefix()
+        else:
+            raise InvalidArgumentError("--workload", "prefix or momentum", workload)
+        part = participation_for(rounds, epochs, min_sep, participation)
+        with Progress(f"factorize {kind}", quiet=quiet) as cb:
+            fac = build(kind, part, wl, bands=bands, stamps=stamps, gamma=gamma, search_gamma=search_gamma,
+                        tol=tol, callback=cb)
+        summary = fac.summary()
+        if out is not None:
+            summary["path"] = str(fac.save(out))
+        _emit(summary, as_json)
+    except (CorrflowError, IntegrityError) as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    try:
+        app()
+    except InvalidArgumentError as exc:  # raised before a command could catch it
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
