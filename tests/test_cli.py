@@ -1,0 +1,56 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+REQUIRED = {"kind", "rounds", "epochs", "min_sep", "bands", "total_squared_error", "rmse", "max_error",
+            "sensitivity", "sensitivity_exact", "lower_bound", "seconds"}
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_factorize_json_and_describe(tmp_path):
+    out = tmp_path / "f.npz"
+    r = run("factorize", "--kind", "dense", "--rounds", "6", "--epochs", "3", "--json", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert REQUIRED <= set(obj)
+    assert round(obj["total_squared_error"] ** 0.5, 3) == 6.461  # 000 Table 6
+    assert obj["sensitivity_exact"] is True and obj["lower_bound"] <= obj["total_squared_error"] * (1 + 1e-9)
+    r2 = run("factorize", "--describe", str(out), "--json")
+    assert r2.returncode == 0, r2.stderr
+    obj2 = json.loads(r2.stdout.strip().splitlines()[-1])
+    assert obj2["sha256"] == obj["sha256"] and obj2["rmse"] == pytest.approx(obj["rmse"])
+
+
+def test_factorize_momentum_toeplitz_min_sep():
+    r = run("factorize", "--kind", "toeplitz", "--rounds", "64", "--epochs", "4", "--min-sep", "8", "--bands", "8",
+            "--workload", "momentum", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert obj["participation"] == "min-sep" and obj["bands"] == 8 and obj["sensitivity_exact"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kind", "dense", "--rounds", "10", "--epochs", "3"], "epochs"),
+    (["--kind", "banded", "--rounds", "8", "--bands", "9"], "bands"),
+    (["--kind", "toeplitz", "--rounds", "8", "--min-sep", "0", "--participation", "min-sep"], "min-sep"),
+    (["--kind", "dense", "--rounds", "8", "--workload", "momentum", "--momentum", "nan"], "momentum"),
+    (["--kind", "magic", "--rounds", "8"], "kind"),
+    (["--rounds", "8"], "--kind"),
+])
+def test_bad_arguments_exit_2(args, needle):
+    r = run("factorize", *args, "--json")
+    assert r.returncode == 2
+    assert needle in r.stderr
+
+
+def test_corrupted_file_is_an_error(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    r = run("factorize", "--describe", str(bad), "--json")
+    assert r.returncode == 1 and "not a readable factorization" in r.stderr
