@@ -11,7 +11,7 @@ from corrflow.factorization.build import KINDS, factorize, participation_for
 from corrflow.factorization.closed_forms import bifr_encoder
 from corrflow.factorization.encoders import BandedEncoder, DenseEncoder, InverseToeplitzEncoder, ToeplitzEncoder
 from corrflow.factorization.participation import Participation
-from corrflow.factorization.sensitivity import brute_force_sensitivity, sensitivity_from_gram
+from corrflow.factorization.sensitivity import brute_force_sensitivity
 from corrflow.factorization.workloads import Workload
 
 WORKLOADS = [Workload.prefix(), Workload("momentum", 0.9), Workload.sgd_momentum(0.95, 0.25)]

@@ -37,7 +37,7 @@ def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
 
 def factorize(kind: str, participation: Participation, workload: Workload | None = None, *,
               bands: int | None = None, stamps: int = 1, gamma: float | None = None,
-              search_gamma: bool = False, tol: float = 1e-3, callback: ProgressCallback | None = None) -> Factorization:
+              search_gamma: bool = False, tol: float = 5e-4, callback: ProgressCallback | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
     ``stamps`` > 1 builds the mechanism for rounds/stamps rounds (epochs/stamps participations) and repeats it

@@ -63,7 +63,7 @@ def factorize(
     gamma: Annotated[float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")]
     = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
-    tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 1e-3,
+    tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
     describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
