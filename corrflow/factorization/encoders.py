@@ -187,6 +187,12 @@ class BandedEncoder(Encoder):
         z = np.asarray(z, dtype=np.float64)
         return solve_banded((self.bands - 1, 0), self.band.T, z, check_finite=False)
 
+    def row_band(self, t: int) -> np.ndarray:
+        """C[t, t − r] for r = 0..bands−1 (0 where t − r < 0): the coefficients of 001 Alg. 1 at round t."""
+        r = np.arange(self.bands)
+        j = t - r
+        return np.where(j >= 0, self.band[np.clip(j, 0, None), r], 0.0)
+
     def matrix(self):
         n, p = self.band.shape
         C = np.zeros((n, n))
@@ -245,6 +251,12 @@ class ToeplitzEncoder(Encoder):
         if self.column_normalize:
             y = y / self.col_scale.reshape((-1,) + (1,) * (y.ndim - 1))
         return y
+
+    def row_band(self, t: int) -> np.ndarray:
+        """C[t, t − r] = θ_r·s_{t−r} for r = 0..bands−1 (0 where t − r < 0)."""
+        r = np.arange(self.bands)
+        j = t - r
+        return np.where(j >= 0, self.coef * self.col_scale[np.clip(j, 0, None)], 0.0)
 
     def solve_transposed(self, v: np.ndarray) -> np.ndarray:
         """C⁻ᵀ v along axis 0: T⁻ᵀ is the time-reversed recursion."""

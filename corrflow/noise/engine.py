@@ -1,0 +1,292 @@
+"""Streaming correlated noise w_t = σ·(C⁻¹Z)_t for model-sized updates (float32), regenerated from a secret key.
+
+Modes, chosen from the encoder's structure (DESIGN.md data flow; 001 §1.2, §4.3; 003 §3):
+
+* ``banded``: C has ``p`` bands → the recursion of 001 Alg. 1, y_t = (z_t − Σ_{r=1}^{p−1} C[t,t−r] y_{t−r})/C[t,t],
+  with a float32 ring buffer of the last p−1 outputs ((p−1)·d·4 bytes, the only large state);
+* ``banded-inverse``: C⁻¹ has ``p`` bands → y_t = Σ_{j<p} (C⁻¹)[t,t−j] z_{t−j}: the p fresh draws are regenerated
+  from the key, O(d) memory (003 §8 pitfall 1; 001 §4.3);
+* ``dense``: any lower-triangular C → y_t = Σ_{j≤t} (C⁻¹)[t,j] z_j, every z_j regenerated: O(t·d) work, O(d) memory;
+* ``identity``: y_t = z_t / C[0,0] (DP-SGD).
+
+Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the buffer is a few chunks.
+Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk): restoring a saved state
+continues bit for bit, and any released round can be replayed exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from scipy.linalg import solve_triangular
+
+from corrflow.errors import IntegrityError, InvalidArgumentError, require
+from corrflow.factorization.base import Factorization
+from corrflow.factorization.encoders import DENSE_LIMIT, BandedEncoder, InverseToeplitzEncoder, ToeplitzEncoder
+from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
+
+MODES = ("banded", "banded-inverse", "dense", "identity")
+DEFAULT_CHUNK = 1 << 20
+
+
+def default_mode(factorization: Factorization) -> str:
+    enc = factorization.encoder
+    if isinstance(enc, ToeplitzEncoder | BandedEncoder):
+        return "identity" if enc.bands == 1 and not getattr(enc, "column_normalize", False) else "banded"
+    if isinstance(enc, InverseToeplitzEncoder):
+        return "banded-inverse"
+    return "dense"
+
+
+def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    try:
+        out = tuple(tuple(int(s) for s in shape) for shape in shapes)
+    except TypeError as exc:
+        raise InvalidArgumentError("shapes", "a list of array shapes (tuples of ints)", shapes) from exc
+    require(len(out) > 0 and all(all(s >= 0 for s in shape) for shape in out), "shapes",
+            "at least one shape with non-negative sizes", shapes)
+    return out
+
+
+class CorrelatedNoise:
+    """Generator of σ·(C⁻¹Z)_t, one round at a time: ``next(t) -> list[np.ndarray]`` shaped like ``shapes``."""
+
+    def __init__(self, factorization: Factorization, shapes: Sequence[Sequence[int]], stddev: float = 1.0, *,
+                 key: bytes | None = None, prng: str = "philox", mode: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK):
+        require(isinstance(factorization, Factorization), "factorization", "a Factorization")
+        require(np.isfinite(stddev) and stddev >= 0, "stddev", "a finite, non-negative number", stddev)
+        require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", "a positive integer", chunk_size)
+        self.factorization = factorization
+        self.shapes = _normalize_shapes(shapes)
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.dim = int(sum(self.sizes))
+        self.stddev = float(stddev)
+        self.prng = prng
+        self._key = new_secret(prng) if key is None else key
+        self._source: GaussianSource = make_source(prng, self._key)
+        self.mode = default_mode(factorization) if mode is None else mode
+        require(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
+        self.chunk_size = chunk_size
+        self.rounds = factorization.rounds
+        self.next_round = 0
+        enc = factorization.encoder
+        self._buffer: np.ndarray | None = None
+        if self.mode == "banded":
+            require(isinstance(enc, ToeplitzEncoder | BandedEncoder), "mode",
+                    "banded only for a banded encoder (use dense)", self.mode)
+            self._buffer = np.zeros((max(enc.bands - 1, 0), self.dim), dtype=np.float32)
+        elif self.mode == "banded-inverse":
+            require(isinstance(enc, InverseToeplitzEncoder), "mode",
+                    "banded-inverse only for an encoder with a banded inverse", self.mode)
+            self._noising = enc.noising
+        elif self.mode == "identity":
+            require(enc.bands == 1 and isinstance(enc, ToeplitzEncoder | BandedEncoder), "mode",
+                    "identity only for a diagonal encoder", self.mode)
+        else:
+            require(enc.n <= DENSE_LIMIT, "mode", f"dense only up to {DENSE_LIMIT} rounds", enc.n)
+            self._inverse = solve_triangular(enc.matrix(), np.eye(enc.n), lower=True)
+
+    def __repr__(self) -> str:  # the key stays out of logs
+        return (f"CorrelatedNoise(mode={self.mode!r}, prng={self.prng!r}, dim={self.dim}, rounds={self.rounds}, "
+                f"next_round={self.next_round})")
+
+    # -- public API -------------------------------------------------------------------------------------------
+    @property
+    def buffer_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+    def next(self, round_index: int, *, replay: bool = False,
+             shapes: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
+        """Noise for ``round_index``, which must be the next round; ``replay=True`` re-creates an earlier release."""
+        if shapes is not None and _normalize_shapes(shapes) != self.shapes:
+            raise InvalidArgumentError("shapes", f"the model shapes fixed at start {list(self.shapes)}",
+                                       [tuple(s) for s in shapes])
+        require(isinstance(round_index, int | np.integer) and round_index >= 0, "round_index",
+                "a non-negative integer", round_index)
+        require(round_index < self.rounds, "round_index", f"< {self.rounds}: the factorization has only "
+                f"{self.rounds} rounds", round_index)
+        if round_index == self.next_round:
+            flat = self._advance(round_index)
+            self.next_round += 1
+        elif replay and round_index < self.next_round:
+            flat = self._replay(round_index)
+        else:
+            what = "an earlier round needs replay=True (an identical re-release)" if round_index < self.next_round \
+                else "rounds are released in order"
+            raise InvalidArgumentError("round_index", f"{self.next_round}, the next round ({what})", round_index)
+        return self._split(flat)
+
+    def skip_to(self, round_index: int) -> None:
+        """Fast-forward a fresh generator to ``round_index`` (recomputing the banded buffer from the key)."""
+        require(self.next_round == 0, "round_index", "skip_to only on a fresh generator", self.next_round)
+        require(0 <= round_index <= self.rounds, "start", f"between 0 and {self.rounds}", round_index)
+        if self.mode == "banded":
+            for t in range(round_index):
+                self._advance(t)
+        self.next_round = round_index
+
+    # -- modes --------------------------------------------------------------------------------------------------
+    def _chunks(self):
+        for c, lo in enumerate(range(0, self.dim, self.chunk_size)):
+            yield c, lo, min(self.dim, lo + self.chunk_size)
+
+    def _advance(self, t: int) -> np.ndarray:
+        out = np.empty(self.dim, dtype=np.float32)
+        if self.mode == "banded":
+            self._banded_step(t, out, self._buffer)
+        else:
+            self._stateless(t, out)
+        return out
+
+    def _banded_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
+        coefs = self.factorization.encoder.row_band(t)
+        p = len(coefs)
+        diag = np.float32(coefs[0])
+        weights = np.zeros(max(p - 1, 0), dtype=np.float32)  # ring-buffer order: slot of round t − r
+        for r in range(1, p):
+            if t - r >= 0:
+                weights[(t - r) % (p - 1)] = coefs[r]
+        slot = t % (p - 1) if p > 1 else None
+        for c, lo, hi in self._chunks():
+            acc = self._source.normal(t, c, hi - lo)
+            if p > 1 and t > 0:
+                acc -= weights @ buf[:, lo:hi]
+            acc /= diag
+            if slot is not None:
+                buf[slot, lo:hi] = acc
+            out[lo:hi] = acc
+        if self.stddev != 1.0:
+            out *= np.float32(self.stddev)
+
+    def _stateless(self, t: int, out: np.ndarray) -> None:
+        if self.mode == "identity":
+            terms = [(t, 1.0 / float(self.factorization.encoder.row_band(t)[0]))]
+        elif self.mode == "banded-inverse":
+            terms = [(t - j, float(self._noising[j])) for j in range(len(self._noising)) if t - j >= 0]
+        else:
+            row = self._inverse[t, : t + 1]
+            terms = [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
+        for c, lo, hi in self._chunks():
+            acc = np.zeros(hi - lo, dtype=np.float32)
+            for j, coef in terms:
+                acc += np.float32(coef) * self._source.normal(j, c, hi - lo)
+            out[lo:hi] = acc
+        if self.stddev != 1.0:
+            out *= np.float32(self.stddev)
+
+    def _replay(self, t: int) -> np.ndarray:
+        if self.mode != "banded":
+            out = np.empty(self.dim, dtype=np.float32)
+            self._stateless(t, out)
+            return out
+        p = self.factorization.encoder.bands
+        if p > 1 and t == self.next_round - 1:
+            out = self._buffer[t % (p - 1)].copy()
+            if self.stddev != 1.0:
+                out *= np.float32(self.stddev)
+            return out
+        buf = np.zeros_like(self._buffer)  # recompute from the key: O(t·p·d) time
+        out = np.empty(self.dim, dtype=np.float32)
+        for s in range(t + 1):
+            self._banded_step(s, out, buf)
+        return out
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
+        parts, lo = [], 0
+        for shape, size in zip(self.shapes, self.sizes, strict=True):
+            parts.append(flat[lo:lo + size].reshape(shape))
+            lo += size
+        return parts
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------
+STATE_FORMAT = "corrflow.noise-state/1"
+PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
+
+
+def save_state(gen: CorrelatedNoise, directory: str | os.PathLike) -> Path:
+    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the ring buffer,
+    both owner-only (0600). Each file goes through a temp file + rename; the public JSON, written last, holds
+    the hashes that tie the three together, so a torn write is detected on restore, never used."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    public = {
+        "format": STATE_FORMAT, "mode": gen.mode, "prng": gen.prng, "next_round": gen.next_round,
+        "rounds": gen.rounds, "shapes": [list(s) for s in gen.shapes], "stddev": gen.stddev,
+        "chunk_size": gen.chunk_size, "dtype": "float32",
+        "factorization_sha256": gen.factorization.sha256(), "key_fingerprint": fingerprint(gen._key),
+        "buffer_sha256": None,
+    }
+    _atomic_write(d / SECRET_FILE, gen._key.hex().encode(), private=True)
+    if gen._buffer is not None:
+        buf = io.BytesIO()
+        np.save(buf, gen._buffer, allow_pickle=False)
+        data = buf.getvalue()
+        public["buffer_sha256"] = hashlib.sha256(data).hexdigest()
+        _atomic_write(d / BUFFER_FILE, data, private=True)
+    _atomic_write(d / PUBLIC_FILE, json.dumps(public, indent=1, sort_keys=True).encode(), private=False)
+    return d
+
+
+def restore_state(directory: str | os.PathLike, factorization: Factorization) -> CorrelatedNoise:
+    """Rebuild a generator saved by :func:`save_state`; every mismatch is an :class:`IntegrityError`."""
+    d = Path(directory)
+    try:
+        public = json.loads((d / PUBLIC_FILE).read_text())
+        key_hex = (d / SECRET_FILE).read_text().strip()
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{d}: incomplete noise state ({exc.filename} missing)") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{d}: noise state is not valid JSON ({exc})") from exc
+    if public.get("format") != STATE_FORMAT:
+        raise IntegrityError(f"{d}: format {public.get('format')!r}, expected {STATE_FORMAT!r}")
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError as exc:
+        raise IntegrityError(f"{d}: the secret key file is corrupted") from exc
+    if fingerprint(key) != public.get("key_fingerprint"):
+        raise IntegrityError(f"{d}: the secret key does not belong to this state (foreign or corrupted file)")
+    if public.get("factorization_sha256") != factorization.sha256():
+        recorded = str(public.get("factorization_sha256"))[:16]
+        raise IntegrityError(f"{d}: the state was made for factorization {recorded}…, "
+                             f"not {factorization.sha256()[:16]}…")
+    gen = CorrelatedNoise(factorization, public["shapes"], public["stddev"], key=key, prng=public["prng"],
+                          mode=public["mode"], chunk_size=int(public["chunk_size"]))
+    if gen._buffer is not None:
+        try:
+            data = (d / BUFFER_FILE).read_bytes()
+        except FileNotFoundError as exc:
+            raise IntegrityError(f"{d}: the noise buffer is missing") from exc
+        if hashlib.sha256(data).hexdigest() != public.get("buffer_sha256"):
+            raise IntegrityError(f"{d}: the noise buffer does not match its recorded hash (torn or edited)")
+        buf = np.load(io.BytesIO(data), allow_pickle=False)
+        if buf.shape != gen._buffer.shape or buf.dtype != np.float32:
+            raise IntegrityError(f"{d}: noise buffer has shape {buf.shape} {buf.dtype}, expected "
+                                 f"{gen._buffer.shape} float32")
+        gen._buffer[...] = buf
+    gen.next_round = int(public["next_round"])
+    return gen
+
+
+def _atomic_write(path: Path, data: bytes, private: bool) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        if private:
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
