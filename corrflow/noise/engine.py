@@ -167,14 +167,17 @@ class CorrelatedNoise:
         if self.stddev != 1.0:
             out *= np.float32(self.stddev)
 
-    def _stateless(self, t: int, out: np.ndarray) -> None:
+    def _terms(self, t: int) -> list[tuple[int, float]]:
+        """(j, (C⁻¹)[t, j]) for the fresh draws z_j that round t combines (stateless modes)."""
         if self.mode == "identity":
-            terms = [(t, 1.0 / float(self.factorization.encoder.row_band(t)[0]))]
-        elif self.mode == "banded-inverse":
-            terms = [(t - j, float(self._noising[j])) for j in range(len(self._noising)) if t - j >= 0]
-        else:
-            row = self._inverse[t, : t + 1]
-            terms = [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
+            return [(t, 1.0 / float(self.factorization.encoder.row_band(t)[0]))]
+        if self.mode == "banded-inverse":
+            return [(t - j, float(self._noising[j])) for j in range(len(self._noising)) if t - j >= 0]
+        row = self._inverse[t, : t + 1]
+        return [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
+
+    def _stateless(self, t: int, out: np.ndarray) -> None:
+        terms = self._terms(t)
         for c, lo, hi in self._chunks():
             acc = np.zeros(hi - lo, dtype=np.float32)
             for j, coef in terms:
@@ -237,8 +240,10 @@ def save_state(gen: CorrelatedNoise, directory: str | os.PathLike) -> Path:
     return d
 
 
-def restore_state(directory: str | os.PathLike, factorization: Factorization) -> CorrelatedNoise:
-    """Rebuild a generator saved by :func:`save_state`; every mismatch is an :class:`IntegrityError`."""
+def restore_state(directory: str | os.PathLike, factorization: Factorization,
+                  cls: type[CorrelatedNoise] = CorrelatedNoise) -> CorrelatedNoise:
+    """Rebuild a generator (of class ``cls``, e.g. the TensorFlow backend) saved by :func:`save_state`;
+    every mismatch is an :class:`IntegrityError`."""
     d = Path(directory)
     try:
         public = json.loads((d / PUBLIC_FILE).read_text())
@@ -259,8 +264,8 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization) ->
         recorded = str(public.get("factorization_sha256"))[:16]
         raise IntegrityError(f"{d}: the state was made for factorization {recorded}…, "
                              f"not {factorization.sha256()[:16]}…")
-    gen = CorrelatedNoise(factorization, public["shapes"], public["stddev"], key=key, prng=public["prng"],
-                          mode=public["mode"], chunk_size=int(public["chunk_size"]))
+    gen = cls(factorization, public["shapes"], public["stddev"], key=key, prng=public["prng"],
+              mode=public["mode"], chunk_size=int(public["chunk_size"]))
     if gen._buffer is not None:
         try:
             data = (d / BUFFER_FILE).read_bytes()
@@ -273,6 +278,8 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization) ->
             raise IntegrityError(f"{d}: noise buffer has shape {buf.shape} {buf.dtype}, expected "
                                  f"{gen._buffer.shape} float32")
         gen._buffer[...] = buf
+        if hasattr(gen, "load_buffer"):
+            gen.load_buffer()
     gen.next_round = int(public["next_round"])
     return gen
 
