@@ -39,10 +39,16 @@ def _peer():
     return dense, toeplitz
 
 
-def dense_case(n: int, k: int, peer) -> dict:
+def dense_case(n: int, k: int, peer, tol: float = 5e-4) -> dict:
     part = Participation.fixed_epoch(n, k)
+
+    def progress(it, loss):
+        if it % 25 == 0:
+            print(json.dumps({"dense_n": n, "iteration": it, "loss": loss,
+                              "seconds": time.perf_counter() - t0}), file=sys.stderr, flush=True)
+
     t0 = time.perf_counter()
-    res = optimize_dense(PREFIX, part)
+    res = optimize_dense(PREFIX, part, tol=tol, callback=progress if n >= 1000 else None)
     ours_s = time.perf_counter() - t0
     out = {"case": f"dense n={n} k={k}", "ours_loss": res.loss, "ours_seconds": ours_s,
            "lower_bound": res.lower_bound, "relative_gap": res.relative_gap, "iterations": res.iterations}
@@ -73,19 +79,20 @@ def toeplitz_case(n: int, bands: int, peer) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large", action="store_true", help="also run the n=2000 dense and n=100000 Toeplitz targets")
+    ap.add_argument("--only-large", action="store_true", help="skip the peer comparison cases")
     ap.add_argument("--no-peer", action="store_true")
     args = ap.parse_args()
     peer = None if args.no_peer else _peer()
     cases = []
-    for n in (64, 256):
+    for n in () if args.only_large else (64, 256):
         cases.append(dense_case(n, 4, peer))
         print(json.dumps(cases[-1]), file=sys.stderr)
-    for n in (2048, 16384):
+    for n in () if args.only_large else (2048, 16384):
         for bands in (16, 64):
             cases.append(toeplitz_case(n, bands, peer))
             print(json.dumps(cases[-1]), file=sys.stderr)
     targets = {}
-    if peer is not None:
+    if peer is not None and cases:
         targets["loss_ratio_max"] = max(c["loss_ratio"] for c in cases)
         targets["dense_256_speedup"] = next(c["speedup"] for c in cases if c["case"] == "dense n=256 k=4")
         targets["toeplitz_16384_speedup_min"] = min(c["speedup"] for c in cases if "n=16384" in c["case"])
@@ -93,7 +100,7 @@ def main() -> None:
         big = toeplitz_case(100_000, 64, None)
         cases.append(big)
         targets["toeplitz_100000_64_seconds"] = big["ours_seconds"]
-        d = dense_case(2000, 20, None)
+        d = dense_case(2000, 20, None, tol=5e-3)  # the criterion: within 0.5% of the dual bound
         cases.append(d)
         targets.update(dense_2000_seconds=d["ours_seconds"], dense_2000_gap=d["relative_gap"],
                        dense_2000_lower_bound=d["lower_bound"], dense_2000_loss=d["ours_loss"])

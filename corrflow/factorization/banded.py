@@ -15,7 +15,7 @@ import numpy as np
 from scipy.linalg import solve_banded
 
 from corrflow.errors import require
-from corrflow.factorization.encoders import BandedEncoder, ToeplitzEncoder
+from corrflow.factorization.encoders import ToeplitzEncoder
 from corrflow.factorization.optim import lbfgs
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
@@ -103,6 +103,3 @@ def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray 
     band = normalize_columns(res.x)
     return BandedResult(band, float(np.exp(fun(band, False)[0])), res.iterations)
 
-
-def banded_encoder(result: BandedResult) -> BandedEncoder:
-    return BandedEncoder(result.band)

@@ -74,7 +74,7 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
         res = optimize_dense(workload, inner, tol=tol, callback=callback)
         enc = encoder_from_gram(res.X)
         meta.update(iterations=res.iterations, converged=res.converged,
-                    lower_bound=res.lower_bound * stamps if stamps == 1 else None,
+                    lower_bound=res.lower_bound if stamps == 1 else None,  # bounds the unstamped problem only
                     relative_gap=res.relative_gap)
     elif kind == "toeplitz":
         # A learning-rate schedule is not Toeplitz: optimise θ for the Toeplitz part (001 Prop. E.1 covers it).
