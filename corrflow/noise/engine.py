@@ -179,10 +179,15 @@ class CorrelatedNoise:
     def _stateless(self, t: int, out: np.ndarray) -> None:
         terms = self._terms(t)
         for c, lo, hi in self._chunks():
-            acc = np.zeros(hi - lo, dtype=np.float32)
-            for j, coef in terms:
-                acc += np.float32(coef) * self._source.normal(j, c, hi - lo)
-            out[lo:hi] = acc
+            dst = out[lo:hi]
+            for i, (j, coef) in enumerate(terms):
+                z = self._source.normal(j, c, hi - lo)
+                if coef != 1.0:
+                    z *= np.float32(coef)
+                if i == 0:
+                    dst[...] = z
+                else:
+                    dst += z
         if self.stddev != 1.0:
             out *= np.float32(self.stddev)
 
