@@ -73,6 +73,20 @@ class Encoder(ABC):
     def column_norms(self) -> np.ndarray:
         return np.linalg.norm(self.matrix(), axis=0)
 
+    def columns(self, idx) -> np.ndarray:
+        """C[:, idx] (n × len(idx)); structured encoders build only those columns."""
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
+        return self.matrix()[:, list(idx)]
+
+    def _columns_from_band(self, band_rows: np.ndarray, idx) -> np.ndarray:
+        """Columns whose non-zeros start on the diagonal: column j = band_rows[c] placed at rows j, j+1, …"""
+        idx = list(idx)
+        out = np.zeros((self.n, len(idx)))
+        for c, j in enumerate(idx):
+            m = min(band_rows.shape[1], self.n - j)
+            out[j:j + m, c] = band_rows[c, :m]
+        return out
+
     def gram(self) -> np.ndarray:
         require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense Gram matrix", self.n)
         C = self.matrix()
@@ -144,6 +158,9 @@ class DenseEncoder(Encoder):
     def gram(self):
         return self.C.T @ self.C
 
+    def columns(self, idx):
+        return self.C[:, list(idx)]
+
     def column_norms(self):
         return np.linalg.norm(self.C, axis=0)
 
@@ -203,6 +220,9 @@ class BandedEncoder(Encoder):
 
     def column_norms(self):
         return np.linalg.norm(self.band, axis=1)
+
+    def columns(self, idx):
+        return self._columns_from_band(self.band[list(idx)], idx)
 
     def scaled(self, factor):
         return BandedEncoder(self.band * factor)
@@ -279,6 +299,10 @@ class ToeplitzEncoder(Encoder):
         lengths = np.minimum(self.bands, self.n - np.arange(self.n))
         return np.sqrt(sq[lengths - 1]) * self.col_scale
 
+    def columns(self, idx):
+        idx = list(idx)
+        return self._columns_from_band(np.outer(self.col_scale[idx], self.coef), idx)
+
     def scaled(self, factor):
         return ToeplitzEncoder(self.coef * factor, self.n, self.column_normalize)
 
@@ -354,6 +378,10 @@ class InverseToeplitzEncoder(Encoder):
     def column_norms(self):
         c = self.strategy_coefs()
         return np.sqrt(np.cumsum(c**2)[::-1])
+
+    def columns(self, idx):
+        idx = list(idx)
+        return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
 
     def scaled(self, factor):
         return InverseToeplitzEncoder(self.noising / factor, self.n)

@@ -102,6 +102,37 @@ def factorize(
         _fail(exc)
 
 
+@app.command()
+def account(
+    factorization: Annotated[Path, typer.Option(help="a factorization .npz file")],
+    delta: Annotated[float, typer.Option(help="δ")],
+    noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
+    target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
+    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, bminsep or balls-in-bins")] = "none",
+    dataset_size: Annotated[int | None, typer.Option(help="N (examples or users), for amplified sampling")] = None,
+    expected_batch_size: Annotated[float | None, typer.Option(help="B, for amplified sampling")] = None,
+    mc_samples: Annotated[int, typer.Option(help="Monte Carlo samples per direction (and per candidate σ)")]
+    = 100_000,
+    seed: Annotated[int, typer.Option(help="Monte Carlo seed")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """ε for a noise multiplier, or the smallest grid σ that meets a target ε."""
+    from corrflow.accounting import SamplingSpec
+    from corrflow.accounting import account as run_account
+    from corrflow.factorization.base import Factorization
+
+    try:
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise InvalidArgumentError("--noise-multiplier", "exactly one of --noise-multiplier and "
+                                       "--target-epsilon")
+        fac = Factorization.load(factorization)
+        spec = SamplingSpec(sampling, dataset_size, expected_batch_size)
+        _emit(run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                          sampling=spec, mc_samples=mc_samples, seed=seed), as_json)
+    except (CorrflowError, IntegrityError) as exc:
+        _fail(exc)
+
+
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 

@@ -1,0 +1,56 @@
+"""Post-hoc accounting of the participation that really happened (000 Def. 1 applied to the realised patterns).
+
+For user u with realised rounds S_u, the contribution of u is C G_u with G_u supported on S_u (rows ≤ 1), so the
+realised sensitivity is max_u sup ‖C G_u‖_F. For one fixed pattern π:
+* X_π = C[:, π]ᵀ C[:, π] ≥ 0 entrywise → exactly ‖C·1_π‖ = √(1ᵀX_π1) (000 Cor. 2.1 / App. H Thm H.1 claim 2);
+* otherwise the smaller of √(λ_max(X_π)·|π|) (000 Thm. 2.1) and √(Σ|X_π|), both valid for vectors, labelled.
+The ε it implies is that of one Gaussian mechanism with noise multiplier σ / realised sensitivity (000 App. D.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from corrflow.errors import require
+from corrflow.factorization.encoders import Encoder
+from corrflow.factorization.sensitivity import NONNEG_TOL, Sensitivity
+
+
+def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
+    """Worst-case ‖C G‖_F over contributions G on exactly these rounds (rows ≤ 1 in ℓ2)."""
+    idx = sorted({int(r) for r in rounds})
+    if not idx:
+        return Sensitivity(0.0, True, "no-participation")
+    require(idx[0] >= 0 and idx[-1] < encoder.n, "rounds", f"round indices in [0, {encoder.n})", idx)
+    cols = encoder.columns(idx)
+    X = cols.T @ cols
+    if np.all(X >= -NONNEG_TOL * max(float(np.abs(X).max()), 1e-300)):
+        return Sensitivity(float(np.sqrt(max(X.sum(), 0.0))), True, "realized-nonnegative-gram")
+    bound = min(float(np.sqrt(np.linalg.eigvalsh(X)[-1] * len(idx))), float(np.sqrt(np.abs(X).sum())))
+    return Sensitivity(bound, False, "realized-upper-bound")
+
+
+def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[int]]
+                         ) -> tuple[Sensitivity, str | None]:
+    """max over users of :func:`pattern_sensitivity`; returns it and the (raw) id of a worst user.
+
+    Users with the same set of rounds share one computation.
+    """
+    by_pattern: dict[tuple[int, ...], str] = {}
+    for user, rounds in user_rounds.items():
+        by_pattern.setdefault(tuple(sorted({int(r) for r in rounds})), user)
+    best, worst, exact = Sensitivity(0.0, True, "no-participation"), None, True
+    for pattern, user in by_pattern.items():
+        s = pattern_sensitivity(encoder, pattern)
+        exact = exact and s.exact
+        if s.value > best.value:
+            best, worst = s, user
+    return Sensitivity(best.value, exact, best.method if exact else "realized-upper-bound"), worst
+
+
+def min_gap(rounds: Sequence[int]) -> int | None:
+    """Smallest gap between two participations (None for fewer than two)."""
+    r = sorted(rounds)
+    return int(min(np.diff(r))) if len(r) > 1 else None

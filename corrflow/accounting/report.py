@@ -1,0 +1,59 @@
+"""The privacy report (DESIGN.md "Privacy report (JSON)"), with user ids hashed by salted SHA-256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from corrflow.accounting.posthoc import min_gap
+from corrflow.factorization.base import Factorization
+
+
+def hash_user_id(user_id: str, salt: bytes) -> str:
+    """Salted SHA-256 of a user id (reports never print raw ids)."""
+    return hashlib.sha256(salt + str(user_id).encode()).hexdigest()[:24]
+
+
+def mechanism_section(factorization: Factorization) -> dict:
+    return {"kind": factorization.kind, "rounds": factorization.rounds, "epochs": factorization.participation.epochs,
+            "min_sep": factorization.participation.min_sep, "bands": factorization.bands,
+            "participation": factorization.participation.kind, "workload": factorization.workload.to_dict(),
+            "factorization_sha256": factorization.sha256()}
+
+
+def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes, policy: str | None = None,
+                          overrides: Sequence[dict] = ()) -> dict:
+    users = {hash_user_id(u, salt): {"rounds": sorted(int(r) for r in rs), "min_gap": min_gap(rs)}
+             for u, rs in user_rounds.items()}
+    gaps = [u["min_gap"] for u in users.values() if u["min_gap"] is not None]
+    return {"min_gap": min(gaps) if gaps else None,
+            "max_participations": max((len(u["rounds"]) for u in users.values()), default=0),
+            "policy": policy, "overrides": list(overrides), "users": users}
+
+
+def privacy_report(*, factorization: Factorization, noise_multiplier: float, clip_norm: float, delta: float,
+                   target_epsilon: float | None, accountant: dict, planned: dict, realized: dict,
+                   rounds_completed: int, **extra) -> dict:
+    """Assemble the report; ``planned``/``realized`` hold sensitivity, epsilon and participation."""
+    return {"mechanism": mechanism_section(factorization), "noise_multiplier": noise_multiplier,
+            "clip_norm": clip_norm, "delta": delta, "target_epsilon": target_epsilon, "accountant": accountant,
+            "planned": planned, "realized": realized, "rounds_completed": rounds_completed, **extra}
+
+
+def write_report(report: dict, path: str | os.PathLike) -> Path:
+    """Write JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

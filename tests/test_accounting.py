@@ -1,0 +1,281 @@
+import json
+import math
+import subprocess
+import sys
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+from scipy.stats import binom, norm
+
+from corrflow.accounting import SamplingSpec, account, calibrate_on_grid, epsilon_of, unamplified_event
+from corrflow.accounting.mechanisms import CyclicPoisson
+from corrflow.accounting.montecarlo import (
+    MonteCarloAccountant,
+    bernoulli_kl,
+    log_likelihood_ratio,
+    minimum_samples,
+    sample_participations,
+)
+from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
+from corrflow.accounting.report import hash_user_id, participation_section, privacy_report, write_report
+from corrflow.errors import InvalidArgumentError
+from corrflow.factorization import Participation, factorize, participation_for
+from corrflow.factorization.encoders import DenseEncoder
+from corrflow.factorization.sensitivity import brute_force_sensitivity
+
+
+def band_of(c, n):
+    return np.array([[c[k] if i + k < n else 0.0 for k in range(len(c))] for i in range(n)])
+
+
+@pytest.mark.parametrize("z, eps", [(0.341, 17.648), (0.600, 8.841), (2.231, 2.000)])
+def test_table3_mf_column(z, eps):
+    # 000 Table 3, MF column: one Gaussian at δ = 1e-6 (digest recomputation 17.6476, 8.8405, 1.9995).
+    got = epsilon_of(unamplified_event(z), 1e-6)
+    assert got == pytest.approx(eps, abs=1.5e-3)
+    assert got == pytest.approx(dpa.get_epsilon_gaussian(z, 1e-6), rel=1e-3)  # analytic Gaussian (Balle–Wang)
+
+
+def test_calibration_returns_smallest_grid_sigma():
+    target, delta = 2.0, 1e-6
+    sigma, eps = calibrate_on_grid(lambda s: dpa.get_epsilon_gaussian(s, delta), target, guess=1.0)
+    assert eps <= target < dpa.get_epsilon_gaussian(sigma / 1.001, delta)
+    assert sigma == pytest.approx(2.231, abs=3e-3)  # 000 Table 3
+    fac = factorize("dpsgd", participation_for(8, 1))
+    res = account(fac, delta=delta, target_epsilon=target)
+    assert res["epsilon"] <= target < epsilon_of(unamplified_event(res["noise_multiplier"] / 1.001), delta)
+
+
+def test_cyclic_poisson_equals_reduced_dpsgd():
+    # 001 Prop. 2.1: n = 64 rounds, 8 bands, cycle = min-sep 16, N = 16000, B = 100 → q = 0.1, 4 compositions.
+    fac = factorize("toeplitz", participation_for(64, 4, 16, kind="min-sep"), bands=8)
+    res = account(fac, delta=1e-5, noise_multiplier=1.3, sampling=SamplingSpec("cyclic-poisson", 16000, 100))
+    col = np.linalg.norm(fac.encoder.matrix(), axis=0).max()
+    independent = dpa.pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(16 * 100 / 16000, dpa.GaussianDpEvent(1.3 / col)), 64 // 16)).get_epsilon(1e-5)
+    assert res["epsilon"] == pytest.approx(independent, rel=1e-9)
+    assert res["accountant"]["compositions"] == 4 and res["accountant"]["sampling_probability"] == pytest.approx(0.1)
+
+
+def _brute_llr(y, c, sigma, b, p, warm, k_u=1):
+    """ln P(y)/Q(y) by enumerating every participation vector of the b-min-sep chain (004 §1.5, §6.2)."""
+    n = len(y)
+    C = np.zeros((n, n))
+    for j in range(n):
+        for k, v in enumerate(c):
+            if j + k < n:
+                C[j + k, j] = v
+    starts = [(0, 1 / (1 + (b - 1) * p))] + [(s, p / (1 + (b - 1) * p)) for s in range(1, b)] if warm else [(0, 1)]
+    total = 0.0
+    for s0, w0 in starts:
+        def rec(i, avail_at, prob, x):  # prob starts at the initial state's weight
+            nonlocal total
+            if i == n:
+                mean = C @ np.array(x, dtype=float)
+                total += prob * np.exp((2 * mean @ y - mean @ mean) / (2 * sigma**2))
+                return
+            if i < avail_at:
+                rec(i + 1, avail_at, prob, x + [0])
+                return
+            for j in range(k_u + 1):
+                pj = binom.pmf(j, k_u, p)
+                rec(i + 1, i + b if j else avail_at, prob * pj, x + [j])
+        rec(0, s0, w0, [])
+    return math.log(total)
+
+
+@pytest.mark.parametrize("y, c, warm, expected", [
+    ((1, 1, 1), [1], False, 0.6070560625306676), ((1, 1, 1), [1, 0.5], False, 0.9239798890121712),
+    ((1, 1, 1), [1, 0.5], True, 0.8329398380809252), ((0, 1, 1), [1, 0.5], False, 0.4155349444473233)])
+def test_004_check_values_small(y, c, warm, expected):
+    # 004 digest §6.2 (b = 2, n = 3, p = 0.5, σ = 1), from the reference tests; also brute force.
+    y = np.array(y, dtype=float)
+    got = log_likelihood_ratio(y[:, None], band_of(c, 3), 1.0, 2, 0.5, warm)[0]
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert _brute_llr(y, c, 1.0, 2, 0.5, warm) == pytest.approx(expected, abs=1e-12)
+
+
+C3 = np.array([1, 0.5, 0.375]) / np.linalg.norm([1, 0.5, 0.375])
+Y6 = np.array([0.5, -0.2, 1.0, 0.3, 0.0, 0.7])
+
+
+@pytest.mark.parametrize("c, b, warm, k_u, expected", [
+    (C3, 3, False, 1, 0.226573576859), (C3, 3, True, 1, 0.248850846530), (C3, 3, False, 2, 0.017281323705),
+    (C3, 3, False, 3, -0.322359365629), (np.array([1, 0.5]) / np.linalg.norm([1, 0.5]), 3, False, 1, 0.060087549851),
+    (np.array([1.0]), 1, False, 1, -0.075589681233)])
+def test_004_check_values_multi_attribution(c, b, warm, k_u, expected):
+    # 004 digest §6.2 (n = 6, p = 0.3, σ = 0.8), brute force agrees.
+    got = log_likelihood_ratio(Y6[:, None], band_of(c, 6), 0.8, b, 0.3, warm, k_u)[0]
+    assert got == pytest.approx(expected, abs=1e-10)
+    assert _brute_llr(Y6, c, 0.8, b, 0.3, warm, k_u) == pytest.approx(expected, abs=1e-10)
+
+
+def test_llr_float32_and_batch_agree(rng):
+    y = rng.normal(size=(12, 50))
+    band = band_of(C3, 12)
+    a = log_likelihood_ratio(y, band, 0.7, 4, 0.2, True)
+    b = log_likelihood_ratio(y.astype(np.float32), band, 0.7, 4, 0.2, True)
+    np.testing.assert_allclose(a, b, atol=2e-5)
+    assert log_likelihood_ratio(y[:, :7], band, 0.7, 4, 0.2, True) == pytest.approx(a[:7], abs=1e-12)
+
+
+def test_monte_carlo_matches_exact_poisson():
+    # b = 1, c = [1] is Poisson DP-SGD: its exact δ(ε) (PLD) must lie within the Monte Carlo confidence interval.
+    mc = MonteCarloAccountant(band_of([1.0], 100), 1, 0.05, warm=False)
+    est = mc.sample_losses(1.0, 120_000, seed=3, workers=1)
+    for eps in (0.5, 1.0, 2.0):
+        exact = dpa.pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), 100)).get_delta(eps)
+        d, se = est.delta(eps)
+        assert abs(d - exact) <= 4 * se, (eps, d, exact, se)
+    exact_eps = dpa.pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), 100)).get_epsilon(1e-2)
+    lo, hi = est.epsilon(1e-2, z=-4), est.epsilon(1e-2, z=4)
+    assert lo <= exact_eps <= hi
+
+
+def test_sampler_rates_and_separation(rng):
+    # 004 §1.5: gaps ≥ b, and the participation rate of the stationary chain is p0 with 1/p0 = 1/p + (b − 1).
+    n, b, p = 4000, 8, 0.05
+    rows, pos, _ = sample_participations(3000, n, b, p, rng, warm=True)
+    order = np.lexsort((pos, rows))
+    r, q = rows[order], pos[order]
+    same = r[1:] == r[:-1]
+    assert np.all(np.diff(q)[same] >= b)
+    p0 = 1 / (1 / p + b - 1)
+    assert len(pos) / (3000 * n) == pytest.approx(p0, rel=0.02)
+
+
+def test_evr_bounds():
+    # 004 digest §6.5 (reference tests): exp(−s·KL(δ'‖τδ')) and the sample count for δ_t = 1e-3.
+    for s, tau, d, expected in [(3, 2, 1 / 3, 1 / 2), (6, 2, 1 / 3, 1 / 4), (2, 3, 1 / 4, 1 / 3), (4, 3, 1 / 4, 1 / 9)]:
+        assert math.exp(-s * bernoulli_kl(d, tau * d)) == pytest.approx(expected, rel=1e-12)
+    assert minimum_samples(0.5e-3, 1e-3) == 75_013
+
+
+def test_bminsep_beats_unamplified_and_calibrates(rng):
+    fac = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
+    spec = SamplingSpec("bminsep", 48_000, 400)
+    res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, mc_samples=20_000, seed=1)
+    unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
+    assert res["accountant"]["samples"] == 20_000 and res["accountant"]["slack"] > 0
+    assert res["epsilon"] < unamp
+    cal = account(fac, delta=1e-3, target_epsilon=3.0, sampling=spec, mc_samples=20_000, seed=2)
+    acc = cal["accountant"]
+    assert cal["noise_multiplier"] <= acc["fallback_noise_multiplier"]
+    passed = [c for c in acc["candidates"] if c["passed"]]
+    if passed:
+        assert cal["noise_multiplier"] == pytest.approx(passed[-1]["noise_multiplier"])
+    assert acc["candidates"][-1]["passed"] is False or len(acc["candidates"]) == 40
+
+
+def test_balls_in_bins_equals_warm_bminsep_p1():
+    fac = factorize("toeplitz", participation_for(32, 4, 8, kind="min-sep"), bands=4)
+    res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=SamplingSpec("balls-in-bins", 800, 100),
+                  mc_samples=4000, seed=5)
+    assert res["accountant"]["min_sep"] == 8 and res["accountant"]["sampling_probability"] == 1.0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(delta=0.0, noise_multiplier=1.0), "delta"), (dict(delta=1.0, noise_multiplier=1.0), "delta"),
+    (dict(delta=1e-5, target_epsilon=0.0), "target_epsilon"), (dict(delta=1e-5, noise_multiplier=-1.0),
+                                                                "noise_multiplier"),
+    (dict(delta=1e-5), "noise_multiplier"),
+    (dict(delta=1e-5, noise_multiplier=1.0, sampling=SamplingSpec("none")), None),
+])
+def test_bad_accounting_input(kwargs, field):
+    fac = factorize("toeplitz", participation_for(16, 2))
+    if field is None:
+        assert account(fac, **kwargs)["epsilon"] > 0
+        return
+    with pytest.raises(InvalidArgumentError) as e:
+        account(fac, **kwargs)
+    assert e.value.field == field
+
+
+def test_bad_sampling_input():
+    with pytest.raises(InvalidArgumentError, match="dataset_size"):
+        SamplingSpec("bminsep")
+    with pytest.raises(InvalidArgumentError, match="expected_batch_size"):
+        SamplingSpec("cyclic-poisson", 100)
+    dense = factorize("dense", participation_for(16, 2))
+    with pytest.raises(InvalidArgumentError, match="banded encoder"):
+        account(dense, delta=1e-5, noise_multiplier=1.0, sampling=SamplingSpec("bminsep", 1000, 10))
+    neg = factorize("bsr", participation_for(16, 2), gamma=0.9)  # still banded; make C negative by hand below
+    band = -neg.encoder.band_array()
+    with pytest.raises(InvalidArgumentError, match="non-negative"):
+        MonteCarloAccountant(band, 8, 0.1)
+    with pytest.raises(InvalidArgumentError, match="bands"):
+        MonteCarloAccountant(np.ones((16, 4)), 2, 0.1)
+    with pytest.raises(InvalidArgumentError, match="expected_batch_size"):
+        CyclicPoisson(16, 8, 100, 50)
+
+
+def test_posthoc_sensitivity_matches_brute_force(rng):
+    C = np.tril(rng.uniform(-0.3, 1, (10, 10))) + np.eye(10)
+    enc = DenseEncoder(C)
+    for pattern in ([0, 3, 7], [1, 2], [4], [0, 2, 4, 6, 8]):
+        s = pattern_sensitivity(enc, pattern)
+        brute = brute_force_sensitivity(C[:, pattern], Participation.fixed_epoch(len(pattern), len(pattern)))
+        if s.exact:
+            assert s.value == pytest.approx(brute, rel=1e-12)
+        else:
+            assert s.value >= brute * (1 - 1e-12)
+
+
+def test_posthoc_early_return_raises_epsilon():
+    fac = factorize("toeplitz", participation_for(32, 4))  # fixed-epoch b = 8, bands 8: planned sensitivity 1
+    planned = account(fac, delta=1e-6, noise_multiplier=3.0)["epsilon"]
+    on_plan = {"a": [0, 8, 16, 24], "b": [3, 11, 19, 27]}
+    s, _ = realized_sensitivity(fac.encoder, on_plan)
+    assert s.exact and s.value == pytest.approx(1.0)
+    early = dict(on_plan, c=[5, 9, 17, 25])  # came back 4 rounds early once
+    s2, worst = realized_sensitivity(fac.encoder, early)
+    assert worst == "c" and s2.value > 1.0
+    realized = epsilon_of(unamplified_event(3.0, s2.value), 1e-6)
+    assert realized > planned
+    C = fac.encoder.matrix()
+    assert s2.value == pytest.approx(np.linalg.norm(C[:, [5, 9, 17, 25]].sum(axis=1)), rel=1e-12)
+
+
+def test_report_schema_and_hashing(tmp_path):
+    fac = factorize("toeplitz", participation_for(16, 2))
+    salt = b"s" * 16
+    part = participation_section({"partition-0": [0, 8], "partition-1": [1, 9]}, salt, policy="reject")
+    rep = privacy_report(factorization=fac, noise_multiplier=1.0, clip_norm=0.5, delta=1e-5, target_epsilon=4.0,
+                         accountant={"name": "pld", "sampling": "none", "slack": 0.0},
+                         planned={"sensitivity": 1.0, "epsilon": 3.0, "participation": {}},
+                         realized={"sensitivity": 1.0, "sensitivity_exact": True, "epsilon": 3.0,
+                                   "participation": part}, rounds_completed=16)
+    path = write_report(rep, tmp_path / "privacy_report.json")
+    back = json.loads(path.read_text())
+    assert set(back) >= {"mechanism", "noise_multiplier", "clip_norm", "delta", "target_epsilon", "accountant",
+                         "planned", "realized", "rounds_completed"}
+    assert set(back["mechanism"]) >= {"kind", "rounds", "epochs", "min_sep", "bands", "workload",
+                                      "factorization_sha256"}
+    users = back["realized"]["participation"]["users"]
+    assert "partition-0" not in path.read_text() and hash_user_id("partition-0", salt) in users
+    assert back["realized"]["participation"]["min_gap"] == 8
+
+
+def test_cli_account(tmp_path):
+    path = factorize("toeplitz", participation_for(16, 2)).save(tmp_path / "f.npz")
+    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "account", "--factorization", str(path),
+                        "--delta", "1e-6", "--noise-multiplier", "0.6", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(obj) >= {"epsilon", "delta", "noise_multiplier", "sensitivity", "sampling", "accountant"}
+    assert obj["epsilon"] == pytest.approx(8.8405, abs=2e-3)  # 000 Table 3
+    bad = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "account", "--factorization", str(path),
+                          "--delta", "1e-6", "--noise-multiplier", "1", "--sampling", "bminsep"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "dataset_size" in bad.stderr
+
+
+def test_gaussian_closed_form_consistency():
+    # Balle–Wang: δ(ε) = Φ(−εz + 1/(2z)) − e^ε Φ(−εz − 1/(2z)) for one Gaussian (000 digest §6).
+    z, eps = 0.6, 8.8405
+    delta = norm.cdf(-eps * z + 1 / (2 * z)) - math.exp(eps) * norm.cdf(-eps * z - 1 / (2 * z))
+    assert delta == pytest.approx(1e-6, rel=2e-3)
