@@ -1,0 +1,37 @@
+"""The server optimizer the workload A encodes (000 digest §1.2): m_t = β m_{t−1} + x̂_t, θ_{t+1} = θ_t + η·η_t·m_t.
+
+Clients return model deltas (descent directions), so θ_t − θ_0 = η·(A x̂)_t with A = tri·diag(η_t)·M_β — the same
+A the factorization was built for; a mismatch is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from corrflow.errors import require
+from corrflow.factorization.workloads import Workload
+
+
+class MomentumServerOptimizer:
+    def __init__(self, workload: Workload, rounds: int, server_lr: float, shapes):
+        require(server_lr > 0, "server-lr", "a positive number", server_lr)
+        self.workload = workload
+        self.lr = float(server_lr)
+        self.schedule = workload.learning_rates(rounds)
+        self.momentum = np.float32(workload.momentum)
+        self.m = [np.zeros(s, dtype=np.float32) for s in shapes]
+
+    def step(self, params: list[np.ndarray], update: list[np.ndarray], round_index: int) -> list[np.ndarray]:
+        scale = np.float32(self.lr * self.schedule[round_index])
+        out = []
+        for i, (p, u) in enumerate(zip(params, update, strict=True)):
+            self.m[i] = self.momentum * self.m[i] + u if self.momentum else u.astype(np.float32, copy=True)
+            out.append((p + scale * self.m[i]).astype(np.float32))
+        return out
+
+
+def check_workload_matches(workload: Workload, momentum: float, cooldown_fraction: float) -> None:
+    """Start-up check: the factorization's workload and the configured optimizer must agree (issue 5)."""
+    require(abs(workload.momentum - momentum) < 1e-12 and abs(workload.cooldown_fraction - cooldown_fraction)
+            < 1e-12, "factorization", f"a workload with momentum={momentum} and cooldown-fraction={cooldown_fraction}"
+            " (the server optimizer's)", workload.to_dict())

@@ -1,0 +1,43 @@
+"""Validation, zeroing and clipping of client replies (server side: clients' own clipping is never trusted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class RejectedReplyError(Exception):
+    """A reply that cannot be used; ``reason`` is logged and recorded in the ledger."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def check_arrays(arrays: Sequence[np.ndarray], shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    if len(arrays) != len(shapes):
+        raise RejectedReplyError(f"expected {len(shapes)} arrays, got {len(arrays)}")
+    out = []
+    for i, (a, shape) in enumerate(zip(arrays, shapes, strict=True)):
+        a = np.asarray(a)
+        if a.dtype != np.float32:
+            raise RejectedReplyError(f"array {i}: dtype {a.dtype}, expected float32")
+        if a.shape != tuple(shape):
+            raise RejectedReplyError(f"array {i}: shape {a.shape}, expected {tuple(shape)}")
+        if not np.all(np.isfinite(a)):
+            raise RejectedReplyError(f"array {i}: NaN or Inf values")
+        out.append(a)
+    return out
+
+
+def zero_or_clip(update: list[np.ndarray], clip: float, zeroing_factor: float) -> tuple[list[np.ndarray], str]:
+    """000 App. F.3: zero an update whose ℓ∞ norm exceeds zeroing_factor·clip; then scale to ℓ2 ≤ clip."""
+    linf = max((float(np.max(np.abs(a))) if a.size else 0.0) for a in update)
+    if zeroing_factor > 0 and linf > zeroing_factor * clip:
+        return [np.zeros_like(a) for a in update], "zeroed"
+    norm = float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in update)))
+    if norm > clip:
+        s = np.float32(clip / norm * (1 - 1e-6))  # stay ≤ clip after float32 rounding
+        return [a * s for a in update], "clipped"
+    return update, "kept"

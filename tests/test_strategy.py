@@ -1,0 +1,190 @@
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
+from corrflow.clients.numpy_client import identity, train  # noqa: E402
+from corrflow.errors import InvalidArgumentError  # noqa: E402
+from corrflow.factorization import Factorization  # noqa: E402
+from corrflow.noise import CorrelatedNoise  # noqa: E402
+from corrflow.server.app import run_server  # noqa: E402
+from corrflow.server.inprocess import InProcessGrid  # noqa: E402
+from corrflow.strategies.config import StrategyConfig  # noqa: E402
+
+HANDLERS = {"train": train, "query": identity}
+KEY = bytes(range(16))
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(num_users=12, num_rounds=6, epochs=2, noise_multiplier=0.7, model_dim=6,
+                state_dir=str(tmp_path / "state"))
+    base.update(kw)
+    return StrategyConfig(**base)
+
+
+def _zero_train(msg, ctx):
+    arrays = msg.content["arrays"].to_numpy_ndarrays()
+    return Message(content=RecordDict({"arrays": ArrayRecord([np.zeros_like(a) for a in arrays]),
+                                       "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+
+def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
+    cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3)
+    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, noise_key=KEY,
+                   quiet=True)
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    shapes = [(6,), (1,)]
+    gen = CorrelatedNoise(fac, shapes, 1.0, key=KEY)
+    eta = fac.workload.learning_rates(6)
+    m = [np.zeros(s_, np.float32) for s_ in shapes]
+    theta = [np.zeros(s_, np.float32) for s_ in shapes]
+    for t in range(6):
+        w = gen.next(t)
+        upd = [(np.float32(0) + np.float32(0.7 * 0.3) * wi) / np.float32(4) for wi in w]  # cohort 12/3 = 4
+        m = [np.float32(0.9) * mi + ui for mi, ui in zip(m, upd, strict=True)]
+        theta = [(th + np.float32(0.5 * eta[t]) * mi).astype(np.float32) for th, mi in zip(theta, m, strict=True)]
+    for got, want in zip(s.params, theta, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert np.abs(theta[0]).max() > 0
+
+
+def test_kill_and_restart_is_bit_identical(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    script = str(Path(__file__).parent / "strategy_kill_run.py")
+    full = tmp_path / "full"
+    r = subprocess.run([sys.executable, script, str(full)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    crash = tmp_path / "crash"
+    r = subprocess.run([sys.executable, script, str(crash)], env=dict(env, KILL_AFTER="3"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == -9  # killed after round 3's checkpoint
+    state = json.loads((crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text())
+    assert state["next_round"] == 4
+    r = subprocess.run([sys.executable, script, str(crash)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(crash / "final.npy"), np.load(full / "final.npy"))
+    rep_full = json.loads((full / "privacy_report.json").read_text())
+    rep_crash = json.loads((crash / "privacy_report.json").read_text())
+    assert rep_crash["realized"]["epsilon"] == rep_full["realized"]["epsilon"]
+    assert rep_crash["rounds_completed"] == 8
+
+
+def _tamper(kind):
+    def tamper(replies):
+        out = []
+        for i, msg in enumerate(replies):
+            if i != 0:
+                out.append(msg)
+                continue
+            arrays = msg.content["arrays"].to_numpy_ndarrays()
+            if kind == "nan":
+                arrays[0][0] = np.nan
+                out.append(Message(content=RecordDict({"arrays": ArrayRecord(arrays), "metrics":
+                                                       msg.content["metrics"]}), reply_to=_orig(msg)))
+            elif kind == "shape":
+                out.append(Message(content=RecordDict({"arrays": ArrayRecord([arrays[0][:-1], arrays[1]]),
+                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+            elif kind == "dtype":
+                out.append(Message(content=RecordDict({"arrays": ArrayRecord([a.astype(np.float64) for a in arrays]),
+                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+            elif kind == "keys":
+                out.append(Message(content=RecordDict({"weights": ArrayRecord(arrays),
+                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+            elif kind == "error":
+                out.append(Message(Error(code=1, reason="device out of memory"), reply_to=_orig(msg)))
+            elif kind == "duplicate":
+                out.extend([msg, msg])
+            elif kind == "sender":
+                foreign = Message(content=RecordDict({}), message_type="train", dst_node_id=999)
+                out.append(Message(content=msg.content, reply_to=foreign))
+        return out
+    return tamper
+
+
+def _orig(reply):
+    """A stand-in for the request a reply answers (same node), to build tampered replies."""
+    m = Message(content=RecordDict({}), message_type="train", dst_node_id=int(reply.metadata.src_node_id))
+    return m
+
+
+@pytest.mark.parametrize("kind, reason", [("nan", "NaN"), ("shape", "shape"), ("dtype", "dtype"),
+                                          ("keys", "records"), ("error", "client error"), ("duplicate", "duplicate"),
+                                          ("sender", "unexpected sender")])
+def test_malformed_replies_rejected_round_goes_on(tmp_path, caplog, kind, reason):
+    cfg = _cfg(tmp_path, num_rounds=2, epochs=1, num_users=4)
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(InProcessGrid(HANDLERS, 4, tamper=_tamper(kind)), cfg, tmp_path, noise_key=KEY, quiet=True)
+    assert s.next_round == 2
+    assert any(reason in r["reason"] for r in s.ledger.rejections), s.ledger.rejections
+    assert any(reason in rec.getMessage() for rec in caplog.records)
+    # Rejected or not, every selected user counts as participating.
+    assert all(len(v) == 1 for v in s.ledger.selected.values()) and len(s.ledger.selected) == 4
+
+
+def test_workload_mismatch_and_unknown_config(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="nonsense"):
+        StrategyConfig.from_run_config({"num-users": 10, "nonsense": 1})
+    with pytest.raises(InvalidArgumentError, match="epochs"):
+        StrategyConfig(num_rounds=5, epochs=2, noise_multiplier=1.0)
+    cfg = _cfg(tmp_path)
+    run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    from corrflow.strategies.server_optimizer import check_workload_matches
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    with pytest.raises(InvalidArgumentError, match="factorization"):
+        check_workload_matches(fac.workload, 0.5, 0.25)
+
+
+def test_budget_guard_stops_before_exceeding_target(tmp_path):
+    cfg = _cfg(tmp_path, noise_multiplier=0.0, target_epsilon=5.0)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert rep["realized"]["epsilon"] <= 5.0 + 1e-9 and s.next_round == 6  # calibrated σ: the plan fits exactly
+    s.cfg = StrategyConfig(**{**cfg.to_dict(), "target_epsilon": 1.0})
+    s.next_round = 0
+    assert s.configure_train(1, s.initial_arrays(), None, InProcessGrid(HANDLERS, 12)) == []
+    assert "would spend" in s.stopped_reason
+
+
+def test_end_to_end_flower_simulation(tmp_path):
+    """A real Flower simulation (Ray), 12 clients, 6 rounds, numpy client."""
+    from corrflow.server.simulation import simulate
+
+    cfg = _cfg(tmp_path)
+    report = simulate(cfg, tmp_path)
+    _check_run(tmp_path, cfg, report)
+
+
+def test_end_to_end_inprocess(tmp_path):
+    cfg = _cfg(tmp_path)
+    report = json.loads(json.dumps(run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True).report()))
+    _check_run(tmp_path, cfg, report)
+
+
+def _check_run(tmp_path, cfg, report):
+    on_disk = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert on_disk["rounds_completed"] == 6 and report["rounds_completed"] == 6
+    users = on_disk["realized"]["participation"]["users"]
+    assert len(users) == 12
+    rounds = sorted(tuple(u["rounds"]) for u in users.values())
+    assert all(len(r) == 2 and r[1] - r[0] == 3 for r in rounds)  # fixed-epoch: b = 3, same slot every epoch
+    assert sorted({r[0] for r in rounds}) == [0, 1, 2]
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {str(i): list(r) for i, r in enumerate(rounds)})
+    independent = epsilon_of(unamplified_event(cfg.noise_multiplier, sens.value), cfg.delta)
+    assert on_disk["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
+    assert on_disk["planned"]["epsilon"] == pytest.approx(independent, rel=1e-9)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(metrics) == 6 and all(m["replies"] == 4 for m in metrics)
+    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
+    model = np.load(ckpt / "model.npz")["arr_0"]
+    assert np.abs(model).max() > 0  # the global model moved
