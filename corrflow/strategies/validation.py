@@ -36,7 +36,8 @@ def zero_or_clip(update: list[np.ndarray], clip: float, zeroing_factor: float) -
     linf = max((float(np.max(np.abs(a))) if a.size else 0.0) for a in update)
     if zeroing_factor > 0 and linf > zeroing_factor * clip:
         return [np.zeros_like(a) for a in update], "zeroed"
-    norm = float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in update)))
+    # Squares in float32, summed in float64 (pairwise): one temporary per array, no float64 copy of the update.
+    norm = float(np.sqrt(sum(float(np.add.reduce(np.square(a).ravel(), dtype=np.float64)) for a in update)))
     if norm > clip:
         s = np.float32(clip / norm * (1 - 1e-6))  # stay ≤ clip after float32 rounding
         return [a * s for a in update], "clipped"
