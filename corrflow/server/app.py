@@ -13,12 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from corrflow.accounting import account
-from corrflow.data.synthetic import regression_loss, regression_test_set
+from corrflow.clients.tasks import get_task
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.strategies.config import StrategyConfig
@@ -75,10 +74,6 @@ def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factoriza
     return fac
 
 
-def initial_model(cfg: StrategyConfig) -> list[np.ndarray]:
-    return [np.zeros(cfg.model_dim, dtype=np.float32), np.zeros(1, dtype=np.float32)]
-
-
 def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_key: bytes | None = None,
                quiet: bool = False, on_round_end=None) -> CorrelatedNoiseStrategy:
     out = Path(out_dir)
@@ -92,19 +87,20 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     else:
         res = account(fac, delta=cfg.delta, target_epsilon=cfg.target_epsilon)
         sigma, planned = res["noise_multiplier"], res["epsilon"]
-    X_test, y_test = regression_test_set(cfg.model_dim)
+    task = get_task(cfg.client, cfg.model_dim)
 
     def round_end(strategy, metrics):
-        metrics["test_loss"] = regression_loss(strategy.params, X_test, y_test)
+        metrics.update(task.evaluate(strategy.params))
         if not quiet:
+            acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
             print(f"round {metrics['round'] + 1:>4}/{cfg.num_rounds}  replies {metrics['replies']:>3}/"
-                  f"{metrics['cohort']:<3} rejected {metrics['rejected']:<2} test-loss {metrics['test_loss']:.4f}  "
-                  f"ε {metrics['epsilon']:.3f}", file=sys.stderr, flush=True)
+                  f"{metrics['cohort']:<3} rejected {metrics['rejected']:<2} test-loss {metrics['test_loss']:.4f}"
+                  f"{acc}  ε {metrics['epsilon']:.3f}", file=sys.stderr, flush=True)
         (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
         if on_round_end is not None:
             on_round_end(strategy, metrics)
 
-    strategy = CorrelatedNoiseStrategy(cfg, fac, initial_model(cfg), directory, noise_multiplier=sigma,
+    strategy = CorrelatedNoiseStrategy(cfg, fac, task.initial_weights(), directory, noise_multiplier=sigma,
                                        planned_epsilon=planned, noise_key=noise_key, out_dir=out,
                                        on_round_end=round_end)
     if strategy.remaining_rounds > 0:

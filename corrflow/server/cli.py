@@ -143,7 +143,8 @@ def simulate(
     noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
     clip_norm: Annotated[float, typer.Option(help="ℓ2 clip of each user's update")] = 1.0,
-    client: Annotated[str, typer.Option(help="client task: numpy")] = "numpy",
+    client: Annotated[str, typer.Option(help="client task: numpy (regression) or keras (next-word LSTM)")]
+    = "numpy",
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
     backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
@@ -153,14 +154,15 @@ def simulate(
     from corrflow.strategies.config import StrategyConfig
 
     try:
-        if client != "numpy":
-            raise InvalidArgumentError("--client", "numpy (the TensorFlow/Keras task is not available yet)", client)
+        if client not in ("numpy", "keras"):
+            raise InvalidArgumentError("--client", "numpy or keras", client)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
         cfg = StrategyConfig(num_users=users, num_rounds=rounds, epochs=epochs, kind=kind,
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
-                             noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm,
-                             state_dir=str(out / "state"))
+                             noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
+                             local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
+                             momentum=0.9, state_dir=str(out / "state"))
         from corrflow.server.simulation import simulate as run_sim
 
         report = run_sim(cfg, out, backend=backend)

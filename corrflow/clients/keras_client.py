@@ -1,0 +1,87 @@
+"""The TensorFlow/Keras ClientApp: next-word prediction with an embedding + LSTM (the StackOverflow model of
+000 §5.3, scaled to the machine), local SGD over the user's sentences; replies with the model delta and the example
+count. TensorFlow uses a GPU when it sees one; simulated clients share it through the engine's fractional GPUs."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from corrflow.clients.numpy_client import identity as _identity
+from corrflow.clients.numpy_client import partition_id
+from corrflow.data.text_synth import TextTask, accuracy_mask, user_sentences, xy
+
+app = ClientApp()
+TASK = TextTask()
+
+
+def build_model(task: TextTask = TASK, embedding: int = 32, units: int = 64, seed: int = 0):
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(seed)
+    inputs = tf.keras.Input(shape=(task.seq_len,), dtype="int32")
+    x = tf.keras.layers.Embedding(task.num_tokens, embedding, mask_zero=True)(inputs)
+    x = tf.keras.layers.LSTM(units, return_sequences=True)(x)
+    outputs = tf.keras.layers.Dense(task.num_tokens)(x)
+    return tf.keras.Model(inputs, outputs)
+
+
+_MODEL = None
+
+
+def _model():
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = build_model()
+    return _MODEL
+
+
+def local_train(weights: list[np.ndarray], sentences: np.ndarray, lr: float, epochs: int = 1, batch: int = 16):
+    import tensorflow as tf
+
+    model = _model()
+    model.set_weights(weights)
+    X, Y = xy(sentences)
+    opt = tf.keras.optimizers.SGD(learning_rate=lr)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for _ in range(epochs):
+        for i in range(0, len(X), batch):
+            xb, yb = X[i:i + batch], Y[i:i + batch]
+            w = (yb != 0).astype(np.float32)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True), sample_weight=w)
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables,
+                                    strict=True))
+    new = model.get_weights()
+    return [(n - o).astype(np.float32) for n, o in zip(new, weights, strict=True)], float(loss)
+
+
+def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray) -> tuple[float, float]:
+    """(masked cross-entropy, next-word accuracy on real words)."""
+    import tensorflow as tf
+
+    model = _model()
+    model.set_weights(weights)
+    X, Y = xy(sentences)
+    logits = model.predict(X, verbose=0, batch_size=256)
+    keep = Y != 0
+    loss = float(tf.keras.losses.sparse_categorical_crossentropy(Y[keep], logits[keep], from_logits=True)
+                 .numpy().mean())
+    m = accuracy_mask(Y)
+    acc = float((logits.argmax(-1)[m] == Y[m]).mean())
+    return loss, acc
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    weights = msg.content["arrays"].to_numpy_ndarrays()
+    cfg = msg.content["config"]
+    sentences = user_sentences(TASK, partition_id(context))
+    delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)),
+                              int(cfg.get("local-steps", 1)))
+    return Message(content=RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(
+        {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
+
+
+identity = app.query()(_identity)
