@@ -188,3 +188,16 @@ def _check_run(tmp_path, cfg, report):
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     model = np.load(ckpt / "model.npz")["arr_0"]
     assert np.abs(model).max() > 0  # the global model moved
+
+
+def test_checkpoint_is_private(tmp_path):
+    import stat
+
+    cfg = _cfg(tmp_path, num_rounds=2, epochs=1, num_users=4)
+    run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, noise_key=KEY, quiet=True)
+    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
+    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
+    for name in ("report_salt", "noise/noise_secret.key", "noise/noise_buffer.npy"):
+        assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
+    report = (tmp_path / "privacy_report.json").read_text()
+    assert "partition-" not in report and KEY.hex() not in report

@@ -1,6 +1,7 @@
 """Atomic server checkpoints: each round's state goes into a fresh directory that is fsynced and then published
 by atomically replacing the ``CURRENT`` pointer file; older directories are removed afterwards. A crash leaves
-either the old or the new checkpoint, never a mix. Private parts (noise key and buffer, report salt) are 0600."""
+either the old or the new checkpoint, never a mix. Each checkpoint directory is created 0700 (its ledger holds raw
+user ids); the private parts (noise key and buffer, report salt) are also 0600 files."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ class CorrelatedNoiseStrategy(Strategy):
         public = {"next_round": self.next_round, "config_fingerprint": self.cfg.fingerprint(),
                   "factorization_sha256": self.fac.sha256(), "ledger": self.ledger.to_dict(),
                   "noise_multiplier": self.sigma, "planned_epsilon": self.planned_epsilon,
-                  "metrics_history": self.metrics_history, "node_users": sorted(self.user_to_node)}
+                  "metrics_history": self.metrics_history}
         write_checkpoint(self.state_dir, f"round-{self.next_round:06d}",
                          {"model": self.params, "optimizer": self.optimizer.m}, public,
                          {"report_salt": self.salt}, save_extra=lambda d: save_state(self.noise, d / "noise"))
