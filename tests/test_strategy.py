@@ -201,3 +201,13 @@ def test_checkpoint_is_private(tmp_path):
         assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
     report = (tmp_path / "privacy_report.json").read_text()
     assert "partition-" not in report and KEY.hex() not in report
+
+
+def test_non_private_baseline_adds_no_noise(tmp_path):
+    cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True)
+    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, quiet=True)
+    assert all(np.all(p == 0) for p in s.params)  # zero updates, no noise → the model stays at zero
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert rep["realized"]["epsilon"] is None and rep["planned"]["epsilon"] is None
+    with pytest.raises(InvalidArgumentError, match="non-private"):
+        StrategyConfig(non_private=True, noise_multiplier=1.0)

@@ -16,7 +16,7 @@ app = ClientApp()
 TASK = TextTask()
 
 
-def build_model(task: TextTask = TASK, embedding: int = 32, units: int = 64, seed: int = 0):
+def build_model(task: TextTask = TASK, embedding: int = 16, units: int = 32, seed: int = 0):
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(seed)

@@ -125,6 +125,10 @@ class CorrelatedNoise:
             raise InvalidArgumentError("round_index", f"{self.next_round}, the next round ({what})", round_index)
         return self._split(flat)
 
+    def skip_round(self) -> None:
+        """Advance past the next round without releasing noise (non-private baselines keep rounds aligned)."""
+        self.next_round += 1
+
     def skip_to(self, round_index: int) -> None:
         """Fast-forward a fresh generator to ``round_index`` (recomputing the banded buffer from the key)."""
         require(self.next_round == 0, "round_index", "skip_to only on a fresh generator", self.next_round)

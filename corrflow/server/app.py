@@ -81,7 +81,10 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     nodes = wait_for_nodes(grid, cfg.num_users)
     directory = resolve_users(grid, nodes)
     fac = load_or_build_factorization(cfg, out)
-    if cfg.noise_multiplier > 0:
+    if cfg.non_private:
+        sigma, planned = 0.0, None
+        log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
+    elif cfg.noise_multiplier > 0:
         sigma = cfg.noise_multiplier
         planned = account(fac, delta=cfg.delta, noise_multiplier=sigma)["epsilon"]
     else:
@@ -95,7 +98,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
             acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
             print(f"round {metrics['round'] + 1:>4}/{cfg.num_rounds}  replies {metrics['replies']:>3}/"
                   f"{metrics['cohort']:<3} rejected {metrics['rejected']:<2} test-loss {metrics['test_loss']:.4f}"
-                  f"{acc}  ε {metrics['epsilon']:.3f}", file=sys.stderr, flush=True)
+                  f"{acc}  ε {metrics.get('epsilon', float('nan')):.3f}", file=sys.stderr, flush=True)
         (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
         if on_round_end is not None:
             on_round_end(strategy, metrics)

@@ -37,6 +37,7 @@ class StrategyConfig:
     client: str = "numpy"
     data: str = "stackoverflow"
     state_dir: str = "corrflow_state"
+    non_private: bool = False       # baseline only: no noise, no privacy guarantee (ε reported as null)
 
     def __post_init__(self) -> None:
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
@@ -45,8 +46,10 @@ class StrategyConfig:
                 f"a positive divisor of num-rounds={self.num_rounds} (fixed-epoch participation)", self.epochs)
         require(self.num_users >= self.min_sep, "num-users", f"at least rounds/epochs = {self.min_sep} so every "
                 "round has a cohort", self.num_users)
-        require(self.noise_multiplier > 0 or self.target_epsilon > 0, "noise-multiplier",
-                "a positive noise multiplier or a positive target-epsilon")
+        require(self.non_private or self.noise_multiplier > 0 or self.target_epsilon > 0, "noise-multiplier",
+                "a positive noise multiplier or a positive target-epsilon (or non-private for a baseline)")
+        require(not (self.non_private and (self.noise_multiplier > 0 or self.target_epsilon > 0)), "non-private",
+                "no noise-multiplier or target-epsilon with a non-private baseline")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.clip_norm > 0, "clip-norm", "a positive number", self.clip_norm)
         require(self.zeroing_factor >= 0, "zeroing-factor", "≥ 0 (0 disables zeroing)", self.zeroing_factor)

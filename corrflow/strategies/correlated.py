@@ -41,7 +41,7 @@ class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring)."""
 
     def __init__(self, config: StrategyConfig, factorization: Factorization, initial: list[np.ndarray],
-                 directory: dict[int, str], *, noise_multiplier: float, planned_epsilon: float,
+                 directory: dict[int, str], *, noise_multiplier: float, planned_epsilon: float | None,
                  noise_key: bytes | None = None, out_dir: str | Path | None = None, on_round_end=None):
         require(factorization.rounds == config.num_rounds, "factorization",
                 f"{config.num_rounds} rounds (num-rounds)", factorization.rounds)
@@ -50,7 +50,8 @@ class CorrelatedNoiseStrategy(Strategy):
                 f"fixed-epoch participation with {config.epochs} epochs", factorization.participation.describe())
         check_workload_matches(factorization.workload, config.momentum, config.cooldown_fraction)
         self.cfg, self.fac = config, factorization
-        self.sigma, self.planned_epsilon = float(noise_multiplier), float(planned_epsilon)
+        self.sigma = float(noise_multiplier)
+        self.planned_epsilon = None if planned_epsilon is None else float(planned_epsilon)
         self.shapes = [tuple(a.shape) for a in initial]
         self.node_to_user = {int(k): str(v) for k, v in directory.items()}
         self.user_to_node = {u: n for n, u in self.node_to_user.items()}
@@ -95,7 +96,7 @@ class CorrelatedNoiseStrategy(Strategy):
             for u in cohort:
                 prospective.setdefault(u, []).append(t)
             _, eps, _ = self.tracker.realized(prospective)
-            if eps > self.cfg.target_epsilon * (1 + 1e-9):
+            if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
                 self.stopped_reason = f"round {t} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
                 log.warning("budget guard: %s; training stops", self.stopped_reason)
                 return []
@@ -138,17 +139,23 @@ class CorrelatedNoiseStrategy(Strategy):
         for user in sorted(accepted):
             for acc, u in zip(total, accepted[user], strict=True):
                 acc += u
-        noise = self.noise.next(t)
-        scale = np.float32(self.sigma * self.cfg.clip_norm)
         cohort = np.float32(len(self.schedule.cohort(t)))  # the planned size, not the number of replies
-        update = [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
+        if self.sigma > 0:
+            noise = self.noise.next(t)
+            scale = np.float32(self.sigma * self.cfg.clip_norm)
+            update = [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
+        else:  # non-private baseline
+            self.noise.skip_round()
+            update = [g / cohort for g in total]
         self.params = self.optimizer.step(self.params, update, t)
         self.next_round = t + 1
         self.ledger.rounds_completed = self.next_round
         report = self.report()
         self.ledger.epsilon_history.append(report["realized"]["epsilon"])
         metrics = {"round": t, "replies": len(accepted), "cohort": int(cohort), **counts,
-                   "epsilon": report["realized"]["epsilon"], "aggregation_seconds": time.perf_counter() - started}
+                   "aggregation_seconds": time.perf_counter() - started}
+        if report["realized"]["epsilon"] is not None:
+            metrics["epsilon"] = report["realized"]["epsilon"]
         self.metrics_history.append(metrics)
         self._checkpoint()
         write_report(report, self.out_dir / "privacy_report.json")

@@ -49,7 +49,9 @@ class PrivacyTracker:
         self.fac, self.sigma, self.delta = factorization, noise_multiplier, delta
         self._eps_cache: dict[float, float] = {}
 
-    def epsilon_for_sensitivity(self, sens: float) -> float:
+    def epsilon_for_sensitivity(self, sens: float) -> float | None:
+        if self.sigma == 0:
+            return None  # a non-private baseline has no ε
         key = round(sens, 12)
         if key not in self._eps_cache:
             self._eps_cache[key] = 0.0 if sens == 0 else epsilon_of(unamplified_event(self.sigma, sens), self.delta)
