@@ -211,3 +211,12 @@ def test_non_private_baseline_adds_no_noise(tmp_path):
     assert rep["realized"]["epsilon"] is None and rep["planned"]["epsilon"] is None
     with pytest.raises(InvalidArgumentError, match="non-private"):
         StrategyConfig(non_private=True, noise_multiplier=1.0)
+
+
+def test_run_config_parsing():
+    cfg = StrategyConfig.from_run_config({"num-users": 20, "num-rounds": 10, "epochs": 2, "target-epsilon": 4,
+                                          "kind": "bisr", "non-private": False})
+    assert cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"
+    for bad in ({"non-private": "false"}, {"num-users": 2.5}, {"delta": "small"}):
+        with pytest.raises(InvalidArgumentError):
+            StrategyConfig.from_run_config({"target-epsilon": 4, **bad})

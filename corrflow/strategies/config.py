@@ -70,8 +70,13 @@ class StrategyConfig:
                 raise InvalidArgumentError(key, f"a known run-config key ({', '.join(sorted(known))})", value)
             f = known[key]
             default = f.default
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise InvalidArgumentError(key, "true or false", value)
+                values[f.name] = value
+                continue
             try:
-                values[f.name] = type(default)(value) if not isinstance(default, bool) else bool(value)
+                values[f.name] = type(default)(value)
             except (TypeError, ValueError) as exc:
                 raise InvalidArgumentError(key, f"a {type(default).__name__}", value) from exc
             if isinstance(default, int) and not isinstance(value, bool) and float(value) != values[f.name]:
