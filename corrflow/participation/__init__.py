@@ -1,8 +1,8 @@
-"""Participation control: samplers that decide who trains when (004), replayable from a seed.
-
-Contribution bounding, attribution graphs and separation monitoring in the strategy follow (issue 7).
+"""Participation control: samplers that decide who trains when (004), replayable from a seed; attribution graphs
+(items → users) and per-user contribution bounding. Separation monitoring in the strategy follows (issue 7).
 """
 
+from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
 from corrflow.participation.samplers import (
     BallsInBinsSampler,
     BMinSepSampler,
@@ -10,4 +10,5 @@ from corrflow.participation.samplers import (
     MultiAttributionSampler,
 )
 
-__all__ = ["BMinSepSampler", "BallsInBinsSampler", "CyclicPoissonSampler", "MultiAttributionSampler"]
+__all__ = ["AttributionGraph", "BMinSepSampler", "BallsInBinsSampler", "CyclicPoissonSampler",
+           "MultiAttributionSampler", "bound_contributions", "load_attribution"]
