@@ -9,7 +9,7 @@ import numpy as np
 from corrflow.errors import require
 from corrflow.factorization.banded import optimize_banded
 from corrflow.factorization.base import Factorization, normalized
-from corrflow.factorization.baselines import encoder_from_gram, fft_gram, stamp_encoder, tree_gram
+from corrflow.factorization.baselines import encoder_from_gram, fft_encoder, stamp_encoder, tree_encoder
 from corrflow.factorization.closed_forms import best_gamma, bifr_encoder, bsr_encoder
 from corrflow.factorization.dense import optimize_dense
 from corrflow.factorization.encoders import BandedEncoder, Encoder, ToeplitzEncoder
@@ -65,10 +65,10 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     if kind == "dpsgd":
         enc = ToeplitzEncoder(np.ones(1), m)
     elif kind == "tree":
-        enc = encoder_from_gram(tree_gram(m))
+        enc = tree_encoder(m)
         meta["decoder"] = "optimal"
     elif kind == "fft":
-        enc = encoder_from_gram(fft_gram(m))
+        enc = fft_encoder(m)
         meta["decoder"] = "optimal"
     elif kind == "dense":
         res = optimize_dense(workload, inner, tol=tol, callback=callback)

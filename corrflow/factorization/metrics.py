@@ -28,12 +28,3 @@ def error_report(per_query_error: np.ndarray, sensitivity: float) -> ErrorReport
     total = float(sensitivity**2 * e.sum())
     return ErrorReport(total, float(np.sqrt(total / len(e))), float(sensitivity * np.sqrt(e.max())))
 
-
-def total_squared_error(B: np.ndarray, sensitivity: float = 1.0) -> float:
-    """L = sens²·‖B‖²_F (000 Eq. 4) for an explicit decoder B (any shape n×n')."""
-    return float(sensitivity**2 * np.sum(np.asarray(B, dtype=np.float64) ** 2))
-
-
-def per_iterate_variance(B: np.ndarray, sensitivity: float = 1.0) -> np.ndarray:
-    """sens²·‖B[i, :]‖² for every round i (000 Figs. 4–5)."""
-    return sensitivity**2 * np.sum(np.asarray(B, dtype=np.float64) ** 2, axis=1)
