@@ -34,7 +34,7 @@ def run_arm(name: str, kind: str, args, **sigma) -> dict:
                          server_lr=args.server_lr, local_lr=0.5 if args.client == "keras" else 0.1,
                          local_steps=1 if args.client == "keras" else 5, state_dir=os.path.join(out, "state"),
                          **sigma)
-    task = get_task(cfg.client, cfg.model_dim)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
     t0 = time.perf_counter()
     s = run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, out, quiet=True)
     keys = ["test_loss"] + (["test_accuracy"] if args.client == "keras" else [])

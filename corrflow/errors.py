@@ -22,6 +22,20 @@ class InvalidArgumentError(CorrflowError, ValueError):
         super().__init__(msg)
 
 
+class DataFormatError(CorrflowError, ValueError):
+    """A data file does not follow its format; the message names the file and the line (or table row)."""
+
+    def __init__(self, path: Any, where: Any, expected: str, got: Any = None):
+        self.path = str(path)
+        self.where = where
+        self.expected = expected
+        loc = f"{self.path}:{where}" if where is not None else self.path
+        msg = f"{loc}: expected {expected}"
+        if got is not None:
+            msg += f", got {_short(got)}"
+        super().__init__(msg)
+
+
 class IntegrityError(CorrflowError):
     """A stored artifact (factorization file, state file) is corrupted, foreign, or inconsistent."""
 

@@ -13,8 +13,10 @@ ProgressCallback = Callable[[int, float], None]
 class Progress:
     """Context manager yielding a :data:`ProgressCallback`; silent when ``quiet`` or for work under a second."""
 
-    def __init__(self, description: str, total: int | None = None, quiet: bool = False, delay: float = 1.0):
+    def __init__(self, description: str, total: int | None = None, quiet: bool = False, delay: float = 1.0,
+                 unit: str | None = None):
         self.description = description
+        self.unit = unit              # counting progress ("12000 users") instead of optimizer iterations
         self.total = total
         self.quiet = quiet
         self.delay = delay
@@ -26,8 +28,8 @@ class Progress:
         self._start = time.monotonic()
         return self.update
 
-    def update(self, iteration: int, loss: float) -> None:
-        if self.quiet:
+    def update(self, iteration: int | None, loss: float = float("nan")) -> None:
+        if self.quiet or iteration is None:
             return
         if self._bar is None:
             if time.monotonic() - self._start < self.delay:
@@ -40,7 +42,8 @@ class Progress:
                                      TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.description, total=self.total, info="")
-        self._bar.update(self._task, completed=iteration, info=f"iter {iteration}  loss {loss:.6g}")
+        info = f"{iteration} {self.unit}" if self.unit else f"iter {iteration}  loss {loss:.6g}"
+        self._bar.update(self._task, completed=iteration, info=info)
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:

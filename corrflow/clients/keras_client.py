@@ -10,37 +10,40 @@ from flwr.clientapp import ClientApp
 
 from corrflow.clients.numpy_client import identity as _identity
 from corrflow.clients.numpy_client import partition_id
-from corrflow.data.text_synth import TextTask, accuracy_mask, user_sentences, xy
+from corrflow.data.federated import TextSource, text_source
+from corrflow.data.text_synth import accuracy_mask, xy
 
 app = ClientApp()
-TASK = TextTask()
+SYNTHETIC = TextSource()
 
 
-def build_model(task: TextTask = TASK, embedding: int = 16, units: int = 32, seed: int = 0):
+def build_model(num_tokens: int = SYNTHETIC.num_tokens, input_len: int = SYNTHETIC.input_len, embedding: int = 16,
+                units: int = 32, seed: int = 0):
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(seed)
-    inputs = tf.keras.Input(shape=(task.seq_len,), dtype="int32")
-    x = tf.keras.layers.Embedding(task.num_tokens, embedding, mask_zero=True)(inputs)
+    inputs = tf.keras.Input(shape=(input_len,), dtype="int32")
+    x = tf.keras.layers.Embedding(num_tokens, embedding, mask_zero=True)(inputs)
     x = tf.keras.layers.LSTM(units, return_sequences=True)(x)
-    outputs = tf.keras.layers.Dense(task.num_tokens)(x)
+    outputs = tf.keras.layers.Dense(num_tokens)(x)
     return tf.keras.Model(inputs, outputs)
 
 
-_MODEL = None
+_MODELS: dict = {}
 
 
-def _model():
-    global _MODEL
-    if _MODEL is None:
-        _MODEL = build_model()
-    return _MODEL
+def _model(sentences: np.ndarray, weights: list[np.ndarray]):
+    """One Keras model per (sequence length, vocabulary size), reused across rounds."""
+    key = (weights[0].shape[0], sentences.shape[1] - 1)
+    if key not in _MODELS:
+        _MODELS[key] = build_model(*key)
+    return _MODELS[key]
 
 
 def local_train(weights: list[np.ndarray], sentences: np.ndarray, lr: float, epochs: int = 1, batch: int = 16):
     import tensorflow as tf
 
-    model = _model()
+    model = _model(sentences, weights)
     model.set_weights(weights)
     X, Y = xy(sentences)
     opt = tf.keras.optimizers.SGD(learning_rate=lr)
@@ -61,7 +64,7 @@ def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray) -> tuple[
     """(masked cross-entropy, next-word accuracy on real words)."""
     import tensorflow as tf
 
-    model = _model()
+    model = _model(sentences, weights)
     model.set_weights(weights)
     X, Y = xy(sentences)
     logits = model.predict(X, verbose=0, batch_size=256)
@@ -77,7 +80,9 @@ def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray) -> tuple[
 def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
-    sentences = user_sentences(TASK, partition_id(context))
+    source = text_source(str(cfg.get("data-path", "")), str(cfg.get("vocab-path", "")),
+                         int(cfg.get("seq-len", 20)))
+    sentences = source.user_sentences(partition_id(context))
     delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)),
                               int(cfg.get("local-steps", 1)))
     return Message(content=RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(

@@ -19,7 +19,7 @@ class Task:
     evaluate: Any             # (weights) -> dict of metrics
 
 
-def get_task(name: str, model_dim: int = 20) -> Task:
+def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20) -> Task:
     require(name in ("numpy", "keras"), "client", "numpy or keras", name)
     if name == "numpy":
         from corrflow.clients import numpy_client as c
@@ -30,13 +30,16 @@ def get_task(name: str, model_dim: int = 20) -> Task:
                     lambda: [np.zeros(model_dim, np.float32), np.zeros(1, np.float32)],
                     lambda w: {"test_loss": regression_loss(w, X, y)})
     from corrflow.clients import keras_client as k
-    from corrflow.data.text_synth import user_sentences
+    from corrflow.data.federated import text_source
 
-    held_out = np.concatenate([user_sentences(k.TASK, 1_000_000 + i) for i in range(100)])  # users never trained
+    source = text_source(data_path, vocab_path, seq_len)
+    held_out = source.held_out(100)  # users never trained on
 
     def evaluate(w):
         loss, acc = k.evaluate_weights(w, held_out)
         return {"test_loss": loss, "test_accuracy": acc}
 
-    return Task("keras", k.app, {"train": k.train, "query": k.identity},
-                lambda: [w.astype(np.float32) for w in k.build_model().get_weights()], evaluate)
+    def initial():
+        return [w.astype(np.float32) for w in k.build_model(source.num_tokens, source.input_len).get_weights()]
+
+    return Task("keras", k.app, {"train": k.train, "query": k.identity}, initial, evaluate)

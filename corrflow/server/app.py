@@ -90,7 +90,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     else:
         res = account(fac, delta=cfg.delta, target_epsilon=cfg.target_epsilon)
         sigma, planned = res["noise_multiplier"], res["epsilon"]
-    task = get_task(cfg.client, cfg.model_dim)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
 
     def round_end(strategy, metrics):
         metrics.update(task.evaluate(strategy.params))

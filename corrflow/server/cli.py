@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
+from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.server.data_cli import data_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
@@ -41,7 +42,7 @@ def _jsonable(x):
 
 def _fail(exc: Exception) -> None:
     typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(code=2 if isinstance(exc, InvalidArgumentError) else 1)
+    raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
 
 @app.command()
@@ -187,6 +188,7 @@ def simulate(
 
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
+app.add_typer(data_app, name="data")
 
 
 @noise_app.command("sample")

@@ -36,6 +36,9 @@ class StrategyConfig:
     model_dim: int = 20
     client: str = "numpy"
     data: str = "stackoverflow"
+    data_path: str = ""             # keras client: a TFF StackOverflow SQLite file ("" = generated on the fly)
+    vocab_path: str = ""            # its vocabulary (corrflow data vocab)
+    seq_len: int = 20               # next-word sequence length for data-path
     state_dir: str = "corrflow_state"
     non_private: bool = False       # baseline only: no noise, no privacy guarantee (ε reported as null)
 
@@ -56,6 +59,8 @@ class StrategyConfig:
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
         require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
         require(self.client in ("numpy", "keras"), "client", "numpy or keras", self.client)
+        require(not self.data_path or (self.client == "keras" and bool(self.vocab_path)), "data-path",
+                "client = keras and a vocab-path when a data file is given")
 
     @property
     def min_sep(self) -> int:

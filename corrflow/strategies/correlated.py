@@ -104,6 +104,9 @@ class CorrelatedNoiseStrategy(Strategy):
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": t, "local-lr": self.cfg.local_lr, "local-steps": self.cfg.local_steps,
                             "clip-norm": self.cfg.clip_norm})
+        if self.cfg.data_path:  # clients read their user's examples from the same dataset file
+            cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
+                        "seq-len": self.cfg.seq_len})
         messages = []
         for user in cohort:
             node = self.user_to_node.get(user)

@@ -1,0 +1,74 @@
+"""Synthetic vocabulary shared by the on-disk generators: deterministic word strings, a Zipfian rank distribution
+and per-topic skew, sampled through precomputed CDFs so one user's text costs O(tokens · log V), not O(V)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+# Frequent English function words first, so generated text has a realistic head; then made-up words.
+_COMMON = (
+    "the", "to", "i", "a", "is", "and", "of", "it", "in", "you", "that", "this", "for", "be", "have", "on", "with",
+    "not", "can", "are", "if", "but", "as", "or", "do", "my", "what", "so", "an", "at", "from", "use", "which",
+    "there", "get", "how", "would", "will", "your", "was", "when", "just", "code", "like", "one", "all", "need",
+    "any", "should", "there's", "it's", "don't", "i'm", "has", "using", "then", "file", "by", "value", "way",
+    "also", "here"
+)
+_SYLLABLES = (
+    "ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "we", "xa", "yo", "zi", "be", "da", "fe", "go", "hu",
+    "jo", "ke", "la", "mo", "ne", "po", "qu", "re", "sa", "ti", "ul", "va", "wi", "ze", "bo", "ci", "du", "ga",
+    "he", "ja", "ki"
+)
+
+
+def synthetic_word(index: int) -> str:
+    """The index-th word: a common word, else a bijective base-40 string of syllables (unique, lower case)."""
+    if index < len(_COMMON):
+        return _COMMON[index]
+    n = index - len(_COMMON) + 1
+    parts = []
+    while n > 0:
+        n, r = divmod(n - 1, len(_SYLLABLES))
+        parts.append(_SYLLABLES[r])
+    return "".join(reversed(parts)) + ("" if len(parts) > 1 else "x")
+
+
+@dataclass(frozen=True)
+class Lexicon:
+    """``size`` word types with global Zipf(``zipf``) frequencies; topic t multiplies ``boost`` onto a seeded
+    ``topic_share`` fraction of the words (per-user topic skew comes from each user's topic mixture)."""
+
+    size: int = 20_000
+    topics: int = 20
+    zipf: float = 1.07
+    boost: float = 20.0
+    topic_share: float = 0.02
+    seed: int = 0
+
+    @cached_property
+    def words(self) -> list[str]:
+        return [synthetic_word(i) for i in range(self.size)]
+
+    @cached_property
+    def word_array(self) -> np.ndarray:
+        return np.asarray(self.words, dtype=object)
+
+    @cached_property
+    def _cdf(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 7])
+        base = 1.0 / np.arange(1, self.size + 1) ** self.zipf
+        cdf = np.empty((self.topics, self.size))
+        for t in range(self.topics):
+            p = base.copy()
+            # The head (function words) stays shared across topics; topic words come from the rest.
+            boosted = rng.choice(np.arange(len(_COMMON), self.size), int(self.topic_share * self.size), False)
+            p[boosted] *= self.boost
+            cdf[t] = np.cumsum(p / p.sum())
+        cdf[:, -1] = 1.0
+        return cdf
+
+    def sample(self, rng: np.random.Generator, topic: int, count: int) -> np.ndarray:
+        """``count`` word indices drawn from topic ``topic``'s distribution."""
+        return np.searchsorted(self._cdf[topic], rng.random(count), side="right")

@@ -1,0 +1,114 @@
+"""Word vocabulary and fixed-length sequences for next-word prediction (000 §5.3 / App. F: the 10,000 most frequent
+training words, out-of-vocabulary buckets, BOS/EOS/PAD, sequences of 20 tokens, at most 256 sentences per user).
+
+Ids: PAD = 0, BOS = 1, EOS = 2, OOV buckets 3 … 2 + oov_buckets, then the words by decreasing training count
+(ties by the word itself, so the vocabulary is a pure function of the counts). With one OOV bucket this is the id
+layout of :mod:`corrflow.data.text_synth`, so the Keras model works on either source. An OOV word goes to bucket
+``crc32(word) mod oov_buckets`` (stable across processes, unlike Python's ``hash``).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from corrflow.errors import DataFormatError, require
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+@dataclass
+class Vocabulary:
+    words: list[str]
+    oov_buckets: int = 1
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        require(self.oov_buckets >= 1, "oov_buckets", "at least 1", self.oov_buckets)
+        self._index = {w: i + self.first_word for i, w in enumerate(self.words)}
+        require(len(self._index) == len(self.words), "words", "distinct words")
+
+    @property
+    def first_word(self) -> int:
+        return 3 + self.oov_buckets
+
+    @property
+    def num_tokens(self) -> int:
+        """Size of the model's input/output layer: specials + OOV buckets + words."""
+        return self.first_word + len(self.words)
+
+    def is_oov(self, ids: np.ndarray) -> np.ndarray:
+        return (ids >= 3) & (ids < self.first_word)
+
+    def lookup(self, word: str) -> int:
+        i = self._index.get(word)
+        return i if i is not None else 3 + zlib.crc32(word.encode()) % self.oov_buckets
+
+    def encode(self, sentence: str, seq_len: int) -> np.ndarray:
+        """``seq_len + 1`` ids: BOS, the first ``seq_len`` words, EOS when the sentence was shorter, then PAD
+        (TFF's StackOverflow preprocessing). Inputs are ids[:-1], targets ids[1:]."""
+        out = np.zeros(seq_len + 1, dtype=np.int32)
+        ids = [self.lookup(w) for w in sentence.split()[:seq_len]]
+        out[0] = BOS
+        out[1:1 + len(ids)] = ids
+        if len(ids) < seq_len:
+            out[1 + len(ids)] = EOS
+        return out
+
+    def sequences(self, sentences: Iterable[str], seq_len: int = 20, max_sentences: int = 256) -> np.ndarray:
+        """int32 (n, seq_len + 1) for one user's first ``max_sentences`` sentences."""
+        rows = [self.encode(s, seq_len) for _, s in zip(range(max_sentences), sentences, strict=False)]
+        return np.stack(rows) if rows else np.zeros((0, seq_len + 1), np.int32)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """One word per line, most frequent first (TFF's vocabulary file layout); the header holds the buckets."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(f"#corrflow-vocab oov_buckets={self.oov_buckets}\n" + "".join(w + "\n" for w in self.words))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Vocabulary:
+        path = Path(path)
+        if not path.is_file():
+            raise DataFormatError(path, None, "an existing vocabulary file")
+        lines = path.read_text().splitlines()
+        buckets = 1
+        if lines and lines[0].startswith("#corrflow-vocab"):
+            try:
+                buckets = int(lines[0].split("oov_buckets=")[1])
+            except (IndexError, ValueError) as exc:
+                raise DataFormatError(path, 1, "'#corrflow-vocab oov_buckets=N'", lines[0]) from exc
+            lines = lines[1:]
+            offset = 2
+        else:
+            offset = 1
+        for n, w in enumerate(lines):
+            if not w or any(c.isspace() for c in w):
+                raise DataFormatError(path, n + offset, "one word (no spaces) per line", w)
+        seen = set()
+        for n, w in enumerate(lines):
+            if w in seen:
+                raise DataFormatError(path, n + offset, "distinct words", w)
+            seen.add(w)
+        return cls(lines, buckets)
+
+
+def count_words(sentences: Iterable[str]) -> Counter:
+    counts: Counter = Counter()
+    for s in sentences:
+        counts.update(s.split())
+    return counts
+
+
+def build_vocabulary(counts: Counter, size: int = 10_000, oov_buckets: int = 1) -> Vocabulary:
+    """The ``size`` most frequent words (000 App. F: 10,000), ties broken by the word."""
+    require(size >= 1, "vocab_size", "at least 1", size)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
+    return Vocabulary([w for w, _ in ranked], oov_buckets)

@@ -1,0 +1,146 @@
+"""``corrflow data``: generate federated datasets in the real on-disk formats, summarise, build a vocabulary and
+partition them over Flower nodes (DESIGN.md CLI habits: ``--json`` prints one object last; exit 2 on bad input)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corrflow.errors import CorrflowError, InvalidArgumentError
+
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Federated datasets: TFF StackOverflow SQLite and arXiv metadata JSON lines.")
+
+
+def _fail(exc: Exception) -> None:
+    from corrflow.server.cli import _fail as fail  # cli imports this module: resolve at call time
+
+    fail(exc)
+
+
+def _emit(obj: dict, as_json: bool) -> None:
+    from corrflow.server.cli import _emit as emit
+
+    emit(obj, as_json)
+
+
+def _peak_rss_mib() -> float:
+    unit = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / (1 << 20)
+
+
+@data_app.command("generate")
+def generate(
+    kind: Annotated[str, typer.Argument(help="stackoverflow or arxiv")],
+    users: Annotated[int, typer.Option(help="users: StackOverflow accounts, or arXiv authors")],
+    out: Annotated[Path, typer.Option(help="output file (.sqlite for stackoverflow, .jsonl for arxiv)")],
+    seed: Annotated[int, typer.Option(help="generator seed (the output is a pure function of it)")] = 0,
+    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Write a synthetic dataset in the real format, streaming to disk in bounded memory."""
+    from corrflow.progress import Progress
+
+    try:
+        if kind not in ("stackoverflow", "arxiv"):
+            raise InvalidArgumentError("KIND", "stackoverflow or arxiv", kind)
+        started = time.perf_counter()
+        with Progress(f"generating {kind}", total=users, quiet=quiet, unit="users") as bar:
+            if kind == "stackoverflow":
+                from corrflow.data.stackoverflow import StackOverflowSpec, generate_stackoverflow
+
+                spec = StackOverflowSpec(users=users, seed=seed)
+                counts = generate_stackoverflow(out, spec, progress=bar)
+            else:
+                from corrflow.data.arxiv import ArxivSpec, generate_arxiv
+
+                spec = ArxivSpec(users=users, seed=seed)
+                counts = generate_arxiv(out, spec, progress=bar)
+        _emit({"kind": kind, "path": str(out), "counts": counts, "spec": spec.to_dict(),
+               "seconds": round(time.perf_counter() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1),
+               "bytes": out.stat().st_size}, as_json)
+    except CorrflowError as exc:
+        _fail(exc)
+
+
+@data_app.command("stats")
+def stats(
+    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
+    skip_malformed: Annotated[bool, typer.Option(help="skip (and count) malformed rows instead of failing")]
+    = False,
+    min_authors: Annotated[int, typer.Option(help="arXiv: drop papers with fewer authors (004 §7.3 uses 2)")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Users, examples, tokens and the quantiles of examples per user and users per example."""
+    from corrflow.data.stats import dataset_stats
+
+    try:
+        _emit(dataset_stats(path, on_error="skip" if skip_malformed else "raise", min_authors=min_authors),
+              as_json)
+    except CorrflowError as exc:
+        _fail(exc)
+
+
+@data_app.command("vocab")
+def vocab(
+    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
+    out: Annotated[Path, typer.Option(help="vocabulary file to write (one word per line)")],
+    size: Annotated[int, typer.Option(help="most frequent words kept (000 §5.3: 10000)")] = 10_000,
+    oov_buckets: Annotated[int, typer.Option(help="out-of-vocabulary buckets")] = 1,
+    split: Annotated[str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")]
+    = "train",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Count words over the training split and keep the most frequent (ties by the word)."""
+    from corrflow.data.stats import detect_format
+    from corrflow.data.vocab import build_vocabulary, count_words
+
+    try:
+        if detect_format(path) == "stackoverflow-sqlite":
+            from corrflow.data.stackoverflow import StackOverflowSQLite
+
+            with StackOverflowSQLite(path) as db:
+                counts = count_words(p.tokens for _, p in db.iter_posts(split))
+        else:
+            from corrflow.data.arxiv import ArxivReader
+
+            counts = count_words(p.text.lower() for p in ArxivReader(path))
+        v = build_vocabulary(counts, size, oov_buckets)
+        v.save(out)
+        covered = sum(counts[w] for w in v.words)
+        total = sum(counts.values())
+        _emit({"path": str(out), "words": len(v.words), "oov_buckets": oov_buckets, "num_tokens": v.num_tokens,
+               "distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}, as_json)
+    except CorrflowError as exc:
+        _fail(exc)
+
+
+@data_app.command("partition")
+def partition(
+    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
+    out: Annotated[Path, typer.Option(help="manifest JSON to write")],
+    partitions: Annotated[int | None, typer.Option(help="nodes (default for StackOverflow: one per user; "
+                                                        "required for arXiv silos)")] = None,
+    split: Annotated[str, typer.Option(help="StackOverflow split")] = "train",
+    seed: Annotated[int, typer.Option(help="arXiv: seed of the example → silo hash")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Assign users (or papers) to Flower partitions and print each SuperNode's --node-config."""
+    from corrflow.data.partition import make_manifest, write_manifest
+
+    try:
+        manifest = make_manifest(path, partitions, split=split, seed=seed)
+        write_manifest(manifest, out)
+        parts = manifest["partitions"]
+        key = "users" if parts and "users" in parts[0] else "items"
+        sizes = [len(p[key]) for p in parts]
+        _emit({"manifest": str(out), "format": manifest["format"], "num_partitions": manifest["num_partitions"],
+               f"{key}_per_partition_min": min(sizes), f"{key}_per_partition_max": max(sizes),
+               "node_config_example": parts[0]["node_config"]}, as_json)
+    except CorrflowError as exc:
+        _fail(exc)
