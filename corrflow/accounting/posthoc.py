@@ -19,16 +19,21 @@ from corrflow.factorization.sensitivity import NONNEG_TOL, Sensitivity
 
 
 def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
-    """Worst-case ‖C G‖_F over contributions G on exactly these rounds (rows ≤ 1 in ℓ2)."""
-    idx = sorted({int(r) for r in rounds})
-    if not idx:
+    """Worst-case ‖C G‖_F over contributions G on exactly these rounds (row i ≤ m_i in ℓ2).
+
+    A round listed m times is a user contributing m items (each clipped to 1) in it — multi-attribution, 004 §6 —
+    so the row bound is m_i: exact √(mᵀXm) when X ≥ 0, else min(√(λ_max(X)·Σm²), √(Σ|X_ij| m_i m_j)).
+    """
+    idx, mult = np.unique(np.fromiter((int(r) for r in rounds), dtype=np.int64), return_counts=True)
+    if not idx.size:
         return Sensitivity(0.0, True, "no-participation")
-    require(idx[0] >= 0 and idx[-1] < encoder.n, "rounds", f"round indices in [0, {encoder.n})", idx)
-    cols = encoder.columns(idx)
+    require(idx[0] >= 0 and idx[-1] < encoder.n, "rounds", f"round indices in [0, {encoder.n})", idx.tolist())
+    cols = encoder.columns(idx.tolist())
     X = cols.T @ cols
+    m = mult.astype(np.float64)
     if np.all(X >= -NONNEG_TOL * max(float(np.abs(X).max()), 1e-300)):
-        return Sensitivity(float(np.sqrt(max(X.sum(), 0.0))), True, "realized-nonnegative-gram")
-    bound = min(float(np.sqrt(np.linalg.eigvalsh(X)[-1] * len(idx))), float(np.sqrt(np.abs(X).sum())))
+        return Sensitivity(float(np.sqrt(max(m @ X @ m, 0.0))), True, "realized-nonnegative-gram")
+    bound = min(float(np.sqrt(np.linalg.eigvalsh(X)[-1] * (m @ m))), float(np.sqrt(m @ np.abs(X) @ m)))
     return Sensitivity(bound, False, "realized-upper-bound")
 
 
@@ -36,11 +41,11 @@ def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[in
                          ) -> tuple[Sensitivity, str | None]:
     """max over users of :func:`pattern_sensitivity`; returns it and the (raw) id of a worst user.
 
-    Users with the same set of rounds share one computation.
+    Users with the same rounds (and multiplicities) share one computation.
     """
     by_pattern: dict[tuple[int, ...], str] = {}
     for user, rounds in user_rounds.items():
-        by_pattern.setdefault(tuple(sorted({int(r) for r in rounds})), user)
+        by_pattern.setdefault(tuple(sorted(int(r) for r in rounds)), user)
     best, worst, exact = Sensitivity(0.0, True, "no-participation"), None, True
     for pattern, user in by_pattern.items():
         s = pattern_sensitivity(encoder, pattern)
@@ -51,6 +56,6 @@ def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[in
 
 
 def min_gap(rounds: Sequence[int]) -> int | None:
-    """Smallest gap between two participations (None for fewer than two)."""
-    r = sorted(rounds)
-    return int(min(np.diff(r))) if len(r) > 1 else None
+    """Smallest gap between two distinct participation rounds (None for fewer than two)."""
+    r = np.unique(np.asarray(list(rounds), dtype=np.int64))
+    return int(np.diff(r).min()) if r.size > 1 else None

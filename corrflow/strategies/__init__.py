@@ -4,6 +4,5 @@ privacy ledger, budget guard and atomic checkpoints. Thin: the math lives in fac
 
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.schedule import FixedEpochSchedule
 
-__all__ = ["CorrelatedNoiseStrategy", "FixedEpochSchedule", "StrategyConfig"]
+__all__ = ["CorrelatedNoiseStrategy", "StrategyConfig"]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from corrflow.errors import InvalidArgumentError, require
 
 POLICIES = ("reject", "accept-and-account")
+PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,43 @@ class StrategyConfig:
     seq_len: int = 20               # next-word sequence length for data-path
     state_dir: str = "corrflow_state"
     non_private: bool = False       # baseline only: no noise, no privacy guarantee (ε reported as null)
+    # Participation control (004): who trains when, at the level of users (persons) behind items.
+    participation: str = "fixed-epoch"   # fixed-epoch | bminsep | multi-attribution
+    min_sep: int = 0                # b; 0: num-rounds / epochs
+    participation_rate: float = 0.0  # p0 per item and round for bminsep / multi-attribution; 0: 1/(2b)
+    accountant: str = "unamplified"  # unamplified (post-hoc capable) | monte-carlo (bminsep, 004 Eq. 1)
+    mc_samples: int = 100_000
+    mode: str = "cross-device"      # cross-device (item = a SuperNode) | cross-silo (item = an example in a silo)
+    attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
+    manifest_path: str = ""         # cross-silo: partition manifest (corrflow data partition) item → silo
+    max_items_per_user: int = 0     # k_u: greedy contribution bounding (004 §6); 0 = no bounding
 
     def __post_init__(self) -> None:
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
         require(self.num_rounds >= 1, "num-rounds", "a positive integer", self.num_rounds)
-        require(self.epochs >= 1 and self.num_rounds % self.epochs == 0, "epochs",
-                f"a positive divisor of num-rounds={self.num_rounds} (fixed-epoch participation)", self.epochs)
-        require(self.num_users >= self.min_sep, "num-users", f"at least rounds/epochs = {self.min_sep} so every "
-                "round has a cohort", self.num_users)
+        require(self.participation in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}",
+                self.participation)
+        if self.participation == "fixed-epoch":
+            require(self.epochs >= 1 and self.num_rounds % self.epochs == 0, "epochs",
+                    f"a positive divisor of num-rounds={self.num_rounds} (fixed-epoch participation)", self.epochs)
+            require(self.min_sep in (0, self.num_rounds // self.epochs), "min-sep",
+                    "0 or num-rounds/epochs for fixed-epoch participation", self.min_sep)
+            require(self.mode == "cross-silo" or self.num_users >= self.b, "num-users",
+                    f"at least rounds/epochs = {self.b} so every round has a cohort", self.num_users)
+        else:
+            require(self.epochs >= 1, "epochs", "a positive integer", self.epochs)
+            require(1 <= self.b <= self.num_rounds, "min-sep", f"in [1, num-rounds = {self.num_rounds}]", self.b)
+            require(0 <= self.participation_rate <= 1.0 / self.b, "participation-rate",
+                    f"in (0, 1/min-sep = {1 / self.b:g}] (0: 1/(2·min-sep))", self.participation_rate)
+        require(self.accountant in ("unamplified", "monte-carlo"), "accountant", "unamplified or monte-carlo",
+                self.accountant)
+        require(self.accountant == "unamplified" or self.participation == "bminsep", "accountant",
+                "unamplified unless participation = bminsep (the Monte Carlo accountant of 004 Alg. 2)")
+        require(self.mode in ("cross-device", "cross-silo"), "mode", "cross-device or cross-silo", self.mode)
+        require(self.mode == "cross-device" or bool(self.manifest_path), "manifest-path",
+                "a partition manifest (corrflow data partition) in cross-silo mode")
+        require(self.max_items_per_user >= 0, "max-items-per-user", "≥ 0 (0: no bounding)", self.max_items_per_user)
+        require(self.mc_samples >= 1000, "mc-samples", "at least 1000", self.mc_samples)
         require(self.non_private or self.noise_multiplier > 0 or self.target_epsilon > 0, "noise-multiplier",
                 "a positive noise multiplier or a positive target-epsilon (or non-private for a baseline)")
         require(not (self.non_private and (self.noise_multiplier > 0 or self.target_epsilon > 0)), "non-private",
@@ -63,8 +93,16 @@ class StrategyConfig:
                 "client = keras and a vocab-path when a data file is given")
 
     @property
-    def min_sep(self) -> int:
-        return self.num_rounds // self.epochs
+    def b(self) -> int:
+        """The design min-sep: ``min-sep`` when set, else num-rounds / epochs."""
+        return self.min_sep or self.num_rounds // self.epochs
+
+    @property
+    def max_participations(self) -> int:
+        """k: the most distinct rounds one user may contribute to."""
+        if self.participation == "fixed-epoch":
+            return self.epochs
+        return -(-self.num_rounds // self.b)
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> StrategyConfig:

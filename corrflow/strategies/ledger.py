@@ -21,10 +21,9 @@ class Ledger:
     epsilon_history: list[float] = field(default_factory=list)
 
     def select(self, round_index: int, users: list[str]) -> None:
+        """Record round ``round_index`` for each listed user; a user listed m times contributes m items in it."""
         for u in users:
-            rounds = self.selected.setdefault(u, [])
-            if round_index not in rounds:
-                rounds.append(round_index)
+            self.selected.setdefault(u, []).append(round_index)
 
     def accept(self, round_index: int, user: str) -> None:
         self.replied.setdefault(user, []).append(round_index)

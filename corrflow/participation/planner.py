@@ -1,0 +1,145 @@
+"""Who trains in round t, at the level the privacy guarantee is stated: the *user* (a person), whose contributions
+may come through several items (SuperNodes they own, or examples — an arXiv paper belongs to all its authors).
+
+:class:`CohortPlanner` turns a sampler over items into per-round cohorts and the users behind them:
+* ``fixed-epoch``: the (k, b) schedule of 000 §2 over items;
+* ``bminsep``: 004 Alg. 2 (warm start) over items, participation rate p0 (1/p0 = 1/p + (b − 1));
+* ``multi-attribution``: 004 Alg. 3 — an item is blocked while any of its users is cooling down, so every user's
+  distinct participation rounds are ≥ b apart by construction.
+
+Because every sampler is a pure function of (public seed, round), the planner restores by replaying rounds
+0..t−1 — and the strategy checks the replay against its ledger (an audit of the checkpoint).
+
+:class:`SeparationMonitor` checks the *user-level* pattern that actually happens against the design min-sep:
+a user reaching the server through a second device, an operator override, or a late reply can break it even when
+the item sampler is correct. Gaps count distinct rounds; several items of one user in one round are a
+multiplicity (bounded by k_u), not a gap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from corrflow.errors import require
+from corrflow.participation.samplers import BMinSepSampler, MultiAttributionSampler
+
+PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    kind: str
+    items: int
+    users: int
+    rounds: int
+    min_sep: int
+    max_participations: int       # k: distinct rounds per user the factorization allows
+    items_per_user: int           # k_u: the most items one user holds (after bounding)
+    participation_rate: float     # p0 per item and round
+    sampling_probability: float   # p of the Poisson step (1 for fixed-epoch)
+    expected_cohort: float        # items per round the update is divided by
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CohortPlanner:
+    def __init__(self, kind: str, items: Sequence[str], item_users: Sequence[Sequence[int]], users: Sequence[str],
+                 rounds: int, min_sep: int, *, rate: float = 0.0, seed: int = 0):
+        require(kind in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}", kind)
+        require(len(items) == len(item_users) and len(items) >= 1, "items", "one user list per item, ≥ 1 item")
+        require(len(set(items)) == len(items), "items", "distinct item ids")
+        require(1 <= min_sep <= rounds, "min-sep", f"in [1, rounds = {rounds}]", min_sep)
+        self.kind, self.items, self.users = kind, list(items), list(users)
+        self.item_users = [list(map(int, u)) for u in item_users]
+        self.rounds, self.min_sep, self.seed = int(rounds), int(min_sep), int(seed)
+        self.index = {item: i for i, item in enumerate(self.items)}
+        per_user = np.zeros(len(self.users), dtype=np.int64)
+        for us in self.item_users:
+            per_user[us] += 1
+        self.items_per_user = int(per_user.max())
+        n = len(self.items)
+        if kind == "fixed-epoch":
+            require(rounds % min_sep == 0, "min-sep", f"a divisor of rounds = {rounds} for fixed-epoch", min_sep)
+            require(n >= min_sep, "num-users", f"at least b = {min_sep} items for a fixed-epoch schedule", n)
+            order = np.random.default_rng(seed).permutation(n)      # public: the order is not secret
+            self.groups = [sorted(int(i) for i in order[g::min_sep]) for g in range(min_sep)]
+            self.p0, self.p = 1.0 / min_sep, 1.0
+            self.expected = n / min_sep
+        else:
+            p0 = rate or 0.5 / min_sep
+            require(0 < p0 <= 1.0 / min_sep, "participation-rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", rate)
+            self.p0, self.p = p0, BMinSepSampler.probability_for_rate(p0, min_sep)
+            self.expected = n * p0
+        self._sampler = self._new_sampler()
+        self._cohorts: dict[int, list[int]] = {}
+
+    def _new_sampler(self):
+        if self.kind == "bminsep":
+            return BMinSepSampler(len(self.items), self.min_sep, self.p, self.seed, warm=True)
+        if self.kind == "multi-attribution":
+            return MultiAttributionSampler(self.item_users, len(self.users), self.min_sep, self.p, self.seed)
+        return None
+
+    @property
+    def max_participations(self) -> int:
+        if self.kind == "fixed-epoch":
+            return self.rounds // self.min_sep
+        return math.ceil(self.rounds / self.min_sep)
+
+    def summary(self) -> PlanSummary:
+        return PlanSummary(self.kind, len(self.items), len(self.users), self.rounds, self.min_sep,
+                           self.max_participations, self.items_per_user, self.p0, self.p, self.expected)
+
+    def cohort(self, t: int) -> list[str]:
+        """Item ids of round t (sorted). Rounds are drawn in order; earlier rounds are remembered for replay."""
+        require(0 <= t < self.rounds, "round", f"in [0, {self.rounds})", t)
+        if self.kind == "fixed-epoch":
+            return sorted(self.items[i] for i in self.groups[t % self.min_sep])
+        while self._sampler.next_round <= t:
+            r = self._sampler.next_round
+            self._cohorts[r] = [int(i) for i in self._sampler.sample()]
+        return sorted(self.items[i] for i in self._cohorts[t])
+
+    def users_of(self, item: str) -> list[str]:
+        return [self.users[u] for u in self.item_users[self.index[item]]]
+
+    def planned_rounds(self, item: str) -> list[int] | None:
+        """The rounds a fixed-epoch item trains in (None for random samplers)."""
+        if self.kind != "fixed-epoch":
+            return None
+        i = self.index[item]
+        g = next(g for g, members in enumerate(self.groups) if i in members)
+        return list(range(g, self.rounds, self.min_sep))
+
+    def to_dict(self) -> dict:
+        d = self.summary().to_dict()
+        if self.kind == "fixed-epoch":
+            d["cohort_sizes"] = sorted({len(g) for g in self.groups})
+        return d
+
+
+class SeparationMonitor:
+    """Smallest realised gap per user against the design ``min_sep`` (pure; the strategy applies the policy)."""
+
+    def __init__(self, min_sep: int):
+        self.min_sep = int(min_sep)
+
+    @staticmethod
+    def last_round(rounds: Sequence[int], before: int) -> int | None:
+        earlier = [r for r in rounds if r < before]
+        return max(earlier) if earlier else None
+
+    def gap(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
+        """Gap between round t and the user's latest earlier included round (None if it is their first)."""
+        last = self.last_round(included.get(user, ()), t)
+        return None if last is None else t - last
+
+    def violates(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
+        """The too-small gap if including ``user`` in round t breaks min-sep, else None."""
+        g = self.gap(included, user, t)
+        return g if g is not None and g < self.min_sep else None
