@@ -96,3 +96,31 @@ def test_one_over_i_plus_c_ratio():
     assert fam[0] - 1.0 == pytest.approx(0.99200, abs=1e-4)
     ratio = np.sqrt(loss(fam)[0] / optimize_toeplitz(PREFIX, n, 16).loss)
     assert ratio == pytest.approx(1.00123, abs=2e-5)
+
+
+def test_taper_heuristic_check_values():
+    """001 App. H taper, digest §9.7: n = 2000, k = 5, θ optimised for b = 400, taper from b₀ = 200."""
+    from corrflow.factorization import factorize, participation_for
+    from corrflow.factorization.sensitivity import toeplitz_min_sep_sensitivity
+    from corrflow.factorization.toeplitz import taper_coefficients
+
+    theta = optimize_toeplitz(Workload.prefix(), 2000, 400, 400, 5).coef
+    np.testing.assert_allclose(theta[:3], [0.53541, 0.27003, 0.20397], atol=2e-5)
+    tapered = taper_coefficients(theta, 200)
+    assert tapered.size == 399 and np.linalg.norm(tapered) == pytest.approx(1.0)
+    np.testing.assert_allclose(tapered[:199] / theta[:199], tapered[0] / theta[0])  # untouched below b₀
+
+    def rmse(coef, s):
+        err = ToeplitzEncoder(coef, 2000).per_query_error(Workload.prefix()).sum()
+        return np.sqrt(toeplitz_min_sep_sensitivity(coef, 2000, s, 5) ** 2 * err / 2000)
+
+    for s, plain, taper, ratio in [(200, 9.20244, 9.08831, 0.98760), (300, 8.66766, 8.36887, 0.96553),
+                                   (400, 7.84910, 8.06395, 1.02737)]:
+        assert rmse(theta, s) == pytest.approx(plain, abs=2e-5)
+        assert rmse(tapered, s) == pytest.approx(taper, abs=2e-5)
+        assert rmse(tapered, s) / rmse(theta, s) == pytest.approx(ratio, abs=2e-5)
+    fac = factorize("toeplitz", participation_for(2000, 5, 400, "min-sep"), bands=400, taper=200)
+    assert fac.bands == 399 and fac.metadata["taper_lower_min_sep"] == 200
+    assert fac.sensitivity.value == pytest.approx(1.0)
+    with pytest.raises(Exception, match="taper"):
+        factorize("banded", participation_for(20, 2), bands=4, taper=2)

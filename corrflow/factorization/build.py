@@ -14,7 +14,7 @@ from corrflow.factorization.closed_forms import best_gamma, bifr_encoder, bsr_en
 from corrflow.factorization.dense import optimize_dense
 from corrflow.factorization.encoders import BandedEncoder, Encoder, ToeplitzEncoder
 from corrflow.factorization.participation import Participation
-from corrflow.factorization.toeplitz import optimize_toeplitz
+from corrflow.factorization.toeplitz import optimize_toeplitz, taper_coefficients
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
 
@@ -36,10 +36,12 @@ def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
 
 
 def factorize(kind: str, participation: Participation, workload: Workload | None = None, *,
-              bands: int | None = None, stamps: int = 1, gamma: float | None = None,
+              bands: int | None = None, stamps: int = 1, gamma: float | None = None, taper: int | None = None,
               search_gamma: bool = False, tol: float = 5e-4, callback: ProgressCallback | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
+    ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
+    [b₀, bands]; the encoder is then left column-unnormalised, as in the digest's check values.
     ``stamps`` > 1 builds the mechanism for rounds/stamps rounds (epochs/stamps participations) and repeats it
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).
@@ -53,6 +55,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
         require(kind in BANDED_KINDS, "bands", f"only with kinds {BANDED_KINDS}", bands)
         require(isinstance(bands, int | np.integer) and 1 <= bands <= n // stamps, "bands",
                 f"an integer between 1 and rounds/stamps = {n // stamps}", bands)
+    require(taper is None or (kind == "toeplitz" and stamps == 1), "taper", "only with kind toeplitz (no stamps)",
+            taper)
     if gamma is not None:
         require(kind in ("bifr", "bsr", "lambda-cgd"), "gamma", "only with kinds bifr, bsr, lambda-cgd", gamma)
         require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
@@ -81,9 +85,13 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
         res = optimize_toeplitz(workload.toeplitz_part(), m, p, inner.min_sep, inner.max_participations,
                                 callback=callback)
         # Column normalisation (001 §3.2) keeps the exact √k sensitivity only when bands ≤ min_sep.
-        enc = ToeplitzEncoder(res.coef, m, column_normalize=p <= inner.min_sep)
-        meta.update(iterations=res.iterations, column_normalized=p <= inner.min_sep,
+        normalize = p <= inner.min_sep and taper is None
+        coef = res.coef if taper is None else taper_coefficients(res.coef, taper)
+        enc = ToeplitzEncoder(coef, m, column_normalize=normalize)
+        meta.update(iterations=res.iterations, column_normalized=normalize,
                     optimized_for=workload.toeplitz_part().to_dict())
+        if taper is not None:
+            meta["taper_lower_min_sep"] = int(taper)
     elif kind == "banded":
         res = optimize_banded(workload, m, p, callback=callback)
         enc = BandedEncoder(res.band)

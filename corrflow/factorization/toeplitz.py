@@ -145,3 +145,20 @@ def optimize_toeplitz(workload: Workload, n: int, bands: int, min_sep: int | Non
         if best is None or val < best[1]:
             best = (theta, val)
     return ToeplitzResult(best[0], float(best[1]), iterations)
+
+
+def taper_coefficients(coef: np.ndarray, lower_min_sep: int) -> np.ndarray:
+    """Robust banded Toeplitz for an uncertain min-sep in [b₀, b] (001 App. H heuristic, digest §5 / §9.7):
+    θ_i ← (b − i)/(b − b₀)·θ_i for 1-indexed i ≥ b₀, b = len(θ); the last coefficient becomes 0 and is dropped;
+    renormalised to ‖θ‖ = 1. Digest §9.7 (n = 2000, k = 5, b = 400, b₀ = 200): RMSE ratios to the untapered θ of
+    0.98760 / 0.96553 / 1.02737 at true min-sep 200 / 300 / 400."""
+    theta = np.asarray(coef, dtype=np.float64)
+    b = theta.size
+    require(1 <= lower_min_sep < b, "taper", f"a lower min-sep b₀ in [1, bands = {b})", lower_min_sep)
+    i = np.arange(1, b + 1)
+    out = theta.copy()
+    tail = i >= lower_min_sep
+    out[tail] *= (b - i[tail]) / (b - lower_min_sep)
+    out = out[:-1]
+    return out / np.linalg.norm(out)
+

@@ -39,15 +39,16 @@ def wait_for_nodes(grid: Grid, expected: int, timeout: float = 600.0) -> list[in
     return nodes
 
 
-def resolve_users(grid: Grid, nodes: list[int]) -> dict[int, str]:
-    """node id → stable user id: the SuperNode public key's fingerprint when node auth gives one, else (simulation)
-    the partition id the node reports."""
+def resolve_users(grid: Grid, nodes: list[int], by_partition: bool = False) -> dict[int, str]:
+    """node id → stable id: the SuperNode public key's fingerprint when node auth gives one, else (simulation) the
+    partition id the node reports. ``by_partition`` (cross-silo: the manifest names silos by partition) always
+    asks for the partition id."""
     keys = {}
     for info in grid.get_nodes() or []:
         key = bytes(getattr(info, "public_key", b"") or b"")
         if key:
             keys[int(info.node_id)] = "key-" + hashlib.sha256(key).hexdigest()[:24]
-    if all(n in keys for n in nodes):
+    if not by_partition and all(n in keys for n in nodes):
         return {n: keys[n] for n in nodes}
     queries = [Message(content=RecordDict({"config": ConfigRecord({"ask": "identity"})}),
                        message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
@@ -73,9 +74,10 @@ def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factoriza
         part = participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
     if path.exists():
         fac = Factorization.load(path)
-        if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part:
+        if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part and \
+                fac.metadata.get("taper_lower_min_sep") == (cfg.taper or None):
             return fac
-    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None)
+    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None)
     fac.save(path)
     return fac
 
@@ -165,7 +167,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     nodes = wait_for_nodes(grid, cfg.num_users)
-    directory = resolve_users(grid, nodes)
+    directory = resolve_users(grid, nodes, by_partition=cfg.mode == "cross-silo")
     planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
     if bounding.get("dropped"):
         log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,

@@ -64,6 +64,8 @@ def factorize(
     gamma: Annotated[float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")]
     = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
+    taper: Annotated[int | None, typer.Option(help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
+                                                   "uncertain in [b₀, bands])")] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
     describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
@@ -94,7 +96,7 @@ def factorize(
         part = participation_for(rounds, epochs, min_sep, participation)
         with Progress(f"factorize {kind}", quiet=quiet) as cb:
             fac = build(kind, part, wl, bands=bands, stamps=stamps, gamma=gamma, search_gamma=search_gamma,
-                        tol=tol, callback=cb)
+                        taper=taper, tol=tol, callback=cb)
         summary = fac.summary()
         if out is not None:
             summary["path"] = str(fac.save(out))
@@ -149,6 +151,20 @@ def simulate(
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
     backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
+    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004)")]
+    = "fixed-epoch",
+    min_sep: Annotated[int, typer.Option(help="b (0: rounds/epochs)")] = 0,
+    participation_rate: Annotated[float, typer.Option(help="p0 per item and round for samplers (0: 1/(2b))")] = 0.0,
+    policy: Annotated[str, typer.Option(help="when a user's realised gap < min-sep: reject or accept-and-account")]
+    = "reject",
+    accountant: Annotated[str, typer.Option(help="unamplified or monte-carlo (bminsep)")] = "unamplified",
+    mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
+    attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata")]
+    = None,
+    manifest: Annotated[Path | None, typer.Option(help="cross-silo: partition manifest (corrflow data partition)")]
+    = None,
+    max_items_per_user: Annotated[int, typer.Option(help="k_u: per-user contribution bound (0: none)")] = 0,
+    taper: Annotated[int, typer.Option(help="toeplitz: b₀ of the 001 App. H taper (0: none)")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report."""
@@ -159,7 +175,17 @@ def simulate(
             raise InvalidArgumentError("--client", "numpy or keras", client)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
+        if mode == "cross-silo":  # one simulated node per silo of the manifest
+            from corrflow.data.partition import load_manifest
+
+            if manifest is None:
+                raise InvalidArgumentError("--manifest", "a partition manifest with --mode cross-silo")
+            users = int(load_manifest(manifest)["num_partitions"])
         cfg = StrategyConfig(num_users=users, num_rounds=rounds, epochs=epochs, kind=kind,
+                             participation=participation, min_sep=min_sep, participation_rate=participation_rate,
+                             policy=policy, accountant=accountant, mode=mode,
+                             attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
+                             max_items_per_user=max_items_per_user, taper=taper,
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
                              noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
                              local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
@@ -173,6 +199,10 @@ def simulate(
             mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
             _emit({"mechanism": f"{mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}"
                                 f", bands={mech['bands']}), {mech['rounds']} rounds",
+                   "participation": f"{planned['participation']['kind']} ({planned['participation']['mode']}), "
+                                    f"expected cohort {planned['participation']['expected_cohort']:g}, "
+                                    f"k_u = {planned['participation']['items_per_user']}",
+                   "accountant": report["accountant"]["name"],
                    "noise_multiplier": report["noise_multiplier"], "clip_norm": report["clip_norm"],
                    "delta": report["delta"], "target_epsilon": report["target_epsilon"],
                    "epsilon_planned": planned["epsilon"], "epsilon_realized": realized["epsilon"],
@@ -180,6 +210,8 @@ def simulate(
                    "users": len(realized["participation"]["users"]),
                    "max_participations": realized["participation"]["max_participations"],
                    "min_gap": realized["participation"]["min_gap"], "rejections": realized["rejections"],
+                   "policy": realized["participation"]["policy"],
+                   "overrides": len(realized["participation"]["overrides"]),
                    "rounds_completed": report["rounds_completed"],
                    "report": str(out / "privacy_report.json")}, False)
     except (CorrflowError, IntegrityError) as exc:

@@ -22,6 +22,7 @@ class StrategyConfig:
     epochs: int = 2
     kind: str = "toeplitz"
     bands: int = 0                  # 0: the factorization's default (min-sep)
+    taper: int = 0                  # toeplitz: b₀ of the 001 App. H taper when min-sep is uncertain; 0 = none
     noise_multiplier: float = 0.0   # 0: calibrate from target_epsilon
     target_epsilon: float = 0.0     # 0: no target (then noise_multiplier is required)
     delta: float = 1e-5
@@ -70,6 +71,8 @@ class StrategyConfig:
             require(1 <= self.b <= self.num_rounds, "min-sep", f"in [1, num-rounds = {self.num_rounds}]", self.b)
             require(0 <= self.participation_rate <= 1.0 / self.b, "participation-rate",
                     f"in (0, 1/min-sep = {1 / self.b:g}] (0: 1/(2·min-sep))", self.participation_rate)
+        require(self.taper == 0 or (self.kind == "toeplitz" and 1 <= self.taper < (self.bands or self.b)),
+                "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
         require(self.accountant in ("unamplified", "monte-carlo"), "accountant", "unamplified or monte-carlo",
                 self.accountant)
         require(self.accountant == "unamplified" or self.participation == "bminsep", "accountant",

@@ -157,10 +157,10 @@ class CorrelatedNoiseStrategy(Strategy):
                 log.warning("budget guard: %s; training stops", self.stopped_reason)
                 return []
         self.ledger.select(t, self._round_users)  # selected counts as participating, whether or not it replies
-        if not self._warned_posthoc and any(o["action"] == "accepted-and-accounted" for o in self.ledger.overrides):
+        if not self._warned_posthoc and self.sigma > 0 and self._posthoc_active():
             self._warned_posthoc = True
             log.warning("round %d: min-sep broken and accepted (policy accept-and-account): the report now uses "
-                        "post-hoc accounting of the realised participation, ε = %s", t, self._realized(
+                        "post-hoc accounting of the realised participation, ε = %.4f", t, self._realized(
                             self.ledger.selected)[1])
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": t, "local-lr": self.cfg.local_lr, "local-steps": self.cfg.local_steps,

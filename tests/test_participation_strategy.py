@@ -1,0 +1,234 @@
+"""Participation control in the strategy: planner, separation monitor and its policies, operator overrides,
+users with several devices, b-min-sep cohorts with Monte Carlo planning, cross-silo multi-attribution on arXiv-style
+data with user-level caps."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
+
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
+from corrflow.clients.numpy_client import identity, train  # noqa: E402
+from corrflow.data.arxiv import ArxivReader, ArxivSpec, arxiv_attribution, generate_arxiv  # noqa: E402
+from corrflow.data.partition import make_manifest, write_manifest  # noqa: E402
+from corrflow.errors import InvalidArgumentError  # noqa: E402
+from corrflow.factorization import Factorization  # noqa: E402
+from corrflow.participation.planner import CohortPlanner, SeparationMonitor  # noqa: E402
+from corrflow.server.app import run_server  # noqa: E402
+from corrflow.server.inprocess import InProcessGrid  # noqa: E402
+from corrflow.strategies.config import StrategyConfig  # noqa: E402
+
+HANDLERS = {"train": train, "query": identity}
+KEY = bytes(range(16))
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(num_users=12, num_rounds=6, epochs=2, noise_multiplier=0.7, model_dim=6,
+                state_dir=str(tmp_path / "state"))
+    base.update(kw)
+    return StrategyConfig(**base)
+
+
+def _recompute(tmp_path, strategy):
+    """ε of the realised pattern, recomputed from the ledger with the accounting layer alone."""
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, strategy.ledger.selected)
+    return epsilon_of(unamplified_event(strategy.sigma, sens.value), strategy.cfg.delta)
+
+
+# ---------------------------------------------------------------------------------------------- planner (pure)
+
+def test_planner_fixed_epoch_and_samplers():
+    ids = [f"partition-{i}" for i in range(12)]
+    p = CohortPlanner("fixed-epoch", ids, [[i] for i in range(12)], ids, rounds=6, min_sep=3)
+    rounds = {i: [t for t in range(6) if i in p.cohort(t)] for i in ids}
+    assert all(len(r) == 2 and r[1] - r[0] == 3 for r in rounds.values()) and p.expected == 4
+    assert p.planned_rounds(ids[0]) == rounds[ids[0]]
+    q = CohortPlanner("bminsep", ids * 1 + [f"x{i}" for i in range(188)], [[i] for i in range(200)],
+                      ids + [f"x{i}" for i in range(188)], rounds=400, min_sep=5, rate=0.1, seed=3)
+    sizes = [len(q.cohort(t)) for t in range(400)]
+    assert abs(np.mean(sizes) - 20) < 1.0 and q.summary().sampling_probability == pytest.approx(0.1 / 0.6)
+    again = CohortPlanner("bminsep", q.items, q.item_users, q.users, rounds=400, min_sep=5, rate=0.1, seed=3)
+    assert again.cohort(250) == q.cohort(250)                                   # replay from the seed
+    # Multi-attribution: every user's distinct rounds are ≥ b apart although items share users.
+    rng = np.random.default_rng(0)
+    item_users = [sorted(set(rng.integers(0, 30, size=rng.integers(1, 4)).tolist())) for _ in range(120)]
+    m = CohortPlanner("multi-attribution", [f"e{i}" for i in range(120)], item_users,
+                      [f"u{j}" for j in range(30)], rounds=60, min_sep=4, rate=0.05, seed=1)
+    seen: dict[str, list[int]] = {}
+    for t in range(60):
+        for item in m.cohort(t):
+            for u in m.users_of(item):
+                seen.setdefault(u, []).append(t)
+    gaps = [np.diff(np.unique(r)).min() for r in seen.values() if len(set(r)) > 1]
+    assert gaps and min(gaps) >= 4
+    with pytest.raises(InvalidArgumentError, match="participation-rate"):
+        CohortPlanner("bminsep", ids, [[i] for i in range(12)], ids, rounds=6, min_sep=3, rate=0.5)
+
+
+def test_separation_monitor():
+    mon = SeparationMonitor(3)
+    included = {"a": [0, 0, 3], "b": [1]}
+    assert mon.violates(included, "a", 5) == 2 and mon.violates(included, "a", 6) is None
+    assert mon.violates(included, "b", 4) is None and mon.violates(included, "c", 0) is None
+    assert mon.gap(included, "a", 3) == 3                  # same-round multiplicity is not a gap
+
+
+# ---------------------------------------------------------------------------------------------- policies
+
+def _early_return(strategy, metrics):
+    """Operator script: after round 0, bring one of its users back in round 1 (gap 1 < min-sep 3)."""
+    if metrics["round"] == 0:
+        strategy.override(1, [strategy.planner.cohort(0)[0]])
+
+
+def test_early_return_rejected_by_default(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True,
+                       on_round_end=_early_return)
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    part = report["realized"]["participation"]
+    assert part["policy"] == "reject" and len(part["overrides"]) == 1
+    o = part["overrides"][0]
+    assert o["round"] == 1 and o["gap"] == 1 and o["source"] == "override" and o["action"] == "rejected"
+    assert part["min_gap"] == 3 and part["max_participations"] == 2                 # the plan was kept
+    assert report["realized"]["epsilon"] == pytest.approx(report["planned"]["epsilon"], rel=1e-9)
+    assert report["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path, s), rel=1e-12)
+    assert any("separation: gap 1 < min-sep 3" in r["reason"] for r in s.ledger.rejections)
+    assert "breaks min-sep" in caplog.text
+
+
+def test_early_return_accept_and_account(tmp_path, caplog):
+    cfg = _cfg(tmp_path, policy="accept-and-account")
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True,
+                       on_round_end=_early_return)
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    part = report["realized"]["participation"]
+    # The early return (gap 1), and then the user's scheduled round 3 comes too soon after it (gap 2): both
+    # are accepted and accounted.
+    assert [(o["round"], o["source"], o["gap"], o["action"]) for o in part["overrides"]] == [
+        (1, "override", 1, "accepted-and-accounted"), (3, "sampler", 2, "accepted-and-accounted")]
+    assert part["min_gap"] == 1
+    assert part["max_participations"] == 3
+    assert report["realized"]["accounting"].startswith("post-hoc")
+    eps = report["realized"]["epsilon"]
+    assert eps == pytest.approx(_recompute(tmp_path, s), rel=1e-12)              # the post-hoc recomputation
+    assert eps > report["planned"]["epsilon"] * 1.01                              # and above the plan
+    assert caplog.text.count("policy accept-and-account") == 1                   # warned once, with the new ε
+    assert f"ε = {s.ledger.epsilon_history[1]:.4f}" in caplog.text            # ε right after the first one
+
+
+def test_user_with_two_devices(tmp_path):
+    """Items are SuperNodes; persons own two each. The item schedule is right, the user-level pattern is not:
+    the monitor catches it; k_u = 2 doubles the planned sensitivity."""
+    graph = tmp_path / "devices.csv"
+    graph.write_text("item,user\n" + "".join(f"partition-{i},person-{i // 2}\n" for i in range(12)))
+    runs = {}
+    for policy in ("reject", "accept-and-account"):
+        d = tmp_path / policy
+        cfg = _cfg(d, attribution_path=str(graph), policy=policy)
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, d, noise_key=KEY, quiet=True)
+        runs[policy] = (s, json.loads((d / "privacy_report.json").read_text()))
+        rep = runs[policy][1]
+        assert rep["planned"]["sensitivity"] == pytest.approx(2.0)
+        assert rep["planned"]["epsilon"] == pytest.approx(
+            epsilon_of(unamplified_event(0.7 / 2, 1.0), cfg.delta), rel=1e-6)
+        assert len(rep["realized"]["participation"]["users"]) == 6
+        assert rep["realized"]["epsilon"] == pytest.approx(_recompute(d, s), rel=1e-12)
+    split = [o for o in runs["reject"][1]["realized"]["participation"]["overrides"] if o["source"] == "sampler"]
+    assert split and all(o["action"] == "rejected" for o in split)
+    assert (runs["reject"][1]["realized"]["participation"]["min_gap"] or 3) >= 3
+    assert runs["accept-and-account"][1]["realized"]["participation"]["min_gap"] < 3
+
+
+# ---------------------------------------------------------------------------------------------- b-min-sep
+
+def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
+    cfg = _cfg(tmp_path, num_users=40, num_rounds=12, epochs=4, participation="bminsep", participation_rate=0.2,
+               accountant="monte-carlo", mc_samples=4000, noise_multiplier=1.5, kind="toeplitz")
+    s = run_server(InProcessGrid(HANDLERS, 40), cfg, tmp_path, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert rep["accountant"]["name"] == "monte-carlo" and rep["accountant"]["min_sep"] == 3
+    assert rep["planned"]["participation"]["expected_cohort"] == pytest.approx(8.0)
+    part = rep["realized"]["participation"]
+    assert part["min_gap"] >= 3 and part["overrides"] == []
+    assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]           # the sampler's pattern was followed
+    assert rep["planned"]["epsilon"] < epsilon_of(unamplified_event(1.5, 1.0), cfg.delta)   # amplification
+    assert all(m["cohort"] == pytest.approx(8.0) for m in s.metrics_history)
+    # The selections are exactly the sampler's, replayed from the public seed.
+    again = CohortPlanner("bminsep", s.planner.items, s.planner.item_users, s.planner.users, 12, 3, rate=0.2,
+                          seed=cfg.schedule_seed)
+    replay: dict[str, list[int]] = {}
+    for t in range(12):
+        for item in again.cohort(t):
+            replay.setdefault(item, []).append(t)
+    assert replay == s.ledger.selected
+
+
+# ---------------------------------------------------------------------------------------------- cross-silo arXiv
+
+def _arxiv_setup(tmp_path, silos=3):
+    data = tmp_path / "arxiv.jsonl"
+    generate_arxiv(data, ArxivSpec(users=150, seed=5))
+    manifest = write_manifest(make_manifest(data, partitions=silos), tmp_path / "manifest.json")
+    return data, manifest
+
+
+def test_cross_silo_arxiv_multi_attribution_end_to_end(tmp_path):
+    data, manifest = _arxiv_setup(tmp_path)
+    cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
+               participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
+               manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0)
+    s = run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert rep["rounds_completed"] == 12 and rep["planned"]["epsilon"] > 0 and rep["realized"]["epsilon"] > 0
+    bounding = rep["accountant"]["contribution_bounding"]
+    assert bounding["dropped"] > 0 and bounding["max_items_per_user"] == 2
+    graph = arxiv_attribution(ArxivReader(data))
+    assert bounding["items"] == graph.num_items
+    # User-level caps and separation held for every author.
+    per_user = np.zeros(len(s.planner.users), dtype=int)
+    for us in s.planner.item_users:
+        per_user[us] += 1
+    assert per_user.max() <= 2 and s.planner.items_per_user <= 2
+    for rounds in s.ledger.selected.values():
+        distinct = np.unique(rounds)
+        assert np.all(np.diff(distinct) >= 4) and max(np.unique(rounds, return_counts=True)[1]) <= 2
+    assert rep["realized"]["epsilon"] <= rep["planned"]["epsilon"] * (1 + 1e-9)
+    assert rep["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path, s), rel=1e-12)
+    assert sum(m["rejected"] for m in s.metrics_history) == 0
+    assert sum(m["replies"] for m in s.metrics_history) > 0
+
+
+def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
+    data, manifest = _arxiv_setup(tmp_path)
+
+    def inflate(replies):   # a silo that skips per-item clipping: returns 10 × the bound
+        out = []
+        for r in replies:
+            arrays = r.content["arrays"].to_numpy_ndarrays()
+            n = int(r.content["metrics"]["num-items"])
+            big = [np.full_like(a, 10.0 * n) for a in arrays]         # ‖·‖ ≥ 10·n > n·clip (clip = 1)
+            out.append(Message(RecordDict({"arrays": ArrayRecord(big), "metrics": MetricRecord({"num-items": n})}),
+                               reply_to=_request(r)))
+        return out
+
+    cfg = _cfg(tmp_path, num_users=3, num_rounds=4, epochs=2, participation="multi-attribution",
+               participation_rate=0.1, mode="cross-silo", attribution_path=str(data), manifest_path=str(manifest),
+               max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0)
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(InProcessGrid(HANDLERS, 3, tamper=inflate), cfg, tmp_path, noise_key=KEY, quiet=True)
+    assert s.next_round == 4 and sum(m["replies"] for m in s.metrics_history) == 0
+    assert any("per-item clipping not honoured" in r["reason"] for r in s.ledger.rejections)
+
+
+def _request(reply):
+    """A stand-in for the request a reply answers (same node), to build tampered replies."""
+    return Message(content=RecordDict({}), message_type="train", dst_node_id=int(reply.metadata.src_node_id))
