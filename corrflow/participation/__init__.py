@@ -1,8 +1,10 @@
-"""Participation control: samplers that decide who trains when (004), replayable from a seed; attribution graphs
-(items → users) and per-user contribution bounding. Separation monitoring in the strategy follows (issue 7).
+"""Participation control: samplers that decide who trains when (004), replayable from a public seed; attribution
+graphs (items → users), per-user contribution bounding, the cohort planner and the separation monitor the strategy
+uses to keep (or account for) the user-level pattern the guarantee assumes.
 """
 
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
+from corrflow.participation.planner import PARTICIPATIONS, CohortPlanner, SeparationMonitor
 from corrflow.participation.samplers import (
     BallsInBinsSampler,
     BMinSepSampler,
@@ -10,5 +12,6 @@ from corrflow.participation.samplers import (
     MultiAttributionSampler,
 )
 
-__all__ = ["AttributionGraph", "BMinSepSampler", "BallsInBinsSampler", "CyclicPoissonSampler",
-           "MultiAttributionSampler", "bound_contributions", "load_attribution"]
+__all__ = ["PARTICIPATIONS", "AttributionGraph", "BMinSepSampler", "BallsInBinsSampler", "CohortPlanner",
+           "CyclicPoissonSampler", "MultiAttributionSampler", "SeparationMonitor", "bound_contributions",
+           "load_attribution"]
