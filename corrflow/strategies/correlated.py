@@ -77,6 +77,7 @@ class CorrelatedNoiseStrategy(Strategy):
             "name": "pld", "sampling": f"none ({planner.kind}, unamplified)",
             "normalisation": "sensitivity 1 under the planned participation", "slack": 0.0}
         self._pending_overrides: dict[int, list[str]] = {}
+        self._round_users: list[str] = []     # users behind round t's included items (with multiplicity)
         self._warned_posthoc = False
         self.tracker = PrivacyTracker(factorization, self.sigma, config.delta)
         self.state_dir = Path(config.state_dir)
@@ -144,7 +145,7 @@ class CorrelatedNoiseStrategy(Strategy):
         self._expected = {}
         if t >= self.cfg.num_rounds or self.stopped_reason:
             return []
-        n_overrides = len(self.ledger.overrides)
+        n_overrides, n_rejections = len(self.ledger.overrides), len(self.ledger.rejections)
         cohort = self._plan_round(t)
         if self.cfg.target_epsilon > 0:  # budget guard: refuse a round that would exceed the target
             prospective = {u: list(r) for u, r in self.ledger.selected.items()}
@@ -152,7 +153,8 @@ class CorrelatedNoiseStrategy(Strategy):
                 prospective.setdefault(u, []).append(t)
             eps = self._realized(prospective)[1]
             if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
-                del self.ledger.overrides[n_overrides:]
+                del self.ledger.overrides[n_overrides:]      # the round does not happen
+                del self.ledger.rejections[n_rejections:]
                 self.stopped_reason = f"round {t} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
                 log.warning("budget guard: %s; training stops", self.stopped_reason)
                 return []
