@@ -56,14 +56,19 @@ class Lexicon:
         return np.asarray(self.words, dtype=object)
 
     @cached_property
-    def _cdf(self) -> np.ndarray:
+    def topic_words(self) -> list[np.ndarray]:
+        """Word indices boosted in each topic. The head (function words) stays shared; topic words come from
+        the rest."""
         rng = np.random.default_rng([self.seed, 7])
+        return [np.sort(rng.choice(np.arange(len(_COMMON), self.size), int(self.topic_share * self.size), False))
+                for _ in range(self.topics)]
+
+    @cached_property
+    def _cdf(self) -> np.ndarray:
         base = 1.0 / np.arange(1, self.size + 1) ** self.zipf
         cdf = np.empty((self.topics, self.size))
-        for t in range(self.topics):
+        for t, boosted in enumerate(self.topic_words):
             p = base.copy()
-            # The head (function words) stays shared across topics; topic words come from the rest.
-            boosted = rng.choice(np.arange(len(_COMMON), self.size), int(self.topic_share * self.size), False)
             p[boosted] *= self.boost
             cdf[t] = np.cumsum(p / p.sum())
         cdf[:, -1] = 1.0
