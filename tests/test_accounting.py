@@ -170,6 +170,29 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     assert acc["candidates"][-1]["passed"] is False or len(acc["candidates"]) == 40
 
 
+def test_multi_attribution_monte_carlo():
+    """004 Thm 6.1 through ``account``: more items per user cost more ε at the same σ; every run stays below the
+    unamplified ε of its k_u-fold sensitivity; calibration never exceeds that fallback σ."""
+    fac = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
+    eps = {}
+    for k_u in (1, 2):
+        spec = SamplingSpec("multi-attribution", 48_000, 400, items_per_user=k_u)
+        res = account(fac, delta=1e-3, noise_multiplier=2.0, sampling=spec, mc_samples=10_000, seed=1)
+        acc = res["accountant"]
+        assert acc["items_per_user"] == k_u and acc["warm_start"] is False
+        eps[k_u] = res["epsilon"]
+        unamplified = account(fac, delta=1e-3, noise_multiplier=2.0 / k_u)["epsilon"]
+        assert eps[k_u] < unamplified
+    assert eps[2] > eps[1]
+    cal = account(fac, delta=1e-3, target_epsilon=3.0, mc_samples=5_000, seed=2, max_candidates=8,
+                  sampling=SamplingSpec("multi-attribution", 48_000, 400, items_per_user=2))
+    fallback = cal["accountant"]["fallback_noise_multiplier"]
+    assert fallback == pytest.approx(2 * account(fac, delta=1e-3, target_epsilon=3.0)["noise_multiplier"], rel=2e-3)
+    assert cal["noise_multiplier"] <= fallback
+    with pytest.raises(InvalidArgumentError, match="items_per_user"):
+        SamplingSpec("bminsep", 100, 10, items_per_user=2)
+
+
 def test_balls_in_bins_equals_warm_bminsep_p1():
     fac = factorize("toeplitz", participation_for(32, 4, 8, kind="min-sep"), bands=4)
     res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=SamplingSpec("balls-in-bins", 800, 100),

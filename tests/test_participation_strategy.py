@@ -207,6 +207,24 @@ def test_cross_silo_arxiv_multi_attribution_end_to_end(tmp_path):
     assert sum(m["replies"] for m in s.metrics_history) > 0
 
 
+def test_cross_silo_arxiv_with_monte_carlo_plan(tmp_path):
+    """The 004 §7.3 setting in miniature: multi-attribution sampling with k_u = 2, planned by Monte Carlo (Thm 6.1)
+    — amplified below the unamplified ε of sensitivity k_u; followed, so the realised ε is the planned one."""
+    data, manifest = _arxiv_setup(tmp_path)
+    cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
+               participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
+               manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0, accountant="monte-carlo",
+               mc_samples=5000)
+    run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    acc = rep["accountant"]
+    assert acc["name"] == "monte-carlo" and acc["items_per_user"] == 2 and acc["warm_start"] is False
+    assert acc["sampling_probability"] == pytest.approx(0.06 / (1 - 0.06 * 3))
+    assert rep["planned"]["epsilon"] < epsilon_of(unamplified_event(2.0 / 2, 1.0), cfg.delta)
+    assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
+    assert rep["realized"]["accounting"].startswith("as planned")
+
+
 def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
     data, manifest = _arxiv_setup(tmp_path)
 

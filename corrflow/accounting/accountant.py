@@ -4,7 +4,9 @@ Sampling schemes and the accountant each uses:
 * ``none``: unamplified, one Gaussian with σ/sensitivity (000 App. D.2) — PLD;
 * ``cyclic-poisson``: 001 Prop. 2.1 reduction to ⌈n/b⌉ subsampled Gaussians — PLD;
 * ``bminsep``: warm-start b-min-sep sampling (004 Alg. 2) — Monte Carlo (004 Eq. 1), EVR over a σ grid to calibrate;
-* ``balls-in-bins``: the same with p = 1 and b = N/B bins (004 §1.6) — Monte Carlo.
+* ``balls-in-bins``: the same with p = 1 and b = N/B bins (004 §1.6) — Monte Carlo;
+* ``multi-attribution``: 004 Alg. 3 with users holding ≤ k_u items, each available round drawing Binom(k_u, p) of
+  them (Thm 6.1, cold start) — Monte Carlo.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, ToeplitzEncoder
 
-SAMPLINGS = ("none", "cyclic-poisson", "bminsep", "balls-in-bins")
+SAMPLINGS = ("none", "cyclic-poisson", "bminsep", "balls-in-bins", "multi-attribution")
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,17 @@ class SamplingSpec:
     kind: str = "none"
     dataset_size: int | None = None
     expected_batch_size: float | None = None
+    items_per_user: int = 1                    # k_u (multi-attribution)
+    sampling_probability: float | None = None  # the sampler's Poisson p, when known (else derived from B/N)
 
     def __post_init__(self) -> None:
         require(self.kind in SAMPLINGS, "sampling", f"one of {SAMPLINGS}", self.kind)
+        require(isinstance(self.items_per_user, int) and self.items_per_user >= 1, "items_per_user",
+                "a positive integer", self.items_per_user)
+        require(self.items_per_user == 1 or self.kind == "multi-attribution", "items_per_user",
+                "1 unless sampling=multi-attribution", self.items_per_user)
+        require(self.sampling_probability is None or 0 < self.sampling_probability <= 1, "sampling_probability",
+                "a probability in (0, 1]", self.sampling_probability)
         if self.kind != "none":
             require(self.dataset_size is not None and self.dataset_size >= 1, "dataset_size",
                     f"a positive integer for sampling={self.kind}", self.dataset_size)
@@ -70,11 +80,14 @@ def _monte_carlo(fac: Factorization, sampling: SamplingSpec) -> tuple[MonteCarlo
         b = fac.participation.min_sep
         require(p0 <= 1.0 / b, "expected_batch_size", f"at most dataset_size/min_sep = "
                 f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
-        p = p0 / (1 - p0 * (b - 1))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
+        p = sampling.sampling_probability or p0 / (1 - p0 * (b - 1))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
     require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the banded "
             "recursion", band.shape[1])
-    params = {"min_sep": b, "sampling_probability": p, "participation_rate": p0, "warm_start": True}
-    return MonteCarloAccountant(band, b, p, warm=True), params
+    warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
+    k_u = sampling.items_per_user
+    params = {"min_sep": b, "sampling_probability": p, "participation_rate": p0, "warm_start": warm,
+              "items_per_user": k_u}
+    return MonteCarloAccountant(band, b, p, warm=warm, k_u=k_u), params
 
 
 def account(fac: Factorization, *, delta: float, noise_multiplier: float | None = None,
@@ -141,9 +154,9 @@ def _account_monte_carlo(fac, delta, sigma, target_epsilon, sampling, samples, s
                    guarantee=d_overall <= delta)
         return {"noise_multiplier": sigma, "epsilon": eps_hat, "accountant": acc}
     # Estimate-Verify-Release (004 Alg. 5): candidates from the fallback σ down by ``ratio``; the fallback (the
-    # unamplified σ for ≤ ⌈n/b⌉ participations, DP without Monte Carlo) is always valid.
+    # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
     k = math.ceil(fac.rounds / params["min_sep"])
-    sens_fb = float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
+    sens_fb = params["items_per_user"] * float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
     fallback, _ = calibrate_on_grid(lambda s: epsilon_of(unamplified_event(s, sens_fb), delta), target_epsilon,
                                     guess=sens_fb * dpa.get_sigma_gaussian(target_epsilon, delta))
     chosen, tried = fallback, []

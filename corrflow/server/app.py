@@ -137,8 +137,9 @@ def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPla
 
 def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> tuple[float, float | None, dict]:
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
-    factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: warm
-    b-min-sep sampling of 004 Alg. 2 (k_u = 1), verified at δ/2."""
+    factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
+    planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
+    Poisson probability p, verified at δ/2."""
     k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
@@ -146,10 +147,12 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
     target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
         {"target_epsilon": cfg.target_epsilon}
     if cfg.accountant == "monte-carlo":
-        require(k_u == 1, "accountant", "unamplified when a user holds several items (k_u > 1)", k_u)
-        res = account(fac, delta=cfg.delta, sampling=SamplingSpec("bminsep", planner.summary().items,
-                                                                  planner.expected), mc_samples=cfg.mc_samples,
-                      seed=cfg.schedule_seed, **target)
+        require(k_u == 1 or planner.kind == "multi-attribution", "accountant",
+                "participation multi-attribution when a user holds several items (k_u > 1)", k_u)
+        spec = SamplingSpec(planner.kind, planner.summary().items, planner.expected, items_per_user=k_u,
+                            sampling_probability=planner.p)
+        res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
+                      **target)
         return res["noise_multiplier"], res["epsilon"], res["accountant"]
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)

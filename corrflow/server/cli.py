@@ -111,7 +111,9 @@ def account(
     delta: Annotated[float, typer.Option(help="δ")],
     noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
     target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
-    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, bminsep or balls-in-bins")] = "none",
+    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, bminsep, balls-in-bins or "
+                                               "multi-attribution")] = "none",
+    items_per_user: Annotated[int, typer.Option(help="k_u: items per user, for multi-attribution")] = 1,
     dataset_size: Annotated[int | None, typer.Option(help="N (examples or users), for amplified sampling")] = None,
     expected_batch_size: Annotated[float | None, typer.Option(help="B, for amplified sampling")] = None,
     mc_samples: Annotated[int, typer.Option(help="Monte Carlo samples per direction (and per candidate σ)")]
@@ -129,7 +131,7 @@ def account(
             raise InvalidArgumentError("--noise-multiplier", "exactly one of --noise-multiplier and "
                                        "--target-epsilon")
         fac = Factorization.load(factorization)
-        spec = SamplingSpec(sampling, dataset_size, expected_batch_size)
+        spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user)
         _emit(run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                           sampling=spec, mc_samples=mc_samples, seed=seed), as_json)
     except (CorrflowError, IntegrityError) as exc:

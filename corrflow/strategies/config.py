@@ -47,7 +47,7 @@ class StrategyConfig:
     participation: str = "fixed-epoch"   # fixed-epoch | bminsep | multi-attribution
     min_sep: int = 0                # b; 0: num-rounds / epochs
     participation_rate: float = 0.0  # p0 per item and round for bminsep / multi-attribution; 0: 1/(2b)
-    accountant: str = "unamplified"  # unamplified (post-hoc capable) | monte-carlo (bminsep, 004 Eq. 1)
+    accountant: str = "unamplified"  # unamplified | monte-carlo (bminsep / multi-attribution, 004 Eq. 1, Thm 6.1)
     mc_samples: int = 100_000
     mode: str = "cross-device"      # cross-device (item = a SuperNode) | cross-silo (item = an example in a silo)
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
@@ -75,8 +75,9 @@ class StrategyConfig:
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
         require(self.accountant in ("unamplified", "monte-carlo"), "accountant", "unamplified or monte-carlo",
                 self.accountant)
-        require(self.accountant == "unamplified" or self.participation == "bminsep", "accountant",
-                "unamplified unless participation = bminsep (the Monte Carlo accountant of 004 Alg. 2)")
+        require(self.accountant == "unamplified" or self.participation != "fixed-epoch", "accountant",
+                "unamplified for fixed-epoch participation (Monte Carlo needs a sampler: bminsep or "
+                "multi-attribution, 004)")
         require(self.mode in ("cross-device", "cross-silo"), "mode", "cross-device or cross-silo", self.mode)
         require(self.mode == "cross-device" or bool(self.manifest_path), "manifest-path",
                 "a partition manifest (corrflow data partition) in cross-silo mode")
