@@ -11,9 +11,10 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
+from strategy_support import HANDLERS, KEY, request_for  # noqa: E402
+from strategy_support import small_config as _cfg  # noqa: E402
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
-from corrflow.clients.numpy_client import identity, train  # noqa: E402
 from corrflow.data.arxiv import ArxivReader, ArxivSpec, arxiv_attribution, generate_arxiv  # noqa: E402
 from corrflow.data.partition import make_manifest, write_manifest  # noqa: E402
 from corrflow.errors import InvalidArgumentError  # noqa: E402
@@ -21,17 +22,6 @@ from corrflow.factorization import Factorization  # noqa: E402
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor  # noqa: E402
 from corrflow.server.app import run_server  # noqa: E402
 from corrflow.server.inprocess import InProcessGrid  # noqa: E402
-from corrflow.strategies.config import StrategyConfig  # noqa: E402
-
-HANDLERS = {"train": train, "query": identity}
-KEY = bytes(range(16))
-
-
-def _cfg(tmp_path, **kw):
-    base = dict(num_users=12, num_rounds=6, epochs=2, noise_multiplier=0.7, model_dim=6,
-                state_dir=str(tmp_path / "state"))
-    base.update(kw)
-    return StrategyConfig(**base)
 
 
 def _recompute(tmp_path, strategy):
@@ -235,7 +225,7 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
             n = int(r.content["metrics"]["num-items"])
             big = [np.full_like(a, 10.0 * n) for a in arrays]         # ‖·‖ ≥ 10·n > n·clip (clip = 1)
             out.append(Message(RecordDict({"arrays": ArrayRecord(big), "metrics": MetricRecord({"num-items": n})}),
-                               reply_to=_request(r)))
+                               reply_to=request_for(r)))
         return out
 
     cfg = _cfg(tmp_path, num_users=3, num_rounds=4, epochs=2, participation="multi-attribution",
@@ -246,10 +236,6 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
     assert s.next_round == 4 and sum(m["replies"] for m in s.metrics_history) == 0
     assert any("per-item clipping not honoured" in r["reason"] for r in s.ledger.rejections)
 
-
-def _request(reply):
-    """A stand-in for the request a reply answers (same node), to build tampered replies."""
-    return Message(content=RecordDict({}), message_type="train", dst_node_id=int(reply.metadata.src_node_id))
 
 
 def test_bminsep_restart_replays_the_sampler(tmp_path):

@@ -11,25 +11,17 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
+from strategy_support import HANDLERS, KEY, request_for  # noqa: E402
+from strategy_support import small_config as _cfg  # noqa: E402
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
-from corrflow.clients.numpy_client import identity, train  # noqa: E402
+from corrflow.clients.numpy_client import identity  # noqa: E402
 from corrflow.errors import InvalidArgumentError  # noqa: E402
 from corrflow.factorization import Factorization  # noqa: E402
 from corrflow.noise import CorrelatedNoise  # noqa: E402
 from corrflow.server.app import run_server  # noqa: E402
 from corrflow.server.inprocess import InProcessGrid  # noqa: E402
 from corrflow.strategies.config import StrategyConfig  # noqa: E402
-
-HANDLERS = {"train": train, "query": identity}
-KEY = bytes(range(16))
-
-
-def _cfg(tmp_path, **kw):
-    base = dict(num_users=12, num_rounds=6, epochs=2, noise_multiplier=0.7, model_dim=6,
-                state_dir=str(tmp_path / "state"))
-    base.update(kw)
-    return StrategyConfig(**base)
 
 
 def _zero_train(msg, ctx):
@@ -90,18 +82,18 @@ def _tamper(kind):
             if kind == "nan":
                 arrays[0][0] = np.nan
                 out.append(Message(content=RecordDict({"arrays": ArrayRecord(arrays), "metrics":
-                                                       msg.content["metrics"]}), reply_to=_orig(msg)))
+                                                       msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "shape":
                 out.append(Message(content=RecordDict({"arrays": ArrayRecord([arrays[0][:-1], arrays[1]]),
-                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+                                                       "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "dtype":
                 out.append(Message(content=RecordDict({"arrays": ArrayRecord([a.astype(np.float64) for a in arrays]),
-                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+                                                       "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "keys":
                 out.append(Message(content=RecordDict({"weights": ArrayRecord(arrays),
-                                                       "metrics": msg.content["metrics"]}), reply_to=_orig(msg)))
+                                                       "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "error":
-                out.append(Message(Error(code=1, reason="device out of memory"), reply_to=_orig(msg)))
+                out.append(Message(Error(code=1, reason="device out of memory"), reply_to=request_for(msg)))
             elif kind == "duplicate":
                 out.extend([msg, msg])
             elif kind == "sender":
@@ -110,11 +102,6 @@ def _tamper(kind):
         return out
     return tamper
 
-
-def _orig(reply):
-    """A stand-in for the request a reply answers (same node), to build tampered replies."""
-    m = Message(content=RecordDict({}), message_type="train", dst_node_id=int(reply.metadata.src_node_id))
-    return m
 
 
 @pytest.mark.parametrize("kind, reason", [("nan", "NaN"), ("shape", "shape"), ("dtype", "dtype"),

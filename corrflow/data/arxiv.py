@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corrflow.data.lexicon import Lexicon
+from corrflow.data.lexicon import Lexicon, synthetic_word
 from corrflow.errors import DataFormatError, require
 from corrflow.participation.attribution import AttributionGraph
 
@@ -219,8 +219,6 @@ class ArxivSpec:
 
 def author_name(index: int) -> tuple[str, str]:
     """(last, first) of synthetic author ``index``: the last name is unique per index, so ids never collide."""
-    from corrflow.data.lexicon import synthetic_word
-
     return synthetic_word(1000 + index).capitalize(), _FIRST[index % len(_FIRST)]
 
 

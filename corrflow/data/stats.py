@@ -58,7 +58,7 @@ def stackoverflow_stats(path: str | os.PathLike, on_error: str = "raise") -> dic
             examples += n_examples
         return {"format": "stackoverflow-sqlite", "path": str(path), "users": len(per_user_all),
                 "examples": examples, "tokens": tokens, "examples_per_user": quantiles(per_user_all),
-                "users_per_example": quantiles(np.ones(1)) if examples else {}, "splits": splits,
+                "users_per_example": quantiles([1]) if examples else {}, "splits": splits,
                 "skipped": db.skipped}
 
 
