@@ -5,3 +5,14 @@ Layers, bottom up: ``factorization`` (workload, encoder, sensitivity), ``noise``
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["corrflow_identity_mod"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `import corrflow` does not import Flower.
+    if name == "corrflow_identity_mod":
+        from corrflow.clients.identity import corrflow_identity_mod
+
+        return corrflow_identity_mod
+    raise AttributeError(f"module 'corrflow' has no attribute {name!r}")

@@ -233,7 +233,9 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
                max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0)
     with caplog.at_level(logging.WARNING, logger="corrflow"):
         s = run_server(InProcessGrid(HANDLERS, 3, tamper=inflate), cfg, tmp_path, noise_key=KEY, quiet=True)
-    assert s.next_round == 4 and sum(m["replies"] for m in s.metrics_history) == 0
+    # Every reply of every round is rejected: the run stops after max-empty-rounds (3), saying why.
+    assert s.next_round == 3 and sum(m["replies"] for m in s.metrics_history) == 0
+    assert "no valid replies in 3 consecutive rounds" in s.stopped_reason and "per-item clipping" in s.stopped_reason
     assert any("per-item clipping not honoured" in r["reason"] for r in s.ledger.rejections)
 
 

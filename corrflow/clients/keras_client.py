@@ -8,12 +8,13 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from corrflow.clients.identity import corrflow_identity_mod
 from corrflow.clients.numpy_client import identity as _identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.federated import TextSource, text_source
 from corrflow.data.text_synth import accuracy_mask, xy
 
-app = ClientApp()
+app = ClientApp(mods=[corrflow_identity_mod])  # answers the server's identity probe
 SYNTHETIC = TextSource()
 
 

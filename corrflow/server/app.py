@@ -1,67 +1,35 @@
-"""The corrflow ServerApp: resolve stable user ids, build (or reuse) the factorization, calibrate σ, run the
-correlated-noise strategy, and write ``privacy_report.json`` and ``metrics.json``.
+"""The corrflow ServerApp: lock the output directory, check it against the release journal, resolve stable user
+ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise strategy, and write
+``privacy_report.json`` and ``metrics.json``.
 
 ``app`` reads Flower's run config (``flwr run``); :func:`make_server_app` binds a config for in-process simulation.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
-import time
+import threading
+from functools import partial
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from corrflow.accounting import account
 from corrflow.accounting.accountant import SamplingSpec
 from corrflow.clients.tasks import get_task
-from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError, require
+from corrflow.errors import IntegrityError, InvalidArgumentError, require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
 from corrflow.participation.planner import CohortPlanner
+from corrflow.server import identity as ids
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.run_state import RunLock, archive_run, check_resume
 
 log = logging.getLogger("corrflow")
-
-
-def wait_for_nodes(grid: Grid, expected: int, timeout: float = 600.0) -> list[int]:
-    """Nodes register asynchronously, also in simulation (flower.md §4.6): wait for ``expected`` of them."""
-    start = time.monotonic()
-    while len(nodes := sorted(int(n) for n in grid.get_node_ids())) < expected:
-        if time.monotonic() - start > timeout:
-            raise CorrflowError(f"only {len(nodes)} of {expected} nodes came online within {timeout:.0f} s")
-        time.sleep(0.2)
-    return nodes
-
-
-def resolve_users(grid: Grid, nodes: list[int], by_partition: bool = False) -> dict[int, str]:
-    """node id → stable id: the SuperNode public key's fingerprint when node auth gives one, else (simulation) the
-    partition id the node reports. ``by_partition`` (cross-silo: the manifest names silos by partition) always
-    asks for the partition id."""
-    keys = {}
-    for info in grid.get_nodes() or []:
-        key = bytes(getattr(info, "public_key", b"") or b"")
-        if key:
-            keys[int(info.node_id)] = "key-" + hashlib.sha256(key).hexdigest()[:24]
-    if not by_partition and all(n in keys for n in nodes):
-        return {n: keys[n] for n in nodes}
-    queries = [Message(content=RecordDict({"config": ConfigRecord({"ask": "identity"})}),
-                       message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
-    users = {}
-    for reply in grid.send_and_receive(queries, timeout=300):
-        if reply.has_error():
-            continue
-        metrics = reply.content.metric_records.get("metrics", MetricRecord())
-        if "partition-id" in metrics:
-            users[int(reply.metadata.src_node_id)] = f"partition-{int(metrics['partition-id'])}"
-    if len(set(users.values())) != len(users):
-        raise IntegrityError("two nodes reported the same partition id")
-    return users
 
 
 def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factorization:
@@ -166,40 +134,61 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
 
 
 def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_key: bytes | None = None,
-               quiet: bool = False, on_round_end=None) -> CorrelatedNoiseStrategy:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    nodes = wait_for_nodes(grid, cfg.num_users)
-    directory = resolve_users(grid, nodes, by_partition=cfg.mode == "cross-silo")
-    planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
-    if bounding.get("dropped"):
-        log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,
-                    bounding["dropped"], bounding["items"])
-    fac = load_or_build_factorization(cfg, out)
-    sigma, planned, accountant = plan_privacy(cfg, fac, planner)
-    accountant = {**accountant, "contribution_bounding": bounding}
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
+               quiet: bool = False, on_round_end=None, fresh: bool = False,
+               stop_event: threading.Event | None = None) -> CorrelatedNoiseStrategy:
+    """Run (or resume) the whole training under an exclusive lock on ``out_dir``. ``fresh`` moves an earlier run
+    aside first; ``stop_event`` (set by a signal handler) ends the run cleanly after the round in progress."""
+    out = Path(out_dir).resolve()
+    with RunLock(out):
+        if fresh:
+            archive_run(out)
+        resume = check_resume(out, cfg.state_dir)
+        source = cfg.identity or ids.default_identity(grid)
+        if source == "per-launch" and resume.checkpoint is not None:
+            raise IntegrityError(f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
+                                 "the nodes new identities, so the ledger could not follow them); start a new run "
+                                 "with --fresh")
+        log.info("corrflow: output %s (state %s), identity %s", out, Path(cfg.state_dir).resolve(), source)
+        nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
+        directory = ids.resolve(grid, nodes, source)
+        planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
+        if bounding.get("dropped"):
+            log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,
+                        bounding["dropped"], bounding["items"])
+        fac = load_or_build_factorization(cfg, out)
+        sigma, planned, accountant = plan_privacy(cfg, fac, planner)
+        accountant = {**accountant, "contribution_bounding": bounding}
+        task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
 
-    def round_end(strategy, metrics):
-        metrics.update(task.evaluate(strategy.params))
-        if not quiet:
-            acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
-            print(f"round {metrics['round'] + 1:>4}/{cfg.num_rounds}  replies {metrics['replies']:>3}/"
-                  f"{metrics['cohort']:<3} rejected {metrics['rejected']:<2} test-loss {metrics['test_loss']:.4f}"
-                  f"{acc}  ε {metrics.get('epsilon', float('nan')):.3f}", file=sys.stderr, flush=True)
-        (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
-        if on_round_end is not None:
-            on_round_end(strategy, metrics)
+        def round_end(strategy, metrics):
+            if not quiet:
+                print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
+            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+            if on_round_end is not None:
+                on_round_end(strategy, metrics)
 
-    strategy = CorrelatedNoiseStrategy(cfg, fac, task.initial_weights(), directory, noise_multiplier=sigma,
-                                       planned_epsilon=planned, noise_key=noise_key, out_dir=out,
-                                       on_round_end=round_end, planner=planner, item_home=item_home,
-                                       planned_accounting=accountant)
-    if strategy.remaining_rounds > 0:
-        strategy.start(grid=grid, initial_arrays=strategy.initial_arrays(), num_rounds=strategy.remaining_rounds,
-                       timeout=600)
-    (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
-    return strategy
+        strategy = CorrelatedNoiseStrategy(
+            cfg, fac, task.initial_weights(), directory, noise_multiplier=sigma, planned_epsilon=planned,
+            noise_key=noise_key, out_dir=out, on_round_end=round_end, planner=planner, item_home=item_home,
+            planned_accounting=accountant, resume=resume, identity=source, evaluate=task.evaluate,
+            resolve_nodes=partial(ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)),
+            stop_event=stop_event)
+        try:
+            strategy.start(grid=grid, timeout=cfg.node_timeout)
+        finally:
+            strategy.write_report()
+            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+        return strategy
+
+
+def round_line(metrics: dict, num_rounds: int) -> str:
+    """One line per round: replies accepted of the cohort, rejections and the most frequent reason, held-out
+    metrics and the realised ε."""
+    acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
+    loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
+    why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
+    return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
+            f" rejected {metrics['rejected']}{why}{loss}{acc}  ε {metrics.get('epsilon', float('nan')):.3f}")
 
 
 def make_server_app(cfg: StrategyConfig, out_dir: str | Path, **kwargs) -> ServerApp:
@@ -222,4 +211,4 @@ def main(grid: Grid, context: Context) -> None:
     except InvalidArgumentError as exc:
         log.error("bad run config: %s", exc)
         raise
-    run_server(grid, cfg, Path(cfg.state_dir).parent if cfg.state_dir else Path("."))
+    run_server(grid, cfg, Path(cfg.state_dir).parent)

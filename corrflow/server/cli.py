@@ -167,9 +167,18 @@ def simulate(
     = None,
     max_items_per_user: Annotated[int, typer.Option(help="k_u: per-user contribution bound (0: none)")] = 0,
     taper: Annotated[int, typer.Option(help="toeplitz: b₀ of the 001 App. H taper (0: none)")] = 0,
+    identity: Annotated[str, typer.Option(help="where user ids come from: partition-id (simulation default), "
+                                               "user-id, node-key or per-launch (can never resume)")] = "partition-id",
+    max_empty_rounds: Annotated[int, typer.Option(help="stop after this many consecutive rounds without an "
+                                                       "accepted reply (0: never)")] = 3,
+    fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
+                                             "deleted) instead of resuming it")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
 ) -> None:
-    """Run a federated simulation with correlated noise and print its privacy report."""
+    """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
+    resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
+    why) or refused, 2 bad arguments, 130 interrupted (state and report are complete; rerun to continue)."""
+    from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.strategies.config import StrategyConfig
 
     try:
@@ -191,10 +200,21 @@ def simulate(
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
                              noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
                              local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
-                             momentum=0.9, state_dir=str(out / "state"))
+                             momentum=0.9, state_dir=str(out / "state"), identity=identity,
+                             max_empty_rounds=max_empty_rounds)
+    except InvalidArgumentError as exc:   # name the flag, not the run-config key
+        flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
+        _fail(InvalidArgumentError(flag, exc.expected, exc.got))
+    except CorrflowError as exc:
+        _fail(exc)
+    try:
         from corrflow.server.simulation import simulate as run_sim
 
-        report = run_sim(cfg, out, backend=backend)
+        stopped = None
+        try:
+            report = run_sim(cfg, out, backend=backend, fresh=fresh)
+        except RunStoppedEarlyError as exc:
+            report, stopped = exc.report, exc
         if as_json:
             _emit(report, True)
         else:
@@ -215,7 +235,16 @@ def simulate(
                    "policy": realized["participation"]["policy"],
                    "overrides": len(realized["participation"]["overrides"]),
                    "rounds_completed": report["rounds_completed"],
+                   "stopped_reason": report.get("stopped_reason"),
                    "report": str(out / "privacy_report.json")}, False)
+        if stopped is not None:
+            typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
+                       err=True)
+            raise typer.Exit(code=1)
+    except RunInterruptedError as exc:
+        typer.echo(f"interrupted: {exc}. State and report in {out} are complete; rerun the same command to "
+                   "continue.", err=True)
+        raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
 

@@ -1,16 +1,21 @@
 """An in-process Flower Grid that delivers messages to ClientApp handler functions directly (no Ray, no network).
 
-For tests and debugging of the strategy: deterministic, fast, and able to inject faults (drop, corrupt, duplicate,
-foreign senders) through ``tamper``. Production and the README's simulation use Flower's own engines.
+For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults (drop,
+corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through :meth:`restart_node`. Handlers
+run behind corrflow's identity mod, as in corrflow's ClientApps (``mods=[]`` emulates an app without it).
+Production and the README's simulation use Flower's own engines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+
+from corrflow.clients.identity import corrflow_identity_mod
 
 
 def enable_offline_messages() -> None:
@@ -22,14 +27,21 @@ def enable_offline_messages() -> None:
 
 
 class InProcessGrid(Grid):
+    synchronous = True   # every reply exists once push_messages returns (replies may answer no request id)
+
     def __init__(self, handlers: dict[str, Callable[[Message, Context], Message]], num_nodes: int,
-                 tamper: Callable[[list[Message]], list[Message]] | None = None, first_node_id: int = 1 << 62):
+                 tamper: Callable[[list[Message]], list[Message]] | None = None, first_node_id: int = 1 << 62,
+                 mods: Sequence[Callable] = (corrflow_identity_mod,), node_config: Callable[[int], dict] | None = None):
         enable_offline_messages()
         self.handlers = handlers
         self.nodes = {first_node_id + 7919 * i: i for i in range(num_nodes)}  # large ids, like Flower's uint64s
         self.tamper = tamper
+        self.mods = list(mods)
+        self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
         self._run = None
+        self._replies: list[Message] = []
+        self._next_id = first_node_id + 7919 * num_nodes
 
     def set_run(self, run) -> None:
         self._run = run
@@ -37,6 +49,17 @@ class InProcessGrid(Grid):
     @property
     def run(self):
         return self._run
+
+    def restart_node(self, partition: int) -> int:
+        """The node of ``partition`` goes away and comes back with a new node id (an insecure SuperNode's
+        restart); returns the new id."""
+        old = next(n for n, p in self.nodes.items() if p == partition)
+        self.online.discard(old)
+        del self.nodes[old]
+        new, self._next_id = self._next_id, self._next_id + 7919
+        self.nodes[new] = partition
+        self.online.add(new)
+        return new
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
         return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
@@ -47,22 +70,43 @@ class InProcessGrid(Grid):
     def get_nodes(self):
         return []
 
-    def push_messages(self, messages):
-        raise NotImplementedError("use send_and_receive")
+    def _deliver(self, msg: Message) -> Message:
+        node = int(msg.metadata.dst_node_id)
+        if node not in self.online:
+            return Message(Error(code=1, reason="node unavailable"), reply_to=msg)
+        handler = self.handlers[msg.metadata.message_type.split(".")[0]]
+        ctx = Context(run_id=1, node_id=node, node_config={"partition-id": self.nodes[node],
+                                                           "num-partitions": len(self.nodes),
+                                                           **self.node_config(self.nodes[node])},
+                      state=RecordDict(), run_config={})
+        call = handler
+        for mod in reversed(self.mods):
+            call = (lambda m, inner: lambda msg_, ctx_: m(msg_, ctx_, inner))(mod, call)
+        return call(msg, ctx)
 
-    def pull_messages(self, message_ids):
-        raise NotImplementedError("use send_and_receive")
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids, replies, kinds = [], [], set()
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            ids.append(msg.metadata.message_id)
+            kinds.add(msg.metadata.message_type.split(".")[0])
+            replies.append(self._deliver(msg))
+        if self.tamper and kinds == {"train"} and not _probes(replies):
+            replies = self.tamper(replies)
+        self._replies.extend(replies)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        # Everything delivered, tampered replies (foreign senders, duplicates) included: they answer no id.
+        out, self._replies = self._replies, []
+        return out
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies, kinds = [], set()
-        for msg in messages:
-            node = int(msg.metadata.dst_node_id)
-            if node not in self.online:
-                continue
-            kind = msg.metadata.message_type.split(".")[0]
-            kinds.add(kind)
-            ctx = Context(run_id=1, node_id=node, node_config={"partition-id": self.nodes[node],
-                                                               "num-partitions": len(self.nodes)},
-                          state=RecordDict(), run_config={})
-            replies.append(self.handlers[kind](msg, ctx))
-        return self.tamper(replies) if self.tamper and kinds == {"train"} else replies
+        self.push_messages(messages)
+        return self.pull_messages([])
+
+
+def _probes(replies: list[Message]) -> bool:
+    from corrflow.clients.identity import REPLY_KEY
+
+    return any(not r.has_error() and REPLY_KEY in r.content.config_records for r in replies)

@@ -1,34 +1,97 @@
-"""Run a corrflow simulation: Flower's simulation engine (Ray; ``backend="flower"``) or the in-process grid."""
+"""Run a corrflow simulation: Flower's simulation engine (Ray; ``backend="flower"``) or the in-process grid.
+
+The first SIGINT or SIGTERM asks the server to stop: the round in flight is abandoned unreleased (or, if it is
+being aggregated, finished), the checkpoint and the report are written, and :class:`RunInterruptedError` is raised
+so the CLI exits with 130. A second signal is ignored while the server winds down (no traceback from Ray's threads).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import signal
+import threading
+import warnings
 from pathlib import Path
 
 from corrflow.strategies.config import StrategyConfig
 
+log = logging.getLogger("corrflow")
 
-def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower") -> dict:
-    """Run ``cfg`` and return the final privacy report (also in ``out_dir/privacy_report.json``)."""
+
+class RunInterruptedError(Exception):
+    """The run stopped on an operator signal; its state and report are complete."""
+
+
+class RunStoppedEarlyError(Exception):
+    """The run stopped before its planned rounds (budget guard, no valid replies); ``report`` says why."""
+
+    def __init__(self, report: dict):
+        super().__init__(report.get("stopped_reason"))
+        self.report = report
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Yields an Event that the first SIGINT/SIGTERM sets (main thread only; elsewhere signals are untouched)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if not stop.is_set():
+            log.warning("%s received: finishing the current round's bookkeeping and stopping (state is kept)",
+                        signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", *, fresh: bool = False,
+             noise_key: bytes | None = None, quiet: bool = False) -> dict:
+    """Run ``cfg`` and return the final privacy report (also in ``out_dir/privacy_report.json``). Raises
+    :class:`RunInterruptedError` after a signal and :class:`RunStoppedEarlyError` when the run ended before its
+    planned rounds. ``noise_key`` is for tests that compare runs bit for bit; a real run draws a fresh secret key."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
     task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
-    if backend == "inprocess":
-        from corrflow.server.inprocess import InProcessGrid
+    kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
+    with stop_on_signals() as stop:
+        if backend == "inprocess":
+            from corrflow.server.inprocess import InProcessGrid
 
-        run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, out)
-    else:
-        from flwr.simulation import run_simulation
+            run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, out, stop_event=stop, **kwargs)
+        else:
+            from flwr.simulation import run_simulation
 
-        run_simulation(server_app=make_server_app(cfg, out), client_app=task.client_app,
-                       num_supernodes=cfg.num_users, backend_config=_backend_config(cfg))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)   # the only in-process engine in flwr 1.41
+                try:
+                    run_simulation(server_app=make_server_app(cfg, out, stop_event=stop, **kwargs),
+                                   client_app=task.client_app, num_supernodes=cfg.num_users,
+                                   backend_config=_backend_config(cfg))
+                except RuntimeError:
+                    if not stop.is_set():   # Ray's workers die with the terminal's SIGINT; the server did not
+                        raise
     report_path = out / "privacy_report.json"
     if not report_path.exists():
         raise RuntimeError(f"the simulation produced no privacy report in {out} (see the log above)")
-    return json.loads(report_path.read_text())
+    report = json.loads(report_path.read_text())
+    if stop.is_set() and report["rounds_completed"] < cfg.num_rounds:
+        raise RunInterruptedError(report.get("stopped_reason") or "interrupted")
+    if report["rounds_completed"] < cfg.num_rounds:
+        raise RunStoppedEarlyError(report)
+    return report
 
 
 def _backend_config(cfg: StrategyConfig) -> dict:

@@ -1,10 +1,16 @@
 """Atomic server checkpoints: each round's state goes into a fresh directory that is fsynced and then published
 by atomically replacing the ``CURRENT`` pointer file; older directories are removed afterwards. A crash leaves
 either the old or the new checkpoint, never a mix. Each checkpoint directory is created 0700 (its ledger holds raw
-user ids); the private parts (noise key and buffer, report salt) are also 0600 files."""
+user ids); the private parts (noise key and buffer, report salt, server secret) are also 0600 files.
+
+Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC keyed by the
+server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise state or a missing file is
+refused on load, naming the file."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -16,6 +22,9 @@ import numpy as np
 from corrflow.errors import IntegrityError
 
 POINTER = "CURRENT"
+MANIFEST = "MANIFEST.json"
+SECRET = "server_secret"
+TEMP_PREFIX = ".tmp-"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,7 +40,7 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
     """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` files into ``state_dir/name``."""
     root = Path(state_dir)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=TEMP_PREFIX))
     try:
         for key, arrs in arrays.items():
             with open(tmp / f"{key}.npz", "wb") as f:
@@ -43,6 +52,7 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
                 f.write(data)
         if save_extra is not None:
             save_extra(tmp)
+        _write_manifest(tmp, name)
         for p in tmp.rglob("*"):
             if p.is_file():
                 with open(p, "rb") as f:
@@ -52,7 +62,7 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        ptr_fd, ptr_tmp = tempfile.mkstemp(dir=root, prefix=".tmp-ptr-")
+        ptr_fd, ptr_tmp = tempfile.mkstemp(dir=root, prefix=TEMP_PREFIX + "ptr-")
         with os.fdopen(ptr_fd, "w") as f:
             f.write(name)
             f.flush()
@@ -63,20 +73,85 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in root.iterdir():
-        if old.is_dir() and old.name != name and not old.name.startswith(".tmp-"):
+        if old.is_dir() and old.name != name and not old.name.startswith(TEMP_PREFIX):
             shutil.rmtree(old, ignore_errors=True)
     return root / name
 
 
 def current_checkpoint(state_dir: str | os.PathLike) -> Path | None:
+    """The published checkpoint, its manifest and HMAC verified; None when ``CURRENT`` does not exist."""
     root = Path(state_dir)
     ptr = root / POINTER
     if not ptr.exists():
         return None
-    path = root / ptr.read_text().strip()
-    if not (path / "state.json").exists():
-        raise IntegrityError(f"{root}: CURRENT points to {path.name}, which is incomplete")
+    name = ptr.read_text().strip()
+    path = root / name
+    if not name.startswith("round-") or "/" in name or not path.is_dir():
+        raise IntegrityError(f"{ptr}: points to {name!r}, which is not a checkpoint directory")
+    verify_checkpoint(path)
     return path
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            out[p.relative_to(directory).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _manifest_mac(secret: bytes, body: dict) -> str:
+    return hmac.new(secret, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def _write_manifest(directory: Path, name: str) -> None:
+    secret = (directory / SECRET).read_bytes()
+    body = {"checkpoint": name, "files": _file_digests(directory)}
+    (directory / MANIFEST).write_text(json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True))
+
+
+def verify_checkpoint(path: Path) -> str:
+    """Check every file of a checkpoint against its HMAC-authenticated manifest; returns the manifest's SHA-256.
+    Raises IntegrityError naming the first file that is missing, extra or changed."""
+    manifest_path, secret_path = path / MANIFEST, path / SECRET
+    for p in (manifest_path, secret_path):
+        if not p.is_file():
+            raise IntegrityError(f"{p}: missing (an incomplete or foreign checkpoint)")
+    secret = secret_path.read_bytes()
+    if len(secret) < 32:
+        raise IntegrityError(f"{secret_path}: the server secret is shorter than 32 bytes")
+    raw = manifest_path.read_bytes()
+    try:
+        manifest = json.loads(raw)
+        body = {"checkpoint": manifest["checkpoint"], "files": dict(manifest["files"])}
+        mac = str(manifest["hmac"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if not hmac.compare_digest(mac, _manifest_mac(secret, body)):
+        raise IntegrityError(f"{manifest_path}: the HMAC does not match the server secret (edited manifest)")
+    if body["checkpoint"] != path.name:
+        raise IntegrityError(f"{manifest_path}: the manifest belongs to {body['checkpoint']}, not {path.name}")
+    actual = _file_digests(path)
+    for rel in sorted(set(body["files"]) | set(actual)):
+        if rel not in actual:
+            raise IntegrityError(f"{path / rel}: missing from the checkpoint")
+        if rel not in body["files"]:
+            raise IntegrityError(f"{path / rel}: not listed in the checkpoint's manifest")
+        if actual[rel] != body["files"][rel]:
+            raise IntegrityError(f"{path / rel}: changed since the checkpoint was written (SHA-256 mismatch)")
+    return hashlib.sha256(raw).hexdigest()
+
+
+def remove_stale_temporaries(state_dir: str | os.PathLike) -> list[str]:
+    """Remove the temporary directories and pointer files a killed server left (they may hold key copies)."""
+    root = Path(state_dir)
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TEMP_PREFIX):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                removed.append(p.name)
+    return removed
 
 
 def load_arrays(path: Path, key: str) -> list[np.ndarray]:

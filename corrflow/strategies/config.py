@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 
 from corrflow.errors import InvalidArgumentError, require
 
 POLICIES = ("reject", "accept-and-account")
 PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
+# Where a node's stable user id comes from (the server cannot see whether SuperNode authentication is on, so the
+# operator declares it): see corrflow.server.identity. "" = partition-id in simulation, node-key in deployment.
+IDENTITIES = ("node-key", "user-id", "partition-id", "per-launch")
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,19 @@ class StrategyConfig:
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
     manifest_path: str = ""         # cross-silo: partition manifest (corrflow data partition) item → silo
     max_items_per_user: int = 0     # k_u: greedy contribution bounding (004 §6); 0 = no bounding
+    identity: str = ""              # node-key | user-id | partition-id | per-launch; "" = the engine's default
+    max_empty_rounds: int = 3       # stop after this many consecutive rounds without an accepted reply (0: never)
+    node_timeout: float = 600.0     # seconds to wait for the population's SuperNodes, and for replies each round
 
     def __post_init__(self) -> None:
+        for name in ("noise_multiplier", "target_epsilon", "participation_rate", "server_lr", "local_lr",
+                     "momentum", "cooldown_fraction", "zeroing_factor", "delta"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0, name.replace("_", "-"), "a finite number ≥ 0", value)
+        if self.noise_multiplier > 0:  # fail before a PLD library call could blow up on a tiny σ
+            from corrflow.accounting.mechanisms import check_sigma
+
+            check_sigma(self.noise_multiplier, "noise-multiplier")
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
         require(self.num_rounds >= 1, "num-rounds", "a positive integer", self.num_rounds)
         require(self.participation in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}",
@@ -88,7 +103,13 @@ class StrategyConfig:
         require(not (self.non_private and (self.noise_multiplier > 0 or self.target_epsilon > 0)), "non-private",
                 "no noise-multiplier or target-epsilon with a non-private baseline")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
-        require(self.clip_norm > 0, "clip-norm", "a positive number", self.clip_norm)
+        require(math.isfinite(self.clip_norm) and self.clip_norm > 0, "clip-norm", "a finite positive number",
+                self.clip_norm)
+        require(self.identity in ("",) + IDENTITIES, "identity", f"one of {IDENTITIES}", self.identity)
+        require(self.max_empty_rounds >= 0, "max-empty-rounds", "≥ 0 (0: never stop for empty rounds)",
+                self.max_empty_rounds)
+        require(math.isfinite(self.node_timeout) and self.node_timeout > 0, "node-timeout",
+                "a finite positive number of seconds", self.node_timeout)
         require(self.zeroing_factor >= 0, "zeroing-factor", "≥ 0 (0 disables zeroing)", self.zeroing_factor)
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
         require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
@@ -117,6 +138,8 @@ class StrategyConfig:
                 raise InvalidArgumentError(key, f"a known run-config key ({', '.join(sorted(known))})", value)
             f = known[key]
             default = f.default
+            if isinstance(value, bool) and not isinstance(default, bool):
+                raise InvalidArgumentError(key, f"a {type(default).__name__}, not a boolean", value)
             if isinstance(default, bool):
                 if not isinstance(value, bool):
                     raise InvalidArgumentError(key, "true or false", value)
@@ -133,8 +156,13 @@ class StrategyConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def fingerprint(self) -> str:
-        """Hash of everything that fixes the mechanism and the data order (restarts must match it)."""
+    def run_settings(self) -> dict:
+        """The settings that fix the mechanism and the data order (a restart must match them)."""
         d = self.to_dict()
-        d.pop("state_dir")
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+        for operational in ("state_dir", "max_empty_rounds", "node_timeout"):
+            d.pop(operational)
+        return d
+
+    def fingerprint(self) -> str:
+        """Hash of :meth:`run_settings`."""
+        return hashlib.sha256(json.dumps(self.run_settings(), sort_keys=True).encode()).hexdigest()

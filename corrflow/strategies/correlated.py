@@ -1,29 +1,43 @@
 """The correlated-noise Flower strategy (Message API; flwr 1.41/1.42).
 
-Each round t (0-based, DESIGN.md data flow): the cohort planner (fixed-epoch schedule, b-min-sep or multi-attribution
-sampler, 004) picks the items of round S_t — SuperNodes (cross-device) or examples held by silos (cross-silo) — and
-the separation monitor checks every user behind them against the design min-sep, applying the policy (``reject``,
-or ``accept-and-account``: include and switch to post-hoc accounting). Replies are validated, zeroed if
-ℓ∞ > zeroing·clip (000 App. F.3) and clipped to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped
-updates must already be within m·clip, or it is rejected); g_t = Σ clipped (summed in id order, so a restart
-reproduces it bit for bit); x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size (expected batch for samplers);
-the server optimizer of the workload takes the step; the ledger records selections (silent or rejected users count
-as participating) and the realised ε; the privacy report is rewritten; and the whole state is checkpointed
-atomically before the new model is released.
+A round is a short sequence of named steps (DESIGN.md data flow), and state changes happen once, after the checks:
+
+1. **plan** (no state change): the cohort planner (fixed-epoch schedule, b-min-sep or multi-attribution sampler,
+   004) picks round t's items — SuperNodes (cross-device) or examples held by silos (cross-silo) — plus operator
+   overrides; the separation monitor checks every user behind them against the design min-sep under the policy
+   (``reject``, or ``accept-and-account``: include and switch to post-hoc accounting); the budget guard refuses a
+   round that would exceed the target ε.
+2. **collect**: replies are validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped to ℓ2 ≤ clip on the
+   server (a cross-silo sum of m per-item-clipped updates must already be within m·clip, or it is rejected).
+3. **commit**: the ledger records the selections (silent or rejected users count as participating), replies,
+   rejections and overrides.
+4. **aggregate and step**: g_t = Σ clipped (summed in id order, so a restart reproduces it bit for bit);
+   x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size (expected batch for samplers); the workload's server
+   optimizer takes the step.
+5. **record**: evaluation, then checkpoint → release-journal entry → privacy report → release of the model.
+
+A round interrupted (SIGINT/SIGTERM) while replies are awaited is abandoned: nothing of it is committed or
+released, and a restart redoes it. The run stops — on the record, in ``stopped_reason`` — at the budget guard, on an
+operator interrupt, or after ``max_empty_rounds`` consecutive rounds without an accepted reply.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
+import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.accounting.report import hash_user_id, participation_section, privacy_report, write_report
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
@@ -32,13 +46,57 @@ from corrflow.noise import CorrelatedNoise
 from corrflow.noise.engine import restore_state, save_state
 from corrflow.noise.prng import new_secret
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
-from corrflow.strategies.checkpoint import current_checkpoint, load_arrays, write_checkpoint
+from corrflow.strategies.checkpoint import SECRET, load_arrays, verify_checkpoint, write_checkpoint
 from corrflow.strategies.config import StrategyConfig
+from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger, PrivacyTracker
+from corrflow.strategies.run_state import ResumePoint
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.strategies.validation import RejectedReplyError, check_arrays, zero_or_clip
 
 log = logging.getLogger("corrflow")
+
+INTERRUPTED = "interrupted by the operator (SIGINT/SIGTERM)"
+
+
+@dataclass
+class RoundPlan:
+    """Round t before anything is committed: included items, the users behind them (with multiplicity), the
+    override/separation records and the rejections found so far, and which node trains which item(s)."""
+    round: int
+    items: list[str]
+    users: list[str]
+    overrides: list[dict] = field(default_factory=list)
+    rejections: list[tuple[str, str]] = field(default_factory=list)      # (item or user, reason)
+    expected: dict[int, str | list[str]] = field(default_factory=dict)   # node -> item (or items, cross-silo)
+
+
+@dataclass
+class RoundOutcome:
+    accepted: dict[str, list[np.ndarray]]
+    counts: dict[str, int]
+    rejections: list[tuple[str | None, str]]
+
+
+def exchange(grid: Grid, messages: list[Message], timeout: float, stop: threading.Event) -> list[Message] | None:
+    """Push ``messages`` and pull their replies until all arrived, ``timeout`` passed or ``stop`` was set (then
+    None: the round is abandoned). Flower's ``send_and_receive`` cannot be interrupted."""
+    if not messages:
+        return []
+    pending = set(grid.push_messages(messages))
+    if getattr(grid, "synchronous", False):
+        return list(grid.pull_messages(pending))
+    replies: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        if stop.is_set():
+            return None
+        got = list(grid.pull_messages(pending))
+        replies.extend(got)
+        pending.difference_update(m.metadata.reply_to_message_id for m in got)
+        if pending:
+            stop.wait(0.05)
+    return None if stop.is_set() else replies
 
 
 class CorrelatedNoiseStrategy(Strategy):
@@ -48,7 +106,10 @@ class CorrelatedNoiseStrategy(Strategy):
                  directory: dict[int, str], *, noise_multiplier: float, planned_epsilon: float | None,
                  noise_key: bytes | None = None, out_dir: str | Path | None = None, on_round_end=None,
                  planner: CohortPlanner | None = None, item_home: dict[str, str] | None = None,
-                 planned_accounting: dict | None = None):
+                 planned_accounting: dict | None = None, resume: ResumePoint | None = None,
+                 identity: str = "partition-id", evaluate: Callable[[list[np.ndarray]], dict] | None = None,
+                 resolve_nodes: Callable[[list[int]], dict[int, str]] | None = None,
+                 stop_event: threading.Event | None = None):
         require(factorization.rounds == config.num_rounds, "factorization",
                 f"{config.num_rounds} rounds (num-rounds)", factorization.rounds)
         check_workload_matches(factorization.workload, config.momentum, config.cooldown_fraction)
@@ -58,6 +119,9 @@ class CorrelatedNoiseStrategy(Strategy):
         self.shapes = [tuple(a.shape) for a in initial]
         self.node_to_user = {int(k): str(v) for k, v in directory.items()}
         self.user_to_node = {u: n for n, u in self.node_to_user.items()}
+        self.identity = identity
+        self._resolve_nodes = resolve_nodes
+        self._unmapped: set[int] = set()
         if planner is None:  # every node is an item and its own user
             ids = sorted(self.user_to_node)
             planner = CohortPlanner(config.participation, ids, [[i] for i in range(len(ids))], ids,
@@ -77,26 +141,36 @@ class CorrelatedNoiseStrategy(Strategy):
             "name": "pld", "sampling": f"none ({planner.kind}, unamplified)",
             "normalisation": "sensitivity 1 under the planned participation", "slack": 0.0}
         self._pending_overrides: dict[int, list[str]] = {}
-        self._round_users: list[str] = []     # users behind round t's included items (with multiplicity)
+        self._pending: RoundPlan | None = None
         self._warned_posthoc = False
         self.tracker = PrivacyTracker(factorization, self.sigma, config.delta)
         self.state_dir = Path(config.state_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else self.state_dir
+        self.journal = ReleaseJournal(self.out_dir / JOURNAL)
         self.on_round_end = on_round_end
+        self.evaluate = evaluate
+        self.stop_event = stop_event or threading.Event()
         self.metrics_history: list[dict] = []
-        self._expected: dict[int, str | list[str]] = {}   # node -> item (cross-device) or items (cross-silo)
         self.stopped_reason: str | None = None
-        ckpt = current_checkpoint(self.state_dir)
-        if ckpt is None:
+        self.empty_streak = 0
+        resume = resume or ResumePoint(None, [], None)
+        self._last_hash = resume.journal[-1].hash if resume.journal else GENESIS
+        if resume.checkpoint is None:
             self.params = [np.asarray(a, dtype=np.float32).copy() for a in initial]
             self.optimizer = MomentumServerOptimizer(factorization.workload, config.num_rounds, config.server_lr,
                                                      self.shapes)
             self.noise = CorrelatedNoise(factorization, self.shapes, 1.0, key=noise_key or new_secret())
             self.ledger = Ledger()
-            self.salt = new_secret()
+            self.salt = secrets.token_bytes(32)
+            self.secret = secrets.token_bytes(32)
+            self.run_id = secrets.token_hex(8)
             self.next_round = 0
         else:
-            self._restore(ckpt)
+            self._restore(resume.checkpoint)
+            if resume.unreleased_round is not None:  # checkpointed, then killed before its journal entry
+                self._journal(resume.unreleased_round, resume.checkpoint)
+                log.info("round %d was checkpointed but not released before the restart; released now",
+                         resume.unreleased_round)
 
     # -- Flower Strategy API --------------------------------------------------------------------------------------
     @property
@@ -114,136 +188,61 @@ class CorrelatedNoiseStrategy(Strategy):
         require(not unknown, "items", "item ids known to the planner", unknown)
         self._pending_overrides.setdefault(int(round_index), []).extend(items)
 
-    def _plan_round(self, t: int) -> list[str]:
-        """Sampled items plus operator overrides, after the separation policy; records selections."""
-        sampled = self.planner.cohort(t)
-        forced = [i for i in self._pending_overrides.pop(t, []) if i not in sampled]
-        included, users = [], []
-        for item in sampled + forced:
-            owners = self.planner.users_of(item)
-            gaps = {u: g for u in owners if (g := self.monitor.violates(self.ledger.selected, u, t)) is not None}
-            source = "override" if item in forced else "sampler"
-            if gaps or source == "override":
-                action = "included" if not gaps else ("rejected" if self.cfg.policy == "reject"
-                                                      else "accepted-and-accounted")
-                self.ledger.overrides.append({"round": t, "item": item, "source": source, "users": owners,
-                                              "gap": min(gaps.values()) if gaps else None, "action": action})
-                if action == "rejected":
-                    self.ledger.reject(t, item, f"separation: gap {min(gaps.values())} < min-sep "
-                                                f"{self.planner.min_sep} (policy reject)")
-                    log.warning("round %d: %s item %s breaks min-sep for %d user(s); rejected", t, source, item,
-                                len(gaps))
-                    continue
-            included.append(item)
-            users.extend(owners)
-        self._round_users = users
-        return included
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None, **_unused) -> Result:
+        """Run the remaining rounds (a resumed run continues where its checkpoint stands). Replies are awaited in
+        an interruptible loop; an interrupt abandons the round in flight unreleased."""
+        timeout = self.cfg.node_timeout if timeout is None else timeout
+        last = self.next_round + (self.remaining_rounds if num_rounds is None else min(num_rounds,
+                                                                                        self.remaining_rounds))
+        result = Result()
+        arrays = self.initial_arrays()
+        while self.next_round < last and not self.stopped_reason:
+            if self.stop_event.is_set():
+                break
+            messages = list(self.configure_train(self.next_round + 1, arrays, train_config or ConfigRecord(), grid))
+            if self.stopped_reason:
+                break
+            replies = exchange(grid, messages, timeout, self.stop_event)
+            if replies is None:
+                self._pending = None   # abandoned: nothing of this round is committed or released
+                break
+            new_arrays, metrics = self.aggregate_train(self.next_round + 1, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+                result.train_metrics_clientapp[self.next_round] = metrics
+        if self.stop_event.is_set() and not self.stopped_reason and self.next_round < self.cfg.num_rounds:
+            self._stop(f"{INTERRUPTED} before round {self.next_round}; nothing of that round was released")
+        return result
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t = self.next_round
-        self._expected = {}
         if t >= self.cfg.num_rounds or self.stopped_reason:
             return []
-        n_overrides, n_rejections = len(self.ledger.overrides), len(self.ledger.rejections)
-        cohort = self._plan_round(t)
-        if self.cfg.target_epsilon > 0:  # budget guard: refuse a round that would exceed the target
-            prospective = {u: list(r) for u, r in self.ledger.selected.items()}
-            for u in self._round_users:
-                prospective.setdefault(u, []).append(t)
-            eps = self._realized(prospective)[1]
-            if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
-                del self.ledger.overrides[n_overrides:]      # the round does not happen
-                del self.ledger.rejections[n_rejections:]
-                self.stopped_reason = f"round {t} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
-                log.warning("budget guard: %s; training stops", self.stopped_reason)
-                return []
-        self.ledger.select(t, self._round_users)  # selected counts as participating, whether or not it replies
-        if not self._warned_posthoc and self.sigma > 0 and self._posthoc_active():
-            self._warned_posthoc = True
-            log.warning("round %d: min-sep broken and accepted (policy accept-and-account): the report now uses "
-                        "post-hoc accounting of the realised participation, ε = %.4f", t, self._realized(
-                            self.ledger.selected)[1])
-        online = set(int(n) for n in grid.get_node_ids())
-        cfg = ConfigRecord({"server-round": t, "local-lr": self.cfg.local_lr, "local-steps": self.cfg.local_steps,
-                            "clip-norm": self.cfg.clip_norm})
-        if self.cfg.data_path:  # clients read their user's examples from the same dataset file
-            cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
-                        "seq-len": self.cfg.seq_len})
-        targets: dict[int, list[str]] = {}
-        for item in cohort:
-            home = item if self.item_home is None else self.item_home[item]
-            node = self.user_to_node.get(home)
-            if node is None or node not in online:
-                self.ledger.reject(t, item, "offline when selected")
-                continue
-            targets.setdefault(node, []).append(item)
-        messages = []
-        for node, items in targets.items():
-            content = {"arrays": arrays, "config": cfg}
-            if self.item_home is None:
-                self._expected[node] = items[0]
-            else:  # cross-silo: the silo trains on exactly these examples, clipping each
-                self._expected[node] = items
-                content["config"] = ConfigRecord({**dict(cfg), "item-ids": list(items)})
-            messages.append(Message(content=RecordDict(content), message_type=MessageType.TRAIN, dst_node_id=node))
+        self._map_new_nodes(grid)
+        plan = self._plan_round(t)
+        if (reason := self._budget_guard(plan)) is not None:
+            self._stop(reason)
+            return []
+        messages = self._messages(plan, arrays, grid)
+        self._pending = plan
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        t = self.next_round
-        if t >= self.cfg.num_rounds or self.stopped_reason:
+        plan, self._pending = self._pending, None
+        if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
         started = time.perf_counter()
-        accepted: dict[str, list[np.ndarray]] = {}
-        counts = {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}
-        for msg in replies:
-            key = None
-            try:
-                key, update, items = self._validate(msg, accepted)
-                # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
-                bound = items * self.cfg.clip_norm * (1 + 1e-5 if self.item_home is not None else 1)
-                update, action = zero_or_clip(update, bound, self.cfg.zeroing_factor * self.cfg.clip_norm / bound)
-                if self.item_home is not None and action == "clipped":
-                    raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
-                                             f"{items} × clip-norm = {items * self.cfg.clip_norm:g}")
-            except RejectedReplyError as exc:
-                counts["rejected"] += 1
-                self.ledger.reject(t, key or self._sender_user(msg), exc.reason)
-                log.warning("round %d: rejected reply from %s: %s", t, key or msg.metadata.src_node_id, exc.reason)
-                continue
-            counts[action] += 1
-            accepted[key] = update
-            self.ledger.accept(t, key)
-        total = [np.zeros(s, dtype=np.float32) for s in self.shapes]
-        for key in sorted(accepted):
-            for acc, u in zip(total, accepted[key], strict=True):
-                acc += u
-        # The planned size, not the number of replies: the fixed-epoch group, or the sampler's expected batch.
-        cohort = np.float32(len(self.planner.cohort(t)) if self.planner.kind == "fixed-epoch"
-                            else self.planner.expected)
-        if self.sigma > 0:
-            noise = self.noise.next(t)
-            scale = np.float32(self.sigma * self.cfg.clip_norm)
-            update = [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
-        else:  # non-private baseline
-            self.noise.skip_round()
-            update = [g / cohort for g in total]
-        self.params = self.optimizer.step(self.params, update, t)
-        self.next_round = t + 1
+        outcome = self._collect(plan, replies)
+        self._commit(plan, outcome)
+        update = self._aggregate(plan, outcome)
+        self.params = self.optimizer.step(self.params, update, plan.round)
+        self.next_round = plan.round + 1
         self.ledger.rounds_completed = self.next_round
-        report = self.report()
-        self.ledger.epsilon_history.append(report["realized"]["epsilon"])
-        metrics = {"round": t, "replies": len(accepted), "cohort": float(cohort), **counts,
-                   "aggregation_seconds": time.perf_counter() - started}
-        if report["realized"]["epsilon"] is not None:
-            metrics["epsilon"] = report["realized"]["epsilon"]
-        self.metrics_history.append(metrics)
-        self._checkpoint()
-        write_report(report, self.out_dir / "privacy_report.json")
-        if self.on_round_end is not None:
-            self.on_round_end(self, metrics)
+        metrics = self._record(plan, outcome, time.perf_counter() - started)
         return ArrayRecord([p.copy() for p in self.params]), MetricRecord(
-            {k: float(v) for k, v in metrics.items()})
+            {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         return []
@@ -255,14 +254,204 @@ class CorrelatedNoiseStrategy(Strategy):
         log.info("corrflow: %d rounds completed, realised ε = %.4f (δ = %g)", self.next_round,
                  self.ledger.epsilon_history[-1] if self.ledger.epsilon_history else 0.0, self.cfg.delta)
 
+    # -- round steps ----------------------------------------------------------------------------------------------
+    def _plan_round(self, t: int) -> RoundPlan:
+        """Sampled items plus operator overrides, after the separation policy. Changes no state."""
+        sampled = self.planner.cohort(t)
+        forced = [i for i in self._pending_overrides.get(t, []) if i not in sampled]
+        plan = RoundPlan(t, [], [])
+        for item in sampled + forced:
+            owners = self.planner.users_of(item)
+            gaps = {u: g for u in owners if (g := self.monitor.violates(self.ledger.selected, u, t)) is not None}
+            source = "override" if item in forced else "sampler"
+            if gaps or source == "override":
+                action = "included" if not gaps else ("rejected" if self.cfg.policy == "reject"
+                                                      else "accepted-and-accounted")
+                plan.overrides.append({"round": t, "item": item, "source": source, "users": owners,
+                                       "gap": min(gaps.values()) if gaps else None, "action": action})
+                if action == "rejected":
+                    plan.rejections.append((item, f"separation: gap {min(gaps.values())} < min-sep "
+                                                  f"{self.planner.min_sep} (policy reject)"))
+                    log.warning("round %d: %s item %s breaks min-sep for %d user(s); rejected", t, source, item,
+                                len(gaps))
+                    continue
+            plan.items.append(item)
+            plan.users.extend(owners)
+        return plan
+
+    def _budget_guard(self, plan: RoundPlan) -> str | None:
+        """Why round ``plan.round`` must not happen (it would exceed the target ε), else None."""
+        if self.cfg.target_epsilon <= 0:
+            return None
+        prospective = {u: list(r) for u, r in self.ledger.selected.items()}
+        for u in plan.users:
+            prospective.setdefault(u, []).append(plan.round)
+        eps = self._realized(prospective, plan.overrides)[1]
+        if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
+            return f"budget guard: round {plan.round} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
+        return None
+
+    def _messages(self, plan: RoundPlan, arrays: ArrayRecord, grid: Grid) -> list[Message]:
+        online = set(int(n) for n in grid.get_node_ids())
+        cfg = ConfigRecord({"server-round": plan.round, "local-lr": self.cfg.local_lr,
+                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm})
+        if self.cfg.data_path:  # clients read their user's examples from the same dataset file
+            cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
+                        "seq-len": self.cfg.seq_len})
+        targets: dict[int, list[str]] = {}
+        for item in plan.items:
+            home = item if self.item_home is None else self.item_home[item]
+            node = self.user_to_node.get(home)
+            if node is None or node not in online:
+                plan.rejections.append((item, "offline when selected"))
+                continue
+            targets.setdefault(node, []).append(item)
+        messages = []
+        for node, items in targets.items():
+            content = {"arrays": arrays, "config": cfg}
+            if self.item_home is None:
+                plan.expected[node] = items[0]
+            else:  # cross-silo: the silo trains on exactly these examples, clipping each
+                plan.expected[node] = items
+                content["config"] = ConfigRecord({**dict(cfg), "item-ids": list(items)})
+            messages.append(Message(content=RecordDict(content), message_type=MessageType.TRAIN, dst_node_id=node))
+        return messages
+
+    def _collect(self, plan: RoundPlan, replies: Iterable[Message]) -> RoundOutcome:
+        """Validate, zero or clip every reply. Changes no state."""
+        t = plan.round
+        accepted: dict[str, list[np.ndarray]] = {}
+        counts = {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}
+        rejections: list[tuple[str | None, str]] = []
+        for msg in replies:
+            key = None
+            try:
+                key, update, items = self._validate(msg, plan.expected, accepted)
+                # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
+                bound = items * self.cfg.clip_norm * (1 + 1e-5 if self.item_home is not None else 1)
+                update, action = zero_or_clip(update, bound, self.cfg.zeroing_factor * self.cfg.clip_norm / bound)
+                if self.item_home is not None and action == "clipped":
+                    raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
+                                             f"{items} × clip-norm = {items * self.cfg.clip_norm:g}")
+            except RejectedReplyError as exc:
+                counts["rejected"] += 1
+                rejections.append((key or self._sender_user(msg), exc.reason))
+                log.warning("round %d: rejected reply from %s: %s", t, key or msg.metadata.src_node_id, exc.reason)
+                continue
+            if action == "zeroed":
+                log.warning("round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)", t, key,
+                            self.cfg.zeroing_factor)
+            counts[action] += 1
+            accepted[key] = update
+        return RoundOutcome(accepted, counts, rejections)
+
+    def _commit(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        """The round happens: record it in the ledger (selected counts as participating, whether or not it
+        replied)."""
+        t = plan.round
+        self._pending_overrides.pop(t, None)
+        self.ledger.overrides.extend(plan.overrides)
+        self.ledger.select(t, plan.users)
+        for who, reason in plan.rejections + outcome.rejections:
+            self.ledger.reject(t, who, reason)
+        for key in sorted(outcome.accepted):
+            self.ledger.accept(t, key)
+        if not self._warned_posthoc and self.sigma > 0 and self._posthoc_active():
+            self._warned_posthoc = True
+            log.warning("round %d: min-sep broken and accepted (policy accept-and-account): the report now uses "
+                        "post-hoc accounting of the realised participation, ε = %.4f", t, self._realized(
+                            self.ledger.selected)[1])
+
+    def _aggregate(self, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
+        """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size."""
+        total = [np.zeros(s, dtype=np.float32) for s in self.shapes]
+        for key in sorted(outcome.accepted):
+            for acc, u in zip(total, outcome.accepted[key], strict=True):
+                acc += u
+        cohort = self._planned_cohort(plan.round)
+        if self.sigma > 0:
+            noise = self.noise.next(plan.round)
+            scale = np.float32(self.sigma * self.cfg.clip_norm)
+            return [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
+        self.noise.skip_round()   # non-private baseline
+        return [g / cohort for g in total]
+
+    def _planned_cohort(self, t: int) -> np.float32:
+        # The planned size, not the number of replies: the fixed-epoch group, or the sampler's expected batch.
+        return np.float32(len(self.planner.cohort(t)) if self.planner.kind == "fixed-epoch"
+                          else self.planner.expected)
+
+    def _record(self, plan: RoundPlan, outcome: RoundOutcome, seconds: float) -> dict:
+        """Evaluate, checkpoint, journal, report — in that order, before the model leaves the server."""
+        t = plan.round
+        eps = self._realized(self.ledger.selected)[1]
+        self.ledger.epsilon_history.append(eps)
+        reasons = Counter(_reason_class(r) for _, r in plan.rejections + outcome.rejections)
+        metrics = {"round": t, "replies": len(outcome.accepted), "accepted": len(outcome.accepted),
+                   "cohort": float(self._planned_cohort(t)), **outcome.counts,
+                   "rejected": len(plan.rejections) + outcome.counts["rejected"],
+                   "top_rejection": reasons.most_common(1)[0][0] if reasons else None,
+                   "aggregation_seconds": seconds}
+        if eps is not None:
+            metrics["epsilon"] = eps
+        if self.evaluate is not None:
+            metrics.update(self.evaluate(self.params))
+        self.metrics_history.append(metrics)
+        if plan.items:   # a round that asked nobody (an empty sample) neither breaks nor extends a streak
+            self.empty_streak = 0 if outcome.accepted else self.empty_streak + 1
+        ckpt = self._checkpoint()
+        self._journal(t, ckpt)
+        if self.cfg.max_empty_rounds and self.empty_streak >= self.cfg.max_empty_rounds:
+            self.stopped_reason = self._empty_reason()
+            log.error("training stops: %s", self.stopped_reason)
+        self.write_report()
+        if self.on_round_end is not None:
+            self.on_round_end(self, metrics)
+        return metrics
+
+    def _empty_reason(self) -> str:
+        first = self.next_round - self.empty_streak
+        reasons = Counter(_reason_class(r["reason"]) for r in self.ledger.rejections if r["round"] >= first)
+        top = ", ".join(f"{why} ×{n}" for why, n in reasons.most_common(3)) or "no replies arrived"
+        return f"no valid replies in {self.empty_streak} consecutive rounds ({first}–{self.next_round - 1}): {top}"
+
+    def _stop(self, reason: str) -> None:
+        self.stopped_reason = reason
+        log.warning("training stops: %s", reason)
+        self.write_report()
+
+    def _journal(self, t: int, ckpt: Path) -> None:
+        users = [hash_user_id(u, self.salt) for u in sorted(u for u, rs in self.ledger.selected.items() if t in rs)]
+        entry = self.journal.append(self.secret, run_id=self.run_id, round_index=t, cohort_sha256=cohort_digest(users),
+                                    checkpoint=ckpt.name, manifest_sha256=verify_checkpoint(ckpt),
+                                    prev=self._last_hash)
+        self._last_hash = entry.hash
+
+    # -- node identities ------------------------------------------------------------------------------------------
+    def _map_new_nodes(self, grid: Grid) -> None:
+        """A node that was not in the node → user map (a reconnected SuperNode with a new node id) is mapped by
+        the declared identity before it can be scheduled; until then it is never selected."""
+        online = set(int(n) for n in grid.get_node_ids())
+        new = sorted(online - set(self.node_to_user) - self._unmapped)
+        if not new or self._resolve_nodes is None:
+            return
+        for node, user in self._resolve_nodes(new).items():
+            old = self.user_to_node.get(user)
+            if old is None or (old in online and old != node):
+                continue   # not in this run's population, or its identity is in use by a live node
+            del self.node_to_user[old]
+            self.node_to_user[node], self.user_to_node[user] = user, node
+            log.info("node %d is %s again (was node %d)", node, hash_user_id(user, self.salt), old)
+        self._unmapped.update(n for n in new if n not in self.node_to_user)
+
     # -- helpers ------------------------------------------------------------------------------------------------
     def _sender_user(self, msg: Message) -> str | None:
         return self.node_to_user.get(int(msg.metadata.src_node_id))
 
-    def _validate(self, msg: Message, accepted: dict) -> tuple[str, list[np.ndarray], int]:
+    def _validate(self, msg: Message, expected_by_node: dict, accepted: dict) -> tuple[str, list[np.ndarray], int]:
         """(item or silo id, update, items it sums) of a well-formed reply, else RejectedReplyError."""
         node = int(msg.metadata.src_node_id)
-        expected = self._expected.get(node)
+        expected = expected_by_node.get(node)
         if expected is None:
             raise RejectedReplyError(f"unexpected sender node {node} (not selected this round)")
         key = expected if isinstance(expected, str) else self.node_to_user[node]
@@ -288,14 +477,14 @@ class CorrelatedNoiseStrategy(Strategy):
             raise RejectedReplyError(f"undecodable arrays ({exc})") from exc
         return key, check_arrays(arrays, self.shapes), items
 
-    def _posthoc_active(self) -> bool:
-        return any(o["action"] == "accepted-and-accounted" for o in self.ledger.overrides)
+    def _posthoc_active(self, extra: list[dict] = ()) -> bool:
+        return any(o["action"] == "accepted-and-accounted" for o in [*self.ledger.overrides, *extra])
 
-    def _realized(self, selected: dict[str, list[int]]):
+    def _realized(self, selected: dict[str, list[int]], extra_overrides: list[dict] = ()):
         """(sensitivity, ε, worst user) of the realised pattern: post-hoc (000 App. D.2 on the realised
         sensitivity) — except under an amplified plan that was followed, where the planned ε stands."""
         sens, eps, worst = self.tracker.realized(selected)
-        if self.planned_accounting.get("name") == "monte-carlo" and not self._posthoc_active():
+        if self.planned_accounting.get("name") == "monte-carlo" and not self._posthoc_active(extra_overrides):
             eps = self.planned_epsilon
         return sens, eps, worst
 
@@ -317,22 +506,33 @@ class CorrelatedNoiseStrategy(Strategy):
                       "participation": participation_section(self.ledger.selected, self.salt, self.cfg.policy,
                                                              overrides),
                       "rejections": len(self.ledger.rejections)},
-            rounds_completed=self.next_round, stopped_reason=self.stopped_reason)
+            rounds_completed=self.next_round, rounds_planned=self.cfg.num_rounds,
+            stopped_reason=self.stopped_reason, run_id=self.run_id,
+            identity={"source": self.identity, "stable_across_restarts": self.identity != "per-launch"})
 
-    def _checkpoint(self) -> None:
+    def write_report(self) -> Path:
+        return write_report(self.report(), self.out_dir / "privacy_report.json")
+
+    def _checkpoint(self) -> Path:
         public = {"next_round": self.next_round, "config_fingerprint": self.cfg.fingerprint(),
+                  "settings": self.cfg.run_settings(), "run_id": self.run_id, "identity": self.identity,
                   "factorization_sha256": self.fac.sha256(), "ledger": self.ledger.to_dict(),
                   "noise_multiplier": self.sigma, "planned_epsilon": self.planned_epsilon,
                   "pending_overrides": {str(k): v for k, v in self._pending_overrides.items()},
-                  "metrics_history": self.metrics_history}
-        write_checkpoint(self.state_dir, f"round-{self.next_round:06d}",
-                         {"model": self.params, "optimizer": self.optimizer.m}, public,
-                         {"report_salt": self.salt}, save_extra=lambda d: save_state(self.noise, d / "noise"))
+                  "metrics_history": self.metrics_history, "empty_streak": self.empty_streak}
+        return write_checkpoint(self.state_dir, f"round-{self.next_round:06d}",
+                                {"model": self.params, "optimizer": self.optimizer.m}, public,
+                                {"report_salt": self.salt, SECRET: self.secret},
+                                save_extra=lambda d: save_state(self.noise, d / "noise"))
 
     def _restore(self, ckpt: Path) -> None:
         public = json.loads((ckpt / "state.json").read_text())
         if public["config_fingerprint"] != self.cfg.fingerprint():
-            raise IntegrityError(f"{ckpt}: the checkpoint belongs to a different run configuration")
+            theirs, ours = public.get("settings", {}), self.cfg.run_settings()
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} → {ours.get(k)!r}" for k in sorted(set(theirs) | set(ours))
+                             if theirs.get(k) != ours.get(k)) or "unrecorded settings"
+            raise IntegrityError(f"{ckpt / 'state.json'}: the checkpoint belongs to a run with other settings "
+                                 f"({diff}); resume with the same settings, or start a new run with --fresh")
         if public["factorization_sha256"] != self.fac.sha256():
             raise IntegrityError(f"{ckpt}: the checkpoint was made with another factorization")
         if public["noise_multiplier"] != self.sigma:
@@ -347,11 +547,21 @@ class CorrelatedNoiseStrategy(Strategy):
         self.noise = restore_state(ckpt / "noise", self.fac)
         self.ledger = Ledger.from_dict(public["ledger"])
         self.metrics_history = public["metrics_history"]
+        self.empty_streak = int(public.get("empty_streak", 0))
         self._pending_overrides = {int(k): list(v) for k, v in public.get("pending_overrides", {}).items()}
         self._warned_posthoc = self._posthoc_active()
         self.salt = (ckpt / "report_salt").read_bytes()
+        self.secret = (ckpt / SECRET).read_bytes()
+        self.run_id = public["run_id"]
         self.next_round = int(public["next_round"])
         if self.noise.next_round != self.next_round:
             raise IntegrityError(f"{ckpt}: noise state is at round {self.noise.next_round}, model at "
                                  f"{self.next_round}")
         log.info("corrflow: resumed from %s at round %d", ckpt.name, self.next_round)
+
+
+def _reason_class(reason: str) -> str:
+    """A rejection reason without its per-reply details (array index, node id, counts), for counting."""
+    if reason.startswith("array "):
+        reason = reason.split(":", 1)[-1].strip()
+    return re.sub(r"\d+(\.\d+)?", "#", reason)

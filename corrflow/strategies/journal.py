@@ -1,0 +1,95 @@
+"""The release journal: the authority on which rounds a server has released.
+
+One JSON line per released round, append-only and hash-chained (each entry holds the SHA-256 of the one before and
+an HMAC of its own hash under the server's private secret), written after the round's checkpoint and before its
+model leaves the server. It lives in the run's output directory, outside ``state/``, so that restoring an older
+copy of ``state/`` cannot roll it back: on start, a journal ahead of the checkpoint means the noise of those rounds
+was already released and must never be used again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from corrflow.errors import IntegrityError
+
+JOURNAL = "release_journal.jsonl"
+GENESIS = "0" * 64
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    run_id: str
+    round: int                 # 0-based round whose model was released
+    noise_round: int           # the noise round index it used (each is released at most once, ever)
+    cohort_sha256: str         # hash of the round's hashed cohort
+    checkpoint: str            # the checkpoint directory that holds the released state
+    manifest_sha256: str       # digest of that checkpoint's manifest
+    prev: str
+    hash: str
+    mac: str
+
+    def body(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("hash")
+        d.pop("mac")
+        return d
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class ReleaseJournal:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def read(self, secret: bytes | None = None) -> list[JournalEntry]:
+        """Every entry, the chain checked (and each HMAC, given the secret); IntegrityError names file:line."""
+        if not self.path.exists():
+            return []
+        entries, prev = [], GENESIS
+        with open(self.path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                where = f"{self.path}:{line_no}"
+                try:
+                    entry = JournalEntry(**json.loads(line))
+                except (json.JSONDecodeError, TypeError) as exc:
+                    raise IntegrityError(f"{where}: not a release-journal entry ({exc})") from None
+                if entry.prev != prev or _digest(entry.body()) != entry.hash:
+                    raise IntegrityError(f"{where}: the hash chain is broken (edited, truncated or reordered)")
+                if secret is not None and not hmac.compare_digest(entry.mac, _mac(secret, entry.hash)):
+                    raise IntegrityError(f"{where}: the entry's HMAC does not match this run's secret")
+                if entries and entry.run_id != entries[0].run_id:
+                    raise IntegrityError(f"{where}: an entry of another run ({entry.run_id})")
+                if entry.round != len(entries):
+                    raise IntegrityError(f"{where}: round {entry.round}, expected {len(entries)}")
+                entries.append(entry)
+                prev = entry.hash
+        return entries
+
+    def append(self, secret: bytes, *, run_id: str, round_index: int, cohort_sha256: str, checkpoint: str,
+               manifest_sha256: str, prev: str) -> JournalEntry:
+        body = {"run_id": run_id, "round": round_index, "noise_round": round_index, "cohort_sha256": cohort_sha256,
+                "checkpoint": checkpoint, "manifest_sha256": manifest_sha256, "prev": prev}
+        digest = _digest(body)
+        entry = JournalEntry(**body, hash=digest, mac=_mac(secret, digest))
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry.__dict__, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return entry
+
+
+def _mac(secret: bytes, digest: str) -> str:
+    return hmac.new(secret, digest.encode(), hashlib.sha256).hexdigest()
+
+
+def cohort_digest(hashed_users: list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(hashed_users)).encode()).hexdigest()

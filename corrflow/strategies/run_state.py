@@ -1,0 +1,144 @@
+"""What a server may do with an output directory before it runs: hold it alone, and resume only from a state that
+agrees with everything already released.
+
+* :class:`RunLock`: an OS-level exclusive lock (``filelock``, ``flock`` on POSIX) on the output directory for the
+  whole run; it dies with the process, so SIGKILL leaves no stale lock. A second server exits at once, naming the
+  holder's pid.
+* :func:`check_resume`: compares the published checkpoint with the release journal by round numbers (never file
+  times) and refuses — naming the file, deleting nothing — when they disagree: a journal ahead of the checkpoint
+  (``state/`` restored from an older copy: its noise was already released), a checkpoint more than one round ahead
+  of the journal, a missing ``CURRENT`` after releases, a checkpoint that fails its manifest or HMAC, a short
+  salt. The one allowed gap is a round checkpointed but not yet released (killed between the two writes): it is
+  released on resume.
+* :func:`archive_run`: ``--fresh`` moves the old run aside (never deletes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from corrflow.errors import CorrflowError, IntegrityError
+from corrflow.strategies.checkpoint import POINTER, current_checkpoint, remove_stale_temporaries, verify_checkpoint
+from corrflow.strategies.journal import JOURNAL, JournalEntry, ReleaseJournal
+
+log = logging.getLogger("corrflow")
+
+LOCK = ".corrflow.lock"
+MIN_SALT_BYTES = 16
+RUN_FILES = ("state", JOURNAL, "privacy_report.json", "metrics.json")
+
+
+class RunLockedError(CorrflowError):
+    """Another server holds the output directory."""
+
+
+class RunLock:
+    """Exclusive lock on ``out_dir`` for the lifetime of a server (context manager)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.out = Path(out_dir)
+        self.path = self.out / LOCK
+        self.holder = self.out / (LOCK + ".holder")
+        # thread_local=False: a server's rounds may run on another thread than the one that locked.
+        self._lock = FileLock(self.path, timeout=0, thread_local=False, is_singleton=False)
+
+    def __enter__(self) -> RunLock:
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire()
+        except Timeout:
+            who = "unknown pid"
+            try:
+                info = json.loads(self.holder.read_text())
+                who = f"pid {info['pid']} on {info['host']}, since {info['since']}"
+            except (OSError, ValueError, KeyError):
+                pass
+            raise RunLockedError(f"{self.out.resolve()} is in use by another corrflow server ({who}); two servers "
+                                 "on one run would release rounds twice. Stop the other one, or use another "
+                                 "--out.") from None
+        self.holder.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.holder.unlink(missing_ok=True)
+        self._lock.release()
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    checkpoint: Path | None           # None: a new run
+    journal: list[JournalEntry]
+    unreleased_round: int | None      # a round checkpointed but not journaled (released on resume)
+
+
+def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> ResumePoint:
+    """Decide, from the files alone, whether this output directory starts a run, resumes one, or must be refused
+    (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
+    out, state = Path(out_dir), Path(state_dir)
+    stale = remove_stale_temporaries(state)
+    if stale:
+        log.info("removed %d stale temporary checkpoint file(s) in %s", len(stale), state)
+    journal = ReleaseJournal(out / JOURNAL)
+    ckpt = current_checkpoint(state)
+    if ckpt is None:
+        entries = journal.read()
+        rounds = sorted(p.name for p in state.glob("round-*")) if state.is_dir() else []
+        if entries:
+            raise IntegrityError(f"{state / POINTER}: missing, but {journal.path} records {len(entries)} released "
+                                 "round(s): starting over would reuse released noise. Restore the state directory, "
+                                 "or start a new run with --fresh (the old one is moved aside).")
+        if rounds:
+            raise IntegrityError(f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: refusing "
+                                 "to guess. Restore CURRENT, or start a new run with --fresh.")
+        return ResumePoint(None, [], None)
+    secret = (ckpt / "server_secret").read_bytes()
+    entries = journal.read(secret)
+    salt = ckpt / "report_salt"
+    if len(salt.read_bytes()) < MIN_SALT_BYTES:
+        raise IntegrityError(f"{salt}: the report salt is shorter than {MIN_SALT_BYTES} bytes (hashed user ids "
+                             "would be reversible)")
+    public = json.loads((ckpt / "state.json").read_text())
+    completed = int(public["next_round"])
+    released = len(entries)
+    if entries and entries[0].run_id != public.get("run_id"):
+        raise IntegrityError(f"{journal.path}: belongs to run {entries[0].run_id}, the checkpoint to "
+                             f"{public.get('run_id')}")
+    if released > completed:
+        raise IntegrityError(f"{ckpt / 'state.json'}: the checkpoint is at round {completed} but {journal.path} "
+                             f"records {released} released rounds: this state is older than what was released "
+                             "(a restored copy?) and resuming would release noise twice. Restore the newest state, "
+                             "or start a new run with --fresh.")
+    if released < completed - 1:
+        raise IntegrityError(f"{journal.path}: records {released} released rounds but the checkpoint is at round "
+                             f"{completed}: the journal was truncated or replaced.")
+    if entries and released == completed and entries[-1].checkpoint == ckpt.name and \
+            entries[-1].manifest_sha256 != verify_checkpoint(ckpt):
+        raise IntegrityError(f"{ckpt}: differs from the checkpoint recorded in {journal.path} for round "
+                             f"{released - 1}")
+    return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
+
+
+def archive_run(out_dir: str | os.PathLike) -> Path | None:
+    """Move the run files of ``out_dir`` into ``out_dir/previous-runs/<UTC time>/`` (for ``--fresh``)."""
+    out = Path(out_dir)
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    if not present:
+        return None
+    dest = out / "previous-runs" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    while dest.exists():
+        dest = dest.with_name(dest.name + "-1")
+    dest.mkdir(parents=True)
+    for name in present:
+        shutil.move(str(out / name), str(dest / name))
+    log.warning("--fresh: moved the previous run (%s) to %s", ", ".join(present), dest)
+    return dest
