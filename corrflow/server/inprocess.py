@@ -82,7 +82,10 @@ class InProcessGrid(Grid):
         call = handler
         for mod in reversed(self.mods):
             call = (lambda m, inner: lambda msg_, ctx_: m(msg_, ctx_, inner))(mod, call)
-        return call(msg, ctx)
+        try:
+            return call(msg, ctx)
+        except Exception as exc:   # as Flower does: a ClientApp exception becomes an error reply
+            return Message(Error(code=2, reason=f"ClientApp exception: {type(exc).__name__}: {exc}"), reply_to=msg)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids, replies, kinds = [], [], set()

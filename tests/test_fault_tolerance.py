@@ -1,0 +1,237 @@
+"""The printed ε stays true under faults: one server per directory, refusals on tampered or rolled-back state,
+declared identities, stop reasons, bad inputs. Real processes and real files; the in-process grid (no Ray)."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from strategy_support import HANDLERS, KEY
+from strategy_support import small_config as _cfg
+
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.errors import IntegrityError, InvalidArgumentError
+from corrflow.factorization import Factorization
+from corrflow.server.app import run_server
+from corrflow.server.identity import IdentityError
+from corrflow.server.inprocess import InProcessGrid
+from corrflow.strategies.config import StrategyConfig
+from corrflow.strategies.journal import JOURNAL, ReleaseJournal
+
+TESTS = Path(__file__).parent
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[StrategyConfig, Path | None]:
+    cfg = _cfg(tmp_path, num_rounds=8, epochs=2)
+    snapshot = tmp_path / "state-at-round"
+
+    def copy_state(strategy, metrics):
+        if metrics["round"] + 1 == copy_at:
+            shutil.copytree(tmp_path / "state", snapshot)
+
+    run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True, on_round_end=copy_state)
+    return cfg, snapshot if copy_at else None
+
+
+def _ckpt(tmp_path) -> Path:
+    return tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
+
+
+def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
+    first = subprocess.Popen([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+                             env=dict(ENV, ROUND_DELAY="0.15"), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / JOURNAL).exists():   # the first server is releasing rounds
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+            time.sleep(0.05)
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)], env=ENV,
+                                capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - started < 10
+        assert second.returncode != 0
+        assert "in use by another corrflow server" in second.stderr and f"pid {first.pid}" in second.stderr
+        assert first.wait(timeout=240) == 0, first.stderr.read()
+    finally:
+        first.kill()
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 8 and report["stopped_reason"] is None
+    assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
+
+
+def test_lock_dies_with_a_killed_server(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+                            env=dict(ENV, ROUND_DELAY="0.2"))
+    deadline = time.monotonic() + 120
+    while not (tmp_path / JOURNAL).exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    r = subprocess.run([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)], env=ENV, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = ReleaseJournal(tmp_path / JOURNAL).read()
+    assert [e.round for e in entries] == list(range(8))      # every noise round released exactly once
+    assert not list((tmp_path / "state").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("fault, names", [
+    ("delete-current", "CURRENT"),
+    ("edit-ledger", "state.json"),
+    ("old-state", "older than what was released"),
+    ("empty-salt", "report_salt"),
+    ("journal-truncated", JOURNAL),
+    ("journal-edited", JOURNAL),
+])
+def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
+    cfg, snapshot = _finished_run(tmp_path, copy_at=3)
+    ckpt = _ckpt(tmp_path)
+    if fault == "delete-current":
+        (tmp_path / "state" / "CURRENT").unlink()
+    elif fault == "edit-ledger":
+        public = json.loads((ckpt / "state.json").read_text())
+        user = sorted(public["ledger"]["selected"])[0]
+        public["ledger"]["selected"][user] = public["ledger"]["selected"][user][:1]   # hide a participation
+        (ckpt / "state.json").write_text(json.dumps(public, sort_keys=True))
+    elif fault == "old-state":
+        shutil.rmtree(tmp_path / "state")
+        shutil.copytree(snapshot, tmp_path / "state")
+    elif fault == "empty-salt":
+        (ckpt / "report_salt").write_bytes(b"")
+    elif fault == "journal-truncated":
+        lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
+        (tmp_path / JOURNAL).write_text("".join(lines[:-2]))
+    elif fault == "journal-edited":
+        lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
+        lines[2] = lines[2].replace('"round": 2', '"round": 5')
+        (tmp_path / JOURNAL).write_text("".join(lines))
+    before = _files(tmp_path)
+    with pytest.raises(IntegrityError, match=names):
+        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    assert _files(tmp_path) == before           # nothing deleted, nothing rewritten
+
+
+def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_aside(tmp_path):
+    cfg, _ = _finished_run(tmp_path)
+    lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
+    (tmp_path / JOURNAL).write_text("".join(lines[:-1]))   # killed between round 7's checkpoint and its entry
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
+    old_report = (tmp_path / "privacy_report.json").read_bytes()
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True, fresh=True)
+    moved = list((tmp_path / "previous-runs").iterdir())
+    assert len(moved) == 1 and (moved[0] / "privacy_report.json").read_bytes() == old_report
+    assert len(ReleaseJournal(moved[0] / JOURNAL).read()) == 8
+    assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
+    assert json.loads((tmp_path / "privacy_report.json").read_text())["run_id"] != json.loads(old_report)["run_id"]
+
+
+def test_other_settings_are_named_on_resume(tmp_path):
+    cfg, _ = _finished_run(tmp_path)
+    other = StrategyConfig(**{**cfg.to_dict(), "clip_norm": 2.0, "server_lr": 0.5})
+    with pytest.raises(IntegrityError, match=r"clip_norm: 1\.0 → 2\.0.*server_lr: 1\.0 → 0\.5.*--fresh"):
+        run_server(InProcessGrid(HANDLERS, 12), other, tmp_path, quiet=True)
+
+
+def test_node_without_the_identity_mod_is_refused_naming_the_fix(tmp_path):
+    cfg = _cfg(tmp_path)
+    with pytest.raises(IdentityError, match=r"cannot report identity = partition-id.*corrflow_identity_mod"):
+        run_server(InProcessGrid(HANDLERS, 12, mods=()), cfg, tmp_path, quiet=True)
+    user_cfg = _cfg(tmp_path, identity="user-id")
+    with pytest.raises(IdentityError, match="user-id"):
+        run_server(InProcessGrid(HANDLERS, 12), user_cfg, tmp_path, quiet=True)
+    assert not (tmp_path / "state").exists() and not (tmp_path / JOURNAL).exists()
+
+
+def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
+    cfg = _cfg(tmp_path, identity="user-id")
+    grid = InProcessGrid(HANDLERS, 12, node_config=lambda p: {"user-id": f"device-{p:02d}"})
+    restarted = {}
+
+    def restart(strategy, metrics):
+        if metrics["round"] == 1:   # partition 0 trains in rounds r and r + 3: give it a new node id in between
+            restarted["node"] = grid.restart_node(0)
+
+    s = run_server(grid, cfg, tmp_path, noise_key=KEY, quiet=True, on_round_end=restart)
+    assert s.next_round == 6 and not s.ledger.rejections
+    assert sorted(s.ledger.selected) == sorted(f"user-device-{p:02d}" for p in range(12))
+    assert all(len(r) == 2 for r in s.ledger.selected.values())
+    assert s.node_to_user[restarted["node"]] == "user-device-00"
+
+
+def test_per_launch_identity_is_marked_and_never_resumes(tmp_path):
+    cfg = _cfg(tmp_path, identity="per-launch", num_rounds=2, epochs=1, num_users=4)
+    run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, quiet=True)
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert report["identity"] == {"source": "per-launch", "stable_across_restarts": False}
+    with pytest.raises(IntegrityError, match="per-launch runs cannot resume"):
+        run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, quiet=True)
+
+
+def _nan_train(msg, ctx):
+    arrays = [np.full_like(a, np.nan) for a in msg.content["arrays"].to_numpy_ndarrays()]
+    return Message(content=RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": 1})}),
+                   reply_to=msg)
+
+
+def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
+    from corrflow.server.simulation import RunStoppedEarlyError, simulate
+
+    cfg = _cfg(tmp_path, max_empty_rounds=2)
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(InProcessGrid({**HANDLERS, "train": _nan_train}, 12), cfg, tmp_path, quiet=True)
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert s.next_round == 2 and report["rounds_completed"] == 2
+    assert "no valid replies in 2 consecutive rounds" in report["stopped_reason"]
+    assert "NaN or Inf values ×8" in report["stopped_reason"]   # 2 rounds × 4 users
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [m["rejected"] for m in metrics] == [4, 4] and metrics[0]["top_rejection"] == "NaN or Inf values"
+    # The ε of the two rounds that did run (noise only) is still accounted.
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {u: r for u, r in s.ledger.selected.items()})
+    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5))
+    with pytest.raises(RunStoppedEarlyError, match="budget guard"):   # `corrflow simulate` exits 1 on it
+        simulate(_cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5), tmp_path / "b",
+                 backend="inprocess", quiet=True)
+
+
+def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
+    cfg = _cfg(tmp_path, noise_multiplier=0.5, target_epsilon=0.1)  # σ fixed, target far below one round's ε
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert s.next_round == 0 and report["rounds_completed"] == 0
+    assert report["stopped_reason"].startswith("budget guard: round 0 would spend")
+    assert report["realized"]["participation"]["users"] == {} and not (tmp_path / JOURNAL).exists()
+
+
+def test_inputs_that_cannot_be_private_are_refused():
+    for kw, field in [({"clip_norm": float("inf")}, "clip-norm"), ({"noise_multiplier": float("nan")},
+                      "noise-multiplier"), ({"target_epsilon": float("inf")}, "target-epsilon")]:
+        with pytest.raises(InvalidArgumentError, match=field):
+            StrategyConfig(**{"noise_multiplier": 1.0, **kw})
+    with pytest.raises(InvalidArgumentError, match="clip-norm.*not a boolean"):
+        StrategyConfig.from_run_config({"noise-multiplier": 1.0, "clip-norm": True})
+
+
+@pytest.mark.parametrize("flag, value", [("--clip-norm", "inf"), ("--noise-multiplier", "nan"),
+                                         ("--noise-multiplier", "1e-6")])
+def test_cli_refuses_unusable_privacy_inputs_with_exit_2(tmp_path, flag, value):
+    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess",
+                        "--out", str(tmp_path / "run"), flag, value], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-1500:]
+    assert flag in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "state").exists()

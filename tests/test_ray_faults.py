@@ -1,0 +1,115 @@
+"""Faults on Flower's simulation engine (Ray), with real processes: Ctrl-C (SIGINT to the process group, as a
+terminal sends it), then SIGKILL of the whole group, then a clean finish — one scenario, so the module pays for
+three short Ray starts. Each run starts in its own session (setsid) and every pid of it is killed at the end
+(Ray's agents ignore SIGTERM; never `ray stop`, which would stop other Ray processes by name)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.factorization import Factorization
+from corrflow.strategies.journal import JOURNAL, ReleaseJournal
+
+TESTS = Path(__file__).parent
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), RAY_DEDUP_LOGS="0")
+sys.path.insert(0, str(TESTS))
+from ray_fault_run import KEY, config  # noqa: E402
+
+
+def _released(out: Path) -> int:
+    try:
+        return len((out / JOURNAL).read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the run's session (the driver and the Ray processes it started)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, sid = map(int, line.split())
+        if sid == proc.pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def _start(out: Path, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(TESTS / "ray_fault_run.py"), str(out)], env=ENV, stdout=log,
+                            stderr=log, start_new_session=True)
+
+
+def _wait_for_releases(proc, out: Path, count: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while _released(out) < count:
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {count} releases"
+        assert time.monotonic() < deadline, f"no {count} releases within {timeout} s"
+        time.sleep(0.02)
+
+
+def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
+    out = tmp_path / "run"
+    log = open(tmp_path / "log.txt", "w")
+    # 1. Ctrl-C: SIGINT to the run's whole process group once rounds are being released.
+    proc = _start(out, log)
+    try:
+        _wait_for_releases(proc, out, 2)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        code = proc.wait(timeout=15)
+        assert code == 130 and time.monotonic() - sent < 15
+    finally:
+        _kill_session(proc)
+    report = json.loads((out / "privacy_report.json").read_text())
+    interrupted_at = report["rounds_completed"]
+    assert 2 <= interrupted_at < 24 and "interrupted" in report["stopped_reason"]
+    assert _released(out) == interrupted_at
+    assert "Traceback" not in (tmp_path / "log.txt").read_text()
+    # 2. Restart, then SIGKILL everything mid-run (no chance to write anything more).
+    proc = _start(out, log)
+    try:
+        _wait_for_releases(proc, out, interrupted_at + 2)
+        _kill_session(proc)
+    finally:
+        _kill_session(proc)
+    killed_at = _released(out)
+    assert killed_at < 24, "the run finished before it could be killed"
+    # 3. Restart and finish.
+    proc = _start(out, log)
+    try:
+        assert proc.wait(timeout=240) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    finally:
+        _kill_session(proc)
+    log.close()
+
+    # Bit-identical to an uninterrupted run with the same key (in-process engine: same clients, same order).
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, str(TESTS / "ray_fault_run.py"), str(ref), "inprocess"], env=ENV,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(out / "final.npy"), np.load(ref / "final.npy"))
+
+    # Exactly --users identities, each ≤ k = 2 rounds with gaps ≥ b = 12; every round released once.
+    cfg = config(str(out))
+    report = json.loads((out / "privacy_report.json").read_text())
+    users = report["realized"]["participation"]["users"]
+    assert report["rounds_completed"] == 24 and report["stopped_reason"] is None
+    assert len(users) == cfg.num_users
+    assert all(len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 12 for u in users.values())
+    assert [e.round for e in ReleaseJournal(out / JOURNAL).read()] == list(range(24))
+    fac = Factorization.load(out / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {u: v["rounds"] for u, v in users.items()})
+    assert sens.value == pytest.approx(1.0)
+    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5),
+                                                          rel=1e-12)
+    assert report["rounds_completed"] == 24 and KEY.hex() not in json.dumps(report)
