@@ -3,6 +3,7 @@ terminal sends it), then SIGKILL of the whole group, then a clean finish — one
 three short Ray starts. Each run starts in its own session (setsid) and every pid of it is killed at the end
 (Ray's agents ignore SIGTERM; never `ray stop`, which would stop other Ray processes by name)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -37,10 +38,8 @@ def _kill_session(proc: subprocess.Popen) -> None:
     for line in out.splitlines():
         pid, sid = map(int, line.split())
         if sid == proc.pid:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     proc.wait()
 
 
@@ -59,7 +58,7 @@ def _wait_for_releases(proc, out: Path, count: int, timeout: float = 180) -> Non
 
 def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
     out = tmp_path / "run"
-    log = open(tmp_path / "log.txt", "w")
+    log = open(tmp_path / "log.txt", "w")  # noqa: SIM115 - shared by three runs, closed below
     # 1. Ctrl-C: SIGINT to the run's whole process group once rounds are being released.
     proc = _start(out, log)
     try:
