@@ -185,7 +185,7 @@ def test_checkpoint_is_private(tmp_path):
     run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, noise_key=KEY, quiet=True)
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
-    for name in ("report_salt", "noise/noise_secret.key", "noise/noise_buffer.npy"):
+    for name in ("report_salt", "server_secret", "noise/noise_secret.key", "noise/noise_buffer.npy"):
         assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
     report = (tmp_path / "privacy_report.json").read_text()
     assert not re.search(r"partition-\d", report) and KEY.hex() not in report  # no raw user id, no key

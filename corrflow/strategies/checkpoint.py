@@ -110,6 +110,11 @@ def _write_manifest(directory: Path, name: str) -> None:
     (directory / MANIFEST).write_text(json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True))
 
 
+def manifest_digest(path: Path) -> str:
+    """SHA-256 of a checkpoint's manifest (what the release journal records for it)."""
+    return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+
+
 def verify_checkpoint(path: Path) -> str:
     """Check every file of a checkpoint against its HMAC-authenticated manifest; returns the manifest's SHA-256.
     Raises IntegrityError naming the first file that is missing, extra or changed."""

@@ -46,7 +46,7 @@ from corrflow.noise import CorrelatedNoise
 from corrflow.noise.engine import restore_state, save_state
 from corrflow.noise.prng import new_secret
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
-from corrflow.strategies.checkpoint import SECRET, load_arrays, verify_checkpoint, write_checkpoint
+from corrflow.strategies.checkpoint import SECRET, load_arrays, manifest_digest, write_checkpoint
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger, PrivacyTracker
@@ -423,7 +423,7 @@ class CorrelatedNoiseStrategy(Strategy):
     def _journal(self, t: int, ckpt: Path) -> None:
         users = [hash_user_id(u, self.salt) for u in sorted(u for u, rs in self.ledger.selected.items() if t in rs)]
         entry = self.journal.append(self.secret, run_id=self.run_id, round_index=t, cohort_sha256=cohort_digest(users),
-                                    checkpoint=ckpt.name, manifest_sha256=verify_checkpoint(ckpt),
+                                    checkpoint=ckpt.name, manifest_sha256=manifest_digest(ckpt),
                                     prev=self._last_hash)
         self._last_hash = entry.hash
 

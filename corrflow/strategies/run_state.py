@@ -27,7 +27,13 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from corrflow.errors import CorrflowError, IntegrityError
-from corrflow.strategies.checkpoint import POINTER, current_checkpoint, remove_stale_temporaries, verify_checkpoint
+from corrflow.strategies.checkpoint import (
+    POINTER,
+    SECRET,
+    current_checkpoint,
+    manifest_digest,
+    remove_stale_temporaries,
+)
 from corrflow.strategies.journal import JOURNAL, JournalEntry, ReleaseJournal
 
 log = logging.getLogger("corrflow")
@@ -101,7 +107,7 @@ def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Re
             raise IntegrityError(f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: refusing "
                                  "to guess. Restore CURRENT, or start a new run with --fresh.")
         return ResumePoint(None, [], None)
-    secret = (ckpt / "server_secret").read_bytes()
+    secret = (ckpt / SECRET).read_bytes()
     entries = journal.read(secret)
     salt = ckpt / "report_salt"
     if len(salt.read_bytes()) < MIN_SALT_BYTES:
@@ -122,7 +128,7 @@ def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Re
         raise IntegrityError(f"{journal.path}: records {released} released rounds but the checkpoint is at round "
                              f"{completed}: the journal was truncated or replaced.")
     if entries and released == completed and entries[-1].checkpoint == ckpt.name and \
-            entries[-1].manifest_sha256 != verify_checkpoint(ckpt):
+            entries[-1].manifest_sha256 != manifest_digest(ckpt):
         raise IntegrityError(f"{ckpt}: differs from the checkpoint recorded in {journal.path} for round "
                              f"{released - 1}")
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
