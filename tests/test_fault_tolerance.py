@@ -20,9 +20,9 @@ from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_ev
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.server.app import run_server
-from corrflow.server.identity import IdentityError
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.config import StrategyConfig
+from corrflow.strategies.identity import IdentityError
 from corrflow.strategies.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
@@ -223,7 +223,7 @@ def test_inputs_that_cannot_be_private_are_refused():
         with pytest.raises(InvalidArgumentError, match=field):
             StrategyConfig(**{"noise_multiplier": 1.0, **kw})
     with pytest.raises(InvalidArgumentError, match="clip-norm.*not a boolean"):
-        StrategyConfig.from_run_config({"noise-multiplier": 1.0, "clip-norm": True})
+        StrategyConfig.from_run_config({"corrflow.noise-multiplier": 1.0, "corrflow.clip-norm": True})
 
 
 @pytest.mark.parametrize("flag, value", [("--clip-norm", "inf"), ("--noise-multiplier", "nan"),

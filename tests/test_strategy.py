@@ -32,7 +32,7 @@ def _zero_train(msg, ctx):
 
 
 def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
-    cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3)
+    cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3, replies="delta")
     s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, noise_key=KEY,
                    quiet=True)
     fac = Factorization.load(tmp_path / "factorization.npz")
@@ -88,7 +88,7 @@ def _tamper(kind):
                 out.append(Message(content=RecordDict({"arrays": ArrayRecord([arrays[0][:-1], arrays[1]]),
                                                        "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "dtype":
-                out.append(Message(content=RecordDict({"arrays": ArrayRecord([a.astype(np.float64) for a in arrays]),
+                out.append(Message(content=RecordDict({"arrays": ArrayRecord([a.astype(np.int32) for a in arrays]),
                                                        "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "keys":
                 out.append(Message(content=RecordDict({"weights": ArrayRecord(arrays),
@@ -121,7 +121,7 @@ def test_malformed_replies_rejected_round_goes_on(tmp_path, caplog, kind, reason
 
 def test_workload_mismatch_and_unknown_config(tmp_path):
     with pytest.raises(InvalidArgumentError, match="nonsense"):
-        StrategyConfig.from_run_config({"num-users": 10, "nonsense": 1})
+        StrategyConfig.from_run_config({"corrflow.num-users": 10, "corrflow.nonsense": 1})
     with pytest.raises(InvalidArgumentError, match="epochs"):
         StrategyConfig(num_rounds=5, epochs=2, noise_multiplier=1.0)
     cfg = _cfg(tmp_path)
@@ -192,7 +192,7 @@ def test_checkpoint_is_private(tmp_path):
 
 
 def test_non_private_baseline_adds_no_noise(tmp_path):
-    cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True)
+    cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True, replies="delta")
     s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, quiet=True)
     assert all(np.all(p == 0) for p in s.params)  # zero updates, no noise → the model stays at zero
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
@@ -202,9 +202,12 @@ def test_non_private_baseline_adds_no_noise(tmp_path):
 
 
 def test_run_config_parsing():
-    cfg = StrategyConfig.from_run_config({"num-users": 20, "num-rounds": 10, "epochs": 2, "target-epsilon": 4,
-                                          "kind": "bisr", "non-private": False})
-    assert cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"
-    for bad in ({"non-private": "false"}, {"num-users": 2.5}, {"delta": "small"}):
-        with pytest.raises(InvalidArgumentError):
-            StrategyConfig.from_run_config({"target-epsilon": 4, **bad})
+    cfg = StrategyConfig.from_run_config({"corrflow.num-users": 20, "corrflow.num-rounds": 10, "corrflow.epochs": 2,
+                                          "corrflow.target-epsilon": 4, "corrflow.kind": "bisr",
+                                          "corrflow.non-private": False, "local-epochs": 3, "num-users": 99})
+    assert cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"   # the user's keys are theirs
+    assert StrategyConfig.unprefixed_keys({"num-users": 99, "local-epochs": 3}) == ["num-users"]
+    for bad in ({"non-private": "false"}, {"num-users": 2.5}, {"delta": "small"}, {"clip-norm": True}):
+        with pytest.raises(InvalidArgumentError, match="corrflow." + next(iter(bad))):
+            StrategyConfig.from_run_config({"corrflow.target-epsilon": 4,
+                                            **{"corrflow." + k: v for k, v in bad.items()}})

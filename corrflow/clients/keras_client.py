@@ -1,5 +1,5 @@
 """The TensorFlow/Keras ClientApp: next-word prediction with an embedding + LSTM (the StackOverflow model of
-000 §5.3, scaled to the machine), local SGD over the user's sentences; replies with the model delta and the example
+000 §5.3, scaled to the machine), local SGD over the user's sentences; replies with the new weights and the example
 count. TensorFlow uses a GPU when it sees one; simulated clients share it through the engine's fractional GPUs."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def local_train(weights: list[np.ndarray], sentences: np.ndarray, lr: float, epo
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables,
                                     strict=True))
     new = model.get_weights()
-    return [(n - o).astype(np.float32) for n, o in zip(new, weights, strict=True)], float(loss)
+    return [n.astype(np.float32) for n in new], float(loss)
 
 
 def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray) -> tuple[float, float]:
@@ -84,9 +84,8 @@ def train(msg: Message, context: Context) -> Message:
     source = text_source(str(cfg.get("data-path", "")), str(cfg.get("vocab-path", "")),
                          int(cfg.get("seq-len", 20)))
     sentences = source.user_sentences(partition_id(context))
-    delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)),
-                              int(cfg.get("local-steps", 1)))
-    return Message(content=RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(
+    new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))
+    return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
         {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
 
 

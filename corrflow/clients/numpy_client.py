@@ -1,5 +1,5 @@
-"""A numpy ClientApp: local gradient descent on the user's synthetic regression data; replies with the model delta
-(new − received) and the example count. Also answers the identity query used in simulation."""
+"""A numpy ClientApp: local gradient descent on the user's synthetic regression data; replies with the new weights
+(the server subtracts the model it sent) and the example count, as Flower's quickstarts do."""
 
 from __future__ import annotations
 
@@ -61,12 +61,14 @@ def train(msg: Message, context: Context) -> Message:
     cfg = msg.content["config"]
     if "item-ids" in cfg:
         items = [str(i) for i in cfg["item-ids"]]
+        # Cross-silo replies are deltas (replies = "delta"): the server checks their norm against items × clip.
         return Message(content=RecordDict({"arrays": ArrayRecord(train_items(params, items, cfg)),
                                            "metrics": MetricRecord({"num-items": len(items)})}), reply_to=msg)
     X, y = regression_partition(partition_id(context), params[0].shape[0])
     delta = local_update(params, X, y, float(cfg.get("local-lr", 0.1)), int(cfg.get("local-steps", 5)))
-    loss = regression_loss([p + d for p, d in zip(params, delta, strict=True)], X, y)
-    return Message(content=RecordDict({"arrays": ArrayRecord(delta),
+    new = [p + d for p, d in zip(params, delta, strict=True)]
+    loss = regression_loss(new, X, y)
+    return Message(content=RecordDict({"arrays": ArrayRecord(new),
                                        "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss})}),
                    reply_to=msg)
 

@@ -7,178 +7,40 @@ ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise 
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import sys
 import threading
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from corrflow.accounting import account
-from corrflow.accounting.accountant import SamplingSpec
 from corrflow.clients.tasks import get_task
-from corrflow.errors import IntegrityError, InvalidArgumentError, require
-from corrflow.factorization import Factorization, Workload, factorize, participation_for
-from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
-from corrflow.participation.planner import CohortPlanner
-from corrflow.server import identity as ids
-from corrflow.strategies.config import StrategyConfig
+from corrflow.errors import InvalidArgumentError
+from corrflow.strategies.config import PREFIX, StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.run_state import RunLock, archive_run, check_resume
+from corrflow.strategies.session import RunHooks, run_strategy
 
 log = logging.getLogger("corrflow")
-
-
-def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factorization:
-    workload = Workload.sgd_momentum(cfg.momentum, cfg.cooldown_fraction) if cfg.momentum > 0 else \
-        Workload("prefix", 0.0, cfg.cooldown_fraction)
-    path = out_dir / "factorization.npz"
-    if cfg.participation == "fixed-epoch":
-        part = participation_for(cfg.num_rounds, cfg.epochs)
-    else:  # any b-separated pattern: at most ⌈n/b⌉ participations
-        part = participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
-    if path.exists():
-        fac = Factorization.load(path)
-        if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part and \
-                fac.metadata.get("taper_lower_min_sep") == (cfg.taper or None):
-            return fac
-    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None)
-    fac.save(path)
-    return fac
-
-
-def load_graph(path: str) -> AttributionGraph:
-    """An attribution file (CSV ``item,user`` / JSON lines ``{"item", "users"}``) or arXiv metadata JSON lines
-    (items = paper ids, users = normalised authors)."""
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        with open(p, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "")
-        try:
-            is_arxiv = "item" not in json.loads(first)
-        except (json.JSONDecodeError, TypeError):
-            is_arxiv = False
-        if is_arxiv:
-            from corrflow.data.arxiv import ArxivReader, arxiv_attribution
-
-            return arxiv_attribution(ArxivReader(p))
-    return load_attribution(p)
-
-
-def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
-    """Items (SuperNode identities, or cross-silo example ids from the manifest), the users behind them, user-level
-    contribution bounding (k_u), and the cohort planner. Returns (planner, item → silo identity, bounding info)."""
-    item_home = None
-    if cfg.mode == "cross-silo":
-        from corrflow.data.partition import load_manifest
-
-        manifest = load_manifest(cfg.manifest_path)
-        item_home = {str(item): f"partition-{part['partition_id']}" for part in manifest["partitions"]
-                     for item in part.get("items", part.get("users", []))}
-        missing = sorted({h for h in item_home.values()} - set(identities))
-        require(not missing, "manifest-path", "a silo (partition) online for every manifest partition", missing[:5])
-        items = sorted(item_home)
-    else:
-        items = sorted(identities)
-    if cfg.attribution_path:
-        graph = load_graph(cfg.attribution_path)
-        index = {item: i for i, item in enumerate(graph.item_ids)}
-        unknown = [i for i in items if i not in index]
-        require(not unknown, "attribution-path", "every item (node identity or example id) in the graph",
-                unknown[:5])
-        graph = AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
-    else:
-        graph = AttributionGraph(items, items, [[i] for i in range(len(items))])
-    info = {"items": graph.num_items, "users": graph.num_users}
-    if cfg.max_items_per_user:
-        bound = bound_contributions(graph, cfg.max_items_per_user, seed=cfg.schedule_seed)
-        info.update(bound.to_dict(), max_items_per_user=cfg.max_items_per_user)
-        kept = [graph.item_ids[i] for i in bound.kept]
-        graph = AttributionGraph(kept, graph.user_ids, [graph.item_users[i] for i in bound.kept])
-    planner = CohortPlanner(cfg.participation, graph.item_ids, graph.item_users, graph.user_ids, cfg.num_rounds,
-                            cfg.b, rate=cfg.participation_rate, seed=cfg.schedule_seed)
-    return planner, item_home, info
-
-
-def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> tuple[float, float | None, dict]:
-    """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
-    factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
-    planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
-    Poisson probability p, verified at δ/2."""
-    k_u = planner.items_per_user
-    if cfg.non_private:
-        log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
-        return 0.0, None, {"name": "none", "sampling": "none", "slack": 0.0}
-    target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
-        {"target_epsilon": cfg.target_epsilon}
-    if cfg.accountant == "monte-carlo":
-        require(k_u == 1 or planner.kind == "multi-attribution", "accountant",
-                "participation multi-attribution when a user holds several items (k_u > 1)", k_u)
-        spec = SamplingSpec(planner.kind, planner.summary().items, planner.expected, items_per_user=k_u,
-                            sampling_probability=planner.p)
-        res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
-                      **target)
-        return res["noise_multiplier"], res["epsilon"], res["accountant"]
-    if "noise_multiplier" in target:
-        res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
-        sigma = cfg.noise_multiplier
-    else:
-        res = account(fac, delta=cfg.delta, target_epsilon=cfg.target_epsilon)
-        sigma = res["noise_multiplier"] * k_u
-    acc = {**res["accountant"], "sampling": f"none ({planner.kind}, unamplified)", "items_per_user": k_u,
-           "normalisation": f"sensitivity {k_u} = k_u × 1 under the planned participation"}
-    return sigma, res["epsilon"], acc
 
 
 def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_key: bytes | None = None,
                quiet: bool = False, on_round_end=None, fresh: bool = False,
                stop_event: threading.Event | None = None) -> CorrelatedNoiseStrategy:
-    """Run (or resume) the whole training under an exclusive lock on ``out_dir``. ``fresh`` moves an earlier run
-    aside first; ``stop_event`` (set by a signal handler) ends the run cleanly after the round in progress."""
-    out = Path(out_dir).resolve()
-    with RunLock(out):
-        if fresh:
-            archive_run(out)
-        resume = check_resume(out, cfg.state_dir)
-        source = cfg.identity or ids.default_identity(grid)
-        if source == "per-launch" and resume.checkpoint is not None:
-            raise IntegrityError(f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
-                                 "the nodes new identities, so the ledger could not follow them); start a new run "
-                                 "with --fresh")
-        log.info("corrflow: output %s (state %s), identity %s", out, Path(cfg.state_dir).resolve(), source)
-        nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
-        directory = ids.resolve(grid, nodes, source)
-        planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
-        if bounding.get("dropped"):
-            log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,
-                        bounding["dropped"], bounding["items"])
-        fac = load_or_build_factorization(cfg, out)
-        sigma, planned, accountant = plan_privacy(cfg, fac, planner)
-        accountant = {**accountant, "contribution_bounding": bounding}
-        task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
+    """Train corrflow's own task (``cfg.client``) with one line per round on stderr; see :func:`run_strategy`."""
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
 
-        def round_end(strategy, metrics):
-            if not quiet:
-                print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
-            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
-            if on_round_end is not None:
-                on_round_end(strategy, metrics)
+    def round_end(strategy, metrics):
+        if not quiet:
+            print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
+        if on_round_end is not None:
+            on_round_end(strategy, metrics)
 
-        strategy = CorrelatedNoiseStrategy(
-            cfg, fac, task.initial_weights(), directory, noise_multiplier=sigma, planned_epsilon=planned,
-            noise_key=noise_key, out_dir=out, on_round_end=round_end, planner=planner, item_home=item_home,
-            planned_accounting=accountant, resume=resume, identity=source, evaluate=task.evaluate,
-            resolve_nodes=partial(ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)),
-            stop_event=stop_event)
-        try:
-            strategy.start(grid=grid, timeout=cfg.node_timeout)
-        finally:
-            strategy.write_report()
-            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
-        return strategy
+    hooks = RunHooks(task.initial_weights(), evaluate=task.evaluate, on_round_end=round_end)
+    strategy, _ = run_strategy(grid, cfg, out_dir, hooks, noise_key=noise_key, fresh=fresh, stop_event=stop_event)
+    return strategy
 
 
 def round_line(metrics: dict, num_rounds: int) -> str:
@@ -204,11 +66,25 @@ def make_server_app(cfg: StrategyConfig, out_dir: str | Path, **kwargs) -> Serve
 app = ServerApp()
 
 
+def resolve_state_dir(state_dir: str) -> Path:
+    """An absolute ``state-dir`` as given; a relative one under ``$CORRFLOW_HOME`` (default ``~/corrflow``), since a
+    ServerApp's working directory is whatever its SuperLink was started from."""
+    path = Path(state_dir).expanduser()
+    if not path.is_absolute():
+        path = Path(os.environ.get("CORRFLOW_HOME", Path.home() / "corrflow")).expanduser() / path
+    return path.resolve()
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    run_config = dict(context.run_config)
+    for key in StrategyConfig.unprefixed_keys(run_config):
+        log.warning("run-config key %r is left to your app; corrflow reads %s%s", key, PREFIX, key)
     try:
-        cfg = StrategyConfig.from_run_config(dict(context.run_config))
+        cfg = StrategyConfig.from_run_config(run_config)
     except InvalidArgumentError as exc:
         log.error("bad run config: %s", exc)
         raise
-    run_server(grid, cfg, Path(cfg.state_dir).parent)
+    state = resolve_state_dir(cfg.state_dir)
+    cfg = replace(cfg, state_dir=str(state))
+    run_server(grid, cfg, state.parent)

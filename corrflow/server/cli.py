@@ -201,6 +201,7 @@ def simulate(
                              noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
                              local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
                              momentum=0.9, state_dir=str(out / "state"), identity=identity,
+                             replies="delta" if mode == "cross-silo" else "weights",
                              max_empty_rounds=max_empty_rounds)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")

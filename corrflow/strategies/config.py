@@ -1,6 +1,7 @@
-"""Run configuration of the correlated-noise strategy: a dataclass, read from Flower's run config (kebab-case keys).
+"""Run configuration of the correlated-noise strategy: a dataclass, read from Flower's run config (kebab-case keys
+under the ``corrflow.`` prefix, so that they coexist with the user's own keys).
 
-Unknown keys are an error naming the key (DESIGN.md); values are type-checked against the defaults' types.
+Unknown keys inside the prefix are an error naming the key; values are type-checked against the defaults' types.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from corrflow.errors import InvalidArgumentError, require
 POLICIES = ("reject", "accept-and-account")
 PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
 # Where a node's stable user id comes from (the server cannot see whether SuperNode authentication is on, so the
-# operator declares it): see corrflow.server.identity. "" = partition-id in simulation, node-key in deployment.
+# operator declares it): see corrflow.strategies.identity. "" = partition-id in simulation, node-key in deployment.
 IDENTITIES = ("node-key", "user-id", "partition-id", "per-launch")
+PREFIX = "corrflow."   # corrflow's keys in Flower's run config; every other key is the user's app's
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class StrategyConfig:
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
     manifest_path: str = ""         # cross-silo: partition manifest (corrflow data partition) item → silo
     max_items_per_user: int = 0     # k_u: greedy contribution bounding (004 §6); 0 = no bounding
+    replies: str = "weights"        # weights: clients return full weights (Flower's quickstarts); delta: updates
     identity: str = ""              # node-key | user-id | partition-id | per-launch; "" = the engine's default
     max_empty_rounds: int = 3       # stop after this many consecutive rounds without an accepted reply (0: never)
     node_timeout: float = 600.0     # seconds to wait for the population's SuperNodes, and for replies each round
@@ -105,6 +108,9 @@ class StrategyConfig:
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(math.isfinite(self.clip_norm) and self.clip_norm > 0, "clip-norm", "a finite positive number",
                 self.clip_norm)
+        require(self.replies in ("weights", "delta"), "replies", "weights or delta", self.replies)
+        require(self.mode == "cross-device" or self.replies == "delta", "replies",
+                "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)", self.replies)
         require(self.identity in ("",) + IDENTITIES, "identity", f"one of {IDENTITIES}", self.identity)
         require(self.max_empty_rounds >= 0, "max-empty-rounds", "≥ 0 (0: never stop for empty rounds)",
                 self.max_empty_rounds)
@@ -130,28 +136,41 @@ class StrategyConfig:
         return -(-self.num_rounds // self.b)
 
     @classmethod
-    def from_run_config(cls, run_config: dict) -> StrategyConfig:
+    def from_run_config(cls, run_config: dict, **overrides) -> StrategyConfig:
+        """Read the ``corrflow.``-prefixed keys of Flower's run config (``[tool.flwr.app.config.corrflow]`` in a
+        pyproject, or ``-c 'corrflow.num-rounds=10'``); other keys belong to the user's app and are left alone.
+        An unknown key inside the prefix, or a value of the wrong type, is an error naming the key."""
         known = {f.name.replace("_", "-"): f for f in fields(cls)}
-        values = {}
-        for key, value in run_config.items():
+        values = dict(overrides)
+        for full_key, value in run_config.items():
+            if not full_key.startswith(PREFIX):
+                continue
+            key = full_key[len(PREFIX):]
             if key not in known:
-                raise InvalidArgumentError(key, f"a known run-config key ({', '.join(sorted(known))})", value)
+                raise InvalidArgumentError(full_key, f"a known corrflow run-config key ({PREFIX}"
+                                           f"{{{', '.join(sorted(known))}}})", value)
             f = known[key]
             default = f.default
             if isinstance(value, bool) and not isinstance(default, bool):
-                raise InvalidArgumentError(key, f"a {type(default).__name__}, not a boolean", value)
+                raise InvalidArgumentError(full_key, f"a {type(default).__name__}, not a boolean", value)
             if isinstance(default, bool):
                 if not isinstance(value, bool):
-                    raise InvalidArgumentError(key, "true or false", value)
+                    raise InvalidArgumentError(full_key, "true or false", value)
                 values[f.name] = value
                 continue
             try:
                 values[f.name] = type(default)(value)
             except (TypeError, ValueError) as exc:
-                raise InvalidArgumentError(key, f"a {type(default).__name__}", value) from exc
-            if isinstance(default, int) and not isinstance(value, bool) and float(value) != values[f.name]:
-                raise InvalidArgumentError(key, "an integer", value)
+                raise InvalidArgumentError(full_key, f"a {type(default).__name__}", value) from exc
+            if isinstance(default, int) and float(value) != values[f.name]:
+                raise InvalidArgumentError(full_key, "an integer", value)
         return cls(**values)
+
+    @staticmethod
+    def unprefixed_keys(run_config: dict) -> list[str]:
+        """Keys outside the prefix that match a corrflow setting: probably meant for corrflow (worth a warning)."""
+        known = {f.name.replace("_", "-") for f in fields(StrategyConfig)}
+        return sorted(k for k in run_config if k in known)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,9 +50,10 @@ from corrflow.strategies.checkpoint import SECRET, load_arrays, manifest_digest,
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger, PrivacyTracker
+from corrflow.strategies.model import ModelLayout
 from corrflow.strategies.run_state import ResumePoint
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
-from corrflow.strategies.validation import RejectedReplyError, check_arrays, zero_or_clip
+from corrflow.strategies.validation import RejectedReplyError, zero_or_clip
 
 log = logging.getLogger("corrflow")
 
@@ -76,6 +77,7 @@ class RoundOutcome:
     accepted: dict[str, list[np.ndarray]]
     counts: dict[str, int]
     rejections: list[tuple[str | None, str]]
+    contents: list[RecordDict]                 # the accepted replies, for the inner strategy's metrics
 
 
 def exchange(grid: Grid, messages: list[Message], timeout: float, stop: threading.Event) -> list[Message] | None:
@@ -102,21 +104,24 @@ def exchange(grid: Grid, messages: list[Message], timeout: float, stop: threadin
 class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring)."""
 
-    def __init__(self, config: StrategyConfig, factorization: Factorization, initial: list[np.ndarray],
+    def __init__(self, config: StrategyConfig, factorization: Factorization,
+                 initial: ArrayRecord | list[np.ndarray],
                  directory: dict[int, str], *, noise_multiplier: float, planned_epsilon: float | None,
                  noise_key: bytes | None = None, out_dir: str | Path | None = None, on_round_end=None,
                  planner: CohortPlanner | None = None, item_home: dict[str, str] | None = None,
                  planned_accounting: dict | None = None, resume: ResumePoint | None = None,
                  identity: str = "partition-id", evaluate: Callable[[list[np.ndarray]], dict] | None = None,
                  resolve_nodes: Callable[[list[int]], dict[int, str]] | None = None,
-                 stop_event: threading.Event | None = None):
+                 stop_event: threading.Event | None = None, inner: Strategy | None = None):
         require(factorization.rounds == config.num_rounds, "factorization",
                 f"{config.num_rounds} rounds (num-rounds)", factorization.rounds)
         check_workload_matches(factorization.workload, config.momentum, config.cooldown_fraction)
         self.cfg, self.fac = config, factorization
         self.sigma = float(noise_multiplier)
         self.planned_epsilon = None if planned_epsilon is None else float(planned_epsilon)
-        self.shapes = [tuple(a.shape) for a in initial]
+        self.layout = ModelLayout.of(initial)
+        self.shapes = self.layout.trainable_shapes
+        self.inner = inner   # the wrapper's strategy: its train config and metric aggregation are kept
         self.node_to_user = {int(k): str(v) for k, v in directory.items()}
         self.user_to_node = {u: n for n, u in self.node_to_user.items()}
         self.identity = identity
@@ -156,7 +161,7 @@ class CorrelatedNoiseStrategy(Strategy):
         resume = resume or ResumePoint(None, [], None)
         self._last_hash = resume.journal[-1].hash if resume.journal else GENESIS
         if resume.checkpoint is None:
-            self.params = [np.asarray(a, dtype=np.float32).copy() for a in initial]
+            self.params = self.layout.trainable_arrays(initial)
             self.optimizer = MomentumServerOptimizer(factorization.workload, config.num_rounds, config.server_lr,
                                                      self.shapes)
             self.noise = CorrelatedNoise(factorization, self.shapes, 1.0, key=noise_key or new_secret())
@@ -178,7 +183,7 @@ class CorrelatedNoiseStrategy(Strategy):
         return self.cfg.num_rounds - self.next_round
 
     def initial_arrays(self) -> ArrayRecord:
-        return ArrayRecord([p.copy() for p in self.params])
+        return self.layout.record(self.params)
 
     def override(self, round_index: int, items: list[str]) -> None:
         """Operator override: add ``items`` to round ``round_index``'s cohort. They pass through the separation
@@ -189,28 +194,35 @@ class CorrelatedNoiseStrategy(Strategy):
         self._pending_overrides.setdefault(int(round_index), []).extend(items)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None, **_unused) -> Result:
-        """Run the remaining rounds (a resumed run continues where its checkpoint stands). Replies are awaited in
-        an interruptible loop; an interrupt abandons the round in flight unreleased."""
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        """Run the remaining rounds (a resumed run continues where its checkpoint stands), each followed by the
+        optional centralized ``evaluate_fn(round, arrays)`` and the inner strategy's federated evaluation. Replies
+        are awaited in an interruptible loop; an interrupt abandons the round in flight unreleased."""
         timeout = self.cfg.node_timeout if timeout is None else timeout
-        last = self.next_round + (self.remaining_rounds if num_rounds is None else min(num_rounds,
-                                                                                        self.remaining_rounds))
+        last = self.cfg.num_rounds if num_rounds is None else min(self.cfg.num_rounds, self.next_round + num_rounds)
         result = Result()
         arrays = self.initial_arrays()
-        while self.next_round < last and not self.stopped_reason:
-            if self.stop_event.is_set():
-                break
-            messages = list(self.configure_train(self.next_round + 1, arrays, train_config or ConfigRecord(), grid))
+        while self.next_round < last and not self.stopped_reason and not self.stop_event.is_set():
+            server_round = self.next_round + 1
+            messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
             if self.stopped_reason:
                 break
             replies = exchange(grid, messages, timeout, self.stop_event)
             if replies is None:
                 self._pending = None   # abandoned: nothing of this round is committed or released
                 break
-            new_arrays, metrics = self.aggregate_train(self.next_round + 1, replies)
-            if new_arrays is not None:
-                arrays = result.arrays = new_arrays
-                result.train_metrics_clientapp[self.next_round] = metrics
+            new_arrays, metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is None:
+                continue
+            arrays = result.arrays = new_arrays
+            result.train_metrics_clientapp[server_round] = metrics
+            if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+            evaluation = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
+            ev = exchange(grid, evaluation, timeout, self.stop_event) if evaluation else None
+            if ev is not None and (agg := self.aggregate_evaluate(server_round, ev)) is not None:
+                result.evaluate_metrics_clientapp[server_round] = agg
         if self.stop_event.is_set() and not self.stopped_reason and self.next_round < self.cfg.num_rounds:
             self._stop(f"{INTERRUPTED} before round {self.next_round}; nothing of that round was released")
         return result
@@ -225,7 +237,7 @@ class CorrelatedNoiseStrategy(Strategy):
         if (reason := self._budget_guard(plan)) is not None:
             self._stop(reason)
             return []
-        messages = self._messages(plan, arrays, grid)
+        messages = self._messages(plan, arrays, config, grid)
         self._pending = plan
         return messages
 
@@ -241,14 +253,18 @@ class CorrelatedNoiseStrategy(Strategy):
         self.next_round = plan.round + 1
         self.ledger.rounds_completed = self.next_round
         metrics = self._record(plan, outcome, time.perf_counter() - started)
-        return ArrayRecord([p.copy() for p in self.params]), MetricRecord(
-            {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        record = MetricRecord({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        if self.inner is not None and outcome.contents:   # the user's strategy aggregates the replies' metrics
+            record = self._inner_metrics(outcome.contents) or record
+        return self.layout.record(self.params), record
 
     def configure_evaluate(self, server_round, arrays, config, grid):
-        return []
+        """Federated evaluation is the inner strategy's (its metrics are computed on clients' data and are not
+        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side."""
+        return [] if self.inner is None else self.inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
-        return None
+        return None if self.inner is None else self.inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
         log.info("corrflow: %d rounds completed, realised ε = %.4f (δ = %g)", self.next_round,
@@ -291,10 +307,11 @@ class CorrelatedNoiseStrategy(Strategy):
             return f"budget guard: round {plan.round} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
         return None
 
-    def _messages(self, plan: RoundPlan, arrays: ArrayRecord, grid: Grid) -> list[Message]:
+    def _messages(self, plan: RoundPlan, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": plan.round, "local-lr": self.cfg.local_lr,
-                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm})
+                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm,
+                            **self._user_config(plan.round + 1, arrays, config, grid)})
         if self.cfg.data_path:  # clients read their user's examples from the same dataset file
             cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
                         "seq-len": self.cfg.seq_len})
@@ -323,6 +340,7 @@ class CorrelatedNoiseStrategy(Strategy):
         accepted: dict[str, list[np.ndarray]] = {}
         counts = {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}
         rejections: list[tuple[str | None, str]] = []
+        contents: list[RecordDict] = []
         for msg in replies:
             key = None
             try:
@@ -343,7 +361,8 @@ class CorrelatedNoiseStrategy(Strategy):
                             self.cfg.zeroing_factor)
             counts[action] += 1
             accepted[key] = update
-        return RoundOutcome(accepted, counts, rejections)
+            contents.append(msg.content)
+        return RoundOutcome(accepted, counts, rejections, contents)
 
     def _commit(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         """The round happens: record it in the ledger (selected counts as participating, whether or not it
@@ -427,6 +446,26 @@ class CorrelatedNoiseStrategy(Strategy):
                                     prev=self._last_hash)
         self._last_hash = entry.hash
 
+    def _user_config(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None, grid: Grid) -> dict:
+        """The user's train config; with an inner strategy, what its ``configure_train`` would send (e.g. FedProx's
+        ``proximal-mu``) — its choice of nodes is discarded, corrflow's schedule decides who trains."""
+        user = dict(config or {})
+        if self.inner is not None:
+            for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), grid):
+                user.update(dict(msg.content.config_records.get("config", ConfigRecord())))
+                break
+        return user
+
+    def _inner_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
+        aggregate = getattr(self.inner, "train_metrics_aggr_fn", None)
+        if aggregate is None:
+            return None
+        try:
+            return aggregate(contents, getattr(self.inner, "weighted_by_key", "num-examples"))
+        except Exception as exc:  # a user's aggregation function; the round itself is already recorded
+            log.warning("the inner strategy's train-metrics aggregation failed: %s", exc)
+            return None
+
     # -- node identities ------------------------------------------------------------------------------------------
     def _map_new_nodes(self, grid: Grid) -> None:
         """A node that was not in the node → user map (a reconnected SuperNode with a new node id) is mapped by
@@ -471,11 +510,7 @@ class CorrelatedNoiseStrategy(Strategy):
             got = content["metrics"].get("num-items")
             if got != items:
                 raise RejectedReplyError(f"metric num-items = {got!r}, expected {items} (the item ids sent)")
-        try:
-            arrays = content["arrays"].to_numpy_ndarrays()
-        except Exception as exc:  # undecodable array payloads of any kind
-            raise RejectedReplyError(f"undecodable arrays ({exc})") from exc
-        return key, check_arrays(arrays, self.shapes), items
+        return key, self.layout.update_from_reply(content["arrays"], self.params, self.cfg.replies), items
 
     def _posthoc_active(self, extra: list[dict] = ()) -> bool:
         return any(o["action"] == "accepted-and-accounted" for o in [*self.ledger.overrides, *extra])

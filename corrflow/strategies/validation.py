@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 
@@ -13,22 +11,6 @@ class RejectedReplyError(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-def check_arrays(arrays: Sequence[np.ndarray], shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
-    if len(arrays) != len(shapes):
-        raise RejectedReplyError(f"expected {len(shapes)} arrays, got {len(arrays)}")
-    out = []
-    for i, (a, shape) in enumerate(zip(arrays, shapes, strict=True)):
-        a = np.asarray(a)
-        if a.dtype != np.float32:
-            raise RejectedReplyError(f"array {i}: dtype {a.dtype}, expected float32")
-        if a.shape != tuple(shape):
-            raise RejectedReplyError(f"array {i}: shape {a.shape}, expected {tuple(shape)}")
-        if not np.all(np.isfinite(a)):
-            raise RejectedReplyError(f"array {i}: NaN or Inf values")
-        out.append(a)
-    return out
 
 
 def zero_or_clip(update: list[np.ndarray], clip: float, zeroing_factor: float) -> tuple[list[np.ndarray], str]:

@@ -1,0 +1,120 @@
+"""Flower-free planning of a run, shared by the ServerApp, ``corrflow simulate`` and the Flower wrapper: the
+factorization (built once and cached in the run's directory), the cohort planner over items and the users behind
+them (with contribution bounding), and σ with the planned ε from the chosen accountant."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from corrflow.accounting import account
+from corrflow.accounting.accountant import SamplingSpec
+from corrflow.errors import require
+from corrflow.factorization import Factorization, Workload, factorize, participation_for
+from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
+from corrflow.participation.planner import CohortPlanner
+from corrflow.strategies.config import StrategyConfig
+
+log = logging.getLogger("corrflow")
+
+
+def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factorization:
+    workload = Workload.sgd_momentum(cfg.momentum, cfg.cooldown_fraction) if cfg.momentum > 0 else \
+        Workload("prefix", 0.0, cfg.cooldown_fraction)
+    path = out_dir / "factorization.npz"
+    if cfg.participation == "fixed-epoch":
+        part = participation_for(cfg.num_rounds, cfg.epochs)
+    else:  # any b-separated pattern: at most ⌈n/b⌉ participations
+        part = participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
+    if path.exists():
+        fac = Factorization.load(path)
+        if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part and \
+                fac.metadata.get("taper_lower_min_sep") == (cfg.taper or None):
+            return fac
+    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None)
+    fac.save(path)
+    return fac
+
+
+def load_graph(path: str) -> AttributionGraph:
+    """An attribution file (CSV ``item,user`` / JSON lines ``{"item", "users"}``) or arXiv metadata JSON lines
+    (items = paper ids, users = normalised authors)."""
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        with open(p, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            is_arxiv = "item" not in json.loads(first)
+        except (json.JSONDecodeError, TypeError):
+            is_arxiv = False
+        if is_arxiv:
+            from corrflow.data.arxiv import ArxivReader, arxiv_attribution
+
+            return arxiv_attribution(ArxivReader(p))
+    return load_attribution(p)
+
+
+def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
+    """Items (SuperNode identities, or cross-silo example ids from the manifest), the users behind them, user-level
+    contribution bounding (k_u), and the cohort planner. Returns (planner, item → silo identity, bounding info)."""
+    item_home = None
+    if cfg.mode == "cross-silo":
+        from corrflow.data.partition import load_manifest
+
+        manifest = load_manifest(cfg.manifest_path)
+        item_home = {str(item): f"partition-{part['partition_id']}" for part in manifest["partitions"]
+                     for item in part.get("items", part.get("users", []))}
+        missing = sorted({h for h in item_home.values()} - set(identities))
+        require(not missing, "manifest-path", "a silo (partition) online for every manifest partition", missing[:5])
+        items = sorted(item_home)
+    else:
+        items = sorted(identities)
+    if cfg.attribution_path:
+        graph = load_graph(cfg.attribution_path)
+        index = {item: i for i, item in enumerate(graph.item_ids)}
+        unknown = [i for i in items if i not in index]
+        require(not unknown, "attribution-path", "every item (node identity or example id) in the graph",
+                unknown[:5])
+        graph = AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
+    else:
+        graph = AttributionGraph(items, items, [[i] for i in range(len(items))])
+    info = {"items": graph.num_items, "users": graph.num_users}
+    if cfg.max_items_per_user:
+        bound = bound_contributions(graph, cfg.max_items_per_user, seed=cfg.schedule_seed)
+        info.update(bound.to_dict(), max_items_per_user=cfg.max_items_per_user)
+        kept = [graph.item_ids[i] for i in bound.kept]
+        graph = AttributionGraph(kept, graph.user_ids, [graph.item_users[i] for i in bound.kept])
+    planner = CohortPlanner(cfg.participation, graph.item_ids, graph.item_users, graph.user_ids, cfg.num_rounds,
+                            cfg.b, rate=cfg.participation_rate, seed=cfg.schedule_seed)
+    return planner, item_home, info
+
+
+def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> tuple[float, float | None, dict]:
+    """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
+    factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
+    planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
+    Poisson probability p, verified at δ/2."""
+    k_u = planner.items_per_user
+    if cfg.non_private:
+        log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
+        return 0.0, None, {"name": "none", "sampling": "none", "slack": 0.0}
+    target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
+        {"target_epsilon": cfg.target_epsilon}
+    if cfg.accountant == "monte-carlo":
+        require(k_u == 1 or planner.kind == "multi-attribution", "accountant",
+                "participation multi-attribution when a user holds several items (k_u > 1)", k_u)
+        spec = SamplingSpec(planner.kind, planner.summary().items, planner.expected, items_per_user=k_u,
+                            sampling_probability=planner.p)
+        res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
+                      **target)
+        return res["noise_multiplier"], res["epsilon"], res["accountant"]
+    if "noise_multiplier" in target:
+        res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
+        sigma = cfg.noise_multiplier
+    else:
+        res = account(fac, delta=cfg.delta, target_epsilon=cfg.target_epsilon)
+        sigma = res["noise_multiplier"] * k_u
+    acc = {**res["accountant"], "sampling": f"none ({planner.kind}, unamplified)", "items_per_user": k_u,
+           "normalisation": f"sensitivity {k_u} = k_u × 1 under the planned participation"}
+    return sigma, res["epsilon"], acc

@@ -1,0 +1,87 @@
+"""One training run, start to end, shared by corrflow's ServerApp, ``corrflow simulate`` and the Flower wrapper:
+lock the run's directory, check it against the release journal, resolve stable user ids, plan (factorization,
+cohort planner, σ), then run :class:`~corrflow.strategies.correlated.CorrelatedNoiseStrategy` and write the report
+and metrics whatever happens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from corrflow.errors import IntegrityError
+from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
+from corrflow.strategies import identity as ids
+from corrflow.strategies.config import StrategyConfig
+from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.run_state import RunLock, archive_run, check_resume
+
+log = logging.getLogger("corrflow")
+
+
+@dataclass
+class RunHooks:
+    """What the caller brings: the model, its evaluation, and (for the wrapper) the user's own strategy."""
+    initial: ArrayRecord | list[np.ndarray]
+    evaluate: Callable[[list[np.ndarray]], dict] | None = None      # server-side, on the trainable float32 arrays
+    inner: Strategy | None = None
+    train_config: ConfigRecord | None = None
+    evaluate_config: ConfigRecord | None = None
+    evaluate_fn: Callable[[int, ArrayRecord], Any] | None = None     # Flower's centralized evaluation
+    on_round_end: Callable | None = None
+
+
+def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: RunHooks, *,
+                 noise_key: bytes | None = None, fresh: bool = False,
+                 stop_event: threading.Event | None = None) -> tuple[CorrelatedNoiseStrategy, Result]:
+    """Run (or resume) the whole training under an exclusive lock on ``out_dir``. ``fresh`` moves an earlier run
+    aside first; ``stop_event`` (set by a signal handler) ends the run cleanly after the round in progress."""
+    out = Path(out_dir).resolve()
+    with RunLock(out):
+        if fresh:
+            archive_run(out)
+        resume = check_resume(out, cfg.state_dir)
+        source = cfg.identity or ids.default_identity(grid)
+        if source == "per-launch" and resume.checkpoint is not None:
+            raise IntegrityError(f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
+                                 "the nodes new identities, so the ledger could not follow them); start a new run "
+                                 "with --fresh")
+        log.info("corrflow: run directory %s (state %s), identity %s", out, Path(cfg.state_dir).resolve(), source)
+        nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
+        directory = ids.resolve(grid, nodes, source)
+        planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
+        if bounding.get("dropped"):
+            log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,
+                        bounding["dropped"], bounding["items"])
+        fac = load_or_build_factorization(cfg, out)
+        sigma, planned, accountant = plan_privacy(cfg, fac, planner)
+        accountant = {**accountant, "contribution_bounding": bounding}
+
+        def round_end(strategy, metrics):
+            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+            if hooks.on_round_end is not None:
+                hooks.on_round_end(strategy, metrics)
+
+        strategy = CorrelatedNoiseStrategy(
+            cfg, fac, hooks.initial, directory, noise_multiplier=sigma, planned_epsilon=planned,
+            noise_key=noise_key, out_dir=out, on_round_end=round_end, planner=planner, item_home=item_home,
+            planned_accounting=accountant, resume=resume, identity=source, evaluate=hooks.evaluate,
+            resolve_nodes=partial(ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)),
+            stop_event=stop_event, inner=hooks.inner)
+        try:
+            result = strategy.start(grid=grid, timeout=cfg.node_timeout, train_config=hooks.train_config,
+                                    evaluate_config=hooks.evaluate_config, evaluate_fn=hooks.evaluate_fn)
+        finally:
+            strategy.write_report()
+            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+        return strategy, result
