@@ -6,7 +6,7 @@ Layers, bottom up: ``factorization`` (workload, encoder, sensitivity), ``noise``
 
 __version__ = "0.1.0"
 
-__all__ = ["corrflow_identity_mod"]
+__all__ = ["DifferentialPrivacyCorrelatedNoise", "corrflow_identity_mod"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from corrflow.clients.identity import corrflow_identity_mod
 
         return corrflow_identity_mod
+    if name == "DifferentialPrivacyCorrelatedNoise":
+        from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
+
+        return DifferentialPrivacyCorrelatedNoise
     raise AttributeError(f"module 'corrflow' has no attribute {name!r}")

@@ -59,7 +59,7 @@ class ModelLayout:
         return out
 
     def record(self, params: Sequence[np.ndarray]) -> ArrayRecord:
-        return ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(a)))
+        return ArrayRecord(OrderedDict((k, Array(np.require(a, requirements="C")))  # keeps 0-d arrays 0-d
                                        for k, a in zip(self.keys, self.full(params), strict=True)))
 
     def update_from_reply(self, record: ArrayRecord, params: Sequence[np.ndarray], replies: str) -> list[np.ndarray]:

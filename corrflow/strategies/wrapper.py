@@ -1,0 +1,139 @@
+"""Correlated-noise DP for an existing Flower app, as one line around its strategy:
+
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(...), clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
+                                                  epochs=2, state_dir="/var/lib/corrflow/run")
+    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=20, train_config=ConfigRecord({"lr": 0.1}))
+
+like Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg(...), ...)``, but with the noise correlated across
+rounds by a matrix factorization (DP-FTRL / BandMF) and the privacy accounted, checkpointed and journaled.
+
+Inside ``start``: the population is the nodes present (``num_users`` of them, or at least the inner strategy's
+``min_available_nodes``), the factorization is built (cached in ``state_dir``), σ calibrated, users resolved by the
+declared ``identity``. Each round the inner strategy's ``configure_train`` runs only for its config (the user's
+``train_config``, FedProx's ``proximal-mu``, …), which goes to corrflow's scheduled cohort; corrflow's
+clip → sum → correlated noise → server optimizer replaces the inner parameter aggregation (equal weights: DP needs
+them, so ``num-examples`` is ignored), and the inner metric aggregation and federated evaluation are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import fields
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result, Strategy
+
+from corrflow.errors import InvalidArgumentError, require
+from corrflow.strategies.config import StrategyConfig
+from corrflow.strategies.identity import wait_for_nodes
+from corrflow.strategies.session import RunHooks, run_strategy
+
+log = logging.getLogger("corrflow")
+
+# Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server optimizer (the
+# factorization is built for it), so composing the two would change the mechanism the noise was calibrated for.
+_STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
+
+
+def check_composable(strategy: Strategy) -> None:
+    """Refuse inner strategies whose aggregation is not plain (weighted) averaging, saying why."""
+    name = type(strategy).__name__
+    mro = {c.__name__ for c in type(strategy).__mro__}
+    if mro & _STATEFUL:
+        raise InvalidArgumentError("strategy", "a FedAvg-style strategy (FedAvg, FedProx, …): "
+                                   f"{name} keeps server-optimizer state, but corrflow's server optimizer is the "
+                                   "workload its noise is factorized for — set server_learning_rate/momentum on "
+                                   "the wrapper instead", name)
+    if not isinstance(strategy, FedAvg) or type(strategy).aggregate_train is not FedAvg.aggregate_train:
+        raise InvalidArgumentError("strategy", "a strategy whose train aggregation is FedAvg's (corrflow replaces it "
+                                   "with clip → sum → correlated noise; a robust or custom aggregation would be "
+                                   "silently dropped)", name)
+
+
+class DifferentialPrivacyCorrelatedNoise(Strategy):
+    """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
+
+    ``clipping_norm``: ℓ2 clip of each user's update; exactly one of ``target_epsilon`` (σ calibrated) and
+    ``noise_multiplier``; ``delta``; ``epochs`` k and ``min_sep`` b (default rounds/epochs, fixed-epoch);
+    ``kind``/``bands``: the factorization; ``participation``: fixed-epoch, bminsep or multi-attribution;
+    ``identity``: node-key | user-id | partition-id | per-launch (default: partition-id in simulation, node-key in
+    deployment); ``num_users``: the population to wait for; ``state_dir``: the run's directory (checkpoint in
+    ``state_dir/state``, ``release_journal.jsonl``, ``privacy_report.json``); ``replies``: "weights" (clients return
+    full weights, as in Flower's quickstarts) or "delta"; ``server_learning_rate``, ``momentum``: the server
+    optimizer (the workload the factorization is built for). Other keywords are :class:`StrategyConfig` fields.
+    """
+
+    def __init__(self, strategy: Strategy, *, clipping_norm: float, delta: float, state_dir: str | Path,
+                 target_epsilon: float | None = None, noise_multiplier: float | None = None, epochs: int = 1,
+                 min_sep: int | None = None, kind: str = "toeplitz", bands: int | None = None,
+                 participation: str = "fixed-epoch", identity: str | None = None, num_users: int | None = None,
+                 replies: str = "weights", server_learning_rate: float = 1.0, momentum: float = 0.0,
+                 fresh: bool = False, **settings):
+        check_composable(strategy)
+        require((target_epsilon is None) != (noise_multiplier is None), "target_epsilon",
+                "exactly one of target_epsilon and noise_multiplier")
+        known = {f.name for f in fields(StrategyConfig)}
+        unknown = sorted(set(settings) - known)
+        require(not unknown, "settings", f"StrategyConfig fields ({', '.join(sorted(known))})", unknown)
+        self.inner = strategy
+        self.out_dir = Path(state_dir).expanduser().resolve()
+        self.fresh = fresh
+        self.num_users = num_users
+        self.stop_event = threading.Event()
+        self.core = None
+        self._settings = dict(settings, clip_norm=float(clipping_norm), delta=float(delta),
+                              target_epsilon=float(target_epsilon or 0.0),
+                              noise_multiplier=float(noise_multiplier or 0.0), epochs=int(epochs),
+                              min_sep=int(min_sep or 0), kind=kind, bands=int(bands or 0), participation=participation,
+                              identity=identity or "", replies=replies, server_lr=float(server_learning_rate),
+                              momentum=float(momentum), state_dir=str(self.out_dir / "state"))
+        self.config(num_rounds=max(1, epochs), num_users=max(1, num_users or 1))   # fail fast on bad settings
+
+    def config(self, *, num_rounds: int, num_users: int) -> StrategyConfig:
+        return StrategyConfig(**{**self._settings, "num_rounds": num_rounds, "num_users": num_users})
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn=None) -> Result:
+        """Train ``num_rounds`` rounds (resuming from ``state_dir`` when it holds a checkpoint of this run)."""
+        population = self.num_users
+        if population is None:
+            wait_for_nodes(grid, getattr(self.inner, "min_available_nodes", 1), timeout)
+            population = len(list(grid.get_node_ids()))
+            log.info("corrflow: the population is the %d SuperNodes connected", population)
+        cfg = self.config(num_rounds=num_rounds, num_users=population)
+        cfg = StrategyConfig(**{**cfg.to_dict(), "node_timeout": float(timeout)})
+        hooks = RunHooks(initial_arrays, inner=self.inner, train_config=train_config,
+                         evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+        self.core, result = run_strategy(grid, cfg, self.out_dir, hooks, fresh=self.fresh, stop_event=self.stop_event)
+        return result
+
+    # The Strategy API: corrflow drives its own rounds in start(); these delegate to the running core.
+    def _running(self):
+        if self.core is None:
+            raise RuntimeError("DifferentialPrivacyCorrelatedNoise runs its rounds in start()")
+        return self.core
+
+    def configure_train(self, server_round, arrays, config, grid):
+        return self._running().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        return self._running().aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        log.info("DifferentialPrivacyCorrelatedNoise around %s: %s, clipping norm %g, δ = %g",
+                 type(self.inner).__name__, self._settings["kind"], self._settings["clip_norm"],
+                 self._settings["delta"])
+
+    @property
+    def report_path(self) -> Path:
+        return self.out_dir / "privacy_report.json"

@@ -1,0 +1,99 @@
+"""The drop-in wrapper around FedAvg / FedProx with ClientApps written as Flower's quickstarts are (full float64
+weights, a named state dict with an integer buffer, a Keras model), on Flower's simulation engine — one Ray start
+for all three runs."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp import ServerApp
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
+from flwr.simulation import run_simulation
+
+sys.path.insert(0, str(Path(__file__).parent))
+import quickstart_apps as qs  # noqa: E402
+
+from corrflow import DifferentialPrivacyCorrelatedNoise  # noqa: E402
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
+from corrflow.errors import InvalidArgumentError  # noqa: E402
+from corrflow.factorization import Factorization  # noqa: E402
+
+USERS, ROUNDS = 10, 10
+
+
+def _loss(arrays: ArrayRecord) -> float:
+    X, y = qs.held_out()
+    a = dict(arrays.items())
+    if "fc.weight" in a:
+        return qs.loss_of(a["fc.weight"].numpy()[0], float(a["fc.bias"].numpy()[0]), X, y)
+    w, b = arrays.to_numpy_ndarrays()
+    return qs.loss_of(w.ravel(), float(b.ravel()[0]), X, y)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wrapper")
+    torch_init = ArrayRecord({"fc.weight": Array(np.zeros((1, qs.DIM), np.float32)),
+                              "fc.bias": Array(np.zeros(1, np.float32)),
+                              "bn.num_batches_tracked": Array(np.array(7, np.int64))})
+    keras_init = ArrayRecord(qs.keras_model().get_weights())
+    plans = {
+        "numpy": (FedAvg(fraction_evaluate=0.0), ArrayRecord([np.zeros(qs.DIM), np.zeros(1)]),
+                  {"app": "numpy", "lr": 0.05}),
+        "torch": (FedProx(proximal_mu=0.1, fraction_evaluate=0.0), torch_init, {"app": "torch", "lr": 0.05}),
+        "keras": (FedAvg(fraction_evaluate=0.0), keras_init, {"app": "keras", "local-epochs": 2}),
+    }
+    out = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        for name, (inner, init, config) in plans.items():
+            strategy = DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
+                                                          epochs=2, num_users=USERS, state_dir=root / name)
+            result = strategy.start(grid=grid, initial_arrays=init, num_rounds=ROUNDS,
+                                    train_config=ConfigRecord(config))
+            out[name] = (strategy, result, init)
+
+    run_simulation(server_app=server, client_app=qs.app, num_supernodes=USERS,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    return out
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "keras"])
+def test_quickstart_apps_train_unchanged_under_the_wrapper(runs, name):
+    strategy, result, init = runs[name]
+    core = strategy.core
+    assert core.next_round == ROUNDS and not core.ledger.rejections, (core.stopped_reason, core.ledger.rejections[:2])
+    assert list(result.arrays.keys()) == list(init.keys())               # names and order round-trip
+    assert [a.dtype for a in result.arrays.to_numpy_ndarrays()] == [a.dtype for a in init.to_numpy_ndarrays()]
+    assert _loss(result.arrays) < 0.5 * _loss(init)                      # the model learns
+    assert "train_loss" in result.train_metrics_clientapp[ROUNDS]         # the inner metric aggregation is kept
+    report = json.loads(strategy.report_path.read_text())
+    users = report["realized"]["participation"]["users"]
+    assert len(users) == USERS and report["rounds_completed"] == ROUNDS
+    fac = Factorization.load(strategy.out_dir / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {u: v["rounds"] for u, v in users.items()})
+    independent = epsilon_of(unamplified_event(report["noise_multiplier"], sens.value), 1e-5)
+    assert report["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
+    assert report["realized"]["epsilon"] <= 8.0 + 1e-9
+
+
+def test_integer_buffers_keep_the_servers_value(runs):
+    _, result, _ = runs["torch"]
+    assert int(dict(result.arrays.items())["bn.num_batches_tracked"].numpy()) == 7
+
+
+def test_stateful_or_robust_inner_strategies_are_refused(tmp_path):
+    for inner, why in [(FedAdam(), "server-optimizer state"), (Krum(), "FedAvg's")]:
+        with pytest.raises(InvalidArgumentError, match=why):
+            DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
+                                               state_dir=tmp_path)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, delta=1e-5, state_dir=tmp_path)
+    with pytest.raises(InvalidArgumentError, match="clip-norm"):
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=float("inf"), target_epsilon=1.0, delta=1e-5,
+                                           state_dir=tmp_path)
