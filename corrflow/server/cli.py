@@ -173,6 +173,8 @@ def simulate(
                                                        "accepted reply (0: never)")] = 3,
     fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
                                              "deleted) instead of resuming it")] = False,
+    verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
+                                               "OUT/engine.log)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
@@ -213,31 +215,13 @@ def simulate(
 
         stopped = None
         try:
-            report = run_sim(cfg, out, backend=backend, fresh=fresh)
+            report = run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
         if as_json:
             _emit(report, True)
         else:
-            mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
-            _emit({"mechanism": f"{mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}"
-                                f", bands={mech['bands']}), {mech['rounds']} rounds",
-                   "participation": f"{planned['participation']['kind']} ({planned['participation']['mode']}), "
-                                    f"expected cohort {planned['participation']['expected_cohort']:g}, "
-                                    f"k_u = {planned['participation']['items_per_user']}",
-                   "accountant": report["accountant"]["name"],
-                   "noise_multiplier": report["noise_multiplier"], "clip_norm": report["clip_norm"],
-                   "delta": report["delta"], "target_epsilon": report["target_epsilon"],
-                   "epsilon_planned": planned["epsilon"], "epsilon_realized": realized["epsilon"],
-                   "sensitivity_realized": realized["sensitivity"],
-                   "users": len(realized["participation"]["users"]),
-                   "max_participations": realized["participation"]["max_participations"],
-                   "min_gap": realized["participation"]["min_gap"], "rejections": realized["rejections"],
-                   "policy": realized["participation"]["policy"],
-                   "overrides": len(realized["participation"]["overrides"]),
-                   "rounds_completed": report["rounds_completed"],
-                   "stopped_reason": report.get("stopped_reason"),
-                   "report": str(out / "privacy_report.json")}, False)
+            typer.echo(_summary(report, out))
         if stopped is not None:
             typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
                        err=True)
@@ -248,6 +232,28 @@ def simulate(
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+
+
+def _summary(report: dict, out: Path) -> str:
+    """The privacy report in a few lines (the whole report is in OUT/privacy_report.json)."""
+    mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
+    part, users = planned["participation"], realized["participation"]
+    eps = realized["epsilon"]
+    lines = [
+        f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
+        f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
+        f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
+        f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
+        f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
+        f"{report['clip_norm']:g}, accountant {report['accountant']['name']}",
+        f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
+        f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), policy "
+        f"{users['policy']}",
+        f"rounds      {report['rounds_completed']} completed" + (f"; stopped: {report['stopped_reason']}"
+                                                                 if report.get("stopped_reason") else ""),
+        f"report      {out / 'privacy_report.json'}",
+    ]
+    return "\n".join(lines)
 
 
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")

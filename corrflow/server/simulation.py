@@ -54,8 +54,39 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def engine_output(log_path: Path, verbose: bool):
+    """Unless ``verbose``: Flower's log lines go to ``log_path`` instead of the terminal, and TensorFlow's, gRPC's
+    and Ray's start-up chatter is silenced, so that a run prints its own round lines and summary only."""
+    if verbose:
+        yield
+        return
+    import os
+
+    for var, value in (("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR"), ("RAY_DEDUP_LOGS", "1")):
+        os.environ.setdefault(var, value)   # inherited by Ray's workers
+    flwr_log = logging.getLogger("flwr")
+    console = [h for h in flwr_log.handlers if isinstance(h, logging.StreamHandler)
+               and not isinstance(h, logging.FileHandler)]
+    to_file = logging.FileHandler(log_path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for h in console:
+        flwr_log.removeHandler(h)
+    flwr_log.addHandler(to_file)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)      # Ray's accelerator tip
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        flwr_log.removeHandler(to_file)
+        to_file.close()
+        for h in console:
+            flwr_log.addHandler(h)
+
+
 def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", *, fresh: bool = False,
-             noise_key: bytes | None = None, quiet: bool = False) -> dict:
+             noise_key: bytes | None = None, quiet: bool = False, verbose: bool = True) -> dict:
     """Run ``cfg`` and return the final privacy report (also in ``out_dir/privacy_report.json``). Raises
     :class:`RunInterruptedError` after a signal and :class:`RunStoppedEarlyError` when the run ended before its
     planned rounds. ``noise_key`` is for tests that compare runs bit for bit; a real run draws a fresh secret key."""
@@ -66,7 +97,7 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", 
 
     task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
     kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
             from corrflow.server.inprocess import InProcessGrid
 
@@ -74,15 +105,13 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", 
         else:
             from flwr.simulation import run_simulation
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)   # the only in-process engine in flwr 1.41
-                try:
-                    run_simulation(server_app=make_server_app(cfg, out, stop_event=stop, **kwargs),
-                                   client_app=task.client_app, num_supernodes=cfg.num_users,
-                                   backend_config=_backend_config(cfg))
-                except RuntimeError:
-                    if not stop.is_set():   # Ray's workers die with the terminal's SIGINT; the server did not
-                        raise
+            try:   # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
+                run_simulation(server_app=make_server_app(cfg, out, stop_event=stop, **kwargs),
+                               client_app=task.client_app, num_supernodes=cfg.num_users,
+                               backend_config=_backend_config(cfg, verbose))
+            except RuntimeError:
+                if not stop.is_set():   # Ray's workers die with the terminal's SIGINT; the server did not
+                    raise
     report_path = out / "privacy_report.json"
     if not report_path.exists():
         raise RuntimeError(f"the simulation produced no privacy report in {out} (see the log above)")
@@ -94,15 +123,17 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", 
     return report
 
 
-def _backend_config(cfg: StrategyConfig) -> dict:
-    """One CPU per simulated client; with a GPU visible to TensorFlow, Keras clients share it (4 per GPU)."""
+def _backend_config(cfg: StrategyConfig, verbose: bool = True) -> dict:
+    """One CPU per simulated client; with a GPU visible to TensorFlow, Keras clients share it (4 per GPU). Workers'
+    output reaches the terminal only when ``verbose``."""
     gpus = 0.0
     if cfg.client == "keras":
         import tensorflow as tf
 
         if tf.config.list_physical_devices("GPU"):
             gpus = 0.25
-    config = {"client_resources": {"num_cpus": 1, "num_gpus": gpus}}
+    config = {"client_resources": {"num_cpus": 1, "num_gpus": gpus},
+              "init_args": {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}}
     if gpus:
-        config["init_args"] = {"num_gpus": 1}
+        config["init_args"]["num_gpus"] = 1
     return config
