@@ -244,7 +244,8 @@ def _summary(report: dict, out: Path) -> str:
         f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
         f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
-        f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
+        f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), "
+        f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}",
         f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
         f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), policy "
