@@ -13,7 +13,6 @@ sens(C)·‖A C⁻¹‖_F/√n under the run's participation (003 §3.3).
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import minimize_scalar
 
 from corrflow.errors import require
 from corrflow.factorization.encoders import Encoder, InverseToeplitzEncoder, ToeplitzEncoder
@@ -55,6 +54,8 @@ def unamplified_rmse(encoder: Encoder, workload: Workload, participation: Partic
 def best_gamma(build, workload: Workload, participation: Participation, lo: float = 0.0, hi: float = 1.0,
                xatol: float = 1e-5) -> tuple[float, float]:
     """Bounded golden-section search of γ ∈ [lo, hi] minimising the unamplified RMSE of ``build(γ)``."""
+    from scipy.optimize import minimize_scalar  # lazy: scipy.optimize slows every CLI start
+
     res = minimize_scalar(lambda g: unamplified_rmse(build(g), workload, participation), bounds=(lo, hi),
                           method="bounded", options={"xatol": xatol})
     return float(res.x), float(res.fun)

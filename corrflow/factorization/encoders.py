@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import numpy as np
 from scipy.linalg import solve_banded, solve_triangular
-from scipy.signal import lfilter
 
 from corrflow.errors import InvalidArgumentError, require
+from corrflow.factorization.filters import lfilter
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import (
     Sensitivity,

@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import minimize_scalar
-from scipy.signal import lfilter
 
 from corrflow.errors import require
+from corrflow.factorization.filters import lfilter
 from corrflow.factorization.optim import lbfgs
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
@@ -100,6 +99,8 @@ def best_one_over_i_plus_c(loss: ToeplitzLoss, p: int) -> np.ndarray:
     def f(logc):
         val = loss(one_over_i_plus_c(p, np.exp(logc)))[0]
         return np.log(val) if np.isfinite(val) and val > 0 else 1e300
+    from scipy.optimize import minimize_scalar  # lazy: scipy.optimize slows every CLI start
+
     res = minimize_scalar(f, bounds=(np.log(1e-4), np.log(1e3)), method="bounded", options={"xatol": 1e-6})
     return one_over_i_plus_c(p, float(np.exp(res.x)))
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.signal import lfilter
 
 from corrflow.errors import InvalidArgumentError, require
+from corrflow.factorization.filters import lfilter
 
 WORKLOAD_KINDS = ("prefix", "momentum")
 
