@@ -49,8 +49,15 @@ def test_bad_arguments_exit_2(args, needle):
     assert needle in r.stderr
 
 
-def test_corrupted_file_is_an_error(tmp_path):
+def test_corrupted_or_truncated_file_is_a_bad_argument(tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
     r = run("factorize", "--describe", str(bad), "--json")
-    assert r.returncode == 1 and "not a readable factorization" in r.stderr
+    assert r.returncode == 2 and "--describe" in r.stderr and "not a readable factorization" in r.stderr
+    good = tmp_path / "t.fact"   # written under exactly the name given
+    assert run("factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--quiet", "--out",
+               str(good)).returncode == 0
+    assert good.is_file() and not (tmp_path / "t.fact.npz").exists()
+    (tmp_path / "cut.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    r = run("account", "--factorization", str(tmp_path / "cut.npz"), "--delta", "1e-5", "--noise-multiplier", "1")
+    assert r.returncode == 2 and "--factorization" in r.stderr

@@ -102,10 +102,8 @@ class Factorization:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically (temp file + rename) to ``path`` (a ``.npz`` suffix is added if missing)."""
+        """Write atomically (temp file + rename) to exactly ``path`` (an ``.npz`` archive whatever its suffix)."""
         path = Path(path)
-        if path.suffix != ".npz":
-            path = path.with_name(path.name + ".npz")
         payload = self._arrays()
         payload["__meta__"] = np.array(json.dumps(self._meta(), sort_keys=True))
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import typer
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.server.data_cli import data_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
 
 
@@ -38,6 +38,16 @@ def _jsonable(x):
     if isinstance(x, np.ndarray):
         return x.tolist()
     raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def _load_factorization(path: Path, flag: str):
+    """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming the flag."""
+    from corrflow.factorization.base import Factorization
+
+    try:
+        return Factorization.load(path)
+    except (IntegrityError, InvalidArgumentError) as exc:
+        raise InvalidArgumentError(flag, f"a factorization file written by `corrflow factorize` ({exc})") from None
 
 
 def _fail(exc: Exception) -> None:
@@ -73,7 +83,6 @@ def factorize(
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Build a correlated-noise factorization (or describe a saved one) and print its errors."""
-    from corrflow.factorization.base import Factorization
     from corrflow.factorization.build import factorize as build
     from corrflow.factorization.build import participation_for
     from corrflow.factorization.workloads import Workload
@@ -81,7 +90,7 @@ def factorize(
 
     try:
         if describe is not None:
-            _emit(Factorization.load(describe).summary(), as_json)
+            _emit(_load_factorization(describe, "--describe").summary(), as_json)
             return
         if kind is None:
             raise InvalidArgumentError("--kind", "a factorization kind (or --describe FILE)")
@@ -124,13 +133,12 @@ def account(
     """ε for a noise multiplier, or the smallest grid σ that meets a target ε."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
-    from corrflow.factorization.base import Factorization
 
     try:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise InvalidArgumentError("--noise-multiplier", "exactly one of --noise-multiplier and "
                                        "--target-epsilon")
-        fac = Factorization.load(factorization)
+        fac = _load_factorization(factorization, "--factorization")
         spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user)
         _emit(run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                           sampling=spec, mc_samples=mc_samples, seed=seed), as_json)
@@ -161,10 +169,10 @@ def simulate(
     = "reject",
     accountant: Annotated[str, typer.Option(help="unamplified or monte-carlo (bminsep)")] = "unamplified",
     mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
-    attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata")]
-    = None,
-    manifest: Annotated[Path | None, typer.Option(help="cross-silo: partition manifest (corrflow data partition)")]
-    = None,
+    attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata",
+                                                     exists=True, dir_okay=False)] = None,
+    manifest: Annotated[Path | None, typer.Option(help="cross-silo: partition manifest (corrflow data partition)",
+                                                  exists=True, dir_okay=False)] = None,
     max_items_per_user: Annotated[int, typer.Option(help="k_u: per-user contribution bound (0: none)")] = 0,
     taper: Annotated[int, typer.Option(help="toeplitz: b₀ of the 001 App. H taper (0: none)")] = 0,
     identity: Annotated[str, typer.Option(help="where user ids come from: partition-id (simulation default), "
@@ -210,6 +218,11 @@ def simulate(
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
     except CorrflowError as exc:
         _fail(exc)
+    from corrflow.strategies.run_state import settings_conflict
+
+    if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
+        _fail(InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
+                                   f"that run aside and start anew; {out} holds a run with other settings", diff))
     try:
         from corrflow.server.simulation import simulate as run_sim
 
@@ -257,7 +270,8 @@ def _summary(report: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
+noise_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                        help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
 
@@ -280,11 +294,10 @@ def noise_sample(
     """Write rows R..R+N−1 of the unit-σ noise stream, exactly as the server computes them for that key."""
     import numpy as np
 
-    from corrflow.factorization.base import Factorization
     from corrflow.noise import CorrelatedNoise, key_from_seed
 
     try:
-        fac = Factorization.load(factorization)
+        fac = _load_factorization(factorization, "--factorization")
         if dim < 1:
             raise InvalidArgumentError("--dim", "a positive integer", dim)
         if not 0 <= start < fac.rounds:

@@ -13,7 +13,7 @@ import typer
 
 from corrflow.errors import CorrflowError, InvalidArgumentError
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+data_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                        help="Federated datasets: TFF StackOverflow SQLite and arXiv metadata JSON lines.")
 
 
@@ -43,7 +43,8 @@ def generate(
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Write a synthetic dataset in the real format, streaming to disk in bounded memory."""
+    """Write a synthetic dataset of KIND (stackoverflow: TFF's SQLite; arxiv: the metadata snapshot's JSON lines)
+    in the real format, streaming to disk in bounded memory."""
     from corrflow.progress import Progress
 
     try:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from corrflow.errors import InvalidArgumentError, require
 
@@ -108,6 +109,12 @@ class StrategyConfig:
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(math.isfinite(self.clip_norm) and self.clip_norm > 0, "clip-norm", "a finite positive number",
                 self.clip_norm)
+        from corrflow.factorization.build import KINDS
+
+        require(self.kind in KINDS, "kind", f"one of {KINDS}", self.kind)
+        for name in ("attribution_path", "manifest_path", "data_path", "vocab_path"):
+            path = getattr(self, name)
+            require(not path or Path(path).is_file(), name.replace("_", "-"), "an existing file", path)
         require(self.replies in ("weights", "delta"), "replies", "weights or delta", self.replies)
         require(self.mode == "cross-device" or self.replies == "delta", "replies",
                 "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)", self.replies)

@@ -51,7 +51,7 @@ from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger, PrivacyTracker
 from corrflow.strategies.model import ModelLayout
-from corrflow.strategies.run_state import ResumePoint
+from corrflow.strategies.run_state import ResumePoint, settings_conflict
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.strategies.validation import RejectedReplyError, zero_or_clip
 
@@ -563,9 +563,7 @@ class CorrelatedNoiseStrategy(Strategy):
     def _restore(self, ckpt: Path) -> None:
         public = json.loads((ckpt / "state.json").read_text())
         if public["config_fingerprint"] != self.cfg.fingerprint():
-            theirs, ours = public.get("settings", {}), self.cfg.run_settings()
-            diff = ", ".join(f"{k}: {theirs.get(k)!r} → {ours.get(k)!r}" for k in sorted(set(theirs) | set(ours))
-                             if theirs.get(k) != ours.get(k)) or "unrecorded settings"
+            diff = settings_conflict(self.state_dir, self.cfg.run_settings()) or "unrecorded settings"
             raise IntegrityError(f"{ckpt / 'state.json'}: the checkpoint belongs to a run with other settings "
                                  f"({diff}); resume with the same settings, or start a new run with --fresh")
         if public["factorization_sha256"] != self.fac.sha256():

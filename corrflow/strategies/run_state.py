@@ -134,6 +134,21 @@ def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Re
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
 
 
+def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | None:
+    """The settings that differ between ``settings`` and the run checkpointed in ``state_dir`` ("name: old → new",
+    …), or None when they match or there is no checkpoint — so a CLI can refuse before starting an engine."""
+    try:
+        ckpt = current_checkpoint(state_dir)
+    except IntegrityError:
+        return None   # the run itself refuses, naming the file
+    if ckpt is None:
+        return None
+    theirs = json.loads((ckpt / "state.json").read_text()).get("settings", {})
+    diff = [f"{k}: {theirs.get(k)!r} → {settings.get(k)!r}" for k in sorted(set(theirs) | set(settings))
+            if theirs.get(k) != settings.get(k)]
+    return ", ".join(diff) or None
+
+
 def archive_run(out_dir: str | os.PathLike) -> Path | None:
     """Move the run files of ``out_dir`` into ``out_dir/previous-runs/<UTC time>/`` (for ``--fresh``)."""
     out = Path(out_dir)
