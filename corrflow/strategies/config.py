@@ -53,6 +53,7 @@ class StrategyConfig:
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
     manifest_path: str = ""         # cross-silo: partition manifest (corrflow data partition) item → silo
     max_items_per_user: int = 0     # k_u: greedy contribution bounding (004 §6); 0 = no bounding
+    identity: str = ""              # node-key | user-id | partition-id | per-launch ("" = the engine's default)
 
     def __post_init__(self) -> None:
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
