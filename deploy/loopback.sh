@@ -52,6 +52,7 @@ mkdir -p "$workdir"
 workdir=$(cd "$workdir" && pwd)
 logs="$workdir/logs"
 mkdir -p "$logs" "$workdir/homes" "$workdir/superlink"
+: >"$workdir/pids.txt"
 out="$workdir/server"             # the ServerApp's output directory (persistent storage in a real deployment)
 state="$out/state"
 
@@ -67,6 +68,7 @@ launch() {  # launch NAME CMD...   (FLWR_HOME is NAME's own directory; output go
   FLWR_HOME="$workdir/homes/$name" setsid "$@" >>"$logs/$name.log" 2>&1 </dev/null &
   last_pid=$!
   started+=("$last_pid")
+  echo "$last_pid $name" >>"$workdir/pids.txt"
 }
 descendants() {  # descendants PID: every live process below PID (Flower detaches its SuperExec into a new session)
   local frontier=("$1") next=() pid child
@@ -82,11 +84,14 @@ descendants() {  # descendants PID: every live process below PID (Flower detache
     frontier=("${next[@]+"${next[@]}"}")
   done
 }
-stop_tree() {  # stop_tree PID: SIGTERM its session and its descendants, SIGKILL what is left after 15 s
+stop_tree() {  # stop_tree PID: SIGTERM it (it shuts down its children), then what is left, SIGKILL after 15 s more
   local root="$1" pids=() p waited=0
   kill -0 "$root" 2>/dev/null || return 0
   mapfile -t pids < <(descendants "$root")
   pids=("$root" "${pids[@]+"${pids[@]}"}")
+  kill -TERM "$root" 2>/dev/null || true
+  while [[ $waited -lt 20 ]] && kill -0 "$root" 2>/dev/null; do sleep 0.5; waited=$((waited + 1)); done
+  waited=0
   kill -TERM -- "-$root" 2>/dev/null || true
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   while [[ $waited -lt 30 ]]; do
@@ -234,6 +239,7 @@ if [[ $drills -eq 1 ]]; then
   app_pid=$(serverapp_pid) || die "no flwr-serverapp process found below the SuperLink"
   kill -KILL "$app_pid"
   killed_at=$(checkpoint_round)
+  cp "$out/metrics.json" "$workdir/metrics-at-kill.json"
   [[ $killed_at -lt $rounds ]] || die "the run finished before the ServerApp could be killed"
   say "ServerApp (pid $app_pid) killed with SIGKILL after round $killed_at of $rounds"
   printf 'killed-after-round %s\nfirst-run %s\n' "$killed_at" "$run1" >"$workdir/drills.txt"
@@ -266,6 +272,10 @@ if [[ $drills -eq 1 ]]; then
 else
   wait_finished "$run1"
 fi
+
+for run_id in "$run1" "${run2:-}"; do  # the ServerApps' logs, kept by the SuperLink
+  [[ -n "$run_id" ]] && { flwr_cli log "$run_id" loopback --show >"$logs/serverapp-$run_id.log" 2>&1 || true; }
+done
 
 report="$out/privacy_report.json"
 [[ -f "$report" ]] || die "no privacy report at $report"

@@ -217,6 +217,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    if not log.handlers:  # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         cfg = StrategyConfig.from_run_config(dict(context.run_config))
     except InvalidArgumentError as exc:
