@@ -43,6 +43,7 @@ bin="${FLWR_BIN:-$(dirname "$(command -v flwr || echo /nonexistent/flwr)")}"
 [[ -x "$bin/flwr" && -x "$bin/flower-superlink" && -x "$bin/flower-supernode" ]] || {
   echo "loopback.sh: flwr, flower-superlink and flower-supernode not found (put the venv's bin on PATH or set FLWR_BIN)" >&2
   exit 2; }
+export PATH="$bin:$PATH"   # Flower starts flower-superexec, flwr-serverapp and flwr-clientapp from PATH
 py="$bin/python"
 [[ -x "$py" ]] || py=python3
 "$py" -c "import corrflow" 2>/dev/null || { echo "loopback.sh: corrflow is not importable by $py" >&2; exit 2; }

@@ -107,10 +107,16 @@ def _processes_using(path: Path) -> list[int]:
 def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     work = tmp_path / "loopback"
     env = {**os.environ, "FLWR_BIN": str(BIN), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    res = subprocess.run([str(DEPLOY / "loopback.sh"), "--workdir", str(work), "--rounds", "3", "--drills"],
-                         capture_output=True, text=True, env=env, timeout=540)
-    assert res.returncode == 0, res.stderr[-6000:]
-    report_path = Path(res.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([str(DEPLOY / "loopback.sh"), "--workdir", str(work), "--rounds", "3", "--drills"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script's exit trap stops every process it started
+        stdout, stderr = proc.communicate(timeout=120)
+        pytest.fail(f"loopback.sh took more than 540 s: {stderr[-6000:]}")
+    assert proc.returncode == 0, stderr[-6000:]
+    report_path = Path(stdout.strip().splitlines()[-1])
     assert report_path == work / "server" / "privacy_report.json"
     report = json.loads(report_path.read_text())
     assert not _processes_using(work), "processes of the loopback run are still alive"
@@ -177,6 +183,20 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    import socket
+    import time
+
+    start = time.monotonic()
+    while True:
+        assert proc.poll() is None, f"the process meant to listen on port {port} exited with {proc.returncode}"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() - start < timeout, f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM a process started in its own session (``ray start --block`` stops the Ray processes it started),
     then SIGKILL its session and anything it left behind, by pid."""
@@ -209,7 +229,7 @@ def _descendants(root: int) -> list[int]:
 
 
 RAY_DRIVER = """
-import json, sys
+import sys
 from flwr.simulation import run_simulation
 from corrflow.clients.tasks import get_task
 from corrflow.server.app import make_server_app
@@ -221,48 +241,104 @@ task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.se
 run_simulation(server_app=make_server_app(cfg, out, quiet=True), client_app=task.client_app, num_supernodes=3,
                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                "init_args": {"address": address}})
-import ray  # the cluster the run used: two live nodes, CPUs only on the worker
-ray.init(address=address)
-print(json.dumps({"alive_nodes": sum(n["Alive"] for n in ray.nodes()), "cpus": ray.cluster_resources().get("CPU")}))
 """
 
 
-@pytest.mark.slow
-def test_simulation_on_an_existing_two_node_ray_cluster():
-    """A Ray head with no CPUs and a worker with two, on loopback: every ClientApp actor must run on the worker,
-    reached through run_simulation's backend init args (``init_args.address``)."""
+@pytest.fixture
+def ray_cluster():
+    """A Ray head with no CPUs and a worker with two, on loopback, in their own sessions and temp directory (so no
+    other ray.init() on this machine finds them); yields the head's address; stopped by pid."""
     import tempfile
 
     ray = tool("ray")
     temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's unix sockets live below it
-    head_port, *head_ports = _free_ports(8)
+    head_port, *ports = _free_ports(8)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     common = ["--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--include-log-monitor=false"]
-    head = subprocess.Popen([ray, "start", "--head", f"--port={head_port}", "--num-cpus=0", "--include-dashboard=false",
-                             f"--temp-dir={temp}", f"--ray-client-server-port={head_ports[0]}",
-                             f"--dashboard-agent-listen-port={head_ports[1]}",
-                             f"--dashboard-agent-grpc-port={head_ports[2]}", f"--metrics-export-port={head_ports[3]}",
-                             *common], env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    worker = None
+    head = [ray, "start", "--head", f"--port={head_port}", "--num-cpus=0", "--include-dashboard=false",
+            f"--temp-dir={temp}", f"--ray-client-server-port={ports[0]}", f"--dashboard-agent-listen-port={ports[1]}",
+            f"--dashboard-agent-grpc-port={ports[2]}", f"--metrics-export-port={ports[3]}", *common]
+    procs = [subprocess.Popen(head, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)]
+    address = f"127.0.0.1:{head_port}"
     try:
-        address = f"127.0.0.1:{head_port}"
-        worker = subprocess.Popen([ray, "start", f"--address={address}", "--num-cpus=2",
-                                   f"--dashboard-agent-listen-port={head_ports[4]}",
-                                   f"--dashboard-agent-grpc-port={head_ports[5]}",
-                                   f"--metrics-export-port={head_ports[6]}", *common], env=env,
-                                  start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        out = temp / "run"
-        res = subprocess.run([sys.executable, "-c", RAY_DRIVER, address, str(out)], capture_output=True, text=True,
-                             env=env, timeout=480)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        report = json.loads((out / "privacy_report.json").read_text())
-        assert report["rounds_completed"] == 2 and len(report["realized"]["participation"]["users"]) == 3
-        cluster = json.loads(res.stdout.strip().splitlines()[-1])
-        assert cluster == {"alive_nodes": 2, "cpus": 2.0}  # the head has none: every ClientApp ran on the worker
+        procs.append(subprocess.Popen([ray, "start", f"--address={address}", "--num-cpus=2",
+                                       f"--dashboard-agent-listen-port={ports[4]}",
+                                       f"--dashboard-agent-grpc-port={ports[5]}", f"--metrics-export-port={ports[6]}",
+                                       *common], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        # Ray sizes Flower's actor pool when the run starts: wait until the worker has joined.
+        wait = subprocess.run([sys.executable, "-c", CLUSTER_WAIT, address], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert wait.returncode == 0, wait.stderr[-3000:]
+        yield address, temp
     finally:
-        for proc in (worker, head):
-            if proc is not None:
-                _stop(proc)
+        for proc in reversed(procs):
+            _stop(proc)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+CLUSTER_WAIT = """
+import sys, time, ray
+ray.init(address=sys.argv[1])
+start = time.monotonic()
+while ray.cluster_resources().get("CPU", 0) < 2:
+    if time.monotonic() - start > 240:
+        sys.exit("the Ray worker did not join within 240 s")
+    time.sleep(0.5)
+"""
+CLUSTER_CHECK = """
+import json, sys, ray
+ray.init(address=sys.argv[1])
+print(json.dumps({"alive_nodes": sum(n["Alive"] for n in ray.nodes()), "cpus": ray.cluster_resources().get("CPU")}))
+"""
+
+
+def _check_cluster_and_report(address: str, out: Path, rounds: int) -> None:
+    res = subprocess.run([sys.executable, "-c", CLUSTER_CHECK, address], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # The head has no CPUs, so every ClientApp actor of the run ran on the worker.
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"alive_nodes": 2, "cpus": 2.0}
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == rounds
+    assert [u["rounds"] for u in report["realized"]["participation"]["users"].values()] == [[0, 1]] * 3
+
+
+@pytest.mark.slow
+def test_run_simulation_on_an_existing_ray_cluster(ray_cluster):
+    """The deprecated run_simulation passes backend init args to ray.init: ``init_args.address``."""
+    address, temp = ray_cluster
+    out = temp / "run"
+    res = subprocess.run([sys.executable, "-c", RAY_DRIVER, address, str(out)], capture_output=True, text=True,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, timeout=480)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_cluster_and_report(address, out, 2)
+
+
+@pytest.mark.slow
+def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
+    """`flwr run` reaches an existing cluster only through the simulation SuperLink's RAY_ADDRESS environment."""
+    address, temp = ray_cluster
+    port, = _free_ports(1)
+    home, cli, out = temp / "superlink-home", temp / "cli-home", temp / "flwr-run"
+    cli.mkdir()
+    (cli / "config.toml").write_text(f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
+                                     'insecure = true\n')
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_TELEMETRY_ENABLED": "0",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    link = subprocess.Popen([tool("flower-superlink"), "--insecure", "--simulation",
+                             "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port),
+                             "--database", str(temp / "superlink.db")],
+                            env={**env, "RAY_ADDRESS": address, "FLWR_HOME": str(home)}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, link)
+        run_config = f'num-users=3 num-rounds=2 epochs=2 identity="partition-id" state-dir="{out / "state"}"'
+        res = subprocess.run([tool("flwr"), "run", ".", "sim", "--stream", "--run-config", run_config,
+                              "--federation-config", "num-supernodes=3"], cwd=DEPLOY / "app",
+                             env={**env, "FLWR_HOME": str(cli)}, capture_output=True, text=True, timeout=480)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    finally:
+        _stop(link)
+    _check_cluster_and_report(address, out, 2)
