@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --rounds) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || { echo "loopback.sh: --rounds needs a positive integer" >&2; exit 2; }
               rounds="$2"; shift 2 ;;
     --drills) drills=1; shift ;;
-    -h|--help) sed -n '6,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    -h|--help) awk 'NR >= 6 && /^# Ports/ {exit} NR >= 6 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "loopback.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done

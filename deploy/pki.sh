@@ -14,7 +14,7 @@
 set -euo pipefail
 umask 077
 
-usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit 2; }
+usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit "${1:-2}"; }
 
 force=0
 days=825
@@ -26,7 +26,7 @@ while [[ $# -gt 0 ]]; do
             days="$2"; shift 2 ;;
     --san) [[ $# -ge 2 && "$2" =~ ^(DNS|IP): ]] || { echo "pki.sh: --san needs DNS:<name> or IP:<address>" >&2; exit 2; }
            sans+=("$2"); shift 2 ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     --) shift; break ;;
     -*) echo "pki.sh: unknown option $1" >&2; usage ;;
     *) break ;;
