@@ -84,6 +84,18 @@ def test_pki_makes_owner_only_files_keeps_keys_and_fingerprints_match_flower(tmp
     assert f"corrflow identity {printed[1].split()[0]}" in made
 
 
+def test_deploy_app_config_is_a_valid_node_key_run_config():
+    import tomllib
+
+    from corrflow.strategies.config import StrategyConfig
+
+    app = tomllib.loads((DEPLOY / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "corrflow.server.app:app",
+                                 "clientapp": "corrflow.clients.numpy_client:app"}
+    cfg = StrategyConfig.from_run_config(app["config"])
+    assert cfg.identity == "node-key" and Path(cfg.state_dir).is_absolute()
+
+
 def test_pki_rejects_bad_arguments(tmp_path):
     res = subprocess.run([str(DEPLOY / "pki.sh"), "--san", "localhost", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2 and "--san" in res.stderr
