@@ -77,6 +77,11 @@ def resolve_state_dir(state_dir: str) -> Path:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    if not log.handlers:  # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     run_config = dict(context.run_config)
     for key in StrategyConfig.unprefixed_keys(run_config):
         log.warning("run-config key %r is left to your app; corrflow reads %s%s", key, PREFIX, key)

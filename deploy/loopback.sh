@@ -1,0 +1,286 @@
+#!/usr/bin/env bash
+# The whole secure corrflow deployment on one machine (127.0.0.1): key material, a SuperLink with TLS and
+# SuperNode authentication, three registered SuperNodes running the numpy ClientApp, and `flwr run` of the corrflow
+# app (deploy/app) for a few rounds. The last line printed is the path of the privacy report.
+#
+#   deploy/loopback.sh [--workdir DIR] [--rounds N] [--drills]
+#
+# --workdir DIR  where keys, Flower homes, logs and the server's output go (default: a new temporary directory;
+#                it is kept, so the report can be read afterwards)
+# --rounds N     training rounds (default 3; every SuperNode trains in every round)
+# --drills       also the failure drills: a fourth SuperNode with an unregistered key must be refused; after the
+#                first checkpoint the ServerApp is killed (SIGKILL), SuperNode sn1 is restarted, and a second
+#                `flwr run` must resume from the checkpoint with sn1 under the same identity
+#
+# Ports are free ports picked at start; every Flower process gets its own FLWR_HOME under the work directory.
+# Every process started here runs in its own session and is stopped by its process id (with the processes it
+# spawned) when the script exits, whether it succeeds or fails. Needs flwr and corrflow installed in the Python
+# environment whose bin directory holds `flwr` on PATH (or FLWR_BIN=/path/to/venv/bin), plus openssl and
+# ssh-keygen.
+set -euo pipefail
+export FLWR_TELEMETRY_ENABLED=0   # nothing leaves the machine
+
+here=$(cd "$(dirname "$0")" && pwd)
+workdir=""
+rounds=3
+drills=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --workdir) [[ $# -ge 2 ]] || { echo "loopback.sh: --workdir needs a directory" >&2; exit 2; }
+               workdir="$2"; shift 2 ;;
+    --rounds) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || { echo "loopback.sh: --rounds needs a positive integer" >&2; exit 2; }
+              rounds="$2"; shift 2 ;;
+    --drills) drills=1; shift ;;
+    -h|--help) awk 'NR >= 6 && /^# Ports/ {exit} NR >= 6 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+    *) echo "loopback.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+if [[ $drills -eq 1 && $rounds -lt 2 ]]; then
+  echo "loopback.sh: --drills needs --rounds of at least 2 (the server is killed after round 1)" >&2; exit 2
+fi
+
+bin="${FLWR_BIN:-$(dirname "$(command -v flwr || echo /nonexistent/flwr)")}"
+[[ -x "$bin/flwr" && -x "$bin/flower-superlink" && -x "$bin/flower-supernode" ]] || {
+  echo "loopback.sh: flwr, flower-superlink and flower-supernode not found (put the venv's bin on PATH or set FLWR_BIN)" >&2
+  exit 2; }
+export PATH="$bin:$PATH"   # Flower starts flower-superexec, flwr-serverapp and flwr-clientapp from PATH
+py="$bin/python"
+[[ -x "$py" ]] || py=python3
+"$py" -c "import corrflow" 2>/dev/null || { echo "loopback.sh: corrflow is not importable by $py" >&2; exit 2; }
+
+[[ -n "$workdir" ]] || workdir=$(mktemp -d "${TMPDIR:-/tmp}/corrflow-loopback.XXXXXX")
+mkdir -p "$workdir"
+workdir=$(cd "$workdir" && pwd)
+logs="$workdir/logs"
+mkdir -p "$logs" "$workdir/homes" "$workdir/superlink"
+: >"$workdir/pids.txt"
+out="$workdir/server"             # the ServerApp's output directory (persistent storage in a real deployment)
+state="$out/state"
+
+say() { printf '[loopback %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { say "FAILED: $*"; exit 1; }
+
+# -- processes: each in its own session, stopped by pid (with its descendants) on exit -------------------------
+started=()
+last_pid=""
+launch() {  # launch NAME CMD...   (FLWR_HOME is NAME's own directory; output goes to logs/NAME.log)
+  local name="$1"; shift
+  mkdir -p "$workdir/homes/$name"
+  FLWR_HOME="$workdir/homes/$name" setsid "$@" >>"$logs/$name.log" 2>&1 </dev/null &
+  last_pid=$!
+  started+=("$last_pid")
+  echo "$last_pid $name" >>"$workdir/pids.txt"
+}
+descendants() {  # descendants PID: every live process below PID (Flower detaches its SuperExec into a new session)
+  local frontier=("$1") next=() pid child
+  local table
+  table=$(ps -eo pid=,ppid=)
+  while [[ ${#frontier[@]} -gt 0 ]]; do
+    next=()
+    for pid in "${frontier[@]}"; do
+      while read -r child; do
+        [[ -n "$child" ]] && { echo "$child"; next+=("$child"); }
+      done < <(awk -v p="$pid" '$2 == p {print $1}' <<<"$table")
+    done
+    frontier=("${next[@]+"${next[@]}"}")
+  done
+}
+stop_tree() {  # stop_tree PID: SIGTERM it (it shuts down its children), then what is left, SIGKILL after 15 s more
+  local root="$1" pids=() p waited=0
+  kill -0 "$root" 2>/dev/null || return 0
+  mapfile -t pids < <(descendants "$root")
+  pids=("$root" "${pids[@]+"${pids[@]}"}")
+  kill -TERM "$root" 2>/dev/null || true
+  while [[ $waited -lt 20 ]] && kill -0 "$root" 2>/dev/null; do sleep 0.5; waited=$((waited + 1)); done
+  waited=0
+  kill -TERM -- "-$root" 2>/dev/null || true
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  while [[ $waited -lt 30 ]]; do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && break
+    sleep 0.5; waited=$((waited + 1))
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  wait "$root" 2>/dev/null || true
+}
+cleanup() {
+  local rc=$? i
+  trap - EXIT INT TERM
+  for ((i = ${#started[@]} - 1; i >= 0; i--)); do stop_tree "${started[$i]}"; done
+  if [[ $rc -ne 0 ]]; then
+    say "exit $rc; logs in $logs"
+    for f in "$logs"/superlink.log "$logs"/sn1.log; do
+      [[ -f "$f" ]] && { echo "--- tail of $f" >&2; tail -n 25 "$f" >&2; }
+    done
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND every 0.5 s
+  local limit="$1" what="$2" start=$SECONDS; shift 2
+  until "$@"; do
+    [[ $((SECONDS - start)) -lt $limit ]] || die "timed out after ${limit} s waiting for $what"
+    sleep 0.5
+  done
+}
+in_log() { grep -q -- "$2" "$logs/$1.log" 2>/dev/null; }
+exited() { ! kill -0 "$1" 2>/dev/null; }
+
+# -- ports, keys, configuration ------------------------------------------------------------------------------
+read -r link_port sn_port1 sn_port2 sn_port3 sn_port4 < <("$py" - <<'PY'
+import socket
+socks = []
+for _ in range(5):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(*(s.getsockname()[1] for s in socks))
+PY
+)
+sn_ports=("$sn_port1" "$sn_port2" "$sn_port3" "$sn_port4")
+say "work directory $workdir; SuperLink on 127.0.0.1:$link_port"
+
+pki="$workdir/pki"
+"$here/pki.sh" "$pki" sn1 sn2 sn3 rogue >"$logs/pki.log"
+
+cli_home="$workdir/homes/operator"
+mkdir -p "$cli_home"
+cat >"$cli_home/config.toml" <<TOML
+[superlink]
+default = "loopback"
+
+[superlink.loopback]
+address = "127.0.0.1:$link_port"
+root-certificates = "$pki/ca.crt"
+TOML
+flwr_cli() { FLWR_HOME="$cli_home" "$bin/flwr" "$@"; }
+
+# -- SuperLink -----------------------------------------------------------------------------------------------
+launch superlink "$bin/flower-superlink" \
+  --ssl-ca-certfile "$pki/ca.crt" --ssl-certfile "$pki/superlink.crt" --ssl-keyfile "$pki/superlink.key" \
+  --enable-supernode-auth --disable-runtime-dependency-installation \
+  --database "$workdir/superlink/state.db" --host 127.0.0.1 --port "$link_port"
+superlink_pid=$last_pid
+wait_for 120 "the SuperLink to listen" in_log superlink "Uvicorn running on https://127.0.0.1:$link_port"
+
+# Register the three SuperNodes' public keys (the rogue key stays unregistered).
+PATH="$bin:$PATH" FLWR_HOME="$cli_home" "$here/register.sh" loopback "$pki/supernodes/sn1.pub" \
+  "$pki/supernodes/sn2.pub" "$pki/supernodes/sn3.pub" >"$workdir/registered.txt"
+say "registered: $(tr '\n' ';' <"$workdir/registered.txt")"
+
+# -- SuperNodes ----------------------------------------------------------------------------------------------
+sn_pids=()
+start_supernode() {  # start_supernode INDEX(0-based) NAME
+  local i="$1" name="$2"
+  launch "$name" "$bin/flower-supernode" --root-certificates "$pki/ca.crt" --superlink "127.0.0.1:$link_port" \
+    --auth-supernode-private-key "$pki/supernodes/$name" --host 127.0.0.1 --port "${sn_ports[$i]}" \
+    --node-config "partition-id=$i num-partitions=3 user-id=\"$name\""
+  sn_pids[i]=$last_pid
+}
+for i in 0 1 2; do start_supernode "$i" "sn$((i + 1))"; done
+for i in 1 2 3; do wait_for 120 "SuperNode sn$i to connect" in_log "sn$i" "SuperNode ID"; done
+
+if [[ $drills -eq 1 ]]; then
+  start_supernode 3 rogue
+  rogue_pid=$last_pid
+  wait_for 120 "the unregistered SuperNode to be refused" exited "$rogue_pid"
+  rogue_rc=0
+  wait "$rogue_pid" || rogue_rc=$?
+  [[ $rogue_rc -ne 0 ]] || die "the SuperNode with an unregistered key exited 0"
+  in_log rogue "2004" || die "the unregistered SuperNode did not fail with Flower's code 2004"
+  echo "rogue-exit-code $rogue_rc" >"$workdir/rogue.txt"
+  say "unregistered SuperNode refused (exit code $rogue_rc, Flower error 2004)"
+fi
+
+# -- the corrflow run ----------------------------------------------------------------------------------------
+run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$state\" corrflow.identity=\"node-key\""
+submit() {  # submit LABEL: flwr run; prints the run id
+  local answer
+  answer=$(cd "$here/app" && flwr_cli run . loopback --run-config "$run_config" --format json 2>>"$logs/operator.log") \
+    || die "flwr run failed: $answer"
+  "$py" -c 'import json, sys; d = json.loads(sys.stdin.read()); print(d["run-id"]) if d.get("success") else sys.exit(d)' \
+    <<<"$answer" || die "flwr run did not start a run: $answer"
+}
+checkpoint_round() {  # rounds completed according to the server's checkpoint pointer
+  local name
+  name=$(cat "$state/CURRENT" 2>/dev/null || echo round-000000)
+  echo $((10#${name#round-}))
+}
+reached() { [[ $(checkpoint_round) -ge $1 ]]; }
+run_status() { flwr_cli ls loopback --run-id "$1" --format json 2>/dev/null \
+  | "$py" -c 'import json, sys; print(json.loads(sys.stdin.read())["runs"][0]["status"])' 2>/dev/null || echo unknown; }
+wait_finished() {  # wait_finished RUN_ID: until Flower reports the run finished; fails unless it completed
+  local run_id="$1" start=$SECONDS status
+  while :; do
+    status=$(run_status "$run_id")
+    case "$status" in
+      finished:completed) return 0 ;;
+      finished:*) die "run $run_id ended with status $status (see: FLWR_HOME=$cli_home flwr log $run_id loopback)" ;;
+    esac
+    [[ $((SECONDS - start)) -lt 600 ]] || die "run $run_id did not finish within 600 s (status $status)"
+    sleep 2
+  done
+}
+serverapp_pid() {  # the flwr-serverapp process below the SuperLink (its SuperExec spawns it)
+  local p
+  for p in $(descendants "$superlink_pid"); do
+    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q 'flwr-serverapp' && { echo "$p"; return 0; }
+  done
+  return 1
+}
+
+run1=$(submit)
+say "run $run1 submitted ($rounds rounds, state in $state)"
+if [[ $drills -eq 1 ]]; then
+  wait_for 300 "the first checkpoint" reached 1
+  app_pid=$(serverapp_pid) || die "no flwr-serverapp process found below the SuperLink"
+  kill -KILL "$app_pid"
+  killed_at=$(checkpoint_round)
+  cp "$out/metrics.json" "$workdir/metrics-at-kill.json"
+  [[ $killed_at -lt $rounds ]] || die "the run finished before the ServerApp could be killed"
+  say "ServerApp (pid $app_pid) killed with SIGKILL after round $killed_at of $rounds"
+  printf 'killed-after-round %s\nfirst-run %s\n' "$killed_at" "$run1" >"$workdir/drills.txt"
+  flwr_cli stop "$run1" loopback >>"$logs/operator.log" 2>&1 || say "flwr stop $run1 answered an error (see logs/operator.log)"
+  # Restart SuperNode sn1 while the server is down: same key, so the same node id and corrflow identity. Flower
+  # refuses to activate a node it still believes online (code 2004) until two missed heartbeats (about 60 s)
+  # when the old process did not deactivate on exit; like systemd's Restart=on-failure, start it again until
+  # it connects.
+  stop_tree "${sn_pids[0]}"
+  attempts=0
+  restart_start=$SECONDS
+  while :; do
+    attempts=$((attempts + 1))
+    echo "--- restart attempt $attempts" >>"$logs/sn1.log"
+    before=$(grep -c 'SuperNode ID' "$logs/sn1.log" || true)
+    start_supernode 0 sn1
+    connected() { [[ $(grep -c 'SuperNode ID' "$logs/sn1.log" || true) -gt $before ]]; }
+    until connected || exited "${sn_pids[0]}"; do sleep 0.5; done
+    connected && break
+    wait "${sn_pids[0]}" || true
+    [[ $((SECONDS - restart_start)) -lt 180 ]] || die "SuperNode sn1 could not reconnect within 180 s"
+    sleep 5
+  done
+  say "SuperNode sn1 restarted (attempts: $attempts, $((SECONDS - restart_start)) s)"
+  echo "supernode-restart-attempts $attempts" >>"$workdir/drills.txt"
+  run2=$(submit)
+  say "run $run2 submitted: resumes from the checkpoint"
+  echo "second-run $run2" >>"$workdir/drills.txt"
+  wait_finished "$run2"
+else
+  wait_finished "$run1"
+fi
+
+for run_id in "$run1" "${run2:-}"; do  # the ServerApps' logs, kept by the SuperLink
+  [[ -n "$run_id" ]] && { flwr_cli log "$run_id" loopback --show >"$logs/serverapp-$run_id.log" 2>&1 || true; }
+done
+
+report="$out/privacy_report.json"
+[[ -f "$report" ]] || die "no privacy report at $report"
+done_rounds=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["rounds_completed"])' "$report")
+[[ "$done_rounds" -eq "$rounds" ]] || die "the privacy report shows $done_rounds of $rounds rounds"
+say "done: $rounds rounds over TLS with authenticated SuperNodes"
+echo "$report"
