@@ -1,4 +1,4 @@
-"""The privacy report (DESIGN.md "Privacy report (JSON)"), with user ids hashed by salted SHA-256."""
+"""The privacy report (README "Conventions", Privacy report (JSON)), with user ids hashed by salted SHA-256."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The correlated-noise Flower strategy (Message API; flwr 1.41/1.42).
 
-A round is a short sequence of named steps (DESIGN.md data flow), and state changes happen once, after the checks:
+A round is a short sequence of named steps (README "Conventions"), and state changes happen once, after the checks:
 
 1. **plan** (no state change): the cohort planner (fixed-epoch schedule, b-min-sep or multi-attribution sampler,
    004) picks round t's items — SuperNodes (cross-device) or examples held by silos (cross-silo) — plus operator
