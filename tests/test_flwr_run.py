@@ -1,0 +1,64 @@
+"""`flwr run .` on this repository completes the default app (the README's command), with its own Flower home,
+ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid afterwards."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.factorization import Factorization
+
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_processes_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line mentions ``text`` (the detached local SuperLink and its children,
+    identified by this test's own Flower home), and every process in their sessions."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
+    sessions = {int(sid) for pid, sid, args in rows if text in args}
+    for pid, sid, _ in rows:
+        if int(sid) in sessions and int(pid) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def test_flwr_run_completes_the_default_app(tmp_path):
+    flwr = shutil.which("flwr", path=os.path.dirname(sys.executable))
+    assert flwr, "flwr is installed with corrflow (flwr[simulation])"
+    home, corrflow_home = tmp_path / "flwr-home", tmp_path / "corrflow-home"
+    home.mkdir()
+    env = dict(os.environ, FLWR_HOME=str(home), CORRFLOW_HOME=str(corrflow_home), FLWR_TELEMETRY_ENABLED="0",
+               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    try:
+        r = subprocess.run([flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=10"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        _stop_processes_mentioning(str(home))
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    run_dir = corrflow_home / "flwr-run"
+    assert f"run directory {run_dir}" in log                     # the absolute state path is logged
+    report = json.loads((run_dir / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 10 and report["stopped_reason"] is None
+    assert len(report["realized"]["participation"]["users"]) == 10
+    users = report["realized"]["participation"]["users"]
+    sens, _ = realized_sensitivity(Factorization.load(run_dir / "factorization.npz").encoder,
+                                   {u: v["rounds"] for u, v in users.items()})
+    independent = epsilon_of(unamplified_event(report["noise_multiplier"], sens.value), report["delta"])
+    assert report["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12) and independent <= 8.0 + 1e-9
