@@ -1,8 +1,9 @@
 """Server aggregation time per round: 100 clients × 4M float32 parameters, corrflow's strategy against Flower's
 ``DifferentialPrivacyServerSideFixedClipping(FedAvg)`` (independent noise) measured in the same run.
 
-Both deserialize the same replies, clip each update to ℓ2 ≤ clip, sum/average and add Gaussian noise; corrflow also
-validates every reply, adds the banded correlated noise (C⁻¹Z)_t and steps its momentum optimizer. Its atomic
+Both deserialize the same full-weight replies, subtract the model sent, clip each update to ℓ2 ≤ clip, sum/average
+and add Gaussian noise; corrflow also validates every reply, adds the banded correlated noise (C⁻¹Z)_t, steps its
+momentum optimizer and appends the release-journal entry. Its atomic
 checkpoint (model, optimizer, noise buffer) is timed separately. Target (issue 5): aggregation ≤ 1.25× Flower's.
 
 Usage: python benchmarks/round.py [--clients 100] [--params 4000000] [--rounds 3]
@@ -62,8 +63,9 @@ def main() -> None:
 
     def timed_ckpt():
         t0 = time.perf_counter()
-        real_ckpt()
+        path = real_ckpt()
         ckpt_times.append(time.perf_counter() - t0)
+        return path
 
     strat._checkpoint = timed_ckpt
 
@@ -75,7 +77,8 @@ def main() -> None:
     for _ in range(rounds):
         msgs = strat.configure_train(1, strat.initial_arrays(), None, _Grid())
         nodes = [int(x.metadata.dst_node_id) for x in msgs]
-        replies = _replies(nodes, lambda n: base[n % 4] * 50)  # norm ≈ 100 > clip: every update is clipped
+        # Full weights (the default reply, as for Flower's wrapper): the model sent + an update of norm ≈ 100 > clip.
+        replies = _replies(nodes, lambda n: strat.params[0] + base[n % 4] * 50)
         t0 = time.perf_counter()
         strat.aggregate_train(1, replies)
         ours.append(time.perf_counter() - t0 - ckpt_times[-1])

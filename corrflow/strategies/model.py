@@ -3,8 +3,9 @@
 The server keeps floating-point arrays (the trainable ones) as float32 and sends every model with the initial
 ``ArrayRecord``'s keys, order and dtypes, so a PyTorch ``state_dict`` or a Keras weight list round-trips unchanged.
 Non-floating arrays (integer buffers such as BatchNorm's ``num_batches_tracked``) keep the server's values: clients
-cannot change them, and they carry no noise. A reply is full weights (update = reply − model sent, subtracted in
-float64 and cast to float32) or, with ``replies = "delta"``, the update itself.
+cannot change them, and they carry no noise. A reply is full weights (update = reply − model sent, subtracted in the
+wider of the two dtypes — the exact difference rounded once to float32, as a float64 subtraction would give) or,
+with ``replies = "delta"``, the update itself.
 """
 
 from __future__ import annotations
@@ -81,13 +82,12 @@ class ModelLayout:
                 raise RejectedReplyError(f"array {i} ({self.keys[i]}): dtype {a.dtype}, expected a floating type")
             if a.shape != self.shapes[i]:
                 raise RejectedReplyError(f"array {i} ({self.keys[i]}): shape {a.shape}, expected {self.shapes[i]}")
-            if not np.all(np.isfinite(a)):
-                raise RejectedReplyError(f"array {i} ({self.keys[i]}): NaN or Inf values")
             if sent is None:
                 u = a.astype(np.float32, copy=False)
-            else:
-                u = (a.astype(np.float64) - sent[i].astype(np.float64)).astype(np.float32)
-                if not np.all(np.isfinite(u)):
-                    raise RejectedReplyError(f"array {i} ({self.keys[i]}): the update overflows float32")
+            else:   # in the wider dtype (≥ float32): the exact difference, rounded once to float32
+                u = np.subtract(a, sent[i], dtype=np.result_type(a.dtype, sent[i].dtype, np.float32))
+                u = u.astype(np.float32, copy=False)
+            if not np.isfinite(u).all():   # NaN/Inf in the reply, or a difference beyond float32
+                raise RejectedReplyError(f"array {i} ({self.keys[i]}): NaN or Inf values")
             update.append(u)
         return update
