@@ -31,6 +31,20 @@ from scipy.special import gammaln, logsumexp
 from corrflow.errors import InvalidArgumentError, require
 
 
+def truncate_band(band: np.ndarray) -> np.ndarray:
+    """``band`` (n × bands, ``band[i, k] = C[i + k, i]``) with the entries past round n set to 0.
+
+    A Toeplitz encoder's band layout repeats its coefficients in every column, also where row i + k ≥ n does not
+    exist; counting those entries in ‖c_i‖² would over-state the squared column norms of the last bands − 1 columns
+    and understate the privacy loss of late participations.
+    """
+    band = np.array(band, dtype=np.float64)
+    n, bands = band.shape
+    past = np.arange(n)[:, None] + np.arange(bands)[None, :] >= n
+    band[past] = 0.0
+    return band
+
+
 def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
                          warm: bool = False, k_u: int = 1) -> np.ndarray:
     """ln P(y)/Q(y) for every column of y (n × S, round-major) by the recursion of 004 Eq. 1 (Thm 6.1 for k_u > 1).
@@ -41,7 +55,9 @@ def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep:
     n, S = y.shape
     b = min_sep
     dtype = y.dtype
-    sq = np.sum(band.astype(np.float64) ** 2, axis=1)
+    band = truncate_band(band)
+    require(band.shape[0] == n, "band", f"{n} columns (one per round of y)", band.shape[0])
+    sq = np.sum(band ** 2, axis=1)
     inv2s2 = 1.0 / (2.0 * sigma * sigma)
     log_skip = dtype.type(k_u * math.log1p(-p) if p < 1 else -np.inf)
     js = np.arange(1, k_u + 1)
@@ -236,6 +252,7 @@ class MonteCarloAccountant:
                  dtype=np.float32, batch: int = 16384):
         band = np.asarray(band, dtype=np.float64)
         require(band.ndim == 2 and band.shape[1] >= 1, "factorization", "a banded encoder (n × bands)", band.shape)
+        band = truncate_band(band)
         require(bool(np.all(band >= 0)), "factorization", "an entrywise non-negative banded C for Monte Carlo "
                 "accounting (004 §2.2)")
         require(band.shape[1] <= min_sep, "min_sep", f"at least the number of bands ({band.shape[1]}) for the "
