@@ -13,6 +13,7 @@ from corrflow.accounting.mechanisms import CyclicPoisson
 from corrflow.accounting.montecarlo import (
     MonteCarloAccountant,
     bernoulli_kl,
+    overall_delta,
     log_likelihood_ratio,
     minimum_samples,
     sample_participations,
@@ -159,7 +160,12 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     spec = SamplingSpec("bminsep", 48_000, 400)
     res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, mc_samples=20_000, seed=1)
     unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
-    assert res["accountant"]["samples"] == 20_000 and res["accountant"]["slack"] > 0
+    acc = res["accountant"]
+    assert acc["samples"] == 20_000 and acc["verify_samples"] == 20_000 and acc["verification_passed"]
+    # Issue 11 item 4: the printed pair is the verified one — 20 000 samples verify δ = overall_delta, not 1e-3.
+    assert res["delta"] == pytest.approx(overall_delta(20_000, 5e-4)) and res["delta"] > 1e-3
+    assert res["guarantee"] is False and acc["slack"] == pytest.approx(res["delta"] - 5e-4)
+    assert acc["epsilon_estimate"] < res["epsilon"] == acc["epsilon_upper_confidence"]
     assert res["epsilon"] < unamp
     cal = account(fac, delta=1e-3, target_epsilon=3.0, sampling=spec, mc_samples=20_000, seed=2)
     acc = cal["accountant"]
@@ -168,6 +174,7 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     if passed:
         assert cal["noise_multiplier"] == pytest.approx(passed[-1]["noise_multiplier"])
     assert acc["candidates"][-1]["passed"] is False or len(acc["candidates"]) == 40
+    assert cal["delta"] == (pytest.approx(overall_delta(20_000, 5e-4)) if passed else 1e-3)
 
 
 def test_multi_attribution_monte_carlo():

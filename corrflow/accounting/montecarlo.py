@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -245,6 +246,18 @@ class MonteCarloEstimate:
         return float(brentq(g, 0.0, hi, xtol=1e-9))
 
 
+def _collect(parts, sizes: list[int], progress: bool) -> list:
+    """Batches in order, with a progress line on stderr when asked."""
+    out, done, total = [], 0, sum(sizes)
+    for part, size in zip(parts, sizes, strict=True):
+        out.append(part)
+        done += size
+        if progress:
+            print(f"\rmonte carlo samples {done}/{total} per direction", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+    return out
+
+
 class MonteCarloAccountant:
     """Samples privacy losses of banded MF under b-min-sep (or balls-in-bins, or multi-attribution) sampling."""
 
@@ -269,7 +282,7 @@ class MonteCarloAccountant:
         return self.band.shape[0]
 
     def sample_losses(self, sigma: float, samples: int, seed: int | np.random.SeedSequence,
-                      workers: int | None = None) -> MonteCarloEstimate:
+                      workers: int | None = None, progress: bool = False) -> MonteCarloEstimate:
         """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per seed).
 
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count for large
@@ -285,9 +298,9 @@ class MonteCarloAccountant:
         if workers > 1 and len(jobs) > 1:
             ctx = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-                parts = list(pool.map(self._batch, [sigma] * len(jobs), jobs))
+                parts = _collect(pool.map(self._batch, [sigma] * len(jobs), jobs), sizes, progress)
         else:
-            parts = [self._batch(sigma, job) for job in jobs]
+            parts = _collect((self._batch(sigma, job) for job in jobs), sizes, progress)
         return MonteCarloEstimate(sigma, np.concatenate([a for a, _ in parts]), np.concatenate([r for _, r in parts]))
 
     def _batch(self, sigma: float, job) -> tuple[np.ndarray, np.ndarray]:
