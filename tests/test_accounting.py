@@ -13,9 +13,9 @@ from corrflow.accounting.mechanisms import CyclicPoisson
 from corrflow.accounting.montecarlo import (
     MonteCarloAccountant,
     bernoulli_kl,
-    overall_delta,
     log_likelihood_ratio,
     minimum_samples,
+    overall_delta,
     sample_participations,
 )
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity

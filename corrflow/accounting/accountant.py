@@ -249,8 +249,8 @@ class MMCCAccountant(_Calibrating):
 class MonteCarloEVRAccountant:
     """004's Monte Carlo accountant with Estimate-Verify-Release (Alg. 5, Thm A.1).
 
-    The released pair is the one EVR verified with the samples drawn: ε is estimated (95% upper confidence end) on
-    one set of samples (upper confidence end, z = 3) and verified at δ' = δ/2 on a fresh set; the δ reported is the overall δ that verification
+    The released pair is the one EVR verified with the samples drawn: ε is estimated (upper confidence end, z = 3)
+    on one set of samples and verified at δ' = δ/2 on a fresh set; the δ reported is the overall δ that verification
     implies, max(δ, δ'+failure term), which exceeds the target δ unless enough samples were drawn
     (``verify_target``). A failed verification releases the b-min-sep fallback (⌈n/b⌉ participations, no
     amplification), which needs no Monte Carlo."""
@@ -320,7 +320,8 @@ class MonteCarloEVRAccountant:
         d_overall = overall_delta(ver.samples, delta_prime)
         acc = {**params, "samples": o.mc_samples, "verify_samples": ver.samples, "verify_delta": delta_prime,
                "samples_needed_for_target_delta": needed, "directions": "add and remove",
-               "epsilon_estimate": eps_hat, "epsilon_upper_confidence": eps_rel, "release_z": RELEASE_Z, "verified_delta_hat": d_hat,
+               "epsilon_estimate": eps_hat, "epsilon_upper_confidence": eps_rel, "release_z": RELEASE_Z,
+               "verified_delta_hat": d_hat,
                "verification_passed": bool(passed), "overall_delta": d_overall,
                "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
         if passed:
