@@ -205,3 +205,36 @@ def test_cli_account_mmcc(tmp_path):
                           "mmcc", "--dataset-size", "3200", "--expected-batch-size", "100", "--mmcc-grid", "0.5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "mmcc_grid" in bad.stderr
+
+
+def test_planner_poisson_and_cyclic_poisson():
+    from corrflow.participation import CohortPlanner
+    n = 400
+    ids = [f"u{i}" for i in range(n)]
+    pois = CohortPlanner("poisson", ids, [[i] for i in range(n)], ids, rounds=60, min_sep=1, rate=0.05, seed=1)
+    sizes = [len(pois.cohort(t)) for t in range(60)]
+    assert pois.p == 0.05 and pois.max_participations == 60
+    assert abs(np.mean(sizes) - 20) < 3 * np.sqrt(20 * 0.95 / 60)
+    cyc = CohortPlanner("cyclic-poisson", ids, [[i] for i in range(n)], ids, rounds=60, min_sep=4, rate=0.05, seed=1)
+    assert cyc.p == pytest.approx(0.2) and cyc.max_participations == 15
+    seen: dict[str, list[int]] = {}
+    for t in range(60):
+        for item in cyc.cohort(t):
+            seen.setdefault(item, []).append(t)
+    assert all(len({r % 4 for r in rs}) == 1 for rs in seen.values())   # an item trains only in its part's rounds
+    assert abs(sum(map(len, seen.values())) / 60 - 20) < 3 * np.sqrt(100 * 0.2 * 0.8 / 60)
+    with pytest.raises(InvalidArgumentError, match="min-sep"):
+        CohortPlanner("poisson", ids, [[i] for i in range(n)], ids, rounds=60, min_sep=2, rate=0.05)
+
+
+def test_strategy_config_accountant_checks():
+    from corrflow.strategies.config import StrategyConfig
+    base = dict(num_users=50, num_rounds=8, epochs=8, noise_multiplier=4.0)
+    StrategyConfig(**base, participation="poisson", min_sep=1, accountant="mmcc")
+    StrategyConfig(**base, participation="cyclic-poisson", min_sep=2, accountant="mmcc")
+    for bad in (dict(participation="poisson", min_sep=1, accountant="monte-carlo"),
+                dict(participation="bminsep", min_sep=2, accountant="mmcc"),
+                dict(participation="fixed-epoch", accountant="mmcc")):
+        with pytest.raises(InvalidArgumentError) as e:
+            StrategyConfig(**base, **bad)
+        assert e.value.field == "accountant"

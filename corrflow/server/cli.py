@@ -170,13 +170,15 @@ def simulate(
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
     backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
-    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004)")]
+    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004), poisson or "
+                                                    "cyclic-poisson (MMCC, 002)")]
     = "fixed-epoch",
     min_sep: Annotated[int, typer.Option(help="b (0: rounds/epochs)")] = 0,
     participation_rate: Annotated[float, typer.Option(help="p0 per item and round for samplers (0: 1/(2b))")] = 0.0,
     policy: Annotated[str, typer.Option(help="when a user's realised gap < min-sep: reject or accept-and-account")]
     = "reject",
-    accountant: Annotated[str, typer.Option(help="unamplified or monte-carlo (bminsep)")] = "unamplified",
+    accountant: Annotated[str, typer.Option(help="unamplified, monte-carlo (bminsep, multi-attribution) or mmcc "
+                                                 "(poisson, cyclic-poisson)")] = "unamplified",
     mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
     attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata")]
     = None,
