@@ -287,6 +287,12 @@ def test_report_schema_and_hashing(tmp_path):
     users = back["realized"]["participation"]["users"]
     assert "partition-0" not in path.read_text() and hash_user_id("partition-0", salt) in users
     assert back["realized"]["participation"]["min_gap"] == 8
+    assert back["delta"] == 1e-5 and back["guarantee"] is True
+    # A Monte Carlo accountant that verified only a larger δ: the report's δ is that one, with guarantee false.
+    mc = privacy_report(factorization=fac, noise_multiplier=1.0, clip_norm=0.5, delta=1e-5, target_epsilon=None,
+                        accountant={"name": "monte-carlo", "delta": 1.47e-4, "guarantee": False}, planned={},
+                        realized={}, rounds_completed=16)
+    assert mc["delta"] == 1.47e-4 and mc["target_delta"] == 1e-5 and mc["guarantee"] is False
 
 
 def test_cli_account(tmp_path):
