@@ -141,7 +141,7 @@ def test_bad_input():
 
 def test_noise_multiplier_too_small_is_refused_before_pld():
     fac = factorize("toeplitz", participation_for(16, 2))
-    for spec in (SamplingSpec(), SamplingSpec("poisson", 1600, 10)):
+    for spec in (SamplingSpec(), SamplingSpec("poisson", 1600, 10), SamplingSpec("bminsep", 1600, 10)):
         with pytest.raises(InvalidArgumentError, match="noise_multiplier: expected at least") as e:
             account(fac, delta=1e-5, noise_multiplier=1e-6, sampling=spec)
         assert e.value.field == "noise_multiplier"

@@ -307,6 +307,10 @@ class MonteCarloEVRAccountant:
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
         o = self.options
+        k = math.ceil(fac.rounds / params["min_sep"])
+        # The fallback is a PLD: refuse a σ it cannot represent before spending any samples.
+        check_pld_size(noise_multiplier, params["items_per_user"] * math.sqrt(k)
+                       * float(fac.encoder.column_norms().max()))
         delta_prime = delta / 2  # 004 §7.1: verify at δ/2
         verify_n, needed = self._verify_samples(delta_prime, delta)
         ss = np.random.SeedSequence(o.seed)
