@@ -1,7 +1,9 @@
-"""Accounting timings (issue 4): unamplified calibration, cyclic Poisson at n = 2052, and the b-min-sep Monte Carlo
-accountant at n = 2052 with 10⁶ samples (target: under 60 s on 2 cores). Prints one JSON object.
+"""Accounting timings: unamplified calibration, cyclic Poisson at n = 2052, the b-min-sep Monte Carlo accountant at
+n = 2052 with 10⁶ samples (issue 4 target: under 60 s on 2 cores), Monte Carlo ``verify_target`` at δ = 1e-5 (issue
+11), and MMCC (issue 15): Poisson MMCC for non-negative 16-band Toeplitz encoders at n ∈ {128, 512, 2048} (target:
+n = 2048 in under 10 minutes on 2 cores) and for a non-Toeplitz banded encoder at n = 512. Prints one JSON object.
 
-Usage: python benchmarks/accounting.py [--mc-samples 1000000]
+Usage: python benchmarks/accounting.py [--sections unamplified,cyclic,bminsep,verify,mmcc] [--mmcc-rounds 128,512,2048]
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from corrflow.accounting import SamplingSpec, account
 from corrflow.accounting.montecarlo import MonteCarloAccountant
 from corrflow.factorization import factorize, participation_for
+
+SECTIONS = ("unamplified", "cyclic", "bminsep", "verify", "mmcc")
 
 
 def timed(fn):
@@ -22,27 +27,68 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def mmcc_case(kind: str, n: int, sigma: float, p: float) -> dict:
+    """Poisson MMCC (002 Alg. 1) at noise multiplier σ, sampling probability p, δ = 1e-6, single-epoch encoder."""
+    fac = factorize(kind, participation_for(n, 1), bands=16)
+    spec = SamplingSpec("poisson", round(n / p), n, accountant="mmcc")
+    r, t = timed(lambda: account(fac, delta=1e-6, noise_multiplier=sigma, sampling=spec, progress=True))
+    a = r["accountant"]
+    unamp = account(fac, delta=1e-6, noise_multiplier=sigma)["epsilon"]
+    out = {"kind": kind, "structure": fac.encoder.structure, "rounds": n, "bands": 16, "noise_multiplier": sigma,
+           "sampling_probability": p, "delta": 1e-6, "seconds": t, "epsilon": r["epsilon"],
+           "unamplified_epsilon_one_participation": unamp, "rows": a["rows"], "distinct_rows": a["distinct_rows"],
+           "max_p_tilde": a["max_p_tilde"], "grid": a["grid"]}
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mc-samples", type=int, default=1_000_000)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--mmcc-rounds", default="128,512,2048")
+    ap.add_argument("--mmcc-sigma", type=float, default=4.0)
+    ap.add_argument("--mmcc-p", type=float, default=0.01)
     args = ap.parse_args()
-    # StackOverflow shape (000 §5.3): 2052 rounds, 6 participations 342 apart; 16-band Toeplitz BandMF.
-    fac = factorize("toeplitz", participation_for(2052, 6, 342, kind="min-sep"), bands=16)
+    sections = args.sections.split(",")
     res = {}
-    r, t = timed(lambda: account(fac, delta=1e-6, target_epsilon=8.0))
-    res["unamplified_calibration"] = {"seconds": t, "noise_multiplier": r["noise_multiplier"], "epsilon": r["epsilon"]}
-    spec = SamplingSpec("cyclic-poisson", 342_477, 1000)
-    r, t = timed(lambda: account(fac, delta=1e-6, noise_multiplier=0.6, sampling=spec))
-    res["cyclic_poisson_epsilon"] = {"seconds": t, "epsilon": r["epsilon"], "compositions":
-                                     r["accountant"]["compositions"]}
-    p0 = 1000 / 342_477
-    b = 342
-    mc = MonteCarloAccountant(fac.encoder.band_array(), b, p0 / (1 - p0 * (b - 1)), warm=True)
-    est, t = timed(lambda: mc.sample_losses(0.6, args.mc_samples, seed=0))
-    res["bminsep_monte_carlo"] = {"seconds": t, "samples_per_direction": args.mc_samples,
-                                  "directions": 2, "epsilon_at_delta_5e-7": est.epsilon(5e-7),
-                                  "workers": min(os.cpu_count() or 1, max(1, args.mc_samples // 50_000))}
-    print(json.dumps({"benchmark": "accounting", "cpus": os.cpu_count(), "rounds": 2052, **res}))
+    # StackOverflow shape (000 §5.3): 2052 rounds, 6 participations 342 apart; 16-band Toeplitz BandMF.
+    if {"unamplified", "cyclic", "bminsep"} & set(sections):
+        fac = factorize("toeplitz", participation_for(2052, 6, 342, kind="min-sep"), bands=16)
+    if "unamplified" in sections:
+        r, t = timed(lambda: account(fac, delta=1e-6, target_epsilon=8.0))
+        res["unamplified_calibration"] = {"seconds": t, "noise_multiplier": r["noise_multiplier"],
+                                          "epsilon": r["epsilon"]}
+    if "cyclic" in sections:
+        spec = SamplingSpec("cyclic-poisson", 342_477, 1000)
+        r, t = timed(lambda: account(fac, delta=1e-6, noise_multiplier=0.6, sampling=spec))
+        res["cyclic_poisson_epsilon"] = {"seconds": t, "epsilon": r["epsilon"], "compositions":
+                                         r["accountant"]["compositions"]}
+    if "bminsep" in sections:
+        p0 = 1000 / 342_477
+        b = 342
+        mc = MonteCarloAccountant(fac.encoder.band_array(), b, p0 / (1 - p0 * (b - 1)), warm=True)
+        est, t = timed(lambda: mc.sample_losses(0.6, args.mc_samples, seed=0))
+        res["bminsep_monte_carlo"] = {"seconds": t, "samples_per_direction": args.mc_samples,
+                                      "directions": 2, "epsilon_at_delta_5e-7": est.epsilon(5e-7),
+                                      "workers": min(os.cpu_count() or 1, max(1, args.mc_samples // 50_000))}
+    if "verify" in sections:
+        # Issue 11's example: 48 rounds, 4-band Toeplitz, b = 12, δ = 1e-5 — default samples, then the target.
+        small = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
+        spec = SamplingSpec("bminsep", 48_000, 400)
+        r, t = timed(lambda: account(small, delta=1e-5, noise_multiplier=1.0, sampling=spec))
+        res["bminsep_default_samples"] = {"seconds": t, "epsilon": r["epsilon"], "delta": r["delta"],
+                                          "guarantee": r["guarantee"], "samples": r["accountant"]["verify_samples"]}
+        r, t = timed(lambda: account(small, delta=1e-5, noise_multiplier=1.0, sampling=spec, verify_target=True,
+                                     progress=True))
+        res["bminsep_verify_target"] = {"seconds": t, "epsilon": r["epsilon"], "delta": r["delta"],
+                                        "guarantee": r["guarantee"],
+                                        "samples_per_direction": r["accountant"]["verify_samples"]}
+    if "mmcc" in sections:
+        rounds = [int(x) for x in args.mmcc_rounds.split(",") if x]
+        res["mmcc_toeplitz"] = [mmcc_case("toeplitz", n, args.mmcc_sigma, args.mmcc_p) for n in rounds]
+        res["mmcc_banded_non_toeplitz"] = mmcc_case("banded", 512, args.mmcc_sigma, args.mmcc_p)
+    print(json.dumps({"benchmark": "accounting", "cpus": os.cpu_count(), **res}))
 
 
 if __name__ == "__main__":

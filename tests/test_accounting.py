@@ -15,6 +15,7 @@ from corrflow.accounting.montecarlo import (
     bernoulli_kl,
     log_likelihood_ratio,
     minimum_samples,
+    overall_delta,
     sample_participations,
 )
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
@@ -159,7 +160,12 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     spec = SamplingSpec("bminsep", 48_000, 400)
     res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, mc_samples=20_000, seed=1)
     unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
-    assert res["accountant"]["samples"] == 20_000 and res["accountant"]["slack"] > 0
+    acc = res["accountant"]
+    assert acc["samples"] == 20_000 and acc["verify_samples"] == 20_000 and acc["verification_passed"]
+    # Issue 11 item 4: the printed pair is the verified one — 20 000 samples verify δ = overall_delta, not 1e-3.
+    assert res["delta"] == pytest.approx(overall_delta(20_000, 5e-4)) and res["delta"] > 1e-3
+    assert res["guarantee"] is False and acc["slack"] == pytest.approx(res["delta"] - 5e-4)
+    assert acc["epsilon_estimate"] < res["epsilon"] == acc["epsilon_upper_confidence"]
     assert res["epsilon"] < unamp
     cal = account(fac, delta=1e-3, target_epsilon=3.0, sampling=spec, mc_samples=20_000, seed=2)
     acc = cal["accountant"]
@@ -168,6 +174,7 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     if passed:
         assert cal["noise_multiplier"] == pytest.approx(passed[-1]["noise_multiplier"])
     assert acc["candidates"][-1]["passed"] is False or len(acc["candidates"]) == 40
+    assert cal["delta"] == (pytest.approx(overall_delta(20_000, 5e-4)) if passed else 1e-3)
 
 
 def test_multi_attribution_monte_carlo():
@@ -280,6 +287,12 @@ def test_report_schema_and_hashing(tmp_path):
     users = back["realized"]["participation"]["users"]
     assert "partition-0" not in path.read_text() and hash_user_id("partition-0", salt) in users
     assert back["realized"]["participation"]["min_gap"] == 8
+    assert back["delta"] == 1e-5 and back["guarantee"] is True
+    # A Monte Carlo accountant that verified only a larger δ: the report's δ is that one, with guarantee false.
+    mc = privacy_report(factorization=fac, noise_multiplier=1.0, clip_norm=0.5, delta=1e-5, target_epsilon=None,
+                        accountant={"name": "monte-carlo", "delta": 1.47e-4, "guarantee": False}, planned={},
+                        realized={}, rounds_completed=16)
+    assert mc["delta"] == 1.47e-4 and mc["target_delta"] == 1e-5 and mc["guarantee"] is False
 
 
 def test_cli_account(tmp_path):
@@ -302,3 +315,47 @@ def test_gaussian_closed_form_consistency():
     z, eps = 0.6, 8.8405
     delta = norm.cdf(-eps * z + 1 / (2 * z)) - math.exp(eps) * norm.cdf(-eps * z - 1 / (2 * z))
     assert delta == pytest.approx(1e-6, rel=2e-3)
+
+
+def _forward_llr(y, C, sigma, b, p, warm):
+    """ln P(y)/Q(y) for 004's b-min-sep chain by the forward algorithm over the hidden state d = rounds since the
+    last participation (capped at b), written from the sampler's definition and the dense C — independent of the
+    library's backward recursion and band layout."""
+    n = len(y)
+    alpha = np.zeros(b + 1)
+    if warm:  # stationary start: available w.p. 1/(1 + (b−1)p), else barred for U{1..b−1} more rounds
+        alpha[b] = 1.0 / (1.0 + (b - 1) * p)
+        if b > 1:
+            alpha[: b - 1] = (1.0 - alpha[b]) / (b - 1)
+    else:
+        alpha[b] = 1.0
+    for i in range(n):
+        new = np.zeros(b + 1)
+        for d, a in enumerate(alpha):
+            if d + 1 >= b:
+                new[0] += a * p
+                new[b] += a * (1 - p)
+            else:
+                new[d + 1] += a
+        for d in range(b):
+            j = i - d
+            mu = C[i, j] if j >= 0 else 0.0
+            new[d] *= math.exp((2 * y[i] * mu - mu * mu) / (2 * sigma**2))
+        alpha = new
+    return math.log(alpha.sum())
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
+    # Issue 11 item 4: a Toeplitz encoder's band layout repeats θ past row n; with bands close to n the late
+    # columns' squared norms must count only the rows that exist (0.125 rather than 0.238 in the issue's case).
+    from corrflow.factorization.encoders import ToeplitzEncoder
+    n, b, p, sigma = 7, 5, 0.3, 0.9
+    enc = ToeplitzEncoder([1.0, 0.6, 0.4, 0.3, 0.2], n)
+    C = enc.matrix()
+    ys = rng.normal(scale=1.2, size=(n, 6)) + C[:, [n - 1]]
+    got = log_likelihood_ratio(ys, enc.band_array(), sigma, b, p, warm)
+    want = [_forward_llr(ys[:, s], C, sigma, b, p, warm) for s in range(ys.shape[1])]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    mc = MonteCarloAccountant(enc.band_array(), b, p, warm=warm)
+    np.testing.assert_allclose(np.sqrt((mc.band**2).sum(axis=1)), np.linalg.norm(C, axis=0), rtol=1e-12)

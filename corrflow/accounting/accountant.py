@@ -1,18 +1,25 @@
-"""One entry point for the CLI and the strategy: ε for a σ, or σ for an ε, under a sampling scheme.
+"""One accountant interface: ε for a σ, or σ for an ε, under a sampling description.
 
-Sampling schemes and the accountant each uses:
-* ``none``: unamplified, one Gaussian with σ/sensitivity (000 App. D.2) — PLD;
-* ``cyclic-poisson``: 001 Prop. 2.1 reduction to ⌈n/b⌉ subsampled Gaussians — PLD;
-* ``bminsep``: warm-start b-min-sep sampling (004 Alg. 2) — Monte Carlo (004 Eq. 1), EVR over a σ grid to calibrate;
-* ``balls-in-bins``: the same with p = 1 and b = N/B bins (004 §1.6) — Monte Carlo;
-* ``multi-attribution``: 004 Alg. 3 with users holding ≤ k_u items, each available round drawing Binom(k_u, p) of
-  them (Thm 6.1, cold start) — Monte Carlo.
+Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multiplier``) and returns an
+:class:`AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees. :func:`accountant_for` maps a
+:class:`SamplingSpec` (sampling kind, plus an optional ``accountant`` choice) to the implementation:
+
+* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — PLD;
+* ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians, b-banded C) or,
+  with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D: any non-negative C);
+* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1);
+* ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → :class:`MonteCarloEVRAccountant` (004 Eq. 1, Thm 6.1,
+  Estimate-Verify-Release, Alg. 5).
+
+:func:`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity fields).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import dp_accounting as dpa
 import numpy as np
@@ -22,16 +29,26 @@ from corrflow.accounting.mechanisms import (
     calibrate_on_grid,
     check_delta,
     check_epsilon,
+    check_pld_size,
     check_sigma,
     epsilon_of,
     unamplified_event,
 )
+from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
 from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, ToeplitzEncoder
 
-SAMPLINGS = ("none", "cyclic-poisson", "bminsep", "balls-in-bins", "multi-attribution")
+SAMPLINGS = ("none", "cyclic-poisson", "poisson", "bminsep", "balls-in-bins", "multi-attribution")
+#: Accountants valid for each sampling kind; the first is the default.
+ACCOUNTANTS_FOR = {"none": ("unamplified",), "cyclic-poisson": ("cyclic-poisson", "mmcc"), "poisson": ("mmcc",),
+                   "bminsep": ("monte-carlo",), "balls-in-bins": ("monte-carlo",),
+                   "multi-attribution": ("monte-carlo",)}
+ACCOUNTANT_NAMES = ("unamplified", "cyclic-poisson", "monte-carlo", "mmcc")
+#: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh verification passes
+#: almost always (at 1.96 about one run in ten fell back to the unamplified bound).
+RELEASE_Z = 3.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,7 @@ class SamplingSpec:
     expected_batch_size: float | None = None
     items_per_user: int = 1                    # k_u (multi-attribution)
     sampling_probability: float | None = None  # the sampler's Poisson p, when known (else derived from B/N)
+    accountant: str | None = None              # one of ACCOUNTANTS_FOR[kind]; None: the default
 
     def __post_init__(self) -> None:
         require(self.kind in SAMPLINGS, "sampling", f"one of {SAMPLINGS}", self.kind)
@@ -48,14 +66,79 @@ class SamplingSpec:
                 "a positive integer", self.items_per_user)
         require(self.items_per_user == 1 or self.kind == "multi-attribution", "items_per_user",
                 "1 unless sampling=multi-attribution", self.items_per_user)
-        require(self.sampling_probability is None or 0 < self.sampling_probability <= 1, "sampling_probability",
-                "a probability in (0, 1]", self.sampling_probability)
+        require(self.sampling_probability is None or (np.isfinite(self.sampling_probability)
+                                                      and 0 < self.sampling_probability <= 1),
+                "sampling_probability", "a probability in (0, 1]", self.sampling_probability)
+        require(self.accountant is None or self.accountant in ACCOUNTANTS_FOR[self.kind], "accountant",
+                f"one of {ACCOUNTANTS_FOR[self.kind]} for sampling={self.kind}", self.accountant)
         if self.kind != "none":
             require(self.dataset_size is not None and self.dataset_size >= 1, "dataset_size",
                     f"a positive integer for sampling={self.kind}", self.dataset_size)
             require(self.expected_batch_size is not None and 0 < self.expected_batch_size <= self.dataset_size,
                     "expected_batch_size", f"in (0, dataset_size] for sampling={self.kind}",
                     self.expected_batch_size)
+
+    @property
+    def method(self) -> str:
+        return self.accountant or ACCOUNTANTS_FOR[self.kind][0]
+
+
+@dataclass(frozen=True)
+class AccountingOptions:
+    """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own."""
+
+    mc_samples: int = 100_000
+    seed: int = 0
+    grid_ratio: float = 1.02
+    max_candidates: int = 40
+    verify_target: bool = False      # Monte Carlo: draw the samples the target δ needs (≈ 10.7 M at δ = 1e-5)
+    max_samples: int = 20_000_000    # cap for verify_target
+    mmcc_grid: float | None = None   # Δ2; None: the largest sensitivity entry / 256
+    delta_split: float = 0.5         # MMCC: share of δ spent on tail bounds
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class AccountingResult:
+    """A guaranteed (epsilon, delta) pair at ``noise_multiplier`` and how it was obtained.
+
+    ``delta`` is the δ actually guaranteed with ``epsilon`` (for Monte Carlo: the δ Estimate-Verify-Release verified
+    with the samples drawn, which may exceed ``target_delta``); ``guarantee`` says whether it meets the target.
+    ``slack``: the part of δ not spent on the privacy-loss distribution itself (EVR's failure term, MMCC's tail
+    bounds), or 0."""
+
+    accountant: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    target_delta: float
+    target_epsilon: float | None = None
+    slack: float = 0.0
+    parameters: dict = field(default_factory=dict)
+
+    @property
+    def guarantee(self) -> bool:
+        return self.delta <= self.target_delta * (1 + 1e-12)
+
+    def to_dict(self) -> dict:
+        out = {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+               "target_delta": self.target_delta, "guarantee": self.guarantee,
+               "accountant": {"name": self.accountant, **self.parameters, "slack": self.slack,
+                              "delta": self.delta, "guarantee": self.guarantee}}
+        if self.target_epsilon is not None:
+            out["target_epsilon"] = self.target_epsilon
+        return out
+
+
+@runtime_checkable
+class Accountant(Protocol):
+    """ε for σ, or the smallest grid σ for a target ε, of a factorization under one sampling scheme."""
+
+    name: str
+
+    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float) -> AccountingResult: ...
+
+    def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult: ...
 
 
 def _band(fac: Factorization) -> np.ndarray:
@@ -64,112 +147,260 @@ def _band(fac: Factorization) -> np.ndarray:
         return enc.band_array()
     if isinstance(enc, BandedEncoder):
         return enc.band
-    raise InvalidArgumentError("factorization", "a banded encoder (banded, toeplitz, dpsgd) for amplified "
-                               "accounting", f"{fac.kind} ({enc.structure})")
+    raise InvalidArgumentError("factorization", "a banded encoder (banded, toeplitz, dpsgd) for this accountant "
+                               "(MMCC, --accountant mmcc, takes any non-negative encoder)",
+                               f"{fac.kind} ({enc.structure})")
 
 
-def _monte_carlo(fac: Factorization, sampling: SamplingSpec) -> tuple[MonteCarloAccountant, dict]:
-    band = _band(fac)
-    p0 = sampling.expected_batch_size / sampling.dataset_size
-    if sampling.kind == "balls-in-bins":
-        bins = round(1 / p0)
-        require(abs(bins * p0 - 1) < 1e-9, "expected_batch_size", "a divisor of dataset_size (N/B bins)",
-                sampling.expected_batch_size)
-        b, p = bins, 1.0
-    else:
-        b = fac.participation.min_sep
-        require(p0 <= 1.0 / b, "expected_batch_size", f"at most dataset_size/min_sep = "
-                f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
-        p = sampling.sampling_probability or p0 / (1 - p0 * (b - 1))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
-    require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the banded "
-            "recursion", band.shape[1])
-    warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
-    k_u = sampling.items_per_user
-    params = {"min_sep": b, "sampling_probability": p, "participation_rate": p0, "warm_start": warm,
-              "items_per_user": k_u}
-    return MonteCarloAccountant(band, b, p, warm=warm, k_u=k_u), params
+class _Calibrating:
+    """σ for a target ε by grid search over ``epsilon`` (ε must decrease in σ)."""
+
+    grid = 1.001
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        check_epsilon(target_epsilon)
+        check_delta(delta)
+        sens = fac.sensitivity.value
+        # The unamplified σ is the natural starting guess (amplification only lowers it).
+        guess = sens * dpa.get_sigma_gaussian(target_epsilon, delta)
+        last = {}
+
+        def eps(s):
+            last[s] = self.epsilon(fac, s, delta)
+            return last[s].epsilon
+        sigma, _ = calibrate_on_grid(eps, target_epsilon, guess=guess, ratio=self.grid)
+        res = last[sigma]
+        return AccountingResult(res.accountant, res.epsilon, res.delta, sigma, delta, target_epsilon, res.slack,
+                                {**res.parameters, "grid_ratio": self.grid})
+
+
+class UnamplifiedAccountant(_Calibrating):
+    name = "unamplified"
+
+    def epsilon(self, fac, noise_multiplier, delta):
+        check_delta(delta)
+        sens = fac.sensitivity.value
+        e = epsilon_of(unamplified_event(noise_multiplier, sens), delta)
+        return AccountingResult("pld", e, delta, noise_multiplier, delta, parameters={
+            "sampling": "none", "normalisation": "sensitivity 1 under the factorization's participation "
+            f"({fac.participation.describe()})"})
+
+
+@dataclass
+class CyclicPoissonAccountant(_Calibrating):
+    sampling: SamplingSpec
+    name = "cyclic-poisson"
+
+    def epsilon(self, fac, noise_multiplier, delta):
+        check_delta(delta)
+        _band(fac)
+        cp = CyclicPoisson(fac.rounds, fac.participation.min_sep, self.sampling.dataset_size,
+                           self.sampling.expected_batch_size)
+        require(fac.bands <= cp.cycle, "factorization", f"at most min_sep = {cp.cycle} bands for the cyclic Poisson "
+                "reduction (use --accountant mmcc for more bands)", fac.bands)
+        col = float(fac.encoder.column_norms().max())
+        e = epsilon_of(cp.event(noise_multiplier, col), delta)
+        return AccountingResult("pld", e, delta, noise_multiplier, delta, parameters={
+            "sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
+            "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
+            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"})
+
+
+@dataclass
+class MMCCAccountant(_Calibrating):
+    """MMCC (002 Alg. 1) for Poisson sampling in every round; Generalized-MMCC (002 Alg. 3) for cyclic Poisson."""
+
+    sampling: SamplingSpec
+    options: AccountingOptions = field(default_factory=AccountingOptions)
+    name = "mmcc"
+    grid = 1.01
+
+    def _setting(self, fac) -> tuple[int, float, list[int] | None]:
+        s = self.sampling
+        p = s.sampling_probability or s.expected_batch_size / s.dataset_size
+        if s.kind == "poisson":
+            return 1, p, None
+        cycle = fac.participation.min_sep
+        q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
+        require(q <= 1, "expected_batch_size", f"at most dataset_size/cycle = {s.dataset_size / cycle:g} "
+                "(q = cycle·B/N must be ≤ 1)", s.expected_batch_size)
+        enc = fac.encoder
+        toeplitz = isinstance(enc, ToeplitzEncoder) and not enc.column_normalize
+        return cycle, q, [0] if toeplitz else None
+
+    def epsilon(self, fac, noise_multiplier, delta):
+        check_delta(delta)
+        check_sigma(noise_multiplier)
+        cycle, q, groups = self._setting(fac)
+        o = self.options
+        run = mmcc_epsilon(fac.encoder.matrix(), q, noise_multiplier, delta, cycle=cycle, groups=groups,
+                           delta_split=o.delta_split, grid=o.mmcc_grid, progress=o.progress)
+        variant = "MMCC (002 Alg. 1)" if cycle == 1 else "Generalized-MMCC (002 Alg. 3)"
+        return AccountingResult("mmcc", run.epsilon, delta, noise_multiplier, delta, slack=run.delta1, parameters={
+            "sampling": self.sampling.kind, "variant": variant, "cycle": cycle, "sampling_probability": q,
+            "delta_tail_bounds": run.delta1, "delta_pld": run.delta2, "grid": run.grid,
+            "pld_discretization": MMCC_DISCRETIZATION, "rows": run.rows, "distinct_rows": run.distinct_rows,
+            "tail_bound_pairs": run.tail_bound_pairs, "max_p_tilde": run.max_p_tilde,
+            "groups_analysed": run.groups_analysed,
+            "normalisation": "σ multiplies the clip norm; C's entries are the per-round sensitivities"})
+
+
+@dataclass
+class MonteCarloEVRAccountant:
+    """004's Monte Carlo accountant with Estimate-Verify-Release (Alg. 5, Thm A.1).
+
+    The released pair is the one EVR verified with the samples drawn: ε is estimated (upper confidence end, z = 3)
+    on one set of samples and verified at δ' = δ/2 on a fresh set; the δ reported is the overall δ that verification
+    implies, max(δ, δ'+failure term), which exceeds the target δ unless enough samples were drawn
+    (``verify_target``). A failed verification releases the b-min-sep fallback (⌈n/b⌉ participations, no
+    amplification), which needs no Monte Carlo."""
+
+    sampling: SamplingSpec
+    options: AccountingOptions = field(default_factory=AccountingOptions)
+    name = "monte-carlo"
+
+    def _mc(self, fac) -> tuple[MonteCarloAccountant, dict]:
+        sampling = self.sampling
+        band = _band(fac)
+        p0 = sampling.expected_batch_size / sampling.dataset_size
+        if sampling.kind == "balls-in-bins":
+            bins = round(1 / p0)
+            require(abs(bins * p0 - 1) < 1e-9, "expected_batch_size", "a divisor of dataset_size (N/B bins)",
+                    sampling.expected_batch_size)
+            b, p = bins, 1.0
+        else:
+            b = fac.participation.min_sep
+            require(p0 <= 1.0 / b, "expected_batch_size", f"at most dataset_size/min_sep = "
+                    f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
+            p = sampling.sampling_probability or p0 / (1 - p0 * (b - 1))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
+        require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the "
+                "banded recursion", band.shape[1])
+        warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
+        k_u = sampling.items_per_user
+        params = {"sampling": sampling.kind, "min_sep": b, "sampling_probability": p, "participation_rate": p0,
+                  "warm_start": warm, "items_per_user": k_u}
+        return MonteCarloAccountant(band, b, p, warm=warm, k_u=k_u), params
+
+    def _verify_samples(self, delta_prime: float, delta: float) -> tuple[int, int]:
+        o = self.options
+        needed = minimum_samples(delta_prime, delta)
+        if not o.verify_target:
+            return o.mc_samples, needed
+        require(isinstance(o.max_samples, int) and o.max_samples >= 2, "max_samples", "an integer ≥ 2",
+                o.max_samples)
+        if needed > o.max_samples:
+            print(f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, above "
+                  f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is what they "
+                  "verify)", file=sys.stderr)
+        return max(o.mc_samples, min(needed, o.max_samples)), needed
+
+    def _fallback(self, fac, params, delta, sigma=None, target_epsilon=None):
+        k = math.ceil(fac.rounds / params["min_sep"])
+        sens_fb = params["items_per_user"] * float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
+        if sigma is not None:
+            return epsilon_of(unamplified_event(sigma, sens_fb), delta)
+        return calibrate_on_grid(lambda s: epsilon_of(unamplified_event(s, sens_fb), delta), target_epsilon,
+                                 guess=sens_fb * dpa.get_sigma_gaussian(target_epsilon, delta))[0]
+
+    def epsilon(self, fac, noise_multiplier, delta):
+        check_delta(delta)
+        check_sigma(noise_multiplier)
+        mc, params = self._mc(fac)
+        o = self.options
+        k = math.ceil(fac.rounds / params["min_sep"])
+        # The fallback is a PLD: refuse a σ it cannot represent before spending any samples.
+        check_pld_size(noise_multiplier, params["items_per_user"] * math.sqrt(k)
+                       * float(fac.encoder.column_norms().max()))
+        delta_prime = delta / 2  # 004 §7.1: verify at δ/2
+        verify_n, needed = self._verify_samples(delta_prime, delta)
+        ss = np.random.SeedSequence(o.seed)
+        est_seed, ver_seed = ss.spawn(2)
+        est = mc.sample_losses(noise_multiplier, o.mc_samples, est_seed)
+        eps_hat = est.epsilon(delta_prime)
+        eps_rel = est.epsilon(delta_prime, z=RELEASE_Z)
+        ver = mc.sample_losses(noise_multiplier, verify_n, ver_seed, progress=o.progress)
+        d_hat, _ = ver.delta(eps_rel)
+        passed = d_hat <= delta_prime
+        d_overall = overall_delta(ver.samples, delta_prime)
+        acc = {**params, "samples": o.mc_samples, "verify_samples": ver.samples, "verify_delta": delta_prime,
+               "samples_needed_for_target_delta": needed, "directions": "add and remove",
+               "epsilon_estimate": eps_hat, "epsilon_upper_confidence": eps_rel, "release_z": RELEASE_Z,
+               "verified_delta_hat": d_hat,
+               "verification_passed": bool(passed), "overall_delta": d_overall,
+               "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
+        if passed:
+            return AccountingResult("monte-carlo", eps_rel, max(delta, d_overall), noise_multiplier, delta,
+                                    slack=d_overall - delta_prime, parameters=acc)
+        e_fb = self._fallback(fac, params, delta, sigma=noise_multiplier)
+        print("monte carlo: verification failed; releasing the unamplified b-min-sep bound", file=sys.stderr)
+        return AccountingResult("monte-carlo", e_fb, delta, noise_multiplier, delta, parameters={
+            **acc, "released": "fallback: unamplified, ⌈n/b⌉ participations"})
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the fallback (the
+        # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
+        check_delta(delta)
+        check_epsilon(target_epsilon)
+        mc, params = self._mc(fac)
+        o = self.options
+        delta_prime = delta / 2
+        verify_n, needed = self._verify_samples(delta_prime, delta)
+        fallback = self._fallback(fac, params, delta, target_epsilon=target_epsilon)
+        chosen, tried = fallback, []
+        for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
+            cand = chosen / o.grid_ratio
+            passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, verify_n, child)
+            tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
+            if not passed:
+                break
+            chosen = cand
+        d_overall = overall_delta(verify_n, delta_prime)
+        released = delta if chosen == fallback else max(delta, d_overall)
+        acc = {**params, "samples": verify_n, "verify_delta": delta_prime,
+               "samples_needed_for_target_delta": needed, "directions": "add and remove",
+               "fallback_noise_multiplier": fallback, "candidates": tried, "grid_ratio": o.grid_ratio,
+               "overall_delta": d_overall,
+               "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
+        return AccountingResult("monte-carlo", target_epsilon, released, chosen, delta, target_epsilon,
+                                slack=(d_overall - delta_prime) if chosen != fallback else 0.0, parameters=acc)
+
+
+def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
+    """The accountant for a sampling description (``sampling.accountant`` picks among the valid ones)."""
+    options = options or AccountingOptions()
+    method = sampling.method
+    if method == "unamplified":
+        return UnamplifiedAccountant()
+    if method == "cyclic-poisson":
+        return CyclicPoissonAccountant(sampling)
+    if method == "mmcc":
+        return MMCCAccountant(sampling, options)
+    return MonteCarloEVRAccountant(sampling, options)
 
 
 def account(fac: Factorization, *, delta: float, noise_multiplier: float | None = None,
             target_epsilon: float | None = None, sampling: SamplingSpec = SamplingSpec(),
             mc_samples: int = 100_000, seed: int = 0, grid_ratio: float = 1.02,
-            max_candidates: int = 40) -> dict:
-    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), with the accountant's parameters."""
+            max_candidates: int = 40, **options) -> dict:
+    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as a dict: :class:`AccountingResult`'s
+    ``to_dict()`` plus the sensitivity fields. ``options``: further :class:`AccountingOptions` fields."""
     check_delta(delta)
     require((noise_multiplier is None) != (target_epsilon is None), "noise_multiplier",
             "exactly one of noise_multiplier and target_epsilon")
+    require(isinstance(mc_samples, int) and mc_samples >= 2, "mc_samples", "an integer ≥ 2", mc_samples)
+    opts = AccountingOptions(mc_samples=mc_samples, seed=seed, grid_ratio=grid_ratio, max_candidates=max_candidates,
+                             **options)
+    acc = accountant_for(sampling, opts)
     if noise_multiplier is not None:
         check_sigma(noise_multiplier)
+        res = acc.epsilon(fac, noise_multiplier, delta)
     else:
         check_epsilon(target_epsilon)
-    sens = fac.sensitivity.value
-    out = {"delta": delta, "sampling": sampling.kind, "sensitivity": sens,
-           "sensitivity_exact": fac.sensitivity.exact, "factorization_sha256": fac.sha256()}
-
-    if sampling.kind == "none":
-        def eps(s):
-            return epsilon_of(unamplified_event(s, sens), delta)
-        acc = {"name": "pld", "sampling": "none", "normalisation": "sensitivity 1 under the factorization's "
-               f"participation ({fac.participation.describe()})", "slack": 0.0}
-    elif sampling.kind == "cyclic-poisson":
-        _band(fac)
-        cp = CyclicPoisson(fac.rounds, fac.participation.min_sep, sampling.dataset_size,
-                           sampling.expected_batch_size)
-        require(fac.bands <= cp.cycle, "factorization", f"at most min_sep = {cp.cycle} bands for cyclic Poisson",
-                fac.bands)
-        col = float(fac.encoder.column_norms().max())
-
-        def eps(s):
-            return epsilon_of(cp.event(s, col), delta)
-        acc = {"name": "pld", "sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
-               "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
-               f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)", "slack": 0.0}
-    else:
-        return {**out, **_account_monte_carlo(fac, delta, noise_multiplier, target_epsilon, sampling, mc_samples,
-                                              seed, grid_ratio, max_candidates)}
-    if noise_multiplier is not None:
-        out.update(noise_multiplier=noise_multiplier, epsilon=eps(noise_multiplier))
-    else:
-        # The unamplified σ is the natural starting guess (amplification only lowers it).
-        guess = sens * dpa.get_sigma_gaussian(target_epsilon, delta)
-        sigma, e = calibrate_on_grid(eps, target_epsilon, guess=guess)
-        out.update(noise_multiplier=sigma, epsilon=e, target_epsilon=target_epsilon, grid_ratio=1.001)
-    out["accountant"] = acc
-    return out
+        res = acc.noise_multiplier(fac, target_epsilon, delta)
+    return {"sampling": sampling.kind, "sensitivity": fac.sensitivity.value,
+            "sensitivity_exact": fac.sensitivity.exact, "factorization_sha256": fac.sha256(), **res.to_dict()}
 
 
-def _account_monte_carlo(fac, delta, sigma, target_epsilon, sampling, samples, seed, ratio, max_candidates):
-    mc, params = _monte_carlo(fac, sampling)
-    delta_prime = delta / 2  # 004 §7.1: verify at δ/2
-    needed = minimum_samples(delta_prime, delta)
-    acc = {"name": "monte-carlo", "sampling": sampling.kind, **params, "samples": samples,
-           "verify_delta": delta_prime, "samples_needed_for_guarantee": needed, "directions": "add and remove",
-           "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
-    if sigma is not None:
-        est = mc.sample_losses(sigma, samples, seed)
-        eps_hat = est.epsilon(delta_prime)
-        eps_hi = est.epsilon(delta_prime, z=1.96)
-        d_overall = overall_delta(est.samples, delta_prime)
-        acc.update(slack=d_overall - delta_prime, overall_delta=d_overall, epsilon_ci95_upper=eps_hi,
-                   guarantee=d_overall <= delta)
-        return {"noise_multiplier": sigma, "epsilon": eps_hat, "accountant": acc}
-    # Estimate-Verify-Release (004 Alg. 5): candidates from the fallback σ down by ``ratio``; the fallback (the
-    # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
-    k = math.ceil(fac.rounds / params["min_sep"])
-    sens_fb = params["items_per_user"] * float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
-    fallback, _ = calibrate_on_grid(lambda s: epsilon_of(unamplified_event(s, sens_fb), delta), target_epsilon,
-                                    guess=sens_fb * dpa.get_sigma_gaussian(target_epsilon, delta))
-    chosen, tried = fallback, []
-    ss = np.random.SeedSequence(seed)
-    for child in ss.spawn(max_candidates):
-        cand = chosen / ratio
-        passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, samples, child)
-        tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
-        if not passed:
-            break
-        chosen = cand
-    d_overall = overall_delta(samples, delta_prime)
-    acc.update(fallback_noise_multiplier=fallback, candidates=tried, grid_ratio=ratio,
-               overall_delta=d_overall, slack=d_overall - delta_prime, guarantee=d_overall <= delta)
-    return {"noise_multiplier": chosen, "epsilon": target_epsilon, "target_epsilon": target_epsilon,
-            "accountant": acc}
+__all__ = ["ACCOUNTANTS_FOR", "ACCOUNTANT_NAMES", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult",
+           "CyclicPoissonAccountant", "MMCCAccountant", "MonteCarloEVRAccountant", "SamplingSpec",
+           "UnamplifiedAccountant", "accountant_for", "account", "check_pld_size"]

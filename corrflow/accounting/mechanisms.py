@@ -39,6 +39,28 @@ def check_sigma(sigma: float, field: str = "noise_multiplier") -> None:
     require(isinstance(sigma, int | float) and np.isfinite(sigma) and sigma > 0, field, "a positive number", sigma)
 
 
+#: Most privacy-loss grid points a PLD may need; beyond it dp-accounting would try to allocate far more memory than
+#: exists (σ = 1e-6 asked for 71 PiB), and the ε it would report is in the thousands anyway.
+PLD_MAX_POINTS = 1e8
+
+
+def check_pld_size(noise_multiplier: float, sensitivity: float, field: str = "noise_multiplier",
+                   discretization: float = PLD_DISCRETIZATION) -> None:
+    """Refuse σ/sensitivity so small that the Gaussian privacy loss cannot be put on the PLD grid.
+
+    With μ = sensitivity/σ the loss of N(μ, 1) against N(0, 1) spans about μ²/2 + 2·μ·t (t ≈ 10 standard
+    deviations, dp-accounting's tail truncation at e^{−50}), i.e. that many / ``discretization`` grid points.
+    """
+    check_sigma(noise_multiplier, field)
+    mu = sensitivity / noise_multiplier
+    points = (0.5 * mu * mu + 20.0 * mu) / discretization
+    if not points <= PLD_MAX_POINTS:
+        smallest = sensitivity / (math.sqrt(400.0 + 2.0 * PLD_MAX_POINTS * discretization) - 20.0)
+        raise InvalidArgumentError(field, f"at least {smallest:.3g} (= sensitivity {sensitivity:.4g} / "
+                                   f"{sensitivity / smallest:.4g}); a smaller noise multiplier gives a privacy loss "
+                                   f"too wide to account (≈ {points:.2g} PLD grid points)", noise_multiplier)
+
+
 def _accountant(name: str) -> dpa.PrivacyAccountant:
     require(name in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", name)
     if name == "pld":
@@ -55,6 +77,7 @@ def unamplified_event(noise_multiplier: float, sensitivity: float = 1.0) -> dpa.
     """One Gaussian release with noise multiplier σ/sensitivity (000 App. D.2)."""
     check_sigma(noise_multiplier)
     require(np.isfinite(sensitivity) and sensitivity > 0, "sensitivity", "a positive number", sensitivity)
+    check_pld_size(noise_multiplier, sensitivity)
     return dpa.GaussianDpEvent(noise_multiplier / sensitivity)
 
 
@@ -86,7 +109,7 @@ class CyclicPoisson:
 
     def event(self, noise_multiplier: float, max_column_norm: float) -> dpa.DpEvent:
         """⌈n/cycle⌉ × PoissonSampled(q, Gaussian(σ/max‖C[:,j]‖)) (001 Prop. 2.1)."""
-        check_sigma(noise_multiplier)
+        check_pld_size(noise_multiplier, max_column_norm)
         inner = dpa.GaussianDpEvent(noise_multiplier / max_column_norm)
         return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(self.sampling_probability, inner),
                                        self.compositions)

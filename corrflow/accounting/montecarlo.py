@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,6 +30,20 @@ from scipy.optimize import brentq, minimize_scalar
 from scipy.special import gammaln, logsumexp
 
 from corrflow.errors import InvalidArgumentError, require
+
+
+def truncate_band(band: np.ndarray) -> np.ndarray:
+    """``band`` (n × bands, ``band[i, k] = C[i + k, i]``) with the entries past round n set to 0.
+
+    A Toeplitz encoder's band layout repeats its coefficients in every column, also where row i + k ≥ n does not
+    exist; counting those entries in ‖c_i‖² would over-state the squared column norms of the last bands − 1 columns
+    and understate the privacy loss of late participations.
+    """
+    band = np.array(band, dtype=np.float64)
+    n, bands = band.shape
+    past = np.arange(n)[:, None] + np.arange(bands)[None, :] >= n
+    band[past] = 0.0
+    return band
 
 
 def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
@@ -41,7 +56,9 @@ def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep:
     n, S = y.shape
     b = min_sep
     dtype = y.dtype
-    sq = np.sum(band.astype(np.float64) ** 2, axis=1)
+    band = truncate_band(band)
+    require(band.shape[0] == n, "band", f"{n} columns (one per round of y)", band.shape[0])
+    sq = np.sum(band ** 2, axis=1)
     inv2s2 = 1.0 / (2.0 * sigma * sigma)
     log_skip = dtype.type(k_u * math.log1p(-p) if p < 1 else -np.inf)
     js = np.arange(1, k_u + 1)
@@ -229,6 +246,18 @@ class MonteCarloEstimate:
         return float(brentq(g, 0.0, hi, xtol=1e-9))
 
 
+def _collect(parts, sizes: list[int], progress: bool) -> list:
+    """Batches in order, with a progress line on stderr when asked."""
+    out, done, total = [], 0, sum(sizes)
+    for part, size in zip(parts, sizes, strict=True):
+        out.append(part)
+        done += size
+        if progress:
+            print(f"\rmonte carlo samples {done}/{total} per direction", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+    return out
+
+
 class MonteCarloAccountant:
     """Samples privacy losses of banded MF under b-min-sep (or balls-in-bins, or multi-attribution) sampling."""
 
@@ -236,6 +265,7 @@ class MonteCarloAccountant:
                  dtype=np.float32, batch: int = 16384):
         band = np.asarray(band, dtype=np.float64)
         require(band.ndim == 2 and band.shape[1] >= 1, "factorization", "a banded encoder (n × bands)", band.shape)
+        band = truncate_band(band)
         require(bool(np.all(band >= 0)), "factorization", "an entrywise non-negative banded C for Monte Carlo "
                 "accounting (004 §2.2)")
         require(band.shape[1] <= min_sep, "min_sep", f"at least the number of bands ({band.shape[1]}) for the "
@@ -252,7 +282,7 @@ class MonteCarloAccountant:
         return self.band.shape[0]
 
     def sample_losses(self, sigma: float, samples: int, seed: int | np.random.SeedSequence,
-                      workers: int | None = None) -> MonteCarloEstimate:
+                      workers: int | None = None, progress: bool = False) -> MonteCarloEstimate:
         """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per seed).
 
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count for large
@@ -268,9 +298,9 @@ class MonteCarloAccountant:
         if workers > 1 and len(jobs) > 1:
             ctx = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-                parts = list(pool.map(self._batch, [sigma] * len(jobs), jobs))
+                parts = _collect(pool.map(self._batch, [sigma] * len(jobs), jobs), sizes, progress)
         else:
-            parts = [self._batch(sigma, job) for job in jobs]
+            parts = _collect((self._batch(sigma, job) for job in jobs), sizes, progress)
         return MonteCarloEstimate(sigma, np.concatenate([a for a, _ in parts]), np.concatenate([r for _, r in parts]))
 
     def _batch(self, sigma: float, job) -> tuple[np.ndarray, np.ndarray]:

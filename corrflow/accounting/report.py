@@ -38,9 +38,15 @@ def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes,
 def privacy_report(*, factorization: Factorization, noise_multiplier: float, clip_norm: float, delta: float,
                    target_epsilon: float | None, accountant: dict, planned: dict, realized: dict,
                    rounds_completed: int, **extra) -> dict:
-    """Assemble the report; ``planned``/``realized`` hold sensitivity, epsilon and participation."""
+    """Assemble the report; ``planned``/``realized`` hold sensitivity, epsilon and participation.
+
+    ``delta`` is the δ that goes with the reported ε's: the target, or the larger δ the accountant actually verified
+    (``accountant["delta"]``, Monte Carlo with too few samples) — never a target that was not verified. A pair valid at
+    the target δ stays valid at any larger δ, so one δ serves the planned and the realised ε."""
+    verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     return {"mechanism": mechanism_section(factorization), "noise_multiplier": noise_multiplier,
-            "clip_norm": clip_norm, "delta": delta, "target_epsilon": target_epsilon, "accountant": accountant,
+            "clip_norm": clip_norm, "delta": max(delta, verified), "target_delta": delta,
+            "guarantee": verified <= delta, "target_epsilon": target_epsilon, "accountant": accountant,
             "planned": planned, "realized": realized, "rounds_completed": rounds_completed, **extra}
 
 

@@ -5,7 +5,11 @@ may come through several items (SuperNodes they own, or examples — an arXiv pa
 * ``fixed-epoch``: the (k, b) schedule of 000 §2 over items;
 * ``bminsep``: 004 Alg. 2 (warm start) over items, participation rate p0 (1/p0 = 1/p + (b − 1));
 * ``multi-attribution``: 004 Alg. 3 — an item is blocked while any of its users is cooling down, so every user's
-  distinct participation rounds are ≥ b apart by construction.
+  distinct participation rounds are ≥ b apart by construction;
+* ``poisson``: every item independently with probability p0 in every round (min_sep 1) — what MMCC (002 Alg. 1)
+  accounts for;
+* ``cyclic-poisson``: items in b parts, part t mod b sampled with probability q = b·p0 (001 Alg. 2; 002 App. D's
+  "b-min-sep") — what the cyclic Poisson reduction and Generalized-MMCC account for.
 
 Because every sampler is a pure function of (public seed, round), the planner restores by replaying rounds
 0..t−1 from the seed (about 2 ms a round at 10⁶ items), so the checkpoint needs no sampler state.
@@ -25,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from corrflow.errors import require
-from corrflow.participation.samplers import BMinSepSampler, MultiAttributionSampler
+from corrflow.participation.samplers import BMinSepSampler, CyclicPoissonSampler, MultiAttributionSampler
 
-PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
+PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution", "poisson", "cyclic-poisson")
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,11 @@ class CohortPlanner:
         else:
             p0 = rate or 0.5 / min_sep
             require(0 < p0 <= 1.0 / min_sep, "participation-rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", rate)
-            self.p0, self.p = p0, BMinSepSampler.probability_for_rate(p0, min_sep)
+            require(kind != "poisson" or min_sep == 1, "min-sep", "1 for poisson participation (any round)",
+                    min_sep)
+            self.p0 = p0
+            # The sampler's own probability: b-min-sep's p (1/p0 = 1/p + b − 1), cyclic Poisson's q = b·p0.
+            self.p = min_sep * p0 if kind == "cyclic-poisson" else BMinSepSampler.probability_for_rate(p0, min_sep)
             self.expected = n * p0
         self._sampler = self._new_sampler()
         self._cohorts: dict[int, list[int]] = {}
@@ -83,6 +91,10 @@ class CohortPlanner:
             return BMinSepSampler(len(self.items), self.min_sep, self.p, self.seed, warm=True)
         if self.kind == "multi-attribution":
             return MultiAttributionSampler(self.item_users, len(self.users), self.min_sep, self.p, self.seed)
+        if self.kind == "poisson":
+            return BMinSepSampler(len(self.items), 1, self.p, self.seed, warm=False)
+        if self.kind == "cyclic-poisson":
+            return CyclicPoissonSampler(len(self.items), self.min_sep, self.p, self.seed)
         return None
 
     @property

@@ -94,18 +94,19 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
-    Poisson probability p, verified at δ/2."""
+    Poisson probability p, verified at δ/2 (the accountant dict's ``delta`` is the δ its samples verified). MMCC
+    (poisson / cyclic-poisson participation): 002 Alg. 1 / Alg. 3 at the sampler's probability."""
     k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
         return 0.0, None, {"name": "none", "sampling": "none", "slack": 0.0}
     target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
         {"target_epsilon": cfg.target_epsilon}
-    if cfg.accountant == "monte-carlo":
+    if cfg.accountant != "unamplified":   # the sampler's own accountant: Monte Carlo (004) or MMCC (002)
         require(k_u == 1 or planner.kind == "multi-attribution", "accountant",
                 "participation multi-attribution when a user holds several items (k_u > 1)", k_u)
         spec = SamplingSpec(planner.kind, planner.summary().items, planner.expected, items_per_user=k_u,
-                            sampling_probability=planner.p)
+                            sampling_probability=planner.p, accountant=cfg.accountant)
         res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
                       **target)
         return res["noise_multiplier"], res["epsilon"], res["accountant"]

@@ -120,17 +120,27 @@ def account(
     delta: Annotated[float, typer.Option(help="δ")],
     noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
     target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
-    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, bminsep, balls-in-bins or "
+    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or "
                                                "multi-attribution")] = "none",
+    accountant: Annotated[str | None, typer.Option(help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
+                                                        "the sampling's own; mmcc for poisson)")] = None,
     items_per_user: Annotated[int, typer.Option(help="k_u: items per user, for multi-attribution")] = 1,
     dataset_size: Annotated[int | None, typer.Option(help="N (examples or users), for amplified sampling")] = None,
     expected_batch_size: Annotated[float | None, typer.Option(help="B, for amplified sampling")] = None,
     mc_samples: Annotated[int, typer.Option(help="Monte Carlo samples per direction (and per candidate σ)")]
     = 100_000,
     seed: Annotated[int, typer.Option(help="Monte Carlo seed")] = 0,
+    verify_target: Annotated[bool, typer.Option(help="Monte Carlo: draw the samples that verify the target δ "
+                                                     "(≈ 10.7 M per direction at δ = 1e-5)")] = False,
+    max_samples: Annotated[int, typer.Option(help="cap on the samples --verify-target draws")] = 20_000_000,
+    mmcc_grid: Annotated[float | None, typer.Option(help="MMCC: grid Δ2 the entries of C are rounded up to "
+                                                         "(default: the largest entry / 256)")] = None,
+    delta_split: Annotated[float, typer.Option(help="MMCC: share of δ spent on the tail bounds")] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """ε for a noise multiplier, or the smallest grid σ that meets a target ε."""
+    """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta) printed is
+    a pair the accountant guarantees; Monte Carlo reports the δ its samples verified (guarantee: false when that
+    exceeds --delta)."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
 
@@ -139,9 +149,16 @@ def account(
             raise InvalidArgumentError("--noise-multiplier", "exactly one of --noise-multiplier and "
                                        "--target-epsilon")
         fac = _load_factorization(factorization, "--factorization")
-        spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user)
-        _emit(run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-                          sampling=spec, mc_samples=mc_samples, seed=seed), as_json)
+        spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant)
+        res = run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                          sampling=spec, mc_samples=mc_samples, seed=seed, verify_target=verify_target,
+                          max_samples=max_samples, mmcc_grid=mmcc_grid, delta_split=delta_split,
+                          progress=verify_target or spec.method == "mmcc")
+        if not res["guarantee"]:
+            print(f"warning: the samples drawn verify (ε = {res['epsilon']:.4g}, δ = {res['delta']:.3g}), not "
+                  f"δ = {delta:g}; --verify-target draws the {res['accountant']['samples_needed_for_target_delta']} "
+                  "samples per direction the target needs", file=sys.stderr)
+        _emit(res, as_json)
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
 
@@ -161,13 +178,15 @@ def simulate(
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
     backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
-    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004)")]
+    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004), poisson or "
+                                                    "cyclic-poisson (MMCC, 002)")]
     = "fixed-epoch",
     min_sep: Annotated[int, typer.Option(help="b (0: rounds/epochs)")] = 0,
     participation_rate: Annotated[float, typer.Option(help="p0 per item and round for samplers (0: 1/(2b))")] = 0.0,
     policy: Annotated[str, typer.Option(help="when a user's realised gap < min-sep: reject or accept-and-account")]
     = "reject",
-    accountant: Annotated[str, typer.Option(help="unamplified or monte-carlo (bminsep)")] = "unamplified",
+    accountant: Annotated[str, typer.Option(help="unamplified, monte-carlo (bminsep, multi-attribution) or mmcc "
+                                                 "(poisson, cyclic-poisson)")] = "unamplified",
     mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
     attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata",
                                                      exists=True, dir_okay=False)] = None,

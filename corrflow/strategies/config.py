@@ -15,11 +15,16 @@ from pathlib import Path
 from corrflow.errors import InvalidArgumentError, require
 
 POLICIES = ("reject", "accept-and-account")
-PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution")
 # Where a node's stable user id comes from (the server cannot see whether SuperNode authentication is on, so the
 # operator declares it): see corrflow.strategies.identity. "" = partition-id in simulation, node-key in deployment.
 IDENTITIES = ("node-key", "user-id", "partition-id", "per-launch")
 PREFIX = "corrflow."   # corrflow's keys in Flower's run config; every other key is the user's app's
+PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution", "poisson", "cyclic-poisson")
+ACCOUNTANTS = ("unamplified", "monte-carlo", "mmcc")
+#: Accountants valid for each participation (poisson needs MMCC: no fixed pattern bounds it without sampling).
+ACCOUNTANTS_BY_PARTICIPATION = {"fixed-epoch": ("unamplified",), "bminsep": ("unamplified", "monte-carlo"),
+                                "multi-attribution": ("unamplified", "monte-carlo"), "poisson": ("mmcc",),
+                                "cyclic-poisson": ("unamplified", "mmcc")}
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,11 @@ class StrategyConfig:
     state_dir: str = "corrflow_state"
     non_private: bool = False       # baseline only: no noise, no privacy guarantee (ε reported as null)
     # Participation control (004): who trains when, at the level of users (persons) behind items.
-    participation: str = "fixed-epoch"   # fixed-epoch | bminsep | multi-attribution
+    participation: str = "fixed-epoch"   # fixed-epoch | bminsep | multi-attribution | poisson | cyclic-poisson
     min_sep: int = 0                # b; 0: num-rounds / epochs
     participation_rate: float = 0.0  # p0 per item and round for bminsep / multi-attribution; 0: 1/(2b)
     accountant: str = "unamplified"  # unamplified | monte-carlo (bminsep / multi-attribution, 004 Eq. 1, Thm 6.1)
+    #                                  | mmcc (poisson / cyclic-poisson, 002 Alg. 1 / Alg. 3)
     mc_samples: int = 100_000
     mode: str = "cross-device"      # cross-device (item = a SuperNode) | cross-silo (item = an example in a silo)
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
@@ -71,9 +77,10 @@ class StrategyConfig:
             value = getattr(self, name)
             require(math.isfinite(value) and value >= 0, name.replace("_", "-"), "a finite number ≥ 0", value)
         if self.noise_multiplier > 0:  # fail before a PLD library call could blow up on a tiny σ
-            from corrflow.accounting.mechanisms import check_sigma
+            from corrflow.accounting.mechanisms import check_pld_size, check_sigma
 
             check_sigma(self.noise_multiplier, "noise-multiplier")
+            check_pld_size(self.noise_multiplier, 1.0, "noise-multiplier")   # every factorization has sensitivity 1
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
         require(self.num_rounds >= 1, "num-rounds", "a positive integer", self.num_rounds)
         require(self.participation in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}",
@@ -92,11 +99,13 @@ class StrategyConfig:
                     f"in (0, 1/min-sep = {1 / self.b:g}] (0: 1/(2·min-sep))", self.participation_rate)
         require(self.taper == 0 or (self.kind == "toeplitz" and 1 <= self.taper < (self.bands or self.b)),
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
-        require(self.accountant in ("unamplified", "monte-carlo"), "accountant", "unamplified or monte-carlo",
+        require(self.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", self.accountant)
+        require(self.accountant in ACCOUNTANTS_BY_PARTICIPATION[self.participation], "accountant",
+                f"one of {ACCOUNTANTS_BY_PARTICIPATION[self.participation]} for participation {self.participation} "
+                "(monte-carlo: bminsep or multi-attribution, 004; mmcc: poisson or cyclic-poisson, 002)",
                 self.accountant)
-        require(self.accountant == "unamplified" or self.participation != "fixed-epoch", "accountant",
-                "unamplified for fixed-epoch participation (Monte Carlo needs a sampler: bminsep or "
-                "multi-attribution, 004)")
+        require(self.participation != "poisson" or self.min_sep == 1, "min-sep",
+                "1 for poisson participation (a user may train in any round)", self.min_sep)
         require(self.mode in ("cross-device", "cross-silo"), "mode", "cross-device or cross-silo", self.mode)
         require(self.mode == "cross-device" or bool(self.manifest_path), "manifest-path",
                 "a partition manifest (corrflow data partition) in cross-silo mode")
