@@ -22,6 +22,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
+from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.factorization import factorize, participation_for
 from corrflow.server.inprocess import enable_offline_messages
 from corrflow.strategies.config import StrategyConfig
@@ -56,8 +57,8 @@ def main() -> None:
     from corrflow.factorization.workloads import Workload
     fac = factorize("toeplitz", participation_for(10, 1), Workload("momentum", 0.9))
     directory = {1000 + i: f"partition-{i}" for i in range(users)}
-    strat = CorrelatedNoiseStrategy(cfg, fac, [np.zeros(d, np.float32)], directory, noise_multiplier=1.0,
-                                    planned_epsilon=1.0, out_dir=tmp)
+    strat = CorrelatedNoiseStrategy(cfg, fac, [np.zeros(d, np.float32)], directory,
+                                    privacy=PrivacyPlan(1.0, 1.0), out_dir=tmp)
     ckpt_times = []
     real_ckpt = strat._checkpoint
 

@@ -267,3 +267,20 @@ def test_bminsep_restart_replays_the_sampler(tmp_path):
         np.testing.assert_array_equal(p, q)
     assert resumed.ledger.selected == ref.ledger.selected and resumed.ledger.overrides == ref.ledger.overrides
     assert any(o["source"] == "override" and o["round"] == 6 for o in ref.ledger.overrides)
+
+
+def test_poisson_run_accounted_by_mmcc_keeps_its_planned_epsilon(tmp_path):
+    """An amplified plan (MMCC, 002) stands while the sampler's pattern is followed: the budget guard and the report
+    use it, not the post-hoc unamplified ε of the realised (random) pattern, which is far larger."""
+    from corrflow.accounting.tracking import PrivacyPlan, RunPrivacy
+
+    cfg = _cfg(tmp_path, num_users=12, num_rounds=6, participation="poisson", min_sep=1, participation_rate=0.25,
+               accountant="mmcc", noise_multiplier=1.0, target_epsilon=50.0)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert s.next_round == 6 and rep["stopped_reason"] is None
+    assert rep["accountant"]["name"] == "mmcc" and rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
+    assert rep["realized"]["accounting"].startswith("as planned")
+    fac = Factorization.load(tmp_path / "factorization.npz")
+    posthoc = RunPrivacy(fac, PrivacyPlan(1.0, rep["planned"]["epsilon"]), 1e-5).realized(s.ledger.selected)
+    assert posthoc.epsilon > rep["planned"]["epsilon"]   # why the amplified plan matters

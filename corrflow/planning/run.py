@@ -10,6 +10,7 @@ from pathlib import Path
 
 from corrflow.accounting import account
 from corrflow.accounting.accountant import SamplingSpec
+from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.errors import require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
@@ -90,7 +91,7 @@ def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPla
     return planner, item_home, info
 
 
-def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> tuple[float, float | None, dict]:
+def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
@@ -99,7 +100,7 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
     k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
-        return 0.0, None, {"name": "none", "sampling": "none", "slack": 0.0}
+        return PrivacyPlan(0.0, None, {"name": "none", "sampling": "none", "slack": 0.0})
     target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
         {"target_epsilon": cfg.target_epsilon}
     if cfg.accountant != "unamplified":   # the sampler's own accountant: Monte Carlo (004) or MMCC (002)
@@ -109,7 +110,8 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
                             sampling_probability=planner.p, accountant=cfg.accountant)
         res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
                       **target)
-        return res["noise_multiplier"], res["epsilon"], res["accountant"]
+        return PrivacyPlan(res["noise_multiplier"], res["epsilon"], res["accountant"], amplified=True,
+                           items_per_user=k_u)
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
         sigma = cfg.noise_multiplier
@@ -118,4 +120,4 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
         sigma = res["noise_multiplier"] * k_u
     acc = {**res["accountant"], "sampling": f"none ({planner.kind}, unamplified)", "items_per_user": k_u,
            "normalisation": f"sensitivity {k_u} = k_u × 1 under the planned participation"}
-    return sigma, res["epsilon"], acc
+    return PrivacyPlan(sigma, res["epsilon"], acc, amplified=False, items_per_user=k_u)

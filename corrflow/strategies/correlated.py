@@ -40,6 +40,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.accounting.report import hash_user_id, participation_section, privacy_report, write_report
+from corrflow.accounting.tracking import PrivacyPlan, RealizedPrivacy, RunPrivacy
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.noise import CorrelatedNoise
@@ -49,7 +50,7 @@ from corrflow.participation.planner import CohortPlanner, SeparationMonitor
 from corrflow.strategies.checkpoint import SECRET, load_arrays, manifest_digest, write_checkpoint
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
-from corrflow.strategies.ledger import Ledger, PrivacyTracker
+from corrflow.strategies.ledger import Ledger
 from corrflow.strategies.model import ModelLayout
 from corrflow.strategies.run_state import ResumePoint, settings_conflict
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
@@ -106,10 +107,10 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def __init__(self, config: StrategyConfig, factorization: Factorization,
                  initial: ArrayRecord | list[np.ndarray],
-                 directory: dict[int, str], *, noise_multiplier: float, planned_epsilon: float | None,
+                 directory: dict[int, str], *, privacy: PrivacyPlan,
                  noise_key: bytes | None = None, out_dir: str | Path | None = None, on_round_end=None,
                  planner: CohortPlanner | None = None, item_home: dict[str, str] | None = None,
-                 planned_accounting: dict | None = None, resume: ResumePoint | None = None,
+                 resume: ResumePoint | None = None,
                  identity: str = "partition-id", evaluate: Callable[[list[np.ndarray]], dict] | None = None,
                  resolve_nodes: Callable[[list[int]], dict[int, str]] | None = None,
                  stop_event: threading.Event | None = None, inner: Strategy | None = None):
@@ -117,8 +118,9 @@ class CorrelatedNoiseStrategy(Strategy):
                 f"{config.num_rounds} rounds (num-rounds)", factorization.rounds)
         check_workload_matches(factorization.workload, config.momentum, config.cooldown_fraction)
         self.cfg, self.fac = config, factorization
-        self.sigma = float(noise_multiplier)
-        self.planned_epsilon = None if planned_epsilon is None else float(planned_epsilon)
+        self.privacy_plan = privacy
+        self.sigma = float(privacy.noise_multiplier)
+        self.planned_epsilon = privacy.epsilon
         self.layout = ModelLayout.of(initial)
         self.shapes = self.layout.trainable_shapes
         self.inner = inner   # the wrapper's strategy: its train config and metric aggregation are kept
@@ -142,13 +144,10 @@ class CorrelatedNoiseStrategy(Strategy):
         require((item_home is not None) == (config.mode == "cross-silo"), "mode",
                 "an item → silo map exactly in cross-silo mode")
         self.monitor = SeparationMonitor(planner.min_sep)
-        self.planned_accounting = planned_accounting or {
-            "name": "pld", "sampling": f"none ({planner.kind}, unamplified)",
-            "normalisation": "sensitivity 1 under the planned participation", "slack": 0.0}
         self._pending_overrides: dict[int, list[str]] = {}
         self._pending: RoundPlan | None = None
         self._warned_posthoc = False
-        self.tracker = PrivacyTracker(factorization, self.sigma, config.delta)
+        self.privacy = RunPrivacy(factorization, privacy, config.delta)
         self.state_dir = Path(config.state_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else self.state_dir
         self.journal = ReleaseJournal(self.out_dir / JOURNAL)
@@ -302,7 +301,7 @@ class CorrelatedNoiseStrategy(Strategy):
         prospective = {u: list(r) for u, r in self.ledger.selected.items()}
         for u in plan.users:
             prospective.setdefault(u, []).append(plan.round)
-        eps = self._realized(prospective, plan.overrides)[1]
+        eps = self._realized(prospective, plan.overrides).epsilon
         if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
             return f"budget guard: round {plan.round} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
         return None
@@ -379,7 +378,7 @@ class CorrelatedNoiseStrategy(Strategy):
             self._warned_posthoc = True
             log.warning("round %d: min-sep broken and accepted (policy accept-and-account): the report now uses "
                         "post-hoc accounting of the realised participation, ε = %.4f", t, self._realized(
-                            self.ledger.selected)[1])
+                            self.ledger.selected).epsilon)
 
     def _aggregate(self, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
         """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size."""
@@ -403,7 +402,7 @@ class CorrelatedNoiseStrategy(Strategy):
     def _record(self, plan: RoundPlan, outcome: RoundOutcome, seconds: float) -> dict:
         """Evaluate, checkpoint, journal, report — in that order, before the model leaves the server."""
         t = plan.round
-        eps = self._realized(self.ledger.selected)[1]
+        eps = self._realized(self.ledger.selected).epsilon
         self.ledger.epsilon_history.append(eps)
         reasons = Counter(_reason_class(r) for _, r in plan.rejections + outcome.rejections)
         metrics = {"round": t, "replies": len(outcome.accepted), "accepted": len(outcome.accepted),
@@ -515,29 +514,23 @@ class CorrelatedNoiseStrategy(Strategy):
     def _posthoc_active(self, extra: list[dict] = ()) -> bool:
         return any(o["action"] == "accepted-and-accounted" for o in [*self.ledger.overrides, *extra])
 
-    def _realized(self, selected: dict[str, list[int]], extra_overrides: list[dict] = ()):
-        """(sensitivity, ε, worst user) of the realised pattern: post-hoc (000 App. D.2 on the realised
-        sensitivity) — except under an amplified plan that was followed, where the planned ε stands."""
-        sens, eps, worst = self.tracker.realized(selected)
-        if self.planned_accounting.get("name") == "monte-carlo" and not self._posthoc_active(extra_overrides):
-            eps = self.planned_epsilon
-        return sens, eps, worst
+    def _realized(self, selected: dict[str, list[int]], extra_overrides: list[dict] = ()) -> RealizedPrivacy:
+        """ε of the realised pattern (the plan's while an amplified plan's pattern is followed, else post-hoc)."""
+        return self.privacy.realized(selected, pattern_followed=not self._posthoc_active(extra_overrides))
 
     def report(self) -> dict:
-        sens, eps, _ = self._realized(self.ledger.selected)
-        posthoc = self.planned_accounting.get("name") != "monte-carlo" or self._posthoc_active()
+        real = self._realized(self.ledger.selected)
         overrides = [{**o, "item": hash_user_id(o["item"], self.salt),
                       "users": [hash_user_id(u, self.salt) for u in o["users"]]} for o in self.ledger.overrides]
+        k_u = self.planner.items_per_user
         return privacy_report(
             factorization=self.fac, noise_multiplier=self.sigma, clip_norm=self.cfg.clip_norm, delta=self.cfg.delta,
-            target_epsilon=self.cfg.target_epsilon or None, accountant=self.planned_accounting,
-            planned={"sensitivity": float(self.planner.items_per_user) * self.fac.sensitivity.value,
-                     "sensitivity_exact": self.fac.sensitivity.exact and self.planner.items_per_user == 1,
-                     "epsilon": self.planned_epsilon,
+            target_epsilon=self.cfg.target_epsilon or None, accountant=self.privacy_plan.accountant,
+            planned={"sensitivity": float(k_u) * self.fac.sensitivity.value,
+                     "sensitivity_exact": self.fac.sensitivity.exact and k_u == 1, "epsilon": self.planned_epsilon,
                      "participation": {**self.planner.to_dict(), "mode": self.cfg.mode}},
-            realized={"sensitivity": sens.value, "sensitivity_exact": sens.exact, "epsilon": eps,
-                      "accounting": "post-hoc (unamplified, realised pattern)" if posthoc
-                      else "as planned (the sampler's pattern was followed)",
+            realized={"sensitivity": real.sensitivity, "sensitivity_exact": real.sensitivity_exact,
+                      "epsilon": real.epsilon, "accounting": real.accounting,
                       "participation": participation_section(self.ledger.selected, self.salt, self.cfg.policy,
                                                              overrides),
                       "rejections": len(self.ledger.rejections)},

@@ -9,7 +9,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,8 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
             log.warning("contribution bounding (k_u = %d) dropped %d of %d items", cfg.max_items_per_user,
                         bounding["dropped"], bounding["items"])
         fac = load_or_build_factorization(cfg, out)
-        sigma, planned, accountant = plan_privacy(cfg, fac, planner)
-        accountant = {**accountant, "contribution_bounding": bounding}
+        plan = plan_privacy(cfg, fac, planner)
+        plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
 
         def round_end(strategy, metrics):
             (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
@@ -73,9 +73,9 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
                 hooks.on_round_end(strategy, metrics)
 
         strategy = CorrelatedNoiseStrategy(
-            cfg, fac, hooks.initial, directory, noise_multiplier=sigma, planned_epsilon=planned,
-            noise_key=noise_key, out_dir=out, on_round_end=round_end, planner=planner, item_home=item_home,
-            planned_accounting=accountant, resume=resume, identity=source, evaluate=hooks.evaluate,
+            cfg, fac, hooks.initial, directory, privacy=plan, noise_key=noise_key, out_dir=out,
+            on_round_end=round_end, planner=planner, item_home=item_home, resume=resume, identity=source,
+            evaluate=hooks.evaluate,
             resolve_nodes=partial(ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)),
             stop_event=stop_event, inner=hooks.inner)
         try:

@@ -1,0 +1,69 @@
+"""The privacy of a run as it happens: the plan (σ, planned ε, the accountant) and ε of the participation recorded
+so far — for the report after every round, and for a prospective round, for the budget guard.
+
+Two regimes, chosen by what the plan's accountant analysed, never by its name:
+* deterministic patterns (fixed-epoch, any unamplified plan): post-hoc accounting of the realised participation,
+  one Gaussian with the realised sensitivity (000 App. D.2; :func:`realized_sensitivity`), scaled by k_u;
+* amplified plans (Monte Carlo for b-min-sep / multi-attribution samplers, 004; MMCC for Poisson / cyclic Poisson,
+  002): their ε is a property of the sampler's randomness and stands while the sampler's pattern is followed; once
+  it is broken (an accepted separation violation or override), the run falls back to post-hoc accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from corrflow.accounting.mechanisms import epsilon_of, unamplified_event
+from corrflow.accounting.posthoc import realized_sensitivity
+from corrflow.factorization.base import Factorization
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """σ and the planned ε of a run, with the report's ``accountant`` section."""
+    noise_multiplier: float               # 0 for a non-private baseline
+    epsilon: float | None                 # planned ε (None: non-private)
+    accountant: dict = field(default_factory=dict)
+    amplified: bool = False               # ε from the sampler's randomness (valid while its pattern is followed)
+    items_per_user: int = 1               # k_u: the sensitivity of a user's sum of items is ≤ k_u
+
+    @property
+    def private(self) -> bool:
+        return self.noise_multiplier > 0
+
+
+@dataclass(frozen=True)
+class RealizedPrivacy:
+    sensitivity: float
+    sensitivity_exact: bool
+    epsilon: float | None
+    accounting: str                       # how ε was obtained, for the report
+    worst_user: str | None = None
+
+
+class RunPrivacy:
+    """ε of the participation recorded so far (pure given its inputs; caches the Gaussian ε per sensitivity)."""
+
+    def __init__(self, factorization: Factorization, plan: PrivacyPlan, delta: float):
+        self.fac, self.plan, self.delta = factorization, plan, delta
+        self._eps_cache: dict[float, float] = {}
+
+    def _epsilon_for_sensitivity(self, sens: float) -> float | None:
+        if not self.plan.private:
+            return None
+        key = round(sens, 12)
+        if key not in self._eps_cache:
+            self._eps_cache[key] = 0.0 if sens == 0 else epsilon_of(
+                unamplified_event(self.plan.noise_multiplier, sens), self.delta)
+        return self._eps_cache[key]
+
+    def realized(self, selected: Mapping[str, Sequence[int]], *, pattern_followed: bool = True) -> RealizedPrivacy:
+        """ε of ``selected`` (user → rounds, with multiplicity): the plan's when it is amplified and its pattern
+        was followed, else post-hoc on the realised sensitivity."""
+        sens, worst = realized_sensitivity(self.fac.encoder, selected)
+        if self.plan.amplified and pattern_followed:
+            return RealizedPrivacy(sens.value, sens.exact, self.plan.epsilon,
+                                   "as planned (the sampler's pattern was followed)", worst)
+        return RealizedPrivacy(sens.value, sens.exact, self._epsilon_for_sensitivity(sens.value),
+                               "post-hoc (unamplified, realised pattern)", worst)
