@@ -7,20 +7,12 @@ import time
 import numpy as np
 
 from corrflow.errors import require
-from corrflow.factorization.banded import optimize_banded
 from corrflow.factorization.base import Factorization, normalized
-from corrflow.factorization.baselines import encoder_from_gram, fft_encoder, stamp_encoder, tree_encoder
-from corrflow.factorization.closed_forms import best_gamma, bifr_encoder, bsr_encoder
-from corrflow.factorization.dense import optimize_dense
-from corrflow.factorization.encoders import BandedEncoder, Encoder, ToeplitzEncoder
+from corrflow.factorization.baselines import stamp_encoder
 from corrflow.factorization.participation import Participation
-from corrflow.factorization.toeplitz import optimize_toeplitz, taper_coefficients
+from corrflow.factorization.registry import BANDED_KINDS, GAMMA_KINDS, KINDS, BuildRequest, kind_spec
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
-
-KINDS = ("dpsgd", "tree", "dense", "banded", "toeplitz", "bisr", "bifr", "bsr", "lambda-cgd", "fft")
-#: Kinds whose ``bands`` parameter is meaningful, and its default.
-BANDED_KINDS = ("banded", "toeplitz", "bisr", "bifr", "bsr")
 
 
 def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
@@ -37,7 +29,8 @@ def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
 
 def factorize(kind: str, participation: Participation, workload: Workload | None = None, *,
               bands: int | None = None, stamps: int = 1, gamma: float | None = None, taper: int | None = None,
-              search_gamma: bool = False, tol: float = 5e-4, callback: ProgressCallback | None = None) -> Factorization:
+              search_gamma: bool = False, tol: float = 5e-4, time_budget: float | None = None,
+              callback: ProgressCallback | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
@@ -45,6 +38,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     ``stamps`` > 1 builds the mechanism for rounds/stamps rounds (epochs/stamps participations) and repeats it
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).
+    ``time_budget`` (dense only): seconds after which the optimizer stops (``converged`` false, the duality gap
+    in the metadata). How each kind builds lives in :mod:`corrflow.factorization.registry`.
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
     workload = workload or Workload.prefix()
@@ -58,64 +53,18 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     require(taper is None or (kind == "toeplitz" and stamps == 1), "taper", "only with kind toeplitz (no stamps)",
             taper)
     if gamma is not None:
-        require(kind in ("bifr", "bsr", "lambda-cgd"), "gamma", "only with kinds bifr, bsr, lambda-cgd", gamma)
+        require(kind in GAMMA_KINDS, "gamma", f"only with kinds {', '.join(GAMMA_KINDS)}", gamma)
         require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
     inner = _inner_participation(participation, stamps)
+    spec = kind_spec(kind)
     m = inner.rounds
     p = bands if bands is not None else min(inner.min_sep, m)
-    meta: dict = {"stamps": stamps}
     start = time.perf_counter()
-    enc: Encoder
-    if kind == "dpsgd":
-        enc = ToeplitzEncoder(np.ones(1), m)
-    elif kind == "tree":
-        enc = tree_encoder(m)
-        meta["decoder"] = "optimal"
-    elif kind == "fft":
-        enc = fft_encoder(m)
-        meta["decoder"] = "optimal"
-    elif kind == "dense":
-        res = optimize_dense(workload, inner, tol=tol, callback=callback)
-        enc = encoder_from_gram(res.X)
-        meta.update(iterations=res.iterations, converged=res.converged,
-                    lower_bound=res.lower_bound if stamps == 1 else None,  # bounds the unstamped problem only
-                    relative_gap=res.relative_gap)
-    elif kind == "toeplitz":
-        # A learning-rate schedule is not Toeplitz: optimise θ for the Toeplitz part (001 Prop. E.1 covers it).
-        res = optimize_toeplitz(workload.toeplitz_part(), m, p, inner.min_sep, inner.max_participations,
-                                callback=callback)
-        # Column normalisation (001 §3.2) keeps the exact √k sensitivity only when bands ≤ min_sep.
-        normalize = p <= inner.min_sep and taper is None
-        coef = res.coef if taper is None else taper_coefficients(res.coef, taper)
-        enc = ToeplitzEncoder(coef, m, column_normalize=normalize)
-        meta.update(iterations=res.iterations, column_normalized=normalize,
-                    optimized_for=workload.toeplitz_part().to_dict())
-        if taper is not None:
-            meta["taper_lower_min_sep"] = int(taper)
-    elif kind == "banded":
-        res = optimize_banded(workload, m, p, callback=callback)
-        enc = BandedEncoder(res.band)
-        meta["iterations"] = res.iterations
-    elif kind in ("bisr", "bifr", "lambda-cgd"):
-        if kind == "lambda-cgd":
-            p = 2
-        if kind == "bisr":
-            g = 0.5
-        elif gamma is not None:
-            g = gamma
-        else:
-            g = best_gamma(lambda x: bifr_encoder(workload, m, p, x), workload, inner)[0]
-        enc = bifr_encoder(workload, m, p, g)
-        meta.update(gamma=g, noising_bands=p)
-    else:  # bsr: γ = 1/2 (BSR) unless given; search_gamma turns it into γ-BFR (003)
-        if gamma is not None:
-            g = gamma
-        elif search_gamma:
-            g = best_gamma(lambda x: bsr_encoder(workload, m, p, x), workload, inner)[0]
-        else:
-            g = 0.5
-        enc = bsr_encoder(workload, m, p, g)
-        meta["gamma"] = g
+    enc, built = spec.build(BuildRequest(workload, inner, p, gamma=gamma, search_gamma=search_gamma, taper=taper,
+                                         tol=tol, time_budget=time_budget, callback=callback))
+    meta: dict = {"stamps": stamps, **built}
+    if stamps != 1 and "lower_bound" in meta:
+        meta["lower_bound"] = None   # the dual bound bounds the unstamped problem only
     enc = stamp_encoder(enc, stamps)
     meta["seconds"] = time.perf_counter() - start
     return normalized(kind, workload, participation, enc, meta)
@@ -132,4 +81,4 @@ def _inner_participation(participation: Participation, stamps: int) -> Participa
     return Participation.min_separation(m, min(participation.min_sep, m))
 
 
-__all__ = ["KINDS", "factorize", "participation_for", "Factorization"]
+__all__ = ["BANDED_KINDS", "KINDS", "factorize", "participation_for", "Factorization"]

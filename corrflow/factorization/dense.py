@@ -93,10 +93,12 @@ def _warm_start(workload: Workload, participation: Participation) -> np.ndarray:
 
 def optimize_dense(workload: Workload, participation: Participation, *, tol: float = 5e-4,
                    max_iterations: int = 10_000, memory: int = 8, X0: np.ndarray | None = None,
-                   callback: ProgressCallback | None = None) -> DenseResult:
+                   callback: ProgressCallback | None = None, time_budget: float | None = None) -> DenseResult:
     """Optimal multi-epoch X for ``workload`` under fixed-epoch ``participation`` (see module docstring).
 
-    Stops when (loss − dual bound)/loss ≤ ``tol`` or when the loss stops improving. Shapes: X is n×n.
+    Stops when (loss − dual bound)/loss ≤ ``tol``, when the loss stops improving, or after ``time_budget``
+    seconds (every iterate is feasible, so a stopped X is a valid factorization; its gap says how far from the
+    optimum it may be). Shapes: X is n×n.
     """
     require(participation.kind == "fixed-epoch", "participation",
             "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
@@ -136,6 +138,7 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
     # A dual bound costs about as much as a few iterations at small n and ~25 at n = 2000 (an SVD): schedule the
     # checks so they take at most ~20% of the time.
     state: dict = {"bound": -np.inf, "next_check": 10, "t_iter": None, "t_last": time.perf_counter()}
+    deadline = None if time_budget is None else time.perf_counter() + time_budget
 
     def on_iteration(it: int, X: np.ndarray, f: float, g: np.ndarray) -> bool:
         now = time.perf_counter()
@@ -143,6 +146,8 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
             0.8 * state["t_iter"] + 0.2 * (now - state["t_last"])
         if callback is not None:
             callback(it, f)
+        if deadline is not None and now > deadline:
+            return True
         if it < state["next_check"]:
             state["t_last"] = time.perf_counter()
             return False
