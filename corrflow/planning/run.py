@@ -20,9 +20,14 @@ from corrflow.strategies.config import StrategyConfig
 log = logging.getLogger("corrflow")
 
 
+def workload_for(momentum: float, cooldown_fraction: float) -> Workload:
+    """The workload of the server optimizer: SGD with momentum and a linear cooldown, or the prefix sum."""
+    return Workload.sgd_momentum(momentum, cooldown_fraction) if momentum > 0 else \
+        Workload("prefix", 0.0, cooldown_fraction)
+
+
 def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factorization:
-    workload = Workload.sgd_momentum(cfg.momentum, cfg.cooldown_fraction) if cfg.momentum > 0 else \
-        Workload("prefix", 0.0, cfg.cooldown_fraction)
+    workload = workload_for(cfg.momentum, cfg.cooldown_fraction)
     path = out_dir / "factorization.npz"
     if cfg.participation == "fixed-epoch":
         part = participation_for(cfg.num_rounds, cfg.epochs)

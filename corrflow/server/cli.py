@@ -50,6 +50,11 @@ def _load_factorization(path: Path, flag: str):
         raise InvalidArgumentError(flag, f"a factorization file written by `corrflow factorize` ({exc})") from None
 
 
+#: The registry's kinds (corrflow.factorization.registry.KINDS; a test keeps them equal), spelled out here so that
+#: the help text does not import the numerical stack at start-up.
+KIND_NAMES = ("dpsgd", "tree", "dense", "banded", "toeplitz", "bisr", "bifr", "bsr", "lambda-cgd", "fft")
+
+
 def _fail(exc: Exception) -> None:
     typer.echo(f"error: {exc}", err=True)
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
@@ -57,8 +62,7 @@ def _fail(exc: Exception) -> None:
 
 @app.command()
 def factorize(
-    kind: Annotated[str | None, typer.Option(help="dpsgd, tree, dense, banded, toeplitz, bisr, bifr, bsr, "
-                                                   "lambda-cgd or fft")] = None,
+    kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KIND_NAMES)}")] = None,
     rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
     epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
     min_sep: Annotated[int | None, typer.Option(help="b: fewest rounds between two participations "
@@ -163,8 +167,122 @@ def account(
         _fail(exc)
 
 
+def _byte_size(text: str | None, flag: str) -> float:
+    """Bytes from '8e9', '8GB', '512MiB', ... (decimal and binary suffixes); None: no budget."""
+    import math
+    import re
+
+    if text is None:
+        return math.inf
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not m:
+        raise InvalidArgumentError(flag, "a size in bytes such as 8e9, 8GB or 512MiB", text)
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        raise InvalidArgumentError(flag, "a size in bytes such as 8e9, 8GB or 512MiB", text) from None
+    unit = (m.group(2) or "").lower()
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(flag, "a size ≥ 0", text)
+    return value * scale[unit]
+
+
+@app.command()
+def plan(
+    rounds: Annotated[int, typer.Option(help="rounds n")],
+    population: Annotated[int, typer.Option(help="P: users in the population")],
+    cohort_size: Annotated[int, typer.Option(help="B: users per round (b = ⌊P/B⌋ rounds between a user's turns)")],
+    target_epsilon: Annotated[float, typer.Option(help="ε to calibrate every candidate to")],
+    delta: Annotated[float, typer.Option(help="δ")],
+    memory_budget: Annotated[str | None, typer.Option(help="bytes the noise state may take (8e9, 8GB, 512MiB; "
+                                                           "default: no limit)")] = None,
+    noise_time_budget: Annotated[float | None, typer.Option(help="seconds of noise generation per round "
+                                                                 "(default: no limit)")] = None,
+    model_params: Annotated[int, typer.Option(help="d: model parameters (noise memory and time scale with it)")]
+    = 1_000_000,
+    kinds: Annotated[str, typer.Option(help="comma-separated factorization kinds to consider (from: "
+                                            f"{', '.join(KIND_NAMES)})")]
+    = "dpsgd,toeplitz,bifr,dense",
+    accountants: Annotated[str | None, typer.Option(help="comma-separated accountants: unamplified, "
+                                                         "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
+                                                         "ones; the plan lists what it skipped)")] = None,
+    momentum: Annotated[float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")] = 0.9,
+    cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate "
+                                                          "cooldown")] = 0.25,
+    time_budget: Annotated[float, typer.Option(help="seconds for the whole plan: the dense candidate is built "
+                                                    "last with what is left")] = 540.0,
+    out: Annotated[Path, typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots")]
+    = Path("corrflow_plan"),
+    cache_dir: Annotated[Path | None, typer.Option(help="cache of factorizations and calibrations (default: "
+                                                        "$CORRFLOW_HOME/cache, else OUT/cache)")] = None,
+    plots: Annotated[bool, typer.Option(help="write the PNG plots")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print plan.json as one JSON object")] = False,
+    quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+) -> None:
+    """Choose the mechanism for a training run: build and calibrate every candidate, rank them by RMSE at the
+    target ε within the memory and noise-time budgets, and write the recommended recipe (OUT/recipe.json, for
+    `corrflow simulate --plan`), its factorization, plan.json and plots. Exit 1 when no candidate fits."""
+    from corrflow.planning.cache import PlanCache, default_cache_dir
+    from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
+
+    try:
+        req = PlanRequest(rounds=rounds, population=population, cohort_size=cohort_size,
+                          target_epsilon=target_epsilon, delta=delta,
+                          memory_budget=_byte_size(memory_budget, "--memory-budget"),
+                          noise_time_budget=float("inf") if noise_time_budget is None else noise_time_budget,
+                          model_params=model_params, kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+                          accountants=None if accountants is None else
+                          tuple(a.strip() for a in accountants.split(",") if a.strip()),
+                          momentum=momentum, cooldown_fraction=cooldown_fraction, time_budget=time_budget)
+    except InvalidArgumentError as exc:
+        flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
+        _fail(InvalidArgumentError(flag, exc.expected, exc.got))
+    try:
+        cache = PlanCache(cache_dir or default_cache_dir(out))
+        result = make_plan(req, cache, quiet=quiet)
+        doc = write_plan(result, out, plots=plots, cache=cache, quiet=quiet)
+    except (CorrflowError, IntegrityError) as exc:
+        _fail(exc)
+    if as_json:
+        _emit(doc, True)
+    else:
+        typer.echo(_plan_table(doc, out))
+    if doc["recommended"] is None:
+        typer.echo("error: no candidate fits the memory and noise-time budgets (plan.json lists every candidate "
+                   "and what it exceeds)", err=True)
+        raise typer.Exit(code=1)
+
+
+def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
+    part = doc["participation"]
+    lines = [f"participation  b = {part['min_sep']}, k = {part['epochs']} "
+             f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
+             f"{part['rule_of_thumb_bands']:.1f} bands",
+             f"{'rank':>4} {'candidate':<32} {'σ':>8} {'RMSE':>10} {'max err':>10} {'×DP-SGD':>8} {'noise MB':>10} "
+             f"{'noise s/rd':>10} {'build s':>8}"]
+    for c in doc["candidates"][:top]:
+        label = c["kind"] + (f"[{c['bands']}]" if c["bands"] is not None else "") + f" / {c['accountant']}"
+        ratio = "" if c["rmse_ratio_vs_dpsgd"] is None else f"{c['rmse_ratio_vs_dpsgd']:.3f}"
+        lines.append(f"{c['rank'] or '-':>4} {label:<32} {c['noise_multiplier']:>8.4g} {c['rmse']:>10.4g} "
+                     f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
+                     f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}")
+    for s in doc["skipped"]:
+        what = s.get("kind") or s.get("accountant")
+        lines.append(f"skipped        {what}: {s['reason']}")
+    rec = doc["recommended"]
+    if rec is not None:
+        lines.append(f"recommended    {rec['kind']}" + (f" with {rec['bands']} bands" if rec["bands"] else "")
+                     + f", {rec['participation']} participation, accountant {rec['accountant']}, σ = "
+                     f"{rec['noise_multiplier']:.4g} (ε = {rec['epsilon']:.4g}, δ = {rec['delta']:g})")
+        lines.append(f"plan           {out / 'recipe.json'} (corrflow simulate --plan); {out / 'plan.json'}; "
+                     f"{doc['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
 @app.command()
 def simulate(
+    ctx: typer.Context,
     users: Annotated[int, typer.Option(help="simulated users (SuperNodes)")] = 50,
     rounds: Annotated[int, typer.Option(help="rounds n")] = 20,
     epochs: Annotated[int, typer.Option(help="participations per user k (fixed-epoch, b = n/k)")] = 2,
@@ -185,8 +303,9 @@ def simulate(
     participation_rate: Annotated[float, typer.Option(help="p0 per item and round for samplers (0: 1/(2b))")] = 0.0,
     policy: Annotated[str, typer.Option(help="when a user's realised gap < min-sep: reject or accept-and-account")]
     = "reject",
-    accountant: Annotated[str, typer.Option(help="unamplified, monte-carlo (bminsep, multi-attribution) or mmcc "
-                                                 "(poisson, cyclic-poisson)")] = "unamplified",
+    accountant: Annotated[str, typer.Option(help="unamplified, monte-carlo (bminsep, multi-attribution), mmcc "
+                                                 "(poisson, cyclic-poisson) or cyclic-poisson (001 Prop. 2.1)")]
+    = "unamplified",
     mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
     attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata",
                                                      exists=True, dir_okay=False)] = None,
@@ -203,6 +322,9 @@ def simulate(
     verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
                                                "OUT/engine.log)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
+    plan: Annotated[Path | None, typer.Option(help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
+                                                   "mechanism, participation, accountant and σ; flags that differ "
+                                                   "are refused")] = None,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
@@ -211,6 +333,14 @@ def simulate(
     from corrflow.strategies.config import StrategyConfig
 
     try:
+        if plan is not None:   # the plan fixes the mechanism: flags that differ are refused
+            recipe, fac_path = _read_plan(ctx, plan)
+            rounds, epochs, kind, participation = recipe.rounds, recipe.epochs, recipe.kind, recipe.participation
+            min_sep = 0 if participation == "fixed-epoch" else recipe.min_sep
+            participation_rate, accountant = recipe.participation_rate, recipe.accountant
+            noise_multiplier, target_epsilon, delta = recipe.noise_multiplier, 0.0, recipe.delta
+            if ctx.get_parameter_source("users").name != "COMMANDLINE":
+                users = recipe.population
         if client not in ("numpy", "keras"):
             raise InvalidArgumentError("--client", "numpy or keras", client)
         if backend not in ("flower", "inprocess"):
@@ -232,10 +362,12 @@ def simulate(
                              momentum=0.9, state_dir=str(out / "state"), identity=identity,
                              replies="delta" if mode == "cross-silo" else "weights",
                              max_empty_rounds=max_empty_rounds)
+        if plan is not None:
+            cfg = _install_plan(cfg, recipe, fac_path, out, fresh)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
-    except CorrflowError as exc:
+    except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
     from corrflow.strategies.run_state import settings_conflict
 
@@ -264,6 +396,40 @@ def simulate(
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+
+
+#: simulate flags a plan fixes → StrategyConfig fields.
+_PLAN_FLAGS = {"rounds": "num_rounds", "epochs": "epochs", "kind": "kind", "participation": "participation",
+               "min_sep": "min_sep", "participation_rate": "participation_rate", "accountant": "accountant",
+               "noise_multiplier": "noise_multiplier", "target_epsilon": "target_epsilon", "delta": "delta"}
+
+
+def _read_plan(ctx: typer.Context, plan_path: Path):
+    """The recipe and its factorization file; flags given on the command line that differ from it are refused,
+    each named."""
+    from click.core import ParameterSource
+
+    from corrflow.planning.recipe import load_recipe
+
+    recipe, fac_path = load_recipe(plan_path)
+    given = {field: ctx.params[flag] for flag, field in _PLAN_FLAGS.items()
+             if ctx.get_parameter_source(flag) == ParameterSource.COMMANDLINE}
+    diff = recipe.differences(given)
+    if diff:
+        raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
+    return recipe, fac_path
+
+
+def _install_plan(cfg, recipe, fac_path: Path, out: Path, fresh: bool):
+    """The run configuration with every setting of the recipe, and its factorization installed in OUT."""
+    import dataclasses
+
+    from corrflow.planning.recipe import install_factorization
+
+    cfg = dataclasses.replace(cfg, **recipe.strategy_settings())
+    install_factorization(recipe, fac_path, cfg.to_dict(), out,
+                          replace=fresh or not (Path(cfg.state_dir) / "CURRENT").exists())
+    return cfg
 
 
 def _summary(report: dict, out: Path) -> str:

@@ -20,11 +20,11 @@ POLICIES = ("reject", "accept-and-account")
 IDENTITIES = ("node-key", "user-id", "partition-id", "per-launch")
 PREFIX = "corrflow."   # corrflow's keys in Flower's run config; every other key is the user's app's
 PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution", "poisson", "cyclic-poisson")
-ACCOUNTANTS = ("unamplified", "monte-carlo", "mmcc")
+ACCOUNTANTS = ("unamplified", "monte-carlo", "mmcc", "cyclic-poisson")
 #: Accountants valid for each participation (poisson needs MMCC: no fixed pattern bounds it without sampling).
 ACCOUNTANTS_BY_PARTICIPATION = {"fixed-epoch": ("unamplified",), "bminsep": ("unamplified", "monte-carlo"),
                                 "multi-attribution": ("unamplified", "monte-carlo"), "poisson": ("mmcc",),
-                                "cyclic-poisson": ("unamplified", "mmcc")}
+                                "cyclic-poisson": ("unamplified", "mmcc", "cyclic-poisson")}   # 001 Prop. 2.1
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""A directory cache for ``corrflow plan``: factorizations keyed by every build parameter, and calibrations keyed by
+the factorization's hash, the accountant, its sampling and the target — so a repeated plan is instant.
+
+Keys are SHA-256 digests of canonical JSON; factorizations are the verified ``.npz`` files of
+:class:`~corrflow.factorization.base.Factorization` (a corrupted entry is rebuilt, never trusted); calibrations are
+small JSON files written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from corrflow.errors import IntegrityError
+from corrflow.factorization.base import Factorization
+
+CACHE_FORMAT = 1
+
+
+def default_cache_dir(out: Path | None) -> Path:
+    """``$CORRFLOW_HOME/cache`` when set, else ``OUT/cache``."""
+    home = os.environ.get("CORRFLOW_HOME")
+    if home:
+        return Path(home).expanduser() / "cache"
+    return (out or Path(".")) / "cache"
+
+
+def cache_key(params: dict) -> str:
+    return hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **params}, sort_keys=True, default=str).encode()
+                          ).hexdigest()
+
+
+class PlanCache:
+    """Factorizations under ``fac-<key>.npz``, calibrations under ``cal-<key>.json``."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.hits = 0
+        self.misses = 0
+
+    def factorization(self, params: dict, build: Callable[[], Factorization]) -> tuple[Factorization, bool]:
+        """The cached factorization for ``params`` (kind, rounds, epochs, min-sep, bands, workload, γ, taper,
+        stamps, tolerance, ...) or a fresh ``build()`` stored under that key. Returns (factorization, cached)."""
+        path = self.root / f"fac-{cache_key(params)}.npz"
+        if path.exists():
+            try:
+                fac = Factorization.load(path)
+                self.hits += 1
+                return fac, True
+            except IntegrityError:
+                path.unlink(missing_ok=True)     # rebuilt below
+        fac = build()
+        fac.save(path)
+        self.misses += 1
+        return fac, False
+
+    def calibration(self, params: dict, compute: Callable[[], dict]) -> tuple[dict, bool]:
+        path = self.root / f"cal-{cache_key(params)}.json"
+        if path.exists():
+            try:
+                out = json.loads(path.read_text(encoding="utf-8"))
+                if out.get("params") == json.loads(json.dumps(params, sort_keys=True, default=str)):
+                    self.hits += 1
+                    return out["result"], True
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+        result = compute()
+        _write_json(path, {"params": params, "result": result})
+        self.misses += 1
+        return result, False
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, sort_keys=True, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,458 @@
+"""``corrflow plan``: choose the mechanism for a training run (issue "corrflow plan").
+
+From the population P, the cohort size B and the rounds n the participation follows: b = ⌊P/B⌋ rounds between a
+user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or the sampler an accountant implies
+(cyclic Poisson with q = b·B/P for the cyclic-Poisson reduction of 001 Prop. 2.1 and Generalized-MMCC, 002 App. D;
+b-min-sep with p0 = B/P for the Monte Carlo accountant, 004). For each kind of the registry and each band count
+(powers of two up to b and the neighbourhood of the rule of thumb ε√n/k, whose optimum sits near twice it, 001
+Fig. 2b) the factorization is built (cached), σ is calibrated with every applicable accountant (cached), and the
+candidate is scored by its RMSE at the target ε (σ · RMSE at unit σ), its max error, the noise engine's state
+memory and time per round for d parameters. The best candidate within the memory and noise-time budgets is the
+recommendation.
+
+The dense candidate (000) is built last, warm-started from the Toeplitz optimum with b bands (its optimizer's own
+start), and given what is left of the plan's time budget: a stopped optimizer still yields a valid factorization
+whose duality gap is reported. It is skipped without building when its noise state or its O(t·d) noise time per
+round breaks a budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from corrflow.accounting.accountant import AccountingOptions, SamplingSpec, accountant_for
+from corrflow.errors import CorrflowError, require
+from corrflow.factorization.base import Factorization, normalized
+from corrflow.factorization.build import factorize
+from corrflow.factorization.participation import Participation
+from corrflow.factorization.registry import KINDS, REGISTRY
+from corrflow.factorization.workloads import Workload
+from corrflow.planning.cache import PlanCache
+from corrflow.progress import Progress
+
+#: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum are opt-in).
+DEFAULT_KINDS = ("dpsgd", "toeplitz", "bifr", "dense")
+PLAN_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
+#: MMCC runs by default only up to this many rounds: every probe of its σ search is a full run (minutes at
+#: n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``) and listed as skipped.
+MMCC_DEFAULT_MAX_ROUNDS = 512
+#: Seconds kept back from the plan's time budget for the dense candidate's calibration and the plots.
+DENSE_RESERVE = 20.0
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    rounds: int
+    population: int
+    cohort_size: int
+    target_epsilon: float
+    delta: float
+    memory_budget: float = math.inf        # bytes of noise state
+    noise_time_budget: float = math.inf    # seconds of noise generation per round
+    model_params: int = 1_000_000
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    accountants: tuple[str, ...] | None = None   # None: the cheap defaults
+    momentum: float = 0.9
+    cooldown_fraction: float = 0.25
+    tol: float = 5e-4
+    time_budget: float = 540.0             # seconds for the whole plan (bounds the dense build)
+    mc_samples: int = 100_000
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "a positive integer", self.rounds)
+        require(isinstance(self.cohort_size, int) and self.cohort_size >= 1, "cohort-size", "a positive integer",
+                self.cohort_size)
+        require(isinstance(self.population, int) and self.population >= self.cohort_size, "population",
+                f"an integer ≥ cohort-size = {self.cohort_size}", self.population)
+        require(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "a positive number",
+                self.target_epsilon)
+        require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
+        require(self.memory_budget >= 0, "memory-budget", "bytes ≥ 0", self.memory_budget)
+        require(self.noise_time_budget >= 0, "noise-time-budget", "seconds ≥ 0", self.noise_time_budget)
+        require(isinstance(self.model_params, int) and self.model_params >= 1, "model-params", "a positive integer",
+                self.model_params)
+        bad = [k for k in self.kinds if k not in KINDS]
+        require(self.kinds and not bad, "kinds", f"kinds from {KINDS}", bad or self.kinds)
+        bad = [a for a in (self.accountants or ()) if a not in PLAN_ACCOUNTANTS]
+        require(self.accountants is None or (self.accountants and not bad), "accountants",
+                f"accountants from {PLAN_ACCOUNTANTS}", bad or self.accountants)
+        require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
+        require(self.time_budget > 0, "time-budget", "a positive number of seconds", self.time_budget)
+
+    @property
+    def min_sep(self) -> int:
+        """b = ⌊P/B⌋ rounds between a user's turns (at most n)."""
+        return min(self.population // self.cohort_size, self.rounds)
+
+    @property
+    def epochs(self) -> int:
+        """k = ⌈n/b⌉ participations."""
+        return -(-self.rounds // self.min_sep)
+
+    @property
+    def fixed_epoch(self) -> bool:
+        return self.min_sep * self.epochs == self.rounds
+
+    @property
+    def workload(self) -> Workload:
+        """The server optimizer's workload, exactly as the strategy builds it (planning.run.workload_for)."""
+        from corrflow.planning.run import workload_for
+
+        return workload_for(self.momentum, self.cooldown_fraction)
+
+    def accountant_list(self) -> tuple[list[str], list[dict]]:
+        """(accountants to run, skipped accountants with the reason)."""
+        if self.accountants is not None:
+            return list(self.accountants), [{"accountant": a, "reason": "not requested (--accountants)"}
+                                            for a in PLAN_ACCOUNTANTS if a not in self.accountants]
+        run = ["unamplified", "cyclic-poisson"]
+        skipped = [{"accountant": "monte-carlo", "reason": "opt-in (--accountants monte-carlo): Monte Carlo "
+                    "verification draws ~10⁵ samples per candidate σ"}]
+        if self.rounds <= MMCC_DEFAULT_MAX_ROUNDS:
+            run.append("mmcc")
+        else:
+            skipped.append({"accountant": "mmcc", "reason": f"opt-in above {MMCC_DEFAULT_MAX_ROUNDS} rounds "
+                            "(--accountants mmcc): each probe of its σ search is a full Generalized-MMCC run"})
+        return run, skipped
+
+    def rule_of_thumb(self) -> float:
+        """ε√n/k: the digest of 001's rule of thumb for the bands (its optimum sits near twice it, Fig. 2b)."""
+        return self.target_epsilon * math.sqrt(self.rounds) / self.epochs
+
+    def band_grid(self) -> list[int]:
+        """Powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of thumb r (within [1, b])."""
+        b = self.min_sep
+        grid = {2**i for i in range(int(math.log2(b)) + 1)} | {b}
+        r = self.rule_of_thumb()
+        grid |= {min(b, max(1, math.ceil(f * r))) for f in (1.0, 1.5, 2.0, 3.0)}
+        return sorted(grid)
+
+
+@dataclass
+class Candidate:
+    """A complete recipe (kind, bands, participation, accountant, σ) with its scores."""
+
+    kind: str
+    bands: int | None
+    accountant: str
+    participation: str
+    participation_rate: float
+    noise_multiplier: float | None = None
+    epsilon: float | None = None
+    rmse: float | None = None            # at the target ε, per unit clip norm and coordinate
+    max_error: float | None = None
+    rmse_unit_sigma: float | None = None
+    noise_state_bytes: int = 0
+    noise_seconds_per_round: float = 0.0
+    build_seconds: float = 0.0
+    calibration_seconds: float = 0.0
+    cached: bool = False
+    fits: bool = False
+    over_budget: list[str] = field(default_factory=list)
+    factorization_sha256: str = ""
+    rank: int | None = None
+    rmse_ratio_vs_dpsgd: float | None = None
+    notes: dict = field(default_factory=dict)
+
+    def label(self) -> str:
+        return f"{self.kind}" + (f"[{self.bands}]" if self.bands is not None else "") + f" / {self.accountant}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    candidates: list[Candidate]
+    recommended: Candidate | None
+    skipped: list[dict]
+    seconds: float
+    cache_hits: int
+    cache_misses: int
+    factorizations: dict = field(default_factory=dict)    # (kind, bands, participation kind) → Factorization
+    noise_cost: dict = field(default_factory=dict)
+
+
+def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
+    """Seconds per float32 Gaussian draw (the engine's Philox source) and per multiply-add, measured here."""
+    from corrflow.noise.prng import make_source
+
+    src = make_source("philox", bytes(16))
+    x = np.ones(dim, dtype=np.float32)
+    y = np.zeros(dim, dtype=np.float32)
+    t_draw = t_madd = math.inf
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        src.normal(r, 0, dim)
+        t_draw = min(t_draw, (time.perf_counter() - t0) / dim)
+        t0 = time.perf_counter()
+        y += np.float32(0.5) * x
+        t_madd = min(t_madd, (time.perf_counter() - t0) / dim)
+    return {"seconds_per_draw": t_draw, "seconds_per_multiply_add": t_madd, "measured_dim": dim}
+
+
+def participation_of(req: PlanRequest, accountant: str) -> tuple[Participation, str, float]:
+    """(factorization participation, strategy participation, p0) the accountant analyses (see module docstring)."""
+    n, b, k = req.rounds, req.min_sep, req.epochs
+    if accountant == "unamplified":
+        if req.fixed_epoch:
+            return Participation.fixed_epoch(n, k), "fixed-epoch", 0.0
+        return Participation.min_separation(n, b, k), "bminsep", req.cohort_size / req.population
+    strategy = "bminsep" if accountant == "monte-carlo" else "cyclic-poisson"
+    return Participation.min_separation(n, b, k), strategy, req.cohort_size / req.population
+
+
+def sampling_of(req: PlanRequest, accountant: str) -> SamplingSpec:
+    """The accountant's sampling description, with the strategy's sampler probability (CohortPlanner's p)."""
+    if accountant == "unamplified":
+        return SamplingSpec()
+    p0 = req.cohort_size / req.population
+    b = req.min_sep
+    if accountant == "monte-carlo":
+        from corrflow.participation.samplers import BMinSepSampler
+
+        return SamplingSpec("bminsep", req.population, req.population * p0,
+                            sampling_probability=BMinSepSampler.probability_for_rate(p0, b), accountant="monte-carlo")
+    return SamplingSpec("cyclic-poisson", req.population, req.population * p0, sampling_probability=b * p0,
+                        accountant=accountant)
+
+
+def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | None:
+    """None if ``accountant`` can analyse ``fac`` here, else the reason it cannot."""
+    spec = REGISTRY[fac.kind]
+    if accountant not in spec.accountants:
+        return f"{accountant} does not analyse {fac.kind} ({spec.structure} encoder)"
+    bands = fac.bands or 1
+    if accountant in ("cyclic-poisson", "monte-carlo") and bands > req.min_sep:
+        return f"{accountant} needs at most b = {req.min_sep} bands"
+    if accountant == "mmcc" and bool(np.any(fac.encoder.matrix() < -1e-12)):
+        return "mmcc needs a non-negative encoder"
+    return None
+
+
+def _build_params(req: PlanRequest, kind: str, bands: int | None, part: Participation) -> dict:
+    return {"kind": kind, "participation": part.to_dict(), "bands": bands, "workload": req.workload.to_dict(),
+            "gamma": None, "taper": None, "stamps": 1, "tol": req.tol if kind == "dense" else None}
+
+
+def _for_participation(fac: Factorization, part: Participation) -> Factorization:
+    """The same encoder normalised under another participation (the builder did not depend on its kind)."""
+    if fac.participation == part:
+        return fac
+    return normalized(fac.kind, fac.workload, part, fac.encoder, fac.metadata)
+
+
+def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
+    """Build, calibrate and rank every candidate (see the module docstring)."""
+    start = time.perf_counter()
+    accountants, skipped = req.accountant_list()
+    costs = noise_unit_costs()
+    base_part = participation_of(req, "unamplified")[0]
+    jobs: list[tuple[str, int | None]] = []
+    for kind in req.kinds:
+        spec = REGISTRY[kind]
+        if spec.takes_bands:
+            jobs += [(kind, p) for p in req.band_grid()]
+        else:
+            jobs.append((kind, None))
+    jobs.sort(key=lambda j: j[0] == "dense")   # dense last, with what is left of the time budget
+    cands: list[Candidate] = []
+    facs: dict = {}
+
+    def cost_of(kind: str, bands: int | None) -> tuple[int, float]:
+        spec = REGISTRY[kind]
+        d = req.model_params
+        mem = spec.noise_state_bytes(bands, d, req.rounds)
+        secs = d * (spec.draws_per_round(bands, req.rounds) * costs["seconds_per_draw"]
+                    + max(spec.multiply_adds_per_round(bands, req.rounds), 0.0) * costs["seconds_per_multiply_add"])
+        return mem, secs
+
+    with Progress("plan: candidates", total=len(jobs), quiet=quiet, unit="candidates") as tick:
+        for done, (kind, bands) in enumerate(jobs):
+            tick(done)
+            spec = REGISTRY[kind]
+            mem, secs = cost_of(kind, bands)
+            over = _over_budget(req, mem, secs)
+            if kind == "dense":
+                if not req.fixed_epoch:
+                    skipped.append({"kind": kind, "reason": f"needs fixed-epoch participation (b·k = n); here "
+                                    f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}"})
+                    continue
+                if over:
+                    skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
+                    continue
+            budget = None
+            if kind == "dense":
+                budget = req.time_budget - (time.perf_counter() - start) - DENSE_RESERVE
+                if budget <= 5:
+                    skipped.append({"kind": kind, "reason": f"not built: the plan's time budget "
+                                    f"({req.time_budget:g} s) is spent"})
+                    continue
+            try:
+                with Progress(f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet) as cb:
+                    fac, cached = cache.factorization(
+                        _build_params(req, kind, bands, base_part),
+                        lambda kind=kind, bands=bands, budget=budget, cb=cb: factorize(
+                            kind, base_part, req.workload, bands=bands, tol=req.tol, time_budget=budget,
+                            callback=cb))
+            except CorrflowError as exc:
+                skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
+                continue
+            eff_bands = fac.bands if spec.takes_bands else None
+            mem, secs = cost_of(kind, fac.bands if spec.noise_mode in ("banded", "banded-inverse") else bands)
+            for acc in accountants:
+                part, strategy, p0 = participation_of(req, acc)
+                try:
+                    fac_a = _for_participation(fac, part)
+                except CorrflowError as exc:
+                    skipped.append({"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)})
+                    continue
+                why = applicable(req, fac_a, acc)
+                if why is not None:
+                    continue
+                cand = Candidate(kind, eff_bands, acc, strategy, p0 if strategy != "fixed-epoch" else 0.0,
+                                 noise_state_bytes=mem, noise_seconds_per_round=secs,
+                                 build_seconds=float(fac.metadata.get("seconds", 0.0)), cached=cached,
+                                 factorization_sha256=fac_a.sha256())
+                if kind == "dense":
+                    cand.notes = {k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")}
+                if "gamma" in fac.metadata:
+                    cand.notes["gamma"] = fac.metadata["gamma"]
+                try:
+                    _calibrate(req, cache, cand, fac_a)
+                except CorrflowError as exc:
+                    skipped.append({"kind": kind, "bands": bands, "accountant": acc,
+                                    "reason": f"calibration failed: {exc}"})
+                    continue
+                cand.over_budget = _over_budget(req, mem, secs)
+                cand.fits = not cand.over_budget
+                facs[(kind, eff_bands, acc)] = fac_a
+                cands.append(cand)
+        tick(len(jobs))
+    _rank(cands)
+    best = next((c for c in cands if c.fits), None)
+    return PlanResult(req, cands, best, skipped, time.perf_counter() - start, cache.hits, cache.misses, facs,
+                      costs)
+
+
+def _over_budget(req: PlanRequest, mem: int, secs: float) -> list[str]:
+    out = []
+    if mem > req.memory_budget:
+        out.append(f"noise state {mem:,} B > memory budget {req.memory_budget:,.0f} B")
+    if secs > req.noise_time_budget:
+        out.append(f"noise time {secs:.3g} s/round > budget {req.noise_time_budget:g} s")
+    return out
+
+
+def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factorization) -> None:
+    spec = sampling_of(req, cand.accountant)
+    opts = AccountingOptions(mc_samples=req.mc_samples)
+    params = {"accountant": cand.accountant, "sampling": asdict(spec), "target_epsilon": req.target_epsilon,
+              "delta": req.delta, "mc_samples": req.mc_samples if cand.accountant == "monte-carlo" else None,
+              **_accounting_inputs(fac, cand.accountant)}
+
+    def compute() -> dict:
+        t0 = time.perf_counter()
+        res = accountant_for(spec, opts).noise_multiplier(fac, req.target_epsilon, req.delta)
+        return {"noise_multiplier": res.noise_multiplier, "epsilon": res.epsilon, "delta": res.delta,
+                "guarantee": res.guarantee, "seconds": time.perf_counter() - t0}
+
+    res, _ = cache.calibration(params, compute)
+    require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
+            f"({cand.accountant} verified δ = {res['delta']:.3g}; Monte Carlo needs more samples)", cand.accountant)
+    err = fac.errors()
+    cand.noise_multiplier = float(res["noise_multiplier"])
+    cand.epsilon = float(res["epsilon"])
+    cand.calibration_seconds = float(res["seconds"])
+    cand.rmse_unit_sigma = err.rmse
+    cand.rmse = cand.noise_multiplier * err.rmse
+    cand.max_error = cand.noise_multiplier * err.max_error
+
+
+def _accounting_inputs(fac: Factorization, accountant: str) -> dict:
+    """What the accountant's answer depends on: the unamplified Gaussian sees only the sensitivity (000 App. D.2),
+    the cyclic-Poisson reduction only n, b and the largest column norm (001 Prop. 2.1); MMCC and Monte Carlo see
+    the whole encoder. Keying calibrations by these lets candidates share them."""
+    if accountant == "unamplified":
+        return {"sensitivity": fac.sensitivity.value}
+    if accountant == "cyclic-poisson":
+        return {"rounds": fac.rounds, "min_sep": fac.participation.min_sep, "bands_at_most_min_sep":
+                (fac.bands or 1) <= fac.participation.min_sep,
+                "max_column_norm": float(fac.encoder.column_norms().max())}
+    return {"factorization_sha256": fac.sha256(), "participation": fac.participation.to_dict()}
+
+
+def _rank(cands: list[Candidate]) -> None:
+    """Sort by RMSE at the target ε (ties: less memory, less noise time); rank the ones within the budgets."""
+    cands.sort(key=lambda c: (c.rmse, c.noise_state_bytes, c.noise_seconds_per_round))
+    dpsgd = min((c.rmse for c in cands if c.kind == "dpsgd"), default=None)
+    rank = 0
+    for c in cands:
+        if dpsgd:
+            c.rmse_ratio_vs_dpsgd = c.rmse / dpsgd
+        if c.fits:
+            rank += 1
+            c.rank = rank
+
+
+def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: PlanCache | None = None,
+               quiet: bool = False) -> dict:
+    """Write ``recipe.json`` (the recommended recipe), ``factorization.npz``, ``plan.json`` and the PNG plots to
+    ``out``; return plan.json's content."""
+    from corrflow.planning.recipe import Recipe
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    req, best = result.request, result.recommended
+    recipe = None
+    if best is not None:
+        fac = result.factorizations[(best.kind, best.bands, best.accountant)]
+        fac.save(out / "factorization.npz")
+        recipe = Recipe(kind=best.kind, bands=best.bands, rounds=req.rounds, epochs=req.epochs, min_sep=req.min_sep,
+                        participation=best.participation, participation_rate=best.participation_rate,
+                        accountant=best.accountant, noise_multiplier=best.noise_multiplier, epsilon=best.epsilon,
+                        delta=req.delta, target_epsilon=req.target_epsilon, population=req.population,
+                        cohort_size=req.cohort_size, momentum=req.momentum, cooldown_fraction=req.cooldown_fraction,
+                        factorization="factorization.npz", factorization_sha256=fac.sha256(), rmse=best.rmse,
+                        max_error=best.max_error, model_params=req.model_params,
+                        noise_state_bytes=best.noise_state_bytes,
+                        noise_seconds_per_round=best.noise_seconds_per_round)
+        recipe.save(out / "recipe.json")
+    t0 = time.perf_counter()
+    files = {}
+    if plots and result.candidates:
+        from corrflow.planning.plots import write_plots
+
+        files = write_plots(result, out, cache=cache, quiet=quiet)
+    req_d = asdict(req)
+    for key in ("memory_budget", "noise_time_budget"):
+        if math.isinf(req_d[key]):
+            req_d[key] = None
+    doc = {"format": "corrflow.plan/1", "request": req_d,
+           "participation": {"min_sep": req.min_sep, "epochs": req.epochs, "fixed_epoch": req.fixed_epoch,
+                             "rule_of_thumb_bands": req.rule_of_thumb(), "band_grid": req.band_grid()},
+           "recommended": recipe.to_dict() if recipe else None,
+           "candidates": [c.to_dict() for c in result.candidates], "skipped": result.skipped,
+           "noise_unit_costs": result.noise_cost, "seconds": result.seconds + time.perf_counter() - t0,
+           "cache": {"hits": result.cache_hits, "misses": result.cache_misses},
+           "files": {"recipe": "recipe.json" if recipe else None,
+                     "factorization": "factorization.npz" if recipe else None, **files}}
+    if recipe is None:
+        doc["error"] = "no candidate fits the memory and noise-time budgets"
+    import json
+
+    (out / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n",
+                                   encoding="utf-8")
+    return doc
+
+
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x)}")

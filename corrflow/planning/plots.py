@@ -1,0 +1,149 @@
+"""PNG plots of a plan: RMSE against bands per accountant (as 001 Fig. 2), per-iterate error of the top candidates
+(as 000 Fig. 4), and ε against σ for the recommended recipe and DP-SGD."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from corrflow.progress import Progress
+
+NAMES = {"rmse_vs_bands": "rmse_vs_bands.png", "per_iterate_error": "per_iterate_error.png",
+         "epsilon_vs_sigma": "epsilon_vs_sigma.png"}
+
+
+def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
+    """Write the three plots into ``out``; returns {name: file name}. With a cache, plots of identical plan data
+    are copied from it instead of drawn again."""
+    import shutil
+    from dataclasses import asdict
+
+    from corrflow.planning.cache import cache_key
+
+    if cache is None:
+        return _draw(result, out, None, quiet)
+    req = asdict(result.request)
+    req.pop("time_budget")
+    key = cache_key({"plots": [c.to_dict() | {"cached": None, "build_seconds": None, "calibration_seconds": None,
+                                              "noise_seconds_per_round": None, "fits": None, "rank": None,
+                                              "over_budget": None}
+                               for c in result.candidates], "request": req,
+                     "recommended": None if result.recommended is None else result.recommended.label()})
+    stored = cache.root / f"plots-{key}"
+    if all((stored / f).is_file() for f in NAMES.values()):
+        for f in NAMES.values():
+            shutil.copyfile(stored / f, out / f)
+        return dict(NAMES)
+    files = _draw(result, out, cache, quiet)
+    stored.mkdir(exist_ok=True)
+    for f in NAMES.values():
+        shutil.copyfile(out / f, stored / f)
+    return files
+
+
+def _draw(result, out: Path, cache, quiet: bool) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")      # files only; never a display
+    import matplotlib.pyplot as plt
+
+    files = {}
+    with Progress("plan: plots", total=3, quiet=quiet, unit="plots") as tick:
+        files["rmse_vs_bands"] = _rmse_vs_bands(plt, result, out / NAMES["rmse_vs_bands"])
+        tick(1)
+        files["per_iterate_error"] = _per_iterate(plt, result, out / NAMES["per_iterate_error"])
+        tick(2)
+        files["epsilon_vs_sigma"] = _epsilon_vs_sigma(plt, result, out / NAMES["epsilon_vs_sigma"], cache)
+        tick(3)
+    return files
+
+
+def _rmse_vs_bands(plt, result, path: Path) -> str:
+    req = result.request
+    accs = sorted({c.accountant for c in result.candidates})
+    fig, axes = plt.subplots(1, len(accs), figsize=(5 * len(accs), 4), squeeze=False, sharey=True)
+    for ax, acc in zip(axes[0], accs, strict=True):
+        mine = [c for c in result.candidates if c.accountant == acc]
+        for kind in sorted({c.kind for c in mine}):
+            pts = sorted((c.bands, c.rmse) for c in mine if c.kind == kind)
+            if pts and pts[0][0] is not None and len(pts) > 1:
+                ax.plot([p for p, _ in pts], [r for _, r in pts], marker="o", label=kind)
+            else:
+                ax.axhline(min(r for _, r in pts), linestyle="--", label=kind,
+                           color="black" if kind == "dpsgd" else None)
+        ax.axvline(req.rule_of_thumb(), color="grey", linestyle=":", label="ε√n/k")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bands")
+        ax.set_title(f"accountant: {acc}")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"RMSE at ε = {req.target_epsilon:g}")
+    fig.suptitle(f"n = {req.rounds}, b = {req.min_sep}, k = {req.epochs}, δ = {req.delta:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
+
+
+def _top(result, count: int = 4):
+    seen, out = set(), []
+    for c in result.candidates:
+        if (c.kind, c.bands, c.accountant) in result.factorizations and (c.kind, c.accountant) not in seen:
+            seen.add((c.kind, c.accountant))
+            out.append(c)
+        if len(out) == count:
+            break
+    dpsgd = next((c for c in result.candidates if c.kind == "dpsgd"), None)
+    if dpsgd is not None and dpsgd not in out:
+        out.append(dpsgd)
+    return out
+
+
+def _per_iterate(plt, result, path: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in _top(result):
+        fac = result.factorizations[(c.kind, c.bands, c.accountant)]
+        ax.plot(np.arange(1, fac.rounds + 1), c.noise_multiplier * np.sqrt(fac.per_query_error()), label=c.label())
+    ax.set_xlabel("round")
+    ax.set_ylabel("per-iterate error (std per coordinate)")
+    ax.set_title(f"top candidates at ε = {result.request.target_epsilon:g}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
+
+
+def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
+    from corrflow.accounting.accountant import accountant_for
+    from corrflow.planning.candidates import sampling_of
+
+    req = result.request
+    fig, ax = plt.subplots(figsize=(6, 4))
+    picks = [c for c in (result.recommended, next((c for c in result.candidates if c.kind == "dpsgd"), None)) if c]
+    for i, c in enumerate(picks):
+        if any(c is other for other in picks[:i]):
+            continue
+        fac = result.factorizations[(c.kind, c.bands, c.accountant)]
+        sigmas = [c.noise_multiplier]
+        if c.accountant in ("unamplified", "cyclic-poisson"):   # cheap: a curve; others: the calibrated point
+            sigmas = list(c.noise_multiplier * np.geomspace(0.5, 2.0, 5))
+        acc = accountant_for(sampling_of(req, c.accountant))
+
+        def eps(s, fac=fac, acc=acc, c=c):
+            if cache is None:
+                return acc.epsilon(fac, s, req.delta).epsilon
+            params = {"epsilon_of": fac.sha256(), "accountant": c.accountant, "sigma": float(s), "delta": req.delta,
+                      "participation": fac.participation.to_dict()}
+            return cache.calibration(params, lambda: {"epsilon": acc.epsilon(fac, s, req.delta).epsilon}
+                                     )[0]["epsilon"]
+        ax.plot(sigmas, [eps(s) for s in sigmas], marker="o", label=c.label())
+    ax.axhline(req.target_epsilon, color="grey", linestyle=":", label="target ε")
+    ax.set_xlabel("noise multiplier σ")
+    ax.set_ylabel(f"ε at δ = {req.delta:g}")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name

@@ -1,0 +1,167 @@
+"""The plan file (``plan.json``'s recommended recipe, written as ``recipe.json``): a complete mechanism for a run —
+factorization (file + SHA-256), participation/sampler, accountant and σ — that ``corrflow simulate --plan FILE``
+and ``DifferentialPrivacyCorrelatedNoise(plan=FILE)`` load directly, refusing a run that differs from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from corrflow.errors import IntegrityError, InvalidArgumentError, require
+
+RECIPE_FORMAT = "corrflow.recipe/1"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One candidate mechanism, complete enough to run.
+
+    ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings (``StrategyConfig``);
+    ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error`` are at that σ per unit clip norm and
+    model coordinate (README "Conventions", Errors)."""
+
+    kind: str
+    bands: int | None
+    rounds: int
+    epochs: int                  # k = ⌈n/b⌉
+    min_sep: int                 # b = ⌊population / cohort⌋
+    participation: str           # fixed-epoch | bminsep | cyclic-poisson
+    participation_rate: float    # p0 per user and round for samplers (0 for fixed-epoch)
+    accountant: str              # unamplified | cyclic-poisson | mmcc | monte-carlo
+    noise_multiplier: float
+    epsilon: float
+    delta: float
+    target_epsilon: float
+    population: int
+    cohort_size: int
+    momentum: float
+    cooldown_fraction: float
+    factorization: str           # file name, relative to the recipe's directory
+    factorization_sha256: str
+    rmse: float
+    max_error: float
+    model_params: int
+    noise_state_bytes: int
+    noise_seconds_per_round: float
+    format: str = RECIPE_FORMAT
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def strategy_settings(self) -> dict:
+        """The ``StrategyConfig`` fields this recipe fixes."""
+        return {"num_rounds": self.rounds, "epochs": self.epochs,
+                "min_sep": 0 if self.participation == "fixed-epoch" else self.min_sep, "kind": self.kind,
+                "bands": int(self.bands or 0), "participation": self.participation,
+                "participation_rate": self.participation_rate, "accountant": self.accountant,
+                "noise_multiplier": self.noise_multiplier, "target_epsilon": 0.0, "delta": self.delta,
+                "momentum": self.momentum, "cooldown_fraction": self.cooldown_fraction}
+
+    def differences(self, settings: dict) -> list[str]:
+        """The settings (``StrategyConfig`` field → value) that differ from this recipe's, as 'field: plan X, run Y'.
+        A min-sep of 0 means rounds/epochs, as in the strategy."""
+        mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}   # σ was calibrated for it
+        out = []
+        for key, want in mine.items():
+            if key not in settings:
+                continue
+            got = settings[key]
+            if key == "min_sep":
+                rounds, epochs = settings.get("num_rounds", self.rounds), settings.get("epochs", self.epochs)
+                got = got or rounds // max(epochs, 1)
+                want = want or self.rounds // self.epochs
+            if isinstance(want, float) and isinstance(got, int | float):
+                same = abs(float(got) - want) <= 1e-12 * max(1.0, abs(want))
+            else:
+                same = got == want
+            if not same:
+                out.append(f"{key.replace('_', '-')}: plan {want!r}, run {got!r}")
+        return out
+
+    def save(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return path
+
+
+def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
+    """Read a plan file written by ``corrflow plan`` (``recipe.json``, or ``plan.json`` whose ``recommended``
+    entry is the recipe). Returns (recipe, path of its factorization file, verified to exist)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidArgumentError("plan", "an existing plan file written by `corrflow plan`", str(path))
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError("plan", f"a JSON plan file ({exc})", str(path)) from None
+    if isinstance(obj, dict) and "recommended" in obj:
+        obj = obj["recommended"]
+        require(isinstance(obj, dict), "plan", "a plan with a recommended recipe (none fitted the budgets)",
+                str(path))
+    require(isinstance(obj, dict) and obj.get("format") == RECIPE_FORMAT, "plan",
+            f"a recipe of format {RECIPE_FORMAT}", str(path))
+    names = {f.name for f in fields(Recipe)}
+    missing = sorted(names - set(obj) - {"format"})
+    require(not missing, "plan", "a complete recipe", f"missing {missing}")
+    recipe = Recipe(**{k: v for k, v in obj.items() if k in names})
+    fac_path = path.parent / recipe.factorization
+    if not fac_path.is_file():
+        raise InvalidArgumentError("plan", f"its factorization file next to it ({recipe.factorization})",
+                                   str(fac_path))
+    return recipe, fac_path
+
+
+def load_recipe_factorization(recipe: Recipe, fac_path: Path):
+    """The recipe's factorization, verified against the recorded SHA-256."""
+    from corrflow.factorization.base import Factorization
+
+    fac = Factorization.load(fac_path)
+    if fac.sha256() != recipe.factorization_sha256:
+        raise IntegrityError(f"{fac_path}: factorization hash {fac.sha256()[:16]}… is not the plan's "
+                             f"{recipe.factorization_sha256[:16]}…")
+    return fac
+
+
+def install_factorization(recipe: Recipe, fac_path: Path, settings: dict, out_dir: Path, *,
+                          replace: bool) -> str:
+    """Put the plan's factorization where the run looks for it (``OUT/factorization.npz``) and check that the run
+    will use it as is: same kind, workload and participation as the strategy builds for ``settings`` (else the run
+    would rebuild another). ``replace``: overwrite a different file there (a new run); otherwise a different file
+    is refused (a resumed run keeps its own). Returns the SHA-256."""
+    import shutil
+
+    from corrflow.factorization.build import participation_for
+    from corrflow.planning.run import workload_for
+
+    fac = load_recipe_factorization(recipe, fac_path)
+    n, k = settings["num_rounds"], settings["epochs"]
+    b = settings["min_sep"] or n // k
+    part = participation_for(n, k) if settings["participation"] == "fixed-epoch" else \
+        participation_for(n, -(-n // b), b, kind="min-sep")
+    wl = workload_for(settings["momentum"], settings["cooldown_fraction"])
+    wrong = [f"{name}: plan {a}, run {b_}" for name, a, b_ in (
+        ("kind", fac.kind, settings["kind"]), ("workload", fac.workload.to_dict(), wl.to_dict()),
+        ("participation", fac.participation.describe(), part.describe())) if a != b_]
+    require(not wrong, "plan", "a plan whose factorization matches the run's settings", "; ".join(wrong))
+    dest = Path(out_dir) / "factorization.npz"
+    differs = not dest.exists() or _differs(dest, fac)
+    if dest.exists() and differs:
+        require(replace, "plan", f"the factorization of the run in {out_dir} (start a new run with --fresh to use "
+                "the plan's)", f"{dest} differs from the plan's")
+    if differs:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(".tmp-plan-factorization.npz")
+        shutil.copyfile(fac_path, tmp)
+        tmp.replace(dest)
+    return fac.sha256()
+
+
+def _differs(path: Path, fac) -> bool:
+    from corrflow.factorization.base import Factorization
+
+    try:
+        return Factorization.load(path).sha256() != fac.sha256()
+    except IntegrityError:
+        return True

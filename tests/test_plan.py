@@ -1,0 +1,167 @@
+"""corrflow plan: candidates ranked by the RMSE they report, budgets, the recipe in simulate --plan, plots, cache;
+and the registry of factorization kinds agrees with the noise engine and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from corrflow.accounting import SamplingSpec, account
+from corrflow.factorization import Factorization, factorize, participation_for
+from corrflow.factorization.registry import KINDS, REGISTRY
+from corrflow.noise import CorrelatedNoise
+from corrflow.noise.engine import default_mode
+from corrflow.planning.cache import PlanCache
+from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
+
+SMALL = ["--rounds", "24", "--population", "60", "--cohort-size", "10", "--target-epsilon", "4", "--delta", "1e-5",
+         "--model-params", "1000", "--kinds", "dpsgd,toeplitz,bifr,dense", "--accountants",
+         "unamplified,cyclic-poisson", "--quiet"]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    docs = []
+    for _ in range(2):
+        r = run("plan", *SMALL, "--out", str(out), "--json")
+        assert r.returncode == 0, r.stderr
+        docs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out, docs[1], [d["seconds"] for d in docs]
+
+
+def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
+    out, doc, _ = planned
+    cands = doc["candidates"]
+    fitting = [c for c in cands if c["fits"]]
+    assert [c["rank"] for c in fitting] == list(range(1, len(fitting) + 1))
+    assert [c["rmse"] for c in fitting] == sorted(c["rmse"] for c in fitting)
+    assert doc["participation"] == {**doc["participation"], "min_sep": 6, "epochs": 4, "fixed_epoch": True}
+    # b = 6 → powers of two 1, 2, 4, b itself, and the rule of thumb ε√n/k = 4.9 → 5, 8 → 6 (capped at b)
+    assert doc["participation"]["band_grid"] == [1, 2, 4, 5, 6]
+    rec = doc["recommended"]
+    assert rec["kind"] == fitting[0]["kind"] and rec["rmse"] == fitting[0]["rmse"]
+    fac = Factorization.load(out / "factorization.npz")
+    assert fac.sha256() == rec["factorization_sha256"]
+    # RMSE at the target: σ × √(Σ‖B_i‖²/n) from the written file; ε at that σ within the target
+    assert rec["rmse"] == pytest.approx(rec["noise_multiplier"] * np.sqrt(fac.per_query_error().mean()), rel=1e-9)
+    assert account(fac, delta=1e-5, noise_multiplier=rec["noise_multiplier"])["epsilon"] <= 4.0 + 1e-9
+    # the dense optimum beats DP-SGD, and every DP-SGD ratio is relative to the best DP-SGD candidate
+    dp = min(c["rmse"] for c in cands if c["kind"] == "dpsgd")
+    assert all(c["rmse_ratio_vs_dpsgd"] == pytest.approx(c["rmse"] / dp) for c in cands)
+    assert rec["rmse"] < dp
+    assert {s.get("accountant") for s in doc["skipped"]} >= {"mmcc", "monte-carlo"}
+
+
+def test_repeated_plan_is_cached(planned):
+    _, doc, (first, second) = planned
+    assert doc["cache"]["misses"] == 0 and doc["cache"]["hits"] > 0
+    assert second < 0.1 * first   # the plan's own time (building, calibrating, plotting), not interpreter start-up
+
+
+def test_plots_are_pngs(planned):
+    import matplotlib.pyplot as plt
+
+    out, doc, _ = planned
+    for name in ("rmse_vs_bands", "per_iterate_error", "epsilon_vs_sigma"):
+        path = out / doc["files"][name]
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        img = plt.imread(path)
+        assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0
+
+
+def test_plan_runs_in_simulate(planned, tmp_path):
+    out, doc, _ = planned
+    r = run("simulate", "--plan", str(out / "recipe.json"), "--backend", "inprocess", "--out", str(tmp_path / "run"),
+            "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    rec = doc["recommended"]
+    assert report["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
+    assert report["mechanism"]["kind"] == rec["kind"] and report["rounds_completed"] == 24
+    reloaded = Factorization.load(tmp_path / "run" / "factorization.npz")
+    assert reloaded.sha256() == rec["factorization_sha256"]
+    assert json.dumps(report).count(rec["factorization_sha256"]) >= 1
+    bad = run("simulate", "--plan", str(out / "recipe.json"), "--backend", "inprocess", "--out",
+              str(tmp_path / "run2"), "--accountant", "mmcc", "--rounds", "30")
+    assert bad.returncode == 2 and "accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
+    assert "num-rounds: plan 24, run 30" in bad.stderr
+
+
+def test_budgets(tmp_path):
+    cache = PlanCache(tmp_path / "cache")
+    base = dict(rounds=24, population=70, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
+                kinds=("dpsgd", "toeplitz", "bifr", "dense"), accountants=("unamplified", "cyclic-poisson"))
+    # b = 7, k = 4: b·k ≠ n, so min-sep participation and no dense candidate (it needs fixed-epoch)
+    res = make_plan(PlanRequest(**base, memory_budget=0), cache, quiet=True)
+    assert any(s.get("kind") == "dense" and "fixed-epoch" in s["reason"] for s in res.skipped)
+    best = res.recommended
+    assert best.noise_state_bytes == 0 and REGISTRY[best.kind].noise_mode in ("identity", "banded-inverse")
+    fac = res.factorizations[(best.kind, best.bands, best.accountant)]
+    assert CorrelatedNoise(fac, [(1000,)]).buffer_bytes == 0
+    assert any(not c.fits and c.kind == "toeplitz" for c in res.candidates)   # the better banded C is excluded
+    # room for 2 buffers of d floats: a banded C with at most 3 bands, whose engine buffer is what the plan says
+    res = make_plan(PlanRequest(**base, memory_budget=2 * 4 * 1000), cache, quiet=True)
+    for c in res.candidates:
+        f = res.factorizations[(c.kind, c.bands, c.accountant)]
+        assert c.noise_state_bytes == CorrelatedNoise(f, [(1000,)]).buffer_bytes
+        assert c.fits == (c.noise_state_bytes <= 8000)
+    assert res.recommended.noise_state_bytes <= 8000
+    assert res.recommended.rmse == min(c.rmse for c in res.candidates if c.fits)
+    # a noise-time budget below one draw per round excludes everything: no recipe, and write_plan says so
+    res = make_plan(PlanRequest(**base, noise_time_budget=0.0), cache, quiet=True)
+    assert res.recommended is None
+    doc = write_plan(res, tmp_path / "none", plots=False)
+    assert doc["recommended"] is None and "no candidate fits" in doc["error"]
+
+
+def test_cyclic_poisson_recipe_matches_run_accounting(tmp_path):
+    """A cyclic-Poisson candidate's σ gives the same ε through the strategy's own accounting path."""
+    cache = PlanCache(tmp_path / "cache")
+    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
+                      kinds=("toeplitz",), accountants=("cyclic-poisson",))
+    res = make_plan(req, cache, quiet=True)
+    c = res.recommended
+    assert c.participation == "cyclic-poisson" and c.participation_rate == pytest.approx(20 / 110)
+    fac = res.factorizations[(c.kind, c.bands, c.accountant)]
+    assert fac.participation == participation_for(16, 4, 5, kind="min-sep")   # what the strategy builds
+    # b = ⌊110/20⌋ = 5: each round samples its fifth of the users with q = 5·20/110 (the strategy's CohortPlanner)
+    spec = SamplingSpec("cyclic-poisson", 110, 20.0, sampling_probability=5 * 20 / 110, accountant="cyclic-poisson")
+    eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)["epsilon"]
+    assert eps == pytest.approx(c.epsilon) and eps <= 2.0
+    assert c.rmse < account(fac, delta=1e-5, target_epsilon=2.0)["noise_multiplier"] * c.rmse_unit_sigma  # q < 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_registry_matches_engine(kind):
+    spec = REGISTRY[kind]
+    part = participation_for(12, 2)
+    fac = factorize(kind, part, bands=3 if spec.takes_bands else None)
+    assert fac.encoder.structure == spec.structure
+    mode = default_mode(fac)
+    assert mode == spec.noise_mode or (kind in ("toeplitz", "bsr", "banded") and mode == "identity")
+    gen = CorrelatedNoise(fac, [(50,)])
+    assert gen.buffer_bytes == spec.noise_state_bytes(fac.bands, 50, 12) or spec.noise_mode == "dense"
+
+
+def test_cli_lists_registry_kinds():
+    from corrflow.server.cli import KIND_NAMES
+
+    assert KIND_NAMES == KINDS
+
+
+def test_plan_bad_arguments(tmp_path):
+    r = run("plan", "--rounds", "24", "--population", "5", "--cohort-size", "10", "--target-epsilon", "4",
+            "--delta", "1e-5", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--population" in r.stderr
+    r = run("plan", *SMALL[:10], "--kinds", "toeplitz,nope", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--kinds" in r.stderr and "nope" in r.stderr
+    r = run("plan", *SMALL[:10], "--memory-budget", "lots", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--memory-budget" in r.stderr
