@@ -165,3 +165,30 @@ def test_plan_bad_arguments(tmp_path):
     assert r.returncode == 2 and "--kinds" in r.stderr and "nope" in r.stderr
     r = run("plan", *SMALL[:10], "--memory-budget", "lots", "--out", str(tmp_path))
     assert r.returncode == 2 and "--memory-budget" in r.stderr
+
+
+def test_wrapper_loads_the_plan(planned, tmp_path):
+    from flwr.app import ArrayRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow import DifferentialPrivacyCorrelatedNoise
+    from corrflow.clients.tasks import get_task
+    from corrflow.errors import InvalidArgumentError
+    from corrflow.server.inprocess import InProcessGrid
+
+    out, doc, _ = planned
+    rec = doc["recommended"]
+    with pytest.raises(InvalidArgumentError, match="participation: plan 'fixed-epoch', run 'cyclic-poisson'"):
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, plan=out / "recipe.json",
+                                           participation="cyclic-poisson", state_dir=tmp_path / "x")
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
+                                                  plan=out / "recipe.json", state_dir=tmp_path / "w")
+    with pytest.raises(InvalidArgumentError, match="num_rounds"):
+        strategy.config(num_rounds=30, num_users=60)
+    task = get_task("numpy", 20)
+    strategy.start(grid=InProcessGrid(task.handlers, 60), initial_arrays=ArrayRecord(task.initial_weights()),
+                   num_rounds=24)
+    report = json.loads((tmp_path / "w" / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 24
+    assert report["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
+    assert Factorization.load(tmp_path / "w" / "factorization.npz").sha256() == rec["factorization_sha256"]

@@ -66,15 +66,16 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     optimizer (the workload the factorization is built for). Other keywords are :class:`StrategyConfig` fields.
     """
 
-    def __init__(self, strategy: Strategy, *, clipping_norm: float, delta: float, state_dir: str | Path,
-                 target_epsilon: float | None = None, noise_multiplier: float | None = None, epochs: int = 1,
-                 min_sep: int | None = None, kind: str = "toeplitz", bands: int | None = None,
-                 participation: str = "fixed-epoch", identity: str | None = None, num_users: int | None = None,
-                 replies: str = "weights", server_learning_rate: float = 1.0, momentum: float = 0.0,
-                 fresh: bool = False, **settings):
+    def __init__(self, strategy: Strategy, *, clipping_norm: float, state_dir: str | Path,
+                 delta: float | None = None, target_epsilon: float | None = None,
+                 noise_multiplier: float | None = None, epochs: int | None = None, min_sep: int | None = None,
+                 kind: str | None = None, bands: int | None = None, participation: str | None = None,
+                 identity: str | None = None, num_users: int | None = None, replies: str = "weights",
+                 server_learning_rate: float = 1.0, momentum: float | None = None, fresh: bool = False,
+                 plan: str | Path | None = None, **settings):
+        """``plan``: a recipe written by ``corrflow plan`` (recipe.json): it fixes the mechanism, participation,
+        accountant, σ, δ and rounds; any of those given here that differ are refused, each named."""
         check_composable(strategy)
-        require((target_epsilon is None) != (noise_multiplier is None), "target_epsilon",
-                "exactly one of target_epsilon and noise_multiplier")
         known = {f.name for f in fields(StrategyConfig)}
         unknown = sorted(set(settings) - known)
         require(not unknown, "settings", f"StrategyConfig fields ({', '.join(sorted(known))})", unknown)
@@ -84,15 +85,42 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self.num_users = num_users
         self.stop_event = threading.Event()
         self.core = None
-        self._settings = dict(settings, clip_norm=float(clipping_norm), delta=float(delta),
-                              target_epsilon=float(target_epsilon or 0.0),
-                              noise_multiplier=float(noise_multiplier or 0.0), epochs=int(epochs),
-                              min_sep=int(min_sep or 0), kind=kind, bands=int(bands or 0), participation=participation,
+        self.plan = None
+        given = {k: v for k, v in dict(settings, delta=delta, target_epsilon=target_epsilon,
+                                       noise_multiplier=noise_multiplier, epochs=epochs, min_sep=min_sep, kind=kind,
+                                       bands=bands, participation=participation, momentum=momentum).items()
+                 if v is not None}
+        if plan is not None:
+            from corrflow.planning.recipe import load_recipe
+
+            recipe, fac_path = load_recipe(plan)
+            diff = recipe.differences(given)
+            require(not diff, "plan", "settings that agree with the plan (or leave them out)", "; ".join(diff))
+            self.plan = (recipe, fac_path)
+            self.num_users = num_users or recipe.population
+            given = recipe.strategy_settings()
+        else:
+            require(delta is not None, "delta", "δ (or a plan)")
+            require((target_epsilon is None) != (noise_multiplier is None), "target_epsilon",
+                    "exactly one of target_epsilon and noise_multiplier")
+        self._settings = dict(settings, clip_norm=float(clipping_norm), delta=float(given["delta"]),
+                              target_epsilon=float(given.get("target_epsilon") or 0.0),
+                              noise_multiplier=float(given.get("noise_multiplier") or 0.0),
+                              epochs=int(given.get("epochs") or 1), min_sep=int(given.get("min_sep") or 0),
+                              kind=given.get("kind") or "toeplitz", bands=int(given.get("bands") or 0),
+                              participation=given.get("participation") or "fixed-epoch",
                               identity=identity or "", replies=replies, server_lr=float(server_learning_rate),
-                              momentum=float(momentum), state_dir=str(self.out_dir / "state"))
-        self.config(num_rounds=max(1, epochs), num_users=max(1, num_users or 1))   # fail fast on bad settings
+                              momentum=float(given.get("momentum") or 0.0), state_dir=str(self.out_dir / "state"))
+        for key in ("participation_rate", "accountant", "cooldown_fraction"):
+            if key in given:
+                self._settings[key] = given[key]
+        rounds = self.plan[0].rounds if self.plan else max(1, self._settings["epochs"])
+        self.config(num_rounds=rounds, num_users=max(1, self.num_users or 1))   # fail fast on bad settings
 
     def config(self, *, num_rounds: int, num_users: int) -> StrategyConfig:
+        if self.plan is not None:
+            require(num_rounds == self.plan[0].rounds, "num_rounds", f"the plan's {self.plan[0].rounds} rounds",
+                    num_rounds)
         return StrategyConfig(**{**self._settings, "num_rounds": num_rounds, "num_users": num_users})
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
@@ -106,6 +134,11 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             log.info("corrflow: the population is the %d SuperNodes connected", population)
         cfg = self.config(num_rounds=num_rounds, num_users=population)
         cfg = StrategyConfig(**{**cfg.to_dict(), "node_timeout": float(timeout)})
+        if self.plan is not None:
+            from corrflow.planning.recipe import install_factorization
+
+            install_factorization(*self.plan, cfg.to_dict(), self.out_dir,
+                                  replace=self.fresh or not (Path(cfg.state_dir) / "CURRENT").exists())
         hooks = RunHooks(initial_arrays, inner=self.inner, train_config=train_config,
                          evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
         self.core, result = run_strategy(grid, cfg, self.out_dir, hooks, fresh=self.fresh, stop_event=self.stop_event)
