@@ -104,13 +104,13 @@ def test_budgets(tmp_path):
     assert any(s.get("kind") == "dense" and "fixed-epoch" in s["reason"] for s in res.skipped)
     best = res.recommended
     assert best.noise_state_bytes == 0 and REGISTRY[best.kind].noise_mode in ("identity", "banded-inverse")
-    fac = res.factorizations[(best.kind, best.bands, best.accountant)]
+    fac = res.factorizations[best.key()]
     assert CorrelatedNoise(fac, [(1000,)]).buffer_bytes == 0
     assert any(not c.fits and c.kind == "toeplitz" for c in res.candidates)   # the better banded C is excluded
     # room for 2 buffers of d floats: a banded C with at most 3 bands, whose engine buffer is what the plan says
     res = make_plan(PlanRequest(**base, memory_budget=2 * 4 * 1000), cache, quiet=True)
     for c in res.candidates:
-        f = res.factorizations[(c.kind, c.bands, c.accountant)]
+        f = res.factorizations[c.key()]
         assert c.noise_state_bytes == CorrelatedNoise(f, [(1000,)]).buffer_bytes
         assert c.fits == (c.noise_state_bytes <= 8000)
     assert res.recommended.noise_state_bytes <= 8000
@@ -128,15 +128,34 @@ def test_cyclic_poisson_recipe_matches_run_accounting(tmp_path):
     req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
                       kinds=("toeplitz",), accountants=("cyclic-poisson",))
     res = make_plan(req, cache, quiet=True)
-    c = res.recommended
+    c = next(c for c in res.candidates if c.min_sep == 5)   # the best with the cyclic sampler at b = ⌊P/B⌋
     assert c.participation == "cyclic-poisson" and c.participation_rate == pytest.approx(20 / 110)
-    fac = res.factorizations[(c.kind, c.bands, c.accountant)]
+    fac = res.factorizations[c.key()]
     assert fac.participation == participation_for(16, 4, 5, kind="min-sep")   # what the strategy builds
     # b = ⌊110/20⌋ = 5: each round samples its fifth of the users with q = 5·20/110 (the strategy's CohortPlanner)
     spec = SamplingSpec("cyclic-poisson", 110, 20.0, sampling_probability=5 * 20 / 110, accountant="cyclic-poisson")
     eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)["epsilon"]
     assert eps == pytest.approx(c.epsilon) and eps <= 2.0
     assert c.rmse < account(fac, delta=1e-5, target_epsilon=2.0)["noise_multiplier"] * c.rmse_unit_sigma  # q < 1
+
+
+def test_dpsgd_is_also_planned_with_poisson_sampling(tmp_path):
+    """DP-SGD under Poisson sampling in every round (b = 1, q = B/P): n compositions of the subsampled Gaussian."""
+    import dp_accounting as dpa
+
+    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
+                      kinds=("dpsgd",), accountants=("unamplified", "cyclic-poisson"))
+    res = make_plan(req, PlanCache(tmp_path / "cache"), quiet=True)
+    pois = next(c for c in res.candidates if c.min_sep == 1)
+    assert pois.participation == "cyclic-poisson" and pois.label().endswith("(Poisson, b=1)")
+    assert res.recommended is pois
+    # the normalised C = I/√n (sensitivity 1 over n rounds): each round adds σ·√n·z for a clip-1 update
+    fac = res.factorizations[pois.key()]
+    assert np.allclose(fac.encoder.column_norms(), 1 / 4)
+    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(20 / 110, dpa.GaussianDpEvent(4 * pois.noise_multiplier)),
+                                    16)
+    acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+    assert acc.compose(event).get_epsilon(1e-5) == pytest.approx(pois.epsilon, rel=2e-3)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -142,6 +142,7 @@ class Candidate:
     accountant: str
     participation: str
     participation_rate: float
+    min_sep: int                         # the sampler's b (1: Poisson sampling in every round)
     noise_multiplier: float | None = None
     epsilon: float | None = None
     rmse: float | None = None            # at the target ε, per unit clip norm and coordinate
@@ -160,7 +161,12 @@ class Candidate:
     notes: dict = field(default_factory=dict)
 
     def label(self) -> str:
-        return f"{self.kind}" + (f"[{self.bands}]" if self.bands is not None else "") + f" / {self.accountant}"
+        sampler = " (Poisson, b=1)" if self.min_sep == 1 and self.participation != "fixed-epoch" else ""
+        return f"{self.kind}" + (f"[{self.bands}]" if self.bands is not None else "") + f" / {self.accountant}" + \
+            sampler
+
+    def key(self) -> tuple:
+        return (self.kind, self.bands, self.accountant, self.min_sep)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,9 +203,13 @@ def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
     return {"seconds_per_draw": t_draw, "seconds_per_multiply_add": t_madd, "measured_dim": dim}
 
 
-def participation_of(req: PlanRequest, accountant: str) -> tuple[Participation, str, float]:
-    """(factorization participation, strategy participation, p0) the accountant analyses (see module docstring)."""
+def participation_of(req: PlanRequest, accountant: str, min_sep: int | None = None
+                     ) -> tuple[Participation, str, float]:
+    """(factorization participation, strategy participation, p0) the accountant analyses (see module docstring).
+    ``min_sep``: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round)."""
     n, b, k = req.rounds, req.min_sep, req.epochs
+    if min_sep is not None and accountant != "unamplified":
+        b, k = min_sep, -(-n // min_sep)
     if accountant == "unamplified":
         if req.fixed_epoch:
             return Participation.fixed_epoch(n, k), "fixed-epoch", 0.0
@@ -208,12 +218,12 @@ def participation_of(req: PlanRequest, accountant: str) -> tuple[Participation, 
     return Participation.min_separation(n, b, k), strategy, req.cohort_size / req.population
 
 
-def sampling_of(req: PlanRequest, accountant: str) -> SamplingSpec:
+def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -> SamplingSpec:
     """The accountant's sampling description, with the strategy's sampler probability (CohortPlanner's p)."""
     if accountant == "unamplified":
         return SamplingSpec()
     p0 = req.cohort_size / req.population
-    b = req.min_sep
+    b = min_sep or req.min_sep
     if accountant == "monte-carlo":
         from corrflow.participation.samplers import BMinSepSampler
 
@@ -229,8 +239,8 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
     if accountant not in spec.accountants:
         return f"{accountant} does not analyse {fac.kind} ({spec.structure} encoder)"
     bands = fac.bands or 1
-    if accountant in ("cyclic-poisson", "monte-carlo") and bands > req.min_sep:
-        return f"{accountant} needs at most b = {req.min_sep} bands"
+    if accountant in ("cyclic-poisson", "monte-carlo") and bands > fac.participation.min_sep:
+        return f"{accountant} needs at most b = {fac.participation.min_sep} bands"
     if accountant == "mmcc" and bool(np.any(fac.encoder.matrix() < -1e-12)):
         return "mmcc needs a non-negative encoder"
     return None
@@ -306,8 +316,13 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                 continue
             eff_bands = fac.bands if spec.takes_bands else None
             mem, secs = cost_of(kind, fac.bands if spec.noise_mode in ("banded", "banded-inverse") else bands)
-            for acc in accountants:
-                part, strategy, p0 = participation_of(req, acc)
+            # A 1-banded C (DP-SGD) is also planned with Poisson sampling in every round (b = 1, q = B/P): the
+            # amplified DP-SGD baseline; with b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1.
+            variants = [(acc, None) for acc in accountants]
+            if "cyclic-poisson" in accountants and (fac.bands or 1) == 1 and req.min_sep > 1:
+                variants.append(("cyclic-poisson", 1))
+            for acc, sampler_b in variants:
+                part, strategy, p0 = participation_of(req, acc, sampler_b)
                 try:
                     fac_a = _for_participation(fac, part)
                 except CorrflowError as exc:
@@ -317,7 +332,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                 if why is not None:
                     continue
                 cand = Candidate(kind, eff_bands, acc, strategy, p0 if strategy != "fixed-epoch" else 0.0,
-                                 noise_state_bytes=mem, noise_seconds_per_round=secs,
+                                 part.min_sep, noise_state_bytes=mem, noise_seconds_per_round=secs,
                                  build_seconds=float(fac.metadata.get("seconds", 0.0)), cached=cached,
                                  factorization_sha256=fac_a.sha256())
                 if kind == "dense":
@@ -332,7 +347,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                     continue
                 cand.over_budget = _over_budget(req, mem, secs)
                 cand.fits = not cand.over_budget
-                facs[(kind, eff_bands, acc)] = fac_a
+                facs[cand.key()] = fac_a
                 cands.append(cand)
         tick(len(jobs))
     _rank(cands)
@@ -351,7 +366,7 @@ def _over_budget(req: PlanRequest, mem: int, secs: float) -> list[str]:
 
 
 def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factorization) -> None:
-    spec = sampling_of(req, cand.accountant)
+    spec = sampling_of(req, cand.accountant, cand.min_sep)
     opts = AccountingOptions(mc_samples=req.mc_samples)
     params = {"accountant": cand.accountant, "sampling": asdict(spec), "target_epsilon": req.target_epsilon,
               "delta": req.delta, "mc_samples": req.mc_samples if cand.accountant == "monte-carlo" else None,
@@ -412,9 +427,10 @@ def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: Plan
     req, best = result.request, result.recommended
     recipe = None
     if best is not None:
-        fac = result.factorizations[(best.kind, best.bands, best.accountant)]
+        fac = result.factorizations[best.key()]
         fac.save(out / "factorization.npz")
-        recipe = Recipe(kind=best.kind, bands=best.bands, rounds=req.rounds, epochs=req.epochs, min_sep=req.min_sep,
+        recipe = Recipe(kind=best.kind, bands=best.bands, rounds=req.rounds, epochs=fac.participation.epochs,
+                        min_sep=best.min_sep,
                         participation=best.participation, participation_rate=best.participation_rate,
                         accountant=best.accountant, noise_multiplier=best.noise_multiplier, epsilon=best.epsilon,
                         delta=req.delta, target_epsilon=req.target_epsilon, population=req.population,

@@ -88,7 +88,7 @@ def _rmse_vs_bands(plt, result, path: Path) -> str:
 def _top(result, count: int = 4):
     seen, out = set(), []
     for c in result.candidates:
-        if (c.kind, c.bands, c.accountant) in result.factorizations and (c.kind, c.accountant) not in seen:
+        if c.key() in result.factorizations and (c.kind, c.accountant) not in seen:
             seen.add((c.kind, c.accountant))
             out.append(c)
         if len(out) == count:
@@ -102,7 +102,7 @@ def _top(result, count: int = 4):
 def _per_iterate(plt, result, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in _top(result):
-        fac = result.factorizations[(c.kind, c.bands, c.accountant)]
+        fac = result.factorizations[c.key()]
         ax.plot(np.arange(1, fac.rounds + 1), c.noise_multiplier * np.sqrt(fac.per_query_error()), label=c.label())
     ax.set_xlabel("round")
     ax.set_ylabel("per-iterate error (std per coordinate)")
@@ -124,11 +124,11 @@ def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
     for i, c in enumerate(picks):
         if any(c is other for other in picks[:i]):
             continue
-        fac = result.factorizations[(c.kind, c.bands, c.accountant)]
+        fac = result.factorizations[c.key()]
         sigmas = [c.noise_multiplier]
         if c.accountant in ("unamplified", "cyclic-poisson"):   # cheap: a curve; others: the calibrated point
             sigmas = list(c.noise_multiplier * np.geomspace(0.5, 2.0, 5))
-        acc = accountant_for(sampling_of(req, c.accountant))
+        acc = accountant_for(sampling_of(req, c.accountant, c.min_sep))
 
         def eps(s, fac=fac, acc=acc, c=c):
             if cache is None:
