@@ -192,9 +192,18 @@ def kind_spec(kind: str) -> KindSpec:
     return REGISTRY[kind]
 
 
+def noise_mode_for(structure: str) -> str:
+    """The noise engine's mode for an encoder structure: the mode the registry's families of that structure
+    declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated draws; dense → dense)."""
+    modes = {s.noise_mode for s in REGISTRY.values() if s.structure == structure} - {"identity"}
+    require(len(modes) == 1, "structure", f"one of {sorted({s.structure for s in REGISTRY.values()})}", structure)
+    return modes.pop()
+
+
 def kinds_help() -> str:
     """One line for the CLI: every kind's name (from the registry)."""
     return ", ".join(KINDS)
 
 
-__all__ = ["BANDED_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec", "kinds_help"]
+__all__ = ["BANDED_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec", "kinds_help",
+           "noise_mode_for"]

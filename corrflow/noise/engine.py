@@ -38,12 +38,15 @@ DEFAULT_CHUNK = 1 << 20
 
 
 def default_mode(factorization: Factorization) -> str:
+    """The registry's mode for the encoder's structure (corrflow.factorization.registry); a diagonal banded C
+    (one band, not column-rescaled) is DP-SGD's identity."""
+    from corrflow.factorization.registry import noise_mode_for
+
     enc = factorization.encoder
-    if isinstance(enc, ToeplitzEncoder | BandedEncoder):
-        return "identity" if enc.bands == 1 and not getattr(enc, "column_normalize", False) else "banded"
-    if isinstance(enc, InverseToeplitzEncoder):
-        return "banded-inverse"
-    return "dense"
+    mode = noise_mode_for(enc.structure)
+    if mode == "banded" and enc.bands == 1 and not getattr(enc, "column_normalize", False):
+        return "identity"
+    return mode
 
 
 def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
