@@ -25,10 +25,9 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
         return _draw(result, out, None, quiet)
     req = asdict(result.request)
     req.pop("time_budget")
-    key = cache_key({"plots": [c.to_dict() | {"cached": None, "build_seconds": None, "calibration_seconds": None,
-                                              "noise_seconds_per_round": None, "fits": None, "rank": None,
-                                              "over_budget": None}
-                               for c in result.candidates], "request": req,
+    volatile = {"cached": None, "build_seconds": None, "calibration_seconds": None, "noise_seconds_per_round": None,
+                "fits": None, "rank": None, "over_budget": None}   # what the plots do not show
+    key = cache_key({"version": 2, "plots": [c.to_dict() | volatile for c in result.candidates], "request": req,
                      "recommended": None if result.recommended is None else result.recommended.label()})
     stored = cache.root / f"plots-{key}"
     if all((stored / f).is_file() for f in NAMES.values()):
@@ -66,12 +65,16 @@ def _rmse_vs_bands(plt, result, path: Path) -> str:
     for ax, acc in zip(axes[0], accs, strict=True):
         mine = [c for c in result.candidates if c.accountant == acc]
         for kind in sorted({c.kind for c in mine}):
-            pts = sorted((c.bands, c.rmse) for c in mine if c.kind == kind)
+            best: dict = {}   # the best sampler for each band count
+            for c in mine:
+                if c.kind == kind:
+                    best[c.bands] = min(best.get(c.bands, np.inf), c.rmse)
+            pts = sorted(best.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
             if pts and pts[0][0] is not None and len(pts) > 1:
                 ax.plot([p for p, _ in pts], [r for _, r in pts], marker="o", label=kind)
             else:
                 ax.axhline(min(r for _, r in pts), linestyle="--", label=kind,
-                           color="black" if kind == "dpsgd" else None)
+                           color={"dpsgd": "black", "dense": "red"}.get(kind))
         ax.axvline(req.rule_of_thumb(), color="grey", linestyle=":", label="ε√n/k")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bands")
