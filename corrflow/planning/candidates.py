@@ -29,6 +29,7 @@ from corrflow.accounting.accountant import AccountingOptions, SamplingSpec, acco
 from corrflow.errors import CorrflowError, require
 from corrflow.factorization.base import Factorization, normalized
 from corrflow.factorization.build import factorize
+from corrflow.factorization.metrics import ErrorReport
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.registry import KINDS, REGISTRY
 from corrflow.factorization.workloads import Workload
@@ -252,11 +253,13 @@ def _build_params(req: PlanRequest, kind: str, bands: int | None, part: Particip
             "gamma": None, "taper": None, "stamps": 1, "tol": req.tol if kind == "dense" else None}
 
 
-def _for_participation(fac: Factorization, part: Participation) -> Factorization:
-    """The same encoder normalised under another participation (the builder did not depend on its kind)."""
+def _for_participation(fac: Factorization, part: Participation, cache: PlanCache) -> Factorization:
+    """The same encoder normalised under another participation (the builder did not depend on its kind); cached,
+    as a min-sep sensitivity can take seconds at n ≈ 2000."""
     if fac.participation == part:
         return fac
-    return normalized(fac.kind, fac.workload, part, fac.encoder, fac.metadata)
+    return cache.factorization({"normalized_from": fac.sha256(), "participation": part.to_dict()},
+                               lambda: normalized(fac.kind, fac.workload, part, fac.encoder, fac.metadata))[0]
 
 
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
@@ -325,7 +328,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             for acc, sampler_b in variants:
                 part, strategy, p0 = participation_of(req, acc, sampler_b)
                 try:
-                    fac_a = _for_participation(fac, part)
+                    fac_a = _for_participation(fac, part, cache)
                 except CorrflowError as exc:
                     skipped.append({"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)})
                     continue
@@ -382,7 +385,8 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
     res, _ = cache.calibration(params, compute)
     require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
             f"({cand.accountant} verified δ = {res['delta']:.3g}; Monte Carlo needs more samples)", cand.accountant)
-    err = fac.errors()
+    err = ErrorReport(**cache.calibration({"errors_of": fac.sha256(), "sensitivity": fac.sensitivity.value},
+                                          lambda: fac.errors().to_dict())[0])
     cand.noise_multiplier = float(res["noise_multiplier"])
     cand.epsilon = float(res["epsilon"])
     cand.calibration_seconds = float(res["seconds"])
