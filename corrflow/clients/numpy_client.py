@@ -62,7 +62,7 @@ def train(msg: Message, context: Context) -> Message:
         items = [str(i) for i in cfg["item-ids"]]
         return Message(content=RecordDict({"arrays": ArrayRecord(train_items(params, items, cfg)),
                                            "metrics": MetricRecord({"num-items": len(items)})}), reply_to=msg)
-    X, y = regression_partition(partition_id(context), params[0].shape[0])
+    X, y = regression_partition(partition_id(context), params[0].shape[0], seed=int(cfg.get("seed", 0)))
     delta = local_update(params, X, y, float(cfg.get("local-lr", 0.1)), int(cfg.get("local-steps", 5)))
     loss = regression_loss([p + d for p, d in zip(params, delta, strict=True)], X, y)
     return Message(content=RecordDict({"arrays": ArrayRecord(delta),

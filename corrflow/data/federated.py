@@ -20,6 +20,7 @@ class TextSource:
     vocab_path: str = ""
     seq_len: int = 20
     max_sentences: int = 256
+    seed: int = 0                   # the synthetic task's seed (data_path="")
 
     def __post_init__(self) -> None:
         require(not self.data_path or bool(self.vocab_path), "vocab-path",
@@ -47,7 +48,7 @@ class TextSource:
         if not self.data_path:
             from corrflow.data.text_synth import TextTask
 
-            return TextTask().num_tokens
+            return TextTask(seed=self.seed).num_tokens
         return self.vocab.num_tokens
 
     @property
@@ -55,7 +56,7 @@ class TextSource:
         if not self.data_path:
             from corrflow.data.text_synth import TextTask
 
-            return TextTask().seq_len
+            return TextTask(seed=self.seed).seq_len
         return self.seq_len
 
     def user_sentences(self, partition: int) -> np.ndarray:
@@ -63,7 +64,7 @@ class TextSource:
         if not self.data_path:
             from corrflow.data.text_synth import TextTask, user_sentences
 
-            return user_sentences(TextTask(), partition)
+            return user_sentences(TextTask(seed=self.seed), partition)
         clients = self.train_clients
         require(0 <= partition < len(clients), "partition-id", f"0 ≤ id < {len(clients)} train clients", partition)
         posts = self._db.client_posts(clients[partition], "train")
@@ -74,7 +75,7 @@ class TextSource:
         if not self.data_path:
             from corrflow.data.text_synth import TextTask, user_sentences
 
-            return np.concatenate([user_sentences(TextTask(), 1_000_000 + i) for i in range(users)])
+            return np.concatenate([user_sentences(TextTask(seed=self.seed), 1_000_000 + i) for i in range(users)])
         split = "heldout" if "heldout" in self._db.splits() else "test"
         rows = [self.vocab.sequences((p.tokens for p in self._db.client_posts(c, split)), self.seq_len,
                                      self.max_sentences) for c in self._db.client_ids(split)[:users]]
@@ -84,6 +85,6 @@ class TextSource:
 
 
 @lru_cache(maxsize=4)
-def text_source(data_path: str = "", vocab_path: str = "", seq_len: int = 20) -> TextSource:
+def text_source(data_path: str = "", vocab_path: str = "", seq_len: int = 20, seed: int = 0) -> TextSource:
     """Process-wide cache, so a simulated client opens the file once, not once per round."""
-    return TextSource(data_path, vocab_path, seq_len)
+    return TextSource(data_path, vocab_path, seq_len, seed=seed)

@@ -23,6 +23,7 @@ from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError,
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
 from corrflow.participation.planner import CohortPlanner
+from corrflow.server.metrics import initial_entry, round_line, write_metrics
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 
@@ -178,16 +179,15 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     fac = load_or_build_factorization(cfg, out)
     sigma, planned, accountant = plan_privacy(cfg, fac, planner)
     accountant = {**accountant, "contribution_bounding": bounding}
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
+
+    initial = initial_entry(task.evaluate, task.initial_weights())
 
     def round_end(strategy, metrics):
         metrics.update(task.evaluate(strategy.params))
         if not quiet:
-            acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
-            print(f"round {metrics['round'] + 1:>4}/{cfg.num_rounds}  replies {metrics['replies']:>3}/"
-                  f"{metrics['cohort']:<3} rejected {metrics['rejected']:<2} test-loss {metrics['test_loss']:.4f}"
-                  f"{acc}  ε {metrics.get('epsilon', float('nan')):.3f}", file=sys.stderr, flush=True)
-        (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+            print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
+        write_metrics(out / "metrics.json", initial, strategy.metrics_history)
         if on_round_end is not None:
             on_round_end(strategy, metrics)
 
@@ -198,7 +198,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     if strategy.remaining_rounds > 0:
         strategy.start(grid=grid, initial_arrays=strategy.initial_arrays(), num_rounds=strategy.remaining_rounds,
                        timeout=600)
-    (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+    write_metrics(out / "metrics.json", initial, strategy.metrics_history)
     return strategy
 
 

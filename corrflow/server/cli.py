@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -223,6 +224,7 @@ def simulate(
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
+app.command("compare")(compare_command)
 
 
 @noise_app.command("sample")

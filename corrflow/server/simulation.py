@@ -15,7 +15,7 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower") 
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
     if backend == "inprocess":
         from corrflow.server.inprocess import InProcessGrid
 

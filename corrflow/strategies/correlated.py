@@ -166,7 +166,7 @@ class CorrelatedNoiseStrategy(Strategy):
                             self.ledger.selected)[1])
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": t, "local-lr": self.cfg.local_lr, "local-steps": self.cfg.local_steps,
-                            "clip-norm": self.cfg.clip_norm})
+                            "clip-norm": self.cfg.clip_norm, "seed": self.cfg.seed})
         if self.cfg.data_path:  # clients read their user's examples from the same dataset file
             cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
                         "seq-len": self.cfg.seq_len})
