@@ -23,6 +23,7 @@ from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError,
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
 from corrflow.participation.planner import CohortPlanner
+from corrflow.server.learnability import check_learnable
 from corrflow.server.metrics import initial_entry, round_line, write_metrics
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
@@ -180,7 +181,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     sigma, planned, accountant = plan_privacy(cfg, fac, planner)
     accountant = {**accountant, "contribution_bounding": bounding}
     task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
-
+    check_learnable(fac, sigma, task.initial_weights(), planner.expected)
     initial = initial_entry(task.evaluate, task.initial_weights())
 
     def round_end(strategy, metrics):

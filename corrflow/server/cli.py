@@ -149,7 +149,8 @@ def simulate(
     noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
     clip_norm: Annotated[float, typer.Option(help="ℓ2 clip of each user's update")] = 1.0,
-    client: Annotated[str, typer.Option(help="client task: numpy (regression) or keras (next-word LSTM)")]
+    client: Annotated[str, typer.Option(help="client task: numpy (regression), nextword (numpy bigram model) or "
+                                             "keras (next-word LSTM)")]
     = "numpy",
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
@@ -168,14 +169,24 @@ def simulate(
     = None,
     max_items_per_user: Annotated[int, typer.Option(help="k_u: per-user contribution bound (0: none)")] = 0,
     taper: Annotated[int, typer.Option(help="toeplitz: b₀ of the 001 App. H taper (0: none)")] = 0,
+    server_lr: Annotated[float | None, typer.Option(help="server learning rate η (default: the client's)")] = None,
+    momentum: Annotated[float | None, typer.Option(help="server momentum β; the factorization is built for this "
+                                                        "workload (default: the client's)")] = None,
+    local_lr: Annotated[float | None, typer.Option(help="clients' learning rate (default: the client's)")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="clients' local epochs (default: the client's)")] = None,
+    seed: Annotated[int, typer.Option(help="seeds the data, model initialisation and participation order (never "
+                                           "the noise, whose key is always fresh)")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report."""
+    from corrflow.clients.tasks import training_defaults
     from corrflow.strategies.config import StrategyConfig
 
     try:
-        if client not in ("numpy", "keras"):
-            raise InvalidArgumentError("--client", "numpy or keras", client)
+        if client not in ("numpy", "nextword", "keras"):
+            raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
+        training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
+                                     local_steps=local_steps)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
         if mode == "cross-silo":  # one simulated node per silo of the manifest
@@ -191,8 +202,7 @@ def simulate(
                              max_items_per_user=max_items_per_user, taper=taper,
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
                              noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
-                             local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
-                             momentum=0.9, state_dir=str(out / "state"))
+                             seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"))
         from corrflow.server.simulation import simulate as run_sim
 
         report = run_sim(cfg, out, backend=backend)

@@ -28,8 +28,8 @@ class StrategyConfig:
     delta: float = 1e-5
     clip_norm: float = 1.0
     zeroing_factor: float = 100.0   # 000 App. F.3: zero updates with ℓ∞ > factor·clip (0 disables)
-    server_lr: float = 1.0
-    momentum: float = 0.9
+    server_lr: float = 0.5          # numpy-client defaults; see corrflow.clients.tasks.TRAINING_DEFAULTS
+    momentum: float = 0.5
     cooldown_fraction: float = 0.25
     local_lr: float = 0.1
     local_steps: int = 5
