@@ -46,7 +46,7 @@ def train_items(params: list[np.ndarray], items: list[str], cfg) -> list[np.ndar
     clip = float(cfg["clip-norm"])
     total = [np.zeros_like(p) for p in params]
     for item in items:
-        X, y = regression_partition(item_seed(item), params[0].shape[0], examples=8)
+        X, y = regression_partition(item_seed(item), params[0].shape[0], seed=int(cfg.get("seed", 0)), examples=8)
         delta = clip_l2(local_update(params, X, y, float(cfg.get("local-lr", 0.1)), int(cfg.get("local-steps", 5))),
                         clip)
         for acc, d in zip(total, delta, strict=True):
