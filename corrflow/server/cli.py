@@ -203,11 +203,13 @@ def simulate(
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
                              noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
                              seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"))
+        from corrflow.server.metrics import summary as metrics_summary
         from corrflow.server.simulation import simulate as run_sim
 
         report = run_sim(cfg, out, backend=backend)
+        held_out = metrics_summary(json.loads((out / "metrics.json").read_text()))
         if as_json:
-            _emit(report, True)
+            _emit({**report, "held_out": held_out}, True)
         else:
             mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
             _emit({"mechanism": f"{mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}"
@@ -225,7 +227,7 @@ def simulate(
                    "min_gap": realized["participation"]["min_gap"], "rejections": realized["rejections"],
                    "policy": realized["participation"]["policy"],
                    "overrides": len(realized["participation"]["overrides"]),
-                   "rounds_completed": report["rounds_completed"],
+                   "rounds_completed": report["rounds_completed"], **held_out,
                    "report": str(out / "privacy_report.json")}, False)
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)

@@ -56,6 +56,10 @@ PRESETS = {
 }
 
 
+LABELS = {"nonprivate": "non-private", "dpsgd": "DP-SGD (independent noise)", "toeplitz": "banded Toeplitz MF",
+          "dense": "dense (optimal multi-epoch) MF", "banded": "BandMF", "bifr": "γ-BIFR", "bisr": "BISR"}
+
+
 def fingerprint(arrays) -> str:
     h = hashlib.sha256()
     for a in arrays:
@@ -176,8 +180,7 @@ def plot(result: dict, out: Path) -> list[str]:
         for name, arm in result["arms"].items():
             curves = np.array([[m[metric] for m in run["curve"]] for run in arm["per_seed"]])
             x = np.arange(curves.shape[1])
-            ax.plot(x, curves.mean(axis=0), label=f"{name} ({arm['kind']})" if name not in ("nonprivate", "dpsgd")
-                    else name)
+            ax.plot(x, curves.mean(axis=0), label=LABELS.get(name, name))
             ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
