@@ -32,6 +32,7 @@ def compare_command(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Train non-private, DP-SGD and correlated-noise arms at the same (ε, δ) and compare held-out accuracy."""
+    from corrflow.clients.tasks import training_defaults
     from corrflow.server.compare import PRESETS, compare, json_summary, stderr_progress, table, with_overrides
 
     try:
@@ -47,6 +48,8 @@ def compare_command(
             raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
         chosen = with_overrides(PRESETS[preset], seeds=seeds, epsilon=epsilon, delta=delta, rounds=rounds,
                                 users=users, epochs=epochs, client=client)
+        if client is not None and client != PRESETS[preset].client:   # that client's optimizer settings
+            chosen = with_overrides(chosen, **training_defaults(client))
         kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
         logging.getLogger("corrflow").setLevel(logging.ERROR)  # the non-private arm's warning is expected here
         result = compare(chosen, kind_list, out, backend=backend, progress=stderr_progress)
