@@ -171,7 +171,7 @@ def _check_run(tmp_path, cfg, report):
     assert on_disk["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
     assert on_disk["planned"]["epsilon"] == pytest.approx(independent, rel=1e-9)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len(metrics) == 6 and all(m["replies"] == 4 for m in metrics)
+    assert len(metrics) == 7 and metrics[0]["round"] == -1 and all(m["replies"] == 4 for m in metrics[1:])
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     model = np.load(ckpt / "model.npz")["arr_0"]
     assert np.abs(model).max() > 0  # the global model moved
