@@ -27,6 +27,13 @@ class TextSource:
                 "a vocabulary file (corrflow data vocab) when data-path is set")
         require(self.seq_len >= 2, "seq-len", "at least 2", self.seq_len)
 
+    @property
+    def synthetic_task(self):
+        """The generator behind ``data_path=""``: 200 words (the vocabulary the nextword client uses too)."""
+        from corrflow.data.text_synth import TextTask
+
+        return TextTask(vocab=200, seed=self.seed)
+
     @cached_property
     def vocab(self):
         from corrflow.data.vocab import Vocabulary
@@ -46,25 +53,21 @@ class TextSource:
     @property
     def num_tokens(self) -> int:
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask
-
-            return TextTask(seed=self.seed).num_tokens
+            return self.synthetic_task.num_tokens
         return self.vocab.num_tokens
 
     @property
     def input_len(self) -> int:
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask
-
-            return TextTask(seed=self.seed).seq_len
+            return self.synthetic_task.seq_len
         return self.seq_len
 
     def user_sentences(self, partition: int) -> np.ndarray:
         """int32 (sentences, input_len + 1) of the partition's user."""
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask, user_sentences
+            from corrflow.data.text_synth import user_sentences
 
-            return user_sentences(TextTask(seed=self.seed), partition)
+            return user_sentences(self.synthetic_task, partition)
         clients = self.train_clients
         require(0 <= partition < len(clients), "partition-id", f"0 ≤ id < {len(clients)} train clients", partition)
         posts = self._db.client_posts(clients[partition], "train")
@@ -73,9 +76,9 @@ class TextSource:
     def held_out(self, users: int = 100) -> np.ndarray:
         """Evaluation sequences from users never trained on (the ``heldout`` split, else ``test``)."""
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask, user_sentences
+            from corrflow.data.text_synth import user_sentences
 
-            return np.concatenate([user_sentences(TextTask(seed=self.seed), 1_000_000 + i) for i in range(users)])
+            return np.concatenate([user_sentences(self.synthetic_task, 1_000_000 + i) for i in range(users)])
         split = "heldout" if "heldout" in self._db.splits() else "test"
         rows = [self.vocab.sequences((p.tokens for p in self._db.client_posts(c, split)), self.seq_len,
                                      self.max_sentences) for c in self._db.client_ids(split)[:users]]
