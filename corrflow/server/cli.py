@@ -148,7 +148,8 @@ def simulate(
     target_epsilon: Annotated[float, typer.Option(help="ε to calibrate σ for (0: use --noise-multiplier)")] = 8.0,
     noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
-    clip_norm: Annotated[float, typer.Option(help="ℓ2 clip of each user's update")] = 1.0,
+    clip_norm: Annotated[float | None, typer.Option(help="ℓ2 clip of each user's update (default: the client's)")]
+    = None,
     client: Annotated[str, typer.Option(help="client task: numpy (regression), nextword (numpy bigram model) or "
                                              "keras (next-word LSTM)")]
     = "numpy",
@@ -186,7 +187,7 @@ def simulate(
         if client not in ("numpy", "nextword", "keras"):
             raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
         training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
-                                     local_steps=local_steps)
+                                     local_steps=local_steps, clip_norm=clip_norm)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
         if mode == "cross-silo":  # one simulated node per silo of the manifest
@@ -201,7 +202,7 @@ def simulate(
                              attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
                              max_items_per_user=max_items_per_user, taper=taper,
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
-                             noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
+                             noise_multiplier=noise_multiplier, delta=delta, client=client,
                              seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"))
         from corrflow.server.metrics import summary as metrics_summary
         from corrflow.server.simulation import simulate as run_sim
