@@ -128,7 +128,7 @@ def test_workload_mismatch_and_unknown_config(tmp_path):
     from corrflow.strategies.server_optimizer import check_workload_matches
     fac = Factorization.load(tmp_path / "factorization.npz")
     with pytest.raises(InvalidArgumentError, match="factorization"):
-        check_workload_matches(fac.workload, 0.5, 0.25)
+        check_workload_matches(fac.workload, 0.3, 0.25)  # the config default is β = 0.5
 
 
 def test_budget_guard_stops_before_exceeding_target(tmp_path):
