@@ -4,7 +4,7 @@ import pytest
 pytest.importorskip("tensorflow")
 pytest.importorskip("flwr")
 
-from corrflow.clients.keras_client import build_model, local_train  # noqa: E402
+from corrflow.clients.keras_client import SYNTHETIC, build_model, local_train  # noqa: E402
 from corrflow.clients.tasks import get_task  # noqa: E402
 from corrflow.data.text_synth import BOS, EOS, PAD, SPECIAL, TextTask, user_sentences, xy  # noqa: E402
 from corrflow.server.app import run_server  # noqa: E402
@@ -12,6 +12,7 @@ from corrflow.server.inprocess import InProcessGrid  # noqa: E402
 from corrflow.strategies.config import StrategyConfig  # noqa: E402
 
 TASK = TextTask()
+KERAS_TASK = SYNTHETIC.synthetic_task  # the text the Keras client trains on
 
 
 def test_synthetic_text_shape_and_determinism():
@@ -32,7 +33,7 @@ def test_synthetic_text_shape_and_determinism():
 def test_local_training_learns_and_returns_delta():
     model = build_model()
     w = model.get_weights()
-    s = np.concatenate([user_sentences(TASK, u) for u in range(40)])
+    s = np.concatenate([user_sentences(KERAS_TASK, u) for u in range(40)])
     delta, _ = local_train(w, s, lr=1.0, epochs=3)
     assert [d.shape for d in delta] == [x.shape for x in w] and all(d.dtype == np.float32 for d in delta)
     task = get_task("keras")

@@ -129,7 +129,7 @@ def test_workload_mismatch_and_unknown_config(tmp_path):
     from corrflow.strategies.server_optimizer import check_workload_matches
     fac = Factorization.load(tmp_path / "factorization.npz")
     with pytest.raises(InvalidArgumentError, match="factorization"):
-        check_workload_matches(fac.workload, 0.5, 0.25)
+        check_workload_matches(fac.workload, 0.3, 0.25)  # the config default is β = 0.5
 
 
 def test_budget_guard_stops_before_exceeding_target(tmp_path):
@@ -172,7 +172,7 @@ def _check_run(tmp_path, cfg, report):
     assert on_disk["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
     assert on_disk["planned"]["epsilon"] == pytest.approx(independent, rel=1e-9)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len(metrics) == 6 and all(m["replies"] == 4 for m in metrics)
+    assert len(metrics) == 7 and metrics[0]["round"] == -1 and all(m["replies"] == 4 for m in metrics[1:])
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     model = np.load(ckpt / "model.npz")["arr_0"]
     assert np.abs(model).max() > 0  # the global model moved

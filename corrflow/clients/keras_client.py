@@ -82,7 +82,7 @@ def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
     source = text_source(str(cfg.get("data-path", "")), str(cfg.get("vocab-path", "")),
-                         int(cfg.get("seq-len", 20)))
+                         int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
     sentences = source.user_sentences(partition_id(context))
     new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))
     return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(

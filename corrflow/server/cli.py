@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -172,8 +173,10 @@ def simulate(
     target_epsilon: Annotated[float, typer.Option(help="ε to calibrate σ for (0: use --noise-multiplier)")] = 8.0,
     noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
-    clip_norm: Annotated[float, typer.Option(help="ℓ2 clip of each user's update")] = 1.0,
-    client: Annotated[str, typer.Option(help="client task: numpy (regression) or keras (next-word LSTM)")]
+    clip_norm: Annotated[float | None, typer.Option(help="ℓ2 clip of each user's update (default: the client's)")]
+    = None,
+    client: Annotated[str, typer.Option(help="client task: numpy (regression), nextword (numpy bigram model) or "
+                                             "keras (next-word LSTM)")]
     = "numpy",
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
@@ -198,6 +201,13 @@ def simulate(
                                                "user-id, node-key or per-launch (can never resume)")] = "partition-id",
     max_empty_rounds: Annotated[int, typer.Option(help="stop after this many consecutive rounds without an "
                                                        "accepted reply (0: never)")] = 3,
+    server_lr: Annotated[float | None, typer.Option(help="server learning rate η (default: the client's)")] = None,
+    momentum: Annotated[float | None, typer.Option(help="server momentum β; the factorization is built for this "
+                                                        "workload (default: the client's)")] = None,
+    local_lr: Annotated[float | None, typer.Option(help="clients' learning rate (default: the client's)")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="clients' local epochs (default: the client's)")] = None,
+    seed: Annotated[int, typer.Option(help="seeds the data, model initialisation and participation order (never "
+                                           "the noise, whose key is always fresh)")] = 0,
     fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
                                              "deleted) instead of resuming it")] = False,
     verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
@@ -207,12 +217,15 @@ def simulate(
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
     why) or refused, 2 bad arguments, 130 interrupted (state and report are complete; rerun to continue)."""
+    from corrflow.clients.tasks import training_defaults
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.strategies.config import StrategyConfig
 
     try:
-        if client not in ("numpy", "keras"):
-            raise InvalidArgumentError("--client", "numpy or keras", client)
+        if client not in ("numpy", "nextword", "keras"):
+            raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
+        training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
+                                     local_steps=local_steps, clip_norm=clip_norm)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
         if mode == "cross-silo":  # one simulated node per silo of the manifest
@@ -227,10 +240,9 @@ def simulate(
                              attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
                              max_items_per_user=max_items_per_user, taper=taper,
                              target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
-                             noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
-                             local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
-                             momentum=0.9, state_dir=str(out / "state"), identity=identity,
-                             replies="delta" if mode == "cross-silo" else "weights",
+                             noise_multiplier=noise_multiplier, delta=delta, client=client,
+                             seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"),
+                             identity=identity, replies="delta" if mode == "cross-silo" else "weights",
                              max_empty_rounds=max_empty_rounds)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
@@ -243,6 +255,7 @@ def simulate(
         _fail(InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
                                    f"that run aside and start anew; {out} holds a run with other settings", diff))
     try:
+        from corrflow.server.metrics import summary as metrics_summary
         from corrflow.server.simulation import simulate as run_sim
 
         stopped = None
@@ -250,10 +263,11 @@ def simulate(
             report = run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
+        held_out = metrics_summary(json.loads((out / "metrics.json").read_text()))
         if as_json:
-            _emit(report, True)
+            _emit({**report, "held_out": held_out}, True)
         else:
-            typer.echo(_summary(report, out))
+            typer.echo(_summary(report, out, held_out))
         if stopped is not None:
             typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
                        err=True)
@@ -266,12 +280,16 @@ def simulate(
         _fail(exc)
 
 
-def _summary(report: dict, out: Path) -> str:
-    """The privacy report in a few lines (the whole report is in OUT/privacy_report.json)."""
+def _summary(report: dict, out: Path, held_out: dict) -> str:
+    """The run in a few lines: held-out progress and the privacy report (whole: OUT/privacy_report.json)."""
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
     part, users = planned["participation"], realized["participation"]
     eps = realized["epsilon"]
+    acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
+           if "final_test_accuracy" in held_out else "")
     lines = [
+        f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{acc} over "
+        f"{held_out['rounds_evaluated']} rounds",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
         f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
@@ -293,6 +311,7 @@ noise_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_
                         help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
+app.command("compare")(compare_command)
 
 
 @noise_app.command("sample")

@@ -40,12 +40,13 @@ class StrategyConfig:
     delta: float = 1e-5
     clip_norm: float = 1.0
     zeroing_factor: float = 100.0   # 000 App. F.3: zero updates with ℓ∞ > factor·clip (0 disables)
-    server_lr: float = 1.0
-    momentum: float = 0.9
+    server_lr: float = 0.5          # numpy-client defaults; see corrflow.clients.tasks.TRAINING_DEFAULTS
+    momentum: float = 0.5
     cooldown_fraction: float = 0.25
     local_lr: float = 0.1
     local_steps: int = 5
     schedule_seed: int = 0          # public: the fixed order of users into groups
+    seed: int = 0                   # the task's data and model initialisation (never the noise key)
     policy: str = "reject"
     model_dim: int = 20
     client: str = "numpy"
@@ -135,7 +136,7 @@ class StrategyConfig:
         require(self.zeroing_factor >= 0, "zeroing-factor", "≥ 0 (0 disables zeroing)", self.zeroing_factor)
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
         require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
-        require(self.client in ("numpy", "keras"), "client", "numpy or keras", self.client)
+        require(self.client in ("numpy", "nextword", "keras"), "client", "numpy, nextword or keras", self.client)
         require(not self.data_path or (self.client == "keras" and bool(self.vocab_path)), "data-path",
                 "client = keras and a vocab-path when a data file is given")
 

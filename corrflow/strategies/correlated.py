@@ -309,7 +309,7 @@ class CorrelatedNoiseStrategy(Strategy):
     def _messages(self, plan: RoundPlan, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": plan.round, "local-lr": self.cfg.local_lr,
-                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm,
+                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm, "seed": self.cfg.seed,
                             **self._user_config(plan.round + 1, arrays, config, grid)})
         if self.cfg.data_path:  # clients read their user's examples from the same dataset file
             cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
