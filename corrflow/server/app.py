@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from corrflow.clients.tasks import get_task
 from corrflow.errors import InvalidArgumentError
-from corrflow.server.metrics import round_line
+from corrflow.progress import round_line
 from corrflow.strategies.config import PREFIX, StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.session import RunHooks, run_strategy

@@ -14,7 +14,7 @@ from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, Inva
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
 
 
@@ -76,7 +76,7 @@ def factorize(
     = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
     taper: Annotated[int | None, typer.Option(help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
-                                                   "uncertain in [b₀, bands])")] = None,
+                                                   "uncertain in \\[b₀, bands])")] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
     describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
@@ -170,8 +170,10 @@ def simulate(
     rounds: Annotated[int, typer.Option(help="rounds n")] = 20,
     epochs: Annotated[int, typer.Option(help="participations per user k (fixed-epoch, b = n/k)")] = 2,
     kind: Annotated[str, typer.Option(help="factorization kind")] = "toeplitz",
-    target_epsilon: Annotated[float, typer.Option(help="ε to calibrate σ for (0: use --noise-multiplier)")] = 8.0,
-    noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
+    target_epsilon: Annotated[float | None, typer.Option(help="ε to calibrate σ for (default 8 without "
+                                                              "--noise-multiplier; with it: the budget guard's "
+                                                              "limit)")] = None,
+    noise_multiplier: Annotated[float | None, typer.Option(help="σ, fixed instead of calibrated")] = None,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
     clip_norm: Annotated[float | None, typer.Option(help="ℓ2 clip of each user's update (default: the client's)")]
     = None,
@@ -222,6 +224,11 @@ def simulate(
     from corrflow.strategies.config import StrategyConfig
 
     try:
+        if noise_multiplier is not None and not noise_multiplier > 0:
+            raise InvalidArgumentError("--noise-multiplier", "a positive σ (omit it to calibrate σ for "
+                                       "--target-epsilon)", noise_multiplier)
+        if target_epsilon is not None and not target_epsilon > 0:
+            raise InvalidArgumentError("--target-epsilon", "a positive ε", target_epsilon)
         if client not in ("numpy", "nextword", "keras"):
             raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
         training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
@@ -239,28 +246,41 @@ def simulate(
                              policy=policy, accountant=accountant, mode=mode,
                              attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
                              max_items_per_user=max_items_per_user, taper=taper,
-                             target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
-                             noise_multiplier=noise_multiplier, delta=delta, client=client,
+                             target_epsilon=target_epsilon if target_epsilon is not None else
+                             (0.0 if noise_multiplier is not None else 8.0),
+                             noise_multiplier=noise_multiplier if noise_multiplier is not None else 0.0,
+                             delta=delta, client=client,
                              seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"),
-                             identity=identity, replies="delta" if mode == "cross-silo" else "weights",
+                             identity=identity,
                              max_empty_rounds=max_empty_rounds)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
-        flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
+        flag = exc.field if exc.field.startswith("--") else _FLAGS.get(exc.field, "--" + exc.field.replace("_", "-"))
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
     except CorrflowError as exc:
         _fail(exc)
-    from corrflow.strategies.run_state import settings_conflict
+    from corrflow.strategies.run_state import preflight, settings_conflict
 
-    if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
-        _fail(InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
-                                   f"that run aside and start anew; {out} holds a run with other settings", diff))
+    try:
+        if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
+            raise InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
+                                       f"that run aside and start anew; {out} holds a run with other settings", diff)
+        resume = None if fresh else preflight(out, cfg.state_dir)
+        complete = resume is not None and resume.checkpoint is not None and len(resume.journal) >= rounds
+        if resume is not None and resume.checkpoint is not None:
+            done = len(resume.journal)
+            typer.echo(f"resuming: {done} of {rounds} rounds already released" if done < rounds else
+                       f"already complete: all {rounds} rounds were released; nothing to train (--fresh starts "
+                       "a new run)", err=True)
+    except CorrflowError as exc:
+        _fail(exc)
     try:
         from corrflow.server.metrics import summary as metrics_summary
         from corrflow.server.simulation import simulate as run_sim
 
         stopped = None
         try:
-            report = run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
+            report = json.loads((out / "privacy_report.json").read_text()) if complete else \
+                run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
         held_out = metrics_summary(json.loads((out / "metrics.json").read_text()))
@@ -278,6 +298,12 @@ def simulate(
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+
+
+# Run-config keys whose `simulate` flag has another name.
+_FLAGS = {"num-users": "--users", "num-rounds": "--rounds", "state-dir": "--out", "attribution-path": "--attribution",
+          "manifest-path": "--manifest", "noise_multiplier": "--noise-multiplier",
+          "target_epsilon": "--target-epsilon"}
 
 
 def _summary(report: dict, out: Path, held_out: dict) -> str:
@@ -307,7 +333,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
     return "\n".join(lines)
 
 
-noise_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+noise_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")

@@ -1,20 +1,9 @@
-"""Held-out metrics of a run as a person reads them: the per-round progress line and the end-of-run summary of
-``metrics.json`` (a list: the initial model as ``"round": -1``, then one entry per round; written by the run
-session)."""
+"""The end-of-run summary of ``metrics.json`` (a list: the initial model as ``"round": -1``, then one entry per
+round; written by the run session)."""
 
 from __future__ import annotations
 
 import math
-
-
-def round_line(metrics: dict, num_rounds: int) -> str:
-    """``round t/n  accepted a/c  rejected j (most frequent reason)  test-loss L  accuracy A  ε E`` (accuracy only
-    for tasks that have it)."""
-    acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
-    loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
-    why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
-    return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
-            f" rejected {metrics['rejected']}{why}{loss}{acc}  ε {metrics.get('epsilon', float('nan')):.3f}")
 
 
 def summary(entries: list[dict]) -> dict:
