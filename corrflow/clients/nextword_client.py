@@ -1,7 +1,8 @@
 """A numpy next-word ClientApp: a low-rank bigram softmax model (embedding E, output projection W, bias b;
 logits(next | prev) = E[prev]·W + b) trained by local SGD on the user's synthetic sentences. Small enough (about
 17k parameters at the default vocabulary) for DP comparisons on a CPU in minutes, with an accuracy that means
-something on the Markov-structured text of :mod:`corrflow.data.text_synth`. Replies with the model delta."""
+something on the Markov-structured text of :mod:`corrflow.data.text_synth`. Replies with the new weights, as
+Flower's quickstarts do (the server subtracts the model it sent)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from corrflow.clients.identity import corrflow_identity_mod
 from corrflow.clients.numpy_client import identity as _identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.text_synth import PAD, SPECIAL, TextTask, accuracy_mask, user_sentences, xy
 
-app = ClientApp()
+app = ClientApp(mods=[corrflow_identity_mod])  # answers the server's identity probe
 EMBEDDING = 16
 
 
@@ -87,7 +89,8 @@ def train(msg: Message, context: Context) -> Message:
     sentences = user_sentences(task_for(seed, weights[0].shape[0] - SPECIAL), user)
     delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)),
                               shuffle=(seed, user, int(cfg.get("server-round", 0))))
-    return Message(content=RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(
+    new = [w + d for w, d in zip(weights, delta, strict=True)]
+    return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
         {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
 
 
