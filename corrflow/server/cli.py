@@ -160,6 +160,8 @@ def account(
                   f"δ = {delta:g}; --verify-target draws the {res['accountant']['samples_needed_for_target_delta']} "
                   "samples per direction the target needs", file=sys.stderr)
         _emit(res, as_json)
+    except InvalidArgumentError as exc:
+        _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
 
@@ -254,8 +256,7 @@ def simulate(
                              identity=identity,
                              max_empty_rounds=max_empty_rounds)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
-        flag = exc.field if exc.field.startswith("--") else _FLAGS.get(exc.field, "--" + exc.field.replace("_", "-"))
-        _fail(InvalidArgumentError(flag, exc.expected, exc.got))
+        _fail(_as_flag(exc))
     except CorrflowError as exc:
         _fail(exc)
     from corrflow.strategies.run_state import preflight, settings_conflict
@@ -302,8 +303,14 @@ def simulate(
 
 # Run-config keys whose `simulate` flag has another name.
 _FLAGS = {"num-users": "--users", "num-rounds": "--rounds", "state-dir": "--out", "attribution-path": "--attribution",
-          "manifest-path": "--manifest", "noise_multiplier": "--noise-multiplier",
-          "target_epsilon": "--target-epsilon"}
+          "manifest-path": "--manifest"}
+
+
+def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """The same error naming the command-line flag rather than the library's field or run-config key."""
+    if exc.field.startswith("--"):
+        return exc
+    return InvalidArgumentError(_FLAGS.get(exc.field, "--" + exc.field.replace("_", "-")), exc.expected, exc.got)
 
 
 def _summary(report: dict, out: Path, held_out: dict) -> str:
