@@ -144,12 +144,25 @@ def test_budget_guard_stops_before_exceeding_target(tmp_path):
 
 
 def test_end_to_end_flower_simulation(tmp_path):
-    """A real Flower simulation (Ray), 12 clients, 6 rounds, numpy client."""
-    from corrflow.server.simulation import simulate
-
-    cfg = _cfg(tmp_path)
-    report = simulate(cfg, tmp_path)
-    _check_run(tmp_path, cfg, report)
+    """`corrflow simulate` on Flower's engine (Ray): 12 users, 20 rounds, numpy client — at most 40 lines of output
+    without --verbose (Flower's, Ray's and TensorFlow's own output goes to engine.log)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "12", "--rounds", "20",
+                        "--epochs", "2", "--noise-multiplier", "0.7", "--out", str(out)],
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (r.stdout + r.stderr).splitlines()
+    assert len(lines) <= 40, "\n".join(lines)
+    assert sum(line.startswith("round ") for line in lines) == 20 and (out / "engine.log").exists()
+    report = json.loads((out / "privacy_report.json").read_text())
+    users = report["realized"]["participation"]["users"]
+    assert report["rounds_completed"] == 20 and len(users) == 12
+    assert all(len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 10 for u in users.values())
+    fac = Factorization.load(out / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {k: v["rounds"] for k, v in users.items()})
+    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5),
+                                                          rel=1e-12)
 
 
 def test_end_to_end_inprocess(tmp_path):
