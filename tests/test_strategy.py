@@ -16,7 +16,6 @@ from strategy_support import HANDLERS, KEY, request_for  # noqa: E402
 from strategy_support import small_config as _cfg  # noqa: E402
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
-from corrflow.clients.numpy_client import identity  # noqa: E402
 from corrflow.errors import InvalidArgumentError  # noqa: E402
 from corrflow.factorization import Factorization  # noqa: E402
 from corrflow.noise import CorrelatedNoise  # noqa: E402
@@ -33,7 +32,7 @@ def _zero_train(msg, ctx):
 
 def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, noise_key=KEY,
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, noise_key=KEY,
                    quiet=True)
     fac = Factorization.load(tmp_path / "factorization.npz")
     shapes = [(6,), (1,)]
@@ -206,7 +205,7 @@ def test_checkpoint_is_private(tmp_path):
 
 def test_non_private_baseline_adds_no_noise(tmp_path):
     cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, quiet=True)
     assert all(np.all(p == 0) for p in s.params)  # zero updates, no noise → the model stays at zero
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["realized"]["epsilon"] is None and rep["planned"]["epsilon"] is None

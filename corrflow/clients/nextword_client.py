@@ -11,7 +11,6 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import corrflow_identity_mod
-from corrflow.clients.numpy_client import identity as _identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.text_synth import PAD, SPECIAL, TextTask, accuracy_mask, user_sentences, xy
 
@@ -93,5 +92,3 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
         {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
 
-
-identity = app.query()(_identity)

@@ -71,10 +71,3 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"arrays": ArrayRecord(new),
                                        "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss})}),
                    reply_to=msg)
-
-
-@app.query()
-def identity(msg: Message, context: Context) -> Message:
-    """Simulation only: report the partition id (self-reported; deployments use the SuperNode's public key)."""
-    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": partition_id(context)})}),
-                   reply_to=msg)

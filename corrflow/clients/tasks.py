@@ -50,7 +50,7 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
         X, y = regression_test_set(model_dim, seed=seed)
         from corrflow.data.synthetic import regression_partition
 
-        return Task("numpy", c.app, {"train": c.train, "query": c.identity},
+        return Task("numpy", c.app, {"train": c.train},
                     lambda: [np.zeros(model_dim, np.float32), np.zeros(1, np.float32)],
                     lambda w: {"test_loss": regression_loss(w, X, y)},
                     lambda u: regression_partition(u, model_dim, seed=seed))
@@ -65,7 +65,7 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
             loss, acc = nw.evaluate_weights(w, held)
             return {"test_loss": loss, "test_accuracy": acc}
 
-        return Task("nextword", nw.app, {"train": nw.train, "query": nw.identity},
+        return Task("nextword", nw.app, {"train": nw.train},
                     lambda: nw.initial_weights(text.num_tokens, seed), evaluate_nw,
                     lambda u: (user_sentences(text, u),))
     from corrflow.clients import keras_client as k
@@ -82,5 +82,5 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
         return [w.astype(np.float32) for w in k.build_model(source.num_tokens, source.input_len, seed=seed)
                 .get_weights()]
 
-    return Task("keras", k.app, {"train": k.train, "query": k.identity}, initial, evaluate,
+    return Task("keras", k.app, {"train": k.train}, initial, evaluate,
                 lambda u: (source.user_sentences(u),))
