@@ -1,74 +1,50 @@
-"""Utility at equal (ε, δ): corrflow's matrix-factorization noise vs DP-SGD's independent noise vs no noise, on the
-synthetic StackOverflow-style next-word task (Keras LSTM), same users, schedule, optimizer and clipping.
+"""Utility at equal (ε, δ): correlated noise (banded Toeplitz MF) vs DP-SGD's independent noise vs no noise, on the
+synthetic StackOverflow-style next-word task with learnable word order (numpy bigram model), same users, data,
+initialisation, schedule, optimizer and clipping per seed — ``corrflow compare`` at several ε.
 
-Goal (000 Fig. 3): MF closes at least half of DP-SGD's gap to the non-private model. Prints one JSON object with
-the final held-out cross-entropy and next-word accuracy (means of the last 3 rounds) and the fraction of each gap
-closed (null when the arms tie, e.g. all at zero accuracy). The non-private arm adds
-no noise (config ``non_private``; its ε is null). Runs on the in-process grid (no Ray) to keep the timing about the
-training, not the simulator.
+Goal (000 Fig. 3): MF closes at least half of DP-SGD's accuracy gap to the non-private model. Prints one JSON object:
+per ε, each arm's final held-out accuracy and loss (means over seeds), the gap each kind closes, and the seconds.
 
-Usage: python benchmarks/utility.py [--users 400] [--rounds 20] [--epochs 2] [--epsilon 8] [--client keras]
+Usage: python benchmarks/utility.py [--epsilons 2,8] [--preset quick] [--seeds 3] [--kinds toeplitz] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import numpy as np
-
-from corrflow.clients.tasks import get_task
-from corrflow.server.app import run_server
-from corrflow.server.inprocess import InProcessGrid
-from corrflow.strategies.config import StrategyConfig
-
-
-def run_arm(name: str, kind: str, args, **sigma) -> dict:
-    out = tempfile.mkdtemp(prefix=f"corrflow-utility-{name}-")
-    cfg = StrategyConfig(num_users=args.users, num_rounds=args.rounds, epochs=args.epochs, kind=kind,
-                         delta=args.delta, clip_norm=args.clip, client=args.client, momentum=0.9,
-                         server_lr=args.server_lr, local_lr=0.5 if args.client == "keras" else 0.1,
-                         local_steps=1 if args.client == "keras" else 5, state_dir=os.path.join(out, "state"),
-                         **sigma)
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
-    t0 = time.perf_counter()
-    s = run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, out, quiet=True)
-    keys = ["test_loss"] + (["test_accuracy"] if args.client == "keras" else [])
-    res = {"kind": kind, "noise_multiplier": s.sigma, "epsilon": s.ledger.epsilon_history[-1],
-           "seconds": time.perf_counter() - t0}
-    for key in keys:  # mean of the last 3 rounds
-        res[key] = float(np.mean([m[key] for m in s.metrics_history[-3:]]))
-    print(json.dumps({name: res}), file=sys.stderr, flush=True)
-    return res
+from corrflow.server.compare import PRESETS, compare, stderr_progress, table, with_overrides
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--users", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--epsilon", type=float, default=8.0)
-    ap.add_argument("--delta", type=float, default=1e-5)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--server-lr", type=float, default=0.3)
-    ap.add_argument("--client", default="keras")
+    ap.add_argument("--epsilons", default="2,8")
+    ap.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--kinds", default="toeplitz")
+    ap.add_argument("--out", default=None, help="keep the comparisons here (default: a temporary directory)")
     args = ap.parse_args()
-    arms = {"mf": run_arm("mf", "toeplitz", args, target_epsilon=args.epsilon),
-            "dpsgd": run_arm("dpsgd", "dpsgd", args, target_epsilon=args.epsilon),
-            "nonprivate": run_arm("nonprivate", "toeplitz", args, non_private=True)}
-    gaps = {}
-    for key in ("test_loss", "test_accuracy"):
-        if key in arms["mf"]:
-            mf, sgd, free = (arms[k][key] for k in ("mf", "dpsgd", "nonprivate"))
-            gaps[key] = (mf - sgd) / (free - sgd) if free != sgd else None
-    print(json.dumps({"benchmark": "utility", "task": args.client, "users": args.users, "rounds": args.rounds,
-                      "epochs": args.epochs, "cohort": args.users // (args.rounds // args.epochs),
-                      "epsilon": args.epsilon, "delta": args.delta, "arms": arms, "gap_closed": gaps,
-                      "target_gap_closed": 0.5}))
+    logging.getLogger("corrflow").setLevel(logging.ERROR)
+    root = Path(args.out or tempfile.mkdtemp(prefix="corrflow-utility-"))
+    results = {}
+    for eps in (float(e) for e in args.epsilons.split(",")):
+        preset = with_overrides(PRESETS[args.preset], epsilon=eps, seeds=args.seeds)
+        started = time.perf_counter()
+        res = compare(preset, args.kinds.split(","), root / f"eps{eps:g}", progress=stderr_progress)
+        print(table(res), file=sys.stderr, flush=True)
+        results[f"{eps:g}"] = {"arms": {n: {k: a[k] for k in ("accuracy", "loss", "kind", "noise_multiplier")}
+                                        for n, a in res["arms"].items()},
+                               "gap_closed": res["gap_closed"], "seconds": time.perf_counter() - started}
+    p = PRESETS[args.preset]
+    print(json.dumps({"benchmark": "utility", "preset": args.preset, "client": p.client, "users": p.users,
+                      "rounds": p.rounds, "epochs": p.epochs, "cohort": p.cohort, "delta": p.delta,
+                      "seeds": args.seeds or p.seeds, "results": results, "target_gap_closed": 0.5,
+                      "out": str(root)}))
 
 
 if __name__ == "__main__":

@@ -48,3 +48,13 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def round_line(metrics: dict, num_rounds: int) -> str:
+    """``round t/n  accepted a/c  rejected j (most frequent reason)  test-loss L  accuracy A  ε E`` (accuracy only
+    for tasks that have it)."""
+    acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
+    loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
+    why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
+    return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
+            f" rejected {metrics['rejected']}{why}{loss}{acc}  ε spent {metrics.get('epsilon', float('nan')):.3f}")

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from corrflow.clients.numpy_client import identity, train
+from corrflow.clients.numpy_client import train
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.config import StrategyConfig
@@ -23,6 +23,6 @@ def on_round_end(strategy, metrics):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-s = run_server(InProcessGrid({"train": train, "query": identity}, 12), cfg, out, noise_key=bytes(range(16)),
+s = run_server(InProcessGrid({"train": train}, 12), cfg, out, noise_key=bytes(range(16)),
                quiet=True, on_round_end=on_round_end)
 np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in s.params]))

@@ -3,10 +3,10 @@ stand-in request used to build tampered replies."""
 
 from flwr.app import Message, RecordDict
 
-from corrflow.clients.numpy_client import identity, train
+from corrflow.clients.numpy_client import train
 from corrflow.strategies.config import StrategyConfig
 
-HANDLERS = {"train": train, "query": identity}
+HANDLERS = {"train": train}
 KEY = bytes(range(16))
 
 

@@ -307,7 +307,7 @@ def test_cli_account(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "account", "--factorization", str(path),
                           "--delta", "1e-6", "--noise-multiplier", "1", "--sampling", "bminsep"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "dataset_size" in bad.stderr
+    assert bad.returncode == 2 and "--dataset-size" in bad.stderr
 
 
 def test_gaussian_closed_form_consistency():

@@ -15,6 +15,7 @@ from corrflow.data.arxiv import (
     normalize_author,
     split_authors,
 )
+from corrflow.data.lexicon import Lexicon
 from corrflow.data.partition import load_manifest, make_manifest, node_config, write_manifest
 from corrflow.data.stackoverflow import (
     Post,
@@ -345,3 +346,64 @@ def test_data_cli(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"id": \n')
     res = r.invoke(app, ["data", "stats", str(tmp_path / "bad.jsonl")])
     assert res.exit_code == 2 and "bad.jsonl:1" in res.output
+
+
+# ---------------------------------------------------------------------------------------------- n-gram structure
+
+def _bigram_vs_unigram(train: list[list], test: list[list], min_count: int = 5) -> tuple[float, float]:
+    """Accuracy of count-based predictors of the next word: the most frequent successor of the previous word
+    (bigram) and the most frequent word (unigram), on test positions whose previous word was seen ≥ min_count
+    times in training (so the bigram row is estimated, not guessed)."""
+    from collections import Counter, defaultdict
+
+    succ: dict = defaultdict(Counter)
+    uni: Counter = Counter()
+    for seq in train:
+        uni.update(seq[1:])
+        for a, b in zip(seq, seq[1:], strict=False):
+            succ[a][b] += 1
+    top = uni.most_common(1)[0][0]
+    hits_bi = hits_uni = total = 0
+    for seq in test:
+        for a, b in zip(seq, seq[1:], strict=False):
+            if sum(succ[a].values()) >= min_count:
+                total += 1
+                hits_bi += succ[a].most_common(1)[0][0] == b
+                hits_uni += top == b
+    assert total > 1000
+    return hits_bi / total, hits_uni / total
+
+
+def test_stackoverflow_text_has_learnable_bigram_structure():
+    """Bigram counts beat the unigram baseline by at least half the generator's ceiling follow·w₁·(1 − topic-
+    specific rows) (0.29 at the defaults; the rest is lost to estimation noise on a 20k-word vocabulary)."""
+    spec = StackOverflowSpec(users=400, seed=3)
+    posts = [p.tokens.split() for i in range(400) for p in synthetic_user(spec, i)[1]]
+    bi, uni = _bigram_vs_unigram(posts[:len(posts) * 3 // 4], posts[len(posts) * 3 // 4:])
+    assert bi - uni >= 0.5 * spec.lexicon.bigram_ceiling(), (bi, uni)
+    # the control: without the Markov order (follow = 0) the bigram predictor has nothing to learn
+    flat = StackOverflowSpec(users=400, seed=3, lexicon=Lexicon(follow=0.0))
+    posts = [p.tokens.split() for i in range(400) for p in synthetic_user(flat, i)[1]]
+    bi0, uni0 = _bigram_vs_unigram(posts[:len(posts) * 3 // 4], posts[len(posts) * 3 // 4:])
+    assert bi0 - uni0 < 0.05, (bi0, uni0)
+
+
+def test_arxiv_abstracts_have_learnable_bigram_structure(tmp_path):
+    spec = ArxivSpec(users=300, seed=2)
+    generate_arxiv(tmp_path / "a.jsonl", spec)
+    texts = [p.abstract.lower().rstrip(".").split() for p in ArxivReader(tmp_path / "a.jsonl")]
+    cut = len(texts) * 3 // 4
+    bi, uni = _bigram_vs_unigram(texts[:cut], texts[cut:])
+    assert bi - uni >= 0.5 * spec.lexicon.bigram_ceiling(), (bi, uni)
+
+
+def test_in_memory_text_bigram_reaches_its_ceiling():
+    """The clients' in-memory text (text_synth): bigram counts reach most of follow·w₁·(1 − oov), far above the
+    unigram baseline; the topic-specific rows cost at most topic_specific of the ceiling."""
+    from corrflow.data.text_synth import SPECIAL, TextTask, bigram_ceiling, user_sentences
+
+    task = TextTask(vocab=200)
+    seqs = [[int(w) for w in s if w >= SPECIAL] for u in range(1500) for s in user_sentences(task, u)]
+    bi, uni = _bigram_vs_unigram(seqs[:len(seqs) * 4 // 5], seqs[len(seqs) * 4 // 5:])
+    ceiling = bigram_ceiling(task)
+    assert bi >= (1 - task.topic_specific) * ceiling - 0.03 and uni < 0.1 * ceiling, (bi, uni, ceiling)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,15 @@ def _stop_processes_mentioning(text: str) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
+def _wait_for_completion(report: Path, rounds: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            if json.loads(report.read_text())["rounds_completed"] >= rounds:
+                return
+        time.sleep(1)
+
+
 def test_flwr_run_completes_the_default_app(tmp_path):
     flwr = shutil.which("flwr", path=os.path.dirname(sys.executable))
     assert flwr, "flwr is installed with corrflow (flwr[simulation])"
@@ -45,15 +55,17 @@ def test_flwr_run_completes_the_default_app(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(home), CORRFLOW_HOME=str(corrflow_home), FLWR_TELEMETRY_ENABLED="0",
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    run_dir = corrflow_home / "flwr-run"
     try:
         r = subprocess.run([flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=10"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=600)
+        _wait_for_completion(run_dir / "privacy_report.json", rounds=10, timeout=300)   # `--stream` can end early
     finally:
         _stop_processes_mentioning(str(home))
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
-    run_dir = corrflow_home / "flwr-run"
-    assert f"run directory {run_dir}" in log                     # the absolute state path is logged
+    assert f"run directory {run_dir}" in log, log[-3000:]         # the absolute state path is logged
+    assert (run_dir / "privacy_report.json").exists(), log[-3000:]
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 10 and report["stopped_reason"] is None
     assert len(report["realized"]["participation"]["users"]) == 10

@@ -204,7 +204,7 @@ def test_cli_account_mmcc(tmp_path):
                           "--delta", "1e-6", "--noise-multiplier", "1.0", "--sampling", "poisson", "--accountant",
                           "mmcc", "--dataset-size", "3200", "--expected-batch-size", "100", "--mmcc-grid", "0.5"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "mmcc_grid" in bad.stderr
+    assert bad.returncode == 2 and "--mmcc-grid" in bad.stderr
 
 
 def test_planner_poisson_and_cyclic_poisson():

@@ -174,7 +174,7 @@ def _arxiv_setup(tmp_path, silos=3):
 def test_cross_silo_arxiv_multi_attribution_end_to_end(tmp_path):
     data, manifest = _arxiv_setup(tmp_path)
     cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
-               participation_rate=0.06, mode="cross-silo", replies="delta", attribution_path=str(data),
+               participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0)
     s = run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
@@ -202,7 +202,7 @@ def test_cross_silo_arxiv_with_monte_carlo_plan(tmp_path):
     — amplified below the unamplified ε of sensitivity k_u; followed, so the realised ε is the planned one."""
     data, manifest = _arxiv_setup(tmp_path)
     cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
-               participation_rate=0.06, mode="cross-silo", replies="delta", attribution_path=str(data),
+               participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0, accountant="monte-carlo",
                mc_samples=5000)
     run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
@@ -229,7 +229,7 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
         return out
 
     cfg = _cfg(tmp_path, num_users=3, num_rounds=4, epochs=2, participation="multi-attribution",
-               participation_rate=0.1, mode="cross-silo", replies="delta", attribution_path=str(data),
+               participation_rate=0.1, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest),
                max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0)
     with caplog.at_level(logging.WARNING, logger="corrflow"):

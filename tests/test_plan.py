@@ -199,9 +199,9 @@ def test_wrapper_loads_the_plan(planned, tmp_path):
     rec = doc["recommended"]
     with pytest.raises(InvalidArgumentError, match="participation: plan 'fixed-epoch', run 'cyclic-poisson'"):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, plan=out / "recipe.json",
-                                           participation="cyclic-poisson", state_dir=tmp_path / "x")
+                                           participation="cyclic-poisson", state_dir=tmp_path / "x" / "state")
     strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
-                                                  plan=out / "recipe.json", state_dir=tmp_path / "w")
+                                                  plan=out / "recipe.json", state_dir=tmp_path / "w" / "state")
     with pytest.raises(InvalidArgumentError, match="num_rounds"):
         strategy.config(num_rounds=30, num_users=60)
     task = get_task("numpy", 20)

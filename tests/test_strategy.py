@@ -16,7 +16,6 @@ from strategy_support import HANDLERS, KEY, request_for  # noqa: E402
 from strategy_support import small_config as _cfg  # noqa: E402
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
-from corrflow.clients.numpy_client import identity  # noqa: E402
 from corrflow.errors import InvalidArgumentError  # noqa: E402
 from corrflow.factorization import Factorization  # noqa: E402
 from corrflow.noise import CorrelatedNoise  # noqa: E402
@@ -33,7 +32,7 @@ def _zero_train(msg, ctx):
 
 def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, noise_key=KEY,
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, noise_key=KEY,
                    quiet=True)
     fac = Factorization.load(tmp_path / "factorization.npz")
     shapes = [(6,), (1,)]
@@ -129,7 +128,7 @@ def test_workload_mismatch_and_unknown_config(tmp_path):
     from corrflow.strategies.server_optimizer import check_workload_matches
     fac = Factorization.load(tmp_path / "factorization.npz")
     with pytest.raises(InvalidArgumentError, match="factorization"):
-        check_workload_matches(fac.workload, 0.5, 0.25)
+        check_workload_matches(fac.workload, 0.3, 0.25)  # the config default is β = 0.5
 
 
 def test_budget_guard_stops_before_exceeding_target(tmp_path):
@@ -144,12 +143,25 @@ def test_budget_guard_stops_before_exceeding_target(tmp_path):
 
 
 def test_end_to_end_flower_simulation(tmp_path):
-    """A real Flower simulation (Ray), 12 clients, 6 rounds, numpy client."""
-    from corrflow.server.simulation import simulate
-
-    cfg = _cfg(tmp_path)
-    report = simulate(cfg, tmp_path)
-    _check_run(tmp_path, cfg, report)
+    """`corrflow simulate` on Flower's engine (Ray): 12 users, 20 rounds, numpy client — at most 40 lines of output
+    without --verbose (Flower's, Ray's and TensorFlow's own output goes to engine.log)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "12", "--rounds", "20",
+                        "--epochs", "2", "--noise-multiplier", "0.7", "--out", str(out)],
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (r.stdout + r.stderr).splitlines()
+    assert len(lines) <= 40, "\n".join(lines)
+    assert sum(line.startswith("round ") for line in lines) == 20 and (out / "engine.log").exists()
+    report = json.loads((out / "privacy_report.json").read_text())
+    users = report["realized"]["participation"]["users"]
+    assert report["rounds_completed"] == 20 and len(users) == 12
+    assert all(len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 10 for u in users.values())
+    fac = Factorization.load(out / "factorization.npz")
+    sens, _ = realized_sensitivity(fac.encoder, {k: v["rounds"] for k, v in users.items()})
+    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5),
+                                                          rel=1e-12)
 
 
 def test_end_to_end_inprocess(tmp_path):
@@ -172,7 +184,7 @@ def _check_run(tmp_path, cfg, report):
     assert on_disk["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
     assert on_disk["planned"]["epsilon"] == pytest.approx(independent, rel=1e-9)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert len(metrics) == 6 and all(m["replies"] == 4 for m in metrics)
+    assert len(metrics) == 7 and metrics[0]["round"] == -1 and all(m["replies"] == 4 for m in metrics[1:])
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     model = np.load(ckpt / "model.npz")["arr_0"]
     assert np.abs(model).max() > 0  # the global model moved
@@ -193,7 +205,7 @@ def test_checkpoint_is_private(tmp_path):
 
 def test_non_private_baseline_adds_no_noise(tmp_path):
     cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train, "query": identity}, 12), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, quiet=True)
     assert all(np.all(p == 0) for p in s.params)  # zero updates, no noise → the model stays at zero
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["realized"]["epsilon"] is None and rep["planned"]["epsilon"] is None

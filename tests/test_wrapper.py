@@ -53,10 +53,17 @@ def runs(tmp_path_factory):
     def main(grid, context):
         for name, (inner, init, config) in plans.items():
             strategy = DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
-                                                          epochs=2, num_users=USERS, state_dir=root / name)
+                                                          epochs=2, num_users=USERS, state_dir=root / name / "state")
             result = strategy.start(grid=grid, initial_arrays=init, num_rounds=ROUNDS,
                                     train_config=ConfigRecord(config))
             out[name] = (strategy, result, init)
+        # The population taken from the nodes present, then the same run started again: it resumes (nothing left).
+        inner, init, config = FedAvg(fraction_evaluate=0.0), plans["numpy"][1], plans["numpy"][2]
+        for attempt in ("first", "again"):
+            strategy = DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
+                                                          epochs=2, state_dir=root / "present" / "state")
+            strategy.start(grid=grid, initial_arrays=init, num_rounds=4, train_config=ConfigRecord(config))
+            out[attempt] = strategy.privacy_report()
 
     run_simulation(server_app=server, client_app=qs.app, num_supernodes=USERS,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
@@ -80,6 +87,14 @@ def test_quickstart_apps_train_unchanged_under_the_wrapper(runs, name):
     independent = epsilon_of(unamplified_event(report["noise_multiplier"], sens.value), 1e-5)
     assert report["realized"]["epsilon"] == pytest.approx(independent, rel=1e-12)
     assert report["realized"]["epsilon"] <= 8.0 + 1e-9
+
+
+def test_population_of_the_nodes_present_resumes_as_the_same_run(runs):
+    first, again = runs["first"], runs["again"]
+    assert first["rounds_completed"] == again["rounds_completed"] == 4 and first["run_id"] == again["run_id"]
+    assert again["realized"]["participation"] == first["realized"]["participation"]
+    assert again["realized"]["epsilon"] == pytest.approx(first["realized"]["epsilon"], rel=1e-12)
+    assert len(first["realized"]["participation"]["users"]) == USERS
 
 
 def test_integer_buffers_keep_the_servers_value(runs):

@@ -9,7 +9,6 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import corrflow_identity_mod
-from corrflow.clients.numpy_client import identity as _identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.federated import TextSource, text_source
 from corrflow.data.text_synth import accuracy_mask, xy
@@ -82,11 +81,9 @@ def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
     source = text_source(str(cfg.get("data-path", "")), str(cfg.get("vocab-path", "")),
-                         int(cfg.get("seq-len", 20)))
+                         int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
     sentences = source.user_sentences(partition_id(context))
     new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))
     return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
         {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
 
-
-identity = app.query()(_identity)

@@ -47,7 +47,7 @@ def train_items(params: list[np.ndarray], items: list[str], cfg) -> list[np.ndar
     clip = float(cfg["clip-norm"])
     total = [np.zeros_like(p) for p in params]
     for item in items:
-        X, y = regression_partition(item_seed(item), params[0].shape[0], examples=8)
+        X, y = regression_partition(item_seed(item), params[0].shape[0], seed=int(cfg.get("seed", 0)), examples=8)
         delta = clip_l2(local_update(params, X, y, float(cfg.get("local-lr", 0.1)), int(cfg.get("local-steps", 5))),
                         clip)
         for acc, d in zip(total, delta, strict=True):
@@ -64,17 +64,10 @@ def train(msg: Message, context: Context) -> Message:
         # Cross-silo replies are deltas (replies = "delta"): the server checks their norm against items × clip.
         return Message(content=RecordDict({"arrays": ArrayRecord(train_items(params, items, cfg)),
                                            "metrics": MetricRecord({"num-items": len(items)})}), reply_to=msg)
-    X, y = regression_partition(partition_id(context), params[0].shape[0])
+    X, y = regression_partition(partition_id(context), params[0].shape[0], seed=int(cfg.get("seed", 0)))
     delta = local_update(params, X, y, float(cfg.get("local-lr", 0.1)), int(cfg.get("local-steps", 5)))
     new = [p + d for p, d in zip(params, delta, strict=True)]
     loss = regression_loss(new, X, y)
     return Message(content=RecordDict({"arrays": ArrayRecord(new),
                                        "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss})}),
-                   reply_to=msg)
-
-
-@app.query()
-def identity(msg: Message, context: Context) -> Message:
-    """Simulation only: report the partition id (self-reported; deployments use the SuperNode's public key)."""
-    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": partition_id(context)})}),
                    reply_to=msg)

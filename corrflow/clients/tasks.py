@@ -1,4 +1,7 @@
-"""The two client tasks behind one interface: initial weights, server-side evaluation, and the ClientApp."""
+"""The client tasks behind one interface: initial weights, server-side evaluation, and the ClientApp.
+
+``seed`` fixes the task's data and the model's initialisation (never the noise key): two runs with one seed train
+on the same users from the same start."""
 
 from __future__ import annotations
 
@@ -9,30 +12,66 @@ import numpy as np
 
 from corrflow.errors import require
 
+CLIENTS = ("numpy", "nextword", "keras")
+
+# Optimizer settings that train each task at ε = 8 in the README's examples (chosen by short sweeps; the server
+# step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far one round can move the model).
+TRAINING_DEFAULTS = {
+    "numpy": {"server_lr": 0.5, "momentum": 0.5, "local_lr": 0.1, "local_steps": 5, "clip_norm": 1.0},
+    "nextword": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 2.0, "local_steps": 2, "clip_norm": 1.0},
+    # Measured best of η ∈ {1, 3, 5, 6}, local lr ∈ {0.5, 1, 1.5, 3}, clip ∈ {0.25, 1} (README, Keras example).
+    "keras": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 1.0, "local_steps": 1, "clip_norm": 1.0},
+}
+
+
+def training_defaults(client: str, **overrides) -> dict:
+    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (StrategyConfig keyword arguments)."""
+    require(client in CLIENTS, "client", " or ".join(CLIENTS), client)
+    return {**TRAINING_DEFAULTS[client], **{k: v for k, v in overrides.items() if v is not None}}
+
 
 @dataclass
 class Task:
     name: str
     client_app: Any
     handlers: dict
-    initial_weights: Any      # (config) -> list[np.ndarray]
+    initial_weights: Any      # () -> list[np.ndarray]
     evaluate: Any             # (weights) -> dict of metrics
+    user_data: Any = None     # (partition) -> the arrays that user trains on (fingerprints in comparisons)
 
 
-def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20) -> Task:
-    require(name in ("numpy", "keras"), "client", "numpy or keras", name)
+def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20,
+             seed: int = 0) -> Task:
+    require(name in CLIENTS, "client", " or ".join(CLIENTS), name)
     if name == "numpy":
         from corrflow.clients import numpy_client as c
         from corrflow.data.synthetic import regression_loss, regression_test_set
 
-        X, y = regression_test_set(model_dim)
-        return Task("numpy", c.app, {"train": c.train, "query": c.identity},
+        X, y = regression_test_set(model_dim, seed=seed)
+        from corrflow.data.synthetic import regression_partition
+
+        return Task("numpy", c.app, {"train": c.train},
                     lambda: [np.zeros(model_dim, np.float32), np.zeros(1, np.float32)],
-                    lambda w: {"test_loss": regression_loss(w, X, y)})
+                    lambda w: {"test_loss": regression_loss(w, X, y)},
+                    lambda u: regression_partition(u, model_dim, seed=seed))
+    if name == "nextword":
+        from corrflow.clients import nextword_client as nw
+        from corrflow.data.text_synth import user_sentences
+
+        text = nw.task_for(seed)
+        held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])  # never trained on
+
+        def evaluate_nw(w):
+            loss, acc = nw.evaluate_weights(w, held)
+            return {"test_loss": loss, "test_accuracy": acc}
+
+        return Task("nextword", nw.app, {"train": nw.train},
+                    lambda: nw.initial_weights(text.num_tokens, seed), evaluate_nw,
+                    lambda u: (user_sentences(text, u),))
     from corrflow.clients import keras_client as k
     from corrflow.data.federated import text_source
 
-    source = text_source(data_path, vocab_path, seq_len)
+    source = text_source(data_path, vocab_path, seq_len, seed)
     held_out = source.held_out(100)  # users never trained on
 
     def evaluate(w):
@@ -40,6 +79,8 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
         return {"test_loss": loss, "test_accuracy": acc}
 
     def initial():
-        return [w.astype(np.float32) for w in k.build_model(source.num_tokens, source.input_len).get_weights()]
+        return [w.astype(np.float32) for w in k.build_model(source.num_tokens, source.input_len, seed=seed)
+                .get_weights()]
 
-    return Task("keras", k.app, {"train": k.train, "query": k.identity}, initial, evaluate)
+    return Task("keras", k.app, {"train": k.train}, initial, evaluate,
+                lambda u: (source.user_sentences(u),))

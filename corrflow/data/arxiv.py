@@ -280,7 +280,9 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
                         ring_pos[a] = (ring_pos[a] + 1) % spec.memory
             links += len(team)
             topic = lead % lex.topics
-            words = lex.word_array[lex.sample(rng, topic, 10 + int(rng.integers(*spec.abstract_words)))]
+            n_abstract = int(rng.integers(*spec.abstract_words))
+            draws = lex.sample(rng, topic, 10 + n_abstract)
+            words = lex.word_array[lex.chain(rng, draws, np.array([topic, topic]), np.array([10, n_abstract]))]
             names = [author_name(a) for a in team]
             cats = [_CATEGORIES[topic % len(_CATEGORIES)]]
             if rng.random() < 0.3:

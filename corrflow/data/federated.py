@@ -20,11 +20,19 @@ class TextSource:
     vocab_path: str = ""
     seq_len: int = 20
     max_sentences: int = 256
+    seed: int = 0                   # the synthetic task's seed (data_path="")
 
     def __post_init__(self) -> None:
         require(not self.data_path or bool(self.vocab_path), "vocab-path",
                 "a vocabulary file (corrflow data vocab) when data-path is set")
         require(self.seq_len >= 2, "seq-len", "at least 2", self.seq_len)
+
+    @property
+    def synthetic_task(self):
+        """The generator behind ``data_path=""``: 200 words (the vocabulary the nextword client uses too)."""
+        from corrflow.data.text_synth import TextTask
+
+        return TextTask(vocab=200, seed=self.seed)
 
     @cached_property
     def vocab(self):
@@ -45,25 +53,21 @@ class TextSource:
     @property
     def num_tokens(self) -> int:
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask
-
-            return TextTask().num_tokens
+            return self.synthetic_task.num_tokens
         return self.vocab.num_tokens
 
     @property
     def input_len(self) -> int:
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask
-
-            return TextTask().seq_len
+            return self.synthetic_task.seq_len
         return self.seq_len
 
     def user_sentences(self, partition: int) -> np.ndarray:
         """int32 (sentences, input_len + 1) of the partition's user."""
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask, user_sentences
+            from corrflow.data.text_synth import user_sentences
 
-            return user_sentences(TextTask(), partition)
+            return user_sentences(self.synthetic_task, partition)
         clients = self.train_clients
         require(0 <= partition < len(clients), "partition-id", f"0 ≤ id < {len(clients)} train clients", partition)
         posts = self._db.client_posts(clients[partition], "train")
@@ -72,9 +76,9 @@ class TextSource:
     def held_out(self, users: int = 100) -> np.ndarray:
         """Evaluation sequences from users never trained on (the ``heldout`` split, else ``test``)."""
         if not self.data_path:
-            from corrflow.data.text_synth import TextTask, user_sentences
+            from corrflow.data.text_synth import user_sentences
 
-            return np.concatenate([user_sentences(TextTask(), 1_000_000 + i) for i in range(users)])
+            return np.concatenate([user_sentences(self.synthetic_task, 1_000_000 + i) for i in range(users)])
         split = "heldout" if "heldout" in self._db.splits() else "test"
         rows = [self.vocab.sequences((p.tokens for p in self._db.client_posts(c, split)), self.seq_len,
                                      self.max_sentences) for c in self._db.client_ids(split)[:users]]
@@ -84,6 +88,6 @@ class TextSource:
 
 
 @lru_cache(maxsize=4)
-def text_source(data_path: str = "", vocab_path: str = "", seq_len: int = 20) -> TextSource:
+def text_source(data_path: str = "", vocab_path: str = "", seq_len: int = 20, seed: int = 0) -> TextSource:
     """Process-wide cache, so a simulated client opens the file once, not once per round."""
-    return TextSource(data_path, vocab_path, seq_len)
+    return TextSource(data_path, vocab_path, seq_len, seed=seed)

@@ -264,6 +264,8 @@ def synthetic_user(spec: StackOverflowSpec, index: int) -> tuple[str, list[Post]
     for t in np.unique(topics):           # one CDF search per topic, not per post
         sel = owner == t
         draws[sel] = lex.sample(rng, int(t), int(sel.sum()))
+    segments = np.column_stack([lengths, np.full(count, title_len)]).ravel()   # body, title, body, title…
+    draws = lex.chain(rng, draws, np.repeat(topics, 2), segments)
     question = rng.random(count) < 0.35
     ntags = rng.integers(1, 4, size=count)
     tag_ids = rng.permuted(np.tile(np.arange(12), (count, 1)), axis=1)

@@ -122,12 +122,15 @@ class Factorization:
         """Load and verify a file written by :meth:`save` (hash, format, shapes)."""
         path = Path(path)
         if not path.is_file():
-            raise InvalidArgumentError("factorization", "an existing .npz file", str(path))
+            raise InvalidArgumentError("factorization", "an existing factorization file", str(path))
         try:
             with np.load(path, allow_pickle=False) as data:
+                if not hasattr(data, "files"):
+                    raise ValueError("a single array, not an archive")
                 arrays = {k: np.array(data[k]) for k in data.files}
-        except Exception as exc:  # zip/npy decoding errors of many kinds
-            raise IntegrityError(f"{path}: not a readable factorization file ({exc})") from exc
+        except Exception as exc:  # zip/npy decoding errors of many kinds; numpy's own advice (pickles) is wrong here
+            reason = "not an .npz archive" if "pickle" in str(exc) else str(exc)
+            raise IntegrityError(f"{path}: not a readable factorization file ({reason})") from None
         if "__meta__" not in arrays:
             raise IntegrityError(f"{path}: no __meta__ entry; not a corrflow factorization file")
         try:

@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from corrflow.clients.tasks import get_task
 from corrflow.errors import InvalidArgumentError
+from corrflow.progress import round_line
 from corrflow.strategies.config import PREFIX, StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.session import RunHooks, run_strategy
@@ -30,7 +31,7 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
                quiet: bool = False, on_round_end=None, fresh: bool = False,
                stop_event: threading.Event | None = None) -> CorrelatedNoiseStrategy:
     """Train corrflow's own task (``cfg.client``) with one line per round on stderr; see :func:`run_strategy`."""
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
 
     def round_end(strategy, metrics):
         if not quiet:
@@ -41,16 +42,6 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
     hooks = RunHooks(task.initial_weights(), evaluate=task.evaluate, on_round_end=round_end)
     strategy, _ = run_strategy(grid, cfg, out_dir, hooks, noise_key=noise_key, fresh=fresh, stop_event=stop_event)
     return strategy
-
-
-def round_line(metrics: dict, num_rounds: int) -> str:
-    """One line per round: replies accepted of the cohort, rejections and the most frequent reason, held-out
-    metrics and the realised ε."""
-    acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
-    loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
-    why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
-    return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
-            f" rejected {metrics['rejected']}{why}{loss}{acc}  ε {metrics.get('epsilon', float('nan')):.3f}")
 
 
 def make_server_app(cfg: StrategyConfig, out_dir: str | Path, **kwargs) -> ServerApp:

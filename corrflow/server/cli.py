@@ -11,9 +11,10 @@ from typing import Annotated
 import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
 
 
@@ -79,7 +80,7 @@ def factorize(
     = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
     taper: Annotated[int | None, typer.Option(help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
-                                                   "uncertain in [b₀, bands])")] = None,
+                                                   "uncertain in \\[b₀, bands])")] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
     describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
@@ -163,6 +164,8 @@ def account(
                   f"δ = {delta:g}; --verify-target draws the {res['accountant']['samples_needed_for_target_delta']} "
                   "samples per direction the target needs", file=sys.stderr)
         _emit(res, as_json)
+    except InvalidArgumentError as exc:
+        _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
 
@@ -287,11 +290,15 @@ def simulate(
     rounds: Annotated[int, typer.Option(help="rounds n")] = 20,
     epochs: Annotated[int, typer.Option(help="participations per user k (fixed-epoch, b = n/k)")] = 2,
     kind: Annotated[str, typer.Option(help="factorization kind")] = "toeplitz",
-    target_epsilon: Annotated[float, typer.Option(help="ε to calibrate σ for (0: use --noise-multiplier)")] = 8.0,
-    noise_multiplier: Annotated[float, typer.Option(help="σ (overrides --target-epsilon when > 0)")] = 0.0,
+    target_epsilon: Annotated[float | None, typer.Option(help="ε to calibrate σ for (default 8 without "
+                                                              "--noise-multiplier; with it: the budget guard's "
+                                                              "limit)")] = None,
+    noise_multiplier: Annotated[float | None, typer.Option(help="σ, fixed instead of calibrated")] = None,
     delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
-    clip_norm: Annotated[float, typer.Option(help="ℓ2 clip of each user's update")] = 1.0,
-    client: Annotated[str, typer.Option(help="client task: numpy (regression) or keras (next-word LSTM)")]
+    clip_norm: Annotated[float | None, typer.Option(help="ℓ2 clip of each user's update (default: the client's)")]
+    = None,
+    client: Annotated[str, typer.Option(help="client task: numpy (regression), nextword (numpy bigram model) or "
+                                             "keras (next-word LSTM)")]
     = "numpy",
     out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
     = Path("corrflow_run"),
@@ -317,6 +324,13 @@ def simulate(
                                                "user-id, node-key or per-launch (can never resume)")] = "partition-id",
     max_empty_rounds: Annotated[int, typer.Option(help="stop after this many consecutive rounds without an "
                                                        "accepted reply (0: never)")] = 3,
+    server_lr: Annotated[float | None, typer.Option(help="server learning rate η (default: the client's)")] = None,
+    momentum: Annotated[float | None, typer.Option(help="server momentum β; the factorization is built for this "
+                                                        "workload (default: the client's)")] = None,
+    local_lr: Annotated[float | None, typer.Option(help="clients' learning rate (default: the client's)")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="clients' local epochs (default: the client's)")] = None,
+    seed: Annotated[int, typer.Option(help="seeds the data, model initialisation and participation order (never "
+                                           "the noise, whose key is always fresh)")] = 0,
     fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
                                              "deleted) instead of resuming it")] = False,
     verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
@@ -329,6 +343,7 @@ def simulate(
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
     why) or refused, 2 bad arguments, 130 interrupted (state and report are complete; rerun to continue)."""
+    from corrflow.clients.tasks import training_defaults
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.strategies.config import StrategyConfig
 
@@ -338,11 +353,18 @@ def simulate(
             rounds, epochs, kind, participation = recipe.rounds, recipe.epochs, recipe.kind, recipe.participation
             min_sep = 0 if participation == "fixed-epoch" else recipe.min_sep
             participation_rate, accountant = recipe.participation_rate, recipe.accountant
-            noise_multiplier, target_epsilon, delta = recipe.noise_multiplier, 0.0, recipe.delta
+            noise_multiplier, target_epsilon, delta = recipe.noise_multiplier, None, recipe.delta
             if ctx.get_parameter_source("users").name != "COMMANDLINE":
                 users = recipe.population
-        if client not in ("numpy", "keras"):
-            raise InvalidArgumentError("--client", "numpy or keras", client)
+        if noise_multiplier is not None and not noise_multiplier > 0:
+            raise InvalidArgumentError("--noise-multiplier", "a positive σ (omit it to calibrate σ for "
+                                       "--target-epsilon)", noise_multiplier)
+        if target_epsilon is not None and not target_epsilon > 0:
+            raise InvalidArgumentError("--target-epsilon", "a positive ε", target_epsilon)
+        if client not in ("numpy", "nextword", "keras"):
+            raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
+        training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
+                                     local_steps=local_steps, clip_norm=clip_norm)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
         if mode == "cross-silo":  # one simulated node per silo of the manifest
@@ -356,36 +378,49 @@ def simulate(
                              policy=policy, accountant=accountant, mode=mode,
                              attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
                              max_items_per_user=max_items_per_user, taper=taper,
-                             target_epsilon=0.0 if noise_multiplier > 0 else target_epsilon,
-                             noise_multiplier=noise_multiplier, delta=delta, clip_norm=clip_norm, client=client,
-                             local_lr=0.5 if client == "keras" else 0.1, local_steps=1 if client == "keras" else 5,
-                             momentum=0.9, state_dir=str(out / "state"), identity=identity,
-                             replies="delta" if mode == "cross-silo" else "weights",
+                             target_epsilon=target_epsilon if target_epsilon is not None else
+                             (0.0 if noise_multiplier is not None else 8.0),
+                             noise_multiplier=noise_multiplier if noise_multiplier is not None else 0.0,
+                             delta=delta, client=client,
+                             seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"),
+                             identity=identity,
                              max_empty_rounds=max_empty_rounds)
         if plan is not None:
             cfg = _install_plan(cfg, recipe, fac_path, out, fresh)
     except InvalidArgumentError as exc:   # name the flag, not the run-config key
-        flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
-        _fail(InvalidArgumentError(flag, exc.expected, exc.got))
+        _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
-    from corrflow.strategies.run_state import settings_conflict
+    from corrflow.strategies.run_state import preflight, settings_conflict
 
-    if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
-        _fail(InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
-                                   f"that run aside and start anew; {out} holds a run with other settings", diff))
     try:
+        if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
+            raise InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
+                                       f"that run aside and start anew; {out} holds a run with other settings", diff)
+        resume = None if fresh else preflight(out, cfg.state_dir)
+        complete = resume is not None and resume.checkpoint is not None and len(resume.journal) >= rounds
+        if resume is not None and resume.checkpoint is not None:
+            done = len(resume.journal)
+            typer.echo(f"resuming: {done} of {rounds} rounds already released" if done < rounds else
+                       f"already complete: all {rounds} rounds were released; nothing to train (--fresh starts "
+                       "a new run)", err=True)
+    except CorrflowError as exc:
+        _fail(exc)
+    try:
+        from corrflow.server.metrics import summary as metrics_summary
         from corrflow.server.simulation import simulate as run_sim
 
         stopped = None
         try:
-            report = run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
+            report = json.loads((out / "privacy_report.json").read_text()) if complete else \
+                run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
+        held_out = metrics_summary(json.loads((out / "metrics.json").read_text()))
         if as_json:
-            _emit(report, True)
+            _emit({**report, "held_out": held_out}, True)
         else:
-            typer.echo(_summary(report, out))
+            typer.echo(_summary(report, out, held_out))
         if stopped is not None:
             typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
                        err=True)
@@ -401,7 +436,8 @@ def simulate(
 #: simulate flags a plan fixes → StrategyConfig fields.
 _PLAN_FLAGS = {"rounds": "num_rounds", "epochs": "epochs", "kind": "kind", "participation": "participation",
                "min_sep": "min_sep", "participation_rate": "participation_rate", "accountant": "accountant",
-               "noise_multiplier": "noise_multiplier", "target_epsilon": "target_epsilon", "delta": "delta"}
+               "noise_multiplier": "noise_multiplier", "target_epsilon": "target_epsilon", "delta": "delta",
+               "momentum": "momentum"}
 
 
 def _read_plan(ctx: typer.Context, plan_path: Path):
@@ -432,12 +468,28 @@ def _install_plan(cfg, recipe, fac_path: Path, out: Path, fresh: bool):
     return cfg
 
 
-def _summary(report: dict, out: Path) -> str:
-    """The privacy report in a few lines (the whole report is in OUT/privacy_report.json)."""
+# Run-config keys whose `simulate` flag has another name.
+_FLAGS = {"num-users": "--users", "num-rounds": "--rounds", "state-dir": "--out", "attribution-path": "--attribution",
+          "manifest-path": "--manifest"}
+
+
+def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """The same error naming the command-line flag rather than the library's field or run-config key."""
+    if exc.field.startswith("--"):
+        return exc
+    return InvalidArgumentError(_FLAGS.get(exc.field, "--" + exc.field.replace("_", "-")), exc.expected, exc.got)
+
+
+def _summary(report: dict, out: Path, held_out: dict) -> str:
+    """The run in a few lines: held-out progress and the privacy report (whole: OUT/privacy_report.json)."""
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
     part, users = planned["participation"], realized["participation"]
     eps = realized["epsilon"]
+    acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
+           if "final_test_accuracy" in held_out else "")
     lines = [
+        f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{acc} over "
+        f"{held_out['rounds_evaluated']} rounds",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
         f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
@@ -455,10 +507,11 @@ def _summary(report: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-noise_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+noise_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
+app.command("compare")(compare_command)
 
 
 @noise_app.command("sample")

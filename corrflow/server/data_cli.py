@@ -13,7 +13,7 @@ import typer
 
 from corrflow.errors import CorrflowError, InvalidArgumentError
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Federated datasets: TFF StackOverflow SQLite and arXiv metadata JSON lines.")
 
 

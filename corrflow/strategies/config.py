@@ -40,12 +40,13 @@ class StrategyConfig:
     delta: float = 1e-5
     clip_norm: float = 1.0
     zeroing_factor: float = 100.0   # 000 App. F.3: zero updates with ℓ∞ > factor·clip (0 disables)
-    server_lr: float = 1.0
-    momentum: float = 0.9
+    server_lr: float = 0.5          # numpy-client defaults; see corrflow.clients.tasks.TRAINING_DEFAULTS
+    momentum: float = 0.5
     cooldown_fraction: float = 0.25
     local_lr: float = 0.1
     local_steps: int = 5
     schedule_seed: int = 0          # public: the fixed order of users into groups
+    seed: int = 0                   # the task's data and model initialisation (never the noise key)
     policy: str = "reject"
     model_dim: int = 20
     client: str = "numpy"
@@ -66,7 +67,8 @@ class StrategyConfig:
     attribution_path: str = ""      # items → users (CSV / JSON lines / arXiv metadata); "" = each item its own user
     manifest_path: str = ""         # cross-silo: partition manifest (corrflow data partition) item → silo
     max_items_per_user: int = 0     # k_u: greedy contribution bounding (004 §6); 0 = no bounding
-    replies: str = "weights"        # weights: clients return full weights (Flower's quickstarts); delta: updates
+    replies: str = ""               # weights (full weights, as Flower's quickstarts) | delta; "": weights cross-device,
+                                    # delta cross-silo (a silo returns the sum of its per-item clipped updates)
     identity: str = ""              # node-key | user-id | partition-id | per-launch; "" = the engine's default
     max_empty_rounds: int = 3       # stop after this many consecutive rounds without an accepted reply (0: never)
     node_timeout: float = 600.0     # seconds to wait for the population's SuperNodes, and for replies each round
@@ -124,8 +126,8 @@ class StrategyConfig:
         for name in ("attribution_path", "manifest_path", "data_path", "vocab_path"):
             path = getattr(self, name)
             require(not path or Path(path).is_file(), name.replace("_", "-"), "an existing file", path)
-        require(self.replies in ("weights", "delta"), "replies", "weights or delta", self.replies)
-        require(self.mode == "cross-device" or self.replies == "delta", "replies",
+        require(self.replies in ("", "weights", "delta"), "replies", "weights or delta", self.replies)
+        require(self.mode == "cross-device" or self.reply_kind == "delta", "replies",
                 "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)", self.replies)
         require(self.identity in ("",) + IDENTITIES, "identity", f"one of {IDENTITIES}", self.identity)
         require(self.max_empty_rounds >= 0, "max-empty-rounds", "≥ 0 (0: never stop for empty rounds)",
@@ -135,9 +137,14 @@ class StrategyConfig:
         require(self.zeroing_factor >= 0, "zeroing-factor", "≥ 0 (0 disables zeroing)", self.zeroing_factor)
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
         require(self.policy in POLICIES, "policy", f"one of {POLICIES}", self.policy)
-        require(self.client in ("numpy", "keras"), "client", "numpy or keras", self.client)
+        require(self.client in ("numpy", "nextword", "keras"), "client", "numpy, nextword or keras", self.client)
         require(not self.data_path or (self.client == "keras" and bool(self.vocab_path)), "data-path",
                 "client = keras and a vocab-path when a data file is given")
+
+    @property
+    def reply_kind(self) -> str:
+        """What a reply holds: "weights" or "delta" (``replies``, or the mode's default)."""
+        return self.replies or ("delta" if self.mode == "cross-silo" else "weights")
 
     @property
     def b(self) -> int:

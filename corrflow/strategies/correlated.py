@@ -223,7 +223,8 @@ class CorrelatedNoiseStrategy(Strategy):
             if ev is not None and (agg := self.aggregate_evaluate(server_round, ev)) is not None:
                 result.evaluate_metrics_clientapp[server_round] = agg
         if self.stop_event.is_set() and not self.stopped_reason and self.next_round < self.cfg.num_rounds:
-            self._stop(f"{INTERRUPTED} before round {self.next_round}; nothing of that round was released")
+            self._stop(f"{INTERRUPTED} before round {self.next_round + 1} of {self.cfg.num_rounds}; nothing of that "
+                       "round was released")
         return result
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -303,13 +304,14 @@ class CorrelatedNoiseStrategy(Strategy):
             prospective.setdefault(u, []).append(plan.round)
         eps = self._realized(prospective, plan.overrides).epsilon
         if eps is not None and eps > self.cfg.target_epsilon * (1 + 1e-9):
-            return f"budget guard: round {plan.round} would spend ε = {eps:.4f} > target {self.cfg.target_epsilon}"
+            return (f"budget guard: round {plan.round + 1} of {self.cfg.num_rounds} would spend ε = {eps:.4f} > "
+                    f"target {self.cfg.target_epsilon}")
         return None
 
     def _messages(self, plan: RoundPlan, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
         online = set(int(n) for n in grid.get_node_ids())
         cfg = ConfigRecord({"server-round": plan.round, "local-lr": self.cfg.local_lr,
-                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm,
+                            "local-steps": self.cfg.local_steps, "clip-norm": self.cfg.clip_norm, "seed": self.cfg.seed,
                             **self._user_config(plan.round + 1, arrays, config, grid)})
         if self.cfg.data_path:  # clients read their user's examples from the same dataset file
             cfg.update({"data-path": self.cfg.data_path, "vocab-path": self.cfg.vocab_path,
@@ -431,7 +433,7 @@ class CorrelatedNoiseStrategy(Strategy):
         first = self.next_round - self.empty_streak
         reasons = Counter(_reason_class(r["reason"]) for r in self.ledger.rejections if r["round"] >= first)
         top = ", ".join(f"{why} ×{n}" for why, n in reasons.most_common(3)) or "no replies arrived"
-        return f"no valid replies in {self.empty_streak} consecutive rounds ({first}–{self.next_round - 1}): {top}"
+        return f"no valid replies in {self.empty_streak} consecutive rounds ({first + 1}–{self.next_round}): {top}"
 
     def _stop(self, reason: str) -> None:
         self.stopped_reason = reason
@@ -450,9 +452,15 @@ class CorrelatedNoiseStrategy(Strategy):
         ``proximal-mu``) — its choice of nodes is discarded, corrflow's schedule decides who trains."""
         user = dict(config or {})
         if self.inner is not None:
-            for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), grid):
-                user.update(dict(msg.content.config_records.get("config", ConfigRecord())))
-                break
+            flwr_log = logging.getLogger("flwr")
+            level = flwr_log.level
+            flwr_log.setLevel(logging.WARNING)   # its "Sampled N nodes" would be wrong: corrflow picks the cohort
+            try:
+                for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), grid):
+                    user.update(dict(msg.content.config_records.get("config", ConfigRecord())))
+                    break
+            finally:
+                flwr_log.setLevel(level)
         return user
 
     def _inner_metrics(self, contents: list[RecordDict]) -> MetricRecord | None:
@@ -509,7 +517,7 @@ class CorrelatedNoiseStrategy(Strategy):
             got = content["metrics"].get("num-items")
             if got != items:
                 raise RejectedReplyError(f"metric num-items = {got!r}, expected {items} (the item ids sent)")
-        return key, self.layout.update_from_reply(content["arrays"], self.params, self.cfg.replies), items
+        return key, self.layout.update_from_reply(content["arrays"], self.params, self.cfg.reply_kind), items
 
     def _posthoc_active(self, extra: list[dict] = ()) -> bool:
         return any(o["action"] == "accepted-and-accounted" for o in [*self.ledger.overrides, *extra])

@@ -134,6 +134,13 @@ def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Re
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
 
 
+def preflight(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> ResumePoint:
+    """What a CLI checks before it starts an engine (Ray takes ~20 s): the directory is not in use and agrees with
+    its release journal. Holds the lock only while checking; the run takes it again."""
+    with RunLock(out_dir):
+        return check_resume(out_dir, state_dir)
+
+
 def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | None:
     """The settings that differ between ``settings`` and the run checkpointed in ``state_dir`` ("name: old → new",
     …), or None when they match or there is no checkpoint — so a CLI can refuse before starting an engine."""

@@ -21,9 +21,11 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import IntegrityError
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
+from corrflow.planning.learnability import check_learnable
 from corrflow.strategies import identity as ids
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.model import ModelLayout
 from corrflow.strategies.run_state import RunLock, archive_run, check_resume
 
 log = logging.getLogger("corrflow")
@@ -66,9 +68,16 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
         fac = load_or_build_factorization(cfg, out)
         plan = plan_privacy(cfg, fac, planner)
         plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
+        layout = ModelLayout.of(hooks.initial)
+        check_learnable(fac, plan.noise_multiplier, layout.trainable_arrays(hooks.initial), planner.expected)
+        # metrics.json: the initial model as round −1, then one entry per round.
+        initial = {"round": -1, **(hooks.evaluate(layout.trainable_arrays(hooks.initial)) if hooks.evaluate else {})}
+
+        def write_metrics(strategy) -> None:
+            (out / "metrics.json").write_text(json.dumps([initial, *strategy.metrics_history], indent=1))
 
         def round_end(strategy, metrics):
-            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+            write_metrics(strategy)
             if hooks.on_round_end is not None:
                 hooks.on_round_end(strategy, metrics)
 
@@ -83,5 +92,5 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
                                     evaluate_config=hooks.evaluate_config, evaluate_fn=hooks.evaluate_fn)
         finally:
             strategy.write_report()
-            (out / "metrics.json").write_text(json.dumps(strategy.metrics_history, indent=1))
+            write_metrics(strategy)
         return strategy, result

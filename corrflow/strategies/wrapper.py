@@ -17,8 +17,10 @@ them, so ``num-examples`` is ignored), and the inner metric aggregation and fede
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -26,7 +28,9 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
-from corrflow.errors import InvalidArgumentError, require
+from corrflow.errors import IntegrityError, InvalidArgumentError, require
+from corrflow.progress import round_line
+from corrflow.strategies.checkpoint import current_checkpoint
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.identity import wait_for_nodes
 from corrflow.strategies.session import RunHooks, run_strategy
@@ -36,6 +40,16 @@ log = logging.getLogger("corrflow")
 # Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server optimizer (the
 # factorization is built for it), so composing the two would change the mechanism the noise was calibrated for.
 _STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
+SETTLE_SECONDS = 3.0
+
+
+def ensure_console_log() -> None:
+    """corrflow's round lines and summary reach the console in a user's app (Flower configures only its logger)."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("corrflow %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def check_composable(strategy: Strategy) -> None:
@@ -60,8 +74,10 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     ``noise_multiplier``; ``delta``; ``epochs`` k and ``min_sep`` b (default rounds/epochs, fixed-epoch);
     ``kind``/``bands``: the factorization; ``participation``: fixed-epoch, bminsep or multi-attribution;
     ``identity``: node-key | user-id | partition-id | per-launch (default: partition-id in simulation, node-key in
-    deployment); ``num_users``: the population to wait for; ``state_dir``: the run's directory (checkpoint in
-    ``state_dir/state``, ``release_journal.jsonl``, ``privacy_report.json``); ``replies``: "weights" (clients return
+    deployment); ``num_users``: the population to wait for (default: the nodes connected once the inner strategy's
+    ``min_available_nodes`` are, or the checkpoint's population when resuming); ``state_dir``: the checkpoint
+    directory, as the ServerApp's ``state-dir`` — ``release_journal.jsonl``, ``privacy_report.json``,
+    ``metrics.json`` and the factorization go next to it, in its parent; ``replies``: "weights" (clients return
     full weights, as in Flower's quickstarts) or "delta"; ``server_learning_rate``, ``momentum``: the server
     optimizer (the workload the factorization is built for). Other keywords are :class:`StrategyConfig` fields.
     """
@@ -80,7 +96,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         unknown = sorted(set(settings) - known)
         require(not unknown, "settings", f"StrategyConfig fields ({', '.join(sorted(known))})", unknown)
         self.inner = strategy
-        self.out_dir = Path(state_dir).expanduser().resolve()
+        self.state_dir = Path(state_dir).expanduser().resolve()
+        self.out_dir = self.state_dir.parent
         self.fresh = fresh
         self.num_users = num_users
         self.stop_event = threading.Event()
@@ -110,7 +127,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
                               kind=given.get("kind") or "toeplitz", bands=int(given.get("bands") or 0),
                               participation=given.get("participation") or "fixed-epoch",
                               identity=identity or "", replies=replies, server_lr=float(server_learning_rate),
-                              momentum=float(given.get("momentum") or 0.0), state_dir=str(self.out_dir / "state"))
+                              momentum=float(given.get("momentum") or 0.0), state_dir=str(self.state_dir))
         for key in ("participation_rate", "accountant", "cooldown_fraction"):
             if key in given:
                 self._settings[key] = given[key]
@@ -126,13 +143,10 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn=None) -> Result:
-        """Train ``num_rounds`` rounds (resuming from ``state_dir`` when it holds a checkpoint of this run)."""
-        population = self.num_users
-        if population is None:
-            wait_for_nodes(grid, getattr(self.inner, "min_available_nodes", 1), timeout)
-            population = len(list(grid.get_node_ids()))
-            log.info("corrflow: the population is the %d SuperNodes connected", population)
-        cfg = self.config(num_rounds=num_rounds, num_users=population)
+        """Train ``num_rounds`` rounds (resuming from ``state_dir`` when it holds a checkpoint of this run). Logs a
+        line per round and the realised ε on the ``corrflow`` logger; the full report is :meth:`privacy_report`."""
+        ensure_console_log()
+        cfg = self.config(num_rounds=num_rounds, num_users=self._population(grid, timeout))
         cfg = StrategyConfig(**{**cfg.to_dict(), "node_timeout": float(timeout)})
         if self.plan is not None:
             from corrflow.planning.recipe import install_factorization
@@ -140,9 +154,38 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             install_factorization(*self.plan, cfg.to_dict(), self.out_dir,
                                   replace=self.fresh or not (Path(cfg.state_dir) / "CURRENT").exists())
         hooks = RunHooks(initial_arrays, inner=self.inner, train_config=train_config,
-                         evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+                         evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
+                         on_round_end=lambda core, metrics: log.info(round_line(metrics, num_rounds)))
         self.core, result = run_strategy(grid, cfg, self.out_dir, hooks, fresh=self.fresh, stop_event=self.stop_event)
+        report = self.privacy_report()
+        log.info("corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s", report["rounds_completed"],
+                 num_rounds, report["realized"]["epsilon"], report["delta"],
+                 f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "", self.report_path)
         return result
+
+    def _population(self, grid: Grid, timeout: float) -> int:
+        """``num_users``, or the resumed run's, or the nodes connected once ``min_available_nodes`` are and no
+        more arrive for a few seconds (nodes register one by one)."""
+        if self.num_users is not None:
+            return self.num_users
+        try:
+            ckpt = current_checkpoint(self.state_dir)
+        except IntegrityError:
+            ckpt = None   # the run itself refuses, naming the file
+        if ckpt is not None:
+            return int(json.loads((ckpt / "state.json").read_text())["settings"]["num_users"])
+        count = len(wait_for_nodes(grid, getattr(self.inner, "min_available_nodes", 1), timeout))
+        stable_since = time.monotonic()
+        while time.monotonic() - stable_since < SETTLE_SECONDS:
+            time.sleep(0.2)
+            if (now := len(list(grid.get_node_ids()))) != count:
+                count, stable_since = now, time.monotonic()
+        log.info("corrflow: the population is the %d SuperNodes connected", count)
+        return count
+
+    def privacy_report(self) -> dict:
+        """The run's privacy report (``privacy_report.json``), as written after every round."""
+        return json.loads(self.report_path.read_text())
 
     # The Strategy API: corrflow drives its own rounds in start(); these delegate to the running core.
     def _running(self):

@@ -1,0 +1,94 @@
+"""A numpy next-word ClientApp: a low-rank bigram softmax model (embedding E, output projection W, bias b;
+logits(next | prev) = E[prev]·W + b) trained by local SGD on the user's synthetic sentences. Small enough (about
+17k parameters at the default vocabulary) for DP comparisons on a CPU in minutes, with an accuracy that means
+something on the Markov-structured text of :mod:`corrflow.data.text_synth`. Replies with the new weights, as
+Flower's quickstarts do (the server subtracts the model it sent)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from corrflow.clients.identity import corrflow_identity_mod
+from corrflow.clients.numpy_client import partition_id
+from corrflow.data.text_synth import PAD, SPECIAL, TextTask, accuracy_mask, user_sentences, xy
+
+app = ClientApp(mods=[corrflow_identity_mod])  # answers the server's identity probe
+EMBEDDING = 16
+
+
+def task_for(seed: int, vocab: int = 200) -> TextTask:
+    """The synthetic text the nextword client trains on (``seed`` fixes the data)."""
+    return TextTask(vocab=vocab, seed=int(seed))
+
+
+def initial_weights(num_tokens: int, seed: int, embedding: int = EMBEDDING) -> list[np.ndarray]:
+    """[E (V, d) ~ N(0, 1/d), W (d, V) = 0, b (V) = 0] (float32): the first step moves W along the embeddings."""
+    rng = np.random.default_rng([int(seed), 300])
+    return [(rng.normal(size=(num_tokens, embedding)) / np.sqrt(embedding)).astype(np.float32),
+            np.zeros((embedding, num_tokens), np.float32), np.zeros(num_tokens, np.float32)]
+
+
+def _pairs(sentences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    X, Y = xy(sentences)
+    keep = Y != PAD
+    return X[keep], Y[keep]
+
+
+def _forward(weights, prev):
+    E, W, b = weights
+    h = E[prev]
+    logits = h @ W + b
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    return h, p
+
+
+def local_train(weights: list[np.ndarray], sentences: np.ndarray, lr: float, steps: int, batch: int = 64,
+                shuffle: tuple[int, ...] = (0,)) -> tuple[list[np.ndarray], float]:
+    """``steps`` epochs of minibatch SGD on the mean cross-entropy; returns (delta = new − old, last batch loss)."""
+    E, W, b = (w.astype(np.float64) for w in weights)
+    prev, nxt = _pairs(sentences)
+    rng = np.random.default_rng([*map(int, shuffle), 400])
+    loss = float("nan")
+    for _ in range(steps):
+        order = rng.permutation(len(prev))
+        for i in range(0, len(order), batch):
+            idx = order[i:i + batch]
+            h, p = _forward((E, W, b), prev[idx])
+            n = len(idx)
+            loss = float(-np.log(p[np.arange(n), nxt[idx]] + 1e-12).mean())
+            g = p
+            g[np.arange(n), nxt[idx]] -= 1.0
+            g /= n
+            dh = g @ W.T
+            W -= lr * (h.T @ g)
+            b -= lr * g.sum(axis=0)
+            np.add.at(E, prev[idx], -lr * dh)
+    new = (E, W, b)
+    return [(n - o).astype(np.float32) for n, o in zip(new, weights, strict=True)], loss
+
+
+def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray) -> tuple[float, float]:
+    """(cross-entropy over non-PAD targets, next-word accuracy on real words)."""
+    prev, nxt = _pairs(sentences)
+    _, p = _forward([w.astype(np.float64) for w in weights], prev)
+    loss = float(-np.log(p[np.arange(len(nxt)), nxt] + 1e-12).mean())
+    m = accuracy_mask(nxt)
+    return loss, float((p.argmax(axis=1)[m] == nxt[m]).mean())
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    weights = msg.content["arrays"].to_numpy_ndarrays()
+    cfg = msg.content["config"]
+    seed, user = int(cfg.get("seed", 0)), partition_id(context)
+    sentences = user_sentences(task_for(seed, weights[0].shape[0] - SPECIAL), user)
+    delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)),
+                              shuffle=(seed, user, int(cfg.get("server-round", 0))))
+    new = [w + d for w, d in zip(weights, delta, strict=True)]
+    return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
+        {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)
+

@@ -1,0 +1,65 @@
+"""The ``corrflow compare`` command (registered by :mod:`corrflow.server.cli`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+
+
+def compare_command(
+    preset: Annotated[str, typer.Option(help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds) or tiny "
+                                             "(the test suite's)")] = "quick",
+    kinds: Annotated[str, typer.Option(help="correlated-noise kinds, comma-separated (toeplitz = banded Toeplitz;"
+                                            " dense, bifr, banded, …); nonprivate and dpsgd always run")]
+    = "toeplitz",
+    seeds: Annotated[int | None, typer.Option(help="seeds 0..S−1 (default: the preset's)")] = None,
+    epsilon: Annotated[float | None, typer.Option(help="ε of every private arm (default: the preset's)")] = None,
+    delta: Annotated[float | None, typer.Option(help="δ (default: the preset's)")] = None,
+    rounds: Annotated[int | None, typer.Option(help="rounds n (default: the preset's)")] = None,
+    users: Annotated[int | None, typer.Option(help="users (default: the preset's)")] = None,
+    epochs: Annotated[int | None, typer.Option(help="participations per user k (default: the preset's)")] = None,
+    client: Annotated[str | None, typer.Option(help="nextword (numpy), keras or numpy (default: nextword)")]
+    = None,
+    out: Annotated[Path, typer.Option(help="output directory (comparison.json, curves.csv, PNG plots, runs/)")]
+    = Path("corrflow_compare"),
+    backend: Annotated[str, typer.Option(help="inprocess (deterministic, no Ray) or flower")] = "inprocess",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Train non-private, DP-SGD and correlated-noise arms at the same (ε, δ) and compare held-out accuracy."""
+    from corrflow.clients.tasks import training_defaults
+    from corrflow.server.compare import PRESETS, compare, json_summary, stderr_progress, table, with_overrides
+
+    try:
+        if preset not in PRESETS:
+            raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
+        if backend not in ("inprocess", "flower"):
+            raise InvalidArgumentError("--backend", "inprocess or flower", backend)
+        if client is not None and client not in ("nextword", "keras", "numpy"):
+            raise InvalidArgumentError("--client", "nextword, keras or numpy", client)
+        if seeds is not None and seeds < 1:
+            raise InvalidArgumentError("--seeds", "a positive integer", seeds)
+        if (out / "comparison.json").exists() or (out / "runs").exists():
+            raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
+        chosen = with_overrides(PRESETS[preset], seeds=seeds, epsilon=epsilon, delta=delta, rounds=rounds,
+                                users=users, epochs=epochs, client=client)
+        if client is not None and client != PRESETS[preset].client:   # that client's optimizer settings
+            chosen = with_overrides(chosen, **training_defaults(client))
+        kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+        logging.getLogger("corrflow").setLevel(logging.ERROR)  # the non-private arm's warning is expected here
+        result = compare(chosen, kind_list, out, backend=backend, progress=stderr_progress)
+        text = table(result)
+        if as_json:
+            typer.echo(text, err=True)
+            print(json.dumps(json_summary(result), sort_keys=True))
+        else:
+            typer.echo(text)
+            typer.echo(f"plots: {', '.join(result['plots'])}; details: {out / 'comparison.json'}")
+    except (CorrflowError, IntegrityError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1) from exc
