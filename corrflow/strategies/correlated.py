@@ -177,10 +177,6 @@ class CorrelatedNoiseStrategy(Strategy):
                          resume.unreleased_round)
 
     # -- Flower Strategy API --------------------------------------------------------------------------------------
-    @property
-    def remaining_rounds(self) -> int:
-        return self.cfg.num_rounds - self.next_round
-
     def initial_arrays(self) -> ArrayRecord:
         return self.layout.record(self.params)
 
