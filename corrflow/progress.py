@@ -57,4 +57,5 @@ def round_line(metrics: dict, num_rounds: int) -> str:
     loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
     why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
     return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
-            f" rejected {metrics['rejected']}{why}{loss}{acc}  ε spent {metrics.get('epsilon', float('nan')):.3f}")
+            f" rejected {metrics['rejected']}{why}{loss}{acc}  "
+            + (f"ε spent {metrics['epsilon']:.3f}" if metrics.get("epsilon") is not None else "non-private (no ε)"))

@@ -100,9 +100,11 @@ def test_table1_cheap_rows(s, honaker_sens2, online, optdec, fft_sens2, fft_l, f
 
 @pytest.mark.parametrize("s, sens2, loss", [(20, 20.0, 2.474e6), (10, 24.03, 1.829e6), (5, 30.78, 1.466e6)])
 def test_table1_stamped_single_epoch_mf(s, sens2, loss):
-    # 000 digest check 14: MF(k=1, n)×s under (20, 100) with the optimal decoder.
+    # 000 digest check 14: MF(k=1, n)×s under (20, 100) with the optimal decoder. tol = 1e-12 is never met, so
+    # the optimizer runs until its loss stops improving: a stop decided by iterations, not by when the (time-
+    # scheduled) duality-gap checks happen to fall — the stamped loss moves ~0.1% between near-optimal X's.
     m = 2000 // s
-    X = optimize_dense(PREFIX, Participation.single(m), tol=1e-6).X
+    X = optimize_dense(PREFIX, Participation.single(m), tol=1e-12).X
     Xs = stamp_gram(X, s)
     sens = fixed_epoch_sensitivity_from_gram(Xs, Participation.fixed_epoch(2000, 20))
     assert sens.value**2 == pytest.approx(sens2, abs=0.01)

@@ -128,3 +128,37 @@ def test_readme_arxiv_cross_silo_example_learns(tmp_path):
     run_server(InProcessGrid(task.handlers, 4), cfg, tmp_path, quiet=True)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert len(metrics) == 21 and metrics[-1]["test_loss"] <= 0.8 * metrics[0]["test_loss"]
+
+
+def test_learning_verdict_from_metrics():
+    from corrflow.planning.learnability import learning_section
+
+    hist = [{"round": -1, "test_loss": 5.0, "test_accuracy": 0.0}, {"round": 0, "test_loss": 4.0, "test_accuracy": 0.2}]
+    ok = learning_section(hist, 0.1)
+    assert ok["learned"] is True and not ok["warned"] and ok["loss_improvement"] == pytest.approx(0.2)
+    assert ok["final_test_accuracy"] == 0.2
+    worse = learning_section([hist[0], {"round": 0, "test_loss": 7.5}], 2.4)
+    assert worse["learned"] is False and worse["warned"] and "did not learn" in worse["verdict"]
+    assert "2.40 > 0.3" in worse["verdict"]
+    assert learning_section([hist[0], {"round": 0, "test_loss": float("nan")}], 0.0)["learned"] is False
+    # the loss rose but the accuracy gained ≥ 0.02: learned; a gain of 0.01 with a higher loss is not
+    assert learning_section([hist[0], {"round": 0, "test_loss": 6.0, "test_accuracy": 0.1}], 0.4)["learned"]
+    assert not learning_section([hist[0], {"round": 0, "test_loss": 6.0, "test_accuracy": 0.01}], 0.4)["learned"]
+    assert learning_section([hist[0]], 0.0)["learned"] is None          # no round trained
+    assert learning_section([{"round": -1}, {"round": 0}], 0.0)["learned"] is None   # no held-out evaluation
+
+
+def test_a_run_that_does_not_learn_says_so_and_exits_3(tmp_path):
+    """σ = 200 on 3 users a round: the noise swamps the model. The screen, the report and the exit code say so."""
+    proc = _simulate(tmp_path, "--noise-multiplier", "200")
+    assert proc.returncode == 3, proc.stderr
+    assert "did not learn" in proc.stderr
+    learning = json.loads((tmp_path / "privacy_report.json").read_text())["learning"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["learning"] == learning
+    assert learning["learned"] is False and learning["warned"] and learning["noise_to_signal"] > 0.3
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert learning["final_test_loss"] == metrics[-1]["test_loss"] > metrics[0]["test_loss"]
+    again = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "12", "--rounds", "4",
+                            "--epochs", "2", "--backend", "inprocess", "--out", str(tmp_path), "--noise-multiplier",
+                            "200"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 3 and "did not learn (exit 3)" in again.stdout   # already complete: same verdict

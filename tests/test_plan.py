@@ -91,8 +91,8 @@ def test_plan_runs_in_simulate(planned, tmp_path):
     assert json.dumps(report).count(rec["factorization_sha256"]) >= 1
     bad = run("simulate", "--plan", str(out / "recipe.json"), "--backend", "inprocess", "--out",
               str(tmp_path / "run2"), "--accountant", "mmcc", "--rounds", "30")
-    assert bad.returncode == 2 and "accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
-    assert "num-rounds: plan 24, run 30" in bad.stderr
+    assert bad.returncode == 2 and "--accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
+    assert "--rounds: plan 24, run 30" in bad.stderr
 
 
 def test_budgets(tmp_path):

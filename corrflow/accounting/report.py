@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from corrflow.accounting.posthoc import min_gap
 from corrflow.factorization.base import Factorization
+from corrflow.fileio import write_json
 
 
 def hash_user_id(user_id: str, salt: bytes) -> str:
@@ -51,15 +50,5 @@ def privacy_report(*, factorization: Factorization, noise_multiplier: float, cli
 
 
 def write_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write JSON atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write JSON atomically (:mod:`corrflow.fileio`)."""
+    return write_json(path, report, indent=1, sort_keys=True)

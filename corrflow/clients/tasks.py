@@ -19,8 +19,7 @@ CLIENTS = ("numpy", "nextword", "keras")
 TRAINING_DEFAULTS = {
     "numpy": {"server_lr": 0.5, "momentum": 0.5, "local_lr": 0.1, "local_steps": 5, "clip_norm": 1.0},
     "nextword": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 2.0, "local_steps": 2, "clip_norm": 1.0},
-    # Measured best of η ∈ {1, 3, 5, 6}, local lr ∈ {0.5, 1, 1.5, 3}, clip ∈ {0.25, 1} (README, Keras example).
-    "keras": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 1.0, "local_steps": 1, "clip_norm": 1.0},
+    "keras": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 2.0, "local_steps": 2, "clip_norm": 1.0},
 }
 
 

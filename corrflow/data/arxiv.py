@@ -28,6 +28,7 @@ import numpy as np
 
 from corrflow.data.lexicon import Lexicon, synthetic_word
 from corrflow.errors import DataFormatError, require
+from corrflow.fileio import atomic_file
 from corrflow.participation.attribution import AttributionGraph
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,6 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
     lex = spec.lexicon
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
     links = papers = 0
 
     def newcomer() -> int | None:
@@ -255,7 +255,7 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
             return a
         return int(np.searchsorted(cdf, rng.random(), side="right").clip(0, n - 1))
 
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path, "w") as f:
         while newcomer() is not None:
             if rng.random() < spec.big_collab_p:
                 k = int(spec.big_collab_min * (1.0 - rng.random()) ** (-1.0 / spec.big_collab_alpha))
@@ -302,5 +302,4 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
             papers += 1
             if progress is not None:
                 progress(int(seen.sum()) if papers % 1000 == 0 else None)
-    os.replace(tmp, path)
     return {"papers": papers, "users": n, "links": links}

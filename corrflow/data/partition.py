@@ -16,6 +16,7 @@ from pathlib import Path
 
 from corrflow.data.stats import detect_format
 from corrflow.errors import DataFormatError, require
+from corrflow.fileio import write_json
 
 
 def silo_of(item_id: str, partitions: int, seed: int = 0) -> int:
@@ -65,12 +66,7 @@ def make_manifest(path: str | os.PathLike, partitions: int | None = None, split:
 
 
 def write_manifest(manifest: dict, out: str | os.PathLike) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out)
-    return out
+    return write_json(out, manifest, indent=1)
 
 
 def load_manifest(path: str | os.PathLike) -> dict:

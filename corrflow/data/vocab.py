@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.errors import DataFormatError, require
+from corrflow.fileio import write_text
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -68,10 +69,7 @@ class Vocabulary:
 
     def save(self, path: str | os.PathLike) -> None:
         """One word per line, most frequent first (TFF's vocabulary file layout); the header holds the buckets."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(f"#corrflow-vocab oov_buckets={self.oov_buckets}\n" + "".join(w + "\n" for w in self.words))
-        os.replace(tmp, path)
+        write_text(path, f"#corrflow-vocab oov_buckets={self.oov_buckets}\n" + "".join(w + "\n" for w in self.words))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from corrflow.factorization.metrics import ErrorReport, error_report
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import Sensitivity
 from corrflow.factorization.workloads import Workload
+from corrflow.fileio import atomic_file
 
 FORMAT = "corrflow.factorization/1"
 
@@ -106,15 +106,8 @@ class Factorization:
         path = Path(path)
         payload = self._arrays()
         payload["__meta__"] = np.array(json.dumps(self._meta(), sort_keys=True))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **payload)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "wb", suffix=".npz") as f:
+            np.savez(f, **payload)
         return path
 
     @classmethod

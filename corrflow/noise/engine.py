@@ -21,7 +21,6 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from scipy.linalg import solve_triangular
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import DENSE_LIMIT, BandedEncoder, InverseToeplitzEncoder, ToeplitzEncoder
+from corrflow.fileio import write_bytes, write_json
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
 
 MODES = ("banded", "banded-inverse", "dense", "identity")
@@ -241,14 +241,14 @@ def save_state(gen: CorrelatedNoise, directory: str | os.PathLike) -> Path:
         "factorization_sha256": gen.factorization.sha256(), "key_fingerprint": fingerprint(gen._key),
         "buffer_sha256": None,
     }
-    _atomic_write(d / SECRET_FILE, gen._key.hex().encode(), private=True)
+    write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
     if gen._buffer is not None:
         buf = io.BytesIO()
         np.save(buf, gen._buffer, allow_pickle=False)
         data = buf.getvalue()
         public["buffer_sha256"] = hashlib.sha256(data).hexdigest()
-        _atomic_write(d / BUFFER_FILE, data, private=True)
-    _atomic_write(d / PUBLIC_FILE, json.dumps(public, indent=1, sort_keys=True).encode(), private=False)
+        write_bytes(d / BUFFER_FILE, data, private=True)
+    write_json(d / PUBLIC_FILE, public, indent=1, sort_keys=True)
     return d
 
 
@@ -294,18 +294,3 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
             gen.load_buffer()
     gen.next_round = int(public["next_round"])
     return gen
-
-
-def _atomic_write(path: Path, data: bytes, private: bool) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        if private:
-            os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from corrflow.errors import IntegrityError
 from corrflow.factorization.base import Factorization
+from corrflow.fileio import write_json
 
 CACHE_FORMAT = 1
 
@@ -70,17 +70,8 @@ class PlanCache:
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
         result = compute()
-        _write_json(path, {"params": params, "result": result})
+        write_json(path, {"params": params, "result": result}, sort_keys=True, default=str)
         self.misses += 1
         return result, False
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, sort_keys=True, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -18,6 +18,7 @@ round breaks a budget.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from corrflow.factorization.metrics import ErrorReport
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.registry import KINDS, REGISTRY
 from corrflow.factorization.workloads import Workload
+from corrflow.fileio import write_text
 from corrflow.planning.cache import PlanCache
 from corrflow.progress import Progress
 
@@ -466,10 +468,7 @@ def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: Plan
                      "factorization": "factorization.npz" if recipe else None, **files}}
     if recipe is None:
         doc["error"] = "no candidate fits the memory and noise-time budgets"
-    import json
-
-    (out / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n",
-                                   encoding="utf-8")
+    write_text(out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n")
     return doc
 
 

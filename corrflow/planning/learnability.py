@@ -12,16 +12,25 @@ README's first command: 0.04; nextword ``compare --preset quick``, banded Toepli
 cross-silo example: 0.2; DP-SGD on the quick preset, 0.17, gains accuracy while its held-out loss rises); runs at
 ρ ≥ 0.39 ended worse than the initial model (``--preset tiny``: 0.39 Toeplitz, 0.71 DP-SGD; the Keras LSTM with 5
 users per round: 2.2). Above ``THRESHOLD`` corrflow warns before training starts.
+
+After training, :func:`learning_section` puts the verdict on the record (``privacy_report.json``'s ``learning``):
+ρ, whether it warned, the held-out loss (and accuracy) of the initial and final models, and ``learned`` — whether
+the final model's held-out loss is finite and either below the initial model's or its accuracy ``ACCURACY_GAIN``
+above it (``None`` without a held-out evaluation).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
 log = logging.getLogger("corrflow")
 THRESHOLD = 0.3
+# A run learned when its held-out loss fell, or when its accuracy rose by this much (absolute): noisy models can
+# gain accuracy while over-confident logits raise the loss (DP-SGD in ``compare --preset quick``).
+ACCURACY_GAIN = 0.02
 
 
 def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
@@ -46,3 +55,35 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
                     "target ε), use a smaller model or a correlated-noise kind with lower error.", rho, sigma, dim,
                     cohort, THRESHOLD)
     return rho
+
+
+def held_out_summary(entries: list[dict]) -> dict:
+    """Initial and final held-out loss (and accuracy) and the loss's relative improvement, from ``metrics.json``'s
+    entries (the initial model as ``"round": -1``, then one entry per round)."""
+    first, last = entries[0], entries[-1]
+    out = {"initial_test_loss": first["test_loss"], "final_test_loss": last["test_loss"],
+           "rounds_evaluated": len(entries) - 1}
+    if "test_accuracy" in first and "test_accuracy" in last:
+        out.update(initial_test_accuracy=first["test_accuracy"], final_test_accuracy=last["test_accuracy"])
+    if first["test_loss"] and math.isfinite(first["test_loss"]):
+        out["loss_improvement"] = 1.0 - last["test_loss"] / first["test_loss"]
+    return out
+
+
+def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
+    """The report's ``learning`` verdict: ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}`` plus
+    :func:`held_out_summary`'s fields when the run evaluates a held-out set and has trained at least one round."""
+    out = {"noise_to_signal": noise_to_signal, "threshold": THRESHOLD, "warned": noise_to_signal > THRESHOLD}
+    if len(entries) < 2 or "test_loss" not in entries[0] or "test_loss" not in entries[-1]:
+        return {**out, "learned": None, "verdict": "not evaluated (no held-out evaluation or no round trained)"}
+    held = held_out_summary(entries)
+    first, last = held["initial_test_loss"], held["final_test_loss"]
+    gained = held.get("final_test_accuracy", 0.0) - held.get("initial_test_accuracy", 0.0)
+    learned = math.isfinite(last) and (last < first or gained >= ACCURACY_GAIN)
+    moved = f"held-out loss went from {first:.4g} to {last:.4g}"
+    if "final_test_accuracy" in held:
+        moved += f", accuracy from {held['initial_test_accuracy']:.4g} to {held['final_test_accuracy']:.4g}"
+    verdict = moved if learned else f"the model did not learn: {moved} over {held['rounds_evaluated']} rounds"
+    if not learned and out["warned"]:
+        verdict += f" (the pre-flight check warned: noise-to-signal {noise_to_signal:.2f} > {THRESHOLD})"
+    return {**out, **held, "learned": learned, "verdict": verdict}

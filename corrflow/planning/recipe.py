@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
+from corrflow.fileio import write_text
 
 RECIPE_FORMAT = "corrflow.recipe/1"
 
@@ -58,9 +59,10 @@ class Recipe:
                 "noise_multiplier": self.noise_multiplier, "target_epsilon": 0.0, "delta": self.delta,
                 "momentum": self.momentum, "cooldown_fraction": self.cooldown_fraction}
 
-    def differences(self, settings: dict) -> list[str]:
-        """The settings (``StrategyConfig`` field → value) that differ from this recipe's, as 'field: plan X, run Y'.
-        A min-sep of 0 means rounds/epochs, as in the strategy."""
+    def differences(self, settings: dict, names: dict[str, str] | None = None) -> list[str]:
+        """The settings (``StrategyConfig`` field → value) that differ from this recipe's, as 'name: plan X, run Y'
+        (``names``: field → the name the user typed, e.g. a CLI flag; default the run-config key). A min-sep of 0
+        means rounds/epochs, as in the strategy."""
         mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}   # σ was calibrated for it
         out = []
         for key, want in mine.items():
@@ -76,13 +78,14 @@ class Recipe:
             else:
                 same = got == want
             if not same:
-                out.append(f"{key.replace('_', '-')}: plan {want!r}, run {got!r}")
+                name = (names or {}).get(key, key.replace("_", "-"))
+                out.append(f"{name}: plan {want!r}, run {got!r}")
         return out
 
     def save(self, path: Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
 

@@ -342,7 +342,8 @@ def simulate(
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
-    why) or refused, 2 bad arguments, 130 interrupted (state and report are complete; rerun to continue)."""
+    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss no lower than the initial
+    model's; the report's `learning` says so), 130 interrupted (state and report are complete; rerun to continue)."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.strategies.config import StrategyConfig
@@ -407,7 +408,7 @@ def simulate(
     except CorrflowError as exc:
         _fail(exc)
     try:
-        from corrflow.server.metrics import summary as metrics_summary
+        from corrflow.planning.learnability import held_out_summary
         from corrflow.server.simulation import simulate as run_sim
 
         stopped = None
@@ -416,7 +417,7 @@ def simulate(
                 run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
-        held_out = metrics_summary(json.loads((out / "metrics.json").read_text()))
+        held_out = held_out_summary(json.loads((out / "metrics.json").read_text()))
         if as_json:
             _emit({**report, "held_out": held_out}, True)
         else:
@@ -425,6 +426,8 @@ def simulate(
             typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
                        err=True)
             raise typer.Exit(code=1)
+        if report.get("learning", {}).get("learned") is False:
+            raise typer.Exit(code=3)  # the session logged the verdict; the summary's held-out line repeats it
     except RunInterruptedError as exc:
         typer.echo(f"interrupted: {exc}. State and report in {out} are complete; rerun the same command to "
                    "continue.", err=True)
@@ -450,7 +453,7 @@ def _read_plan(ctx: typer.Context, plan_path: Path):
     recipe, fac_path = load_recipe(plan_path)
     given = {field: ctx.params[flag] for flag, field in _PLAN_FLAGS.items()
              if ctx.get_parameter_source(flag) == ParameterSource.COMMANDLINE}
-    diff = recipe.differences(given)
+    diff = recipe.differences(given, {field: "--" + flag.replace("_", "-") for flag, field in _PLAN_FLAGS.items()})
     if diff:
         raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
     return recipe, fac_path
@@ -487,9 +490,10 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
     eps = realized["epsilon"]
     acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
            if "final_test_accuracy" in held_out else "")
+    failed = " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
     lines = [
         f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{acc} over "
-        f"{held_out['rounds_evaluated']} rounds",
+        f"{held_out['rounds_evaluated']} rounds{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
         f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.errors import require
+from corrflow.fileio import write_json, write_text
 
 log = logging.getLogger("corrflow")
 
@@ -150,7 +151,7 @@ def compare(preset: Preset, kinds: list[str], out_dir: str | Path, backend: str 
     result["seconds"] = float(sum(r["seconds"] for runs in per_seed.values() for r in runs))
     result["plots"] = plot(result, out)
     write_curves(result, out / "curves.csv")
-    (out / "comparison.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "comparison.json", result, indent=1)
     return result
 
 
@@ -161,7 +162,7 @@ def write_curves(result: dict, path: Path) -> None:
             for m in run["curve"]:
                 acc = "" if m["accuracy"] is None else f"{m['accuracy']:.6f}"
                 lines.append(f"{name},{run['seed']},{m['round']},{m['loss']:.6f},{acc}")
-    path.write_text("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def plot(result: dict, out: Path) -> list[str]:
@@ -184,8 +185,8 @@ def plot(result: dict, out: Path) -> list[str]:
             ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
-        ax.set_title(f"{result['preset']}: ε = {result['epsilon']:g}, δ = {result['delta']:g}, cohort "
-                     f"{result['cohort']}, {result['seeds']} seed(s)")
+        ax.set_title(f"{result['preset']} ({result['client']}): ε = {result['epsilon']:g}, δ = {result['delta']:g}, "
+                     f"cohort {result['cohort']}, {result['seeds']} seed(s)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

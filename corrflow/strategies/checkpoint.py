@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.errors import IntegrityError
+from corrflow.fileio import TEMP_PREFIX, write_text
 
 POINTER = "CURRENT"
 MANIFEST = "MANIFEST.json"
 SECRET = "server_secret"
-TEMP_PREFIX = ".tmp-"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,12 +62,7 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        ptr_fd, ptr_tmp = tempfile.mkstemp(dir=root, prefix=TEMP_PREFIX + "ptr-")
-        with os.fdopen(ptr_fd, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(ptr_tmp, root / POINTER)
+        write_text(root / POINTER, name)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

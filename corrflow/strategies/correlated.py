@@ -113,7 +113,8 @@ class CorrelatedNoiseStrategy(Strategy):
                  resume: ResumePoint | None = None,
                  identity: str = "partition-id", evaluate: Callable[[list[np.ndarray]], dict] | None = None,
                  resolve_nodes: Callable[[list[int]], dict[int, str]] | None = None,
-                 stop_event: threading.Event | None = None, inner: Strategy | None = None):
+                 stop_event: threading.Event | None = None, inner: Strategy | None = None,
+                 report_extra: Callable[[CorrelatedNoiseStrategy], dict] | None = None):
         require(factorization.rounds == config.num_rounds, "factorization",
                 f"{config.num_rounds} rounds (num-rounds)", factorization.rounds)
         check_workload_matches(factorization.workload, config.momentum, config.cooldown_fraction)
@@ -153,6 +154,7 @@ class CorrelatedNoiseStrategy(Strategy):
         self.journal = ReleaseJournal(self.out_dir / JOURNAL)
         self.on_round_end = on_round_end
         self.evaluate = evaluate
+        self.report_extra = report_extra  # sections the session adds to the report (the learning verdict)
         self.stop_event = stop_event or threading.Event()
         self.metrics_history: list[dict] = []
         self.stopped_reason: str | None = None
@@ -540,7 +542,8 @@ class CorrelatedNoiseStrategy(Strategy):
                       "rejections": len(self.ledger.rejections)},
             rounds_completed=self.next_round, rounds_planned=self.cfg.num_rounds,
             stopped_reason=self.stopped_reason, run_id=self.run_id,
-            identity={"source": self.identity, "stable_across_restarts": self.identity != "per-launch"})
+            identity={"source": self.identity, "stable_across_restarts": self.identity != "per-launch"},
+            **(self.report_extra(self) if self.report_extra is not None else {}))
 
     def write_report(self) -> Path:
         return write_report(self.report(), self.out_dir / "privacy_report.json")

@@ -5,7 +5,6 @@ and metrics whatever happens."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -20,8 +19,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import IntegrityError
+from corrflow.fileio import write_json
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
-from corrflow.planning.learnability import check_learnable
+from corrflow.planning.learnability import check_learnable, learning_section
 from corrflow.strategies import identity as ids
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
@@ -69,12 +69,12 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
         plan = plan_privacy(cfg, fac, planner)
         plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
         layout = ModelLayout.of(hooks.initial)
-        check_learnable(fac, plan.noise_multiplier, layout.trainable_arrays(hooks.initial), planner.expected)
+        rho = check_learnable(fac, plan.noise_multiplier, layout.trainable_arrays(hooks.initial), planner.expected)
         # metrics.json: the initial model as round −1, then one entry per round.
         initial = {"round": -1, **(hooks.evaluate(layout.trainable_arrays(hooks.initial)) if hooks.evaluate else {})}
 
         def write_metrics(strategy) -> None:
-            (out / "metrics.json").write_text(json.dumps([initial, *strategy.metrics_history], indent=1))
+            write_json(out / "metrics.json", [initial, *strategy.metrics_history], indent=1)
 
         def round_end(strategy, metrics):
             write_metrics(strategy)
@@ -86,11 +86,15 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
             on_round_end=round_end, planner=planner, item_home=item_home, resume=resume, identity=source,
             evaluate=hooks.evaluate,
             resolve_nodes=partial(ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)),
-            stop_event=stop_event, inner=hooks.inner)
+            stop_event=stop_event, inner=hooks.inner,
+            report_extra=lambda s: {"learning": learning_section([initial, *s.metrics_history], rho)})
         try:
             result = strategy.start(grid=grid, timeout=cfg.node_timeout, train_config=hooks.train_config,
                                     evaluate_config=hooks.evaluate_config, evaluate_fn=hooks.evaluate_fn)
         finally:
             strategy.write_report()
             write_metrics(strategy)
+        learning = learning_section([initial, *strategy.metrics_history], rho)
+        if learning["learned"] is False and strategy.stopped_reason is None:
+            log.error("corrflow: %s; the report's `learning` section has the numbers", learning["verdict"])
         return strategy, result

@@ -111,7 +111,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             from corrflow.planning.recipe import load_recipe
 
             recipe, fac_path = load_recipe(plan)
-            diff = recipe.differences(given)
+            diff = recipe.differences(given, {k: k for k in given})   # the keyword arguments as typed
             require(not diff, "plan", "settings that agree with the plan (or leave them out)", "; ".join(diff))
             self.plan = (recipe, fac_path)
             self.num_users = num_users or recipe.population
