@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import IO
 
 TEMP_PREFIX = ".tmp-"
+# mkstemp creates files 0600; shared files (reports, vocabularies, manifests) get the mode open() would give them.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 @contextmanager
@@ -27,8 +30,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", *, private: bool = Fa
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=suffix)
     try:
-        if private:
-            os.fchmod(fd, 0o600)
+        os.fchmod(fd, 0o600 if private else 0o666 & ~_UMASK)
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()

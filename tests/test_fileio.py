@@ -19,6 +19,9 @@ def test_write_replaces_whole_files(tmp_path):
     assert p.read_text() == "second" and os.listdir(p.parent) == ["r.json"]
     key = write_bytes(tmp_path / "k.key", b"\x00secret", private=True)
     assert key.read_bytes() == b"\x00secret" and stat.S_IMODE(key.stat().st_mode) == 0o600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask      # shared files: what open() would give
 
 
 def test_an_exception_mid_write_keeps_the_old_file(tmp_path):

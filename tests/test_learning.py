@@ -1,5 +1,6 @@
 """Models that learn: the nextword client's gradients, per-client defaults that train (the README's first command),
-metrics.json with the initial model, the simulate flags, and the pre-flight noise-to-signal estimate."""
+metrics.json with the initial model, the simulate flags, the pre-flight noise-to-signal estimate, and the learning
+verdict a run puts in its report and exit code."""
 
 import json
 import logging

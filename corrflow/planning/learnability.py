@@ -11,7 +11,7 @@ does not depend on η or clip. Measured at ε = 8, δ = 1e-5: runs that learn ha
 README's first command: 0.04; nextword ``compare --preset quick``, banded Toeplitz: 0.06; the README's arXiv
 cross-silo example: 0.2; DP-SGD on the quick preset, 0.17, gains accuracy while its held-out loss rises); runs at
 ρ ≥ 0.39 ended worse than the initial model (``--preset tiny``: 0.39 Toeplitz, 0.71 DP-SGD; the Keras LSTM with 5
-users per round: 2.2). Above ``THRESHOLD`` corrflow warns before training starts.
+users per round: 2.4). Above ``THRESHOLD`` corrflow warns before training starts.
 
 After training, :func:`learning_section` puts the verdict on the record (``privacy_report.json``'s ``learning``):
 ρ, whether it warned, the held-out loss (and accuracy) of the initial and final models, and ``learned`` — whether

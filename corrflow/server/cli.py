@@ -342,8 +342,9 @@ def simulate(
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
-    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss no lower than the initial
-    model's; the report's `learning` says so), 130 interrupted (state and report are complete; rerun to continue)."""
+    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss not below the initial model's
+    and accuracy not 0.02 above it; the report's `learning` has the verdict), 130 interrupted (state and report
+    are complete; rerun to continue)."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.strategies.config import StrategyConfig
