@@ -3,6 +3,7 @@ numbers except the noise (the key is always fresh); the plots are valid PNGs; th
 
 import json
 import struct
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -42,9 +43,14 @@ def test_json_contract_and_shared_setup(tiny):
             assert runs[name]["noise_multiplier"] > 0
         assert runs["nonprivate"]["epsilon"] is None and runs["nonprivate"]["noise_multiplier"] == 0
     for arm in result["arms"].values():
+        for r in arm["per_seed"]:    # each run's verdict is its own held-out loss against its initial model's
+            assert r["learned"] is (r["loss"] < r["initial_loss"])
+        assert arm["learned_seeds"] == sum(r["learned"] for r in arm["per_seed"])
         assert arm["accuracy"] == pytest.approx(np.mean([r["accuracy"] for r in arm["per_seed"]]))
         assert arm["loss"] == pytest.approx(np.mean([r["loss"] for r in arm["per_seed"]]))
     a = result["arms"]
+    # ρ: none without noise; at one σ, independent noise carries more than correlated noise
+    assert a["nonprivate"]["noise_to_signal"] == 0 < a["toeplitz"]["noise_to_signal"] < a["dpsgd"]["noise_to_signal"]
     assert result["gap_closed"]["toeplitz"]["accuracy"] == pytest.approx(
         (a["toeplitz"]["accuracy"] - a["dpsgd"]["accuracy"]) / (a["nonprivate"]["accuracy"] - a["dpsgd"]["accuracy"]))
     saved = json.loads((out / "comparison.json").read_text())
@@ -57,7 +63,7 @@ def test_the_non_private_model_learns(tiny):
     free = result["arms"]["nonprivate"]
     assert free["accuracy"] > free["per_seed"][0]["initial_accuracy"] + 0.05
     assert free["loss"] < free["per_seed"][0]["initial_loss"]
-    assert "nonprivate" in stderr and "gap closed" in stderr            # the table goes to stderr with --json
+    assert "nonprivate" in stderr and "gap closed" in stderr and "learned" in stderr   # the table, on stderr
 
 
 def test_plots_are_valid_pngs(tiny):
@@ -94,3 +100,10 @@ def test_gap_closed_and_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "huge", "--out",
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--preset" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", "--kinds",
+                           "toeplitz,foo", "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--kinds" in proc.stderr and "foo" in proc.stderr
+    assert not (tmp_path / "y").exists()                              # refused before anything was written
+    with pytest.raises(InvalidArgumentError, match="epochs"):           # every arm is checked before any trains
+        compare(replace(PRESETS["tiny"], epochs=3), ["toeplitz"], tmp_path / "z")
+    assert not (tmp_path / "z").exists()

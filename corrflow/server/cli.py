@@ -4,6 +4,7 @@ as the last stdout line; progress goes to stderr; bad arguments exit with code 2
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -328,7 +329,9 @@ def simulate(
     momentum: Annotated[float | None, typer.Option(help="server momentum β; the factorization is built for this "
                                                         "workload (default: the client's)")] = None,
     local_lr: Annotated[float | None, typer.Option(help="clients' learning rate (default: the client's)")] = None,
-    local_steps: Annotated[int | None, typer.Option(help="clients' local epochs (default: the client's)")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="clients' local work: gradient steps (numpy) or epochs over "
+                                                         "the user's data (nextword, keras); default: the "
+                                                         "client's")] = None,
     seed: Annotated[int, typer.Option(help="seeds the data, model initialisation and participation order (never "
                                            "the noise, whose key is always fresh)")] = 0,
     fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
@@ -342,8 +345,8 @@ def simulate(
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
-    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss not below the initial model's
-    and accuracy not 0.02 above it; the report's `learning` has the verdict), 130 interrupted (state and report
+    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss not below the initial model's;
+    the report's `learning` has the verdict), 130 interrupted (state and report
     are complete; rerun to continue)."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
@@ -492,9 +495,11 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
     acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
            if "final_test_accuracy" in held_out else "")
     failed = " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
+    change = (f" ({-held_out['loss_improvement']:+.1%})"
+              if math.isfinite(held_out.get("loss_improvement", math.nan)) else "")
     lines = [
-        f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{acc} over "
-        f"{held_out['rounds_evaluated']} rounds{failed}",
+        f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{change}{acc} "
+        f"over {held_out['rounds_evaluated']} rounds{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
         f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",

@@ -22,6 +22,7 @@ import numpy as np
 
 from corrflow.errors import require
 from corrflow.fileio import write_json, write_text
+from corrflow.planning.learnability import THRESHOLD
 
 log = logging.getLogger("corrflow")
 
@@ -95,7 +96,9 @@ def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend:
     last = curve[-1]
     require(last["round"] == preset.rounds - 1, "rounds", f"all {preset.rounds} rounds completed in arm {name}",
             report.get("rounds_completed"))
+    learning = report["learning"]
     return {"seed": seed, "accuracy": last.get("test_accuracy"), "loss": last["test_loss"],
+            "learned": learning["learned"], "noise_to_signal": learning["noise_to_signal"],
             "initial_accuracy": curve[0].get("test_accuracy"), "initial_loss": curve[0]["test_loss"],
             "epsilon": report["realized"]["epsilon"], "noise_multiplier": report["noise_multiplier"],
             "cohort": curve[-1]["cohort"], "rejected": sum(int(m.get("rejected", 0)) for m in curve[1:]),
@@ -126,16 +129,20 @@ def compare(preset: Preset, kinds: list[str], out_dir: str | Path, backend: str 
     require(bool(kinds) and all(k not in ("dpsgd", "nonprivate") for k in kinds), "kinds",
             "one or more correlated-noise kinds (dpsgd and nonprivate always run)", kinds)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     arms = {"nonprivate": "toeplitz", "dpsgd": "dpsgd", **{k: k for k in kinds}}
+    for name, kind in arms.items():   # every arm's settings are valid before any arm trains
+        arm_config(preset, kind, 0, out / "runs" / name, non_private=name == "nonprivate")
+    out.mkdir(parents=True, exist_ok=True)
     per_seed: dict[str, list[dict]] = {name: [] for name in arms}
     for seed in range(preset.seeds):
         for name, kind in arms.items():
             res = run_arm(preset, name, kind, seed, out / "runs" / f"{name}-seed{seed}", backend)
             per_seed[name].append(res)
             if progress is not None:
-                progress(f"seed {seed} {name:<10} accuracy {res['accuracy'] if res['accuracy'] is not None else '-'}"
-                         f"  loss {res['loss']:.4f}  σ {res['noise_multiplier']:.3f}  ({res['seconds']:.1f} s)")
+                acc = "-" if res["accuracy"] is None else f"{res['accuracy']:.4f}"
+                progress(f"seed {seed} {name:<10} accuracy {acc}  loss {res['loss']:.4f}  σ "
+                         f"{res['noise_multiplier']:.3f}  {'learned' if res['learned'] else 'did not learn'}  "
+                         f"({res['seconds']:.1f} s)")
     result = {"preset": preset.name, "epsilon": preset.epsilon, "delta": preset.delta, "rounds": preset.rounds,
               "cohort": preset.cohort, "seeds": preset.seeds, "users": preset.users, "epochs": preset.epochs,
               "client": preset.client, "backend": backend, "config": asdict(preset), "arms": {}, "gap_closed": {}}
@@ -143,7 +150,9 @@ def compare(preset: Preset, kinds: list[str], out_dir: str | Path, backend: str 
         runs = per_seed[name]
         result["arms"][name] = {"accuracy": _mean(r["accuracy"] for r in runs), "loss": _mean(r["loss"] for r in runs),
                                 "kind": "none" if name == "nonprivate" else kind,
-                                "noise_multiplier": runs[0]["noise_multiplier"], "per_seed": runs}
+                                "noise_multiplier": runs[0]["noise_multiplier"],
+                                "noise_to_signal": runs[0]["noise_to_signal"],
+                                "learned_seeds": sum(bool(r["learned"]) for r in runs), "per_seed": runs}
     a = result["arms"]
     for kind in kinds:
         result["gap_closed"][kind] = {m: gap_closed(a[kind][m], a["dpsgd"][m], a["nonprivate"][m])
@@ -202,12 +211,16 @@ def table(result: dict) -> str:
     def fmt(v, spec=".4f"):
         return "-" if v is None else format(v, spec)
 
-    rows = [f"{'arm':<12} {'kind':<10} {'σ':>7} {'accuracy':>9} {'loss':>8} {'gap closed (acc, loss)':>24}"]
+    rows = [f"{'arm':<12} {'kind':<10} {'σ':>7} {'ρ':>5} {'accuracy':>9} {'loss':>8} {'learned':>8} "
+            f"{'gap closed (acc, loss)':>24}"]
     for name, arm in result["arms"].items():
         gap = result["gap_closed"].get(name)
         gap_text = f"{fmt(gap['accuracy'], '.0%')}, {fmt(gap['loss'], '.0%')}" if gap else ""
-        rows.append(f"{name:<12} {arm['kind']:<10} {arm['noise_multiplier']:>7.3f} {fmt(arm['accuracy']):>9} "
-                    f"{fmt(arm['loss']):>8} {gap_text:>24}")
+        learned = f"{arm['learned_seeds']}/{len(arm['per_seed'])}"
+        rows.append(f"{name:<12} {arm['kind']:<10} {arm['noise_multiplier']:>7.3f} {arm['noise_to_signal']:>5.2f} "
+                    f"{fmt(arm['accuracy']):>9} {fmt(arm['loss']):>8} {learned:>8} {gap_text:>24}")
+    rows.append(f"ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm is unlikely to learn); "
+                "learned: seeds whose final held-out loss is below the initial model's.")
     return "\n".join(rows)
 
 
@@ -215,7 +228,8 @@ def json_summary(result: dict) -> dict:
     """The ``--json`` object: preset, privacy, schedule, per-arm means and per-seed results, gaps, plots."""
     keep = ("preset", "epsilon", "delta", "rounds", "cohort", "seeds", "gap_closed", "plots", "seconds")
     arms = {name: {"accuracy": a["accuracy"], "loss": a["loss"], "kind": a["kind"],
-                   "noise_multiplier": a["noise_multiplier"],
+                   "noise_multiplier": a["noise_multiplier"], "noise_to_signal": a["noise_to_signal"],
+                   "learned_seeds": a["learned_seeds"],
                    "per_seed": [{k: v for k, v in r.items() if k != "curve"} for r in a["per_seed"]]}
             for name, a in result["arms"].items()}
     return {**{k: result[k] for k in keep}, "arms": arms}

@@ -33,7 +33,9 @@ def compare_command(
 ) -> None:
     """Train non-private, DP-SGD and correlated-noise arms at the same (ε, δ) and compare held-out accuracy."""
     from corrflow.clients.tasks import training_defaults
+    from corrflow.server.cli import KIND_NAMES
     from corrflow.server.compare import PRESETS, compare, json_summary, stderr_progress, table, with_overrides
+    from corrflow.server.simulation import quiet_native_logs
 
     try:
         if preset not in PRESETS:
@@ -44,13 +46,19 @@ def compare_command(
             raise InvalidArgumentError("--client", "nextword, keras or numpy", client)
         if seeds is not None and seeds < 1:
             raise InvalidArgumentError("--seeds", "a positive integer", seeds)
+        kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+        correlated = [k for k in KIND_NAMES if k != "dpsgd"]
+        bad = [k for k in kind_list if k not in correlated]
+        if bad or not kind_list:
+            raise InvalidArgumentError("--kinds", f"correlated-noise kinds from {', '.join(correlated)} (nonprivate "
+                                                  "and dpsgd always run)", ",".join(bad) or kinds)
         if (out / "comparison.json").exists() or (out / "runs").exists():
             raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
         chosen = with_overrides(PRESETS[preset], seeds=seeds, epsilon=epsilon, delta=delta, rounds=rounds,
                                 users=users, epochs=epochs, client=client)
         if client is not None and client != PRESETS[preset].client:   # that client's optimizer settings
             chosen = with_overrides(chosen, **training_defaults(client))
-        kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+        quiet_native_logs()
         logging.getLogger("corrflow").setLevel(logging.ERROR)  # the non-private arm's warning is expected here
         result = compare(chosen, kind_list, out, backend=backend, progress=stderr_progress)
         text = table(result)

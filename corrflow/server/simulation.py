@@ -54,6 +54,15 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
+def quiet_native_logs() -> None:
+    """TensorFlow's, gRPC's and Ray's start-up chatter off; effective for libraries not yet imported, and inherited
+    by Ray's workers."""
+    import os
+
+    for var, value in (("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR"), ("RAY_DEDUP_LOGS", "1")):
+        os.environ.setdefault(var, value)
+
+
 @contextlib.contextmanager
 def engine_output(log_path: Path, verbose: bool):
     """Unless ``verbose``: Flower's log lines go to ``log_path`` instead of the terminal, and TensorFlow's, gRPC's
@@ -61,10 +70,7 @@ def engine_output(log_path: Path, verbose: bool):
     if verbose:
         yield
         return
-    import os
-
-    for var, value in (("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR"), ("RAY_DEDUP_LOGS", "1")):
-        os.environ.setdefault(var, value)   # inherited by Ray's workers
+    quiet_native_logs()
     flwr_log = logging.getLogger("flwr")
     console = [h for h in flwr_log.handlers if isinstance(h, logging.StreamHandler)
                and not isinstance(h, logging.FileHandler)]

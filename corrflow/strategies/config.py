@@ -83,6 +83,9 @@ class StrategyConfig:
 
             check_sigma(self.noise_multiplier, "noise-multiplier")
             check_pld_size(self.noise_multiplier, 1.0, "noise-multiplier")   # every factorization has sensitivity 1
+        for name in ("server_lr", "local_lr"):   # a zero rate trains nothing while the noise is still spent
+            require(getattr(self, name) > 0, name.replace("_", "-"), "a learning rate > 0", getattr(self, name))
+        require(self.local_steps >= 1, "local-steps", "a positive integer", self.local_steps)
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
         require(self.num_rounds >= 1, "num-rounds", "a positive integer", self.num_rounds)
         require(self.participation in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}",
