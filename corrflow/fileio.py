@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,13 @@ def write_text(path: str | os.PathLike, text: str, *, private: bool = False) -> 
     with atomic_file(path, "w", private=private) as f:
         f.write(text)
     return Path(path)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy ``src`` onto ``dst`` atomically (a reader of ``dst`` never sees part of the copy)."""
+    with open(src, "rb") as f, atomic_file(dst, "wb", suffix=Path(dst).suffix) as g:
+        shutil.copyfileobj(f, g)
+    return Path(dst)
 
 
 def write_json(path: str | os.PathLike, obj, **dumps) -> Path:

@@ -3,9 +3,9 @@ numbers except the noise (the key is always fresh); the plots are valid PNGs; th
 
 import json
 import struct
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest

@@ -141,7 +141,12 @@ def test_learning_verdict_from_metrics():
     worse = learning_section([hist[0], {"round": 0, "test_loss": 7.5}], 2.4)
     assert worse["learned"] is False and worse["warned"] and "did not learn" in worse["verdict"]
     assert "2.40 > 0.3" in worse["verdict"]
-    assert learning_section([hist[0], {"round": 0, "test_loss": float("nan")}], 0.0)["learned"] is False
+    nan = learning_section([hist[0], {"round": 0, "test_loss": float("nan")}], 0.0)
+    assert nan["learned"] is False and nan["final_test_loss"] is None and "to nan" in nan["verdict"]
+    json.dumps(nan, allow_nan=False)                                   # strict JSON: no NaN in the report
+    numpy_floats = [{"round": -1, "test_loss": np.float32(5.0)}, {"round": 0, "test_loss": np.float32(4.0)}]
+    assert learning_section(numpy_floats, 0.1)["learned"] is True      # a plain bool, whatever evaluate returns
+    json.dumps(learning_section(numpy_floats, 0.1))
     # accuracy rose but the loss did too (over-confident noisy logits): not learned, and the verdict names both
     rose = learning_section([hist[0], {"round": 0, "test_loss": 6.0, "test_accuracy": 0.1}], 0.4)
     assert rose["learned"] is False and "accuracy from 0 to 0.1" in rose["verdict"]

@@ -76,7 +76,7 @@ class Vocabulary:
         path = Path(path)
         if not path.is_file():
             raise DataFormatError(path, None, "an existing vocabulary file")
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
         buckets = 1
         if lines and lines[0].startswith("#corrflow-vocab"):
             try:

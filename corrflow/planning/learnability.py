@@ -60,13 +60,20 @@ def held_out_summary(entries: list[dict]) -> dict:
     """Initial and final held-out loss (and accuracy) and the loss's relative improvement, from ``metrics.json``'s
     entries (the initial model as ``"round": -1``, then one entry per round)."""
     first, last = entries[0], entries[-1]
-    out = {"initial_test_loss": first["test_loss"], "final_test_loss": last["test_loss"],
+    out = {"initial_test_loss": _finite(first["test_loss"]), "final_test_loss": _finite(last["test_loss"]),
            "rounds_evaluated": len(entries) - 1}
     if "test_accuracy" in first and "test_accuracy" in last:
-        out.update(initial_test_accuracy=first["test_accuracy"], final_test_accuracy=last["test_accuracy"])
-    if first["test_loss"] and math.isfinite(first["test_loss"]):
-        out["loss_improvement"] = 1.0 - last["test_loss"] / first["test_loss"]
+        out.update(initial_test_accuracy=_finite(first["test_accuracy"]),
+                   final_test_accuracy=_finite(last["test_accuracy"]))
+    if out["initial_test_loss"] and out["final_test_loss"] is not None:
+        out["loss_improvement"] = 1.0 - out["final_test_loss"] / out["initial_test_loss"]
     return out
+
+
+def _finite(value) -> float | None:
+    """A plain float, or None for NaN/±inf (strict JSON has neither; the verdict's text names them)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
@@ -76,8 +83,8 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
     if len(entries) < 2 or "test_loss" not in entries[0] or "test_loss" not in entries[-1]:
         return {**out, "learned": None, "verdict": "not evaluated (no held-out evaluation or no round trained)"}
     held = held_out_summary(entries)
-    first, last = held["initial_test_loss"], held["final_test_loss"]
-    learned = math.isfinite(last) and last < first
+    first, last = float(entries[0]["test_loss"]), float(entries[-1]["test_loss"])
+    learned = bool(math.isfinite(last) and last < first)
     moved = f"held-out loss went from {first:.4g} to {last:.4g}"
     if "final_test_accuracy" in held:
         moved += f", accuracy from {held['initial_test_accuracy']:.4g} to {held['final_test_accuracy']:.4g}"

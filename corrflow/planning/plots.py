@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from corrflow.fileio import copy_file
 from corrflow.progress import Progress
 
 NAMES = {"rmse_vs_bands": "rmse_vs_bands.png", "per_iterate_error": "per_iterate_error.png",
@@ -16,7 +17,6 @@ NAMES = {"rmse_vs_bands": "rmse_vs_bands.png", "per_iterate_error": "per_iterate
 def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     """Write the three plots into ``out``; returns {name: file name}. With a cache, plots of identical plan data
     are copied from it instead of drawn again."""
-    import shutil
     from dataclasses import asdict
 
     from corrflow.planning.cache import cache_key
@@ -32,12 +32,12 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     stored = cache.root / f"plots-{key}"
     if all((stored / f).is_file() for f in NAMES.values()):
         for f in NAMES.values():
-            shutil.copyfile(stored / f, out / f)
+            copy_file(stored / f, out / f)
         return dict(NAMES)
     files = _draw(result, out, cache, quiet)
     stored.mkdir(exist_ok=True)
     for f in NAMES.values():
-        shutil.copyfile(out / f, stored / f)
+        copy_file(out / f, stored / f)   # atomic: a torn PNG must never be served from the cache
     return files
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
-from corrflow.fileio import write_text
+from corrflow.fileio import copy_file, write_text
 
 RECIPE_FORMAT = "corrflow.recipe/1"
 
@@ -133,7 +133,6 @@ def install_factorization(recipe: Recipe, fac_path: Path, settings: dict, out_di
     will use it as is: same kind, workload and participation as the strategy builds for ``settings`` (else the run
     would rebuild another). ``replace``: overwrite a different file there (a new run); otherwise a different file
     is refused (a resumed run keeps its own). Returns the SHA-256."""
-    import shutil
 
     from corrflow.factorization.build import participation_for
     from corrflow.planning.run import workload_for
@@ -154,10 +153,7 @@ def install_factorization(recipe: Recipe, fac_path: Path, settings: dict, out_di
         require(replace, "plan", f"the factorization of the run in {out_dir} (start a new run with --fresh to use "
                 "the plan's)", f"{dest} differs from the plan's")
     if differs:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(".tmp-plan-factorization.npz")
-        shutil.copyfile(fac_path, tmp)
-        tmp.replace(dest)
+        copy_file(fac_path, dest)
     return fac.sha256()
 
 

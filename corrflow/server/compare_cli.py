@@ -11,6 +11,10 @@ import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 
+# StrategyConfig's names for the settings compare's flags set.
+_FLAGS = {"num-rounds": "--rounds", "num-users": "--users", "target-epsilon": "--epsilon", "epochs": "--epochs",
+          "delta": "--delta", "seeds": "--seeds", "kinds": "--kinds", "client": "--client"}
+
 
 def compare_command(
     preset: Annotated[str, typer.Option(help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds) or tiny "
@@ -69,5 +73,7 @@ def compare_command(
             typer.echo(text)
             typer.echo(f"plots: {', '.join(result['plots'])}; details: {out / 'comparison.json'}")
     except (CorrflowError, IntegrityError) as exc:
+        if isinstance(exc, InvalidArgumentError) and exc.field in _FLAGS:   # an arm's setting, named as typed
+            exc = InvalidArgumentError(_FLAGS[exc.field], exc.expected, exc.got)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1) from exc

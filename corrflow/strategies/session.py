@@ -96,5 +96,5 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
             write_metrics(strategy)
         learning = learning_section([initial, *strategy.metrics_history], rho)
         if learning["learned"] is False and strategy.stopped_reason is None:
-            log.error("corrflow: %s; the report's `learning` section has the numbers", learning["verdict"])
+            log.warning("corrflow: %s; the report's `learning` section has the numbers", learning["verdict"])
         return strategy, result

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import fields
@@ -120,6 +121,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             require(delta is not None, "delta", "δ (or a plan)")
             require((target_epsilon is None) != (noise_multiplier is None), "target_epsilon",
                     "exactly one of target_epsilon and noise_multiplier")
+        require(math.isfinite(server_learning_rate) and server_learning_rate > 0, "server_learning_rate",
+                "a finite learning rate > 0", server_learning_rate)
         self._settings = dict(settings, clip_norm=float(clipping_norm), delta=float(given["delta"]),
                               target_epsilon=float(given.get("target_epsilon") or 0.0),
                               noise_multiplier=float(given.get("noise_multiplier") or 0.0),
