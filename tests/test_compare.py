@@ -107,3 +107,6 @@ def test_gap_closed_and_bad_arguments(tmp_path):
     with pytest.raises(InvalidArgumentError, match="epochs"):           # every arm is checked before any trains
         compare(replace(PRESETS["tiny"], epochs=3), ["toeplitz"], tmp_path / "z")
     assert not (tmp_path / "z").exists()
+    proc = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", "--epsilon",
+                           "-1", "--out", str(tmp_path / "w")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--epsilon" in proc.stderr and not (tmp_path / "w").exists()
