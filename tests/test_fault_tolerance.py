@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,18 @@ def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_asi
     assert len(ReleaseJournal(moved[0] / JOURNAL).read()) == 8
     assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
     assert json.loads((tmp_path / "privacy_report.json").read_text())["run_id"] != json.loads(old_report)["run_id"]
+
+
+def test_fresh_moves_a_state_directory_of_any_name_with_its_journal(tmp_path):
+    """The ServerApp and the wrapper keep state in a directory not called `state`: --fresh must move it with the
+    journal, or the next start would meet a checkpoint without its journal (or resume the old run)."""
+    cfg = replace(_cfg(tmp_path, num_rounds=4, epochs=2), state_dir=str(tmp_path / "server-state"))
+    first = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    second = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True, fresh=True)
+    (moved,) = (tmp_path / "previous-runs").iterdir()
+    assert (moved / "server-state" / "CURRENT").exists() and len(ReleaseJournal(moved / JOURNAL).read()) == 4
+    assert second.run_id != first.run_id and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 4
+    assert second.ledger.selected != {} and second.next_round == 4
 
 
 def test_other_settings_are_named_on_resume(tmp_path):

@@ -284,3 +284,27 @@ def test_poisson_run_accounted_by_mmcc_keeps_its_planned_epsilon(tmp_path):
     fac = Factorization.load(tmp_path / "factorization.npz")
     posthoc = RunPrivacy(fac, PrivacyPlan(1.0, rep["planned"]["epsilon"]), 1e-5).realized(s.ledger.selected)
     assert posthoc.epsilon > rep["planned"]["epsilon"]   # why the amplified plan matters
+
+
+def test_an_operator_override_ends_amplification(tmp_path):
+    """A cyclic-Poisson plan's amplified ε holds only while every participation comes from the sampler. An
+    operator who forces an item in (even one that keeps min-sep) ends it: from then on ε is post-hoc (unamplified)
+    on the realised pattern, recomputed here from the ledger alone."""
+    base = dict(num_users=12, num_rounds=8, participation="cyclic-poisson", min_sep=4, epochs=2,
+                participation_rate=0.25, accountant="cyclic-poisson")
+    plain = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), tmp_path / "a", quiet=True)
+    assert plain.ledger.overrides == []
+    planned = json.loads((tmp_path / "a" / "privacy_report.json").read_text())
+    assert planned["realized"]["epsilon"] == pytest.approx(planned["planned"]["epsilon"], rel=1e-12)
+
+    def force(strategy, metrics):
+        if metrics["round"] == 0:     # a user in neither round 0 nor round 1, forced into round 1 (no gap broken)
+            p = strategy.planner
+            strategy.override(1, [next(i for i in sorted(p.items) if i not in p.cohort(0) + p.cohort(1))])
+
+    s = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "b", **base), tmp_path / "b", quiet=True,
+                   on_round_end=force)
+    report = json.loads((tmp_path / "b" / "privacy_report.json").read_text())
+    assert any(o["source"] == "override" and o["action"] == "included" for o in s.ledger.overrides)
+    assert report["realized"]["accounting"].startswith("post-hoc")
+    assert report["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path / "b", s), rel=1e-12)

@@ -518,7 +518,10 @@ class CorrelatedNoiseStrategy(Strategy):
         return key, self.layout.update_from_reply(content["arrays"], self.params, self.cfg.reply_kind), items
 
     def _posthoc_active(self, extra: list[dict] = ()) -> bool:
-        return any(o["action"] == "accepted-and-accounted" for o in [*self.ledger.overrides, *extra])
+        """Whether the sampler's pattern was left: a min-sep break was accounted, or an operator forced an item in
+        (amplification assumes participation comes from the sampler's randomness alone)."""
+        return any(o["action"] == "accepted-and-accounted" or (o["source"] == "override" and o["action"] != "rejected")
+                   for o in [*self.ledger.overrides, *extra])
 
     def _realized(self, selected: dict[str, list[int]], extra_overrides: list[dict] = ()) -> RealizedPrivacy:
         """ε of the realised pattern (the plan's while an amplified plan's pattern is followed, else post-hoc)."""

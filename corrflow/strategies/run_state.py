@@ -40,7 +40,7 @@ log = logging.getLogger("corrflow")
 
 LOCK = ".corrflow.lock"
 MIN_SALT_BYTES = 16
-RUN_FILES = ("state", JOURNAL, "privacy_report.json", "metrics.json")
+RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json")
 
 
 class RunLockedError(CorrflowError):
@@ -156,10 +156,13 @@ def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | Non
     return ", ".join(diff) or None
 
 
-def archive_run(out_dir: str | os.PathLike) -> Path | None:
-    """Move the run files of ``out_dir`` into ``out_dir/previous-runs/<UTC time>/`` (for ``--fresh``)."""
-    out = Path(out_dir)
+def archive_run(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Path | None:
+    """Move the run's state directory (wherever it is, whatever its name) and the run files of ``out_dir`` into
+    ``out_dir/previous-runs/<UTC time>/`` (for ``--fresh``): journal and checkpoint always leave together."""
+    out, state = Path(out_dir), Path(state_dir)
     present = [name for name in RUN_FILES if (out / name).exists()]
+    if state.exists():
+        present.append(str(state))
     if not present:
         return None
     dest = out / "previous-runs" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -167,6 +170,6 @@ def archive_run(out_dir: str | os.PathLike) -> Path | None:
         dest = dest.with_name(dest.name + "-1")
     dest.mkdir(parents=True)
     for name in present:
-        shutil.move(str(out / name), str(dest / name))
+        shutil.move(str(out / name), str(dest / Path(name).name))   # out / an absolute path = that path
     log.warning("--fresh: moved the previous run (%s) to %s", ", ".join(present), dest)
     return dest

@@ -51,7 +51,7 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
     out = Path(out_dir).resolve()
     with RunLock(out):
         if fresh:
-            archive_run(out)
+            archive_run(out, cfg.state_dir)
         resume = check_resume(out, cfg.state_dir)
         source = cfg.identity or ids.default_identity(grid)
         if source == "per-launch" and resume.checkpoint is not None:
