@@ -59,15 +59,19 @@ class PlanCache:
         self.misses += 1
         return fac, False
 
-    def calibration(self, params: dict, compute: Callable[[], dict]) -> tuple[dict, bool]:
+    def calibration(self, params: dict, compute: Callable[[], dict],
+                    valid: Callable[[dict], bool] | None = None) -> tuple[dict, bool]:
+        """The cached ``compute()`` for ``params``. A stored entry is used only when its params match and its result
+        passes ``valid`` (an edited or corrupted file is recomputed, never printed)."""
         path = self.root / f"cal-{cache_key(params)}.json"
         if path.exists():
             try:
                 out = json.loads(path.read_text(encoding="utf-8"))
-                if out.get("params") == json.loads(json.dumps(params, sort_keys=True, default=str)):
+                if out.get("params") == json.loads(json.dumps(params, sort_keys=True, default=str)) and (
+                        valid is None or valid(out["result"])):
                     self.hits += 1
                     return out["result"], True
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 pass
         result = compute()
         write_json(path, {"params": params, "result": result}, sort_keys=True, default=str)

@@ -384,17 +384,29 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
         return {"noise_multiplier": res.noise_multiplier, "epsilon": res.epsilon, "delta": res.delta,
                 "guarantee": res.guarantee, "seconds": time.perf_counter() - t0}
 
-    res, _ = cache.calibration(params, compute)
+    def valid(r: dict) -> bool:   # what a calibration can return: σ > 0, ε within the target, a verified δ
+        return (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
+                and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
+
+    res, _ = cache.calibration(params, compute, valid)
     require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
             f"({cand.accountant} verified δ = {res['delta']:.3g}; Monte Carlo needs more samples)", cand.accountant)
     err = ErrorReport(**cache.calibration({"errors_of": fac.sha256(), "sensitivity": fac.sensitivity.value},
-                                          lambda: fac.errors().to_dict())[0])
+                                          lambda: fac.errors().to_dict(), _valid_errors)[0])
     cand.noise_multiplier = float(res["noise_multiplier"])
     cand.epsilon = float(res["epsilon"])
     cand.calibration_seconds = float(res["seconds"])
     cand.rmse_unit_sigma = err.rmse
     cand.rmse = cand.noise_multiplier * err.rmse
     cand.max_error = cand.noise_multiplier * err.max_error
+
+
+def _valid_errors(r: dict) -> bool:
+    try:
+        err = ErrorReport(**r)
+    except TypeError:
+        return False
+    return all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in asdict(err).values())
 
 
 def _accounting_inputs(fac: Factorization, accountant: str) -> dict:

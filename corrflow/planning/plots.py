@@ -118,7 +118,9 @@ def _per_iterate(plt, result, path: Path) -> str:
 
 
 def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
-    from corrflow.accounting.accountant import accountant_for
+    from dataclasses import asdict
+
+    from corrflow.accounting.accountant import AccountingOptions, accountant_for
     from corrflow.planning.candidates import sampling_of
 
     req = result.request
@@ -131,13 +133,16 @@ def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
         sigmas = [c.noise_multiplier]
         if c.accountant in ("unamplified", "cyclic-poisson"):   # cheap: a curve; others: the calibrated point
             sigmas = list(c.noise_multiplier * np.geomspace(0.5, 2.0, 5))
-        acc = accountant_for(sampling_of(req, c.accountant, c.min_sep))
+        spec = sampling_of(req, c.accountant, c.min_sep)
+        acc = accountant_for(spec, AccountingOptions(mc_samples=req.mc_samples))
 
-        def eps(s, fac=fac, acc=acc, c=c):
+        def eps(s, fac=fac, acc=acc, c=c, spec=spec):
+            if s == c.noise_multiplier:          # the calibrated point: the ε the plan table reports
+                return c.epsilon
             if cache is None:
                 return acc.epsilon(fac, s, req.delta).epsilon
             params = {"epsilon_of": fac.sha256(), "accountant": c.accountant, "sigma": float(s), "delta": req.delta,
-                      "participation": fac.participation.to_dict()}
+                      "participation": fac.participation.to_dict(), "sampling": asdict(spec)}
             return cache.calibration(params, lambda: {"epsilon": acc.epsilon(fac, s, req.delta).epsilon}
                                      )[0]["epsilon"]
         ax.plot(sigmas, [eps(s) for s in sigmas], marker="o", label=c.label())
