@@ -249,3 +249,16 @@ def test_cli_refuses_unusable_privacy_inputs_with_exit_2(tmp_path, flag, value):
     assert r.returncode == 2, r.stderr[-1500:]
     assert flag in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "state").exists()
+
+
+def test_a_torn_last_journal_line_is_an_unreleased_round(tmp_path):
+    """A power cut during round 7's journal append leaves half a line without its newline. Its model never left
+    (release follows the append), so the resume treats round 7 as checkpointed-but-unreleased: it journals it again
+    from the checkpoint, cutting the torn tail; a complete line that does not verify is still refused (above)."""
+    cfg, _ = _finished_run(tmp_path)
+    lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
+    (tmp_path / JOURNAL).write_text("".join(lines[:-1]) + lines[-1][:40])
+    assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 7
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    assert s.next_round == 8
+    assert (tmp_path / JOURNAL).read_text().splitlines(keepends=True) == lines   # the same entry, chain intact

@@ -5,6 +5,10 @@ an HMAC of its own hash under the server's private secret), written after the ro
 model leaves the server. It lives in the run's output directory, outside ``state/``, so that restoring an older
 copy of ``state/`` cannot roll it back: on start, a journal ahead of the checkpoint means the noise of those rounds
 was already released and must never be used again.
+
+An append killed mid-write (a power cut) leaves a last line without its newline. Its model was never released
+(release follows the fsync-ed append), so :meth:`ReleaseJournal.read` ignores such a tail and the next append cuts
+it off; any complete line that does not verify is refused.
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ class ReleaseJournal:
         if not self.path.exists():
             return []
         entries, prev = [], GENESIS
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, 1):
+                if not line.endswith("\n"):   # a torn append: that round was not released
+                    break
                 where = f"{self.path}:{line_no}"
                 try:
                     entry = JournalEntry(**json.loads(line))
@@ -79,12 +85,26 @@ class ReleaseJournal:
                 "checkpoint": checkpoint, "manifest_sha256": manifest_sha256, "prev": prev}
         digest = _digest(body)
         entry = JournalEntry(**body, hash=digest, mac=_mac(secret, digest))
+        self._cut_torn_tail()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry.__dict__, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
         return entry
+
+
+    def _cut_torn_tail(self) -> None:
+        """Truncate a last line that has no newline (see the module docstring) before appending after it."""
+        if not self.path.exists():
+            return
+        with open(self.path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0 or (f.seek(size - 1) is not None and f.read(1) == b"\n"):
+                return                              # the usual case: one byte read per round
+            f.seek(0)
+            f.truncate(f.read().rfind(b"\n") + 1)
+            os.fsync(f.fileno())
 
 
 def _mac(secret: bytes, digest: str) -> str:
