@@ -165,7 +165,7 @@ def test_registry_matches_engine(kind):
     fac = factorize(kind, part, bands=3 if spec.takes_bands else None)
     assert fac.encoder.structure == spec.structure
     mode = default_mode(fac)
-    assert mode == spec.noise_mode or (kind in ("toeplitz", "bsr", "banded") and mode == "identity")
+    assert mode == spec.noise_mode
     gen = CorrelatedNoise(fac, [(50,)])
     assert gen.buffer_bytes == spec.noise_state_bytes(fac.bands, 50, 12) or spec.noise_mode == "dense"
 
@@ -211,3 +211,26 @@ def test_wrapper_loads_the_plan(planned, tmp_path):
     assert report["rounds_completed"] == 24
     assert report["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
     assert Factorization.load(tmp_path / "w" / "factorization.npz").sha256() == rec["factorization_sha256"]
+
+
+def test_an_edited_calibration_is_recomputed_not_printed(tmp_path):
+    """A cached σ/ε that fails the calibration's own checks (here: ε above the target, as an edit could make it)
+    is recomputed; a valid entry is served."""
+    cache = PlanCache(tmp_path)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"noise_multiplier": 0.9, "epsilon": 7.9}
+
+    def valid(r):
+        return r["noise_multiplier"] > 0 and r["epsilon"] <= 8.0
+
+    params = {"accountant": "pld", "target_epsilon": 8.0}
+    assert cache.calibration(params, compute, valid) == ({"noise_multiplier": 0.9, "epsilon": 7.9}, False)
+    (path,) = tmp_path.glob("cal-*.json")
+    stored = json.loads(path.read_text())
+    stored["result"]["epsilon"] = 80.0
+    path.write_text(json.dumps(stored))
+    assert cache.calibration(params, compute, valid)[0]["epsilon"] == 7.9 and len(calls) == 2
+    assert cache.calibration(params, compute, valid)[1] is True and len(calls) == 2   # the rewritten entry is served
