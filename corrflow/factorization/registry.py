@@ -200,10 +200,5 @@ def noise_mode_for(structure: str) -> str:
     return modes.pop()
 
 
-def kinds_help() -> str:
-    """One line for the CLI: every kind's name (from the registry)."""
-    return ", ".join(KINDS)
-
-
-__all__ = ["BANDED_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec", "kinds_help",
+__all__ = ["BANDED_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec",
            "noise_mode_for"]

@@ -295,14 +295,13 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             spec = REGISTRY[kind]
             mem, secs = cost_of(kind, bands)
             over = _over_budget(req, mem, secs)
-            if kind == "dense":
-                if not req.fixed_epoch:
-                    skipped.append({"kind": kind, "reason": f"needs fixed-epoch participation (b·k = n); here "
-                                    f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}"})
-                    continue
-                if over:
-                    skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
-                    continue
+            if spec.fixed_epoch_only and not req.fixed_epoch:
+                skipped.append({"kind": kind, "reason": f"needs fixed-epoch participation (b·k = n); here "
+                                f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}"})
+                continue
+            if kind == "dense" and over:     # the one build too slow to make only to report it over budget
+                skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
+                continue
             budget = None
             if kind == "dense":
                 budget = req.time_budget - (time.perf_counter() - start) - DENSE_RESERVE
