@@ -68,6 +68,10 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
         fac = load_or_build_factorization(cfg, out)
         plan = plan_privacy(cfg, fac, planner)
         plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
+        if plan.amplified:
+            log.warning("corrflow: amplified ε assumes the cohorts are secret; the sampler's seed (schedule-seed "
+                        "%d) is recorded in %s, so keep the seed and that directory private", cfg.schedule_seed,
+                        Path(cfg.state_dir).resolve())
         layout = ModelLayout.of(hooks.initial)
         rho = check_learnable(fac, plan.noise_multiplier, layout.trainable_arrays(hooks.initial), planner.expected)
         # metrics.json: the initial model as round −1, then one entry per round.
