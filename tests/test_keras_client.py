@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
-pytest.importorskip("flwr")
 
 from corrflow.clients.keras_client import SYNTHETIC, build_model, local_train  # noqa: E402
 from corrflow.clients.tasks import get_task  # noqa: E402
