@@ -4,24 +4,23 @@ data with user-level caps."""
 
 import json
 import logging
+import os
+import stat
 
 import numpy as np
 import pytest
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from strategy_support import HANDLERS, KEY, request_for
+from strategy_support import small_config as _cfg
 
-pytest.importorskip("flwr")
-
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict  # noqa: E402
-from strategy_support import HANDLERS, KEY, request_for  # noqa: E402
-from strategy_support import small_config as _cfg  # noqa: E402
-
-from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event  # noqa: E402
-from corrflow.data.arxiv import ArxivReader, ArxivSpec, arxiv_attribution, generate_arxiv  # noqa: E402
-from corrflow.data.partition import make_manifest, write_manifest  # noqa: E402
-from corrflow.errors import InvalidArgumentError  # noqa: E402
-from corrflow.factorization import Factorization  # noqa: E402
-from corrflow.participation.planner import CohortPlanner, SeparationMonitor  # noqa: E402
-from corrflow.server.app import run_server  # noqa: E402
-from corrflow.server.inprocess import InProcessGrid  # noqa: E402
+from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.data.arxiv import ArxivReader, ArxivSpec, arxiv_attribution, generate_arxiv
+from corrflow.data.partition import make_manifest, write_manifest
+from corrflow.errors import InvalidArgumentError
+from corrflow.factorization import Factorization
+from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.server.app import run_server
+from corrflow.server.inprocess import InProcessGrid
 
 
 def _recompute(tmp_path, strategy):
@@ -152,14 +151,24 @@ def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
     assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]           # the sampler's pattern was followed
     assert rep["planned"]["epsilon"] < epsilon_of(unamplified_event(1.5, 1.0), cfg.delta)   # amplification
     assert all(m["cohort"] == pytest.approx(8.0) for m in s.metrics_history)
-    # The selections are exactly the sampler's, replayed from the public seed.
-    again = CohortPlanner("bminsep", s.planner.items, s.planner.item_users, s.planner.users, 12, 3, rate=0.2,
-                          seed=cfg.schedule_seed)
-    replay: dict[str, list[int]] = {}
-    for t in range(12):
-        for item in again.cohort(t):
-            replay.setdefault(item, []).append(t)
-    assert replay == s.ledger.selected
+    # The selections are exactly the sampler's, replayed from the private key in the checkpoint (0600) — and not
+    # from the public schedule seed, which would let anyone who knows it name the cohorts.
+    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
+    key = (ckpt / "sampler_secret.key").read_bytes()
+    assert len(key) == 32 and stat.S_IMODE(os.stat(ckpt / "sampler_secret.key").st_mode) == 0o600
+
+    def replay(private_key):
+        again = CohortPlanner("bminsep", s.planner.items, s.planner.item_users, s.planner.users, 12, 3, rate=0.2,
+                              seed=cfg.schedule_seed)
+        if private_key is not None:
+            again.seed_privately(private_key)
+        selected: dict[str, list[int]] = {}
+        for t in range(12):
+            for item in again.cohort(t):
+                selected.setdefault(item, []).append(t)
+        return selected
+
+    assert replay(key) == s.ledger.selected and replay(None) != s.ledger.selected
 
 
 # ---------------------------------------------------------------------------------------------- cross-silo arXiv
@@ -308,3 +317,36 @@ def test_an_operator_override_ends_amplification(tmp_path):
     assert any(o["source"] == "override" and o["action"] == "included" for o in s.ledger.overrides)
     assert report["realized"]["accounting"].startswith("post-hoc")
     assert report["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path / "b", s), rel=1e-12)
+
+
+def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_path):
+    """Cyclic-Poisson amplification (001 Alg. 2) needs secret cohorts: two runs with one schedule seed sample
+    different cohorts, and a run killed after round 3 resumes with its key, so all 8 rounds replay from the
+    checkpoint's key. Without the key file the run refuses to resume, naming it."""
+    from corrflow.errors import IntegrityError
+
+    base = dict(num_users=12, num_rounds=8, participation="cyclic-poisson", min_sep=4, epochs=2,
+                participation_rate=0.25, accountant="cyclic-poisson")
+    other = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), tmp_path / "a", quiet=True)
+
+    def crash(strategy, metrics):
+        if metrics["round"] == 3:
+            raise KeyboardInterrupt
+
+    cfg = _cfg(tmp_path / "b", **base)
+    with pytest.raises(KeyboardInterrupt):
+        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True, on_round_end=crash)
+    state = tmp_path / "b" / "state"
+    key = (state / (state / "CURRENT").read_text() / "sampler_secret.key").read_bytes()
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True)
+    assert s.next_round == 8 and s.ledger.selected != other.ledger.selected
+    replay = CohortPlanner("cyclic-poisson", s.planner.items, s.planner.item_users, s.planner.users, 8, 4,
+                           rate=0.25)
+    replay.seed_privately(key)
+    assert {t: replay.cohort(t) for t in range(8)} == \
+        {t: sorted(i for i, rs in s.ledger.selected.items() if t in rs) for t in range(8)}
+
+    ckpt = state / (state / "CURRENT").read_text()
+    (ckpt / "sampler_secret.key").unlink()
+    with pytest.raises(IntegrityError, match="sampler_secret.key"):
+        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True)

@@ -11,8 +11,11 @@ may come through several items (SuperNodes they own, or examples — an arXiv pa
 * ``cyclic-poisson``: items in b parts, part t mod b sampled with probability q = b·p0 (001 Alg. 2; 002 App. D's
   "b-min-sep") — what the cyclic Poisson reduction and Generalized-MMCC account for.
 
-Because every sampler is a pure function of (public seed, round), the planner restores by replaying rounds
-0..t−1 from the seed (about 2 ms a round at 10⁶ items), so the checkpoint needs no sampler state.
+Because every sampler is a pure function of (seed, round), the planner restores by replaying rounds 0..t−1 from
+the seed (about 2 ms a round at 10⁶ items), so the checkpoint needs no sampler state. The seed is public
+(``schedule-seed``) unless the run's ε is amplified by the sampling: amplification bounds what an adversary learns
+when it does *not* know who was sampled, so such runs draw cohorts from a private key instead
+(:meth:`CohortPlanner.seed_privately`), which the checkpoint keeps as a 0600 file.
 
 :class:`SeparationMonitor` checks the *user-level* pattern that actually happens against the design min-sep:
 a user reaching the server through a second device, an operator override, or a late reply can break it even when
@@ -96,6 +99,16 @@ class CohortPlanner:
         if self.kind == "cyclic-poisson":
             return CyclicPoissonSampler(len(self.items), self.min_sep, self.p, self.seed)
         return None
+
+    def seed_privately(self, key: bytes) -> None:
+        """Draw the random sampler's cohorts from a private key (≥ 32 bytes) instead of the public seed. Amplified ε
+        (Poisson subsampling in 002 Thm 3.1 / Alg. 1, 001 Alg. 2, 004 Alg. 2–3) assumes the adversary does not know
+        who was sampled; a public seed would let anyone replay the cohorts. Call before the first cohort."""
+        require(self.kind != "fixed-epoch", "participation", "a random sampler (fixed-epoch has no sampling)",
+                self.kind)
+        require(len(key) >= 32, "sampler key", "at least 32 bytes", len(key))
+        self.seed = int.from_bytes(key, "big")
+        self._sampler, self._cohorts = self._new_sampler(), {}
 
     @property
     def max_participations(self) -> int:

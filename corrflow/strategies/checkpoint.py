@@ -1,7 +1,8 @@
 """Atomic server checkpoints: each round's state goes into a fresh directory that is fsynced and then published
 by atomically replacing the ``CURRENT`` pointer file; older directories are removed afterwards. A crash leaves
 either the old or the new checkpoint, never a mix. Each checkpoint directory is created 0700 (its ledger holds raw
-user ids); the private parts (noise key and buffer, report salt, server secret) are also 0600 files.
+user ids); the private parts (noise key and buffer, report salt, server secret, and an amplified run's sampler
+key) are also 0600 files.
 
 Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC keyed by the
 server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise state or a missing file is
@@ -25,6 +26,7 @@ from corrflow.fileio import TEMP_PREFIX, write_text
 POINTER = "CURRENT"
 MANIFEST = "MANIFEST.json"
 SECRET = "server_secret"
+SAMPLER_KEY = "sampler_secret.key"   # amplified runs only: the private key their cohorts are drawn from
 
 
 def _fsync_dir(path: Path) -> None:

@@ -45,7 +45,7 @@ class StrategyConfig:
     cooldown_fraction: float = 0.25
     local_lr: float = 0.1
     local_steps: int = 5
-    schedule_seed: int = 0          # public: the fixed order of users into groups
+    schedule_seed: int = 0          # public: fixed-epoch groups, k_u bounding, unamplified samplers (amplified: a key)
     seed: int = 0                   # the task's data and model initialisation (never the noise key)
     policy: str = "reject"
     model_dim: int = 20

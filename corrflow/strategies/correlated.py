@@ -47,7 +47,7 @@ from corrflow.noise import CorrelatedNoise
 from corrflow.noise.engine import restore_state, save_state
 from corrflow.noise.prng import new_secret
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
-from corrflow.strategies.checkpoint import SECRET, load_arrays, manifest_digest, write_checkpoint
+from corrflow.strategies.checkpoint import SAMPLER_KEY, SECRET, load_arrays, manifest_digest, write_checkpoint
 from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger
@@ -169,10 +169,13 @@ class CorrelatedNoiseStrategy(Strategy):
             self.ledger = Ledger()
             self.salt = secrets.token_bytes(32)
             self.secret = secrets.token_bytes(32)
+            self.sampler_key = secrets.token_bytes(32) if privacy.amplified else None
             self.run_id = secrets.token_hex(8)
             self.next_round = 0
         else:
             self._restore(resume.checkpoint)
+        if self.sampler_key is not None:
+            self.planner.seed_privately(self.sampler_key)
             if resume.unreleased_round is not None:  # checkpointed, then killed before its journal entry
                 self._journal(resume.unreleased_round, resume.checkpoint)
                 log.info("round %d was checkpointed but not released before the restart; released now",
@@ -560,7 +563,8 @@ class CorrelatedNoiseStrategy(Strategy):
                   "metrics_history": self.metrics_history, "empty_streak": self.empty_streak}
         return write_checkpoint(self.state_dir, f"round-{self.next_round:06d}",
                                 {"model": self.params, "optimizer": self.optimizer.m}, public,
-                                {"report_salt": self.salt, SECRET: self.secret},
+                                {"report_salt": self.salt, SECRET: self.secret,
+                                 **({SAMPLER_KEY: self.sampler_key} if self.sampler_key is not None else {})},
                                 save_extra=lambda d: save_state(self.noise, d / "noise"))
 
     def _restore(self, ckpt: Path) -> None:
@@ -588,12 +592,24 @@ class CorrelatedNoiseStrategy(Strategy):
         self._warned_posthoc = self._posthoc_active()
         self.salt = (ckpt / "report_salt").read_bytes()
         self.secret = (ckpt / SECRET).read_bytes()
+        self.sampler_key = self._restore_sampler_key(ckpt)
         self.run_id = public["run_id"]
         self.next_round = int(public["next_round"])
         if self.noise.next_round != self.next_round:
             raise IntegrityError(f"{ckpt}: noise state is at round {self.noise.next_round}, model at "
                                  f"{self.next_round}")
         log.info("corrflow: resumed from %s at round %d", ckpt.name, self.next_round)
+
+    def _restore_sampler_key(self, ckpt: Path) -> bytes | None:
+        """The private key the amplified plan's cohorts are drawn from (its earlier rounds replay from it)."""
+        if not self.privacy_plan.amplified:
+            return None
+        path = ckpt / SAMPLER_KEY
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing; an amplified run draws its cohorts from this private key, so its "
+                                 "earlier rounds cannot be replayed without it. Restore the state directory, or "
+                                 "start a new run with --fresh")
+        return path.read_bytes()
 
 
 def _reason_class(reason: str) -> str:

@@ -69,9 +69,9 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
         plan = plan_privacy(cfg, fac, planner)
         plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
         if plan.amplified:
-            log.warning("corrflow: amplified ε assumes the cohorts are secret; the sampler's seed (schedule-seed "
-                        "%d) is recorded in %s, so keep the seed and that directory private", cfg.schedule_seed,
-                        Path(cfg.state_dir).resolve())
+            log.info("corrflow: amplified ε assumes the cohorts stay secret: they are drawn from a private key "
+                     "(not schedule-seed), kept 0600 in %s, and the ledger there names who trained; keep it private",
+                     Path(cfg.state_dir).resolve())
         layout = ModelLayout.of(hooks.initial)
         rho = check_learnable(fac, plan.noise_multiplier, layout.trainable_arrays(hooks.initial), planner.expected)
         # metrics.json: the initial model as round −1, then one entry per round.
