@@ -111,3 +111,34 @@ def test_stateful_or_robust_inner_strategies_are_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match="clip-norm"):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=float("inf"), target_epsilon=1.0, delta=1e-5,
                                            state_dir=tmp_path)
+
+
+def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_hang(tmp_path):
+    """FedAvg(min_available_nodes=50) around 6 users: Flower's sample_nodes would wait forever (logging only at
+    INFO) when corrflow asks the inner strategy for its train config; the run finishes, and the config reaches the
+    clients (FedAvg's own ``server-round``, the user's ``lr``)."""
+    import threading
+
+    from corrflow.clients.tasks import get_task
+    from corrflow.server.inprocess import InProcessGrid
+
+    task = get_task("numpy", 8)
+    seen = []
+
+    def spy(msg, context):
+        seen.append(dict(msg.content["config"]))
+        return task.handlers["train"](msg, context)
+
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(min_available_nodes=50, min_train_nodes=40,
+                                                         fraction_evaluate=0.0),
+                                                  clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5, epochs=1,
+                                                  num_users=6, replies="delta", state_dir=tmp_path / "state")
+    done = []
+    worker = threading.Thread(target=lambda: done.append(strategy.start(
+        grid=InProcessGrid({**task.handlers, "train": spy}, 6), initial_arrays=ArrayRecord(task.initial_weights()),
+        num_rounds=2, timeout=30, train_config=ConfigRecord({"lr": 0.07}))), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert done, "the run hung in the inner strategy's configure_train"
+    assert strategy.privacy_report()["rounds_completed"] == 2
+    assert {(c["server-round"], c["lr"]) for c in seen} == {(1, 0.07), (2, 0.07)}

@@ -457,7 +457,8 @@ class CorrelatedNoiseStrategy(Strategy):
             level = flwr_log.level
             flwr_log.setLevel(logging.WARNING)   # its "Sampled N nodes" would be wrong: corrflow picks the cohort
             try:
-                for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), grid):
+                probe = _ConfigProbeGrid(grid, self.inner)
+                for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), probe):
                     user.update(dict(msg.content.config_records.get("config", ConfigRecord())))
                     break
             finally:
@@ -610,6 +611,26 @@ class CorrelatedNoiseStrategy(Strategy):
                                  "earlier rounds cannot be replayed without it. Restore the state directory, or "
                                  "start a new run with --fresh")
         return path.read_bytes()
+
+
+class _ConfigProbeGrid:
+    """The grid an inner strategy sees when corrflow asks it only for its train config. It lists at least the nodes
+    the inner strategy's ``min_available_nodes`` / ``min_train_nodes`` ask for: Flower's ``sample_nodes`` would
+    otherwise wait (logging at INFO only, which corrflow mutes here) for nodes corrflow's population does not have,
+    and the run would hang without a word. The node choice is discarded; everything else is the real grid."""
+
+    def __init__(self, grid: Grid, inner: Strategy):
+        self._grid = grid
+        self._needed = max(int(getattr(inner, "min_available_nodes", 0) or 0),
+                           int(getattr(inner, "min_train_nodes", 0) or 0))
+
+    def get_node_ids(self) -> list[int]:
+        nodes = list(self._grid.get_node_ids())
+        top = max(nodes, default=0)
+        return nodes + [top + 1 + i for i in range(self._needed - len(nodes))]
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
 
 
 def _reason_class(reason: str) -> str:
