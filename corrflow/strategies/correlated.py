@@ -174,12 +174,12 @@ class CorrelatedNoiseStrategy(Strategy):
             self.next_round = 0
         else:
             self._restore(resume.checkpoint)
-        if self.sampler_key is not None:
-            self.planner.seed_privately(self.sampler_key)
             if resume.unreleased_round is not None:  # checkpointed, then killed before its journal entry
                 self._journal(resume.unreleased_round, resume.checkpoint)
                 log.info("round %d was checkpointed but not released before the restart; released now",
                          resume.unreleased_round)
+        if self.sampler_key is not None:
+            self.planner.seed_privately(self.sampler_key)
 
     # -- Flower Strategy API --------------------------------------------------------------------------------------
     def initial_arrays(self) -> ArrayRecord:
