@@ -320,13 +320,15 @@ def test_an_operator_override_ends_amplification(tmp_path):
 
 
 def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_path):
-    """Cyclic-Poisson amplification (001 Alg. 2) needs secret cohorts: two runs with one schedule seed sample
-    different cohorts, and a run killed after round 3 resumes with its key, so all 8 rounds replay from the
-    checkpoint's key. Without the key file the run refuses to resume, naming it."""
+    """Cyclic-Poisson amplification (001 Alg. 2, q = b·p0 = 0.4) needs secret cohorts: two runs with one schedule
+    seed sample different cohorts. A run killed after round 3's checkpoint but before its journal entry resumes with
+    its key: round 3 is released again and all 8 rounds replay from the checkpoint's key. Without the key file the
+    run refuses to resume, naming it."""
     from corrflow.errors import IntegrityError
+    from corrflow.strategies.journal import JOURNAL, ReleaseJournal
 
     base = dict(num_users=12, num_rounds=8, participation="cyclic-poisson", min_sep=4, epochs=2,
-                participation_rate=0.25, accountant="cyclic-poisson")
+                participation_rate=0.1, accountant="cyclic-poisson")
     other = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), tmp_path / "a", quiet=True)
 
     def crash(strategy, metrics):
@@ -336,15 +338,19 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     cfg = _cfg(tmp_path / "b", **base)
     with pytest.raises(KeyboardInterrupt):
         run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True, on_round_end=crash)
+    journal = tmp_path / "b" / JOURNAL
+    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:-1]))   # killed before the append
     state = tmp_path / "b" / "state"
     key = (state / (state / "CURRENT").read_text() / "sampler_secret.key").read_bytes()
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True)
-    assert s.next_round == 8 and s.ledger.selected != other.ledger.selected
+    assert s.next_round == 8 and [e.round for e in ReleaseJournal(journal).read()] == list(range(8))
+    assert s.ledger.selected != other.ledger.selected
     replay = CohortPlanner("cyclic-poisson", s.planner.items, s.planner.item_users, s.planner.users, 8, 4,
-                           rate=0.25)
+                           rate=0.1)
     replay.seed_privately(key)
-    assert {t: replay.cohort(t) for t in range(8)} == \
-        {t: sorted(i for i, rs in s.ledger.selected.items() if t in rs) for t in range(8)}
+    cohorts = {t: replay.cohort(t) for t in range(8)}
+    assert cohorts == {t: sorted(i for i, rs in s.ledger.selected.items() if t in rs) for t in range(8)}
+    assert len({len(c) for c in cohorts.values()}) > 1            # Poisson cohorts: drawn per round, not fixed
 
     ckpt = state / (state / "CURRENT").read_text()
     (ckpt / "sampler_secret.key").unlink()

@@ -115,8 +115,9 @@ def test_stateful_or_robust_inner_strategies_are_refused(tmp_path):
 
 def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_hang(tmp_path):
     """FedAvg(min_available_nodes=50) around 6 users: Flower's sample_nodes would wait forever (logging only at
-    INFO) when corrflow asks the inner strategy for its train config; the run finishes, and the config reaches the
-    clients (FedAvg's own ``server-round``, the user's ``lr``)."""
+    INFO). Without federated evaluation the run finishes — corrflow asks the inner strategy for its train config
+    on a padded grid, and the config reaches the clients (FedAvg's own ``server-round``, the user's ``lr``); with
+    it, the wrapper refuses before anything is written, naming the setting."""
     import threading
 
     from corrflow.clients.tasks import get_task
@@ -129,10 +130,16 @@ def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_ha
         seen.append(dict(msg.content["config"]))
         return task.handlers["train"](msg, context)
 
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(min_available_nodes=50, min_train_nodes=40,
-                                                         fraction_evaluate=0.0),
-                                                  clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5, epochs=1,
-                                                  num_users=6, replies="delta", state_dir=tmp_path / "state")
+    def wrap(inner, state_dir):
+        return DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5, epochs=1,
+                                                  num_users=6, replies="delta", state_dir=state_dir)
+
+    evaluating = wrap(FedAvg(min_available_nodes=50), tmp_path / "evaluating" / "state")
+    with pytest.raises(InvalidArgumentError, match="min_available_nodes.*at most the run's 6 users"):
+        evaluating.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=ArrayRecord(task.initial_weights()),
+                         num_rounds=2, timeout=30)
+    assert not (tmp_path / "evaluating").exists()
+    strategy = wrap(FedAvg(min_available_nodes=50, min_train_nodes=40, fraction_evaluate=0.0), tmp_path / "state")
     done = []
     worker = threading.Thread(target=lambda: done.append(strategy.start(
         grid=InProcessGrid({**task.handlers, "train": spy}, 6), initial_arrays=ArrayRecord(task.initial_weights()),

@@ -1,6 +1,7 @@
-"""Participation control: samplers that decide who trains when (004), replayable from a public seed; attribution
-graphs (items → users), per-user contribution bounding, the cohort planner and the separation monitor the strategy
-uses to keep (or account for) the user-level pattern the guarantee assumes.
+"""Participation control: samplers that decide who trains when (004), replayable from a public seed (from a
+private key in amplified runs); attribution graphs (items → users), per-user contribution bounding, the cohort
+planner and the separation monitor the strategy uses to keep (or account for) the user-level pattern the
+guarantee assumes.
 """
 
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution

@@ -148,6 +148,7 @@ class CorrelatedNoiseStrategy(Strategy):
         self._pending_overrides: dict[int, list[str]] = {}
         self._pending: RoundPlan | None = None
         self._warned_posthoc = False
+        self._warned_inner_config = False
         self.privacy = RunPrivacy(factorization, privacy, config.delta)
         self.state_dir = Path(config.state_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else self.state_dir
@@ -461,6 +462,11 @@ class CorrelatedNoiseStrategy(Strategy):
                 for msg in self.inner.configure_train(server_round, arrays, ConfigRecord(user), probe):
                     user.update(dict(msg.content.config_records.get("config", ConfigRecord())))
                     break
+                else:
+                    if not self._warned_inner_config:
+                        log.warning("the inner strategy's configure_train sent no message (fraction_train = 0?): "
+                                    "corrflow's cohort trains with the train_config alone")
+                        self._warned_inner_config = True
             finally:
                 flwr_log.setLevel(level)
         return user
@@ -607,9 +613,9 @@ class CorrelatedNoiseStrategy(Strategy):
             return None
         path = ckpt / SAMPLER_KEY
         if not path.is_file():
-            raise IntegrityError(f"{path}: missing; an amplified run draws its cohorts from this private key, so its "
-                                 "earlier rounds cannot be replayed without it. Restore the state directory, or "
-                                 "start a new run with --fresh")
+            raise IntegrityError(f"{path}: missing from a checkpoint its manifest vouches for (written by a corrflow "
+                                 "that drew amplified cohorts from the public schedule seed): the amplified ε would "
+                                 "not hold for its cohorts. Start a new run with --fresh")
         return path.read_bytes()
 
 

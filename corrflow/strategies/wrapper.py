@@ -68,6 +68,19 @@ def check_composable(strategy: Strategy) -> None:
                                    "silently dropped)", name)
 
 
+def check_inner_population(strategy: Strategy, users: int) -> None:
+    """Federated evaluation stays the inner strategy's, and Flower's ``sample_nodes`` waits (logging only at INFO)
+    until its ``min_available_nodes`` and ``min_evaluate_nodes`` are online: more than the run's population would
+    stall the run after its first round, without a word. (Its train config is asked for on a padded grid.)"""
+    if not getattr(strategy, "fraction_evaluate", 0.0):
+        return
+    for name in ("min_available_nodes", "min_evaluate_nodes"):
+        value = int(getattr(strategy, name, 0) or 0)
+        require(value <= users, name, f"at most the run's {users} users (Flower's node sampling for federated "
+                "evaluation would wait for nodes the run does not have): lower it, set fraction_evaluate=0.0, "
+                "or raise num_users", value)
+
+
 class DifferentialPrivacyCorrelatedNoise(Strategy):
     """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
 
@@ -151,6 +164,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         ensure_console_log()
         cfg = self.config(num_rounds=num_rounds, num_users=self._population(grid, timeout))
         cfg = StrategyConfig(**{**cfg.to_dict(), "node_timeout": float(timeout)})
+        check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
             from corrflow.planning.recipe import install_factorization
 
