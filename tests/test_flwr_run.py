@@ -47,6 +47,24 @@ def _wait_for_completion(report: Path, rounds: int, timeout: float) -> None:
         time.sleep(1)
 
 
+def test_loading_the_server_app_imports_every_client_app_the_pyprojects_name():
+    """Flower's simulation loads the ServerApp and the ClientApp in two threads (one lock around each load) and
+    takes a module already in sys.modules as it is: the ServerApp must finish importing corrflow's ClientApp
+    modules when it is loaded, not lazily in its main, or the ClientApp loader can get a half-initialised module
+    (`flwr run .` then failed at random with "partially initialized module … has no attribute 'app'")."""
+    import tomllib
+
+    refs = {tomllib.loads(p.read_text())["tool"]["flwr"]["app"]["components"]["clientapp"]
+            for p in (ROOT / "pyproject.toml", ROOT / "deploy" / "app" / "pyproject.toml")}
+    code = "import sys, corrflow.server.app; print(' '.join(sorted(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(r.stdout.split())
+    assert refs and all(ref.split(":")[0] in loaded for ref in refs), refs
+    assert {"corrflow.clients.nextword_client", "corrflow.clients.keras_client"} <= loaded
+    assert "tensorflow" not in loaded            # the Keras client imports TensorFlow only when it trains
+
+
 def test_flwr_run_completes_the_default_app(tmp_path):
     flwr = shutil.which("flwr", path=os.path.dirname(sys.executable))
     assert flwr, "flwr is installed with corrflow (flwr[simulation])"

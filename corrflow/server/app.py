@@ -17,6 +17,11 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+# The ClientApp modules are imported with the ServerApp, not on first use in main(): Flower's simulation loads the
+# ClientApp in another thread, under its app-loading lock, and takes a module already in sys.modules as it is, so a
+# lazy import running at that moment handed it a half-initialised module ("partially initialized module
+# 'corrflow.clients.numpy_client' has no attribute 'app'") and `flwr run` failed at random.
+from corrflow.clients import keras_client, nextword_client, numpy_client  # noqa: F401
 from corrflow.clients.tasks import get_task
 from corrflow.errors import InvalidArgumentError
 from corrflow.progress import round_line
