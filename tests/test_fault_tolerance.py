@@ -160,6 +160,20 @@ def test_other_settings_are_named_on_resume(tmp_path):
         run_server(InProcessGrid(HANDLERS, 12), other, tmp_path, quiet=True)
 
 
+def test_the_cli_names_every_setting_that_differs(tmp_path):
+    """Rerunning `simulate` on a finished run with other flags is refused, and the message lists each difference
+    (an 80-character cut once hid all but the first)."""
+    base = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess", "--users", "12",
+            "--rounds", "4", "--epochs", "2", "--out", str(tmp_path / "run")]
+    assert subprocess.run(base, env=ENV, capture_output=True, text=True, timeout=300).returncode == 0
+    r = subprocess.run([*base, "--clip-norm", "2", "--server-lr", "0.25", "--momentum", "0.3", "--seed", "4"],
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    for setting in ("clip_norm", "server_lr", "momentum", "seed"):
+        assert setting in r.stderr, r.stderr
+    assert (tmp_path / "run" / ".gitignore").read_text().splitlines()[-1] == "*"   # the run's secrets stay out of git
+
+
 def test_node_without_the_identity_mod_is_refused_naming_the_fix(tmp_path):
     cfg = _cfg(tmp_path)
     with pytest.raises(IdentityError, match=r"cannot report identity = partition-id.*corrflow_identity_mod"):
@@ -241,7 +255,8 @@ def test_inputs_that_cannot_be_private_are_refused():
 
 
 @pytest.mark.parametrize("flag, value", [("--clip-norm", "inf"), ("--noise-multiplier", "nan"),
-                                         ("--noise-multiplier", "1e-6")])
+                                         ("--noise-multiplier", "1e-6"), ("--seed", "-1"),
+                                         ("--participation-rate", "0.5")])
 def test_cli_refuses_unusable_privacy_inputs_with_exit_2(tmp_path, flag, value):
     r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess",
                         "--out", str(tmp_path / "run"), flag, value], env=ENV, capture_output=True, text=True,

@@ -148,4 +148,9 @@ def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_ha
     worker.join(120)
     assert done, "the run hung in the inner strategy's configure_train"
     assert strategy.privacy_report()["rounds_completed"] == 2
+    final = done[0].arrays.to_numpy_ndarrays()
+    again = strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=ArrayRecord(task.initial_weights()),
+                           num_rounds=2, timeout=30)      # a finished run, started again, returns its model
+    assert len(final) == 2 and all(np.array_equal(a, b) for a, b in zip(again.arrays.to_numpy_ndarrays(), final,
+                                                                        strict=True))
     assert {(c["server-round"], c["lr"]) for c in seen} == {(1, 0.07), (2, 0.07)}

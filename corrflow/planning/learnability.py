@@ -48,7 +48,7 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
     dim = int(sum(np.size(w) for w in weights))
     rho = noise_to_signal(fac, sigma, dim, cohort)
     if rho > THRESHOLD:
-        log.warning("this configuration is unlikely to learn: the model will carry noise %.1f× the largest "
+        log.warning("this configuration is unlikely to learn: the model will carry noise %.2f× the largest "
                     "signal the clipped updates can give it (σ = %.3f, %d parameters, cohort %g; configurations "
                     "that learn have ≤ %.2f). Raise the cohort (users per round), lower ε's noise (higher "
                     "target ε), use a smaller model or a correlated-noise kind with lower error.", rho, sigma, dim,

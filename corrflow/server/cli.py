@@ -506,7 +506,8 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
         f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), "
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
-        f"{report['clip_norm']:g}, accountant {report['accountant']['name']}",
+        f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
+        f"{report['accountant'].get('sampling', 'none')}",
         f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
         f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), policy "
         f"{users['policy']}",

@@ -86,6 +86,8 @@ class StrategyConfig:
         for name in ("server_lr", "local_lr"):   # a zero rate trains nothing while the noise is still spent
             require(getattr(self, name) > 0, name.replace("_", "-"), "a learning rate > 0", getattr(self, name))
         require(self.local_steps >= 1, "local-steps", "a positive integer", self.local_steps)
+        for name in ("seed", "schedule_seed"):   # numpy seeds are non-negative integers
+            require(getattr(self, name) >= 0, name.replace("_", "-"), "an integer ≥ 0", getattr(self, name))
         require(self.num_users >= 1, "num-users", "a positive integer", self.num_users)
         require(self.num_rounds >= 1, "num-rounds", "a positive integer", self.num_rounds)
         require(self.participation in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}",
@@ -97,11 +99,14 @@ class StrategyConfig:
                     "0 or num-rounds/epochs for fixed-epoch participation", self.min_sep)
             require(self.mode == "cross-silo" or self.num_users >= self.b, "num-users",
                     f"at least rounds/epochs = {self.b} so every round has a cohort", self.num_users)
+            require(self.participation_rate == 0, "participation-rate",
+                    "0 for fixed-epoch participation (every user trains once per epoch; the rate is a sampler's)",
+                    self.participation_rate)
         else:
             require(self.epochs >= 1, "epochs", "a positive integer", self.epochs)
             require(1 <= self.b <= self.num_rounds, "min-sep", f"in [1, num-rounds = {self.num_rounds}]", self.b)
             require(0 <= self.participation_rate <= 1.0 / self.b, "participation-rate",
-                    f"in (0, 1/min-sep = {1 / self.b:g}] (0: 1/(2·min-sep))", self.participation_rate)
+                    f"in (0, 1/min-sep = {1 / self.b:g}], or 0 for the default 1/(2·min-sep)", self.participation_rate)
         require(self.taper == 0 or (self.kind == "toeplitz" and 1 <= self.taper < (self.bands or self.b)),
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
         require(self.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", self.accountant)

@@ -202,8 +202,8 @@ class CorrelatedNoiseStrategy(Strategy):
         are awaited in an interruptible loop; an interrupt abandons the round in flight unreleased."""
         timeout = self.cfg.node_timeout if timeout is None else timeout
         last = self.cfg.num_rounds if num_rounds is None else min(self.cfg.num_rounds, self.next_round + num_rounds)
-        result = Result()
         arrays = self.initial_arrays()
+        result = Result(arrays=arrays)   # a finished or resumed run returns its current model
         while self.next_round < last and not self.stopped_reason and not self.stop_event.is_set():
             server_round = self.next_round + 1
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import IntegrityError
-from corrflow.fileio import write_json
+from corrflow.fileio import write_json, write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable, learning_section
 from corrflow.strategies import identity as ids
@@ -50,6 +50,8 @@ def run_strategy(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, hooks: Ru
     aside first; ``stop_event`` (set by a signal handler) ends the run cleanly after the round in progress."""
     out = Path(out_dir).resolve()
     with RunLock(out):
+        if not (out / ".gitignore").exists():   # keys, ledger and cohorts: never committed by a `git add -A`
+            write_text(out / ".gitignore", "# corrflow run directory: private state, never commit it\n*\n")
         if fresh:
             archive_run(out, cfg.state_dir)
         resume = check_resume(out, cfg.state_dir)
