@@ -23,9 +23,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from corrflow.accounting.tracking import PrivacyPlan
+from corrflow.config import RunConfig
 from corrflow.factorization import factorize, participation_for
 from corrflow.server.inprocess import enable_offline_messages
-from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     # corrflow: 10 groups of `m` users, one group per round, 10-band Toeplitz BandMF.
     tmp = tempfile.mkdtemp(prefix="corrflow-bench-")
-    cfg = StrategyConfig(num_users=users, num_rounds=10, epochs=1, noise_multiplier=1.0, model_dim=d,
+    cfg = RunConfig(num_users=users, num_rounds=10, epochs=1, noise_multiplier=1.0, model_dim=d,
                          momentum=0.9, cooldown_fraction=0.0, state_dir=os.path.join(tmp, "state"))
     from corrflow.factorization.workloads import Workload
     fac = factorize("toeplitz", participation_for(10, 1), Workload("momentum", 0.9))

@@ -6,15 +6,19 @@ Layers, bottom up: ``factorization`` (workload, encoder, sensitivity), ``noise``
 
 __version__ = "0.1.0"
 
-__all__ = ["DifferentialPrivacyCorrelatedNoise", "corrflow_identity_mod"]
+__all__ = ["DifferentialPrivacyCorrelatedNoise", "RunConfig", "register_identity"]
 
 
 def __getattr__(name: str):
     # Lazy, so that `import corrflow` does not import Flower.
-    if name == "corrflow_identity_mod":
-        from corrflow.clients.identity import corrflow_identity_mod
+    if name == "register_identity":
+        from corrflow.clients.identity import register_identity
 
-        return corrflow_identity_mod
+        return register_identity
+    if name == "RunConfig":
+        from corrflow.config import RunConfig
+
+        return RunConfig
     if name == "DifferentialPrivacyCorrelatedNoise":
         from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 

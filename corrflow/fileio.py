@@ -3,7 +3,9 @@ state, checkpoint pointers, vocabularies, manifests, generated data).
 
 A file is written to a temporary name in its own directory, flushed and fsync-ed, then renamed over the target
 (``os.replace``, atomic on POSIX): a reader, or a server restarted after a kill, sees the old file or the new one,
-never half of one. A failed write removes its temporary file and leaves the target as it was."""
+never half of one. A failed write removes its temporary file and leaves the target as it was. A directory of files
+that belong together (a server checkpoint) is written the same way by :func:`atomic_directory`: filled in a
+temporary directory, every file fsync-ed, renamed into place, its parent fsync-ed."""
 
 from __future__ import annotations
 
@@ -42,6 +44,40 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", *, private: bool = Fa
         raise
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or creation inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a private (0700) temporary directory beside ``path``; when the block ends without an exception every
+    file in it is fsync-ed and the directory replaces ``path`` (an existing one is removed first). A failed block
+    removes the temporary directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=TEMP_PREFIX))
+    try:
+        yield tmp
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+            elif p.is_dir():
+                fsync_dir(p)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> Path:
     with atomic_file(path, "wb", private=private) as f:
         f.write(data)
@@ -61,6 +97,23 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return Path(dst)
 
 
-def write_json(path: str | os.PathLike, obj, **dumps) -> Path:
-    """``json.dumps(obj, **dumps)`` written atomically."""
-    return write_text(path, json.dumps(obj, **dumps))
+def write_json(path: str | os.PathLike, obj, *, private: bool = False, **dumps) -> Path:
+    """``json.dumps(obj, **dumps)`` written atomically (``private``: mode 0600)."""
+    return write_text(path, json.dumps(obj, **dumps), private=private)
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSON-lines file (UTF-8; invalid bytes replaced so that the
+    JSON parser names the line). A line that is not JSON raises :class:`~corrflow.errors.DataFormatError` naming
+    ``file:line``."""
+    from corrflow.errors import DataFormatError
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                yield line_no, json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataFormatError(path, line_no, f"a JSON value ({exc.msg})", text.strip()[:80]) from None
+

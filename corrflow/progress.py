@@ -52,10 +52,11 @@ class Progress:
 
 def round_line(metrics: dict, num_rounds: int) -> str:
     """``round t/n  accepted a/c  rejected j (most frequent reason)  test-loss L  accuracy A  ε E`` (accuracy only
-    for tasks that have it)."""
+    for tasks that have it; the reply counts only where the run publishes them, never in an amplified run)."""
     acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
     loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
     why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
-    return (f"round {metrics['round'] + 1:>4}/{num_rounds}  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g}"
-            f" rejected {metrics['rejected']}{why}{loss}{acc}  "
+    counts = (f"  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g} rejected {metrics['rejected']}{why}"
+              if "accepted" in metrics else "")
+    return (f"round {metrics['round'] + 1:>4}/{num_rounds}{counts}{loss}{acc}  "
             + (f"ε spent {metrics['epsilon']:.3f}" if metrics.get("epsilon") is not None else "non-private (no ε)"))

@@ -197,7 +197,7 @@ if [[ $drills -eq 1 ]]; then
 fi
 
 # -- the corrflow run ----------------------------------------------------------------------------------------
-run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$state\" corrflow.identity=\"node-key\""
+run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$out\" corrflow.identity=\"node-key\""
 submit() {  # submit LABEL: flwr run; prints the run id
   local answer
   answer=$(cd "$here/app" && flwr_cli run . loopback --run-config "$run_config" --format json 2>>"$logs/operator.log") \

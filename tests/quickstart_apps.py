@@ -1,5 +1,5 @@
 """ClientApps written the way Flower's quickstarts are — full weights back, `num-examples`, the user's own config
-keys — plus the one line corrflow asks of a user's app (`mods=[corrflow_identity_mod]`). Three apps share one
+keys — plus the one line corrflow asks of a user's app (`app = register_identity(ClientApp())`). Three apps share one
 ClientApp object only so that one Ray start serves every wrapper test; each handler is what a user would write.
 
 * numpy: linear regression with float64 weights (`lr` from the train config);
@@ -14,7 +14,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from corrflow import corrflow_identity_mod
+from corrflow import register_identity
 
 DIM = 8
 TRUE_W = np.linspace(-1.0, 1.0, DIM)
@@ -34,7 +34,7 @@ def held_out():
     return regression_data(10_000, 512)
 
 
-app = ClientApp(mods=[corrflow_identity_mod])
+app = register_identity(ClientApp())
 
 
 @app.train()

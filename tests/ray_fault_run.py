@@ -7,21 +7,21 @@ import sys
 
 import numpy as np
 
+from corrflow.config import RunConfig
 from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError, simulate
-from corrflow.strategies.config import StrategyConfig
 
 KEY = bytes(range(16))
 
 
-def config(out: str) -> StrategyConfig:
-    return StrategyConfig(num_users=24, num_rounds=24, epochs=2, noise_multiplier=0.7, model_dim=6,
-                          local_steps=int(os.environ.get("LOCAL_STEPS", "5")), state_dir=os.path.join(out, "state"))
+def config(out: str) -> RunConfig:
+    return RunConfig(num_users=24, num_rounds=24, epochs=2, noise_multiplier=0.7, model_dim=6,
+                          local_steps=int(os.environ.get("LOCAL_STEPS", "5")), state_dir=out)
 
 
 if __name__ == "__main__":
     out = sys.argv[1]
     try:
-        simulate(config(out), out, backend=sys.argv[2] if len(sys.argv) > 2 else "flower", noise_key=KEY,
+        simulate(config(out), backend=sys.argv[2] if len(sys.argv) > 2 else "flower", noise_key=KEY,
                  quiet=True)
     except RunInterruptedError:
         sys.exit(130)

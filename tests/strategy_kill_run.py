@@ -8,14 +8,14 @@ import sys
 import numpy as np
 
 from corrflow.clients.numpy_client import train
+from corrflow.config import RunConfig
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
-from corrflow.strategies.config import StrategyConfig
 
 out = sys.argv[1]
 kill_after = int(os.environ.get("KILL_AFTER", "-1"))
-cfg = StrategyConfig(num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6,
-                     state_dir=os.path.join(out, "state"))
+cfg = RunConfig(num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6,
+                     state_dir=out)
 
 
 def on_round_end(strategy, metrics):
@@ -23,6 +23,6 @@ def on_round_end(strategy, metrics):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-s = run_server(InProcessGrid({"train": train}, 12), cfg, out, noise_key=bytes(range(16)),
+s = run_server(InProcessGrid({"train": train}, 12), cfg, noise_key=bytes(range(16)),
                quiet=True, on_round_end=on_round_end)
 np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in s.params]))

@@ -87,14 +87,14 @@ def test_pki_makes_owner_only_files_keeps_keys_and_fingerprints_match_flower(tmp
 def test_deploy_app_config_is_a_valid_node_key_run_config():
     import tomllib
 
-    from corrflow.strategies.config import StrategyConfig
+    from corrflow.config import from_run_config
 
     app = tomllib.loads((DEPLOY / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "corrflow.server.app:app",
                                  "clientapp": "corrflow.clients.numpy_client:app"}
     from flwr.common.config import flatten_dict
 
-    cfg = StrategyConfig.from_run_config(flatten_dict(app["config"]))   # as Flower flattens the nested table
+    cfg = from_run_config(flatten_dict(app["config"]))   # as Flower flattens the nested table
     assert cfg.identity == "node-key" and Path(cfg.state_dir).is_absolute()
 
 
@@ -250,10 +250,10 @@ import sys
 from flwr.simulation import run_simulation
 from corrflow.clients.tasks import get_task
 from corrflow.server.app import make_server_app
-from corrflow.strategies.config import StrategyConfig
+from corrflow.config import RunConfig, from_run_config, unprefixed_keys
 
 address, out = sys.argv[1], sys.argv[2]
-cfg = StrategyConfig(num_users=3, num_rounds=2, epochs=2, target_epsilon=8.0, state_dir=out + "/state")
+cfg = RunConfig(num_users=3, num_rounds=2, epochs=2, target_epsilon=8.0, state_dir=out)
 task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
 run_simulation(server_app=make_server_app(cfg, out, quiet=True), client_app=task.client_app, num_supernodes=3,
                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -352,7 +352,7 @@ def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
     try:
         _wait_listening(port, link)
         run_config = (f'corrflow.num-users=3 corrflow.num-rounds=2 corrflow.epochs=2 corrflow.identity="partition-id" '
-                      f'corrflow.state-dir="{out / "state"}"')
+                      f'corrflow.state-dir="{out}"')
         res = subprocess.run([tool("flwr"), "run", ".", "sim", "--stream", "--run-config", run_config,
                               "--federation-config", "num-supernodes=3"], cwd=DEPLOY / "app",
                              env={**env, "FLWR_HOME": str(cli)}, capture_output=True, text=True, timeout=480)

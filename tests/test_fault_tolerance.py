@@ -8,21 +8,20 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from strategy_support import HANDLERS, KEY
+from strategy_support import HANDLERS, KEY, forget_last_release
 from strategy_support import small_config as _cfg
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.config import RunConfig, from_run_config
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
-from corrflow.strategies.config import StrategyConfig
 from corrflow.strategies.identity import IdentityError
 from corrflow.strategies.journal import JOURNAL, ReleaseJournal
 
@@ -34,7 +33,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[StrategyConfig, Path | None]:
+def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[RunConfig, Path | None]:
     cfg = _cfg(tmp_path, num_rounds=8, epochs=2)
     snapshot = tmp_path / "state-at-round"
 
@@ -42,7 +41,7 @@ def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[StrategyConfig,
         if metrics["round"] + 1 == copy_at:
             shutil.copytree(tmp_path / "state", snapshot)
 
-    run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True, on_round_end=copy_state)
+    run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True, on_round_end=copy_state)
     return cfg, snapshot if copy_at else None
 
 
@@ -51,19 +50,21 @@ def _ckpt(tmp_path) -> Path:
 
 
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
+    hold = tmp_path.parent / f"{tmp_path.name}.hold"   # the first server's replies wait while it exists
+    hold.touch()
     first = subprocess.Popen([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
-                             env=dict(ENV, ROUND_DELAY="0.15"), stderr=subprocess.PIPE, text=True)
+                             env=dict(ENV, HOLD=str(hold)), stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / JOURNAL).exists():   # the first server is releasing rounds
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ".corrflow.lock.holder").exists():   # the first server holds the directory
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
             time.sleep(0.05)
-        started = time.monotonic()
         second = subprocess.run([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)], env=ENV,
-                                capture_output=True, text=True, timeout=60)
-        assert time.monotonic() - started < 10
+                                capture_output=True, text=True, timeout=600)
+        assert first.poll() is None   # refused while the first server still runs, not queued behind it
         assert second.returncode != 0
         assert "in use by another corrflow server" in second.stderr and f"pid {first.pid}" in second.stderr
+        hold.unlink()
         assert first.wait(timeout=240) == 0, first.stderr.read()
     finally:
         first.kill()
@@ -121,7 +122,7 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
         (tmp_path / JOURNAL).write_text("".join(lines))
     before = _files(tmp_path)
     with pytest.raises(IntegrityError, match=names):
-        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+        run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert _files(tmp_path) == before           # nothing deleted, nothing rewritten
 
 
@@ -129,10 +130,11 @@ def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_asi
     cfg, _ = _finished_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
     (tmp_path / JOURNAL).write_text("".join(lines[:-1]))   # killed between round 7's checkpoint and its entry
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    forget_last_release(tmp_path)                         # (so the registry never recorded it either)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
     old_report = (tmp_path / "privacy_report.json").read_bytes()
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True, fresh=True)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, fresh=True)
     moved = list((tmp_path / "previous-runs").iterdir())
     assert len(moved) == 1 and (moved[0] / "privacy_report.json").read_bytes() == old_report
     assert len(ReleaseJournal(moved[0] / JOURNAL).read()) == 8
@@ -140,24 +142,26 @@ def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_asi
     assert json.loads((tmp_path / "privacy_report.json").read_text())["run_id"] != json.loads(old_report)["run_id"]
 
 
-def test_fresh_moves_a_state_directory_of_any_name_with_its_journal(tmp_path):
-    """The ServerApp and the wrapper keep state in a directory not called `state`: --fresh must move it with the
-    journal, or the next start would meet a checkpoint without its journal (or resume the old run)."""
-    cfg = replace(_cfg(tmp_path, num_rounds=4, epochs=2), state_dir=str(tmp_path / "server-state"))
-    first = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
-    second = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True, fresh=True)
-    (moved,) = (tmp_path / "previous-runs").iterdir()
-    assert (moved / "server-state" / "CURRENT").exists() and len(ReleaseJournal(moved / JOURNAL).read()) == 4
-    assert second.run_id != first.run_id and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 4
+def test_fresh_moves_the_checkpoints_with_their_journal_whatever_the_run_directory_is_called(tmp_path):
+    """--fresh (the wrapper's fresh=True) moves state/ with the journal, report and metrics: the next start would
+    otherwise meet a checkpoint without its journal (or resume the old run)."""
+    cfg = _cfg(tmp_path / "server-state", num_rounds=4, epochs=2)
+    first = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
+    second = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, fresh=True)
+    (moved,) = (tmp_path / "server-state" / "previous-runs").iterdir()
+    assert (moved / "state" / "CURRENT").exists() and len(ReleaseJournal(moved / JOURNAL).read()) == 4
+    assert (moved / "privacy_report.json").exists() and (moved / "metrics.json").exists()
+    assert second.run.recorder.keys.run_id != first.run.recorder.keys.run_id
+    assert len(ReleaseJournal(tmp_path / "server-state" / JOURNAL).read()) == 4
     assert second.ledger.selected != {} and second.next_round == 4
 
 
 def test_other_settings_are_named_on_resume(tmp_path):
     cfg, _ = _finished_run(tmp_path)
-    other = StrategyConfig(**{**cfg.to_dict(), "clip_norm": 2.0, "server_lr": cfg.server_lr / 2})
+    other = RunConfig(**{**cfg.to_dict(), "clip_norm": 2.0, "server_lr": cfg.server_lr / 2})
     diff = rf"clip_norm: 1\.0 → 2\.0.*server_lr: {cfg.server_lr} → {cfg.server_lr / 2}.*--fresh"
     with pytest.raises(IntegrityError, match=diff):
-        run_server(InProcessGrid(HANDLERS, 12), other, tmp_path, quiet=True)
+        run_server(InProcessGrid(HANDLERS, 12), other, quiet=True)
 
 
 def test_the_cli_names_every_setting_that_differs(tmp_path):
@@ -176,11 +180,12 @@ def test_the_cli_names_every_setting_that_differs(tmp_path):
 
 def test_node_without_the_identity_mod_is_refused_naming_the_fix(tmp_path):
     cfg = _cfg(tmp_path)
-    with pytest.raises(IdentityError, match=r"cannot report identity = partition-id.*corrflow_identity_mod"):
-        run_server(InProcessGrid(HANDLERS, 12, mods=()), cfg, tmp_path, quiet=True)
+    with pytest.raises(IdentityError, match=r"cannot report identity = partition-id.*no corrflow identity "
+                                            r"handler.*register_identity"):
+        run_server(InProcessGrid(HANDLERS, 12, identity=False), cfg, quiet=True)
     user_cfg = _cfg(tmp_path, identity="user-id")
     with pytest.raises(IdentityError, match="user-id"):
-        run_server(InProcessGrid(HANDLERS, 12), user_cfg, tmp_path, quiet=True)
+        run_server(InProcessGrid(HANDLERS, 12), user_cfg, quiet=True)
     assert not (tmp_path / "state").exists() and not (tmp_path / JOURNAL).exists()
 
 
@@ -193,20 +198,20 @@ def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
         if metrics["round"] == 1:   # partition 0 trains in rounds r and r + 3: give it a new node id in between
             restarted["node"] = grid.restart_node(0)
 
-    s = run_server(grid, cfg, tmp_path, noise_key=KEY, quiet=True, on_round_end=restart)
+    s = run_server(grid, cfg, noise_key=KEY, quiet=True, on_round_end=restart)
     assert s.next_round == 6 and not s.ledger.rejections
     assert sorted(s.ledger.selected) == sorted(f"user-device-{p:02d}" for p in range(12))
     assert all(len(r) == 2 for r in s.ledger.selected.values())
-    assert s.node_to_user[restarted["node"]] == "user-device-00"
+    assert s.run.directory.node_to_user[restarted["node"]] == "user-device-00"
 
 
 def test_per_launch_identity_is_marked_and_never_resumes(tmp_path):
     cfg = _cfg(tmp_path, identity="per-launch", num_rounds=2, epochs=1, num_users=4)
-    run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, quiet=True)
+    run_server(InProcessGrid(HANDLERS, 4), cfg, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert report["identity"] == {"source": "per-launch", "stable_across_restarts": False}
     with pytest.raises(IntegrityError, match="per-launch runs cannot resume"):
-        run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, quiet=True)
+        run_server(InProcessGrid(HANDLERS, 4), cfg, quiet=True)
 
 
 def _nan_train(msg, ctx):
@@ -220,7 +225,7 @@ def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
 
     cfg = _cfg(tmp_path, max_empty_rounds=2)
     with caplog.at_level(logging.WARNING, logger="corrflow"):
-        s = run_server(InProcessGrid({**HANDLERS, "train": _nan_train}, 12), cfg, tmp_path, quiet=True)
+        s = run_server(InProcessGrid({**HANDLERS, "train": _nan_train}, 12), cfg, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 2 and report["rounds_completed"] == 2
     assert "no valid replies in 2 consecutive rounds" in report["stopped_reason"]
@@ -232,13 +237,13 @@ def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
     sens, _ = realized_sensitivity(fac.encoder, {u: r for u, r in s.ledger.selected.items()})
     assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5))
     with pytest.raises(RunStoppedEarlyError, match="budget guard"):   # `corrflow simulate` exits 1 on it
-        simulate(_cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5), tmp_path / "b",
+        simulate(_cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5),
                  backend="inprocess", quiet=True)
 
 
 def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
     cfg = _cfg(tmp_path, noise_multiplier=0.5, target_epsilon=0.1)  # σ fixed, target far below one round's ε
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 0 and report["rounds_completed"] == 0
     assert report["stopped_reason"].startswith("budget guard: round 1 of 6 would spend")
@@ -249,9 +254,9 @@ def test_inputs_that_cannot_be_private_are_refused():
     for kw, field in [({"clip_norm": float("inf")}, "clip-norm"), ({"noise_multiplier": float("nan")},
                       "noise-multiplier"), ({"target_epsilon": float("inf")}, "target-epsilon")]:
         with pytest.raises(InvalidArgumentError, match=field):
-            StrategyConfig(**{"noise_multiplier": 1.0, **kw})
+            RunConfig(**{"noise_multiplier": 1.0, **kw})
     with pytest.raises(InvalidArgumentError, match="clip-norm.*not a boolean"):
-        StrategyConfig.from_run_config({"corrflow.noise-multiplier": 1.0, "corrflow.clip-norm": True})
+        from_run_config({"corrflow.noise-multiplier": 1.0, "corrflow.clip-norm": True})
 
 
 @pytest.mark.parametrize("flag, value", [("--clip-norm", "inf"), ("--noise-multiplier", "nan"),
@@ -273,7 +278,42 @@ def test_a_torn_last_journal_line_is_an_unreleased_round(tmp_path):
     cfg, _ = _finished_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
     (tmp_path / JOURNAL).write_text("".join(lines[:-1]) + lines[-1][:40])
+    forget_last_release(tmp_path)                          # the registry records a round after its journal entry
     assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 7
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8
     assert (tmp_path / JOURNAL).read_text().splitlines(keepends=True) == lines   # the same entry, chain intact
+
+
+def test_a_restored_or_copied_run_directory_is_refused_by_the_release_registry(tmp_path):
+    """Backing up the whole run directory at round 3 and restoring it after the run finished carries a journal
+    that agrees with its checkpoint: only the registry outside the directory knows rounds 4–8 were released. A copy
+    of the run directory resumed elsewhere is refused too; in both cases nothing is released."""
+    from corrflow.errors import IntegrityError
+
+    run = tmp_path / "run"
+    backup = tmp_path / "backup"
+
+    def back_up(strategy, metrics):
+        if metrics["round"] + 1 == 3:
+            shutil.copytree(run, backup, ignore=shutil.ignore_patterns(".corrflow.lock*"))
+
+    cfg = _cfg(run, num_rounds=8, epochs=2)
+    run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True, on_round_end=back_up)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".corrflow.lock*"))
+    shutil.rmtree(run)
+    shutil.copytree(backup, run)
+    journal = (run / JOURNAL).read_bytes()
+    with pytest.raises(IntegrityError, match=r"release_registry\.sqlite: run \w+ released 8 round\(s\).*records 3"):
+        run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
+    assert (run / JOURNAL).read_bytes() == journal
+    with pytest.raises(IntegrityError, match=r"is registered in .*/run, not .*/copy"):
+        run_server(InProcessGrid(HANDLERS, 12), cfg.replace(state_dir=str(copy)), noise_key=KEY, quiet=True)
+    from typer.testing import CliRunner
+
+    from corrflow.server.cli import app
+
+    r = CliRunner().invoke(app, ["simulate", "--backend", "inprocess", "--out", str(run), "--users", "12",
+                                 "--rounds", "8", "--epochs", "2", "--noise-multiplier", "0.7", "--model-dim", "6"])
+    assert r.exit_code == 1 and "release_registry.sqlite" in r.output, r.output

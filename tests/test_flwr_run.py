@@ -1,5 +1,6 @@
 """`flwr run .` on this repository completes the default app (the README's command), with its own Flower home,
-ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid afterwards."""
+ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid afterwards (every process whose
+environment carries this test's Flower home), and none survives."""
 
 import contextlib
 import json
@@ -26,16 +27,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_processes_mentioning(text: str) -> None:
-    """SIGKILL every process whose command line mentions ``text`` (the detached local SuperLink and its children,
-    identified by this test's own Flower home), and every process in their sessions."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
-    sessions = {int(sid) for pid, sid, args in rows if text in args}
-    for pid, sid, _ in rows:
-        if int(sid) in sessions and int(pid) != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+def _stop_processes_with_home(home: Path) -> list[int]:
+    """SIGKILL every process started with this test's Flower home in its environment (the detached local SuperLink,
+    its SuperExec and their children inherit it), found by pid in /proc; returns their pids."""
+    mark = f"FLWR_HOME={home}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def _wait_for_completion(report: Path, rounds: int, timeout: float) -> None:
@@ -79,7 +84,11 @@ def test_flwr_run_completes_the_default_app(tmp_path):
                            env=env, capture_output=True, text=True, timeout=600)
         _wait_for_completion(run_dir / "privacy_report.json", rounds=10, timeout=300)   # `--stream` can end early
     finally:
-        _stop_processes_mentioning(str(home))
+        _stop_processes_with_home(home)
+        deadline = time.monotonic() + 30
+        while _stop_processes_with_home(home) and time.monotonic() < deadline:   # until none is alive
+            time.sleep(0.5)
+    assert not _stop_processes_with_home(home), "a Flower process of this test survived"
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert f"run directory {run_dir}" in log, log[-3000:]         # the absolute state path is logged

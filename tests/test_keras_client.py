@@ -5,10 +5,10 @@ pytest.importorskip("tensorflow")
 
 from corrflow.clients.keras_client import SYNTHETIC, build_model, local_train  # noqa: E402
 from corrflow.clients.tasks import get_task  # noqa: E402
+from corrflow.config import RunConfig  # noqa: E402
 from corrflow.data.text_synth import BOS, EOS, PAD, SPECIAL, TextTask, user_sentences, xy  # noqa: E402
 from corrflow.server.app import run_server  # noqa: E402
 from corrflow.server.inprocess import InProcessGrid  # noqa: E402
-from corrflow.strategies.config import StrategyConfig  # noqa: E402
 
 TASK = TextTask()
 KERAS_TASK = SYNTHETIC.synthetic_task  # the text the Keras client trains on
@@ -49,10 +49,10 @@ def test_local_training_learns_word_order_and_returns_new_weights():
 
 
 def test_keras_strategy_round_trip(tmp_path):
-    cfg = StrategyConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
-                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path / "state"))
+    cfg = RunConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
+                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path))
     task = get_task("keras")
-    s = run_server(InProcessGrid(task.handlers, 6), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid(task.handlers, 6), cfg, quiet=True)
     assert s.next_round == 2 and "test_accuracy" in s.metrics_history[-1]
     assert any(np.abs(p - q).max() > 0 for p, q in zip(s.params, task.initial_weights(), strict=True))
 
@@ -66,11 +66,11 @@ def test_keras_on_a_tff_sqlite_file(tmp_path):
     generate_stackoverflow(path, StackOverflowSpec(users=40, seed=4))
     with StackOverflowSQLite(path) as db:
         build_vocabulary(count_words(p.tokens for _, p in db.iter_posts("train")), 300).save(tmp_path / "v.txt")
-    cfg = StrategyConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
-                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path / "state"), data_path=str(path),
+    cfg = RunConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
+                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path), data_path=str(path),
                          vocab_path=str(tmp_path / "v.txt"), seq_len=10)
     task = get_task("keras", data_path=str(path), vocab_path=str(tmp_path / "v.txt"), seq_len=10)
     assert task.initial_weights()[0].shape[0] == 304                # embedding rows = specials + OOV + words
-    s = run_server(InProcessGrid(task.handlers, 6), cfg, tmp_path, quiet=True)
+    s = run_server(InProcessGrid(task.handlers, 6), cfg, quiet=True)
     assert s.next_round == 2 and s.metrics_history[-1]["rejected"] == 0
     assert np.isfinite(s.metrics_history[-1]["test_loss"])

@@ -12,12 +12,12 @@ import pytest
 
 from corrflow.clients import nextword_client as nw
 from corrflow.clients.tasks import TRAINING_DEFAULTS, get_task, training_defaults
+from corrflow.config import RunConfig
 from corrflow.data.text_synth import user_sentences
 from corrflow.factorization import Workload, factorize, participation_for
 from corrflow.planning.learnability import THRESHOLD, check_learnable, noise_to_signal
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
-from corrflow.strategies.config import StrategyConfig
 
 
 def _mean_loss(weights, prev, nxt):
@@ -56,10 +56,10 @@ def test_nextword_local_training_lowers_the_users_loss():
 def test_readme_first_command_learns_at_its_defaults(tmp_path):
     """`corrflow simulate --users 100 --rounds 20 --epochs 2 --target-epsilon 8` (numpy client, in-process): every
     one of the last 5 rounds has held-out loss ≤ half the initial model's; metrics.json starts with round −1."""
-    cfg = StrategyConfig(num_users=100, num_rounds=20, epochs=2, target_epsilon=8.0, client="numpy",
-                         state_dir=str(tmp_path / "state"), **training_defaults("numpy"))
+    cfg = RunConfig(num_users=100, num_rounds=20, epochs=2, target_epsilon=8.0, client="numpy",
+                         state_dir=str(tmp_path), **training_defaults("numpy"))
     task = get_task("numpy")
-    run_server(InProcessGrid(task.handlers, 100), cfg, tmp_path, quiet=True)
+    run_server(InProcessGrid(task.handlers, 100), cfg, quiet=True)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert [m["round"] for m in metrics] == list(range(-1, 20))
     assert metrics[0]["test_loss"] == pytest.approx(task.evaluate(task.initial_weights())["test_loss"])
@@ -121,12 +121,12 @@ def test_readme_arxiv_cross_silo_example_learns(tmp_path):
 
     generate_arxiv(tmp_path / "arxiv.jsonl", ArxivSpec(users=300))
     write_manifest(make_manifest(tmp_path / "arxiv.jsonl", 4), tmp_path / "manifest.json")
-    cfg = StrategyConfig(num_users=4, num_rounds=20, epochs=4, target_epsilon=8.0, mode="cross-silo",
+    cfg = RunConfig(num_users=4, num_rounds=20, epochs=4, target_epsilon=8.0, mode="cross-silo",
                          manifest_path=str(tmp_path / "manifest.json"), attribution_path=str(tmp_path / "arxiv.jsonl"),
                          participation="multi-attribution", participation_rate=0.05, max_items_per_user=2,
-                         state_dir=str(tmp_path / "state"), **training_defaults("numpy"))
+                         state_dir=str(tmp_path), **training_defaults("numpy"))
     task = get_task("numpy")
-    run_server(InProcessGrid(task.handlers, 4), cfg, tmp_path, quiet=True)
+    run_server(InProcessGrid(task.handlers, 4), cfg, quiet=True)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert len(metrics) == 21 and metrics[-1]["test_loss"] <= 0.8 * metrics[0]["test_loss"]
 

@@ -228,13 +228,13 @@ def test_planner_poisson_and_cyclic_poisson():
 
 
 def test_strategy_config_accountant_checks():
-    from corrflow.strategies.config import StrategyConfig
+    from corrflow.config import RunConfig
     base = dict(num_users=50, num_rounds=8, epochs=8, noise_multiplier=4.0)
-    StrategyConfig(**base, participation="poisson", min_sep=1, accountant="mmcc")
-    StrategyConfig(**base, participation="cyclic-poisson", min_sep=2, accountant="mmcc")
+    RunConfig(**base, participation="poisson", min_sep=1, accountant="mmcc")
+    RunConfig(**base, participation="cyclic-poisson", min_sep=2, accountant="mmcc")
     for bad in (dict(participation="poisson", min_sep=1, accountant="monte-carlo"),
                 dict(participation="bminsep", min_sep=2, accountant="mmcc"),
                 dict(participation="fixed-epoch", accountant="mmcc")):
         with pytest.raises(InvalidArgumentError) as e:
-            StrategyConfig(**base, **bad)
+            RunConfig(**base, **bad)
         assert e.value.field == "accountant"

@@ -10,7 +10,7 @@ import stat
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from strategy_support import HANDLERS, KEY, request_for
+from strategy_support import HANDLERS, KEY, forget_last_release, request_for
 from strategy_support import small_config as _cfg
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
@@ -79,7 +79,7 @@ def _early_return(strategy, metrics):
 def test_early_return_rejected_by_default(tmp_path, caplog):
     cfg = _cfg(tmp_path)
     with caplog.at_level(logging.WARNING, logger="corrflow"):
-        s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True,
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True,
                        on_round_end=_early_return)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     part = report["realized"]["participation"]
@@ -96,7 +96,7 @@ def test_early_return_rejected_by_default(tmp_path, caplog):
 def test_early_return_accept_and_account(tmp_path, caplog):
     cfg = _cfg(tmp_path, policy="accept-and-account")
     with caplog.at_level(logging.WARNING, logger="corrflow"):
-        s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True,
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True,
                        on_round_end=_early_return)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     part = report["realized"]["participation"]
@@ -123,7 +123,7 @@ def test_user_with_two_devices(tmp_path):
     for policy in ("reject", "accept-and-account"):
         d = tmp_path / policy
         cfg = _cfg(d, attribution_path=str(graph), policy=policy)
-        s = run_server(InProcessGrid(HANDLERS, 12), cfg, d, noise_key=KEY, quiet=True)
+        s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
         runs[policy] = (s, json.loads((d / "privacy_report.json").read_text()))
         rep = runs[policy][1]
         assert rep["planned"]["sensitivity"] == pytest.approx(2.0)
@@ -142,11 +142,12 @@ def test_user_with_two_devices(tmp_path):
 def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
     cfg = _cfg(tmp_path, num_users=40, num_rounds=12, epochs=4, participation="bminsep", participation_rate=0.2,
                accountant="monte-carlo", mc_samples=4000, noise_multiplier=1.5, kind="toeplitz")
-    s = run_server(InProcessGrid(HANDLERS, 40), cfg, tmp_path, noise_key=KEY, quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 40), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["accountant"]["name"] == "monte-carlo" and rep["accountant"]["min_sep"] == 3
     assert rep["planned"]["participation"]["expected_cohort"] == pytest.approx(8.0)
-    part = rep["realized"]["participation"]
+    assert "users" not in rep["realized"]["participation"]                   # secret cohorts: operator-only
+    part = json.loads((tmp_path / "operator" / "participation.json").read_text())["realized"]["participation"]
     assert part["min_gap"] >= 3 and part["overrides"] == []
     assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]           # the sampler's pattern was followed
     assert rep["planned"]["epsilon"] < epsilon_of(unamplified_event(1.5, 1.0), cfg.delta)   # amplification
@@ -185,7 +186,7 @@ def test_cross_silo_arxiv_multi_attribution_end_to_end(tmp_path):
     cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
                participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0)
-    s = run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 3), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["rounds_completed"] == 12 and rep["planned"]["epsilon"] > 0 and rep["realized"]["epsilon"] > 0
     bounding = rep["accountant"]["contribution_bounding"]
@@ -214,7 +215,7 @@ def test_cross_silo_arxiv_with_monte_carlo_plan(tmp_path):
                participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0, accountant="monte-carlo",
                mc_samples=5000)
-    run_server(InProcessGrid(HANDLERS, 3), cfg, tmp_path, noise_key=KEY, quiet=True)
+    run_server(InProcessGrid(HANDLERS, 3), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     acc = rep["accountant"]
     assert acc["name"] == "monte-carlo" and acc["items_per_user"] == 2 and acc["warm_start"] is False
@@ -242,7 +243,7 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
                manifest_path=str(manifest),
                max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0)
     with caplog.at_level(logging.WARNING, logger="corrflow"):
-        s = run_server(InProcessGrid(HANDLERS, 3, tamper=inflate), cfg, tmp_path, noise_key=KEY, quiet=True)
+        s = run_server(InProcessGrid(HANDLERS, 3, tamper=inflate), cfg, noise_key=KEY, quiet=True)
     # Every reply of every round is rejected: the run stops after max-empty-rounds (3), saying why.
     assert s.next_round == 3 and sum(m["replies"] for m in s.metrics_history) == 0
     assert "no valid replies in 3 consecutive rounds" in s.stopped_reason and "per-item clipping" in s.stopped_reason
@@ -264,13 +265,13 @@ def test_bminsep_restart_replays_the_sampler(tmp_path):
                 raise KeyboardInterrupt
         return on_end
 
-    ref = run_server(InProcessGrid(HANDLERS, 30), _cfg(tmp_path / "a", **kw), tmp_path / "a", noise_key=KEY,
+    ref = run_server(InProcessGrid(HANDLERS, 30), _cfg(tmp_path / "a", **kw), noise_key=KEY,
                      quiet=True, on_round_end=script(False))
     cfg = _cfg(tmp_path / "b", **kw)
     with pytest.raises(KeyboardInterrupt):
-        run_server(InProcessGrid(HANDLERS, 30), cfg, tmp_path / "b", noise_key=KEY, quiet=True,
+        run_server(InProcessGrid(HANDLERS, 30), cfg, noise_key=KEY, quiet=True,
                    on_round_end=script(True))
-    resumed = run_server(InProcessGrid(HANDLERS, 30), cfg, tmp_path / "b", noise_key=KEY, quiet=True)
+    resumed = run_server(InProcessGrid(HANDLERS, 30), cfg, noise_key=KEY, quiet=True)
     assert resumed.next_round == 10
     for p, q in zip(ref.params, resumed.params, strict=True):
         np.testing.assert_array_equal(p, q)
@@ -285,7 +286,7 @@ def test_poisson_run_accounted_by_mmcc_keeps_its_planned_epsilon(tmp_path):
 
     cfg = _cfg(tmp_path, num_users=12, num_rounds=6, participation="poisson", min_sep=1, participation_rate=0.25,
                accountant="mmcc", noise_multiplier=1.0, target_epsilon=50.0)
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 6 and rep["stopped_reason"] is None
     assert rep["accountant"]["name"] == "mmcc" and rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
@@ -301,7 +302,7 @@ def test_an_operator_override_ends_amplification(tmp_path):
     on the realised pattern, recomputed here from the ledger alone."""
     base = dict(num_users=12, num_rounds=8, participation="cyclic-poisson", min_sep=4, epochs=2,
                 participation_rate=0.25, accountant="cyclic-poisson")
-    plain = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), tmp_path / "a", quiet=True)
+    plain = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), quiet=True)
     assert plain.ledger.overrides == []
     planned = json.loads((tmp_path / "a" / "privacy_report.json").read_text())
     assert planned["realized"]["epsilon"] == pytest.approx(planned["planned"]["epsilon"], rel=1e-12)
@@ -311,7 +312,7 @@ def test_an_operator_override_ends_amplification(tmp_path):
             p = strategy.planner
             strategy.override(1, [next(i for i in sorted(p.items) if i not in p.cohort(0) + p.cohort(1))])
 
-    s = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "b", **base), tmp_path / "b", quiet=True,
+    s = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "b", **base), quiet=True,
                    on_round_end=force)
     report = json.loads((tmp_path / "b" / "privacy_report.json").read_text())
     assert any(o["source"] == "override" and o["action"] == "included" for o in s.ledger.overrides)
@@ -329,7 +330,7 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
 
     base = dict(num_users=12, num_rounds=8, participation="cyclic-poisson", min_sep=4, epochs=2,
                 participation_rate=0.1, accountant="cyclic-poisson")
-    other = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), tmp_path / "a", quiet=True)
+    other = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path / "a", **base), quiet=True)
 
     def crash(strategy, metrics):
         if metrics["round"] == 3:
@@ -337,12 +338,13 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
 
     cfg = _cfg(tmp_path / "b", **base)
     with pytest.raises(KeyboardInterrupt):
-        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True, on_round_end=crash)
+        run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, on_round_end=crash)
     journal = tmp_path / "b" / JOURNAL
     journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:-1]))   # killed before the append
+    forget_last_release(tmp_path / "b")
     state = tmp_path / "b" / "state"
     key = (state / (state / "CURRENT").read_text() / "sampler_secret.key").read_bytes()
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8 and [e.round for e in ReleaseJournal(journal).read()] == list(range(8))
     assert s.ledger.selected != other.ledger.selected
     replay = CohortPlanner("cyclic-poisson", s.planner.items, s.planner.item_users, s.planner.users, 8, 4,
@@ -355,4 +357,4 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     ckpt = state / (state / "CURRENT").read_text()
     (ckpt / "sampler_secret.key").unlink()
     with pytest.raises(IntegrityError, match="sampler_secret.key"):
-        run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path / "b", quiet=True)
+        run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)

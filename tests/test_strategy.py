@@ -13,12 +13,12 @@ from strategy_support import HANDLERS, KEY, request_for
 from strategy_support import small_config as _cfg
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
+from corrflow.config import RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.noise import CorrelatedNoise
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
-from corrflow.strategies.config import StrategyConfig
 
 
 def _zero_train(msg, ctx):
@@ -29,7 +29,7 @@ def _zero_train(msg, ctx):
 
 def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     cfg = _cfg(tmp_path, momentum=0.9, cooldown_fraction=0.5, server_lr=0.5, clip_norm=0.3, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, noise_key=KEY,
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, noise_key=KEY,
                    quiet=True)
     fac = Factorization.load(tmp_path / "factorization.npz")
     shapes = [(6,), (1,)]
@@ -107,7 +107,7 @@ def _tamper(kind):
 def test_malformed_replies_rejected_round_goes_on(tmp_path, caplog, kind, reason):
     cfg = _cfg(tmp_path, num_rounds=2, epochs=1, num_users=4)
     with caplog.at_level(logging.WARNING, logger="corrflow"):
-        s = run_server(InProcessGrid(HANDLERS, 4, tamper=_tamper(kind)), cfg, tmp_path, noise_key=KEY, quiet=True)
+        s = run_server(InProcessGrid(HANDLERS, 4, tamper=_tamper(kind)), cfg, noise_key=KEY, quiet=True)
     assert s.next_round == 2
     assert any(reason in r["reason"] for r in s.ledger.rejections), s.ledger.rejections
     assert any(reason in rec.getMessage() for rec in caplog.records)
@@ -117,11 +117,11 @@ def test_malformed_replies_rejected_round_goes_on(tmp_path, caplog, kind, reason
 
 def test_workload_mismatch_and_unknown_config(tmp_path):
     with pytest.raises(InvalidArgumentError, match="nonsense"):
-        StrategyConfig.from_run_config({"corrflow.num-users": 10, "corrflow.nonsense": 1})
+        from_run_config({"corrflow.num-users": 10, "corrflow.nonsense": 1})
     with pytest.raises(InvalidArgumentError, match="epochs"):
-        StrategyConfig(num_rounds=5, epochs=2, noise_multiplier=1.0)
+        RunConfig(num_rounds=5, epochs=2, noise_multiplier=1.0)
     cfg = _cfg(tmp_path)
-    run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     from corrflow.strategies.server_optimizer import check_workload_matches
     fac = Factorization.load(tmp_path / "factorization.npz")
     with pytest.raises(InvalidArgumentError, match="factorization"):
@@ -129,14 +129,15 @@ def test_workload_mismatch_and_unknown_config(tmp_path):
 
 
 def test_budget_guard_stops_before_exceeding_target(tmp_path):
-    cfg = _cfg(tmp_path, noise_multiplier=0.0, target_epsilon=5.0)
-    s = run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, noise_key=KEY, quiet=True)
+    cfg = _cfg(tmp_path, noise_multiplier=None, target_epsilon=5.0)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["realized"]["epsilon"] <= 5.0 + 1e-9 and s.next_round == 6  # calibrated σ: the plan fits exactly
-    s.cfg = StrategyConfig(**{**cfg.to_dict(), "target_epsilon": 1.0})
-    s.next_round = 0
-    assert s.configure_train(1, s.initial_arrays(), None, InProcessGrid(HANDLERS, 12)) == []
-    assert "would spend" in s.stopped_reason
+    # The same σ with a target that one round already exceeds: round 1 is refused before anything is sent.
+    tight = _cfg(tmp_path / "tight", noise_multiplier=s.sigma, target_epsilon=1.0)
+    t = run_server(InProcessGrid(HANDLERS, 12), tight, noise_key=KEY, quiet=True)
+    assert t.next_round == 0 and "would spend" in t.stopped_reason and "round 1 of 6" in t.stopped_reason
+    assert json.loads((tmp_path / "tight" / "privacy_report.json").read_text())["stopped_reason"] == t.stopped_reason
 
 
 def test_end_to_end_flower_simulation(tmp_path):
@@ -166,7 +167,7 @@ def test_end_to_end_flower_simulation(tmp_path):
 
 def test_end_to_end_inprocess(tmp_path):
     cfg = _cfg(tmp_path)
-    report = json.loads(json.dumps(run_server(InProcessGrid(HANDLERS, 12), cfg, tmp_path, quiet=True).report()))
+    report = json.loads(json.dumps(run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True).report()))
     _check_run(tmp_path, cfg, report)
 
 
@@ -194,7 +195,7 @@ def test_checkpoint_is_private(tmp_path):
     import stat
 
     cfg = _cfg(tmp_path, num_rounds=2, epochs=1, num_users=4)
-    run_server(InProcessGrid(HANDLERS, 4), cfg, tmp_path, noise_key=KEY, quiet=True)
+    run_server(InProcessGrid(HANDLERS, 4), cfg, noise_key=KEY, quiet=True)
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
     for name in ("report_salt", "server_secret", "noise/noise_secret.key", "noise/noise_buffer.npy"):
@@ -204,22 +205,22 @@ def test_checkpoint_is_private(tmp_path):
 
 
 def test_non_private_baseline_adds_no_noise(tmp_path):
-    cfg = _cfg(tmp_path, noise_multiplier=0.0, non_private=True, replies="delta")
-    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, tmp_path, quiet=True)
+    cfg = _cfg(tmp_path, noise_multiplier=None, non_private=True, replies="delta")
+    s = run_server(InProcessGrid({"train": _zero_train}, 12), cfg, quiet=True)
     assert all(np.all(p == 0) for p in s.params)  # zero updates, no noise → the model stays at zero
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["realized"]["epsilon"] is None and rep["planned"]["epsilon"] is None
     with pytest.raises(InvalidArgumentError, match="non-private"):
-        StrategyConfig(non_private=True, noise_multiplier=1.0)
+        RunConfig(non_private=True, noise_multiplier=1.0)
 
 
 def test_run_config_parsing():
-    cfg = StrategyConfig.from_run_config({"corrflow.num-users": 20, "corrflow.num-rounds": 10, "corrflow.epochs": 2,
+    cfg = from_run_config({"corrflow.num-users": 20, "corrflow.num-rounds": 10, "corrflow.epochs": 2,
                                           "corrflow.target-epsilon": 4, "corrflow.kind": "bisr",
                                           "corrflow.non-private": False, "local-epochs": 3, "num-users": 99})
     assert cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"   # the user's keys are theirs
-    assert StrategyConfig.unprefixed_keys({"num-users": 99, "local-epochs": 3}) == ["num-users"]
+    assert unprefixed_keys({"num-users": 99, "local-epochs": 3}) == ["num-users"]
     for bad in ({"non-private": "false"}, {"num-users": 2.5}, {"delta": "small"}, {"clip-norm": True}):
         with pytest.raises(InvalidArgumentError, match="corrflow." + next(iter(bad))):
-            StrategyConfig.from_run_config({"corrflow.target-epsilon": 4,
+            from_run_config({"corrflow.target-epsilon": 4,
                                             **{"corrflow." + k: v for k, v in bad.items()}})

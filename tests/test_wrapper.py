@@ -106,9 +106,9 @@ def test_stateful_or_robust_inner_strategies_are_refused(tmp_path):
         with pytest.raises(InvalidArgumentError, match=why):
             DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
                                                state_dir=tmp_path)
-    with pytest.raises(InvalidArgumentError, match="exactly one"):
-        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, delta=1e-5, state_dir=tmp_path)
-    with pytest.raises(InvalidArgumentError, match="clip-norm"):
+    default = DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, state_dir=tmp_path).config(4)
+    assert (default.target_epsilon, default.noise_multiplier, default.delta) == (8.0, None, 1e-5)  # the one default
+    with pytest.raises(InvalidArgumentError, match="clipping_norm"):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=float("inf"), target_epsilon=1.0, delta=1e-5,
                                            state_dir=tmp_path)
 
@@ -154,3 +154,37 @@ def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_ha
     assert len(final) == 2 and all(np.array_equal(a, b) for a, b in zip(again.arrays.to_numpy_ndarrays(), final,
                                                                         strict=True))
     assert {(c["server-round"], c["lr"]) for c in seen} == {(1, 0.07), (2, 0.07)}
+
+
+def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedavg(tmp_path, monkeypatch):
+    """A 2-round run with a relative state_dir inside a fresh git checkout: the directory is resolved against the
+    working directory, everything the run writes (lock, checkpoints, journal, report, metrics, factorization, its
+    .gitignore) is inside it, and git sees nothing else. evaluate_fn gets the starting model (round 0) and each
+    round, as Flower's FedAvg calls it; a resumed start with other initial arrays is refused."""
+    import subprocess
+
+    from corrflow.clients.tasks import get_task
+    from corrflow.server.inprocess import InProcessGrid
+
+    repo = tmp_path / "app"
+    repo.mkdir()
+    (repo / "train.py").write_text("# the user's code\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.chdir(repo)
+    task = get_task("numpy", 8)
+    seen = []
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
+                                                  noise_multiplier=1.0, num_users=6, replies="delta",
+                                                  state_dir="corrflow_state")
+    init = ArrayRecord(task.initial_weights())
+    result = strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=init, num_rounds=2,
+                            evaluate_fn=lambda rnd, arrays: seen.append(rnd) or None)
+    assert seen == [0, 1, 2] and strategy.privacy_report()["rounds_completed"] == 2
+    assert strategy.run_dir == repo / "corrflow_state"
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=repo, capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    assert sorted(status) == ["!! corrflow_state/", "?? train.py"], status
+    other = ArrayRecord([np.ones_like(a) for a in task.initial_weights()])
+    with pytest.raises(InvalidArgumentError, match="initial_arrays"):
+        strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=other, num_rounds=2)
+    assert len(result.arrays.to_numpy_ndarrays()) == 2

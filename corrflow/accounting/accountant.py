@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import dp_accounting as dpa
 import numpy as np
 
+from corrflow import choices
 from corrflow.accounting.mechanisms import (
     CyclicPoisson,
     calibrate_on_grid,
@@ -40,12 +41,10 @@ from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, ToeplitzEncoder
 
-SAMPLINGS = ("none", "cyclic-poisson", "poisson", "bminsep", "balls-in-bins", "multi-attribution")
-#: Accountants valid for each sampling kind; the first is the default.
-ACCOUNTANTS_FOR = {"none": ("unamplified",), "cyclic-poisson": ("cyclic-poisson", "mmcc"), "poisson": ("mmcc",),
-                   "bminsep": ("monte-carlo",), "balls-in-bins": ("monte-carlo",),
-                   "multi-attribution": ("monte-carlo",)}
-ACCOUNTANT_NAMES = ("unamplified", "cyclic-poisson", "monte-carlo", "mmcc")
+SAMPLINGS = choices.values(choices.Sampling)
+#: Accountants valid for each sampling kind; the first is the default (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
+ACCOUNTANTS_FOR = {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
+ACCOUNTANT_NAMES = choices.values(choices.Accountant)
 #: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh verification passes
 #: almost always (at 1.96 about one run in ten fell back to the unamplified bound).
 RELEASE_Z = 3.0

@@ -15,12 +15,12 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from corrflow.clients.identity import corrflow_identity_mod
+from corrflow.clients.identity import register_identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.federated import TextSource, text_source
 from corrflow.data.text_synth import accuracy_mask, xy
 
-app = ClientApp(mods=[corrflow_identity_mod])  # answers the server's identity probe
+app = register_identity(ClientApp())  # answers the server's identity probe
 SYNTHETIC = TextSource()
 
 

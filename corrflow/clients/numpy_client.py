@@ -9,10 +9,10 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from corrflow.clients.identity import corrflow_identity_mod
+from corrflow.clients.identity import register_identity
 from corrflow.data.synthetic import regression_loss, regression_partition
 
-app = ClientApp(mods=[corrflow_identity_mod])  # answers the server's identity probe
+app = register_identity(ClientApp())  # answers the server's identity probe
 
 
 def partition_id(context: Context) -> int:

@@ -11,14 +11,14 @@ users still has room; report how many items were dropped and why.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from corrflow.errors import InvalidArgumentError, require
+from corrflow.errors import DataFormatError, InvalidArgumentError, require
+from corrflow.fileio import read_jsonl
 
 
 @dataclass
@@ -78,19 +78,15 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
                     raise InvalidArgumentError("attribution", f"{path}:{line}: non-empty item and user", row)
                 pairs.append((item, user))
     elif path.suffix == ".jsonl":
-        with open(path) as f:
-            for line, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise InvalidArgumentError("attribution", f"{path}:{line}: valid JSON ({exc.msg})") from exc
+        try:
+            for line, obj in read_jsonl(path):
                 users = obj.get("users") if isinstance(obj, dict) else None
                 if not isinstance(obj, dict) or "item" not in obj or not isinstance(users, list) or not users:
                     raise InvalidArgumentError("attribution", f"{path}:{line}: {{\"item\": id, \"users\": "
-                                               "[at least one id]}", text.strip()[:80])
+                                               "[at least one id]}", obj)
                 pairs.extend((obj["item"], u) for u in users)
+        except DataFormatError as exc:
+            raise InvalidArgumentError("attribution", f"{exc.path}:{exc.where}: {exc.expected}") from None
     else:
         raise InvalidArgumentError("attribution", "a .csv or .jsonl file", str(path))
     require(pairs, "attribution", f"{path}: at least one item")

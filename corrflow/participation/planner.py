@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from corrflow.choices import Participation, values
 from corrflow.errors import require
 from corrflow.participation.samplers import BMinSepSampler, CyclicPoissonSampler, MultiAttributionSampler
 
-PARTICIPATIONS = ("fixed-epoch", "bminsep", "multi-attribution", "poisson", "cyclic-poisson")
+PARTICIPATIONS = values(Participation)
 
 
 @dataclass(frozen=True)

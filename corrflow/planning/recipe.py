@@ -51,13 +51,16 @@ class Recipe:
         return asdict(self)
 
     def strategy_settings(self) -> dict:
-        """The ``StrategyConfig`` fields this recipe fixes."""
-        return {"num_rounds": self.rounds, "epochs": self.epochs,
-                "min_sep": 0 if self.participation == "fixed-epoch" else self.min_sep, "kind": self.kind,
-                "bands": int(self.bands or 0), "participation": self.participation,
-                "participation_rate": self.participation_rate, "accountant": self.accountant,
-                "noise_multiplier": self.noise_multiplier, "target_epsilon": 0.0, "delta": self.delta,
-                "momentum": self.momentum, "cooldown_fraction": self.cooldown_fraction}
+        """The run settings (:class:`corrflow.config.RunConfig` fields) this recipe fixes: every setting the
+        ``recipe`` surface declares but the population (a default the run may change) and the target ε (σ is
+        fixed, so the run has none to calibrate for). A fixed-epoch recipe leaves min-sep to rounds/epochs."""
+        from corrflow.config import recipe_names
+
+        out = {setting: getattr(self, name) for name, setting in recipe_names().items()
+               if setting not in ("num_users", "target_epsilon")}
+        out.update(min_sep=0 if self.participation == "fixed-epoch" else self.min_sep, bands=int(self.bands or 0),
+                   target_epsilon=None)
+        return out
 
     def differences(self, settings: dict, names: dict[str, str] | None = None) -> list[str]:
         """The settings (``StrategyConfig`` field → value) that differ from this recipe's, as 'name: plan X, run Y'
@@ -127,27 +130,22 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
     return fac
 
 
-def install_factorization(recipe: Recipe, fac_path: Path, settings: dict, out_dir: Path, *,
-                          replace: bool) -> str:
-    """Put the plan's factorization where the run looks for it (``OUT/factorization.npz``) and check that the run
-    will use it as is: same kind, workload and participation as the strategy builds for ``settings`` (else the run
-    would rebuild another). ``replace``: overwrite a different file there (a new run); otherwise a different file
-    is refused (a resumed run keeps its own). Returns the SHA-256."""
-
-    from corrflow.factorization.build import participation_for
-    from corrflow.planning.run import workload_for
+def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool) -> str:
+    """Put the plan's factorization where the run looks for it (``factorization.npz`` in the run directory
+    ``cfg.state_dir``) and check that the run will use it as is: same kind, workload and participation as the
+    strategy builds for ``cfg`` (a :class:`corrflow.config.RunConfig`; else the run would rebuild another).
+    ``replace``: overwrite a different file there (a new run); otherwise a different file is refused (a resumed run
+    keeps its own). Returns the SHA-256."""
+    from corrflow.planning.run import participation_of, workload_for
 
     fac = load_recipe_factorization(recipe, fac_path)
-    n, k = settings["num_rounds"], settings["epochs"]
-    b = settings["min_sep"] or n // k
-    part = participation_for(n, k) if settings["participation"] == "fixed-epoch" else \
-        participation_for(n, -(-n // b), b, kind="min-sep")
-    wl = workload_for(settings["momentum"], settings["cooldown_fraction"])
+    part, wl = participation_of(cfg), workload_for(cfg.momentum, cfg.cooldown_fraction)
     wrong = [f"{name}: plan {a}, run {b_}" for name, a, b_ in (
-        ("kind", fac.kind, settings["kind"]), ("workload", fac.workload.to_dict(), wl.to_dict()),
+        ("kind", fac.kind, cfg.kind), ("workload", fac.workload.to_dict(), wl.to_dict()),
         ("participation", fac.participation.describe(), part.describe())) if a != b_]
     require(not wrong, "plan", "a plan whose factorization matches the run's settings", "; ".join(wrong))
-    dest = Path(out_dir) / "factorization.npz"
+    out_dir = Path(cfg.state_dir)
+    dest = out_dir / "factorization.npz"
     differs = not dest.exists() or _differs(dest, fac)
     if dest.exists() and differs:
         require(replace, "plan", f"the factorization of the run in {out_dir} (start a new run with --fresh to use "

@@ -11,11 +11,11 @@ from pathlib import Path
 from corrflow.accounting import account
 from corrflow.accounting.accountant import SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
+from corrflow.config import RunConfig
 from corrflow.errors import require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
 from corrflow.participation.planner import CohortPlanner
-from corrflow.strategies.config import StrategyConfig
 
 log = logging.getLogger("corrflow")
 
@@ -26,13 +26,19 @@ def workload_for(momentum: float, cooldown_fraction: float) -> Workload:
         Workload("prefix", 0.0, cooldown_fraction)
 
 
-def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factorization:
+def participation_of(cfg: RunConfig):
+    """The participation the run's factorization is built for: (k, n/k) fixed-epoch, or any b-separated pattern
+    with at most ⌈n/b⌉ participations."""
+    if cfg.participation == "fixed-epoch":
+        return participation_for(cfg.num_rounds, cfg.epochs)
+    return participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
+
+
+def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
+    """The run's factorization: ``out_dir/factorization.npz`` when it matches the settings, else built there."""
     workload = workload_for(cfg.momentum, cfg.cooldown_fraction)
     path = out_dir / "factorization.npz"
-    if cfg.participation == "fixed-epoch":
-        part = participation_for(cfg.num_rounds, cfg.epochs)
-    else:  # any b-separated pattern: at most ⌈n/b⌉ participations
-        part = participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
+    part = participation_of(cfg)
     if path.exists():
         fac = Factorization.load(path)
         if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part and \
@@ -41,6 +47,15 @@ def load_or_build_factorization(cfg: StrategyConfig, out_dir: Path) -> Factoriza
     fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None)
     fac.save(path)
     return fac
+
+
+def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
+    """What was built where it differs from what the settings name: a correlated kind whose participation leaves it
+    one band (its default is min-sep b bands) is DP-SGD — C = I/√k, independent noise in every round."""
+    if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
+        return [f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD (independent noise "
+                "in every round); give bands above 1 (--bands, corrflow.bands) to correlate the noise across rounds"]
+    return []
 
 
 def load_graph(path: str) -> AttributionGraph:
@@ -61,7 +76,7 @@ def load_graph(path: str) -> AttributionGraph:
     return load_attribution(p)
 
 
-def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
+def build_planner(cfg: RunConfig, identities: list[str]) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
     """Items (SuperNode identities, or cross-silo example ids from the manifest), the users behind them, user-level
     contribution bounding (k_u), and the cohort planner. Returns (planner, item → silo identity, bounding info)."""
     item_home = None
@@ -96,7 +111,7 @@ def build_planner(cfg: StrategyConfig, identities: list[str]) -> tuple[CohortPla
     return planner, item_home, info
 
 
-def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
+def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
@@ -106,7 +121,7 @@ def plan_privacy(cfg: StrategyConfig, fac: Factorization, planner: CohortPlanner
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
         return PrivacyPlan(0.0, None, {"name": "none", "sampling": "none", "slack": 0.0})
-    target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier > 0 else \
+    target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier is not None else \
         {"target_epsilon": cfg.target_epsilon}
     if cfg.accountant != "unamplified":   # the sampler's own accountant: Monte Carlo (004) or MMCC (002)
         require(k_u == 1 or planner.kind == "multi-attribution", "accountant",

@@ -8,11 +8,8 @@ ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
-from dataclasses import replace
-from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -23,19 +20,23 @@ from flwr.serverapp import Grid, ServerApp
 # 'corrflow.clients.numpy_client' has no attribute 'app'") and `flwr run` failed at random.
 from corrflow.clients import keras_client, nextword_client, numpy_client  # noqa: F401
 from corrflow.clients.tasks import get_task
+from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
+from corrflow.paths import run_directory
 from corrflow.progress import round_line
-from corrflow.strategies.config import PREFIX, StrategyConfig
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.session import RunHooks, run_strategy
+from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
 
 
-def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_key: bytes | None = None,
-               quiet: bool = False, on_round_end=None, fresh: bool = False,
-               stop_event: threading.Event | None = None) -> CorrelatedNoiseStrategy:
-    """Train corrflow's own task (``cfg.client``) with one line per round on stderr; see :func:`run_strategy`."""
+def run_server(grid: Grid, cfg: RunConfig, *, noise_key: bytes | None = None, quiet: bool = False,
+               on_round_end=None, fresh: bool = False, stop_event: threading.Event | None = None,
+               relative_to: str = "cwd") -> CorrelatedNoiseStrategy:
+    """Train corrflow's own task (``cfg.client``) in the run directory ``cfg.state_dir`` (a relative one resolved
+    per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per round on stderr; see
+    :func:`~corrflow.strategies.session.run_strategy`."""
+    cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
     task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
 
     def round_end(strategy, metrics):
@@ -44,31 +45,23 @@ def run_server(grid: Grid, cfg: StrategyConfig, out_dir: str | Path, *, noise_ke
         if on_round_end is not None:
             on_round_end(strategy, metrics)
 
-    hooks = RunHooks(task.initial_weights(), evaluate=task.evaluate, on_round_end=round_end)
-    strategy, _ = run_strategy(grid, cfg, out_dir, hooks, noise_key=noise_key, fresh=fresh, stop_event=stop_event)
+    spec = RunSpec(cfg, task.initial_weights(), evaluate=task.evaluate, on_round_end=round_end, fresh=fresh,
+                   noise_key=noise_key, stop_event=stop_event)
+    strategy, _ = run_strategy(grid, spec)
     return strategy
 
 
-def make_server_app(cfg: StrategyConfig, out_dir: str | Path, **kwargs) -> ServerApp:
+def make_server_app(cfg: RunConfig, **kwargs) -> ServerApp:
     server = ServerApp()
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, cfg, out_dir, **kwargs)
+        run_server(grid, cfg, **kwargs)
 
     return server
 
 
 app = ServerApp()
-
-
-def resolve_state_dir(state_dir: str) -> Path:
-    """An absolute ``state-dir`` as given; a relative one under ``$CORRFLOW_HOME`` (default ``~/corrflow``), since a
-    ServerApp's working directory is whatever its SuperLink was started from."""
-    path = Path(state_dir).expanduser()
-    if not path.is_absolute():
-        path = Path(os.environ.get("CORRFLOW_HOME", Path.home() / "corrflow")).expanduser() / path
-    return path.resolve()
 
 
 @app.main()
@@ -79,13 +72,12 @@ def main(grid: Grid, context: Context) -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     run_config = dict(context.run_config)
-    for key in StrategyConfig.unprefixed_keys(run_config):
+    for key in unprefixed_keys(run_config):
         log.warning("run-config key %r is left to your app; corrflow reads %s%s", key, PREFIX, key)
     try:
-        cfg = StrategyConfig.from_run_config(run_config)
+        cfg = from_run_config(run_config)
     except InvalidArgumentError as exc:
         log.error("bad run config: %s", exc)
         raise
-    state = resolve_state_dir(cfg.state_dir)
-    cfg = replace(cfg, state_dir=str(state))
-    run_server(grid, cfg, state.parent)
+    # `flwr run` starts the ServerApp in the SuperLink's directory: a relative state-dir lives under $CORRFLOW_HOME.
+    run_server(grid, cfg, relative_to="home")

@@ -12,8 +12,10 @@ from typing import Annotated
 import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.registry import KINDS
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
+from corrflow.server.options import with_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
@@ -52,9 +54,6 @@ def _load_factorization(path: Path, flag: str):
         raise InvalidArgumentError(flag, f"a factorization file written by `corrflow factorize` ({exc})") from None
 
 
-#: The registry's kinds (corrflow.factorization.registry.KINDS; a test keeps them equal), spelled out here so that
-#: the help text does not import the numerical stack at start-up.
-KIND_NAMES = ("dpsgd", "tree", "dense", "banded", "toeplitz", "bisr", "bifr", "bsr", "lambda-cgd", "fft")
 
 
 def _fail(exc: Exception) -> None:
@@ -64,7 +63,7 @@ def _fail(exc: Exception) -> None:
 
 @app.command()
 def factorize(
-    kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KIND_NAMES)}")] = None,
+    kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KINDS)}")] = None,
     rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
     epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
     min_sep: Annotated[int | None, typer.Option(help="b: fewest rounds between two participations "
@@ -206,7 +205,7 @@ def plan(
     model_params: Annotated[int, typer.Option(help="d: model parameters (noise memory and time scale with it)")]
     = 1_000_000,
     kinds: Annotated[str, typer.Option(help="comma-separated factorization kinds to consider (from: "
-                                            f"{', '.join(KIND_NAMES)})")]
+                                            f"{', '.join(KINDS)})")]
     = "dpsgd,toeplitz,bifr,dense",
     accountants: Annotated[str | None, typer.Option(help="comma-separated accountants: unamplified, "
                                                          "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
@@ -284,56 +283,9 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-@app.command()
 def simulate(
     ctx: typer.Context,
-    users: Annotated[int, typer.Option(help="simulated users (SuperNodes)")] = 50,
-    rounds: Annotated[int, typer.Option(help="rounds n")] = 20,
-    epochs: Annotated[int, typer.Option(help="participations per user k (fixed-epoch, b = n/k)")] = 2,
-    kind: Annotated[str, typer.Option(help="factorization kind")] = "toeplitz",
-    target_epsilon: Annotated[float | None, typer.Option(help="ε to calibrate σ for (default 8 without "
-                                                              "--noise-multiplier; with it: the budget guard's "
-                                                              "limit)")] = None,
-    noise_multiplier: Annotated[float | None, typer.Option(help="σ, fixed instead of calibrated")] = None,
-    delta: Annotated[float, typer.Option(help="δ")] = 1e-5,
-    clip_norm: Annotated[float | None, typer.Option(help="ℓ2 clip of each user's update (default: the client's)")]
-    = None,
-    client: Annotated[str, typer.Option(help="client task: numpy (regression), nextword (numpy bigram model) or "
-                                             "keras (next-word LSTM)")]
-    = "numpy",
-    out: Annotated[Path, typer.Option(help="output directory (state, privacy_report.json, metrics.json)")]
-    = Path("corrflow_run"),
     backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
-    participation: Annotated[str, typer.Option(help="fixed-epoch, bminsep or multi-attribution (004), poisson or "
-                                                    "cyclic-poisson (MMCC, 002)")]
-    = "fixed-epoch",
-    min_sep: Annotated[int, typer.Option(help="b (0: rounds/epochs)")] = 0,
-    participation_rate: Annotated[float, typer.Option(help="p0 per item and round for samplers (0: 1/(2b))")] = 0.0,
-    policy: Annotated[str, typer.Option(help="when a user's realised gap < min-sep: reject or accept-and-account")]
-    = "reject",
-    accountant: Annotated[str, typer.Option(help="unamplified, monte-carlo (bminsep, multi-attribution), mmcc "
-                                                 "(poisson, cyclic-poisson) or cyclic-poisson (001 Prop. 2.1)")]
-    = "unamplified",
-    mode: Annotated[str, typer.Option(help="cross-device or cross-silo (needs --manifest)")] = "cross-device",
-    attribution: Annotated[Path | None, typer.Option(help="items → users: CSV/JSON lines, or arXiv metadata",
-                                                     exists=True, dir_okay=False)] = None,
-    manifest: Annotated[Path | None, typer.Option(help="cross-silo: partition manifest (corrflow data partition)",
-                                                  exists=True, dir_okay=False)] = None,
-    max_items_per_user: Annotated[int, typer.Option(help="k_u: per-user contribution bound (0: none)")] = 0,
-    taper: Annotated[int, typer.Option(help="toeplitz: b₀ of the 001 App. H taper (0: none)")] = 0,
-    identity: Annotated[str, typer.Option(help="where user ids come from: partition-id (simulation default), "
-                                               "user-id, node-key or per-launch (can never resume)")] = "partition-id",
-    max_empty_rounds: Annotated[int, typer.Option(help="stop after this many consecutive rounds without an "
-                                                       "accepted reply (0: never)")] = 3,
-    server_lr: Annotated[float | None, typer.Option(help="server learning rate η (default: the client's)")] = None,
-    momentum: Annotated[float | None, typer.Option(help="server momentum β; the factorization is built for this "
-                                                        "workload (default: the client's)")] = None,
-    local_lr: Annotated[float | None, typer.Option(help="clients' learning rate (default: the client's)")] = None,
-    local_steps: Annotated[int | None, typer.Option(help="clients' local work: gradient steps (numpy) or epochs over "
-                                                         "the user's data (nextword, keras); default: the "
-                                                         "client's")] = None,
-    seed: Annotated[int, typer.Option(help="seeds the data, model initialisation and participation order (never "
-                                           "the noise, whose key is always fresh)")] = 0,
     fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
                                              "deleted) instead of resuming it")] = False,
     verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
@@ -342,83 +294,104 @@ def simulate(
     plan: Annotated[Path | None, typer.Option(help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
                                                    "mechanism, participation, accountant and σ; flags that differ "
                                                    "are refused")] = None,
+    **settings,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
     resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
     why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss not below the initial model's;
     the report's `learning` has the verdict), 130 interrupted (state and report
     are complete; rerun to continue)."""
-    from corrflow.clients.tasks import training_defaults
-    from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
-    from corrflow.strategies.config import StrategyConfig
-
     try:
-        if plan is not None:   # the plan fixes the mechanism: flags that differ are refused
-            recipe, fac_path = _read_plan(ctx, plan)
-            rounds, epochs, kind, participation = recipe.rounds, recipe.epochs, recipe.kind, recipe.participation
-            min_sep = 0 if participation == "fixed-epoch" else recipe.min_sep
-            participation_rate, accountant = recipe.participation_rate, recipe.accountant
-            noise_multiplier, target_epsilon, delta = recipe.noise_multiplier, None, recipe.delta
-            if ctx.get_parameter_source("users").name != "COMMANDLINE":
-                users = recipe.population
-        if noise_multiplier is not None and not noise_multiplier > 0:
-            raise InvalidArgumentError("--noise-multiplier", "a positive σ (omit it to calibrate σ for "
-                                       "--target-epsilon)", noise_multiplier)
-        if target_epsilon is not None and not target_epsilon > 0:
-            raise InvalidArgumentError("--target-epsilon", "a positive ε", target_epsilon)
-        if client not in ("numpy", "nextword", "keras"):
-            raise InvalidArgumentError("--client", "numpy, nextword or keras", client)
-        training = training_defaults(client, server_lr=server_lr, momentum=momentum, local_lr=local_lr,
-                                     local_steps=local_steps, clip_norm=clip_norm)
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
-        if mode == "cross-silo":  # one simulated node per silo of the manifest
-            from corrflow.data.partition import load_manifest
-
-            if manifest is None:
-                raise InvalidArgumentError("--manifest", "a partition manifest with --mode cross-silo")
-            users = int(load_manifest(manifest)["num_partitions"])
-        cfg = StrategyConfig(num_users=users, num_rounds=rounds, epochs=epochs, kind=kind,
-                             participation=participation, min_sep=min_sep, participation_rate=participation_rate,
-                             policy=policy, accountant=accountant, mode=mode,
-                             attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),
-                             max_items_per_user=max_items_per_user, taper=taper,
-                             target_epsilon=target_epsilon if target_epsilon is not None else
-                             (0.0 if noise_multiplier is not None else 8.0),
-                             noise_multiplier=noise_multiplier if noise_multiplier is not None else 0.0,
-                             delta=delta, client=client,
-                             seed=seed, schedule_seed=seed, **training, state_dir=str(out / "state"),
-                             identity=identity,
-                             max_empty_rounds=max_empty_rounds)
-        if plan is not None:
-            cfg = _install_plan(cfg, recipe, fac_path, out, fresh)
-    except InvalidArgumentError as exc:   # name the flag, not the run-config key
-        _fail(_as_flag(exc))
+        cfg = _simulate_config(ctx, settings, plan, fresh)
+    except InvalidArgumentError as exc:
+        _fail(exc)
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+    out = Path(cfg.state_dir)
+    complete = _check_resume(cfg, out, fresh)
+    _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+
+
+def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
+    """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ are refused);
+    errors name the flag."""
+    from corrflow.paths import run_directory, writable_directory
+    from corrflow.server.options import config_from_cli, given_on_command_line, param_name
+
+    out = writable_directory(settings[param_name("state_dir")], "--out")
+    overrides: dict = {"state_dir": str(run_directory(out))}
+    if settings.get(param_name("mode")) == "cross-silo":  # one simulated node per silo of the manifest
+        from corrflow.data.partition import load_manifest
+
+        manifest = settings.get(param_name("manifest_path"))
+        if not manifest:
+            raise InvalidArgumentError("--manifest", "a partition manifest with --mode cross-silo")
+        overrides["num_users"] = int(load_manifest(manifest)["num_partitions"])
+    if plan is None:
+        return _fits(config_from_cli(settings, **overrides))
+    from corrflow.config import recipe_names, surface_name
+    from corrflow.planning.recipe import install_factorization, load_recipe, load_recipe_factorization
+
+    recipe, fac_path = load_recipe(plan)
+    try:
+        load_recipe_factorization(recipe, fac_path)
+    except IntegrityError as exc:   # a plan the user gave: a bad argument, named
+        raise InvalidArgumentError("--plan", f"a plan whose factorization file is intact ({exc})") from None
+    typed = given_on_command_line(ctx)
+    given = {name: settings[param_name(name)] for name in recipe_names().values() if name in typed}
+    diff = recipe.differences(given, {name: surface_name(name, "cli") for name in given})
+    if diff:
+        raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
+    if "num_users" not in typed and "num_users" not in overrides:
+        overrides["num_users"] = recipe.population
+    cfg = _fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides))
+    install_factorization(recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+    return cfg
+
+
+def _fits(cfg):
+    """The run's configuration, refused (naming the flag) when its estimated memory exceeds what is available."""
+    from corrflow.planning.resources import check_fits, estimate
+
+    check_fits(estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
+               {"users": "--users", "factorization": "--rounds", "noise": "--bands"})
+    return cfg
+
+
+def _check_resume(cfg, out: Path, fresh: bool) -> bool:
+    """Refuse a directory holding another run (exit 2, naming what differs) or one that disagrees with its journal
+    (exit 1); say whether the run resumes or is already complete. Returns whether it is complete."""
     from corrflow.strategies.run_state import preflight, settings_conflict
 
     try:
-        if not fresh and (diff := settings_conflict(out / "state", cfg.run_settings())):
+        if not fresh and (diff := settings_conflict(cfg.checkpoint_dir, cfg.run_settings())):
             raise InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
                                        f"that run aside and start anew; {out} holds a run with other settings", diff)
-        resume = None if fresh else preflight(out, cfg.state_dir)
-        complete = resume is not None and resume.checkpoint is not None and len(resume.journal) >= rounds
-        if resume is not None and resume.checkpoint is not None:
-            done = len(resume.journal)
-            typer.echo(f"resuming: {done} of {rounds} rounds already released" if done < rounds else
-                       f"already complete: all {rounds} rounds were released; nothing to train (--fresh starts "
-                       "a new run)", err=True)
+        resume = None if fresh else preflight(out)
     except CorrflowError as exc:
         _fail(exc)
-    try:
-        from corrflow.planning.learnability import held_out_summary
-        from corrflow.server.simulation import simulate as run_sim
+    if resume is None or resume.checkpoint is None:
+        return False
+    done = len(resume.journal)
+    typer.echo(f"resuming: {done} of {cfg.num_rounds} rounds already released" if done < cfg.num_rounds else
+               f"already complete: all {cfg.num_rounds} rounds were released; nothing to train (--fresh starts a new "
+               "run)", err=True)
+    return done >= cfg.num_rounds
 
+
+def _run_simulation(cfg, out: Path, backend: str, fresh: bool, verbose: bool, as_json: bool, complete: bool) -> None:
+    """Train (unless complete), print the summary or the report, and exit with the code the run earned."""
+    from corrflow.planning.learnability import held_out_summary
+    from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
+    from corrflow.server.simulation import simulate as run_sim
+
+    try:
         stopped = None
         try:
             report = json.loads((out / "privacy_report.json").read_text()) if complete else \
-                run_sim(cfg, out, backend=backend, fresh=fresh, verbose=verbose)
+                run_sim(cfg, backend=backend, fresh=fresh, verbose=verbose)
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
         held_out = held_out_summary(json.loads((out / "metrics.json").read_text()))
@@ -427,8 +400,8 @@ def simulate(
         else:
             typer.echo(_summary(report, out, held_out))
         if stopped is not None:
-            typer.echo(f"error: the run stopped after {report['rounds_completed']} of {rounds} rounds: {stopped}",
-                       err=True)
+            typer.echo(f"error: the run stopped after {report['rounds_completed']} of {cfg.num_rounds} rounds: "
+                       f"{stopped}", err=True)
             raise typer.Exit(code=1)
         if report.get("learning", {}).get("learned") is False:
             raise typer.Exit(code=3)  # the session logged the verdict; the summary's held-out line repeats it
@@ -438,59 +411,31 @@ def simulate(
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+    except OSError as exc:   # a full disk, a vanished mount: the last checkpoint and journal are consistent
+        typer.echo(f"error: could not write the run's files in {out}: {exc.strerror or exc} ({exc.filename or out})."
+                   " Everything released so far is checkpointed and journaled; fix the cause and rerun to resume.",
+                   err=True)
+        raise typer.Exit(code=1) from None
 
 
-#: simulate flags a plan fixes → StrategyConfig fields.
-_PLAN_FLAGS = {"rounds": "num_rounds", "epochs": "epochs", "kind": "kind", "participation": "participation",
-               "min_sep": "min_sep", "participation_rate": "participation_rate", "accountant": "accountant",
-               "noise_multiplier": "noise_multiplier", "target_epsilon": "target_epsilon", "delta": "delta",
-               "momentum": "momentum"}
-
-
-def _read_plan(ctx: typer.Context, plan_path: Path):
-    """The recipe and its factorization file; flags given on the command line that differ from it are refused,
-    each named."""
-    from click.core import ParameterSource
-
-    from corrflow.planning.recipe import load_recipe
-
-    recipe, fac_path = load_recipe(plan_path)
-    given = {field: ctx.params[flag] for flag, field in _PLAN_FLAGS.items()
-             if ctx.get_parameter_source(flag) == ParameterSource.COMMANDLINE}
-    diff = recipe.differences(given, {field: "--" + flag.replace("_", "-") for flag, field in _PLAN_FLAGS.items()})
-    if diff:
-        raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
-    return recipe, fac_path
-
-
-def _install_plan(cfg, recipe, fac_path: Path, out: Path, fresh: bool):
-    """The run configuration with every setting of the recipe, and its factorization installed in OUT."""
-    import dataclasses
-
-    from corrflow.planning.recipe import install_factorization
-
-    cfg = dataclasses.replace(cfg, **recipe.strategy_settings())
-    install_factorization(recipe, fac_path, cfg.to_dict(), out,
-                          replace=fresh or not (Path(cfg.state_dir) / "CURRENT").exists())
-    return cfg
-
-
-# Run-config keys whose `simulate` flag has another name.
-_FLAGS = {"num-users": "--users", "num-rounds": "--rounds", "state-dir": "--out", "attribution-path": "--attribution",
-          "manifest-path": "--manifest"}
+app.command()(with_settings(simulate))
 
 
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     """The same error naming the command-line flag rather than the library's field or run-config key."""
+    from corrflow.config import renamed
+
     if exc.field.startswith("--"):
         return exc
-    return InvalidArgumentError(_FLAGS.get(exc.field, "--" + exc.field.replace("_", "-")), exc.expected, exc.got)
+    named = renamed(exc, "cli")
+    return named if named.field.startswith("--") else InvalidArgumentError("--" + exc.field.replace("_", "-"),
+                                                                           exc.expected, exc.got)
 
 
 def _summary(report: dict, out: Path, held_out: dict) -> str:
     """The run in a few lines: held-out progress and the privacy report (whole: OUT/privacy_report.json)."""
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
-    part, users = planned["participation"], realized["participation"]
+    part = planned["participation"]
     eps = realized["epsilon"]
     acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
            if "final_test_accuracy" in held_out else "")
@@ -508,14 +453,23 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
-        f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
-        f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), policy "
-        f"{users['policy']}",
+        _users_line(realized, out),
+        *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed" + (f"; stopped: {report['stopped_reason']}"
                                                                  if report.get("stopped_reason") else ""),
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
+
+
+def _users_line(realized: dict, out: Path) -> str:
+    users = realized["participation"]
+    if "users" not in users:   # an amplified run: nothing public depends on the secret cohorts
+        return (f"users       secret cohorts (amplified ε): who trained, and the per-round reply counts, are in "
+                f"{out / users['operator_only']} and {out / 'operator'} (owner-only); policy {users['policy']}")
+    return (f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
+            f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
+            f"policy {users['policy']}")
 
 
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True,

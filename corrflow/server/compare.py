@@ -72,14 +72,13 @@ def fingerprint(arrays) -> str:
 
 
 def arm_config(preset: Preset, kind: str, seed: int, out: Path, non_private: bool = False):
-    from corrflow.strategies.config import StrategyConfig
+    from corrflow.config import RunConfig
 
     privacy = {"non_private": True} if non_private else {"target_epsilon": preset.epsilon}
-    return StrategyConfig(num_users=preset.users, num_rounds=preset.rounds, epochs=preset.epochs, kind=kind,
-                          delta=preset.delta, clip_norm=preset.clip_norm, server_lr=preset.server_lr,
-                          momentum=preset.momentum, local_lr=preset.local_lr, local_steps=preset.local_steps,
-                          client=preset.client, seed=seed, schedule_seed=seed, state_dir=str(out / "state"),
-                          **privacy)
+    return RunConfig(num_users=preset.users, num_rounds=preset.rounds, epochs=preset.epochs, kind=kind,
+                     delta=preset.delta, clip_norm=preset.clip_norm, server_lr=preset.server_lr,
+                     momentum=preset.momentum, local_lr=preset.local_lr, local_steps=preset.local_steps,
+                     client=preset.client, seed=seed, state_dir=str(out), **privacy)
 
 
 def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend: str) -> dict:
@@ -91,7 +90,7 @@ def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend:
     cfg = arm_config(preset, kind, seed, out, non_private=name == "nonprivate")
     task = get_task(cfg.client, cfg.model_dim, seed=seed)
     started = time.perf_counter()
-    report = simulate(cfg, out, backend=backend)
+    report = simulate(cfg, backend=backend)
     curve = json.loads((out / "metrics.json").read_text())
     last = curve[-1]
     require(last["round"] == preset.rounds - 1, "rounds", f"all {preset.rounds} rounds completed in arm {name}",

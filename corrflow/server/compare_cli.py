@@ -37,7 +37,7 @@ def compare_command(
 ) -> None:
     """Train non-private, DP-SGD and correlated-noise arms at the same (ε, δ) and compare held-out accuracy."""
     from corrflow.clients.tasks import training_defaults
-    from corrflow.server.cli import KIND_NAMES
+    from corrflow.factorization.registry import KINDS
     from corrflow.server.compare import PRESETS, compare, json_summary, stderr_progress, table, with_overrides
     from corrflow.server.simulation import quiet_native_logs
 
@@ -51,7 +51,7 @@ def compare_command(
         if seeds is not None and seeds < 1:
             raise InvalidArgumentError("--seeds", "a positive integer", seeds)
         kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
-        correlated = [k for k in KIND_NAMES if k != "dpsgd"]
+        correlated = [k for k in KINDS if k != "dpsgd"]
         bad = [k for k in kind_list if k not in correlated]
         if bad or not kind_list:
             raise InvalidArgumentError("--kinds", f"correlated-noise kinds from {', '.join(correlated)} (nonprivate "

@@ -1,21 +1,23 @@
 """An in-process Flower Grid that delivers messages to ClientApp handler functions directly (no Ray, no network).
 
 For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults (drop,
-corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through :meth:`restart_node`. Handlers
-run behind corrflow's identity mod, as in corrflow's ClientApps (``mods=[]`` emulates an app without it).
+corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through :meth:`restart_node`. Messages are
+routed as a ClientApp routes them (``category`` or ``category.action``); corrflow's identity handler is registered
+as in corrflow's ClientApps (``identity=False`` emulates an app without it).
 Production and the README's simulation use Flower's own engines.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from corrflow.clients.identity import corrflow_identity_mod
+from corrflow.clients.identity import answer_probe
+from corrflow.protocol import PROBE_ACTION
 
 
 def enable_offline_messages() -> None:
@@ -31,12 +33,11 @@ class InProcessGrid(Grid):
 
     def __init__(self, handlers: dict[str, Callable[[Message, Context], Message]], num_nodes: int,
                  tamper: Callable[[list[Message]], list[Message]] | None = None, first_node_id: int = 1 << 62,
-                 mods: Sequence[Callable] = (corrflow_identity_mod,), node_config: Callable[[int], dict] | None = None):
+                 identity: bool = True, node_config: Callable[[int], dict] | None = None):
         enable_offline_messages()
-        self.handlers = handlers
+        self.handlers = {**handlers, **({f"query.{PROBE_ACTION}": answer_probe} if identity else {})}
         self.nodes = {first_node_id + 7919 * i: i for i in range(num_nodes)}  # large ids, like Flower's uint64s
         self.tamper = tamper
-        self.mods = list(mods)
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
         self._run = None
@@ -74,16 +75,18 @@ class InProcessGrid(Grid):
         node = int(msg.metadata.dst_node_id)
         if node not in self.online:
             return Message(Error(code=1, reason="node unavailable"), reply_to=msg)
-        handler = self.handlers[msg.metadata.message_type.split(".")[0]]
+        kind = msg.metadata.message_type
+        handler = self.handlers.get(kind) or (self.handlers.get(kind.split(".")[0]) if "." not in kind else None)
+        if handler is None:   # Flower's ClientApp raises before any user code runs
+            category, _, action = kind.partition(".")
+            return Message(Error(code=2, reason=f"ClientApp exception: ValueError: No {category} function "
+                                 f"registered with name '{action or 'default'}'"), reply_to=msg)
         ctx = Context(run_id=1, node_id=node, node_config={"partition-id": self.nodes[node],
                                                            "num-partitions": len(self.nodes),
                                                            **self.node_config(self.nodes[node])},
                       state=RecordDict(), run_config={})
-        call = handler
-        for mod in reversed(self.mods):
-            call = (lambda m, inner: lambda msg_, ctx_: m(msg_, ctx_, inner))(mod, call)
         try:
-            return call(msg, ctx)
+            return handler(msg, ctx)
         except Exception as exc:   # as Flower does: a ClientApp exception becomes an error reply
             return Message(Error(code=2, reason=f"ClientApp exception: {type(exc).__name__}: {exc}"), reply_to=msg)
 
@@ -94,7 +97,7 @@ class InProcessGrid(Grid):
             ids.append(msg.metadata.message_id)
             kinds.add(msg.metadata.message_type.split(".")[0])
             replies.append(self._deliver(msg))
-        if self.tamper and kinds == {"train"} and not _probes(replies):
+        if self.tamper and kinds == {"train"}:
             replies = self.tamper(replies)
         self._replies.extend(replies)
         return ids
@@ -108,8 +111,3 @@ class InProcessGrid(Grid):
         self.push_messages(messages)
         return self.pull_messages([])
 
-
-def _probes(replies: list[Message]) -> bool:
-    from corrflow.clients.identity import REPLY_KEY
-
-    return any(not r.has_error() and REPLY_KEY in r.content.config_records for r in replies)

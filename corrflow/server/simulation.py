@@ -15,7 +15,8 @@ import threading
 import warnings
 from pathlib import Path
 
-from corrflow.strategies.config import StrategyConfig
+from corrflow.config import RunConfig
+from corrflow.paths import run_directory
 
 log = logging.getLogger("corrflow")
 
@@ -91,12 +92,14 @@ def engine_output(log_path: Path, verbose: bool):
             flwr_log.addHandler(h)
 
 
-def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", *, fresh: bool = False,
-             noise_key: bytes | None = None, quiet: bool = False, verbose: bool = True) -> dict:
-    """Run ``cfg`` and return the final privacy report (also in ``out_dir/privacy_report.json``). Raises
-    :class:`RunInterruptedError` after a signal and :class:`RunStoppedEarlyError` when the run ended before its
-    planned rounds. ``noise_key`` is for tests that compare runs bit for bit; a real run draws a fresh secret key."""
-    out = Path(out_dir)
+def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, noise_key: bytes | None = None,
+             quiet: bool = False, verbose: bool = True) -> dict:
+    """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report (also in
+    ``privacy_report.json`` there). Raises :class:`RunInterruptedError` after a signal and
+    :class:`RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for tests that
+    compare runs bit for bit; a real run draws a fresh secret key."""
+    out = run_directory(cfg.state_dir)
+    cfg = cfg.replace(state_dir=str(out))
     out.mkdir(parents=True, exist_ok=True)
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
@@ -107,12 +110,12 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", 
         if backend == "inprocess":
             from corrflow.server.inprocess import InProcessGrid
 
-            run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, out, stop_event=stop, **kwargs)
+            run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
             from flwr.simulation import run_simulation
 
             try:   # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
-                run_simulation(server_app=make_server_app(cfg, out, stop_event=stop, **kwargs),
+                run_simulation(server_app=make_server_app(cfg, stop_event=stop, **kwargs),
                                client_app=task.client_app, num_supernodes=cfg.num_users,
                                backend_config=_backend_config(cfg, verbose))
             except RuntimeError:
@@ -129,7 +132,7 @@ def simulate(cfg: StrategyConfig, out_dir: str | Path, backend: str = "flower", 
     return report
 
 
-def _backend_config(cfg: StrategyConfig, verbose: bool = True) -> dict:
+def _backend_config(cfg: RunConfig, verbose: bool = True) -> dict:
     """One CPU per simulated client; with a GPU visible to TensorFlow, Keras clients share it (4 per GPU). Workers'
     output reaches the terminal only when ``verbose``."""
     gpus = 0.0

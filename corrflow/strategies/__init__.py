@@ -1,10 +1,10 @@
 """The Flower strategies that train with correlated noise: :class:`CorrelatedNoiseStrategy` (full control) and the
 drop-in wrapper :class:`DifferentialPrivacyCorrelatedNoise` around a FedAvg-style strategy. Thin: plan, collect,
 commit, aggregate, step and record call the layers below. Imported lazily, so that Flower-free modules of this
-package (config, journal, run state) load without Flower.
+package (journal, run state) load without Flower. The run's settings are :class:`corrflow.config.RunConfig`.
 """
 
-__all__ = ["CorrelatedNoiseStrategy", "DifferentialPrivacyCorrelatedNoise", "StrategyConfig"]
+__all__ = ["CorrelatedNoiseStrategy", "DifferentialPrivacyCorrelatedNoise"]
 
 
 def __getattr__(name: str):
@@ -16,8 +16,4 @@ def __getattr__(name: str):
         from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 
         return DifferentialPrivacyCorrelatedNoise
-    if name == "StrategyConfig":
-        from corrflow.strategies.config import StrategyConfig
-
-        return StrategyConfig
     raise AttributeError(f"module 'corrflow.strategies' has no attribute {name!r}")

@@ -15,13 +15,13 @@ import hmac
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from corrflow.errors import IntegrityError
-from corrflow.fileio import TEMP_PREFIX, write_text
+from corrflow.fileio import TEMP_PREFIX, atomic_directory, fsync_dir, write_bytes, write_text
+from corrflow.hashing import canonical_hmac
 
 POINTER = "CURRENT"
 MANIFEST = "MANIFEST.json"
@@ -29,46 +29,23 @@ SECRET = "server_secret"
 SAMPLER_KEY = "sampler_secret.key"   # amplified runs only: the private key their cohorts are drawn from
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, list[np.ndarray]],
                      public: dict, private: dict[str, bytes], save_extra=None) -> Path:
-    """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` files into ``state_dir/name``."""
+    """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` (0600) files into ``state_dir/name``
+    as one atomic directory, publish it through ``CURRENT``, then remove older checkpoints."""
     root = Path(state_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=TEMP_PREFIX))
-    try:
+    with atomic_directory(root / name) as tmp:
         for key, arrs in arrays.items():
-            with open(tmp / f"{key}.npz", "wb") as f:
+            with open(tmp / f"{key}.npz", "wb") as f:   # inside the atomic directory: no per-file rename needed
                 np.savez(f, *arrs)
-        (tmp / "state.json").write_text(json.dumps(public, sort_keys=True))
+        write_text(tmp / "state.json", json.dumps(public, sort_keys=True))
         for fname, data in private.items():
-            fd = os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            write_bytes(tmp / fname, data, private=True)
         if save_extra is not None:
             save_extra(tmp)
         _write_manifest(tmp, name)
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        write_text(root / POINTER, name)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_text(root / POINTER, name)
+    fsync_dir(root)
     for old in root.iterdir():
         if old.is_dir() and old.name != name and not old.name.startswith(TEMP_PREFIX):
             shutil.rmtree(old, ignore_errors=True)
@@ -98,13 +75,13 @@ def _file_digests(directory: Path) -> dict[str, str]:
 
 
 def _manifest_mac(secret: bytes, body: dict) -> str:
-    return hmac.new(secret, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+    return canonical_hmac(secret, body)
 
 
 def _write_manifest(directory: Path, name: str) -> None:
     secret = (directory / SECRET).read_bytes()
     body = {"checkpoint": name, "files": _file_digests(directory)}
-    (directory / MANIFEST).write_text(json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True))
+    write_text(directory / MANIFEST, json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True))
 
 
 def manifest_digest(path: Path) -> str:

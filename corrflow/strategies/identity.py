@@ -18,14 +18,17 @@ import time
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from corrflow.clients.identity import PROBE_KEY, REPLY_KEY
 from corrflow.errors import CorrflowError, IntegrityError
+from corrflow.protocol import PROBE_ACTION, PROBE_KEY, REPLY_KEY
 
 log = logging.getLogger("corrflow")
 
-PROBE_FIX = ("add corrflow's client mod to the ClientApp (`from corrflow import corrflow_identity_mod`; "
-             "`ClientApp(mods=[corrflow_identity_mod])`), or choose identity = per-launch (a run that can never "
+PROBE_FIX = ("register corrflow's identity handler in the ClientApp (`from corrflow import register_identity`; "
+             "`app = register_identity(ClientApp())`), or choose identity = per-launch (a run that can never "
              "resume)")
+
+
+NO_ANSWER = "no answer to the identity probe"
 
 
 class IdentityError(CorrflowError):
@@ -71,8 +74,13 @@ def resolve(grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0
         errors = {n: "the SuperLink reports no public key for it" for n in nodes if n not in users}
         fix = "enable SuperNode authentication (see deploy/), or declare another identity source"
     else:
+        started = time.monotonic()
         users, errors = _probe(grid, nodes, source, timeout)
         fix = PROBE_FIX
+        if any(why == NO_ANSWER for why in errors.values()):
+            fix = (f"{len(nodes) - sum(why == NO_ANSWER for why in errors.values())} of {len(nodes)} node(s) "
+                   f"answered within {time.monotonic() - started:.0f} s (node-timeout {timeout:g} s); a slow or "
+                   f"loaded engine needs a longer --node-timeout (corrflow.node-timeout). Otherwise: {PROBE_FIX}")
     if errors and strict:
         shown = "; ".join(f"node {n}: {why}" for n, why in sorted(errors.items())[:5])
         raise IdentityError(f"{len(errors)} of {len(nodes)} node(s) cannot report identity = {source} ({shown}"
@@ -87,19 +95,23 @@ def resolve(grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0
 
 
 def _probe(grid: Grid, nodes: list[int], source: str, timeout: float) -> tuple[dict[int, str], dict[int, str]]:
+    # A QUERY of corrflow's own action: an app without corrflow's handler answers with Flower's "no query function
+    # registered" error before any of its code runs (a TRAIN probe would reach the user's train function).
     probes = [Message(content=RecordDict({"config": ConfigRecord({PROBE_KEY: source})}),
-                      message_type=MessageType.TRAIN, dst_node_id=n) for n in nodes]
-    users, errors = {}, {n: "no answer to the identity probe" for n in nodes}
+                      message_type=f"{MessageType.QUERY}.{PROBE_ACTION}", dst_node_id=n) for n in nodes]
+    users, errors = {}, {n: NO_ANSWER for n in nodes}
     for reply in grid.send_and_receive(probes, timeout=timeout):
         node = int(reply.metadata.src_node_id)
         if node not in errors:
             continue
         if reply.has_error():
-            errors[node] = f"the probe failed ({reply.error.reason})"
+            missing = PROBE_ACTION in str(reply.error.reason) and "registered" in str(reply.error.reason)
+            errors[node] = ("the ClientApp has no corrflow identity handler" if missing
+                            else f"the probe failed ({reply.error.reason})")
             continue
         record = reply.content.config_records.get(REPLY_KEY)
         if record is None:
-            errors[node] = "the ClientApp answered the probe as a training request (no corrflow client mod)"
+            errors[node] = "the ClientApp answered the probe without corrflow's identity record"
         elif "value" in record:
             users[node] = str(record["value"])
             del errors[node]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corrflow.errors import IntegrityError
+from corrflow.hashing import canonical_sha256
 
 JOURNAL = "release_journal.jsonl"
 GENESIS = "0" * 64
@@ -46,7 +47,7 @@ class JournalEntry:
 
 
 def _digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return canonical_sha256(body)
 
 
 class ReleaseJournal:

@@ -91,3 +91,12 @@ class ModelLayout:
                 raise RejectedReplyError(f"array {i} ({self.keys[i]}): NaN or Inf values")
             update.append(u)
         return update
+
+
+def arrays_sha256(model: ArrayRecord | Sequence[np.ndarray]) -> str:
+    """SHA-256 of a model's arrays in order (dtype, shape and bytes of each; names are not hashed, so a list and
+    the ArrayRecord built from it agree)."""
+    from corrflow.factorization.base import arrays_sha256 as digest
+
+    arrays = model.to_numpy_ndarrays() if isinstance(model, ArrayRecord) else [np.asarray(a) for a in model]
+    return digest({f"{i:06d}": a for i, a in enumerate(arrays)})

@@ -27,6 +27,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from corrflow.errors import CorrflowError, IntegrityError
+from corrflow.fileio import write_json
 from corrflow.strategies.checkpoint import (
     POINTER,
     SECRET,
@@ -39,6 +40,7 @@ from corrflow.strategies.journal import JOURNAL, JournalEntry, ReleaseJournal
 log = logging.getLogger("corrflow")
 
 LOCK = ".corrflow.lock"
+STATE = "state"   # the checkpoints, inside the run directory
 MIN_SALT_BYTES = 16
 RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json")
 
@@ -71,8 +73,8 @@ class RunLock:
             raise RunLockedError(f"{self.out.resolve()} is in use by another corrflow server ({who}); two servers "
                                  "on one run would release rounds twice. Stop the other one, or use another "
                                  "--out.") from None
-        self.holder.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        write_json(self.holder, {"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,10 +89,11 @@ class ResumePoint:
     unreleased_round: int | None      # a round checkpointed but not journaled (released on resume)
 
 
-def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> ResumePoint:
-    """Decide, from the files alone, whether this output directory starts a run, resumes one, or must be refused
+def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
+    """Decide, from the files alone, whether this run directory starts a run, resumes one, or must be refused
     (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
-    out, state = Path(out_dir), Path(state_dir)
+    out = Path(run_dir)
+    state = out / STATE
     stale = remove_stale_temporaries(state)
     if stale:
         log.info("removed %d stale temporary checkpoint file(s) in %s", len(stale), state)
@@ -134,11 +137,11 @@ def check_resume(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Re
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
 
 
-def preflight(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> ResumePoint:
+def preflight(run_dir: str | os.PathLike) -> ResumePoint:
     """What a CLI checks before it starts an engine (Ray takes ~20 s): the directory is not in use and agrees with
     its release journal. Holds the lock only while checking; the run takes it again."""
-    with RunLock(out_dir):
-        return check_resume(out_dir, state_dir)
+    with RunLock(run_dir):
+        return check_resume(run_dir)
 
 
 def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | None:
@@ -156,13 +159,15 @@ def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | Non
     return ", ".join(diff) or None
 
 
-def archive_run(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Path | None:
-    """Move the run's state directory (wherever it is, whatever its name) and the run files of ``out_dir`` into
-    ``out_dir/previous-runs/<UTC time>/`` (for ``--fresh``): journal and checkpoint always leave together."""
-    out, state = Path(out_dir), Path(state_dir)
+def archive_run(run_dir: str | os.PathLike, reason: str = "--fresh") -> Path | None:
+    """Move the run's checkpoints and its run files (journal, report, metrics) into
+    ``run_dir/previous-runs/<UTC time>/`` — for ``--fresh``, and before a new run starts where an old one left its
+    report: nothing is overwritten, and journal and checkpoint always leave together."""
+    out = Path(run_dir)
+    state = out / STATE
     present = [name for name in RUN_FILES if (out / name).exists()]
     if state.exists():
-        present.append(str(state))
+        present.append(STATE)
     if not present:
         return None
     dest = out / "previous-runs" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -170,6 +175,6 @@ def archive_run(out_dir: str | os.PathLike, state_dir: str | os.PathLike) -> Pat
         dest = dest.with_name(dest.name + "-1")
     dest.mkdir(parents=True)
     for name in present:
-        shutil.move(str(out / name), str(dest / Path(name).name))   # out / an absolute path = that path
-    log.warning("--fresh: moved the previous run (%s) to %s", ", ".join(present), dest)
+        shutil.move(str(out / name), str(dest / name))
+    log.warning("%s: moved the previous run (%s) to %s", reason, ", ".join(present), dest)
     return dest

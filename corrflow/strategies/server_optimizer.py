@@ -13,21 +13,27 @@ from corrflow.factorization.workloads import Workload
 
 
 class MomentumServerOptimizer:
-    def __init__(self, workload: Workload, rounds: int, server_lr: float, shapes):
+    """The workload's optimizer as a pure step: the schedule η_t and β are fixed; the momentum m is passed in and
+    returned (the run's state holds it)."""
+
+    def __init__(self, workload: Workload, rounds: int, server_lr: float):
         require(server_lr > 0, "server-lr", "a positive number", server_lr)
         self.workload = workload
         self.lr = float(server_lr)
         self.schedule = workload.learning_rates(rounds)
         self.momentum = np.float32(workload.momentum)
-        self.m = [np.zeros(s, dtype=np.float32) for s in shapes]
 
-    def step(self, params: list[np.ndarray], update: list[np.ndarray], round_index: int) -> list[np.ndarray]:
+    @staticmethod
+    def initial_momentum(shapes) -> list[np.ndarray]:
+        return [np.zeros(s, dtype=np.float32) for s in shapes]
+
+    def step(self, params: list[np.ndarray], momentum: list[np.ndarray], update: list[np.ndarray],
+             round_index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(θ_{t+1}, m_t) from θ_t, m_{t−1} and the private update x̂_t."""
         scale = np.float32(self.lr * self.schedule[round_index])
-        out = []
-        for i, (p, u) in enumerate(zip(params, update, strict=True)):
-            self.m[i] = self.momentum * self.m[i] + u if self.momentum else u.astype(np.float32, copy=True)
-            out.append((p + scale * self.m[i]).astype(np.float32))
-        return out
+        new_m = [self.momentum * m + u if self.momentum else u.astype(np.float32, copy=True)
+                 for m, u in zip(momentum, update, strict=True)]
+        return [(p + scale * m).astype(np.float32) for p, m in zip(params, new_m, strict=True)], new_m
 
 
 def check_workload_matches(workload: Workload, momentum: float, cooldown_fraction: float) -> None:

@@ -1,11 +1,16 @@
 """Correlated-noise DP for an existing Flower app, as one line around its strategy:
 
     strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(...), clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
-                                                  epochs=2, state_dir="/var/lib/corrflow/run")
+                                                  epochs=2, state_dir="corrflow_state")
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=20, train_config=ConfigRecord({"lr": 0.1}))
 
 like Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg(...), ...)``, but with the noise correlated across
 rounds by a matrix factorization (DP-FTRL / BandMF) and the privacy accounted, checkpointed and journaled.
+
+``start`` behaves as Flower's ``Strategy.start``: ``num_rounds`` is the run's total (a resumed run trains the rest),
+``initial_arrays`` the model a new run starts from (a resumed run refuses other arrays), ``evaluate_fn`` is called
+for the starting model and after every round. Everything the run writes goes inside ``state_dir`` (relative: to
+the working directory): lock, checkpoints (``state/``), release journal, privacy report, metrics, factorization.
 
 Inside ``start``: the population is the nodes present (``num_users`` of them, or at least the inner strategy's
 ``min_available_nodes``), the factorization is built (cached in ``state_dir``), σ calibrated, users resolved by the
@@ -17,35 +22,33 @@ them, so ``num-examples`` is ignored), and the inner metric aggregation and fede
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-import math
 import threading
-import time
-from dataclasses import fields
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
-from corrflow.errors import IntegrityError, InvalidArgumentError, require
+from corrflow.config import RunConfig, help_text, settings_on, surface_default, surface_name, validated
+from corrflow.config import from_wrapper_keywords as _from_keywords
+from corrflow.errors import CorrflowError, InvalidArgumentError, require
+from corrflow.paths import run_directory
 from corrflow.progress import round_line
-from corrflow.strategies.checkpoint import current_checkpoint
-from corrflow.strategies.config import StrategyConfig
-from corrflow.strategies.identity import wait_for_nodes
-from corrflow.strategies.session import RunHooks, run_strategy
+from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
 
 # Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server optimizer (the
 # factorization is built for it), so composing the two would change the mechanism the noise was calibrated for.
 _STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
-SETTLE_SECONDS = 3.0
 
 
 def ensure_console_log() -> None:
-    """corrflow's round lines and summary reach the console in a user's app (Flower configures only its logger)."""
+    """corrflow's round lines and summary reach the console in a user's app (corrflow configures its own logger
+    only, and only when neither it nor the root logger has a handler)."""
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("corrflow %(levelname)s: %(message)s"))
@@ -56,8 +59,7 @@ def ensure_console_log() -> None:
 def check_composable(strategy: Strategy) -> None:
     """Refuse inner strategies whose aggregation is not plain (weighted) averaging, saying why."""
     name = type(strategy).__name__
-    mro = {c.__name__ for c in type(strategy).__mro__}
-    if mro & _STATEFUL:
+    if {c.__name__ for c in type(strategy).__mro__} & _STATEFUL:
         raise InvalidArgumentError("strategy", "a FedAvg-style strategy (FedAvg, FedProx, …): "
                                    f"{name} keeps server-optimizer state, but corrflow's server optimizer is the "
                                    "workload its noise is factorized for — set server_learning_rate/momentum on "
@@ -84,130 +86,94 @@ def check_inner_population(strategy: Strategy, users: int) -> None:
 class DifferentialPrivacyCorrelatedNoise(Strategy):
     """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
 
-    ``clipping_norm``: ℓ2 clip of each user's update; exactly one of ``target_epsilon`` (σ calibrated) and
-    ``noise_multiplier``; ``delta``; ``epochs`` k and ``min_sep`` b (default rounds/epochs, fixed-epoch);
-    ``kind``/``bands``: the factorization; ``participation``: fixed-epoch, bminsep or multi-attribution;
-    ``identity``: node-key | user-id | partition-id | per-launch (default: partition-id in simulation, node-key in
-    deployment); ``num_users``: the population to wait for (default: the nodes connected once the inner strategy's
-    ``min_available_nodes`` are, or the checkpoint's population when resuming); ``state_dir``: the checkpoint
-    directory, as the ServerApp's ``state-dir`` — ``release_journal.jsonl``, ``privacy_report.json``,
-    ``metrics.json`` and the factorization go next to it, in its parent; ``replies``: "weights" (clients return
-    full weights, as in Flower's quickstarts) or "delta"; ``server_learning_rate``, ``momentum``: the server
-    optimizer (the workload the factorization is built for). Other keywords are :class:`StrategyConfig` fields.
+    Keywords are corrflow's run settings as the wrapper names them (``help(corrflow.config.RunConfig)``; the
+    signature lists each with its default): ``clipping_norm`` (ℓ2 clip of each user's update), ``target_epsilon``
+    (σ calibrated; default 8 unless ``noise_multiplier`` is given), ``delta``, ``epochs`` k, ``min_sep`` b,
+    ``kind``/``bands`` (the factorization), ``participation``, ``identity`` (default partition-id in simulation,
+    node-key in deployment), ``num_users`` (default: the nodes connected at start), ``state_dir`` (the run
+    directory), ``replies`` ("weights", as Flower's quickstarts, or "delta"), ``server_learning_rate`` and
+    ``momentum`` (the workload the factorization is built for; default FedAvg's step: 1 and 0). ``plan``: a recipe
+    written by ``corrflow plan`` (its settings; any given here that differ are refused, each named); ``fresh``:
+    move an earlier run in ``state_dir`` aside and start anew.
     """
 
-    def __init__(self, strategy: Strategy, *, clipping_norm: float, state_dir: str | Path,
-                 delta: float | None = None, target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, epochs: int | None = None, min_sep: int | None = None,
-                 kind: str | None = None, bands: int | None = None, participation: str | None = None,
-                 identity: str | None = None, num_users: int | None = None, replies: str = "weights",
-                 server_learning_rate: float = 1.0, momentum: float | None = None, fresh: bool = False,
-                 plan: str | Path | None = None, **settings):
-        """``plan``: a recipe written by ``corrflow plan`` (recipe.json): it fixes the mechanism, participation,
-        accountant, σ, δ and rounds; any of those given here that differ are refused, each named."""
+    def __init__(self, strategy: Strategy, *, plan: str | Path | None = None, fresh: bool = False, **settings):
         check_composable(strategy)
-        known = {f.name for f in fields(StrategyConfig)}
-        unknown = sorted(set(settings) - known)
-        require(not unknown, "settings", f"StrategyConfig fields ({', '.join(sorted(known))})", unknown)
-        self.inner = strategy
-        self.state_dir = Path(state_dir).expanduser().resolve()
-        self.out_dir = self.state_dir.parent
-        self.fresh = fresh
-        self.num_users = num_users
-        self.stop_event = threading.Event()
-        self.core = None
+        self.inner, self.fresh = strategy, fresh
+        self._values = _from_keywords(settings, client="app")
         self.plan = None
-        given = {k: v for k, v in dict(settings, delta=delta, target_epsilon=target_epsilon,
-                                       noise_multiplier=noise_multiplier, epochs=epochs, min_sep=min_sep, kind=kind,
-                                       bands=bands, participation=participation, momentum=momentum).items()
-                 if v is not None}
         if plan is not None:
             from corrflow.planning.recipe import load_recipe
 
             recipe, fac_path = load_recipe(plan)
-            diff = recipe.differences(given, {k: k for k in given})   # the keyword arguments as typed
+            diff = recipe.differences(self._values, {f: surface_name(f, "wrapper") for f in self._values})
             require(not diff, "plan", "settings that agree with the plan (or leave them out)", "; ".join(diff))
             self.plan = (recipe, fac_path)
-            self.num_users = num_users or recipe.population
-            given = recipe.strategy_settings()
-        else:
-            require(delta is not None, "delta", "δ (or a plan)")
-            require((target_epsilon is None) != (noise_multiplier is None), "target_epsilon",
-                    "exactly one of target_epsilon and noise_multiplier")
-        require(math.isfinite(server_learning_rate) and server_learning_rate > 0, "server_learning_rate",
-                "a finite learning rate > 0", server_learning_rate)
-        self._settings = dict(settings, clip_norm=float(clipping_norm), delta=float(given["delta"]),
-                              target_epsilon=float(given.get("target_epsilon") or 0.0),
-                              noise_multiplier=float(given.get("noise_multiplier") or 0.0),
-                              epochs=int(given.get("epochs") or 1), min_sep=int(given.get("min_sep") or 0),
-                              kind=given.get("kind") or "toeplitz", bands=int(given.get("bands") or 0),
-                              participation=given.get("participation") or "fixed-epoch",
-                              identity=identity or "", replies=replies, server_lr=float(server_learning_rate),
-                              momentum=float(given.get("momentum") or 0.0), state_dir=str(self.state_dir))
-        for key in ("participation_rate", "accountant", "cooldown_fraction"):
-            if key in given:
-                self._settings[key] = given[key]
-        rounds = self.plan[0].rounds if self.plan else max(1, self._settings["epochs"])
-        self.config(num_rounds=rounds, num_users=max(1, self.num_users or 1))   # fail fast on bad settings
+            self._values = {"num_users": recipe.population, **self._values, **recipe.strategy_settings()}
+        self.core = None
+        self.stop_event = threading.Event()
+        self.run_dir = run_directory(self._values.get("state_dir", surface_default("state_dir", "wrapper")))
+        epochs, min_sep = int(self._values.get("epochs", 1)), int(self._values.get("min_sep", 0) or 1)
+        self.config(None if self.plan else epochs * min_sep)   # fail fast on bad settings (any fitting rounds)
 
-    def config(self, *, num_rounds: int, num_users: int) -> StrategyConfig:
+    def config(self, num_rounds: int | None = None) -> RunConfig:
+        """The run's validated settings for ``num_rounds`` rounds in total (the plan's when it fixes them)."""
         if self.plan is not None:
-            require(num_rounds == self.plan[0].rounds, "num_rounds", f"the plan's {self.plan[0].rounds} rounds",
-                    num_rounds)
-        return StrategyConfig(**{**self._settings, "num_rounds": num_rounds, "num_users": num_users})
+            require(num_rounds in (None, self.plan[0].rounds), "num_rounds", f"the plan's {self.plan[0].rounds} "
+                    "rounds", num_rounds)
+            num_rounds = self.plan[0].rounds
+        values = {**self._values, "state_dir": str(self.run_dir)}
+        if num_rounds is not None:
+            values["num_rounds"] = num_rounds
+        return validated(values, "wrapper")
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn=None) -> Result:
-        """Train ``num_rounds`` rounds (resuming from ``state_dir`` when it holds a checkpoint of this run). Logs a
-        line per round and the realised ε on the ``corrflow`` logger; the full report is :meth:`privacy_report`."""
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        """Train until ``num_rounds`` rounds in total (default: the settings' default) are released, resuming from
+        ``state_dir`` when it holds a checkpoint of this run. ``timeout``: seconds to wait for nodes and replies
+        (default: the ``node_timeout`` setting). Logs a line per round and the realised ε on the ``corrflow``
+        logger; the full report is :meth:`privacy_report`."""
         ensure_console_log()
-        cfg = self.config(num_rounds=num_rounds, num_users=self._population(grid, timeout))
-        cfg = StrategyConfig(**{**cfg.to_dict(), "node_timeout": float(timeout)})
-        check_inner_population(self.inner, cfg.num_users)
+        cfg = self.config(num_rounds)
+        if timeout is not None:
+            cfg = validated({**cfg.to_dict(), "node_timeout": float(timeout)}, "wrapper")
+        if cfg.num_users is not None:
+            check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
             from corrflow.planning.recipe import install_factorization
 
-            install_factorization(*self.plan, cfg.to_dict(), self.out_dir,
-                                  replace=self.fresh or not (Path(cfg.state_dir) / "CURRENT").exists())
-        hooks = RunHooks(initial_arrays, inner=self.inner, train_config=train_config,
-                         evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
-                         on_round_end=lambda core, metrics: log.info(round_line(metrics, num_rounds)))
-        self.core, result = run_strategy(grid, cfg, self.out_dir, hooks, fresh=self.fresh, stop_event=self.stop_event)
+            install_factorization(*self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+        spec = RunSpec(cfg, initial_arrays, inner=self.inner, train_config=train_config,
+                       evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
+                       on_round_end=lambda core, metrics: log.info(round_line(metrics, cfg.num_rounds)),
+                       min_nodes=max(1, int(getattr(self.inner, "min_available_nodes", 1) or 1)), fresh=self.fresh,
+                       stop_event=self.stop_event, population_check=lambda n: check_inner_population(self.inner, n))
+        self.core, result = run_strategy(grid, spec)
         report = self.privacy_report()
         log.info("corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s", report["rounds_completed"],
-                 num_rounds, report["realized"]["epsilon"], report["delta"],
+                 cfg.num_rounds, report["realized"]["epsilon"], report["delta"],
                  f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "", self.report_path)
         return result
-
-    def _population(self, grid: Grid, timeout: float) -> int:
-        """``num_users``, or the resumed run's, or the nodes connected once ``min_available_nodes`` are and no
-        more arrive for a few seconds (nodes register one by one)."""
-        if self.num_users is not None:
-            return self.num_users
-        try:
-            ckpt = current_checkpoint(self.state_dir)
-        except IntegrityError:
-            ckpt = None   # the run itself refuses, naming the file
-        if ckpt is not None:
-            return int(json.loads((ckpt / "state.json").read_text())["settings"]["num_users"])
-        count = len(wait_for_nodes(grid, getattr(self.inner, "min_available_nodes", 1), timeout))
-        stable_since = time.monotonic()
-        while time.monotonic() - stable_since < SETTLE_SECONDS:
-            time.sleep(0.2)
-            if (now := len(list(grid.get_node_ids()))) != count:
-                count, stable_since = now, time.monotonic()
-        log.info("corrflow: the population is the %d SuperNodes connected", count)
-        return count
 
     def privacy_report(self) -> dict:
         """The run's privacy report (``privacy_report.json``), as written after every round."""
         return json.loads(self.report_path.read_text())
 
-    # The Strategy API: corrflow drives its own rounds in start(); these delegate to the running core.
+    @property
+    def report_path(self) -> Path:
+        return self.run_dir / "privacy_report.json"
+
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir
+
+    # The Strategy API: corrflow plans the noise for the run's total rounds, so rounds run inside start().
     def _running(self):
         if self.core is None:
-            raise RuntimeError("DifferentialPrivacyCorrelatedNoise runs its rounds in start()")
+            raise CorrflowError("DifferentialPrivacyCorrelatedNoise factorizes its noise for the run's total number "
+                                "of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as Flower's "
+                                "strategies are driven")
         return self.core
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -223,10 +189,24 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self.inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
+        cfg = self.config()
         log.info("DifferentialPrivacyCorrelatedNoise around %s: %s, clipping norm %g, δ = %g",
-                 type(self.inner).__name__, self._settings["kind"], self._settings["clip_norm"],
-                 self._settings["delta"])
+                 type(self.inner).__name__, cfg.kind, cfg.clip_norm, cfg.delta)
 
-    @property
-    def report_path(self) -> Path:
-        return self.out_dir / "privacy_report.json"
+
+def _signature() -> inspect.Signature:
+    """The wrapper's keywords as generated from the settings model (what ``help()`` and IDEs show)."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("strategy", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Strategy)]
+    for name, info in settings_on("wrapper").items():
+        default = surface_default(name, "wrapper")
+        params.append(inspect.Parameter(surface_name(name, "wrapper"), inspect.Parameter.KEYWORD_ONLY,
+                                        default=getattr(default, "value", default), annotation=info.annotation))
+    params += [inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | Path | None),
+               inspect.Parameter("fresh", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)]
+    return inspect.Signature(params)
+
+
+DifferentialPrivacyCorrelatedNoise.__init__.__signature__ = _signature()
+DifferentialPrivacyCorrelatedNoise.__init__.__doc__ = "Keywords:\n" + "\n".join(
+    f"    {surface_name(n, 'wrapper')}: {help_text(n)}" for n in settings_on("wrapper"))

@@ -1,0 +1,231 @@
+"""One round of correlated-noise training as pure steps that change no run state (README "Conventions", data flow):
+
+1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy;
+2. :func:`collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped to ℓ2 ≤ clip
+   on the server (a cross-silo sum of m per-item-clipped updates must already be within m·clip);
+3. :func:`release` — g_t = Σ clipped (in id order, so a restart reproduces it bit for bit),
+   x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server optimizer step, and the
+   :class:`RoundRecord` that the recorder applies in one place.
+
+Drawing (C⁻¹Z)_t advances the noise stream; nothing else is changed here. A failure after the draw ends the run
+before anything is applied, and a restart replays the stream from the checkpoint's noise state.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from corrflow.accounting.policy import RunAccounting, with_round
+from corrflow.config import RunConfig
+from corrflow.noise import CorrelatedNoise
+from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.strategies.model import ModelLayout
+from corrflow.strategies.server_optimizer import MomentumServerOptimizer
+from corrflow.strategies.validation import RejectedReplyError, zero_or_clip
+
+
+@dataclass
+class RoundPlan:
+    """Round t before anything is committed: included items, the users behind them (with multiplicity), the
+    override/separation records and the rejections found so far, and which node trains which item(s)."""
+    round: int
+    items: list[str]
+    users: list[str]
+    overrides: list[dict] = field(default_factory=list)
+    rejections: list[tuple[str, str]] = field(default_factory=list)      # (item or user, reason)
+    expected: dict[int, str | list[str]] = field(default_factory=dict)   # node -> item (or items, cross-silo)
+
+
+@dataclass
+class RoundOutcome:
+    """The replies of a round: accepted updates by item (or silo), per-action counts, rejections, and the accepted
+    replies' contents (for an inner strategy's metric aggregation)."""
+    accepted: dict[str, list[np.ndarray]]
+    counts: dict[str, int]
+    rejections: list[tuple[str | None, str]]
+    contents: list[RecordDict]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What a completed round changes, applied by :meth:`~corrflow.strategies.recorder.Recorder.apply`: the
+    ledger delta (selected users with multiplicity, accepted keys, rejections, override records), the released
+    model and optimizer state, the noise position after the round, and its metrics."""
+    round: int
+    users: list[str]
+    accepted: list[str]
+    rejections: list[tuple[str | None, str]]
+    overrides: list[dict]
+    params: list[np.ndarray]
+    momentum: list[np.ndarray]
+    noise_position: int
+    epsilon: float | None
+    metrics: dict
+    asked: bool                      # the round asked someone (an empty sample neither breaks nor extends a streak)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a round reads and never changes: the settings, model layout, cohort planner, accounting, optimizer
+    schedule, the noise stream, σ and, cross-silo, the silo of each item."""
+    cfg: RunConfig
+    layout: ModelLayout
+    planner: CohortPlanner
+    accounting: RunAccounting
+    optimizer: MomentumServerOptimizer
+    noise: CorrelatedNoise
+    sigma: float
+    item_home: dict[str, str] | None = None
+
+    @property
+    def monitor(self) -> SeparationMonitor:
+        return SeparationMonitor(self.planner.min_sep)
+
+    def planned_cohort(self, t: int) -> np.float32:
+        """The planned size, not the number of replies: the fixed-epoch group, or the sampler's expected batch."""
+        return np.float32(len(self.planner.cohort(t)) if self.planner.kind == "fixed-epoch"
+                          else self.planner.expected)
+
+
+def plan_round(ctx: RoundContext, t: int, selected: Mapping[str, Sequence[int]], forced: Sequence[str],
+               log_warning: Callable[..., None]) -> RoundPlan:
+    """Sampled items plus operator overrides (``forced``), after the separation policy (``reject``: an item whose
+    users would break min-sep is left out; ``accept-and-account``: included and recorded)."""
+    sampled = ctx.planner.cohort(t)
+    forced = [i for i in forced if i not in sampled]
+    monitor, plan = ctx.monitor, RoundPlan(t, [], [])
+    for item in sampled + forced:
+        owners = ctx.planner.users_of(item)
+        gaps = {u: g for u in owners if (g := monitor.violates(selected, u, t)) is not None}
+        source = "override" if item in forced else "sampler"
+        if gaps or source == "override":
+            action = "included" if not gaps else ("rejected" if ctx.cfg.policy == "reject"
+                                                  else "accepted-and-accounted")
+            plan.overrides.append({"round": t, "item": item, "source": source, "users": owners,
+                                   "gap": min(gaps.values()) if gaps else None, "action": action})
+            if action == "rejected":
+                plan.rejections.append((item, f"separation: gap {min(gaps.values())} < min-sep "
+                                              f"{ctx.planner.min_sep} (policy reject)"))
+                log_warning("round %d: %s item %s breaks min-sep for %d user(s); rejected", t + 1, source, item,
+                            len(gaps))
+                continue
+        plan.items.append(item)
+        plan.users.extend(owners)
+    return plan
+
+
+def budget_reason(ctx: RoundContext, plan: RoundPlan, selected: Mapping[str, Sequence[int]],
+                  overrides: Sequence[dict]) -> str | None:
+    """Why round ``plan.round`` must not happen (it would exceed the target ε), else None."""
+    eps = ctx.accounting.budget_exceeded(selected, [*overrides, *plan.overrides], plan.round, plan.users)
+    if eps is None:
+        return None
+    return (f"budget guard: round {plan.round + 1} of {ctx.cfg.num_rounds} would spend ε = {eps:.4f} > target "
+            f"{ctx.cfg.target_epsilon}")
+
+
+def validate_reply(ctx: RoundContext, msg: Message, expected_by_node: Mapping[int, str | list[str]],
+                   accepted: Mapping[str, list[np.ndarray]], node_to_user: Mapping[int, str],
+                   params: Sequence[np.ndarray]) -> tuple[str, list[np.ndarray], int]:
+    """(item or silo id, update, items it sums) of a well-formed reply, else :class:`RejectedReplyError`."""
+    node = int(msg.metadata.src_node_id)
+    expected = expected_by_node.get(node)
+    if expected is None:
+        raise RejectedReplyError(f"unexpected sender node {node} (not selected this round)")
+    key = expected if isinstance(expected, str) else node_to_user[node]
+    if msg.has_error():
+        raise RejectedReplyError(f"client error: {msg.error.reason}")
+    if key in accepted:
+        raise RejectedReplyError("duplicate reply")
+    content = msg.content
+    keys = set(content.keys())
+    if keys != {"arrays", "metrics"}:
+        raise RejectedReplyError(f"reply records {sorted(keys)}, expected ['arrays', 'metrics']")
+    if not isinstance(content["arrays"], ArrayRecord) or not isinstance(content["metrics"], MetricRecord):
+        raise RejectedReplyError("'arrays' must be an ArrayRecord and 'metrics' a MetricRecord")
+    items = 1
+    if not isinstance(expected, str):  # cross-silo: the reply must sum exactly the items sent
+        items = len(expected)
+        got = content["metrics"].get("num-items")
+        if got != items:
+            raise RejectedReplyError(f"metric num-items = {got!r}, expected {items} (the item ids sent)")
+    return key, ctx.layout.update_from_reply(content["arrays"], params, ctx.cfg.reply_kind), items
+
+
+def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], node_to_user: Mapping[int, str],
+            params: Sequence[np.ndarray], log_warning: Callable[..., None]) -> RoundOutcome:
+    """Validate, zero or clip every reply. Changes no state."""
+    clip, silo = ctx.cfg.clip_norm, ctx.item_home is not None
+    outcome = RoundOutcome({}, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, [], [])
+    for msg in replies:
+        key = None
+        try:
+            key, update, items = validate_reply(ctx, msg, plan.expected, outcome.accepted, node_to_user, params)
+            # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
+            bound = items * clip * (1 + 1e-5 if silo else 1)
+            update, action = zero_or_clip(update, bound, ctx.cfg.zeroing_factor * clip / bound)
+            if silo and action == "clipped":
+                raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
+                                         f"{items} × clip-norm = {items * clip:g}")
+        except RejectedReplyError as exc:
+            outcome.counts["rejected"] += 1
+            outcome.rejections.append((key or node_to_user.get(int(msg.metadata.src_node_id)), exc.reason))
+            log_warning("round %d: rejected reply from %s: %s", plan.round + 1, key or msg.metadata.src_node_id,
+                        exc.reason)
+            continue
+        if action == "zeroed":
+            log_warning("round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)", plan.round + 1,
+                        key, ctx.cfg.zeroing_factor)
+        outcome.counts[action] += 1
+        outcome.accepted[key] = update
+        outcome.contents.append(msg.content)
+    return outcome
+
+
+def noisy_update(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
+    """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size; draws round t's noise."""
+    total = [np.zeros(s, dtype=np.float32) for s in ctx.layout.trainable_shapes]
+    for key in sorted(outcome.accepted):
+        for acc, u in zip(total, outcome.accepted[key], strict=True):
+            acc += u
+    cohort = ctx.planned_cohort(plan.round)
+    if ctx.sigma > 0:
+        noise = ctx.noise.next(plan.round)
+        scale = np.float32(ctx.sigma * ctx.cfg.clip_norm)
+        return [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
+    ctx.noise.skip_round()   # non-private baseline
+    return [g / cohort for g in total]
+
+
+def release(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome, params: Sequence[np.ndarray],
+            momentum: Sequence[np.ndarray], selected: Mapping[str, Sequence[int]], overrides: Sequence[dict],
+            evaluate: Callable[[list[np.ndarray]], dict] | None, seconds: Callable[[], float]) -> RoundRecord:
+    """The round's record: its noisy update through the server optimizer, the realised ε after it, metrics."""
+    new_params, new_m = ctx.optimizer.step(params, momentum, noisy_update(ctx, plan, outcome), plan.round)
+    all_overrides = [*overrides, *plan.overrides]
+    eps = ctx.accounting.realized(with_round(selected, plan.round, plan.users), all_overrides).epsilon
+    rejections = [*plan.rejections, *outcome.rejections]
+    reasons = Counter(reason_class(r) for _, r in rejections)
+    metrics = {"round": plan.round, "replies": len(outcome.accepted), "accepted": len(outcome.accepted),
+               "cohort": float(ctx.planned_cohort(plan.round)), **outcome.counts, "rejected": len(rejections),
+               "top_rejection": reasons.most_common(1)[0][0] if reasons else None,
+               "aggregation_seconds": seconds()}
+    if eps is not None:
+        metrics["epsilon"] = eps
+    if evaluate is not None:
+        metrics.update(evaluate(new_params))
+    return RoundRecord(plan.round, list(plan.users), sorted(outcome.accepted), rejections, list(plan.overrides),
+                       new_params, new_m, ctx.noise.next_round, eps, metrics, bool(plan.items))
+
+
+def reason_class(reason: str) -> str:
+    """A rejection reason without its per-reply details (array index, node id, counts), for counting."""
+    if reason.startswith("array "):
+        reason = reason.split(":", 1)[-1].strip()
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
