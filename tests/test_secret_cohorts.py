@@ -17,7 +17,7 @@ from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
 AMPLIFIED = {
-    "poisson": dict(participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", bands=3),
+    "poisson": dict(participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", kind="dpsgd"),
     "bminsep": dict(participation="bminsep", min_sep=3, participation_rate=0.2, accountant="monte-carlo",
                     mc_samples=2000),
 }

@@ -90,7 +90,7 @@ def _tamper(kind):
                 out.append(Message(content=RecordDict({"weights": ArrayRecord(arrays),
                                                        "metrics": msg.content["metrics"]}), reply_to=request_for(msg)))
             elif kind == "error":
-                out.append(Message(Error(code=1, reason="device out of memory"), reply_to=request_for(msg)))
+                out.append(Message(Error(code=2, reason="device out of memory"), reply_to=request_for(msg)))
             elif kind == "duplicate":
                 out.extend([msg, msg])
             elif kind == "sender":
@@ -224,3 +224,33 @@ def test_run_config_parsing():
         with pytest.raises(InvalidArgumentError, match="corrflow." + next(iter(bad))):
             from_run_config({"corrflow.target-epsilon": 4,
                                             **{"corrflow." + k: v for k, v in bad.items()}})
+
+
+def test_missing_replies_are_named_offline_timed_out_or_crashed(tmp_path, caplog):
+    """A node the SuperLink cannot reach (the error comes from the SuperLink, node 1, answering the message sent to
+    the node), a reply that never arrives, and a ClientApp that raises with a multi-line traceback: one line each,
+    and the traceback only in the log."""
+    def train(msg, ctx):
+        if ctx.node_config["partition-id"] == 1:
+            raise RuntimeError("CUDA out of memory\nTraceback (most recent call last):\n  File ...")
+        return HANDLERS["train"](msg, ctx)
+
+    def superlink_error(reply):
+        request = Message(content=RecordDict({}), message_type="train", dst_node_id=1)
+        request.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+        return Message(Error(code=5, reason="Error: Node Unavailable — no heartbeat"), reply_to=request)
+
+    def tamper(replies):
+        part = {r: grid.nodes[int(r.metadata.src_node_id)] for r in replies}
+        return [superlink_error(r) if part[r] == 3 else r for r in replies if part[r] != 2]
+
+    grid = InProcessGrid({"train": train}, 4, tamper=tamper)
+    cfg = _cfg(tmp_path, num_rounds=1, epochs=1, num_users=4)
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        s = run_server(grid, cfg, noise_key=KEY, quiet=True)
+    reasons = {r["user"]: r["reason"] for r in s.ledger.rejections}
+    assert reasons["partition-1"] == "client error: ClientApp exception: RuntimeError: CUDA out of memory"
+    assert reasons["partition-2"].startswith("timed out: no reply within node-timeout")
+    assert reasons["partition-3"] == "offline: the SuperLink had no heartbeat from the node"
+    assert set(reasons) == {"partition-1", "partition-2", "partition-3"} and s.ledger.replied == {"partition-0": [0]}
+    assert "Traceback" in caplog.text and "round 1: rejected reply from node" in caplog.text

@@ -74,7 +74,8 @@ class InProcessGrid(Grid):
     def _deliver(self, msg: Message) -> Message:
         node = int(msg.metadata.dst_node_id)
         if node not in self.online:
-            return Message(Error(code=1, reason="node unavailable"), reply_to=msg)
+            return Message(Error(code=5, reason="Error: Node Unavailable — no heartbeat (in-process grid)"),
+                           reply_to=msg)
         kind = msg.metadata.message_type
         handler = self.handlers.get(kind) or (self.handlers.get(kind.split(".")[0]) if "." not in kind else None)
         if handler is None:   # Flower's ClientApp raises before any user code runs

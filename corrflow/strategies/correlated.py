@@ -38,17 +38,22 @@ INTERRUPTED = "interrupted by the operator (SIGINT/SIGTERM)"
 
 
 class InFlight:
-    """The round between ``configure_train`` and ``aggregate_train`` (Flower's two calls), never persisted."""
+    """The round between ``configure_train`` and ``aggregate_train`` (Flower's two calls), never persisted: its
+    plan and the messages sent (whose ids the grid fills in when it pushes them)."""
 
     def __init__(self):
-        self._plan: RoundPlan | None = None
+        self._round: tuple[RoundPlan, list[Message]] | None = None
 
-    def put(self, plan: RoundPlan | None) -> None:
-        self._plan = plan
+    def put(self, plan: RoundPlan | None, messages: list[Message] = ()) -> None:
+        self._round = None if plan is None else (plan, list(messages))
 
-    def take(self) -> RoundPlan | None:
-        plan, self._plan = self._plan, None
-        return plan
+    def take(self) -> tuple[RoundPlan | None, dict[str, int]]:
+        """The plan and message id → destination node of what was sent."""
+        held, self._round = self._round, None
+        if held is None:
+            return None, {}
+        plan, messages = held
+        return plan, {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
 
 
 class CorrelatedNoiseStrategy(Strategy):
@@ -117,15 +122,16 @@ class CorrelatedNoiseStrategy(Strategy):
             log.warning("the inner strategy's configure_train sent no message (fraction_train = 0?): corrflow's "
                         "cohort trains with the train_config alone")
         messages = train_messages(self.cfg, plan, arrays, user_config, online, self.run.directory, ctx.item_home)
-        self.inflight.put(plan)
+        self.inflight.put(plan, messages)
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        plan = self.inflight.take()
+        plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
         started, state, ctx = time.perf_counter(), self.state, self.run.round
-        outcome = collect(ctx, plan, replies, self.run.directory.node_to_user, state.params, self.run.reply_log.warning)
+        outcome = collect(ctx, plan, replies, sent, self.run.directory.node_to_user, state.params,
+                          self.run.reply_log.warning)
         record = release(ctx, plan, outcome, state.params, state.momentum, state.ledger.selected,
                          state.ledger.overrides, self.run.evaluate, lambda: time.perf_counter() - started)
         self.run.recorder.apply(record)

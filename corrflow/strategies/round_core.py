@@ -130,17 +130,35 @@ def budget_reason(ctx: RoundContext, plan: RoundPlan, selected: Mapping[str, Seq
             f"{ctx.cfg.target_epsilon}")
 
 
-def validate_reply(ctx: RoundContext, msg: Message, expected_by_node: Mapping[int, str | list[str]],
+#: Flower's error codes (flwr.common.constant.ErrorCode) and what they mean for a round's reply.
+_ERROR_CLASSES = {5: "offline: the SuperLink had no heartbeat from the node",
+                  3: "timed out: the message expired before the node fetched it",
+                  4: "timed out: the reply expired before the server fetched it",
+                  1: "crashed: the ClientApp could not be loaded", 8: "crashed: the ClientApp process died"}
+
+
+def error_reason(code: int, reason: str) -> str:
+    """One line for a Flower error reply: offline, timed out or crashed, with the first line of the client's own
+    message (a multi-line traceback stays in the log)."""
+    first = (str(reason).strip().splitlines() or [""])[0][:200]
+    if int(code) in _ERROR_CLASSES:
+        return _ERROR_CLASSES[int(code)]
+    return f"client error: {first}"
+
+
+def validate_reply(ctx: RoundContext, msg: Message, node: int, expected_by_node: Mapping[int, str | list[str]],
                    accepted: Mapping[str, list[np.ndarray]], node_to_user: Mapping[int, str],
                    params: Sequence[np.ndarray]) -> tuple[str, list[np.ndarray], int]:
-    """(item or silo id, update, items it sums) of a well-formed reply, else :class:`RejectedReplyError`."""
-    node = int(msg.metadata.src_node_id)
+    """(item or silo id, update, items it sums) of a well-formed reply from ``node`` (the node the message it
+    answers was sent to), else :class:`RejectedReplyError`."""
     expected = expected_by_node.get(node)
     if expected is None:
         raise RejectedReplyError(f"unexpected sender node {node} (not selected this round)")
     key = expected if isinstance(expected, str) else node_to_user[node]
     if msg.has_error():
-        raise RejectedReplyError(f"client error: {msg.error.reason}")
+        raise RejectedReplyError(error_reason(msg.error.code, msg.error.reason))
+    if int(msg.metadata.src_node_id) != node:
+        raise RejectedReplyError(f"a reply from node {int(msg.metadata.src_node_id)} to the message sent to {node}")
     if key in accepted:
         raise RejectedReplyError("duplicate reply")
     content = msg.content
@@ -158,15 +176,22 @@ def validate_reply(ctx: RoundContext, msg: Message, expected_by_node: Mapping[in
     return key, ctx.layout.update_from_reply(content["arrays"], params, ctx.cfg.reply_kind), items
 
 
-def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], node_to_user: Mapping[int, str],
-            params: Sequence[np.ndarray], log_warning: Callable[..., None]) -> RoundOutcome:
-    """Validate, zero or clip every reply. Changes no state."""
+def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], sent: Mapping[str, int],
+            node_to_user: Mapping[int, str], params: Sequence[np.ndarray],
+            log_warning: Callable[..., None]) -> RoundOutcome:
+    """Validate, zero or clip every reply; a node that was sent a message and did not answer is recorded as timed
+    out. ``sent``: message id → the node it went to (a reply is matched by the message it answers, since an error
+    the SuperLink makes for an offline node comes from the SuperLink). Changes no state."""
     clip, silo = ctx.cfg.clip_norm, ctx.item_home is not None
     outcome = RoundOutcome({}, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, [], [])
+    answered: set[int] = set()
     for msg in replies:
+        node = sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+        answered.add(node)
         key = None
         try:
-            key, update, items = validate_reply(ctx, msg, plan.expected, outcome.accepted, node_to_user, params)
+            key, update, items = validate_reply(ctx, msg, node, plan.expected, outcome.accepted, node_to_user,
+                                                params)
             # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
             bound = items * clip * (1 + 1e-5 if silo else 1)
             update, action = zero_or_clip(update, bound, ctx.cfg.zeroing_factor * clip / bound)
@@ -174,10 +199,8 @@ def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], node
                 raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
                                          f"{items} × clip-norm = {items * clip:g}")
         except RejectedReplyError as exc:
-            outcome.counts["rejected"] += 1
-            outcome.rejections.append((key or node_to_user.get(int(msg.metadata.src_node_id)), exc.reason))
-            log_warning("round %d: rejected reply from %s: %s", plan.round + 1, key or msg.metadata.src_node_id,
-                        exc.reason)
+            _reject(outcome, key or node_to_user.get(node), exc.reason, plan.round, node, log_warning,
+                    msg.error.reason if msg.has_error() else None)
             continue
         if action == "zeroed":
             log_warning("round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)", plan.round + 1,
@@ -185,7 +208,20 @@ def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], node
         outcome.counts[action] += 1
         outcome.accepted[key] = update
         outcome.contents.append(msg.content)
+    for node in sorted(set(sent.values()) - answered):
+        expected = plan.expected.get(node)
+        who = expected if isinstance(expected, str) else node_to_user.get(node)
+        _reject(outcome, who, f"timed out: no reply within node-timeout {ctx.cfg.node_timeout:g} s", plan.round,
+                node, log_warning)
     return outcome
+
+
+def _reject(outcome: RoundOutcome, who: str | None, reason: str, t: int, node: int,
+            log_warning: Callable[..., None], details: str | None = None) -> None:
+    outcome.counts["rejected"] += 1
+    outcome.rejections.append((who, reason))
+    log_warning("round %d: rejected reply from node %d: %s%s", t + 1, node, reason,
+                f"\n{details}" if details and "\n" in str(details) else "")
 
 
 def noisy_update(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
