@@ -54,7 +54,7 @@ def _load_factorization(path: Path, flag: str):
 
 #: The registry's kinds (corrflow.factorization.registry.KINDS; a test keeps them equal), spelled out here so that
 #: the help text does not import the numerical stack at start-up.
-KIND_NAMES = ("dpsgd", "tree", "dense", "banded", "toeplitz", "bisr", "bifr", "bsr", "lambda-cgd", "fft")
+KIND_NAMES = ("dpsgd", "tree", "dense", "banded", "toeplitz", "bisr", "bifr", "bsr", "lambda-cgd", "fft", "blt")
 
 
 def _fail(exc: Exception) -> None:
@@ -72,6 +72,8 @@ def factorize(
     participation: Annotated[str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")] = None,
     bands: Annotated[int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")]
     = None,
+    buffers: Annotated[int | None, typer.Option(help="blt: buffers B (default: added while each lowers the "
+                                                     "error by more than 1%)")] = None,
     workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
     momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
     cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate cooldown"
@@ -111,7 +113,7 @@ def factorize(
         part = participation_for(rounds, epochs, min_sep, participation)
         with Progress(f"factorize {kind}", quiet=quiet) as cb:
             fac = build(kind, part, wl, bands=bands, stamps=stamps, gamma=gamma, search_gamma=search_gamma,
-                        taper=taper, tol=tol, callback=cb)
+                        taper=taper, tol=tol, buffers=buffers, callback=cb)
         summary = fac.summary()
         if out is not None:
             summary["path"] = str(fac.save(out))
@@ -291,6 +293,7 @@ def simulate(
     rounds: Annotated[int, typer.Option(help="rounds n")] = 20,
     epochs: Annotated[int, typer.Option(help="participations per user k (fixed-epoch, b = n/k)")] = 2,
     kind: Annotated[str, typer.Option(help="factorization kind")] = "toeplitz",
+    buffers: Annotated[int, typer.Option(help="blt: buffers B (0: chosen by the optimiser)")] = 0,
     target_epsilon: Annotated[float | None, typer.Option(help="ε to calibrate σ for (default 8 without "
                                                               "--noise-multiplier; with it: the budget guard's "
                                                               "limit)")] = None,
@@ -378,7 +381,7 @@ def simulate(
             if manifest is None:
                 raise InvalidArgumentError("--manifest", "a partition manifest with --mode cross-silo")
             users = int(load_manifest(manifest)["num_partitions"])
-        cfg = StrategyConfig(num_users=users, num_rounds=rounds, epochs=epochs, kind=kind,
+        cfg = StrategyConfig(num_users=users, num_rounds=rounds, epochs=epochs, kind=kind, buffers=buffers,
                              participation=participation, min_sep=min_sep, participation_rate=participation_rate,
                              policy=policy, accountant=accountant, mode=mode,
                              attribution_path=str(attribution or ""), manifest_path=str(manifest or ""),

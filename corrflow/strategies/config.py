@@ -34,6 +34,7 @@ class StrategyConfig:
     epochs: int = 2
     kind: str = "toeplitz"
     bands: int = 0                  # 0: the factorization's default (min-sep)
+    buffers: int = 0                # blt: buffers B; 0: chosen by the optimiser
     taper: int = 0                  # toeplitz: b₀ of the 001 App. H taper when min-sep is uncertain; 0 = none
     noise_multiplier: float = 0.0   # 0: calibrate from target_epsilon
     target_epsilon: float = 0.0     # 0: no target (then noise_multiplier is required)
@@ -109,6 +110,10 @@ class StrategyConfig:
                     f"in (0, 1/min-sep = {1 / self.b:g}], or 0 for the default 1/(2·min-sep)", self.participation_rate)
         require(self.taper == 0 or (self.kind == "toeplitz" and 1 <= self.taper < (self.bands or self.b)),
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
+        from corrflow.factorization.blt import MAX_BUFFERS
+
+        require(self.buffers == 0 or (self.kind == "blt" and 1 <= self.buffers <= MAX_BUFFERS), "buffers",
+                f"0, or with kind blt a number of buffers between 1 and {MAX_BUFFERS}", self.buffers)
         require(self.accountant in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", self.accountant)
         require(self.accountant in ACCOUNTANTS_BY_PARTICIPATION[self.participation], "accountant",
                 f"one of {ACCOUNTANTS_BY_PARTICIPATION[self.participation]} for participation {self.participation} "
@@ -211,6 +216,8 @@ class StrategyConfig:
         d = self.to_dict()
         for operational in ("state_dir", "max_empty_rounds", "node_timeout"):
             d.pop(operational)
+        if not d["buffers"]:   # runs recorded before the field existed resume: 0 (chosen by the optimiser) is absent
+            d.pop("buffers")
         return d
 
     def fingerprint(self) -> str:
