@@ -36,6 +36,7 @@ from corrflow.choices import (
     accountants_for_participation,
 )
 from corrflow.errors import InvalidArgumentError, require
+from corrflow.factorization.blt import MAX_BUFFERS
 from corrflow.hashing import canonical_sha256
 
 SURFACES = ("cli", "run_config", "wrapper", "recipe")
@@ -101,6 +102,9 @@ class RunConfig(BaseModel):
     kind: str = setting("toeplitz", "factorization kind (corrflow factorize --kind)", "a factorization kind")
     bands: int = setting(0, "bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); 0: the kind's default",
                          "an integer ≥ 0", ge=0)
+    buffers: int = setting(0, "blt: buffers B (0: added while each lowers the error by more than 1%)",
+                           f"0, or with kind blt a number of buffers between 1 and {MAX_BUFFERS}", ge=0,
+                           le=MAX_BUFFERS, surfaces=("cli", "run_config", "wrapper"))
     taper: int = setting(0, "toeplitz: b₀ of the 001 App. H taper when min-sep is uncertain (0: none)",
                          "an integer ≥ 0", surfaces=("cli", "run_config", "wrapper"), ge=0)
     momentum: float | None = setting(None, "server momentum β; the factorization is built for this workload "
@@ -228,6 +232,7 @@ class RunConfig(BaseModel):
 
         require(self.kind in KINDS, "kind", f"one of {', '.join(KINDS)}", self.kind)
         self._participation_rules()
+        require(self.buffers == 0 or self.kind == "blt", "buffers", "0 unless kind is blt", self.buffers)
         require(self.taper == 0 or (self.kind == "toeplitz" and self.taper < (self.bands or self.b)),
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
         allowed = [str(a) for a in accountants_for_participation(self.participation)]

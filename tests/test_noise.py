@@ -27,12 +27,13 @@ def facs():
         "banded-inverse": factorize("bifr", part, bands=4),     # banded C⁻¹
         "dense": factorize("dense", part),                      # dense C
         "identity": factorize("dpsgd", part),
+        "blt": factorize("blt", part, buffers=2),                # BLT: 2 buffers, one draw per round
     }
 
 
 @pytest.mark.parametrize("name, mode", [("banded", "banded"), ("banded-general", "banded"),
                                         ("banded-inverse", "banded-inverse"), ("dense", "dense"),
-                                        ("identity", "identity")])
+                                        ("identity", "identity"), ("blt", "blt")])
 def test_empirical_covariance(facs, name, mode):
     fac = facs[name]
     sigma = 1.7
@@ -50,7 +51,7 @@ def test_empirical_covariance(facs, name, mode):
     assert np.all(np.abs(emp - target) <= 5 * se), np.max(np.abs(emp - target) / se)
 
 
-@pytest.mark.parametrize("name", ["banded", "banded-general", "banded-inverse", "dense", "identity"])
+@pytest.mark.parametrize("name", ["banded", "banded-general", "banded-inverse", "dense", "identity", "blt"])
 def test_restore_continues_bit_for_bit(facs, name, tmp_path):
     fac = facs[name]
     full = CorrelatedNoise(fac, SHAPES, stddev=0.3, key=KEY)
@@ -69,7 +70,7 @@ def test_restore_continues_bit_for_bit(facs, name, tmp_path):
         resumed.next(15)
 
 
-@pytest.mark.parametrize("name", ["banded", "dense", "banded-inverse"])
+@pytest.mark.parametrize("name", ["banded", "dense", "banded-inverse", "blt"])
 def test_chunked_equals_unchunked_and_start(facs, name):
     fac = facs[name]
     a = _rows(CorrelatedNoise(fac, [(20000,)], key=KEY, chunk_size=1 << 20), range(16))
@@ -179,7 +180,7 @@ def test_tensorflow_backend(facs, tmp_path):
     pytest.importorskip("tensorflow")
     from corrflow.noise.tf_backend import TFCorrelatedNoise
 
-    for name in ("banded", "banded-inverse", "dense"):
+    for name in ("banded", "banded-inverse", "dense", "blt"):
         fac = facs[name]
         gen = TFCorrelatedNoise(fac, [(20000,)], key=KEY, chunk_size=6000)
         rows = _rows(gen, range(16)).astype(np.float64)
@@ -196,10 +197,11 @@ def test_tensorflow_backend_restore(facs, tmp_path):
     pytest.importorskip("tensorflow")
     from corrflow.noise.tf_backend import TFCorrelatedNoise
 
-    fac = facs["banded"]
-    full = _rows(TFCorrelatedNoise(fac, [(5000,)], key=KEY), range(10))
-    gen = TFCorrelatedNoise(fac, [(5000,)], key=KEY)
-    _rows(gen, range(4))
-    save_state(gen, tmp_path / "tf")
-    back = restore_state(tmp_path / "tf", fac, cls=TFCorrelatedNoise)
-    np.testing.assert_array_equal(_rows(back, range(4, 10)), full[4:])
+    for name in ("banded", "blt"):
+        fac = facs[name]
+        full = _rows(TFCorrelatedNoise(fac, [(5000,)], key=KEY), range(10))
+        gen = TFCorrelatedNoise(fac, [(5000,)], key=KEY)
+        _rows(gen, range(4))
+        save_state(gen, tmp_path / name)
+        back = restore_state(tmp_path / name, fac, cls=TFCorrelatedNoise)
+        np.testing.assert_array_equal(_rows(back, range(4, 10)), full[4:])

@@ -39,7 +39,7 @@ from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
 from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
-from corrflow.factorization.encoders import BandedEncoder, ToeplitzEncoder
+from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzEncoder
 
 SAMPLINGS = choices.values(choices.Sampling)
 #: Accountants valid for each sampling kind; the first is the default (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
@@ -224,7 +224,7 @@ class MMCCAccountant(_Calibrating):
         require(q <= 1, "expected_batch_size", f"at most dataset_size/cycle = {s.dataset_size / cycle:g} "
                 "(q = cycle·B/N must be ≤ 1)", s.expected_batch_size)
         enc = fac.encoder
-        toeplitz = isinstance(enc, ToeplitzEncoder) and not enc.column_normalize
+        toeplitz = isinstance(enc, BLTEncoder) or (isinstance(enc, ToeplitzEncoder) and not enc.column_normalize)
         return cycle, q, [0] if toeplitz else None
 
     def epsilon(self, fac, noise_multiplier, delta):

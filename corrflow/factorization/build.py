@@ -10,7 +10,7 @@ from corrflow.errors import require
 from corrflow.factorization.base import Factorization, normalized
 from corrflow.factorization.baselines import stamp_encoder
 from corrflow.factorization.participation import Participation
-from corrflow.factorization.registry import BANDED_KINDS, GAMMA_KINDS, KINDS, BuildRequest, kind_spec
+from corrflow.factorization.registry import BANDED_KINDS, BUFFER_KINDS, GAMMA_KINDS, KINDS, BuildRequest, kind_spec
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
 
@@ -30,7 +30,7 @@ def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
 def factorize(kind: str, participation: Participation, workload: Workload | None = None, *,
               bands: int | None = None, stamps: int = 1, gamma: float | None = None, taper: int | None = None,
               search_gamma: bool = False, tol: float = 5e-4, time_budget: float | None = None,
-              callback: ProgressCallback | None = None) -> Factorization:
+              buffers: int | None = None, callback: ProgressCallback | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
@@ -39,7 +39,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).
     ``time_budget`` (dense only): seconds after which the optimizer stops (``converged`` false, the duality gap
-    in the metadata). How each kind builds lives in :mod:`corrflow.factorization.registry`.
+    in the metadata). ``buffers`` (blt only): B, the BLT's buffers; by default the optimiser adds buffers while each
+    lowers the loss by more than 1%. How each kind builds lives in :mod:`corrflow.factorization.registry`.
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
     workload = workload or Workload.prefix()
@@ -52,6 +53,12 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
                 f"an integer between 1 and rounds/stamps = {n // stamps}", bands)
     require(taper is None or (kind == "toeplitz" and stamps == 1), "taper", "only with kind toeplitz (no stamps)",
             taper)
+    if buffers is not None:
+        from corrflow.factorization.blt import MAX_BUFFERS
+
+        require(kind in BUFFER_KINDS, "buffers", f"only with kinds {BUFFER_KINDS}", buffers)
+        require(isinstance(buffers, int | np.integer) and not isinstance(buffers, bool)
+                and 1 <= buffers <= MAX_BUFFERS, "buffers", f"an integer between 1 and {MAX_BUFFERS}", buffers)
     if gamma is not None:
         require(kind in GAMMA_KINDS, "gamma", f"only with kinds {', '.join(GAMMA_KINDS)}", gamma)
         require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
@@ -60,8 +67,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     m = inner.rounds
     p = bands if bands is not None else min(inner.min_sep, m)
     start = time.perf_counter()
-    enc, built = spec.build(BuildRequest(workload, inner, p, gamma=gamma, search_gamma=search_gamma, taper=taper,
-                                         tol=tol, time_budget=time_budget, callback=callback))
+    enc, built = spec.build(BuildRequest(workload, inner, p, buffers=buffers, gamma=gamma, search_gamma=search_gamma,
+                                         taper=taper, tol=tol, time_budget=time_budget, callback=callback))
     meta: dict = {"stamps": stamps, **built}
     if stamps != 1 and "lower_bound" in meta:
         meta["lower_bound"] = None   # the dual bound bounds the unstamped problem only

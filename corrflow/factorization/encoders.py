@@ -8,7 +8,9 @@ Every encoder is lower-triangular and invertible, acts on the round axis (axis 0
 * :class:`BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column layout;
 * :class:`ToeplitzEncoder`       banded Toeplitz C, optionally column-normalised (001 §3.1–3.2);
 * :class:`InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003: BISR, γ-BIFR,
-  DP-λCGD).
+  DP-λCGD);
+* :class:`BLTEncoder`            buffered linear Toeplitz C (arXiv 2404.16706, 2408.08868): C and C⁻¹ are both
+  sums of B geometric sequences, applied in O(n·B) with B buffers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from scipy.linalg import solve_banded, solve_triangular
 
 from corrflow.errors import InvalidArgumentError, require
+from corrflow.factorization.blt import blt_coefs, inverse_decays, pole_weights, validate_blt, workload_row_errors
 from corrflow.factorization.filters import lfilter
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import (
@@ -406,8 +409,112 @@ class InverseToeplitzEncoder(Encoder):
         return np.cumsum(w**2)
 
 
+class BLTEncoder(Encoder):
+    """C = s·T(c) with c₀ = 1, c_k = Σ_j ω_j θ_j^(k−1): a buffered linear Toeplitz (BLT) encoder with B buffers
+    (Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024, arXiv 2404.16706, Def. 4.1; corrflow.factorization.blt).
+
+    ``buf_decay`` θ and ``output_scale`` ω (B each) must satisfy 0 < θ < 1, ω > 0 and Σω/θ < 1, so that C is
+    positive and non-increasing along its columns and C⁻¹ = T(ĉ)/s is the BLT with decays θ̂ ∈ (0, 1) and scales
+    ω̂ < 0 (DMPST24 Lemma 5.2). ``scale`` s > 0 carries the sensitivity normalisation. ``inverse_decay`` θ̂, when
+    given (the optimiser's pole pairs, the saved file), must interlace θ and reproduce ω by Lemma 5.2; otherwise it
+    is found as the roots of the secular equation."""
+
+    structure = "blt"
+
+    def __init__(self, buf_decay: np.ndarray, output_scale: np.ndarray, n: int, scale: float = 1.0,
+                 inverse_decay: np.ndarray | None = None):
+        require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
+        scale = float(np.asarray(scale, dtype=np.float64).ravel()[0]) if np.ndim(scale) else float(scale)
+        require(np.isfinite(scale) and scale > 0, "encoder", "a positive, finite BLT scale", scale)
+        theta, omega = validate_blt(buf_decay, output_scale)
+        order = np.argsort(-theta)
+        self.buf_decay, self.output_scale = theta[order], omega[order]
+        if inverse_decay is None:
+            self.inverse_decay = inverse_decays(self.buf_decay, self.output_scale)
+        else:
+            th = np.sort(np.array(inverse_decay, dtype=np.float64).ravel())[::-1]
+            require(th.shape == theta.shape and bool(np.all(np.isfinite(th))), "encoder",
+                    f"{theta.size} finite inverse decays", th.tolist())
+            points = np.empty(2 * th.size)
+            points[0::2], points[1::2] = self.buf_decay, th
+            require(bool(points[-1] > 0 and np.all(np.diff(points) < 0)), "encoder",
+                    "inverse decays interlacing the decays: 1 > θ₁ > θ̂₁ > … > θ_B > θ̂_B > 0", th.tolist())
+            require(bool(np.allclose(pole_weights(self.buf_decay, th), self.output_scale, rtol=1e-9, atol=0)),
+                    "encoder", "inverse decays consistent with the output scales (Lemma 5.2 of 2404.16706)")
+            self.inverse_decay = th
+        self.inverse_scale = pole_weights(self.inverse_decay, self.buf_decay)
+        self.scale = scale
+        self.n = int(n)
+
+    @property
+    def buffers(self) -> int:
+        """B: the model-sized vectors of noise state the streaming recursion keeps."""
+        return int(self.buf_decay.size)
+
+    def strategy_coefs(self) -> np.ndarray:
+        """First column of C (length n): s·c."""
+        return self.scale * blt_coefs(self.buf_decay, self.output_scale, self.n)
+
+    def noising_coefs(self) -> np.ndarray:
+        """First column of C⁻¹ (length n): ĉ/s, ĉ₀ = 1, ĉ_k = Σ_j ω̂_j θ̂_j^(k−1)."""
+        return blt_coefs(self.inverse_decay, self.inverse_scale, self.n) / self.scale
+
+    def _apply(self, decay: np.ndarray, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """x + Σ_j w_j·S_j with S_j(t) = Σ_{s<t} d_j^(t−1−s) x_s: the BLT as B first-order recursions (MXZ24 Alg. 2),
+        the parallel form, which stays accurate for decays near 1."""
+        y = x.copy()
+        for d, w in zip(decay, weights, strict=True):
+            y += w * lfilter([0.0, 1.0], [1.0, -d], x, axis=0)
+        return y
+
+    def solve(self, z):
+        z = np.asarray(z, dtype=np.float64)
+        return self._apply(self.inverse_decay, self.inverse_scale, z) / self.scale
+
+    def multiply(self, x: np.ndarray) -> np.ndarray:
+        """C x along axis 0."""
+        x = np.asarray(x, dtype=np.float64)
+        return self.scale * self._apply(self.buf_decay, self.output_scale, x)
+
+    def matrix(self):
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
+        c = self.strategy_coefs()
+        idx = np.arange(self.n)
+        diff = idx[:, None] - idx[None, :]
+        return np.where(diff >= 0, c[np.clip(diff, 0, None)], 0.0)
+
+    def column_norms(self):
+        c = self.strategy_coefs()
+        return np.sqrt(np.cumsum(c**2)[::-1])
+
+    def columns(self, idx):
+        idx = list(idx)
+        return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
+
+    def scaled(self, factor):
+        return BLTEncoder(self.buf_decay, self.output_scale, self.n, self.scale * float(factor), self.inverse_decay)
+
+    def arrays(self):
+        # The scale is an array so that the factorization's SHA-256 covers it.
+        return {"buf_decay": self.buf_decay, "output_scale": self.output_scale, "inverse_decay": self.inverse_decay,
+                "scale": np.array([self.scale])}
+
+    def params(self):
+        return {"n": self.n}
+
+    def _structured_sensitivity(self, participation):
+        c = self.strategy_coefs()
+        if not is_nonneg_nonincreasing(c):   # cannot happen for a validated BLT; the general bound then applies
+            return None
+        value = toeplitz_min_sep_sensitivity(c, self.n, participation.min_sep, participation.max_participations)
+        return Sensitivity(value, True, "toeplitz-min-sep-closed-form")
+
+    def per_query_error(self, workload):
+        return workload_row_errors(self.noising_coefs(), workload)
+
+
 ENCODER_TYPES: dict[str, type[Encoder]] = {
-    cls.structure: cls for cls in (DenseEncoder, BandedEncoder, ToeplitzEncoder, InverseToeplitzEncoder)
+    cls.structure: cls for cls in (DenseEncoder, BandedEncoder, ToeplitzEncoder, InverseToeplitzEncoder, BLTEncoder)
 }
 
 
@@ -421,4 +528,9 @@ def encoder_from_arrays(structure: str, arrays: dict[str, np.ndarray], params: d
         return ToeplitzEncoder(arrays["coef"], int(params["n"]), bool(params["column_normalize"]))
     if structure == "banded-inverse":
         return InverseToeplitzEncoder(arrays["noising"], int(params["n"]))
+    if structure == "blt":
+        require(np.shape(arrays["scale"]) == (1,), "encoder", "a BLT scale array of shape (1,)",
+                np.shape(arrays["scale"]))
+        return BLTEncoder(arrays["buf_decay"], arrays["output_scale"], int(params["n"]), arrays["scale"],
+                          arrays["inverse_decay"])
     raise InvalidArgumentError("encoder", f"a structure in {sorted(ENCODER_TYPES)}", structure)

@@ -5,7 +5,8 @@ for it, its cost per round for d model parameters, and the accountants that appl
 this table instead of branching on kind names. Costs follow the engine's modes (001 §4.3, 003 §8): a ``banded``
 C with p bands keeps a float32 ring buffer of p − 1 model-sized vectors and draws one fresh vector per round; a
 banded inverse (003) keeps no buffer and regenerates p draws per round; ``dense`` keeps none and regenerates all
-t + 1 draws in round t (O(t·d) work); DP-SGD draws one.
+t + 1 draws in round t (O(t·d) work); a BLT with B buffers (arXiv 2404.16706, 2408.08868) keeps B·d float32 and
+draws one vector per round; DP-SGD draws one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from corrflow.errors import require
 from corrflow.factorization.baselines import encoder_from_gram, fft_encoder, tree_encoder
 from corrflow.factorization.closed_forms import best_gamma, bifr_encoder, bsr_encoder
-from corrflow.factorization.encoders import BandedEncoder, Encoder, ToeplitzEncoder
+from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, Encoder, ToeplitzEncoder
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
@@ -31,6 +32,7 @@ class BuildRequest:
     workload: Workload
     participation: Participation
     bands: int                       # p (the default min(min_sep, rounds) when not given)
+    buffers: int | None = None       # B for a BLT (None: chosen by the optimiser)
     gamma: float | None = None
     search_gamma: bool = False
     taper: int | None = None
@@ -46,8 +48,9 @@ Builder = Callable[[BuildRequest], tuple[Encoder, dict]]
 class KindSpec:
     """One factorization family.
 
-    ``structure``: the encoder class it produces (toeplitz, banded, banded-inverse, dense); ``noise_mode``: the
-    engine's default mode for it; ``takes_bands`` / ``takes_gamma``: which parameters are meaningful;
+    ``structure``: the encoder class it produces (toeplitz, banded, banded-inverse, blt, dense); ``noise_mode``: the
+    engine's default mode for it; ``takes_bands`` / ``takes_gamma`` / ``takes_buffers``: which parameters are
+    meaningful;
     ``accountants``: those that can analyse it (cyclic-poisson and monte-carlo need a banded C with at most
     min-sep bands; mmcc needs a non-negative C and is fast only for Toeplitz C, whose rows share privacy-loss
     distributions); ``fixed_epoch_only``: the builder needs (k, n/k) fixed-epoch participation."""
@@ -61,12 +64,20 @@ class KindSpec:
     takes_gamma: bool = False
     accountants: tuple[str, ...] = ("unamplified",)
     fixed_epoch_only: bool = False
+    takes_buffers: bool = False
+
+    def size_of(self, encoder: Encoder) -> int | None:
+        """The size the cost methods take for a built encoder: its bands, or its buffers for a BLT."""
+        return encoder.buffers if isinstance(encoder, BLTEncoder) else encoder.bands
 
     def noise_state_bytes(self, bands: int | None, dim: int, rounds: int) -> int:
         """Memory the noise engine keeps for ``dim`` parameters: the banded ring buffer of (p − 1)·d float32
-        (``CorrelatedNoise.buffer_bytes``), or dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
+        (``CorrelatedNoise.buffer_bytes``), a BLT's B·d float32 buffers (``bands`` = B, see :meth:`size_of`), or
+        dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
         if self.noise_mode == "banded":
             return 4 * dim * max((bands or 1) - 1, 0)
+        if self.noise_mode == "blt":
+            return 4 * dim * (bands or 1)
         if self.noise_mode == "dense":
             return 8 * rounds * rounds
         return 0
@@ -81,9 +92,12 @@ class KindSpec:
         return 1.0
 
     def multiply_adds_per_round(self, bands: int | None, rounds: int) -> float:
-        """Mean model-sized multiply-adds per round beyond the draws (the banded recursion's p − 1 terms)."""
+        """Mean model-sized multiply-adds per round beyond the draws (the banded recursion's p − 1 terms; a BLT's
+        B to combine its buffers and B to update them)."""
         if self.noise_mode == "banded":
             return float(max((bands or 1) - 1, 0))
+        if self.noise_mode == "blt":
+            return 2.0 * (bands or 1)
         return self.draws_per_round(bands, rounds) - 1.0
 
 
@@ -158,6 +172,19 @@ def _bsr(req: BuildRequest):
     return bsr_encoder(wl, m, req.bands, g), {"gamma": g}
 
 
+def _blt(req: BuildRequest):
+    from corrflow.factorization.blt import optimize_blt
+
+    res = optimize_blt(req.workload, req.participation, req.buffers, callback=req.callback)
+    enc = BLTEncoder(res.buf_decay, res.output_scale, req.participation.rounds, inverse_decay=res.inverse_decay)
+    # buffers_requested: a given B above the optimum's live buffers yields fewer (the others would be dead).
+    return enc, {"buffers": enc.buffers, "buffers_requested": req.buffers,
+                 "iterations": res.iterations, "optimized_for": res.optimized_for.to_dict(),
+                 "loss_by_buffers": {str(b): v for b, v in res.losses_by_buffers.items()},
+                 "buf_decay": enc.buf_decay.tolist(), "output_scale": enc.output_scale.tolist(),
+                 "pillutla_score": float(np.sum(enc.output_scale / enc.buf_decay))}
+
+
 _BANDED_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
 
 REGISTRY: dict[str, KindSpec] = {s.name: s for s in (
@@ -179,12 +206,16 @@ REGISTRY: dict[str, KindSpec] = {s.name: s for s in (
     KindSpec("lambda-cgd", "λ-CGD: 2-banded inverse, γ searched (003)", "banded-inverse", "banded-inverse",
              _inverse_banded("lambda-cgd"), takes_gamma=True),
     KindSpec("fft", "FFT (circulant) mechanism with the optimal decoder", "dense", "dense", _fft),
+    # A BLT's C is Toeplitz, positive and non-increasing but not banded: MMCC applies, the banded reductions do not.
+    KindSpec("blt", "buffered linear Toeplitz (BLT): B buffers, one draw per round (2404.16706, 2408.08868)", "blt",
+             "blt", _blt, takes_buffers=True, accountants=("unamplified", "mmcc")),
 )}
 
 KINDS = tuple(REGISTRY)
 #: Kinds whose ``bands`` parameter is meaningful.
 BANDED_KINDS = tuple(k for k, s in REGISTRY.items() if s.takes_bands)
 GAMMA_KINDS = tuple(k for k, s in REGISTRY.items() if s.takes_gamma)
+BUFFER_KINDS = tuple(k for k, s in REGISTRY.items() if s.takes_buffers)
 
 
 def kind_spec(kind: str) -> KindSpec:
@@ -200,5 +231,5 @@ def noise_mode_for(structure: str) -> str:
     return modes.pop()
 
 
-__all__ = ["BANDED_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec",
+__all__ = ["BANDED_KINDS", "BUFFER_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec",
            "noise_mode_for"]

@@ -7,8 +7,14 @@ Modes, chosen from the encoder's structure (README "Conventions" data flow; 001 
 * ``banded-inverse``: C⁻¹ has ``p`` bands → y_t = Σ_{j<p} (C⁻¹)[t,t−j] z_{t−j}: the p fresh draws are regenerated
   from the key, O(d) memory (003 §8 pitfall 1; 001 §4.3);
 * ``dense``: any lower-triangular C → y_t = Σ_{j≤t} (C⁻¹)[t,j] z_j, every z_j regenerated: O(t·d) work, O(d) memory;
-* ``identity``: y_t = z_t / C[0,0] (DP-SGD).
+* ``identity``: y_t = z_t / C[0,0] (DP-SGD);
+* ``blt``: a buffered linear Toeplitz C = s·T(c) with B buffers (McMahan, Xu, Zhang 2024, arXiv 2408.08868,
+  Alg. 3): y_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + y_t, emitting σ·y_t/s — one draw per round and B·d float32
+  of state. The arithmetic runs in float64 on cache-sized blocks (θ near 1 must not be rounded to float32: its
+  powers would change C), and only the state is stored in float32.
 
+The regenerating modes combine their draws with one fused pass each (the first draw scaled into the output, the
+others multiplied and added block by block while in cache), with σ folded into the coefficients.
 Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the buffer is a few chunks.
 Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk): restoring a saved state
 continues bit for bit, and any released round can be replayed exactly.
@@ -29,12 +35,22 @@ from scipy.linalg import solve_triangular
 
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
-from corrflow.factorization.encoders import DENSE_LIMIT, BandedEncoder, InverseToeplitzEncoder, ToeplitzEncoder
+from corrflow.factorization.encoders import (
+    DENSE_LIMIT,
+    BandedEncoder,
+    BLTEncoder,
+    InverseToeplitzEncoder,
+    ToeplitzEncoder,
+)
 from corrflow.fileio import write_bytes, write_json
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
 
-MODES = ("banded", "banded-inverse", "dense", "identity")
+MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
+#: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the checkpoint).
+STATEFUL_MODES = ("banded", "blt")
 DEFAULT_CHUNK = 1 << 20
+#: Coordinates per block of the in-cache arithmetic (float64 temporaries of 256 KiB).
+_BLOCK = 1 << 15
 
 
 def default_mode(factorization: Factorization) -> str:
@@ -91,6 +107,9 @@ class CorrelatedNoise:
             require(isinstance(enc, InverseToeplitzEncoder), "mode",
                     "banded-inverse only for an encoder with a banded inverse", self.mode)
             self._noising = enc.noising
+        elif self.mode == "blt":
+            require(isinstance(enc, BLTEncoder), "mode", "blt only for a BLT encoder", self.mode)
+            self._buffer = np.zeros((enc.buffers, self.dim), dtype=np.float32)
         elif self.mode == "identity":
             require(enc.bands == 1 and isinstance(enc, ToeplitzEncoder | BandedEncoder), "mode",
                     "identity only for a diagonal encoder", self.mode)
@@ -133,10 +152,10 @@ class CorrelatedNoise:
         self.next_round += 1
 
     def skip_to(self, round_index: int) -> None:
-        """Fast-forward a fresh generator to ``round_index`` (recomputing the banded buffer from the key)."""
+        """Fast-forward a fresh generator to ``round_index`` (recomputing the banded or BLT buffer from the key)."""
         require(self.next_round == 0, "round_index", "skip_to only on a fresh generator", self.next_round)
         require(0 <= round_index <= self.rounds, "start", f"between 0 and {self.rounds}", round_index)
-        if self.mode == "banded":
+        if self.mode in STATEFUL_MODES:
             for t in range(round_index):
                 self._advance(t)
         self.next_round = round_index
@@ -150,9 +169,36 @@ class CorrelatedNoise:
         out = np.empty(self.dim, dtype=np.float32)
         if self.mode == "banded":
             self._banded_step(t, out, self._buffer)
+        elif self.mode == "blt":
+            self._blt_step(t, out, self._buffer)
         else:
             self._stateless(t, out)
         return out
+
+    def _blt_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
+        """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j S_j + y;
+        out = σ·y/s. Float64 arithmetic on cache-sized blocks; the state ``buf`` (B × d) is float32."""
+        enc = self.factorization.encoder
+        decay = [float(v) for v in enc.buf_decay]
+        weight = [float(v) for v in enc.output_scale]
+        gain = self.stddev / enc.scale
+        size = min(_BLOCK, self.dim)
+        y, tmp = np.empty(size), np.empty(size)
+        for c, lo, hi in self._chunks():
+            z = self._source.normal(t, c, hi - lo)
+            for a in range(0, hi - lo, _BLOCK):
+                b = min(hi - lo, a + _BLOCK)
+                yv, tv = y[: b - a], tmp[: b - a]
+                yv[...] = z[a:b]
+                state = buf[:, lo + a:lo + b]
+                for j, w in enumerate(weight):
+                    np.multiply(state[j], w, out=tv, dtype=np.float64)
+                    yv -= tv
+                for j, d in enumerate(decay):
+                    np.multiply(state[j], d, out=tv, dtype=np.float64)
+                    tv += yv
+                    state[j] = tv
+                np.multiply(yv, gain, out=out[lo + a:lo + b])
 
     def _banded_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
         coefs = self.factorization.encoder.row_band(t)
@@ -184,21 +230,30 @@ class CorrelatedNoise:
         return [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
 
     def _stateless(self, t: int, out: np.ndarray) -> None:
+        """out = σ·Σ_j coef_j·z_j: the first draw scaled straight into ``out`` (one pass), each further draw
+        multiplied and added block by block while the block is in cache — no model-sized temporary beyond the
+        draw itself, and no separate pass for σ."""
         terms = self._terms(t)
         for c, lo, hi in self._chunks():
             dst = out[lo:hi]
             for i, (j, coef) in enumerate(terms):
                 z = self._source.normal(j, c, hi - lo)
-                if coef != 1.0:
-                    z *= np.float32(coef)
+                a = np.float32(coef * self.stddev)
                 if i == 0:
-                    dst[...] = z
-                else:
-                    dst += z
-        if self.stddev != 1.0:
-            out *= np.float32(self.stddev)
+                    np.multiply(z, a, out=dst)
+                    continue
+                for s in range(0, hi - lo, _BLOCK):
+                    zs = z[s:s + _BLOCK]
+                    zs *= a
+                    dst[s:s + _BLOCK] += zs
 
     def _replay(self, t: int) -> np.ndarray:
+        if self.mode == "blt":   # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+            buf = np.zeros_like(self._buffer)
+            out = np.empty(self.dim, dtype=np.float32)
+            for s in range(t + 1):
+                self._blt_step(s, out, buf)
+            return out
         if self.mode != "banded":
             out = np.empty(self.dim, dtype=np.float32)
             self._stateless(t, out)

@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 
 from corrflow.errors import InvalidArgumentError
-from corrflow.noise.engine import CorrelatedNoise
+from corrflow.noise.engine import STATEFUL_MODES, CorrelatedNoise
 
 
 def _tf():
@@ -54,8 +54,9 @@ class TFCorrelatedNoise(CorrelatedNoise):
             self._tf_buffer = tf.Variable(tf.zeros(self._buffer.shape, dtype=tf.float32), trainable=False)
 
     def _advance(self, t: int) -> np.ndarray:
-        out = self._compute(t, self._tf_buffer if self.mode == "banded" else None)
-        if self.mode == "banded":  # keep the NumPy mirror current for checkpoints
+        stateful = self.mode in STATEFUL_MODES
+        out = self._compute(t, self._tf_buffer if stateful else None)
+        if stateful:  # keep the NumPy mirror current for checkpoints
             self._buffer[...] = self._tf_buffer.numpy()
         return out
 
@@ -78,6 +79,17 @@ class TFCorrelatedNoise(CorrelatedNoise):
                 if p > 1:
                     buf[t % (p - 1), lo:hi].assign(acc)
                 parts.append(acc)
+        elif self.mode == "blt":   # the engine's recursion, in float64 with a float32 state (engine docstring)
+            enc = self.factorization.encoder
+            for c, lo, hi in self._chunks():
+                y = tf.cast(self._source.normal(t, c, hi - lo), tf.float64)
+                state = [tf.cast(buf[j, lo:hi], tf.float64) for j in range(enc.buffers)]
+                for s_j, w in zip(state, enc.output_scale, strict=True):
+                    y = y - float(w) * s_j
+                for j, (s_j, d) in enumerate(zip(state, enc.buf_decay, strict=True)):
+                    buf[j, lo:hi].assign(tf.cast(float(d) * s_j + y, tf.float32))
+                parts.append(tf.cast(y * (self.stddev / enc.scale), tf.float32))
+            return tf.concat(parts, axis=0).numpy()
         else:
             terms = self._terms(t)
             for c, lo, hi in self._chunks():
@@ -92,7 +104,7 @@ class TFCorrelatedNoise(CorrelatedNoise):
         out[...] = self._compute(t, None)
 
     def _replay(self, t: int) -> np.ndarray:
-        if self.mode != "banded":
+        if self.mode not in STATEFUL_MODES:
             return self._compute(t, None)
         tf = self._tf
         scratch = tf.Variable(tf.zeros(self._buffer.shape, dtype=tf.float32), trainable=False)

@@ -320,7 +320,8 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                 skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
                 continue
             eff_bands = fac.bands if spec.takes_bands else None
-            mem, secs = cost_of(kind, fac.bands if spec.noise_mode in ("banded", "banded-inverse") else bands)
+            mem, secs = cost_of(kind, spec.size_of(fac.encoder) if spec.noise_mode in ("banded", "banded-inverse",
+                                                                                      "blt") else bands)
             # A 1-banded C (DP-SGD) is also planned with Poisson sampling in every round (b = 1, q = B/P): the
             # amplified DP-SGD baseline; with b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1.
             variants = [(acc, None) for acc in accountants]
@@ -344,6 +345,8 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                     cand.notes = {k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")}
                 if "gamma" in fac.metadata:
                     cand.notes["gamma"] = fac.metadata["gamma"]
+                if "buffers" in fac.metadata:   # blt: B buffers of d float32 (noise_state_bytes)
+                    cand.notes["buffers"] = fac.metadata["buffers"]
                 try:
                     _calibrate(req, cache, cand, fac_a)
                 except CorrflowError as exc:

@@ -42,9 +42,11 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
     if path.exists():
         fac = Factorization.load(path)
         if fac.kind == cfg.kind and fac.workload == workload and fac.participation == part and \
-                fac.metadata.get("taper_lower_min_sep") == (cfg.taper or None):
+                fac.metadata.get("taper_lower_min_sep") == (cfg.taper or None) and \
+                cfg.buffers in (0, getattr(fac.encoder, "buffers", 0)):
             return fac
-    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None)
+    fac = factorize(cfg.kind, part, workload, bands=cfg.bands or None, taper=cfg.taper or None,
+                    buffers=cfg.buffers or None)
     fac.save(path)
     return fac
 

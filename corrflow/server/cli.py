@@ -71,6 +71,8 @@ def factorize(
     participation: Annotated[str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")] = None,
     bands: Annotated[int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")]
     = None,
+    buffers: Annotated[int | None, typer.Option(help="blt: buffers B (default: added while each lowers the "
+                                                     "error by more than 1%)")] = None,
     workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
     momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
     cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate cooldown"
@@ -110,7 +112,7 @@ def factorize(
         part = participation_for(rounds, epochs, min_sep, participation)
         with Progress(f"factorize {kind}", quiet=quiet) as cb:
             fac = build(kind, part, wl, bands=bands, stamps=stamps, gamma=gamma, search_gamma=search_gamma,
-                        taper=taper, tol=tol, callback=cb)
+                        taper=taper, tol=tol, buffers=buffers, callback=cb)
         summary = fac.summary()
         if out is not None:
             summary["path"] = str(fac.save(out))
