@@ -185,7 +185,7 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
                                                                        if key in before}
         assert after["aggregation_seconds"] == before["aggregation_seconds"]
     second = (work / "logs" / f"serverapp-{drills['second-run']}.log").read_text()
-    assert f"resumed from round-{k:06d} at round {k}" in second
+    assert f"resumed from round-{k:06d} at round {k + 1}" in second   # 1-based: the next round
 
 
 def _free_ports(n: int) -> list[int]:

@@ -193,11 +193,11 @@ def test_wrapper_loads_the_plan(planned, tmp_path):
     rec = doc["recommended"]
     with pytest.raises(InvalidArgumentError, match="participation: plan 'fixed-epoch', run 'cyclic-poisson'"):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, plan=out / "recipe.json",
-                                           participation="cyclic-poisson", state_dir=tmp_path / "x" / "state")
+                                           participation="cyclic-poisson", state_dir=tmp_path / "x")
     strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
-                                                  plan=out / "recipe.json", state_dir=tmp_path / "w" / "state")
+                                                  plan=out / "recipe.json", state_dir=tmp_path / "w")
     with pytest.raises(InvalidArgumentError, match="num_rounds"):
-        strategy.config(num_rounds=30, num_users=60)
+        strategy.config(num_rounds=30)
     task = get_task("numpy", 20)
     strategy.start(grid=InProcessGrid(task.handlers, 60), initial_arrays=ArrayRecord(task.initial_weights()),
                    num_rounds=24)

@@ -64,9 +64,9 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
     try:
         _wait_for_releases(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)
-        sent = time.monotonic()
-        code = proc.wait(timeout=15)
-        assert code == 130 and time.monotonic() - sent < 15
+        # Ray's shutdown takes seconds on an idle machine and much longer on a loaded one: a generous bound that
+        # only catches a hang (timings are benchmarks' business, not the suite's).
+        assert proc.wait(timeout=180) == 130
     finally:
         _kill_session(proc)
     report = json.loads((out / "privacy_report.json").read_text())

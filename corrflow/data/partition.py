@@ -72,8 +72,8 @@ def write_manifest(manifest: dict, out: str | os.PathLike) -> Path:
 def load_manifest(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:   # ValueError: JSON that does not parse, bytes that are not UTF-8
         raise DataFormatError(path, None, "a partition manifest (JSON)", str(exc)) from exc
     for field in ("format", "path", "num_partitions", "partitions"):
         if field not in manifest:

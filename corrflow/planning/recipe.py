@@ -71,7 +71,7 @@ class Recipe:
         for key, want in mine.items():
             if key not in settings:
                 continue
-            got = settings[key]
+            got = getattr(settings[key], "value", settings[key])   # an enum member (a CLI choice) by its value
             if key == "min_sep":
                 rounds, epochs = settings.get("num_rounds", self.rounds), settings.get("epochs", self.epochs)
                 got = got or rounds // max(epochs, 1)

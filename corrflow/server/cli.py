@@ -13,6 +13,7 @@ import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.factorization.registry import KINDS
+from corrflow.paths import writable_directory, writable_file
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import with_settings
@@ -103,6 +104,16 @@ def factorize(
             raise InvalidArgumentError("--kind", "a factorization kind (or --describe FILE)")
         if rounds is None:
             raise InvalidArgumentError("--rounds", "the number of rounds")
+        if not 0.0 <= cooldown_fraction <= 1.0:
+            raise InvalidArgumentError("--cooldown-fraction", "a fraction of the rounds in [0, 1]", cooldown_fraction)
+        if not (math.isfinite(tol) and tol > 0):
+            raise InvalidArgumentError("--tol", "a positive, finite relative duality gap", tol)
+        if out is not None:
+            writable_file(out, "--out")
+        from corrflow.planning.resources import check_fits, estimate
+
+        check_fits(estimate(0, rounds, kind, bands or 0, 0), {"factorization": "--rounds", "users": "--rounds",
+                                                                "noise": "--rounds"})
         if workload == "momentum":
             wl = Workload.sgd_momentum(momentum, cooldown_fraction)
         elif workload == "prefix":
@@ -244,6 +255,9 @@ def plan(
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
     try:
+        writable_directory(out, "--out")
+        if cache_dir is not None:
+            writable_directory(cache_dir, "--cache-dir")
         cache = PlanCache(cache_dir or default_cache_dir(out))
         result = make_plan(req, cache, quiet=quiet)
         doc = write_plan(result, out, plots=plots, cache=cache, quiet=quiet)
@@ -319,7 +333,7 @@ def simulate(
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
     """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ are refused);
     errors name the flag."""
-    from corrflow.paths import run_directory, writable_directory
+    from corrflow.paths import run_directory
     from corrflow.server.options import config_from_cli, given_on_command_line, param_name
 
     out = writable_directory(settings[param_name("state_dir")], "--out")
@@ -330,7 +344,11 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         manifest = settings.get(param_name("manifest_path"))
         if not manifest:
             raise InvalidArgumentError("--manifest", "a partition manifest with --mode cross-silo")
-        overrides["num_users"] = int(load_manifest(manifest)["num_partitions"])
+        try:
+            overrides["num_users"] = int(load_manifest(manifest)["num_partitions"])
+        except DataFormatError as exc:
+            raise InvalidArgumentError("--manifest", "a partition manifest written by `corrflow data partition`",
+                                       str(exc)) from None
     if plan is None:
         return _fits(config_from_cli(settings, **overrides))
     from corrflow.config import recipe_names, surface_name

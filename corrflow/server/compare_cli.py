@@ -38,6 +38,7 @@ def compare_command(
     """Train non-private, DP-SGD and correlated-noise arms at the same (ε, δ) and compare held-out accuracy."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.factorization.registry import KINDS
+    from corrflow.paths import writable_directory
     from corrflow.server.compare import PRESETS, compare, json_summary, stderr_progress, table, with_overrides
     from corrflow.server.simulation import quiet_native_logs
 
@@ -56,6 +57,7 @@ def compare_command(
         if bad or not kind_list:
             raise InvalidArgumentError("--kinds", f"correlated-noise kinds from {', '.join(correlated)} (nonprivate "
                                                   "and dpsgd always run)", ",".join(bad) or kinds)
+        writable_directory(out, "--out")
         if (out / "comparison.json").exists() or (out / "runs").exists():
             raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
         chosen = with_overrides(PRESETS[preset], seeds=seeds, epsilon=epsilon, delta=delta, rounds=rounds,
