@@ -15,7 +15,8 @@ from corrflow.config import RunConfig
 from corrflow.factorization.build import factorize, participation_for
 from corrflow.factorization.workloads import Workload
 from corrflow.noise import CorrelatedNoise
-from corrflow.server.audit import optimizer_map, run_audit
+from corrflow.server.audit import run_audit
+from corrflow.strategies.canaries import optimizer_map
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer
 
 DELTA = 1e-5
@@ -70,7 +71,7 @@ def test_lower_bound_is_zero_without_signal_and_saturates_with_perfect_separatio
     assert 3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0   # "about ε 4 at 200 canaries"
 
 
-# -- the estimator under correlated noise: a Gaussian toy with a known ε ------------------------------------------------
+# -- the estimator under correlated noise: a Gaussian toy with a known ε ----------------------------------------------
 def _toy(kind: str, sigma: float, seed: int, noise=None, candidates: int = 600, dim: int = 6000):
     """The matrix mechanism in the clear: X̃ = ζ Σ_in u_j c_j + σζ (C⁻¹Z) from corrflow's noise engine, released
     through a momentum server optimizer (D = M X̃). Inserted canaries all take the worst fixed-epoch pattern."""
@@ -131,7 +132,7 @@ def test_whitened_estimate_sees_noise_reused_across_two_rounds():
     assert st.gaussian_fit_epsilon(scores[inserted], DELTA) > 2 * truth
 
 
-# -- end to end: `corrflow audit` ---------------------------------------------------------------------------------------
+# -- end to end: `corrflow audit` -------------------------------------------------------------------------------------
 def _config(kind: str, out) -> RunConfig:
     """The `tiny` preset's task at half the size (48 users, 8 rounds, each user in 2), claimed ε = 1."""
     return RunConfig(num_users=48, num_rounds=8, epochs=2, kind=kind, target_epsilon=1.0, delta=DELTA,

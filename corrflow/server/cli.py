@@ -469,7 +469,7 @@ def audit(
                     settings[param_name(name)] = getattr(chosen, field)
         if "state_dir" not in typed:
             settings[param_name("state_dir")] = Path("corrflow_audit")
-        from corrflow.server.audit import MIN_CANARIES
+        from corrflow.strategies.canaries import MIN_CANARIES
 
         if canaries < MIN_CANARIES:
             raise InvalidArgumentError("--canaries", f"at least {MIN_CANARIES} candidate canaries", canaries)
