@@ -221,3 +221,51 @@ def test_cli_audit_refuses_bad_arguments(tmp_path):
         res = CliRunner().invoke(app, ["audit", *args, "--out", str(tmp_path / "bad")])
         assert res.exit_code == 2, res.output
         assert flag in res.output
+
+
+def test_wrapper_audits_a_users_strategy_in_simulation(tmp_path, monkeypatch):
+    """DifferentialPrivacyCorrelatedNoise(..., canaries=N) around FedAvg on a simulation grid: canary SuperNodes
+    join the grid, the run is accounted with them, and the audit lands beside the privacy report."""
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow.clients.tasks import get_task
+    from corrflow.server.inprocess import InProcessGrid
+    from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
+
+    monkeypatch.setattr("corrflow.strategies.session.new_secret", lambda: bytes(16))
+    task = get_task("nextword", seed=0)
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0, target_epsilon=1.0,
+                                                  delta=DELTA, epochs=2, kind="dpsgd", num_users=48,
+                                                  state_dir=str(tmp_path / "w"), canaries=100, audit_seed=3)
+    strategy.start(grid=InProcessGrid(task.handlers, 48), initial_arrays=ArrayRecord(task.initial_weights()),
+                   num_rounds=8, train_config=ConfigRecord({"local-lr": 2.0, "local-steps": 1, "seed": 0}))
+    audit = strategy.audit
+    assert audit["epsilon_claimed"] == pytest.approx(1.0, abs=0.01)
+    assert audit["epsilon_lower"] <= audit["epsilon_claimed"]
+    assert 0.7 < audit["statistics"]["whitened"]["null_std"] < 1.3
+    report = strategy.privacy_report()
+    assert len(report["realized"]["participation"]["users"]) == 48 + audit["canaries"]["inserted"]
+    assert (tmp_path / "w" / "audit.json").exists() and (tmp_path / "w" / "audit.png").exists()
+    with pytest.raises(Exception, match="canaries"):
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, canaries=5)
+
+
+def test_wrapper_canaries_refused_outside_simulation(tmp_path):
+    from flwr.app import ArrayRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow.clients.tasks import get_task
+    from corrflow.errors import InvalidArgumentError
+    from corrflow.server.inprocess import InProcessGrid
+    from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
+
+    class DeviceGrid(InProcessGrid):   # any grid that is not a simulation engine's: node-key identities
+        pass
+
+    task = get_task("nextword", seed=0)
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0, epochs=2,
+                                                  num_users=8, state_dir=str(tmp_path / "d"), canaries=40)
+    with pytest.raises(InvalidArgumentError, match="canaries"):
+        strategy.start(grid=DeviceGrid(task.handlers, 8), initial_arrays=ArrayRecord(task.initial_weights()),
+                       num_rounds=4)
