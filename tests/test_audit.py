@@ -53,7 +53,10 @@ def test_one_run_bound_matches_jax_privacy_values(m, r, v, delta, expected):
 
 
 def test_one_run_bound_cross_check_with_jax_privacy():
-    auditing = pytest.importorskip("jax_privacy.auditing")
+    try:   # the `peer` extra; jax-privacy's package import needs jax and a matching optax
+        from jax_privacy import auditing
+    except Exception as exc:  # noqa: BLE001 - any import failure means the peer is not usable here
+        pytest.skip(f"jax-privacy not importable: {exc}")
     for m, r, v, delta in ((1000, 100, 90, 1e-5), (2000, 200, 180, 1e-5)):
         for eps in (0.5, 1.0, 2.0):
             assert st.one_run_p_value(m, r, v, eps, delta) == pytest.approx(
