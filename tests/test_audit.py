@@ -272,3 +272,16 @@ def test_wrapper_canaries_refused_outside_simulation(tmp_path):
     with pytest.raises(InvalidArgumentError, match="canaries"):
         strategy.start(grid=DeviceGrid(task.handlers, 8), initial_arrays=ArrayRecord(task.initial_weights()),
                        num_rounds=4)
+
+
+def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
+    """Cyclic-Poisson sampling with the amplified ε (001 Prop. 2.1): the cohorts are secret, so every canary is
+    scored over all rounds; a correct run stays below its (smaller) amplified claim."""
+    cfg = _config("toeplitz", tmp_path / "amp").replace(participation="cyclic-poisson", accountant="cyclic-poisson",
+                                                         min_sep=4)
+    res = run_audit(cfg, 100, audit_seed=3, noise_key=bytes(16), quiet=True, plot=False)
+    assert res["run"]["participation"] == "cyclic-poisson"
+    assert res["canaries"]["rounds"].startswith("every round")
+    assert res["epsilon_claimed"] == pytest.approx(1.0, abs=0.01)
+    assert res["epsilon_lower"] <= res["epsilon_claimed"]
+    assert 0.7 < res["statistics"]["whitened"]["null_std"] < 1.3
