@@ -112,7 +112,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         require(isinstance(canaries, int) and not isinstance(canaries, bool) and
                 (canaries == 0 or canaries >= MIN_CANARIES), "canaries",
                 f"0 (no audit) or at least {MIN_CANARIES} candidate canaries", canaries)
-        self.canaries, self.audit_seed, self.audit = canaries, audit_seed, None
+        self.canaries, self.audit_seed = canaries, audit_seed
+        self._audits: list[dict] = []   # one per start() with canaries
         self._values = _from_keywords(settings, client="app")
         self.plan = None
         if plan is not None:
@@ -175,7 +176,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self.core, result = run_strategy(grid, spec)
         report = self.privacy_report()
         if auditing is not None:
-            self.audit = self._finish_audit(report, grid, capture)
+            self._audits.append(self._finish_audit(report, grid, capture))
         log.info("corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s", report["rounds_completed"],
                  cfg.num_rounds, report["realized"]["epsilon"], report["delta"],
                  f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "", self.report_path)
@@ -212,6 +213,12 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
                  "%s", report["realized"]["epsilon"], result["epsilon_estimate"], result["epsilon_lower"],
                  self.canaries, result["verdict"])
         return result
+
+    @property
+    def audit(self) -> dict | None:
+        """The last run's audit with ``canaries`` (``audit.json``): claimed ε, estimate ε̂, lower bound ε_lo, the
+        statistics; None before one ran."""
+        return self._audits[-1] if self._audits else None
 
     def privacy_report(self) -> dict:
         """The run's privacy report (``privacy_report.json``), as written after every round."""
