@@ -262,8 +262,8 @@ def _verdict(claimed: float | None, estimate: stats.Estimate, lower: stats.Lower
                 f"ε = {claimed:.3g}; the run leaks more than it claims")
     if estimate.interval[0] > claimed:
         return (f"SUSPECT: the estimate ε̂ = {estimate.epsilon:.3g} (interval from {estimate.interval[0]:.3g}) lies "
-                f"above the claimed ε = {claimed:.3g}; rerun with more canaries to prove or clear it (a correct run whose "
-                f"estimate sits at its claim lands here about 1 time in 40)")
+                f"above the claimed ε = {claimed:.3g}; rerun with more canaries to prove or clear it (a correct run "
+                f"whose estimate sits at its claim lands here about 1 time in 40)")
     return f"consistent: nothing shown above the claimed ε = {claimed:.3g} (an estimate, not a proof)"
 
 
