@@ -441,6 +441,117 @@ def _run_simulation(cfg, out: Path, backend: str, fresh: bool, verbose: bool, as
 app.command()(with_settings(simulate))
 
 
+#: compare's preset fields → the settings they fill for ``audit --preset`` (flags typed on the command line win).
+_PRESET_SETTINGS = {"users": "num_users", "rounds": "num_rounds", "epochs": "epochs", "epsilon": "target_epsilon",
+                    "delta": "delta", "client": "client", "clip_norm": "clip_norm", "server_lr": "server_lr",
+                    "momentum": "momentum", "local_lr": "local_lr", "local_steps": "local_steps"}
+
+
+def audit(
+    ctx: typer.Context,
+    canaries: Annotated[int, typer.Option(help="candidate canary users; each is inserted by a fair coin (about "
+                                               "half), the rest are the held-out null")] = 200,
+    preset: Annotated[str | None, typer.Option(help="a `corrflow compare` preset (quick, tiny) for the task and "
+                                                    "schedule; flags you type override it")] = None,
+    audit_seed: Annotated[int | None, typer.Option(help="seed of the canaries' directions and coins (default: "
+                                                        "fresh; printed)")] = None,
+    plot: Annotated[bool, typer.Option(help="write OUT/audit.png (score histograms)")] = True,
+    verbose: Annotated[bool, typer.Option(help="show Flower's own output (else it goes to OUT/engine.log)")]
+    = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the audit as one JSON object")] = False,
+    plan: Annotated[Path | None, typer.Option(help="a recipe written by `corrflow plan` (OUT/recipe.json), as for "
+                                                   "`corrflow simulate`")] = None,
+    **settings,
+) -> None:
+    """Empirical privacy audit: train once, in process, with canary users added to the population (scheduled,
+    clipped, noised and accounted like real users; each returns a fixed random direction scaled to the clip norm),
+    then report the run's claimed ε, the one-shot estimate ε̂ (Andrew et al., arXiv 2302.03098) and a 95% lower
+    bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846) from the released models. Always a new run in --out
+    (default corrflow_audit; an earlier run there is moved aside). Exit codes: 0 no violation shown, 1 the run
+    failed, 2 bad arguments, 4 ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
+    from corrflow.server.options import given_on_command_line, param_name
+
+    try:
+        typed = given_on_command_line(ctx)
+        if preset is not None:
+            from corrflow.server.compare import PRESETS
+
+            if preset not in PRESETS:
+                raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
+            if plan is not None:
+                raise InvalidArgumentError("--preset", "no preset with --plan (the plan fixes the mechanism)",
+                                           preset)
+            chosen = PRESETS[preset]
+            for field, name in _PRESET_SETTINGS.items():
+                if name not in typed and not (name == "target_epsilon" and "noise_multiplier" in typed):
+                    settings[param_name(name)] = getattr(chosen, field)
+        if "state_dir" not in typed:
+            settings[param_name("state_dir")] = Path("corrflow_audit")
+        from corrflow.strategies.canaries import MIN_CANARIES
+
+        if canaries < MIN_CANARIES:
+            raise InvalidArgumentError("--canaries", f"at least {MIN_CANARIES} candidate canaries", canaries)
+        if settings.get(param_name("mode")) not in (None, "cross-device"):
+            raise InvalidArgumentError("--mode", "cross-device (a canary is a simulated SuperNode)",
+                                       settings.get(param_name("mode")))
+        cfg = _simulate_config(ctx, settings, plan, fresh=True)
+    except InvalidArgumentError as exc:
+        _fail(_as_flag(exc))
+    except (CorrflowError, IntegrityError) as exc:
+        _fail(exc)
+    _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
+
+
+def _run_audit(cfg, canaries: int, audit_seed: int | None, plot: bool, verbose: bool, as_json: bool) -> None:
+    from corrflow.server.audit import run_audit
+    from corrflow.server.simulation import RunInterruptedError
+
+    try:
+        result = run_audit(cfg, canaries, audit_seed, verbose=verbose, plot=plot)
+    except RunInterruptedError as exc:
+        typer.echo(f"interrupted: {exc}; no audit was computed", err=True)
+        raise typer.Exit(code=130) from None
+    except InvalidArgumentError as exc:
+        _fail(_as_flag(exc))
+    except (CorrflowError, IntegrityError) as exc:
+        _fail(exc)
+    if as_json:
+        _emit(result, True)
+    else:
+        typer.echo(_audit_summary(result))
+    typer.echo(f"audit: {result['verdict']}", err=True)
+    if result["run"]["stopped_reason"]:
+        typer.echo(f"note: the run stopped early ({result['run']['stopped_reason']}); the audit covers the "
+                   f"{result['run']['rounds_completed']} rounds released", err=True)
+    claimed = result["epsilon_claimed"]
+    if claimed is not None and result["epsilon_lower"] > claimed:
+        raise typer.Exit(code=4)
+
+
+def _audit_summary(r: dict) -> str:
+    st, c = r["statistics"], r["canaries"]
+    lb = st["lower_bound"]
+    lo, hi = r["epsilon_estimate_interval"]
+    return "\n".join([
+        f"claimed     ε = {r['epsilon_claimed']:.4g} at δ = {r['delta']:g} ({r['run']['kind']}, "
+        f"{r['run']['participation']}, σ = {r['run']['noise_multiplier']:.4g}, accountant {r['run']['accountant']})",
+        f"estimate    ε̂ = {r['epsilon_estimate']:.4g} (95% bootstrap interval {lo:.3g} – {hi:.3g}); all-iterates "
+        f"whitened scores: inserted mean {st['whitened']['mean']:.3g} ± {st['whitened']['std']:.3g}, held-out "
+        f"{st['whitened']['null_mean']:.3g} ± {st['whitened']['null_std']:.3g}",
+        f"lower bnd   ε_lo = {r['epsilon_lower']:.4g} at {r['confidence']:.0%} confidence "
+        f"({lb['correct']} of {lb['guesses_in'] + lb['guesses_out']} guesses correct; at most "
+        f"{c['lower_bound_ceiling']:.3g} with {c['candidates']} candidates)",
+        f"final model ε̂ = {st['final_model']['epsilon']:.4g} (cosine with θ_T − θ_0, Andrew et al.)",
+        f"canaries    {c['inserted']} inserted, {c['held_out']} held out, audit seed {c['audit_seed']}; "
+        f"{c['population_share']:.1%} of the population",
+        f"verdict     {r['verdict']}",
+        f"files       {r['run']['dir']}/audit.json" + (f", {r['plot']}" if r.get("plot") else ""),
+    ])
+
+
+app.command()(with_settings(audit))
+
+
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     """The same error naming the command-line flag rather than the library's field or run-config key."""
     from corrflow.config import renamed

@@ -25,9 +25,11 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import secrets
 import threading
 from pathlib import Path
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
@@ -37,6 +39,7 @@ from corrflow.config import from_wrapper_keywords as _from_keywords
 from corrflow.errors import CorrflowError, InvalidArgumentError, require
 from corrflow.paths import run_directory
 from corrflow.progress import round_line
+from corrflow.strategies.canaries import MIN_CANARIES
 from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
@@ -44,6 +47,8 @@ log = logging.getLogger("corrflow")
 # Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server optimizer (the
 # factorization is built for it), so composing the two would change the mechanism the noise was calibrated for.
 _STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
+#: partition-id of the first canary SuperNode (``canaries=N``): far above any simulation's real partitions.
+CANARY_PARTITIONS = 1_000_000_000
 
 
 def ensure_console_log() -> None:
@@ -94,12 +99,21 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     directory), ``replies`` ("weights", as Flower's quickstarts, or "delta"), ``server_learning_rate`` and
     ``momentum`` (the workload the factorization is built for; default FedAvg's step: 1 and 0). ``plan``: a recipe
     written by ``corrflow plan`` (its settings; any given here that differ are refused, each named); ``fresh``:
-    move an earlier run in ``state_dir`` aside and start anew.
+    move an earlier run in ``state_dir`` aside and start anew. ``canaries``: simulation only, an empirical privacy
+    audit (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin flips, and after
+    the run :attr:`audit` (also ``audit.json``, ``audit.png`` in ``state_dir``) with the claimed ε, the estimate ε̂
+    and the 95% lower bound ε_lo; ``audit_seed`` seeds the canaries (default: fresh).
     """
 
-    def __init__(self, strategy: Strategy, *, plan: str | Path | None = None, fresh: bool = False, **settings):
+    def __init__(self, strategy: Strategy, *, plan: str | Path | None = None, fresh: bool = False,
+                 canaries: int = 0, audit_seed: int | None = None, **settings):
         check_composable(strategy)
         self.inner, self.fresh = strategy, fresh
+        require(isinstance(canaries, int) and not isinstance(canaries, bool) and
+                (canaries == 0 or canaries >= MIN_CANARIES), "canaries",
+                f"0 (no audit) or at least {MIN_CANARIES} candidate canaries", canaries)
+        self.canaries, self.audit_seed = canaries, audit_seed
+        self._audits: list[dict] = []   # one per start() with canaries
         self._values = _from_keywords(settings, client="app")
         self.plan = None
         if plan is not None:
@@ -144,17 +158,67 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             from corrflow.planning.recipe import install_factorization
 
             install_factorization(*self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+        auditing = self._audit_grid(grid, cfg, initial_arrays) if self.canaries else None
+        if auditing is not None:
+            grid, capture = auditing
+            users = None if cfg.num_users is None else cfg.num_users + len(grid.canary_nodes)
+            cfg = validated({**cfg.to_dict(), "num_users": users, "identity": "partition-id"}, "wrapper")
+
+        def round_end(core, metrics):
+            log.info(round_line(metrics, cfg.num_rounds))
+            if auditing is not None:
+                capture(core, metrics)
+
         spec = RunSpec(cfg, initial_arrays, inner=self.inner, train_config=train_config,
-                       evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
-                       on_round_end=lambda core, metrics: log.info(round_line(metrics, cfg.num_rounds)),
+                       evaluate_config=evaluate_config, evaluate_fn=evaluate_fn, on_round_end=round_end,
                        min_nodes=max(1, int(getattr(self.inner, "min_available_nodes", 1) or 1)), fresh=self.fresh,
                        stop_event=self.stop_event, population_check=lambda n: check_inner_population(self.inner, n))
         self.core, result = run_strategy(grid, spec)
         report = self.privacy_report()
+        if auditing is not None:
+            self._audits.append(self._finish_audit(report, grid, capture))
         log.info("corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s", report["rounds_completed"],
                  cfg.num_rounds, report["realized"]["epsilon"], report["delta"],
                  f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "", self.report_path)
         return result
+
+    def _audit_grid(self, grid: Grid, cfg: RunConfig, initial_arrays: ArrayRecord):
+        """The grid with one virtual canary SuperNode per inserted canary (simulation only), and the capture of the
+        released models (corrflow.strategies.canaries)."""
+        from corrflow.strategies.canaries import CanaryGrid, CanaryPlan, RoundCapture
+        from corrflow.strategies.identity import default_identity
+
+        require(default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"), "canaries",
+                "a simulation (Flower's simulation engine or corrflow's in-process grid, identity partition-id): "
+                "canaries are simulated SuperNodes and cannot join a deployment of real devices", self.canaries)
+        require(cfg.mode == "cross-device", "canaries", "cross-device mode (a canary is a SuperNode)", cfg.mode)
+        plan = CanaryPlan.draw(self.canaries, secrets.randbits(32) if self.audit_seed is None else self.audit_seed)
+        arrays = [a for a in initial_arrays.to_numpy_ndarrays() if np.issubdtype(a.dtype, np.floating)]
+        initial = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+        canary_grid = CanaryGrid(grid, plan, float(cfg.clip_norm), cfg.reply_kind, CANARY_PARTITIONS)
+        return canary_grid, RoundCapture([initial], [])
+
+    def _finish_audit(self, report: dict, grid, capture) -> dict:
+        """The audit of the run just finished (``audit.json`` and ``audit.png`` in the run directory)."""
+        from corrflow.fileio import write_json
+        from corrflow.strategies.canaries import analyse, write_plot
+
+        core = self.core
+        inserted = len(grid.canary_nodes)
+        result = analyse(report, core, capture, grid.plan, grid.canary_users(), core.cfg.num_users - inserted,
+                         core.cfg)
+        result["plot"] = str(write_plot(result, capture.scores, self.run_dir / "audit.png"))
+        write_json(self.run_dir / "audit.json", result, sort_keys=True)
+        log.info("corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g with %d canaries: "
+                 "%s", report["realized"]["epsilon"], result["epsilon_estimate"], result["epsilon_lower"],
+                 self.canaries, result["verdict"])
+        return result
+
+    @property
+    def audit(self) -> dict | None:
+        """The last run's audit with ``canaries`` (``audit.json``): claimed ε, estimate ε̂, lower bound ε_lo, the
+        statistics; None before one ran."""
+        return self._audits[-1] if self._audits else None
 
     def privacy_report(self) -> dict:
         """The run's privacy report (``privacy_report.json``), as written after every round."""
@@ -203,7 +267,9 @@ def _signature() -> inspect.Signature:
         params.append(inspect.Parameter(surface_name(name, "wrapper"), inspect.Parameter.KEYWORD_ONLY,
                                         default=getattr(default, "value", default), annotation=info.annotation))
     params += [inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | Path | None),
-               inspect.Parameter("fresh", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)]
+               inspect.Parameter("fresh", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
+               inspect.Parameter("canaries", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int),
+               inspect.Parameter("audit_seed", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None)]
     return inspect.Signature(params)
 
 
