@@ -35,7 +35,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import binom, norm
 
 from corrflow.errors import InvalidArgumentError, require
@@ -164,7 +163,9 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return keep, pmf[keep] / pmf[keep].sum()
 
 
-def _row_pld(args) -> pld_lib.PrivacyLossDistribution:
+def _row_pld(args):
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
     sigma, grid, support, masses, vdi = args
     sens = support * grid
     if support.size == 1:
