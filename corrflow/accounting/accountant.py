@@ -141,7 +141,11 @@ class Accountant(Protocol):
 
     name: str
 
-    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float) -> AccountingResult: ...
+    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float, *,
+                coarse: bool = False) -> AccountingResult:
+        """ε at σ. ``coarse``: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
+        searches and plots."""
+        ...
 
     def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult: ...
 
@@ -165,8 +169,8 @@ class _Calibrating:
     rtol = 1e-4
     probe_discretization: float | None = PROBE_DISCRETIZATION
 
-    def epsilon(self, fac, noise_multiplier, delta):
-        return self._epsilon(fac, noise_multiplier, delta, coarse=False)
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
+        return self._epsilon(fac, noise_multiplier, delta, coarse=coarse)
 
     def noise_multiplier(self, fac, target_epsilon, delta):
         check_epsilon(target_epsilon)
@@ -205,7 +209,7 @@ class UnamplifiedAccountant:
             "Thm. 8)", "normalisation": "sensitivity 1 under the factorization's participation "
             f"({fac.participation.describe()})"})
 
-    def epsilon(self, fac, noise_multiplier, delta):
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # exact: nothing coarser is cheaper
         check_delta(delta)
         # The same floor as every other accountant (ε would be in the thousands): one answer to a σ that small.
         check_pld_size(noise_multiplier, fac.sensitivity.value)
@@ -223,20 +227,50 @@ class CyclicPoissonAccountant(_Calibrating):
     sampling: SamplingSpec
     name = "cyclic-poisson"
 
-    def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
-        check_delta(delta)
+    def _reduction(self, fac) -> tuple[CyclicPoisson, float]:
         _band(fac)
         cp = CyclicPoisson(fac.rounds, fac.participation.min_sep, self.sampling.dataset_size,
                            self.sampling.expected_batch_size)
         require(fac.bands <= cp.cycle, "factorization", f"at most min_sep = {cp.cycle} bands for the cyclic Poisson "
                 "reduction (use --accountant mmcc for more bands)", fac.bands)
-        col = float(fac.encoder.column_norms().max())
+        return cp, float(fac.encoder.column_norms().max())
+
+    def _result(self, cp, col, sigma, eps, delta, target_epsilon=None, exact=False):
+        params = {"sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
+                  "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
+                  f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"}
+        if exact:
+            params["method"] = ("q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
+                                "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & Wang "
+                                "2018, arXiv 1805.06530, Thm. 8)")
+        return AccountingResult(GAUSSIAN_NAME if exact else "pld", eps, delta, sigma, delta, target_epsilon,
+                                parameters=params)
+
+    @staticmethod
+    def _unamplified(cp: CyclicPoisson) -> bool:
+        # q = 1 (up to rounding: a q below 1 only lowers ε, so treating it as 1 stays an upper bound)
+        return cp.sampling_probability >= 1.0 - 1e-12
+
+    def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
+        check_delta(delta)
+        cp, col = self._reduction(fac)
+        if self._unamplified(cp):
+            check_pld_size(noise_multiplier, col * math.sqrt(cp.compositions))
+            e = gaussian_epsilon(noise_multiplier, col * math.sqrt(cp.compositions), delta)
+            return self._result(cp, col, noise_multiplier, e, delta, exact=True)
         e = epsilon_of(cp.event(noise_multiplier, col), delta,
                        discretization=self.probe_discretization if coarse else PLD_DISCRETIZATION)
-        return AccountingResult("pld", e, delta, noise_multiplier, delta, parameters={
-            "sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
-            "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
-            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"})
+        return self._result(cp, col, noise_multiplier, e, delta)
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        check_epsilon(target_epsilon)
+        check_delta(delta)
+        cp, col = self._reduction(fac)
+        if not self._unamplified(cp):
+            return super().noise_multiplier(fac, target_epsilon, delta)
+        sens = col * math.sqrt(cp.compositions)
+        sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
+        return self._result(cp, col, sigma, gaussian_epsilon(sigma, sens, delta), delta, target_epsilon, exact=True)
 
 
 @dataclass
@@ -247,7 +281,7 @@ class MMCCAccountant(_Calibrating):
     options: AccountingOptions = field(default_factory=AccountingOptions)
     name = "mmcc"
     rtol = 1e-3                      # each probe is a full Generalized-MMCC run
-    probe_discretization = None      # probes run at MMCC's own discretisation (MMCC_DISCRETIZATION)
+    probe_discretization = 4 * MMCC_DISCRETIZATION
 
     def _setting(self, fac) -> tuple[int, float, list[int] | None]:
         s = self.sampling
@@ -267,13 +301,14 @@ class MMCCAccountant(_Calibrating):
         check_sigma(noise_multiplier)
         cycle, q, groups = self._setting(fac)
         o = self.options
+        vdi = self.probe_discretization if coarse else MMCC_DISCRETIZATION
         run = mmcc_epsilon(fac.encoder.matrix(), q, noise_multiplier, delta, cycle=cycle, groups=groups,
-                           delta_split=o.delta_split, grid=o.mmcc_grid, progress=o.progress)
+                           delta_split=o.delta_split, grid=o.mmcc_grid, discretization=vdi, progress=o.progress)
         variant = "MMCC (002 Alg. 1)" if cycle == 1 else "Generalized-MMCC (002 Alg. 3)"
         return AccountingResult("mmcc", run.epsilon, delta, noise_multiplier, delta, slack=run.delta1, parameters={
             "sampling": self.sampling.kind, "variant": variant, "cycle": cycle, "sampling_probability": q,
             "delta_tail_bounds": run.delta1, "delta_pld": run.delta2, "grid": run.grid,
-            "pld_discretization": MMCC_DISCRETIZATION, "rows": run.rows, "distinct_rows": run.distinct_rows,
+            "pld_discretization": vdi, "rows": run.rows, "distinct_rows": run.distinct_rows,
             "tail_bound_pairs": run.tail_bound_pairs, "max_p_tilde": run.max_p_tilde,
             "groups_analysed": run.groups_analysed,
             "normalisation": "σ multiplies the clip norm; C's entries are the per-round sensitivities"})
@@ -335,7 +370,7 @@ class MonteCarloEVRAccountant:
             return gaussian_epsilon(sigma, sens_fb, delta)
         return gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
 
-    def epsilon(self, fac, noise_multiplier, delta):
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
