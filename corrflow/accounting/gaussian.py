@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 #: Relative rounding error of one ``log_ndtr`` or ``log``/``exp`` evaluation, generously (a few ulps).
@@ -87,6 +86,8 @@ def _certify(epsilon: float, mu: float) -> None:
 
 def epsilon(mu: float, target_delta: float) -> float:
     """The smallest ε (to ~1e-12 relative, rounded up) with δ(ε) ≤ ``target_delta`` for μ = sensitivity/σ."""
+    from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
     goal = math.log(target_delta)
     if _upper(0.0, mu) <= goal:
         return 0.0
@@ -109,6 +110,8 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sensitivity: fl
     """The smallest σ (to ~1e-12 relative, rounded up) with δ(target ε) ≤ ``target_delta`` for this sensitivity.
 
     Root of log δ(ε; μ = Δ/σ) = log δ in log σ (δ(ε) falls monotonically as σ grows)."""
+    from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
     goal = math.log(target_delta)
 
     def f(log_sigma: float) -> float:

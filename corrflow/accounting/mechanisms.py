@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy.optimize import brentq
 
 from corrflow.accounting import gaussian
 from corrflow.errors import InvalidArgumentError, require
@@ -229,6 +228,8 @@ def calibrate_log_sigma(probe: Callable[[float], float], verify: Callable[[float
     verified ε leaves more than ``rtol`` of the target unused (kept only if it verifies), or stepped up until it
     verifies. The σ returned always has verify(σ) ≤ target.
     """
+    from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
     calls = {"probe": 0, "verify": 0}

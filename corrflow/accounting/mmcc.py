@@ -35,7 +35,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binom, norm
 
 from corrflow.errors import InvalidArgumentError, require
 
@@ -89,6 +88,8 @@ def tail_bounds(H: np.ndarray, Cb: np.ndarray, cycle: int, q: float, sigma: floa
     Block i conditions on the rows before i·cycle. Returns (p̃ of Cb's shape, number of pairs that used a tail
     bound); entries where Cb is 0 are irrelevant and left at q.
     """
+    from scipy.stats import binom, norm  # lazy: scipy's import slows every CLI start
+
     blocks, cols = Cb.shape
     hist_sq = np.zeros(cols)
     pt = np.full(Cb.shape, q)
