@@ -252,3 +252,20 @@ def test_same_inputs_same_recipe_and_the_time_budget_only_aborts(tmp_path):
     assert not (out / "recipe.json").exists()
     bad = run("plan", *SMALL, "--out", str(out), "--dense-iterations", "0")
     assert bad.returncode == 2 and "--dense-iterations" in bad.stderr
+
+
+def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
+    # an edit that lowers the cached σ but keeps the ε it claims is caught: the exact ε of the cached σ is recomputed
+    req = PlanRequest(rounds=12, population=40, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
+                      kinds=("toeplitz",), accountants=("unamplified",))
+    first = make_plan(req, PlanCache(tmp_path), quiet=True)
+    edited = 0
+    for path in tmp_path.glob("cal-*.json"):
+        stored = json.loads(path.read_text())
+        if stored["params"].get("accountant") == "unamplified":
+            stored["result"]["noise_multiplier"] *= 0.5
+            path.write_text(json.dumps(stored))
+            edited += 1
+    assert edited >= 1
+    again = make_plan(req, PlanCache(tmp_path), quiet=True)
+    assert [c.noise_multiplier for c in again.candidates] == [c.noise_multiplier for c in first.candidates]

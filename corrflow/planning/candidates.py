@@ -419,8 +419,11 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
                 "guarantee": res.guarantee, "seconds": time.perf_counter() - t0}
 
     def valid(r: dict) -> bool:   # what a calibration can return: σ > 0, ε within the target, a verified δ
-        return (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
-                and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
+        ok = (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
+              and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
+        if ok and cand.accountant == "unamplified":   # exact and microseconds: re-derive ε from the cached σ
+            ok = r["epsilon"] == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon
+        return ok
 
     res, _ = cache.calibration(params, compute, valid)
     require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
