@@ -359,3 +359,90 @@ def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
     mc = MonteCarloAccountant(enc.band_array(), b, p, warm=warm)
     np.testing.assert_allclose(np.sqrt((mc.band**2).sum(axis=1)), np.linalg.norm(C, axis=0), rtol=1e-12)
+
+
+# --- exact Gaussian curve (Balle & Wang 2018, arXiv 1805.06530) and few-probe calibration (issue 24) -----------
+
+def _mp_delta(eps, mu):
+    """δ(ε) of the Gaussian mechanism in 60-digit arithmetic: an independent evaluation of Balle & Wang Thm. 8."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    eps, mu = mpmath.mpf(eps), mpmath.mpf(mu)
+    return mpmath.ncdf(mu / 2 - eps / mu) - mpmath.exp(eps) * mpmath.ncdf(-mu / 2 - eps / mu)
+
+
+@pytest.mark.parametrize("sigma, sens, delta", [(0.341, 1.0, 1e-6), (0.6, 1.0, 1e-5), (2.231, 1.0, 1e-6),
+                                                (300.0, 1.0, 1e-6), (1.7, 2.0, 1e-8), (25.0, 1.0, 1e-5)])
+def test_exact_gaussian_epsilon_is_a_tight_upper_bound(sigma, sens, delta):
+    from corrflow.accounting.mechanisms import gaussian_epsilon
+
+    eps = gaussian_epsilon(sigma, sens, delta)
+    # a verified bound: δ(ε) ≤ δ in high precision, and ε is the root to ~1e-9 relative (δ just below is violated)
+    assert _mp_delta(eps, sens / sigma) <= delta
+    assert _mp_delta(eps * (1 - 1e-7), sens / sigma) > delta
+    # dp-accounting's PLD is pessimistic: never below the exact value, above it by its discretisation only
+    pld = float(dpa.pld.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dpa.GaussianDpEvent(sigma / sens)).get_epsilon(delta))
+    assert eps <= pld <= eps + 2e-3
+    assert eps == pytest.approx(dpa.get_epsilon_gaussian(sigma / sens, delta), rel=1e-9)
+
+
+def test_unamplified_sigma_is_exact_and_at_most_the_pld_grid_sigma():
+    fac = factorize("toeplitz", participation_for(24, 3), bands=8)
+    res = account(fac, delta=1e-6, target_epsilon=8.0)
+    sigma, sens = res["noise_multiplier"], fac.sensitivity.value
+    assert res["accountant"]["name"] == "analytic-gaussian" and res["epsilon"] <= 8.0
+    assert _mp_delta(8.0, sens / sigma) <= 1e-6 < _mp_delta(8.0, sens / (sigma * (1 - 1e-7)))
+    # the PLD path this replaced: the smallest σ on the 1.001 grid whose PLD ε meets the target
+    pld_sigma, _ = calibrate_on_grid(lambda s: float(dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+                                                     .compose(dpa.GaussianDpEvent(s / sens)).get_epsilon(1e-6)),
+                                     8.0, guess=sigma)
+    assert sigma <= pld_sigma <= sigma * 1.01
+    # multi-attribution: k_u = 3 items per user triple the sensitivity, and σ with it (σ/Δ is what the curve sees)
+    from corrflow.accounting.mechanisms import gaussian_noise_multiplier
+
+    assert gaussian_noise_multiplier(8.0, 1e-6, 3 * sens) == pytest.approx(3 * sigma, rel=1e-11)
+
+
+def test_cyclic_poisson_calibration_few_probes_verified_and_near_minimal():
+    fac = factorize("toeplitz", participation_for(64, 4, 16, kind="min-sep"), bands=8)
+    spec = SamplingSpec("cyclic-poisson", 16000, 100)
+    cal = account(fac, delta=1e-5, target_epsilon=2.0, sampling=spec)
+    c = cal["accountant"]["calibration"]
+    assert c["probes"] <= 14 and c["verifications"] <= 3
+    sigma = cal["noise_multiplier"]
+    # verified at full precision (independent PLD), and σ/(1 + 1e-3) no longer meets the target
+    col = np.linalg.norm(fac.encoder.matrix(), axis=0).max()
+
+    def independent(s):
+        return dpa.pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(s / col)), 4)).get_epsilon(1e-5)
+    assert cal["epsilon"] == pytest.approx(independent(sigma), rel=1e-9) and cal["epsilon"] <= 2.0
+    assert independent(sigma / 1.001) > 2.0
+
+
+def test_cyclic_poisson_at_q1_is_the_exact_composed_gaussian():
+    # cycle·B/N = 1: no amplification; ⌈n/b⌉ Gaussians of σ/col compose to one with sensitivity √⌈n/b⌉·col
+    fac = factorize("toeplitz", participation_for(20, 2, 10, kind="min-sep"), bands=10)
+    res = account(fac, delta=1e-5, noise_multiplier=0.9, sampling=SamplingSpec("cyclic-poisson", 100, 10))
+    col = float(np.linalg.norm(fac.encoder.matrix(), axis=0).max())
+    pld = dpa.pld.PLDAccountant().compose(dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(0.9 / col)), 2)).get_epsilon(1e-5)
+    assert res["accountant"]["name"] == "analytic-gaussian" and res["epsilon"] <= pld <= res["epsilon"] + 2e-3
+    assert _mp_delta(res["epsilon"], col * np.sqrt(2) / 0.9) <= 1e-5
+
+
+def test_run_privacy_memoises_and_matches_a_fresh_computation():
+    from corrflow.accounting.tracking import PrivacyPlan, RunPrivacy
+
+    fac = factorize("toeplitz", participation_for(12, 3), bands=4)
+    rp = RunPrivacy(fac, PrivacyPlan(0.8, 5.0), 1e-5)
+    sel = {"a": [0, 4, 8], "b": [1, 5], "c": [2]}
+    first = rp.realized(sel)
+    assert rp.realized(dict(sel)) is first                      # unchanged participation: no recomputation
+    sel2 = {**sel, "c": [2, 6]}
+    second = rp.realized(sel2)
+    fresh = RunPrivacy(fac, PrivacyPlan(0.8, 5.0), 1e-5).realized(sel2)
+    assert second == fresh and len(rp._pattern_cache) == 4      # a, b, c and c's new pattern
+    sens, _ = realized_sensitivity(fac.encoder, sel2)
+    assert second.epsilon == pytest.approx(dpa.get_epsilon_gaussian(0.8 / sens.value, 1e-5), rel=1e-9)

@@ -70,3 +70,26 @@ def test_optimal_decoder_loss_identity(rng):
     C = np.tril(rng.uniform(0.1, 1, (8, 8))) + np.eye(8)
     A = MOMENTUM.matrix(8)
     assert optimal_decoder_loss(A, C.T @ C) == pytest.approx(np.sum((A @ np.linalg.inv(C)) ** 2), rel=1e-10)
+
+
+def test_stopped_optimizer_reports_a_finite_valid_gap():
+    # Issue 25 item 7: an early stop used to report an infinite gap when the primal's dual point was not positive
+    # definite (here n = 64, k = 4, momentum: at 1 iteration). The bound must be finite and below the optimum.
+    wl = Workload.sgd_momentum(0.9, 0.25)
+    small = Participation.fixed_epoch(12, 3)
+    opt = solve_constrained(wl, small, "pattern-nonneg").loss        # Eq. 36: the relaxation the dual bounds
+    for m in (1, 3):
+        r = optimize_dense(wl, small, max_iterations=m)
+        assert np.isfinite(r.relative_gap) and 0 < r.lower_bound <= opt * (1 + 1e-9) <= r.loss * (1 + 1e-9)
+    p64 = Participation.fixed_epoch(64, 4)
+    early = optimize_dense(wl, p64, max_iterations=1)
+    full = optimize_dense(wl, p64, tol=1e-4)
+    assert np.isfinite(early.relative_gap) and early.relative_gap < 0.5 and not early.converged
+    assert early.lower_bound <= full.loss and full.lower_bound <= full.loss and full.relative_gap <= 1e-4
+
+
+def test_iteration_budget_is_deterministic():
+    wl, part = Workload.sgd_momentum(0.9, 0.25), Participation.fixed_epoch(48, 4)
+    a = optimize_dense(wl, part, max_iterations=40)
+    b = optimize_dense(wl, part, max_iterations=40)
+    assert a.iterations == b.iterations == 40 and np.array_equal(a.X, b.X) and a.lower_bound == b.lower_bound

@@ -162,7 +162,7 @@ def test_interface_and_registry():
         res.epsilon = 0.0  # frozen
     cal = accountant_for(SamplingSpec()).noise_multiplier(fac, res.epsilon, 1e-6)
     assert cal.epsilon <= res.epsilon and cal.noise_multiplier <= 0.6 * 1.0011
-    assert cal.to_dict()["accountant"]["name"] == "pld" and cal.to_dict()["target_epsilon"] == res.epsilon
+    assert cal.to_dict()["accountant"]["name"] == "analytic-gaussian" and cal.to_dict()["target_epsilon"] == res.epsilon
 
 
 def test_mmcc_calibration_hits_target():

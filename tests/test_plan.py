@@ -228,3 +228,44 @@ def test_an_edited_calibration_is_recomputed_not_printed(tmp_path):
     path.write_text(json.dumps(stored))
     assert cache.calibration(params, compute, valid)[0]["epsilon"] == 7.9 and len(calls) == 2
     assert cache.calibration(params, compute, valid)[1] is True and len(calls) == 2   # the rewritten entry is served
+
+
+def test_same_inputs_same_recipe_and_the_time_budget_only_aborts(tmp_path):
+    from corrflow.planning.candidates import PlanStoppedError, dense_iterations
+
+    req = PlanRequest(rounds=24, population=60, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
+                      kinds=("dpsgd", "toeplitz", "dense"), accountants=("unamplified", "cyclic-poisson"))
+    runs = [make_plan(req, PlanCache(tmp_path / f"cache{i}"), quiet=True) for i in range(2)]   # both cold
+
+    def table(res):
+        return [(c.key(), c.noise_multiplier, c.rmse, c.factorization_sha256) for c in res.candidates]
+    assert table(runs[0]) == table(runs[1]) and runs[0].recommended.key() == runs[1].recommended.key()
+    dense = next(c for c in runs[0].candidates if c.kind == "dense")
+    assert dense.notes["max_iterations"] == dense_iterations(24) == 10_000 and np.isfinite(dense.notes["relative_gap"])
+    assert dense_iterations(2052) == 116
+    # a wall-clock budget that runs out stops the plan instead of changing it: an error, and no recipe written
+    with pytest.raises(PlanStoppedError, match="no recipe written"):
+        make_plan(PlanRequest(**{**req.__dict__, "time_budget": 1e-9}), PlanCache(tmp_path / "cache2"), quiet=True)
+    out = tmp_path / "stopped"
+    r = run("plan", *SMALL, "--out", str(out), "--time-budget", "0.000001", "--no-plots")
+    assert r.returncode == 1 and "--time-budget" in r.stderr and "no recipe written" in r.stderr
+    assert not (out / "recipe.json").exists()
+    bad = run("plan", *SMALL, "--out", str(out), "--dense-iterations", "0")
+    assert bad.returncode == 2 and "--dense-iterations" in bad.stderr
+
+
+def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
+    # an edit that lowers the cached σ but keeps the ε it claims is caught: the exact ε of the cached σ is recomputed
+    req = PlanRequest(rounds=12, population=40, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
+                      kinds=("toeplitz",), accountants=("unamplified",))
+    first = make_plan(req, PlanCache(tmp_path), quiet=True)
+    edited = 0
+    for path in tmp_path.glob("cal-*.json"):
+        stored = json.loads(path.read_text())
+        if stored["params"].get("accountant") == "unamplified":
+            stored["result"]["noise_multiplier"] *= 0.5
+            path.write_text(json.dumps(stored))
+            edited += 1
+    assert edited >= 1
+    again = make_plan(req, PlanCache(tmp_path), quiet=True)
+    assert [c.noise_multiplier for c in again.candidates] == [c.noise_multiplier for c in first.candidates]

@@ -4,7 +4,8 @@ Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multipl
 :class:`AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees. :func:`accountant_for` maps a
 :class:`SamplingSpec` (sampling kind, plus an optional ``accountant`` choice) to the implementation:
 
-* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — PLD;
+* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — its exact (ε, δ)
+  curve (Balle & Wang 2018, arXiv 1805.06530);
 * ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians, b-banded C) or,
   with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D: any non-negative C);
 * ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1);
@@ -21,19 +22,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import dp_accounting as dpa
 import numpy as np
 
 from corrflow import choices
 from corrflow.accounting.mechanisms import (
+    PLD_DISCRETIZATION,
+    PROBE_DISCRETIZATION,
     CyclicPoisson,
-    calibrate_on_grid,
+    calibrate_log_sigma,
     check_delta,
     check_epsilon,
     check_pld_size,
     check_sigma,
     epsilon_of,
-    unamplified_event,
+    gaussian_epsilon,
+    gaussian_noise_multiplier,
 )
 from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
 from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
@@ -48,6 +51,8 @@ ACCOUNTANT_NAMES = choices.values(choices.Accountant)
 #: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh verification passes
 #: almost always (at 1.96 about one run in ten fell back to the unamplified bound).
 RELEASE_Z = 3.0
+#: The report's accountant name for the exact Gaussian curve (unamplified accounting).
+GAUSSIAN_NAME = "analytic-gaussian"
 
 
 @dataclass(frozen=True)
@@ -131,11 +136,16 @@ class AccountingResult:
 
 @runtime_checkable
 class Accountant(Protocol):
-    """ε for σ, or the smallest grid σ for a target ε, of a factorization under one sampling scheme."""
+    """ε for σ, or the smallest σ (to the accountant's precision, rounded up) for a target ε, of a factorization
+    under one sampling scheme."""
 
     name: str
 
-    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float) -> AccountingResult: ...
+    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float, *,
+                coarse: bool = False) -> AccountingResult:
+        """ε at σ. ``coarse``: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
+        searches and plots."""
+        ...
 
     def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult: ...
 
@@ -152,37 +162,64 @@ def _band(fac: Factorization) -> np.ndarray:
 
 
 class _Calibrating:
-    """σ for a target ε by grid search over ``epsilon`` (ε must decrease in σ)."""
+    """σ for a target ε by :func:`calibrate_log_sigma` over ``_epsilon`` (ε must decrease in σ): probes with
+    ``coarse=True`` (a coarser PLD where the accountant has one), the answer verified at full precision."""
 
-    grid = 1.001
+    #: relative precision of the σ search (the old grid's ratio was 1.001)
+    rtol = 1e-4
+    probe_discretization: float | None = PROBE_DISCRETIZATION
+
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
+        return self._epsilon(fac, noise_multiplier, delta, coarse=coarse)
 
     def noise_multiplier(self, fac, target_epsilon, delta):
         check_epsilon(target_epsilon)
         check_delta(delta)
-        sens = fac.sensitivity.value
         # The unamplified σ is the natural starting guess (amplification only lowers it).
-        guess = sens * dpa.get_sigma_gaussian(target_epsilon, delta)
-        last = {}
+        guess = gaussian_noise_multiplier(target_epsilon, delta, fac.sensitivity.value)
+        fine: dict[float, AccountingResult] = {}
 
-        def eps(s):
-            last[s] = self.epsilon(fac, s, delta)
-            return last[s].epsilon
-        sigma, _ = calibrate_on_grid(eps, target_epsilon, guess=guess, ratio=self.grid)
-        res = last[sigma]
-        return AccountingResult(res.accountant, res.epsilon, res.delta, sigma, delta, target_epsilon, res.slack,
-                                {**res.parameters, "grid_ratio": self.grid})
+        def verify(s):
+            fine[s] = self._epsilon(fac, s, delta, coarse=False)
+            return fine[s].epsilon
+
+        def probe(s):
+            if self.probe_discretization is None:
+                return verify(s)
+            return self._epsilon(fac, s, delta, coarse=True).epsilon
+        cal = calibrate_log_sigma(probe, verify, target_epsilon, guess=guess, rtol=self.rtol)
+        res = fine[cal.noise_multiplier]
+        return AccountingResult(res.accountant, res.epsilon, res.delta, cal.noise_multiplier, delta, target_epsilon,
+                                res.slack, {**res.parameters, "calibration": {
+                                    "method": "Brent search on log σ, verified at full precision",
+                                    "rtol": self.rtol, "probes": cal.probes, "verifications": cal.verifications,
+                                    "probe_discretization": self.probe_discretization}})
 
 
-class UnamplifiedAccountant(_Calibrating):
+class UnamplifiedAccountant:
+    """One Gaussian mechanism with noise multiplier σ/sensitivity (000 App. D.2), through its exact (ε, δ) curve
+    (Balle & Wang 2018, "Improving the Gaussian Mechanism for Differential Privacy", arXiv 1805.06530, Thm. 8):
+    ε and σ by root-finding in double precision, rounded to the safe side."""
+
     name = "unamplified"
 
-    def epsilon(self, fac, noise_multiplier, delta):
-        check_delta(delta)
-        sens = fac.sensitivity.value
-        e = epsilon_of(unamplified_event(noise_multiplier, sens), delta)
-        return AccountingResult("pld", e, delta, noise_multiplier, delta, parameters={
-            "sampling": "none", "normalisation": "sensitivity 1 under the factorization's participation "
+    def _result(self, fac, sigma, eps, delta, target_epsilon=None):
+        return AccountingResult(GAUSSIAN_NAME, eps, delta, sigma, delta, target_epsilon, parameters={
+            "sampling": "none", "method": "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, "
+            "Thm. 8)", "normalisation": "sensitivity 1 under the factorization's participation "
             f"({fac.participation.describe()})"})
+
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # exact: nothing coarser is cheaper
+        check_delta(delta)
+        # The same floor as every other accountant (ε would be in the thousands): one answer to a σ that small.
+        check_pld_size(noise_multiplier, fac.sensitivity.value)
+        return self._result(fac, noise_multiplier,
+                            gaussian_epsilon(noise_multiplier, fac.sensitivity.value, delta), delta)
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        sigma = gaussian_noise_multiplier(target_epsilon, delta, fac.sensitivity.value)
+        eps = gaussian_epsilon(sigma, fac.sensitivity.value, delta)
+        return self._result(fac, sigma, eps, delta, target_epsilon)
 
 
 @dataclass
@@ -190,19 +227,50 @@ class CyclicPoissonAccountant(_Calibrating):
     sampling: SamplingSpec
     name = "cyclic-poisson"
 
-    def epsilon(self, fac, noise_multiplier, delta):
-        check_delta(delta)
+    def _reduction(self, fac) -> tuple[CyclicPoisson, float]:
         _band(fac)
         cp = CyclicPoisson(fac.rounds, fac.participation.min_sep, self.sampling.dataset_size,
                            self.sampling.expected_batch_size)
         require(fac.bands <= cp.cycle, "factorization", f"at most min_sep = {cp.cycle} bands for the cyclic Poisson "
                 "reduction (use --accountant mmcc for more bands)", fac.bands)
-        col = float(fac.encoder.column_norms().max())
-        e = epsilon_of(cp.event(noise_multiplier, col), delta)
-        return AccountingResult("pld", e, delta, noise_multiplier, delta, parameters={
-            "sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
-            "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
-            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"})
+        return cp, float(fac.encoder.column_norms().max())
+
+    def _result(self, cp, col, sigma, eps, delta, target_epsilon=None, exact=False):
+        params = {"sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
+                  "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
+                  f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"}
+        if exact:
+            params["method"] = ("q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
+                                "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & Wang "
+                                "2018, arXiv 1805.06530, Thm. 8)")
+        return AccountingResult(GAUSSIAN_NAME if exact else "pld", eps, delta, sigma, delta, target_epsilon,
+                                parameters=params)
+
+    @staticmethod
+    def _unamplified(cp: CyclicPoisson) -> bool:
+        # q = 1 (up to rounding: a q below 1 only lowers ε, so treating it as 1 stays an upper bound)
+        return cp.sampling_probability >= 1.0 - 1e-12
+
+    def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
+        check_delta(delta)
+        cp, col = self._reduction(fac)
+        if self._unamplified(cp):
+            check_pld_size(noise_multiplier, col * math.sqrt(cp.compositions))
+            e = gaussian_epsilon(noise_multiplier, col * math.sqrt(cp.compositions), delta)
+            return self._result(cp, col, noise_multiplier, e, delta, exact=True)
+        e = epsilon_of(cp.event(noise_multiplier, col), delta,
+                       discretization=self.probe_discretization if coarse else PLD_DISCRETIZATION)
+        return self._result(cp, col, noise_multiplier, e, delta)
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        check_epsilon(target_epsilon)
+        check_delta(delta)
+        cp, col = self._reduction(fac)
+        if not self._unamplified(cp):
+            return super().noise_multiplier(fac, target_epsilon, delta)
+        sens = col * math.sqrt(cp.compositions)
+        sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
+        return self._result(cp, col, sigma, gaussian_epsilon(sigma, sens, delta), delta, target_epsilon, exact=True)
 
 
 @dataclass
@@ -212,7 +280,8 @@ class MMCCAccountant(_Calibrating):
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
     name = "mmcc"
-    grid = 1.01
+    rtol = 1e-3                      # each probe is a full Generalized-MMCC run
+    probe_discretization = 4 * MMCC_DISCRETIZATION
 
     def _setting(self, fac) -> tuple[int, float, list[int] | None]:
         s = self.sampling
@@ -227,18 +296,19 @@ class MMCCAccountant(_Calibrating):
         toeplitz = isinstance(enc, BLTEncoder) or (isinstance(enc, ToeplitzEncoder) and not enc.column_normalize)
         return cycle, q, [0] if toeplitz else None
 
-    def epsilon(self, fac, noise_multiplier, delta):
+    def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
         check_delta(delta)
         check_sigma(noise_multiplier)
         cycle, q, groups = self._setting(fac)
         o = self.options
+        vdi = self.probe_discretization if coarse else MMCC_DISCRETIZATION
         run = mmcc_epsilon(fac.encoder.matrix(), q, noise_multiplier, delta, cycle=cycle, groups=groups,
-                           delta_split=o.delta_split, grid=o.mmcc_grid, progress=o.progress)
+                           delta_split=o.delta_split, grid=o.mmcc_grid, discretization=vdi, progress=o.progress)
         variant = "MMCC (002 Alg. 1)" if cycle == 1 else "Generalized-MMCC (002 Alg. 3)"
         return AccountingResult("mmcc", run.epsilon, delta, noise_multiplier, delta, slack=run.delta1, parameters={
             "sampling": self.sampling.kind, "variant": variant, "cycle": cycle, "sampling_probability": q,
             "delta_tail_bounds": run.delta1, "delta_pld": run.delta2, "grid": run.grid,
-            "pld_discretization": MMCC_DISCRETIZATION, "rows": run.rows, "distinct_rows": run.distinct_rows,
+            "pld_discretization": vdi, "rows": run.rows, "distinct_rows": run.distinct_rows,
             "tail_bound_pairs": run.tail_bound_pairs, "max_p_tilde": run.max_p_tilde,
             "groups_analysed": run.groups_analysed,
             "normalisation": "σ multiplies the clip norm; C's entries are the per-round sensitivities"})
@@ -297,11 +367,10 @@ class MonteCarloEVRAccountant:
         k = math.ceil(fac.rounds / params["min_sep"])
         sens_fb = params["items_per_user"] * float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
         if sigma is not None:
-            return epsilon_of(unamplified_event(sigma, sens_fb), delta)
-        return calibrate_on_grid(lambda s: epsilon_of(unamplified_event(s, sens_fb), delta), target_epsilon,
-                                 guess=sens_fb * dpa.get_sigma_gaussian(target_epsilon, delta))[0]
+            return gaussian_epsilon(sigma, sens_fb, delta)
+        return gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
 
-    def epsilon(self, fac, noise_multiplier, delta):
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)

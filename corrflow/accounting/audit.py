@@ -48,8 +48,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import optimize, special, stats
+from scipy import optimize, stats
 
+from corrflow.accounting import gaussian, mechanisms
 from corrflow.errors import require
 
 #: Fractions of the m candidates the one-run bound guesses on (half "in" from the top, half "out" from the
@@ -73,28 +74,20 @@ def canary_coins(seed: int, count: int) -> np.ndarray:
 
 # -- the Gaussian mechanism's exact ε ---------------------------------------------------------------------------------
 def gaussian_delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ: Φ(μ/2 − ε/μ) − e^ε·Φ(−μ/2 − ε/μ) (Balle & Wang
-    1805.06530 Thm. 8), the second term in log space."""
-    if mu <= 0:
-        return 0.0
-    a = special.log_ndtr(mu / 2 - epsilon / mu)
-    b = epsilon + special.log_ndtr(-mu / 2 - epsilon / mu)
-    return float(np.exp(a) - np.exp(b)) if a > b else 0.0
+    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang 1805.06530 Thm. 8; the one
+    implementation is :mod:`corrflow.accounting.gaussian`)."""
+    return gaussian.delta(epsilon, mu) if mu > 0 else 0.0
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
-    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ."""
+    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ — the
+    accountants' own exact curve (:func:`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ."""
     require(0 < delta < 1, "delta", "a number in (0, 1)", delta)
     if not math.isfinite(mu):
         return math.inf
-    if mu <= 0 or gaussian_delta(0.0, mu) <= delta:
+    if mu <= 0:
         return 0.0
-    hi = max(1.0, mu * mu)
-    while gaussian_delta(hi, mu) > delta:
-        hi *= 2
-        if hi > 1e6:
-            return math.inf
-    return float(optimize.brentq(lambda e: gaussian_delta(e, mu) - delta, 0.0, hi, xtol=1e-10, rtol=1e-12))
+    return mechanisms.gaussian_epsilon(1.0, float(mu), delta)
 
 
 # -- test statistics ----------------------------------------------------------------------------------------------

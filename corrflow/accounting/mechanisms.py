@@ -1,12 +1,16 @@
-"""(ε, δ) of correlated-noise mechanisms through ``dp-accounting`` events, and grid calibration of σ.
+"""(ε, δ) of correlated-noise mechanisms through ``dp-accounting`` events, and calibration of σ.
 
 * Unamplified MF (000 App. D.2): with C normalised to sensitivity s under the participation that really holds, the
-  whole run is one Gaussian mechanism with noise multiplier σ/s (add/remove adjacency).
+  whole run is one Gaussian mechanism with noise multiplier σ/s (add/remove adjacency). Its ε is exact: the
+  closed-form (ε, δ) curve of the Gaussian mechanism (Balle & Wang 2018, arXiv 1805.06530, Thm. 8;
+  :mod:`corrflow.accounting.gaussian`), which :func:`epsilon_of` uses for a single ``GaussianDpEvent``.
 * Amplified banded MF with cyclic Poisson sampling (001 Prop. 2.1): with C ``bands``-banded and the data split into
   ``cycle ≥ bands`` parts, the run is ⌈n/cycle⌉ compositions of a Poisson-subsampled Gaussian with q = cycle·B/N and
   noise multiplier σ/max‖C[:, j]‖ (the accountant applies this column-norm rescaling, not the caller).
 
-PLD (``dp_accounting.pld``) is the default; RDP where asked.
+PLD (``dp_accounting.pld``) is the default for compositions and amplified events; RDP where asked. Amplified
+calibration (:func:`calibrate_log_sigma`) finds σ with a few probes: a Brent search on log σ with a coarse PLD
+discretisation, then the answer verified (and nudged up if needed) at full precision.
 """
 
 from __future__ import annotations
@@ -14,15 +18,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting as dpa
 import numpy as np
 
+from corrflow.accounting import gaussian
 from corrflow.errors import InvalidArgumentError, require
+
+if TYPE_CHECKING:   # dp-accounting takes ~1 s to import (scipy.signal): only the PLD paths load it
+    import dp_accounting as dpa
 
 ACCOUNTANTS = ("pld", "rdp")
 #: PLD discretisation; 1e-4 is dp-accounting's default and moves ε by < 0.1% against 1e-3 at these sizes.
 PLD_DISCRETIZATION = 1e-4
+#: Discretisation of the probes of a σ search (:func:`calibrate_log_sigma`); the answer is verified at
+#: :data:`PLD_DISCRETIZATION`.
+PROBE_DISCRETIZATION = 1e-3
 
 
 def check_delta(delta: float) -> None:
@@ -61,20 +72,62 @@ def check_pld_size(noise_multiplier: float, sensitivity: float, field: str = "no
                                    f"too wide to account (≈ {points:.2g} PLD grid points)", noise_multiplier)
 
 
-def _accountant(name: str) -> dpa.PrivacyAccountant:
+def _accountant(name: str, discretization: float = PLD_DISCRETIZATION) -> dpa.PrivacyAccountant:
+    import dp_accounting as dpa
+
     require(name in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", name)
     if name == "pld":
-        return dpa.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+        return dpa.pld.PLDAccountant(value_discretization_interval=discretization)
     return dpa.rdp.RdpAccountant()
 
 
-def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld") -> float:
+def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld", *,
+               discretization: float = PLD_DISCRETIZATION) -> float:
+    """ε at ``delta`` of ``event``: exact for one Gaussian (:func:`gaussian_epsilon`), else dp-accounting's PLD (at
+    ``discretization``, pessimistic) or RDP."""
+    import dp_accounting as dpa
+
     check_delta(delta)
-    return float(_accountant(accountant).compose(event).get_epsilon(delta))
+    if accountant == "pld" and isinstance(event, dpa.GaussianDpEvent):
+        return gaussian_epsilon(event.noise_multiplier, 1.0, delta)
+    return float(_accountant(accountant, discretization).compose(event).get_epsilon(delta))
+
+
+def gaussian_epsilon(noise_multiplier: float, sensitivity: float, delta: float) -> float:
+    """Exact ε of one Gaussian mechanism (noise σ, sensitivity Δ) at ``delta`` (Balle & Wang 2018, arXiv
+    1805.06530, Thm. 8), rounded up; dp-accounting's PLD where double precision cannot certify it."""
+    check_delta(delta)
+    check_sigma(noise_multiplier)
+    try:
+        return gaussian.epsilon(sensitivity / noise_multiplier, delta)
+    except gaussian.IllConditionedError:
+        import dp_accounting as dpa
+
+        check_pld_size(noise_multiplier, sensitivity)
+        return float(_accountant("pld").compose(dpa.GaussianDpEvent(noise_multiplier / sensitivity))
+                     .get_epsilon(delta))
+
+
+def gaussian_noise_multiplier(target_epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+    """The smallest σ (rounded up) whose Gaussian mechanism with ``sensitivity`` is (ε, δ)-DP, exactly (Balle & Wang
+    2018, arXiv 1805.06530, Thm. 8); a σ search over the PLD where double precision cannot certify it."""
+    check_epsilon(target_epsilon)
+    check_delta(delta)
+    require(np.isfinite(sensitivity) and sensitivity > 0, "sensitivity", "a positive number", sensitivity)
+    try:
+        return gaussian.noise_multiplier(target_epsilon, delta, sensitivity)
+    except gaussian.IllConditionedError:
+        import dp_accounting as dpa
+
+        return calibrate_on_grid(lambda s: float(_accountant("pld").compose(dpa.GaussianDpEvent(s / sensitivity))
+                                                 .get_epsilon(delta)), target_epsilon,
+                                 guess=sensitivity * dpa.get_sigma_gaussian(target_epsilon, delta))[0]
 
 
 def unamplified_event(noise_multiplier: float, sensitivity: float = 1.0) -> dpa.DpEvent:
     """One Gaussian release with noise multiplier σ/sensitivity (000 App. D.2)."""
+    import dp_accounting as dpa
+
     check_sigma(noise_multiplier)
     require(np.isfinite(sensitivity) and sensitivity > 0, "sensitivity", "a positive number", sensitivity)
     check_pld_size(noise_multiplier, sensitivity)
@@ -109,6 +162,8 @@ class CyclicPoisson:
 
     def event(self, noise_multiplier: float, max_column_norm: float) -> dpa.DpEvent:
         """⌈n/cycle⌉ × PoissonSampled(q, Gaussian(σ/max‖C[:,j]‖)) (001 Prop. 2.1)."""
+        import dp_accounting as dpa
+
         check_pld_size(noise_multiplier, max_column_norm)
         inner = dpa.GaussianDpEvent(noise_multiplier / max_column_norm)
         return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(self.sampling_probability, inner),
@@ -151,3 +206,79 @@ def calibrate_on_grid(epsilon_of_sigma: Callable[[float], float], target_epsilon
         else:
             lo = mid
     return base * ratio**hi, eps(hi)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """σ from :func:`calibrate_log_sigma`: its verified ε and how many probes and verifications it took."""
+
+    noise_multiplier: float
+    epsilon: float
+    probes: int
+    verifications: int
+
+
+def calibrate_log_sigma(probe: Callable[[float], float], verify: Callable[[float], float], target_epsilon: float,
+                        *, guess: float, rtol: float = 1e-4, limit: float = 1e4) -> Calibration:
+    """σ for a target ε with few accountant calls. ε must decrease in σ.
+
+    ``probe(σ)``: a cheap ε (a coarse PLD); ``verify(σ)``: the full-precision ε that is reported. The probes
+    bracket the root of probe(σ) = target geometrically (×1.25) from ``guess`` and a Brent search on log σ finds it
+    to ``rtol``; the result is verified, then moved once toward the verified root by a secant step when the
+    verified ε leaves more than ``rtol`` of the target unused (kept only if it verifies), or stepped up until it
+    verifies. The σ returned always has verify(σ) ≤ target.
+    """
+    from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
+    check_epsilon(target_epsilon)
+    require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
+    calls = {"probe": 0, "verify": 0}
+    probed: dict[float, float] = {}
+
+    def p(log_s: float) -> float:
+        if log_s not in probed:
+            calls["probe"] += 1
+            probed[log_s] = probe(math.exp(log_s))
+        return probed[log_s] - target_epsilon
+
+    def v(sigma: float) -> float:
+        calls["verify"] += 1
+        return verify(sigma)
+
+    step = math.log(1.25)
+    hi = math.log(guess)
+    while p(hi) > 0:
+        hi += step
+        if math.exp(hi) > limit:
+            raise InvalidArgumentError("target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon)
+    lo = hi - step
+    while p(lo) <= 0:
+        lo, hi = lo - step, lo
+        if lo < math.log(1e-6):
+            break
+    if p(lo) <= 0:
+        log_s = hi = lo
+    else:
+        log_s = brentq(p, lo, hi, xtol=rtol / 2, rtol=4 * np.finfo(float).eps)
+        if p(log_s) > 0:           # brentq's answer may sit just below the root: take the bracket's safe end
+            log_s = min((x for x, e in probed.items() if e <= target_epsilon and x >= log_s), default=hi)
+    sigma = math.exp(log_s)
+    eps = v(sigma)
+    up = rtol
+    while eps > target_epsilon:    # the fine PLD above the coarse one (rare): step up until it verifies
+        sigma *= 1 + up
+        up *= 2
+        eps = v(sigma)
+        if sigma > limit:
+            raise InvalidArgumentError("target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon)
+    unused = (target_epsilon - eps) / target_epsilon
+    if unused > rtol and len(probed) >= 2:
+        # slope dε/dlog σ from the two probes closest to the root, then one secant step on the verified curve
+        (x0, e0), (x1, e1) = sorted(probed.items(), key=lambda kv: abs(kv[0] - log_s))[:2]
+        slope = (e1 - e0) / (x1 - x0) if x1 != x0 else 0.0
+        if slope < 0:
+            cand = sigma * math.exp((target_epsilon - eps) / slope * (1 - rtol))
+            e_c = v(cand)
+            if e_c <= target_epsilon:
+                sigma, eps = cand, e_c
+    return Calibration(sigma, eps, calls["probe"], calls["verify"])

@@ -35,8 +35,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from scipy.stats import binom, norm
 
 from corrflow.errors import InvalidArgumentError, require
 
@@ -90,6 +88,8 @@ def tail_bounds(H: np.ndarray, Cb: np.ndarray, cycle: int, q: float, sigma: floa
     Block i conditions on the rows before i·cycle. Returns (p̃ of Cb's shape, number of pairs that used a tail
     bound); entries where Cb is 0 are irrelevant and left at q.
     """
+    from scipy.stats import binom, norm  # lazy: scipy's import slows every CLI start
+
     blocks, cols = Cb.shape
     hist_sq = np.zeros(cols)
     pt = np.full(Cb.shape, q)
@@ -164,7 +164,9 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return keep, pmf[keep] / pmf[keep].sum()
 
 
-def _row_pld(args) -> pld_lib.PrivacyLossDistribution:
+def _row_pld(args):
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
     sigma, grid, support, masses, vdi = args
     sens = support * grid
     if support.size == 1:

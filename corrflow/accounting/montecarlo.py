@@ -26,7 +26,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import brentq, minimize_scalar
 from scipy.special import gammaln, logsumexp
 
 from corrflow.errors import InvalidArgumentError, require
@@ -189,6 +188,8 @@ def bernoulli_kl(a: float, b: float) -> float:
 
 def overall_delta(samples: int, delta_prime: float) -> float:
     """min over δ ∈ [δ', 1) of δ + exp(−s·KL(δ'‖δ))(1 − δ): the δ that EVR releases (004 Thm A.1)."""
+    from scipy.optimize import minimize_scalar  # lazy: scipy's import slows every CLI start
+
     def f(log_tau):
         d = min(delta_prime * math.exp(log_tau), 1 - 1e-16)
         return d + math.exp(-samples * bernoulli_kl(delta_prime, d)) * (1 - d)
@@ -237,6 +238,8 @@ class MonteCarloEstimate:
 
     def epsilon(self, delta: float, z: float = 0.0) -> float:
         """ε with δ̂(ε) + z·se(ε) = δ (z = 0: point estimate; z > 0: upper confidence end)."""
+        from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
         def g(eps):
             d, se = self.delta(eps)
             return d + z * se - delta

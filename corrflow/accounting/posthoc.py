@@ -37,18 +37,23 @@ def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
     return Sensitivity(bound, False, "realized-upper-bound")
 
 
-def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[int]]
-                         ) -> tuple[Sensitivity, str | None]:
+def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[int]],
+                         cache: dict[tuple[int, ...], Sensitivity] | None = None) -> tuple[Sensitivity, str | None]:
     """max over users of :func:`pattern_sensitivity`; returns it and the (raw) id of a worst user.
 
-    Users with the same rounds (and multiplicities) share one computation.
+    Users with the same rounds (and multiplicities) share one computation; ``cache`` (pattern → sensitivity, for
+    this ``encoder`` only) carries them across calls, so a run recomputes only the patterns a round changed.
     """
     by_pattern: dict[tuple[int, ...], str] = {}
     for user, rounds in user_rounds.items():
         by_pattern.setdefault(tuple(sorted(int(r) for r in rounds)), user)
     best, worst, exact = Sensitivity(0.0, True, "no-participation"), None, True
     for pattern, user in by_pattern.items():
-        s = pattern_sensitivity(encoder, pattern)
+        s = cache.get(pattern) if cache is not None else None
+        if s is None:
+            s = pattern_sensitivity(encoder, pattern)
+            if cache is not None:
+                cache[pattern] = s
         exact = exact and s.exact
         if s.value > best.value:
             best, worst = s, user

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from corrflow.accounting.mechanisms import epsilon_of, unamplified_event
+from corrflow.accounting.mechanisms import gaussian_epsilon
 from corrflow.accounting.posthoc import realized_sensitivity
 from corrflow.factorization.base import Factorization
 
@@ -43,27 +43,40 @@ class RealizedPrivacy:
 
 
 class RunPrivacy:
-    """ε of the participation recorded so far (pure given its inputs; caches the Gaussian ε per sensitivity)."""
+    """ε of the participation recorded so far (pure given its inputs).
+
+    Memoised, since the strategy asks several times a round (budget guard, release, record): each user pattern's
+    sensitivity is computed once (a round adds only its cohort's new patterns), ε once per distinct sensitivity
+    (the exact Gaussian curve, microseconds), and the whole answer is reused while the participation is unchanged.
+    """
 
     def __init__(self, factorization: Factorization, plan: PrivacyPlan, delta: float):
         self.fac, self.plan, self.delta = factorization, plan, delta
         self._eps_cache: dict[float, float] = {}
+        self._pattern_cache: dict = {}
+        self._last: tuple | None = None
 
     def _epsilon_for_sensitivity(self, sens: float) -> float | None:
         if not self.plan.private:
             return None
         key = round(sens, 12)
         if key not in self._eps_cache:
-            self._eps_cache[key] = 0.0 if sens == 0 else epsilon_of(
-                unamplified_event(self.plan.noise_multiplier, sens), self.delta)
+            self._eps_cache[key] = 0.0 if sens == 0 else gaussian_epsilon(self.plan.noise_multiplier, sens,
+                                                                          self.delta)
         return self._eps_cache[key]
 
     def realized(self, selected: Mapping[str, Sequence[int]], *, pattern_followed: bool = True) -> RealizedPrivacy:
         """ε of ``selected`` (user → rounds, with multiplicity): the plan's when it is amplified and its pattern
         was followed, else post-hoc on the realised sensitivity."""
-        sens, worst = realized_sensitivity(self.fac.encoder, selected)
+        key = (pattern_followed, tuple((u, tuple(r)) for u, r in selected.items()))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        sens, worst = realized_sensitivity(self.fac.encoder, selected, self._pattern_cache)
         if self.plan.amplified and pattern_followed:
-            return RealizedPrivacy(sens.value, sens.exact, self.plan.epsilon,
-                                   "as planned (the sampler's pattern was followed)", worst)
-        return RealizedPrivacy(sens.value, sens.exact, self._epsilon_for_sensitivity(sens.value),
-                               "post-hoc (unamplified, realised pattern)", worst)
+            out = RealizedPrivacy(sens.value, sens.exact, self.plan.epsilon,
+                                  "as planned (the sampler's pattern was followed)", worst)
+        else:
+            out = RealizedPrivacy(sens.value, sens.exact, self._epsilon_for_sensitivity(sens.value),
+                                  "post-hoc (unamplified, realised pattern)", worst)
+        self._last = (key, out)
+        return out

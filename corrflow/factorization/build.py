@@ -30,7 +30,8 @@ def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
 def factorize(kind: str, participation: Participation, workload: Workload | None = None, *,
               bands: int | None = None, stamps: int = 1, gamma: float | None = None, taper: int | None = None,
               search_gamma: bool = False, tol: float = 5e-4, time_budget: float | None = None,
-              buffers: int | None = None, callback: ProgressCallback | None = None) -> Factorization:
+              buffers: int | None = None, callback: ProgressCallback | None = None,
+              max_iterations: int | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
@@ -39,7 +40,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).
     ``time_budget`` (dense only): seconds after which the optimizer stops (``converged`` false, the duality gap
-    in the metadata). ``buffers`` (blt only): B, the BLT's buffers; by default the optimiser adds buffers while each
+    in the metadata; load-dependent); ``max_iterations`` (dense only): the deterministic budget instead.
+    ``buffers`` (blt only): B, the BLT's buffers; by default the optimiser adds buffers while each
     lowers the loss by more than 1%. How each kind builds lives in :mod:`corrflow.factorization.registry`.
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
@@ -68,7 +70,8 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     p = bands if bands is not None else min(inner.min_sep, m)
     start = time.perf_counter()
     enc, built = spec.build(BuildRequest(workload, inner, p, buffers=buffers, gamma=gamma, search_gamma=search_gamma,
-                                         taper=taper, tol=tol, time_budget=time_budget, callback=callback))
+                                         taper=taper, tol=tol, time_budget=time_budget, callback=callback,
+                                         max_iterations=max_iterations))
     meta: dict = {"stamps": stamps, **built}
     if stamps != 1 and "lower_bound" in meta:
         meta["lower_bound"] = None   # the dual bound bounds the unstamped problem only

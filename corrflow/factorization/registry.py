@@ -38,6 +38,7 @@ class BuildRequest:
     taper: int | None = None
     tol: float = 5e-4
     time_budget: float | None = None  # dense: stop the optimizer after this many seconds (gap reported)
+    max_iterations: int | None = None  # dense: stop the optimizer after this many iterations (deterministic)
     callback: ProgressCallback | None = None
 
 
@@ -116,8 +117,9 @@ def _fft(req: BuildRequest):
 def _dense(req: BuildRequest):
     from corrflow.factorization.dense import optimize_dense
 
+    extra = {} if req.max_iterations is None else {"max_iterations": req.max_iterations}
     res = optimize_dense(req.workload, req.participation, tol=req.tol, callback=req.callback,
-                         time_budget=req.time_budget)
+                         time_budget=req.time_budget, **extra)
     return encoder_from_gram(res.X), {"iterations": res.iterations, "converged": res.converged,
                                       "lower_bound": res.lower_bound, "relative_gap": res.relative_gap}
 

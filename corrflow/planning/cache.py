@@ -18,7 +18,7 @@ from corrflow.errors import IntegrityError
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2   # 2: exact Gaussian and Brent-calibrated σ (issue 24)
 
 
 def default_cache_dir(out: Path | None) -> Path:

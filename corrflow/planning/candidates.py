@@ -11,9 +11,11 @@ memory and time per round for d parameters. The best candidate within the memory
 recommendation.
 
 The dense candidate (000) is built last, warm-started from the Toeplitz optimum with b bands (its optimizer's own
-start), and given what is left of the plan's time budget: a stopped optimizer still yields a valid factorization
-whose duality gap is reported. It is skipped without building when its noise state or its O(t·d) noise time per
-round breaks a budget.
+start), with a budget in iterations (:func:`dense_iterations`, a function of n alone), never in seconds: the same
+request gives the same recipe on any machine and under any load. A stopped optimizer still yields a valid
+factorization whose (finite) duality gap is reported. It is skipped without building when its noise state or its
+O(t·d) noise time per round breaks a budget. The wall-clock ``time_budget`` (``--time-budget``) can only abort a
+plan — :class:`PlanStoppedError`, and no recipe is written — never change what it recommends.
 """
 
 from __future__ import annotations
@@ -44,9 +46,21 @@ PLAN_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
 #: MMCC runs by default only up to this many rounds: every probe of its σ search is a full run (minutes at
 #: n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``) and listed as skipped.
 MMCC_DEFAULT_MAX_ROUNDS = 512
-#: Seconds kept back from the plan's time budget after the dense optimizer stops: its final dual bound (an SVD,
-#: ~30 s at n = 2052 on 2 cores), normalisation, calibration, the plots and writing (measured ~80 s in all there).
-DENSE_RESERVE = 100.0
+#: The dense optimizer's work budget in units of n³ flops-per-iteration: ⌈DENSE_WORK / n³⌉ iterations (at most
+#: :data:`DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052 (minutes on 2 cores), thousands at
+#: n ≤ 512 (where it converges first). A count, not seconds, so that the plan does not depend on the machine.
+DENSE_WORK = 1e12
+DENSE_MAX_ITERATIONS = 10_000
+
+
+def dense_iterations(rounds: int) -> int:
+    """The plan's default iteration budget for the dense optimizer at n = ``rounds`` (see :data:`DENSE_WORK`)."""
+    return int(min(DENSE_MAX_ITERATIONS, max(50, math.ceil(DENSE_WORK / float(rounds) ** 3))))
+
+
+class PlanStoppedError(CorrflowError):
+    """The plan ran past its wall-clock ``--time-budget``: it stops and writes no recipe (a recipe must depend on
+    the request alone, never on how fast this machine was)."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +78,9 @@ class PlanRequest:
     momentum: float = 0.9
     cooldown_fraction: float = 0.25
     tol: float = 5e-4
-    time_budget: float = 540.0             # seconds for the whole plan (bounds the dense build)
+    time_budget: float | None = None       # wall-clock seconds after which the plan aborts (no recipe); None: none
     mc_samples: int = 100_000
+    dense_iterations: int | None = None    # the dense optimizer's iteration budget; None: dense_iterations(n)
 
     def __post_init__(self) -> None:
         require(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "a positive integer", self.rounds)
@@ -86,7 +101,15 @@ class PlanRequest:
         require(self.accountants is None or (self.accountants and not bad), "accountants",
                 f"accountants from {PLAN_ACCOUNTANTS}", bad or self.accountants)
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
-        require(self.time_budget > 0, "time-budget", "a positive number of seconds", self.time_budget)
+        require(self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
+                "time-budget", "a positive number of seconds", self.time_budget)
+        require(self.dense_iterations is None or (isinstance(self.dense_iterations, int)
+                                                  and self.dense_iterations >= 1),
+                "dense-iterations", "a positive integer", self.dense_iterations)
+
+    @property
+    def dense_iteration_budget(self) -> int:
+        return self.dense_iterations or dense_iterations(self.rounds)
 
     @property
     def min_sep(self) -> int:
@@ -252,7 +275,8 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
 
 def _build_params(req: PlanRequest, kind: str, bands: int | None, part: Participation) -> dict:
     return {"kind": kind, "participation": part.to_dict(), "bands": bands, "workload": req.workload.to_dict(),
-            "gamma": None, "taper": None, "stamps": 1, "tol": req.tol if kind == "dense" else None}
+            "gamma": None, "taper": None, "stamps": 1, "tol": req.tol if kind == "dense" else None,
+            "max_iterations": req.dense_iteration_budget if kind == "dense" else None}
 
 
 def _for_participation(fac: Factorization, part: Participation, cache: PlanCache) -> Factorization:
@@ -267,6 +291,15 @@ def _for_participation(fac: Factorization, part: Participation, cache: PlanCache
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
     """Build, calibrate and rank every candidate (see the module docstring)."""
     start = time.perf_counter()
+
+    def deadline_check(where: str) -> None:
+        spent = time.perf_counter() - start
+        if req.time_budget is not None and spent > req.time_budget:
+            raise PlanStoppedError(f"plan stopped by --time-budget {req.time_budget:g} s after {spent:.0f} s, "
+                                   f"{where}; no recipe written (a plan's recipe depends on its inputs only, so it "
+                                   "is never cut short: rerun without --time-budget or with a larger one — the "
+                                   "cache keeps what was built)")
+
     accountants, skipped = req.accountant_list()
     costs = noise_unit_costs()
     base_part = participation_of(req, "unamplified")[0]
@@ -302,20 +335,17 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             if kind == "dense" and over:     # the one build too slow to make only to report it over budget
                 skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
                 continue
-            budget = None
-            if kind == "dense":
-                budget = req.time_budget - (time.perf_counter() - start) - DENSE_RESERVE
-                if budget <= 5:
-                    skipped.append({"kind": kind, "reason": f"not built: the plan's time budget "
-                                    f"({req.time_budget:g} s) is spent"})
-                    continue
+            deadline_check(f"before building {kind}" + (f"[{bands}]" if bands else ""))
             try:
                 with Progress(f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet) as cb:
+                    def guarded(it, f, cb=cb, kind=kind):
+                        deadline_check(f"while building {kind} (iteration {it})")
+                        cb(it, f)
                     fac, cached = cache.factorization(
                         _build_params(req, kind, bands, base_part),
-                        lambda kind=kind, bands=bands, budget=budget, cb=cb: factorize(
-                            kind, base_part, req.workload, bands=bands, tol=req.tol, time_budget=budget,
-                            callback=cb))
+                        lambda kind=kind, bands=bands, cb=guarded: factorize(
+                            kind, base_part, req.workload, bands=bands, tol=req.tol, callback=cb,
+                            max_iterations=req.dense_iteration_budget if kind == "dense" else None))
             except CorrflowError as exc:
                 skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
                 continue
@@ -343,10 +373,12 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                                  factorization_sha256=fac_a.sha256())
                 if kind == "dense":
                     cand.notes = {k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")}
+                    cand.notes["max_iterations"] = req.dense_iteration_budget
                 if "gamma" in fac.metadata:
                     cand.notes["gamma"] = fac.metadata["gamma"]
                 if "buffers" in fac.metadata:   # blt: B buffers of d float32 (noise_state_bytes)
                     cand.notes["buffers"] = fac.metadata["buffers"]
+                deadline_check(f"before calibrating {cand.label()}")
                 try:
                     _calibrate(req, cache, cand, fac_a)
                 except CorrflowError as exc:
@@ -358,7 +390,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                 facs[cand.key()] = fac_a
                 cands.append(cand)
         tick(len(jobs))
-    _rank(cands)
+    _rank(cands, req.rounds)
     best = next((c for c in cands if c.fits), None)
     return PlanResult(req, cands, best, skipped, time.perf_counter() - start, cache.hits, cache.misses, facs,
                       costs)
@@ -387,8 +419,11 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
                 "guarantee": res.guarantee, "seconds": time.perf_counter() - t0}
 
     def valid(r: dict) -> bool:   # what a calibration can return: σ > 0, ε within the target, a verified δ
-        return (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
-                and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
+        ok = (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
+              and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
+        if ok and cand.accountant == "unamplified":   # exact and microseconds: re-derive ε from the cached σ
+            ok = r["epsilon"] == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon
+        return ok
 
     res, _ = cache.calibration(params, compute, valid)
     require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
@@ -424,9 +459,14 @@ def _accounting_inputs(fac: Factorization, accountant: str) -> dict:
     return {"factorization_sha256": fac.sha256(), "participation": fac.participation.to_dict()}
 
 
-def _rank(cands: list[Candidate]) -> None:
-    """Sort by RMSE at the target ε (ties: less memory, less noise time); rank the ones within the budgets."""
-    cands.sort(key=lambda c: (c.rmse, c.noise_state_bytes, c.noise_seconds_per_round))
+def _rank(cands: list[Candidate], rounds: int) -> None:
+    """Sort by RMSE at the target ε (ties: less memory, then less noise work per round — counted in draws and
+    multiply-adds, not timed, so the order is the same on every machine); rank the ones within the budgets."""
+    def work(c: Candidate) -> float:
+        spec = REGISTRY[c.kind]
+        size = c.notes.get("buffers", c.bands) if isinstance(c.notes, dict) else c.bands
+        return spec.draws_per_round(size, rounds) + max(spec.multiply_adds_per_round(size, rounds), 0.0)
+    cands.sort(key=lambda c: (c.rmse, c.noise_state_bytes, work(c)))
     dpsgd = min((c.rmse for c in cands if c.kind == "dpsgd"), default=None)
     rank = 0
     for c in cands:

@@ -226,8 +226,12 @@ def plan(
     momentum: Annotated[float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")] = 0.9,
     cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate "
                                                           "cooldown")] = 0.25,
-    time_budget: Annotated[float, typer.Option(help="seconds for the whole plan: the dense candidate is built "
-                                                    "last with what is left")] = 540.0,
+    time_budget: Annotated[float | None, typer.Option(help="wall-clock seconds after which the plan aborts with "
+                                                           "exit 1 and writes no recipe (default: no limit; the "
+                                                           "recipe never depends on it)")] = None,
+    dense_iterations: Annotated[int | None, typer.Option(help="iteration budget of the dense optimizer (default: "
+                                                              "⌈1e12/n³⌉, at most 10000: the same on any machine)")]
+    = None,
     out: Annotated[Path, typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots")]
     = Path("corrflow_plan"),
     cache_dir: Annotated[Path | None, typer.Option(help="cache of factorizations and calibrations (default: "
@@ -250,7 +254,8 @@ def plan(
                           model_params=model_params, kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
                           accountants=None if accountants is None else
                           tuple(a.strip() for a in accountants.split(",") if a.strip()),
-                          momentum=momentum, cooldown_fraction=cooldown_fraction, time_budget=time_budget)
+                          momentum=momentum, cooldown_fraction=cooldown_fraction, time_budget=time_budget,
+                          dense_iterations=dense_iterations)
     except InvalidArgumentError as exc:
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
