@@ -37,12 +37,38 @@ def stop_processes(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+SERVICE_NAMES = ("flower-", "flwr", "raylet", "gcs_server", "ray::", "corrflow")
+#: Processes a module's teardown had to stop (Ray's actors outlive `ray.shutdown()` for a while on a loaded machine).
+STOPPED_AFTER_MODULE: list[str] = []
+
+
+def services_started_by_the_suite() -> dict[int, str]:
+    return {pid: cmd for pid, cmd in processes_started_by_the_suite().items()
+            if any(name in cmd for name in SERVICE_NAMES)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_what_the_module_started(request):
+    """After each module: the Flower/Ray processes it started get a grace period to exit on their own, then are
+    stopped by pid — so one module's leftovers never load the next, and none outlives the suite."""
+    before = set(services_started_by_the_suite())
+    yield
+    import time
+
+    deadline = time.monotonic() + 20
+    while (left := {p: c for p, c in services_started_by_the_suite().items() if p not in before}) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        stop_processes(left)
+        STOPPED_AFTER_MODULE.append(f"{request.module.__name__}: {sorted(c.split()[0] for c in left.values())}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def corrflow_home():
     yield _HOME
     shutil.rmtree(_HOME, ignore_errors=True)
-    left = {pid: cmd for pid, cmd in processes_started_by_the_suite().items()
-            if any(name in cmd for name in ("flower-", "flwr", "raylet", "gcs_server", "ray::", "corrflow"))}
+    left = services_started_by_the_suite()
     stop_processes(left)
     assert not left, f"processes the suite started are still running (stopped now): {left}"
 
@@ -65,3 +91,5 @@ def pytest_terminal_summary(terminalreporter):
     cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
     terminalreporter.write_line(f"corrflow suite: {time.monotonic() - _STARTED:.0f} s wall, {cpu:.0f} s CPU "
                                 f"({os.cpu_count()} cores)")
+    for line in STOPPED_AFTER_MODULE:
+        terminalreporter.write_line(f"stopped after the module (still running 20 s after it ended): {line}")
