@@ -97,6 +97,8 @@ def test_lock_dies_with_a_killed_server(tmp_path):
     ("empty-salt", "report_salt"),
     ("journal-truncated", JOURNAL),
     ("journal-edited", JOURNAL),
+    ("edit-ring-row", "noise_ring.bin"),
+    ("swap-ring-rows", "noise_ring.bin"),
 ])
 def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     cfg, snapshot = _finished_run(tmp_path, copy_at=3)
@@ -113,6 +115,18 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
         shutil.copytree(snapshot, tmp_path / "state")
     elif fault == "empty-salt":
         (ckpt / "report_salt").write_bytes(b"")
+    elif fault in ("edit-ring-row", "swap-ring-rows"):   # the banded buffer's rows, outside the checkpoint dir
+        ring = tmp_path / "state" / "noise_ring.bin"
+        raw = bytearray(ring.read_bytes())
+        rows = json.loads((ckpt / "noise" / "noise_state.json").read_text())["ring"]
+        size, slot = rows["row_bytes"], rows["rows"][-1]["slot"]
+        if fault == "edit-ring-row":
+            raw[slot * size + 5] ^= 1
+        else:
+            other = rows["rows"][0]["slot"]
+            raw[slot * size:(slot + 1) * size], raw[other * size:(other + 1) * size] = \
+                raw[other * size:(other + 1) * size], raw[slot * size:(slot + 1) * size]
+        ring.write_bytes(bytes(raw))
     elif fault == "journal-truncated":
         lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
         (tmp_path / JOURNAL).write_text("".join(lines[:-2]))

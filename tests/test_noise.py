@@ -70,6 +70,39 @@ def test_restore_continues_bit_for_bit(facs, name, tmp_path):
         resumed.next(15)
 
 
+@pytest.mark.parametrize("name", ["banded", "banded-general"])
+def test_ring_writes_one_row_per_round_and_every_saved_state_resumes(facs, name, tmp_path):
+    """A banded buffer saved with a ring: each save writes only the new round's row in place (the ring has p
+    slots for p − 1 rows), and every state saved so far that the ring still serves — the published one and the
+    one before it, which a kill mid-write falls back to — resumes bit for bit."""
+    fac = facs[name]
+    full = CorrelatedNoise(fac, SHAPES, stddev=0.3, key=KEY)
+    expected = _rows(full, range(16))
+    gen = CorrelatedNoise(fac, SHAPES, stddev=0.3, key=KEY)
+    ring, kept = tmp_path / "noise_ring.bin", fac.bands - 1
+    for t in range(12):
+        gen.next(t)
+        before = ring.read_bytes() if ring.exists() else b""
+        save_state(gen, tmp_path / f"s{t}", ring=ring)
+        after = ring.read_bytes()
+        assert len(after) <= fac.bands * gen.dim * 4 and not (tmp_path / f"s{t}" / "noise_buffer.npy").exists()
+        changed = {i // (gen.dim * 4) for i in range(len(after)) if i >= len(before) or after[i] != before[i]}
+        assert changed <= {t % fac.bands}   # one row rewritten: this round's slot
+    for t in (10, 11):                      # the last state, and the one a torn write of round 12 would leave
+        back = restore_state(tmp_path / f"s{t}", fac, ring=ring)
+        np.testing.assert_array_equal(_rows(back, range(t + 1, 16)), expected[t + 1:])
+    old = tmp_path / f"s{11 - kept}"        # its oldest row has been overwritten since: refused, never used
+    with pytest.raises(IntegrityError, match="MAC"):
+        restore_state(old, fac, ring=ring)
+    with pytest.raises(IntegrityError, match="ring file"):
+        restore_state(tmp_path / "s11", fac)
+    raw = bytearray(ring.read_bytes())
+    raw[(11 % fac.bands) * gen.dim * 4 + 7] ^= 1    # a torn or edited row
+    ring.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="slot .* does not match its MAC"):
+        restore_state(tmp_path / "s11", fac, ring=ring)
+
+
 @pytest.mark.parametrize("name", ["banded", "dense", "banded-inverse", "blt"])
 def test_chunked_equals_unchunked_and_start(facs, name):
     fac = facs[name]

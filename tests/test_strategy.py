@@ -68,6 +68,24 @@ def test_kill_and_restart_is_bit_identical(tmp_path):
     assert rep_crash["rounds_completed"] == 8
 
 
+def test_kill_mid_ring_row_resumes_bit_identically(tmp_path):
+    """SIGKILL halfway through round 5's row of the noise ring: the published checkpoint (round 4) never needs the
+    slot being written, so the restart resumes from it and ends with the same model as an uninterrupted run."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    script = str(Path(__file__).parent / "strategy_kill_run.py")
+    full, crash = tmp_path / "full", tmp_path / "crash"
+    r = subprocess.run([sys.executable, script, str(full)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, script, str(crash)], env=dict(env, KILL_IN_RING="5"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == -9
+    state = json.loads((crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text())
+    assert state["next_round"] == 5   # round 5 (0-based) was not checkpointed
+    r = subprocess.run([sys.executable, script, str(crash)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(crash / "final.npy"), np.load(full / "final.npy"))
+
+
 def _tamper(kind):
     def tamper(replies):
         out = []
@@ -198,8 +216,8 @@ def test_checkpoint_is_private(tmp_path):
     run_server(InProcessGrid(HANDLERS, 4), cfg, noise_key=KEY, quiet=True)
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
-    for name in ("report_salt", "server_secret", "noise/noise_secret.key", "noise/noise_buffer.npy"):
-        assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
+    for name in ("report_salt", "server_secret", "noise/noise_secret.key", "../noise_ring.bin"):
+        assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600   # the ring: the banded buffer's rows
     report = (tmp_path / "privacy_report.json").read_text()
     assert not re.search(r"partition-\d", report) and KEY.hex() not in report  # no raw user id, no key
 
@@ -254,3 +272,58 @@ def test_missing_replies_are_named_offline_timed_out_or_crashed(tmp_path, caplog
     assert reasons["partition-3"] == "offline: the SuperLink had no heartbeat from the node"
     assert set(reasons) == {"partition-1", "partition-2", "partition-3"} and s.ledger.replied == {"partition-0": [0]}
     assert "Traceback" in caplog.text and "round 1: rejected reply from node" in caplog.text
+
+
+def test_clipped_sum_matches_a_float64_reference_and_rejects_before_adding():
+    """The fused in-place sum: u = reply − sent (float64 reply: the exact difference rounded once), ℓ2 ≤ bound,
+    zeroing on ℓ∞, NaN/Inf rejected without touching the sum; blocks of 2¹⁶ floats are crossed (d = 150 001)."""
+    from corrflow.strategies.validation import ClippedSum, RejectedReplyError
+
+    rng = np.random.default_rng(5)
+    shapes = [(150_001,), (3, 4)]
+    sent = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    replies = [[(p + rng.standard_normal(p.shape) * scale).astype(dt) for p in sent]
+               for scale, dt in ((0.001, np.float32), (1.0, np.float64), (0.0001, np.float16))]
+    acc = ClippedSum(shapes)
+    actions = [acc.add(r, sent, bound=2.0, zeroing=0.0) for r in replies]
+    assert actions[:2] == ["kept", "clipped"]
+    expected = [np.zeros(s) for s in shapes]
+    for r in replies:
+        u = [np.subtract(a, s, dtype=np.result_type(a.dtype, np.float32)).astype(np.float32).astype(np.float64)
+             for a, s in zip(r, sent, strict=True)]
+        norm = np.sqrt(sum((x ** 2).sum() for x in u))
+        for e, x in zip(expected, u, strict=True):
+            e += x * min(1.0, 2.0 / norm)
+    for got, want in zip(acc.total, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    before = [g.copy() for g in acc.total]
+    bad = [r.copy() for r in replies[0]]
+    bad[1][2, 3] = np.nan
+    with pytest.raises(RejectedReplyError, match=r"array 1 \(1\): NaN or Inf"):
+        acc.add(bad, sent, bound=2.0, zeroing=0.0)
+    with pytest.raises(RejectedReplyError, match="needs clipping"):
+        acc.add(replies[1], sent, bound=2.0, zeroing=0.0, allow_clip=False)
+    assert acc.add([np.full(s, 50.0, np.float32) for s in shapes], None, bound=2.0, zeroing=10.0) == "zeroed"
+    for g, b in zip(acc.total, before, strict=True):
+        np.testing.assert_array_equal(g, b)   # rejected and zeroed replies add nothing
+    clipped = ClippedSum(shapes)
+    clipped.add(replies[1], sent, bound=2.0, zeroing=0.0)
+    assert np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in clipped.total)) <= 2.0
+
+
+def test_array_view_reads_replies_without_copying_and_as_flower_does():
+    from flwr.app import Array
+
+    from corrflow.strategies.model import array_view
+
+    rng = np.random.default_rng(1)
+    for a in (rng.standard_normal((3, 5)).astype(np.float32), np.asfortranarray(rng.standard_normal((4, 6))),
+              rng.standard_normal(7).astype(">f4"), np.array(2.5, np.float32), np.zeros((0, 3), np.float16)):
+        payload = Array(a)
+        view = array_view(payload)
+        np.testing.assert_array_equal(view, payload.numpy())
+        assert view.dtype == payload.numpy().dtype and view.shape == a.shape and not view.flags.writeable
+    data = Array(np.ones(10, np.float32)).data[:-4]
+    truncated = Array(dtype="float32", shape=(10,), stype="numpy.ndarray", data=data)
+    with pytest.raises(ValueError, match="bytes of data"):
+        array_view(truncated)

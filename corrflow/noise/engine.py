@@ -23,6 +23,7 @@ continues bit for bit, and any released round can be replayed exactly.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import math
@@ -42,7 +43,7 @@ from corrflow.factorization.encoders import (
     InverseToeplitzEncoder,
     ToeplitzEncoder,
 )
-from corrflow.fileio import write_bytes, write_json
+from corrflow.fileio import atomic_file, write_bytes, write_json
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
 
 MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
@@ -281,12 +282,80 @@ class CorrelatedNoise:
 # -- checkpoints ------------------------------------------------------------------------------------------------
 STATE_FORMAT = "corrflow.noise-state/1"
 PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
+#: The banded ring buffer's rows on disk, overwritten in place (beside the checkpoints, outside them).
+RING_FILE = "noise_ring.bin"
+_RING_MAC = b"corrflow.noise-ring/1"
 
 
-def save_state(gen: CorrelatedNoise, directory: str | os.PathLike) -> Path:
-    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the ring buffer,
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (np.save writes the buffer once, no copy)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+
+def _row_mac(gen: CorrelatedNoise, fac_sha256: str, round_index: int, row: np.ndarray) -> str:
+    """HMAC-SHA256 of one ring row under a key derived from the noise key, bound to the factorization, the round
+    whose output it holds and the model size: a row cannot be edited, swapped with another round's, or moved."""
+    key = hashlib.sha256(_RING_MAC + gen._key).digest()
+    mac = hmac.new(key, f"{fac_sha256}:{round_index}:{gen.dim}:".encode(), hashlib.sha256)
+    mac.update(memoryview(np.ascontiguousarray(row)).cast("B"))
+    return mac.hexdigest()
+
+
+def _ring_rows(gen: CorrelatedNoise) -> list[int]:
+    """The rounds whose outputs the banded recursion still needs (the last p−1, none before round 0)."""
+    kept = gen._buffer.shape[0]
+    return list(range(max(0, gen.next_round - kept), gen.next_round))
+
+
+def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
+    """Write the banded buffer's rows into ``ring`` in place: only rows this generator has not yet written there
+    (one per round in a running server), each fsync-ed before the caller publishes the state that names it.
+
+    The ring has one slot more than the buffer has rows (round s in slot s mod p), so a round's write never touches
+    a row the published checkpoint still needs: a kill mid-write leaves that checkpoint whole, and a row that does not
+    match its MAC can only be corruption, which :func:`restore_state` refuses."""
+    kept = gen._buffer.shape[0]
+    slots, row_bytes = kept + 1, gen.dim * 4
+    known = gen.__dict__.setdefault("_ring_known", {})
+    if known.get("path") != str(ring):
+        known.clear()
+        known["path"] = str(ring)
+    rows, fac_sha256 = [], gen.factorization.sha256()
+    fd = os.open(ring, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        wrote = False
+        for s in _ring_rows(gen):
+            slot, row = s % slots, gen._buffer[s % kept]
+            if known.get(slot, (None,))[0] != s:
+                mac = _row_mac(gen, fac_sha256, s, row)
+                view = memoryview(np.ascontiguousarray(row)).cast("B")
+                done = 0
+                while done < row_bytes:
+                    done += os.pwrite(fd, view[done:], slot * row_bytes + done)
+                known[slot], wrote = (s, mac), True
+            rows.append({"round": s, "slot": slot, "mac": known[slot][1]})
+        if wrote:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"file": ring.name, "slots": slots, "row_bytes": row_bytes, "rows": rows}
+
+
+def save_state(gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None) -> Path:
+    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the model-sized buffer,
     both owner-only (0600). Each file goes through a temp file + rename; the public JSON, written last, holds
-    the hashes that tie the three together, so a torn write is detected on restore, never used."""
+    the hashes that tie them together, so a torn write is detected on restore, never used.
+
+    ``ring`` (a banded generator in a server's state directory): the buffer's rows go into that file in place, one
+    new row per round instead of the whole (p−1)·d buffer, each with its own MAC in the public JSON (see
+    :func:`_save_ring`). A BLT's B·d state changes in full every round and is written in full."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     public = {
@@ -297,20 +366,61 @@ def save_state(gen: CorrelatedNoise, directory: str | os.PathLike) -> Path:
         "buffer_sha256": None,
     }
     write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
-    if gen._buffer is not None:
-        buf = io.BytesIO()
-        np.save(buf, gen._buffer, allow_pickle=False)
-        data = buf.getvalue()
-        public["buffer_sha256"] = hashlib.sha256(data).hexdigest()
-        write_bytes(d / BUFFER_FILE, data, private=True)
+    if gen._buffer is not None and ring is not None and gen.mode == "banded":
+        public["ring"] = _save_ring(gen, Path(ring))
+    elif gen._buffer is not None:
+        with atomic_file(d / BUFFER_FILE, "wb", private=True) as f:
+            w = _HashingWriter(f)
+            np.save(w, gen._buffer, allow_pickle=False)
+        public["buffer_sha256"] = w.sha.hexdigest()
     write_json(d / PUBLIC_FILE, public, indent=1, sort_keys=True)
     return d
 
 
+def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) -> None:
+    """Fill the banded buffer from the ring rows the state names, each checked against its MAC."""
+    if ring is None:
+        raise IntegrityError(f"{d}: the noise buffer's rows are in a ring file ({info.get('file')}), and none was "
+                             "given to restore from")
+    kept = gen._buffer.shape[0]
+    slots, row_bytes = kept + 1, gen.dim * 4
+    if info.get("slots") != slots or info.get("row_bytes") != row_bytes or info.get("file") != ring.name:
+        raise IntegrityError(f"{d}: the ring layout {info.get('file')} × {info.get('slots')} slots of "
+                             f"{info.get('row_bytes')} bytes does not fit this generator ({ring.name}, {slots} × "
+                             f"{row_bytes})")
+    rows = info.get("rows", [])
+    if sorted(int(r["round"]) for r in rows) != _ring_rows(gen):
+        raise IntegrityError(f"{d}: the ring rows listed ({[r.get('round') for r in rows]}) are not the rounds the "
+                             f"state at round {gen.next_round} needs")
+    known, fac_sha256 = {"path": str(ring)}, gen.factorization.sha256()
+    try:
+        fd = os.open(ring, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{ring}: the noise ring is missing") from exc
+    try:
+        for r in rows:
+            s, slot = int(r["round"]), int(r["slot"])
+            if slot != s % slots:
+                raise IntegrityError(f"{ring}: round {s} listed in slot {slot}, expected {s % slots}")
+            data = os.pread(fd, row_bytes, slot * row_bytes)
+            if len(data) != row_bytes:
+                raise IntegrityError(f"{ring}: slot {slot} (round {s}) is short: {len(data)} of {row_bytes} bytes")
+            row = np.frombuffer(data, dtype=np.float32)
+            if not hmac.compare_digest(_row_mac(gen, fac_sha256, s, row), str(r["mac"])):
+                raise IntegrityError(f"{ring}: slot {slot} (round {s}) does not match its MAC (torn or edited); "
+                                     "the state refuses to resume from it")
+            gen._buffer[s % kept] = row
+            known[slot] = (s, str(r["mac"]))
+    finally:
+        os.close(fd)
+    gen._ring_known = known
+
+
 def restore_state(directory: str | os.PathLike, factorization: Factorization,
-                  cls: type[CorrelatedNoise] = CorrelatedNoise) -> CorrelatedNoise:
-    """Rebuild a generator (of class ``cls``, e.g. the TensorFlow backend) saved by :func:`save_state`;
-    every mismatch is an :class:`IntegrityError`."""
+                  cls: type[CorrelatedNoise] = CorrelatedNoise, *, ring: str | os.PathLike | None = None
+                  ) -> CorrelatedNoise:
+    """Rebuild a generator (of class ``cls``, e.g. the TensorFlow backend) saved by :func:`save_state` (with the
+    same ``ring`` file, when it was saved with one); every mismatch is an :class:`IntegrityError`."""
     d = Path(directory)
     try:
         public = json.loads((d / PUBLIC_FILE).read_text())
@@ -333,7 +443,12 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
                              f"not {factorization.sha256()[:16]}…")
     gen = cls(factorization, public["shapes"], public["stddev"], key=key, prng=public["prng"],
               mode=public["mode"], chunk_size=int(public["chunk_size"]))
-    if gen._buffer is not None:
+    gen.next_round = int(public["next_round"])
+    if gen._buffer is not None and "ring" in public:
+        if gen.mode != "banded":
+            raise IntegrityError(f"{d}: a ring of rows is only for the banded mode, not {gen.mode}")
+        _restore_ring(gen, public["ring"], None if ring is None else Path(ring), d)
+    elif gen._buffer is not None:
         try:
             data = (d / BUFFER_FILE).read_bytes()
         except FileNotFoundError as exc:
@@ -345,7 +460,6 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
             raise IntegrityError(f"{d}: noise buffer has shape {buf.shape} {buf.dtype}, expected "
                                  f"{gen._buffer.shape} float32")
         gen._buffer[...] = buf
-        if hasattr(gen, "load_buffer"):
-            gen.load_buffer()
-    gen.next_round = int(public["next_round"])
+    if gen._buffer is not None and hasattr(gen, "load_buffer"):
+        gen.load_buffer()
     return gen

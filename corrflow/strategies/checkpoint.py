@@ -6,7 +6,13 @@ key) are also 0600 files.
 
 Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC keyed by the
 server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise state or a missing file is
-refused on load, naming the file."""
+refused on load, naming the file.
+
+One file lives beside the checkpoint directories rather than in them: a banded noise buffer's rows
+(``noise_ring.bin``, :func:`corrflow.noise.engine.save_state`), rewritten in place one row per round so that the
+checkpoint's I/O stays O(d) rather than O(bands·d). The ring has a spare slot, so a round never overwrites a row the
+published checkpoint needs; each row the checkpoint needs is named in its ``noise/noise_state.json`` (covered by
+the manifest) with its own HMAC, and a row that does not match is refused on load."""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ with ``replies = "delta"``, the update itself.
 
 from __future__ import annotations
 
+import io
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,34 +65,58 @@ class ModelLayout:
         return ArrayRecord(OrderedDict((k, Array(np.require(a, requirements="C")))  # keeps 0-d arrays 0-d
                                        for k, a in zip(self.keys, self.full(params), strict=True)))
 
-    def update_from_reply(self, record: ArrayRecord, params: Sequence[np.ndarray], replies: str) -> list[np.ndarray]:
-        """The float32 update of the trainable arrays in a reply (RejectedReplyError when it cannot be used)."""
+    def reply_arrays(self, record: ArrayRecord) -> list[np.ndarray]:
+        """Read-only views of the trainable arrays in a reply, checked for names, count, dtype and shape
+        (RejectedReplyError when they cannot be used). The update is formed by
+        :class:`~corrflow.strategies.validation.ClippedSum`: reply − model sent for full weights, the reply itself
+        for deltas."""
         keys = tuple(record.keys())
         if keys != self.keys and not (all(k.isdigit() for k in keys) and len(keys) == len(self.keys)):
             raise RejectedReplyError(f"array names {list(keys)[:4]}… differ from the model's {list(self.keys)[:4]}…")
-        try:
-            arrays = record.to_numpy_ndarrays()
-        except Exception as exc:  # undecodable array payloads of any kind
-            raise RejectedReplyError(f"undecodable arrays ({exc})") from exc
-        if len(arrays) != len(self.keys):
-            raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(arrays)}")
-        sent = self.full(params) if replies == "weights" else None
-        update = []
+        if len(keys) != len(self.keys):
+            raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(keys)}")
+        payloads = list(record.values())
+        out = []
         for i in self.trainable:
-            a = np.asarray(arrays[i])
+            try:
+                a = array_view(payloads[i])
+            except Exception as exc:  # undecodable array payloads of any kind
+                raise RejectedReplyError(f"undecodable arrays ({exc})") from exc
             if not np.issubdtype(a.dtype, np.floating):
                 raise RejectedReplyError(f"array {i} ({self.keys[i]}): dtype {a.dtype}, expected a floating type")
             if a.shape != self.shapes[i]:
                 raise RejectedReplyError(f"array {i} ({self.keys[i]}): shape {a.shape}, expected {self.shapes[i]}")
-            if sent is None:
-                u = a.astype(np.float32, copy=False)
-            else:   # in the wider dtype (≥ float32): the exact difference, rounded once to float32
-                u = np.subtract(a, sent[i], dtype=np.result_type(a.dtype, sent[i].dtype, np.float32))
-                u = u.astype(np.float32, copy=False)
-            if not np.isfinite(u).all():   # NaN/Inf in the reply, or a difference beyond float32
-                raise RejectedReplyError(f"array {i} ({self.keys[i]}): NaN or Inf values")
-            update.append(u)
-        return update
+            out.append(a)
+        return out
+
+    def sent(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The trainable arrays as the clients received them (in the model's own dtypes)."""
+        full = self.full(params)
+        return [full[i] for i in self.trainable]
+
+
+def array_view(payload: Array) -> np.ndarray:
+    """The NumPy array in a Flower ``Array`` without copying its bytes (a read-only view into the serialized
+    ``np.save`` payload); other serializations go through Flower's own decoder."""
+    data = payload.data
+    if payload.stype != "numpy.ndarray" or not isinstance(data, bytes):
+        return payload.numpy()
+    head = io.BytesIO(data)
+    version = np.lib.format.read_magic(head)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+    else:
+        return payload.numpy()
+    if dtype.hasobject:
+        raise ValueError("object arrays are not accepted")
+    count = math.prod(shape)
+    offset = head.tell()
+    if len(data) - offset < count * dtype.itemsize:
+        raise ValueError(f"{len(data) - offset} bytes of data for {count} × {dtype.itemsize}-byte values")
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
 
 def arrays_sha256(model: ArrayRecord | Sequence[np.ndarray]) -> str:

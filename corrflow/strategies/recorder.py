@@ -26,7 +26,7 @@ from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 from corrflow.noise import CorrelatedNoise
-from corrflow.noise.engine import save_state
+from corrflow.noise.engine import RING_FILE, save_state
 from corrflow.participation.planner import CohortPlanner
 from corrflow.planning.learnability import learning_section
 from corrflow.strategies.checkpoint import SAMPLER_KEY, SECRET, load_arrays, manifest_digest, write_checkpoint
@@ -212,9 +212,11 @@ class Recorder:
                   "metrics_history": s.metrics_history, "empty_streak": s.empty_streak}
         private = {"report_salt": k.salt, SECRET: k.secret,
                    **({SAMPLER_KEY: k.sampler_key} if k.sampler_key is not None else {})}
+        # A banded noise buffer's rows live in one ring file beside the checkpoints, one row rewritten per round.
         return write_checkpoint(c.checkpoint_dir, f"round-{s.next_round:06d}",
                                 {"model": s.params, "optimizer": s.momentum}, public, private,
-                                save_extra=lambda d: save_state(c.noise, d / "noise"))
+                                save_extra=lambda d: save_state(c.noise, d / "noise",
+                                                                ring=c.checkpoint_dir / RING_FILE))
 
     def report(self) -> dict:
         """The privacy report (README "Conventions", Privacy report) of the run so far."""

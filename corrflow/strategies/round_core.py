@@ -2,9 +2,9 @@
 
 1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy;
 2. :func:`collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped to ℓ2 ≤ clip
-   on the server (a cross-silo sum of m per-item-clipped updates must already be within m·clip);
-3. :func:`release` — g_t = Σ clipped (in id order, so a restart reproduces it bit for bit),
-   x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server optimizer step, and the
+   on the server (a cross-silo sum of m per-item-clipped updates must already be within m·clip), and summed in
+   place into g_t = Σ clipped (in id order, so a restart reproduces it bit for bit);
+3. :func:`release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server optimizer step, and the
    :class:`RoundRecord` that the recorder applies in one place.
 
 Drawing (C⁻¹Z)_t advances the noise stream; nothing else is changed here. A failure after the draw ends the run
@@ -27,7 +27,9 @@ from corrflow.noise import CorrelatedNoise
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
 from corrflow.strategies.model import ModelLayout
 from corrflow.strategies.server_optimizer import MomentumServerOptimizer
-from corrflow.strategies.validation import RejectedReplyError, zero_or_clip
+from corrflow.strategies.validation import ClippedSum, RejectedReplyError
+
+_BLOCK = 1 << 16
 
 
 @dataclass
@@ -44,9 +46,11 @@ class RoundPlan:
 
 @dataclass
 class RoundOutcome:
-    """The replies of a round: accepted updates by item (or silo), per-action counts, rejections, and the accepted
-    replies' contents (for an inner strategy's metric aggregation)."""
-    accepted: dict[str, list[np.ndarray]]
+    """The replies of a round: the accepted item (or silo) ids in id order, the sum of their clipped updates
+    (float32, model-shaped), per-action counts, rejections, and the accepted replies' contents (for an inner
+    strategy's metric aggregation)."""
+    accepted: list[str]
+    total: list[np.ndarray]
     counts: dict[str, int]
     rejections: list[tuple[str | None, str]]
     contents: list[RecordDict]
@@ -146,11 +150,10 @@ def error_reason(code: int, reason: str) -> str:
     return f"client error: {first}"
 
 
-def validate_reply(ctx: RoundContext, msg: Message, node: int, expected_by_node: Mapping[int, str | list[str]],
-                   accepted: Mapping[str, list[np.ndarray]], node_to_user: Mapping[int, str],
-                   params: Sequence[np.ndarray]) -> tuple[str, list[np.ndarray], int]:
-    """(item or silo id, update, items it sums) of a well-formed reply from ``node`` (the node the message it
-    answers was sent to), else :class:`RejectedReplyError`."""
+def check_reply(ctx: RoundContext, msg: Message, node: int, expected_by_node: Mapping[int, str | list[str]],
+                node_to_user: Mapping[int, str]) -> tuple[str, int]:
+    """(item or silo id, items it sums) of a reply from ``node`` (the node the message it answers was sent to)
+    whose envelope is well formed, else :class:`RejectedReplyError`. Its arrays are checked when it is added."""
     expected = expected_by_node.get(node)
     if expected is None:
         raise RejectedReplyError(f"unexpected sender node {node} (not selected this round)")
@@ -159,8 +162,6 @@ def validate_reply(ctx: RoundContext, msg: Message, node: int, expected_by_node:
         raise RejectedReplyError(error_reason(msg.error.code, msg.error.reason))
     if int(msg.metadata.src_node_id) != node:
         raise RejectedReplyError(f"a reply from node {int(msg.metadata.src_node_id)} to the message sent to {node}")
-    if key in accepted:
-        raise RejectedReplyError("duplicate reply")
     content = msg.content
     keys = set(content.keys())
     if keys != {"arrays", "metrics"}:
@@ -173,41 +174,61 @@ def validate_reply(ctx: RoundContext, msg: Message, node: int, expected_by_node:
         got = content["metrics"].get("num-items")
         if got != items:
             raise RejectedReplyError(f"metric num-items = {got!r}, expected {items} (the item ids sent)")
-    return key, ctx.layout.update_from_reply(content["arrays"], params, ctx.cfg.reply_kind), items
+    return key, items
 
 
 def collect(ctx: RoundContext, plan: RoundPlan, replies: Iterable[Message], sent: Mapping[str, int],
             node_to_user: Mapping[int, str], params: Sequence[np.ndarray],
             log_warning: Callable[..., None]) -> RoundOutcome:
-    """Validate, zero or clip every reply; a node that was sent a message and did not answer is recorded as timed
-    out. ``sent``: message id → the node it went to (a reply is matched by the message it answers, since an error
-    the SuperLink makes for an offline node comes from the SuperLink). Changes no state."""
+    """Validate, zero or clip every reply and sum the clipped updates in place, in id order (so that the same
+    replies give the same bits whatever order they arrived in); the first well-formed reply of an id counts, any
+    later one is a duplicate. A node that was sent a message and did not answer is recorded as timed out.
+    ``sent``: message id → the node it went to (a reply is matched by the message it answers, since an error the
+    SuperLink makes for an offline node comes from the SuperLink). Changes no state."""
     clip, silo = ctx.cfg.clip_norm, ctx.item_home is not None
-    outcome = RoundOutcome({}, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, [], [])
+    layout = ctx.layout
+    shapes = layout.trainable_shapes
+    clipped = ClippedSum(shapes, [layout.keys[i] for i in layout.trainable])
+    outcome = RoundOutcome([], clipped.total, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, [], [])
+    model_sent = layout.sent(params) if ctx.cfg.reply_kind == "weights" else None
     answered: set[int] = set()
+    candidates: dict[str, list[tuple[Message, int, int]]] = {}
     for msg in replies:
         node = sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
         answered.add(node)
-        key = None
         try:
-            key, update, items = validate_reply(ctx, msg, node, plan.expected, outcome.accepted, node_to_user,
-                                                params)
-            # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
-            bound = items * clip * (1 + 1e-5 if silo else 1)
-            update, action = zero_or_clip(update, bound, ctx.cfg.zeroing_factor * clip / bound)
-            if silo and action == "clipped":
-                raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
-                                         f"{items} × clip-norm = {items * clip:g}")
+            key, items = check_reply(ctx, msg, node, plan.expected, node_to_user)
         except RejectedReplyError as exc:
-            _reject(outcome, key or node_to_user.get(node), exc.reason, plan.round, node, log_warning,
+            _reject(outcome, node_to_user.get(node), exc.reason, plan.round, node, log_warning,
                     msg.error.reason if msg.has_error() else None)
             continue
-        if action == "zeroed":
-            log_warning("round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)", plan.round + 1,
-                        key, ctx.cfg.zeroing_factor)
-        outcome.counts[action] += 1
-        outcome.accepted[key] = update
-        outcome.contents.append(msg.content)
+        candidates.setdefault(key, []).append((msg, node, items))
+    for key in sorted(candidates):
+        done = False
+        for msg, node, items in candidates[key]:
+            try:
+                if done:
+                    raise RejectedReplyError("duplicate reply")
+                # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
+                bound = items * clip * (1 + 1e-5 if silo else 1)
+                try:
+                    action = clipped.add(layout.reply_arrays(msg.content["arrays"]), model_sent, bound,
+                                         ctx.cfg.zeroing_factor * clip, allow_clip=not silo)
+                except RejectedReplyError as exc:
+                    if exc.reason != "needs clipping":
+                        raise
+                    raise RejectedReplyError(f"per-item clipping not honoured: the sum of {items} items exceeds "
+                                             f"{items} × clip-norm = {items * clip:g}") from None
+            except RejectedReplyError as exc:
+                _reject(outcome, key, exc.reason, plan.round, node, log_warning)
+                continue
+            done = True
+            if action == "zeroed":
+                log_warning("round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)",
+                            plan.round + 1, key, ctx.cfg.zeroing_factor)
+            outcome.counts[action] += 1
+            outcome.accepted.append(key)
+            outcome.contents.append(msg.content)
     for node in sorted(set(sent.values()) - answered):
         expected = plan.expected.get(node)
         who = expected if isinstance(expected, str) else node_to_user.get(node)
@@ -225,18 +246,30 @@ def _reject(outcome: RoundOutcome, who: str | None, reason: str, t: int, node: i
 
 
 def noisy_update(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
-    """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size; draws round t's noise."""
-    total = [np.zeros(s, dtype=np.float32) for s in ctx.layout.trainable_shapes]
-    for key in sorted(outcome.accepted):
-        for acc, u in zip(total, outcome.accepted[key], strict=True):
-            acc += u
+    """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size, formed in the outcome's sum (which it takes
+    over); draws round t's noise."""
     cohort = ctx.planned_cohort(plan.round)
+    total = outcome.total
     if ctx.sigma > 0:
         noise = ctx.noise.next(plan.round)
         scale = np.float32(ctx.sigma * ctx.cfg.clip_norm)
-        return [(g + scale * w) / cohort for g, w in zip(total, noise, strict=True)]
-    ctx.noise.skip_round()   # non-private baseline
-    return [g / cohort for g in total]
+        for g, w in zip(total, noise, strict=True):
+            _add_scaled(g, w, scale)
+    else:
+        ctx.noise.skip_round()   # non-private baseline
+    for g in total:
+        g /= cohort
+    return total
+
+
+def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:
+    """g += scale·w, block by block in cache (w, the noise, is left as it was)."""
+    gf, wf = g.reshape(-1), w.reshape(-1)
+    tmp = np.empty(min(gf.size, _BLOCK), dtype=np.float32)
+    for lo in range(0, gf.size, _BLOCK):
+        wb = wf[lo:lo + _BLOCK]
+        tb = np.multiply(wb, scale, out=tmp[:wb.size])
+        gf[lo:lo + _BLOCK] += tb
 
 
 def release(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome, params: Sequence[np.ndarray],
@@ -256,7 +289,7 @@ def release(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome, params: S
         metrics["epsilon"] = eps
     if evaluate is not None:
         metrics.update(evaluate(new_params))
-    return RoundRecord(plan.round, list(plan.users), sorted(outcome.accepted), rejections, list(plan.overrides),
+    return RoundRecord(plan.round, list(plan.users), list(outcome.accepted), rejections, list(plan.overrides),
                        new_params, new_m, ctx.noise.next_round, eps, metrics, bool(plan.items))
 
 

@@ -31,9 +31,18 @@ class MomentumServerOptimizer:
              round_index: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(θ_{t+1}, m_t) from θ_t, m_{t−1} and the private update x̂_t."""
         scale = np.float32(self.lr * self.schedule[round_index])
-        new_m = [self.momentum * m + u if self.momentum else u.astype(np.float32, copy=True)
-                 for m, u in zip(momentum, update, strict=True)]
-        return [(p + scale * m).astype(np.float32) for p, m in zip(params, new_m, strict=True)], new_m
+        new_m, new_p = [], []
+        for p, m, u in zip(params, momentum, update, strict=True):
+            if self.momentum:
+                nm = np.multiply(m, self.momentum, dtype=np.float32)   # new arrays: the inputs stay as they were
+                nm += u
+            else:
+                nm = np.array(u, dtype=np.float32)
+            q = np.multiply(nm, scale, dtype=np.float32)
+            q += p                                                  # = p + scale·m (float32 addition commutes)
+            new_m.append(nm)
+            new_p.append(q)
+        return new_p, new_m
 
 
 def check_workload_matches(workload: Workload, momentum: float, cooldown_fraction: float) -> None:

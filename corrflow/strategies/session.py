@@ -28,6 +28,7 @@ from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError
 from corrflow.fileio import write_text
 from corrflow.noise import CorrelatedNoise, restore_state
+from corrflow.noise.engine import RING_FILE
 from corrflow.noise.prng import new_secret
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
@@ -177,7 +178,7 @@ def _resume_point(spec: RunSpec) -> ResumePoint:
 
 def _noise(fac, layout: ModelLayout, resume: ResumePoint, key: bytes | None) -> CorrelatedNoise:
     if resume.checkpoint is not None:
-        return restore_state(resume.checkpoint / "noise", fac)
+        return restore_state(resume.checkpoint / "noise", fac, ring=resume.checkpoint.parent / RING_FILE)
     return CorrelatedNoise(fac, layout.trainable_shapes, 1.0, key=key or new_secret())
 
 
