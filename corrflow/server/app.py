@@ -80,4 +80,23 @@ def main(grid: Grid, context: Context) -> None:
         log.error("bad run config: %s", exc)
         raise
     # `flwr run` starts the ServerApp in the SuperLink's directory: a relative state-dir lives under $CORRFLOW_HOME.
-    run_server(grid, cfg, relative_to="home")
+    outcome_failure(run_server(grid, cfg, relative_to="home"))
+
+
+class RunOutcomeError(RuntimeError):
+    """A deployed run that stopped before its planned rounds or did not learn: raised from the ServerApp so that
+    Flower marks the run failed (``flwr ls`` shows ``finished:failed``) — the deployment's exit code, as `corrflow
+    simulate` exits 1 or 3. Everything released is already checkpointed and reported."""
+
+
+def outcome_failure(strategy: CorrelatedNoiseStrategy) -> None:
+    """Raise :class:`RunOutcomeError` naming why when the run stopped early or did not learn."""
+    learning = strategy.run.recorder.learning()
+    if strategy.stopped_reason is not None:
+        why = f"stopped before its planned rounds: {strategy.stopped_reason}"
+    elif learning["learned"] is False:
+        why = learning["verdict"]
+    else:
+        return
+    log.error("corrflow: the run %s (privacy_report.json has the details)", why)
+    raise RunOutcomeError(f"corrflow: the run {why}")
