@@ -16,6 +16,7 @@ from corrflow.factorization.registry import KINDS
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import with_settings
+from corrflow.server.schema_cli import schema_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
@@ -479,6 +480,7 @@ noise_app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
 app.command("compare")(compare_command)
+app.command("schema")(schema_command)
 
 
 @noise_app.command("sample")
