@@ -172,7 +172,8 @@ def test_runnable_snippets_of_a_page_run(page, tmp_path, shared_home, monkeypatc
         else:
             res = subprocess.run(["bash", "-euo", "pipefail", "-c", s.code], cwd=tmp_path, env=env,
                                  capture_output=True, text=True, timeout=600)
-            assert res.returncode == 0, f"{s.where} exited {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+            assert res.returncode == 0, (f"{s.where} exited {res.returncode}:\n{res.stdout[-2000:]}\n"
+                                         f"{res.stderr[-4000:]}")
 
 
 # -- the deployment steps are the loopback test's -----------------------------------------------------------------
