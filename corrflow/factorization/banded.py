@@ -1,10 +1,10 @@
-"""Column-normalised banded strategies, BandMF (001_2cc4084656a0d864.txt §2.2–2.3, Problem 2.1).
+"""Column-normalised banded strategies, BandMF (001 §2.2–2.3, Problem 2.1: McKenna, "Scaling up the
+Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913).
 
 C(Θ)[j + r, j] = Θ[j, r] / ‖Θ[j, :]‖ (in-range entries only), so every column has unit norm and, for
 ``bands ≤ min_sep``, the sensitivity is exactly √k. Objective ‖A C(Θ)⁻¹‖²_F (001 Alg. 3) with gradient
 ∇_C = −2 Bᵀ W, B = A C⁻¹, W = A C⁻¹ C⁻ᵀ, evaluated on the band only and blockwise over columns: O(n²·bands) time
-and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz start (001 §9.1 reproduces Example B.1
-this way).
+and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz start (001 Example B.1 is reproduced this way).
 """
 
 from __future__ import annotations

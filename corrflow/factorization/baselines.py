@@ -1,4 +1,5 @@
-"""Baselines and classical mechanisms (000_747c4ada1ff1f482.txt §4–5, App. D, J, K).
+"""Baselines and classical mechanisms (000 §4–5, App. D, J, K: Choquette-Choo, McMahan,
+Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
 
 * binary tree (Honaker) with tree completion and the zeroed virtual-node noise of 000 App. D.3;
 * the FFT mechanism in its real-valued form (000 App. K): C_F = circulant(y)[:, :n], y = ifft(√fft(v));

@@ -34,7 +34,7 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
-    [b₀, bands]; the encoder is then left column-unnormalised, as in the digest's check values.
+    [b₀, bands]; the encoder is then left column-unnormalised, as in 001 App. H.
     ``stamps`` > 1 builds the mechanism for rounds/stamps rounds (epochs/stamps participations) and repeats it
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).

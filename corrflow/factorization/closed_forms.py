@@ -1,9 +1,12 @@
-"""Closed-form banded and banded-inverse Toeplitz families (003_0d2702d296af0f0c.txt; digest §2–3).
+"""Closed-form banded and banded-inverse Toeplitz families (003: Kalinin, Rehn, Andersson,
+Honkela, Lampert, "Beyond Square Roots: Explicit Memory-Efficient Factorization for Multi-Epoch Private Learning",
+arXiv 2605.18379, §2–3).
 
 Generating functions: the workload A ↔ a(x) = 1/((1 − x)(1 − βx)) (prefix: β = 0). Then
 * γ-BIFR (003 Def. 2): noising C⁻¹ = the first ``bands`` coefficients of a(x)^(−γ); γ = 1/2 is BISR,
   bands = 2 is DP-λCGD with λ = γ (prefix workload), γ = 0 is DP-SGD;
-* BSR (Kalinin & Lampert 2024): strategy C = the first ``bands`` coefficients of a(x)^(1/2);
+* BSR (Kalinin & Lampert, "Banded Square Root Matrix Factorization for Differentially Private Model Training",
+  arXiv 2405.13763): strategy C = the first ``bands`` coefficients of a(x)^(1/2);
 * γ-BFR: strategy C = the first ``bands`` coefficients of a(x)^γ.
 A learning-rate schedule is not Toeplitz; the families use its Toeplitz part (momentum only) and the errors are
 still computed for the full workload. γ is chosen by a bounded 1-D search on the unamplified RMSE

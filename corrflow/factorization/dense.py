@@ -1,9 +1,10 @@
 """Optimal multi-epoch dense factorizations under (k, b) fixed-epoch participation.
 
-000_747c4ada1ff1f482.txt §3: minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
+000 §3 (Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private
+Machine Learning", arXiv 2211.06530): minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
 
 * :func:`optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one user can share
-  (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2, digest check 14b/14c) — and every pattern's diagonal
+  (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2) — and every pattern's diagonal
   summing to 1. The sensitivity is then exact for vector contributions (000 Cor. 2.1 and App. I.3, Eq. 36 with
   X = 0 ≥ 0 on Π̂). Solved by L-BFGS in that affine subspace (Cholesky-based, 3.3 n³ flops an iteration), stopping
   on the relative duality gap against the Lagrange dual bound of 000 Thm. 3.1 evaluated at the KKT multipliers

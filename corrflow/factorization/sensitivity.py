@@ -1,15 +1,16 @@
 """Sensitivity of an encoder C under a participation schema (ℓ2 clipping to 1, vector contributions).
 
 sens(C) = sup over one user's contributions G (rows ≤ 1 in ℓ2, on one allowed pattern) of ‖C G‖_F
-(000_747c4ada1ff1f482.txt Def. 1, Eq. 2). Which formula applies:
+(000 Def. 1, Eq. 2; arXiv 2211.06530). Which formula applies:
 
 * ``X = CᵀC ≥ 0`` on every pair one user can share: exact, ``max_π 1ᵀ X[π,π] 1`` (000 Cor. 2.1, Eq. 3);
 * otherwise for fixed-epoch: ``λ·√k`` with ``λ = max_π ‖C[:, π]‖₂`` (000 Thm. 2.1), an upper bound;
 * b-min-sep, general X: ``VecSens(v)`` with ``v_i = VecSens(|X[i, :]|)``, an upper bound
-  (Choquette-Choo et al. 2023, Alg. 3/4; sound for vectors since ⟨g_i, g_j⟩ ≤ 1);
+  (Choquette-Choo et al., "(Amplified) Banded Matrix Factorization", arXiv 2306.08153, Alg. 3/4; sound for
+  vectors since ⟨g_i, g_j⟩ ≤ 1);
 * X banded with bandwidth ≤ b (banded C with ``bands ≤ min_sep``): exact, ``VecSens(diag X)`` (001 §1.4);
 * lower-triangular Toeplitz C with non-negative, non-increasing coefficients under b-min-sep: exact,
-  ``‖Σ_{j<k} C[:, j·b]‖`` in O(n) (Kalinin & Lampert 2024 Thm. 2; 001 §1.4, 003 Thm. 1).
+  ``‖Σ_{j<k} C[:, j·b]‖`` in O(n) (Kalinin & Lampert, arXiv 2405.13763, Thm. 2; 001 §1.4, 003 Thm. 1).
 
 Every result says whether it is exact or a bound, and which rule produced it.
 """

@@ -1,11 +1,13 @@
-"""Banded Toeplitz strategies (001_2cc4084656a0d864.txt §3).
+"""Banded Toeplitz strategies (001 §3: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for
+Differentially Private ML", arXiv 2405.15913).
 
 Loss (001 Prop. 3.1 / D.1): with θ the first column of C (``bands`` entries), λ the workload's Toeplitz
 coefficients and w = C⁻¹λ (an IIR filter, O(n·bands)), the total squared error is
 ``sens²(θ) · Σ_i (n − i) w_i²`` (0-based), where sens²(θ) = ‖θ‖²·k when bands ≤ min_sep and the O(n) min-sep
-formula otherwise (Kalinin & Lampert 2024 Thm. 2). The gradient comes from the adjoint recursion, O(n·bands).
+formula otherwise (Kalinin & Lampert, arXiv 2405.13763, Thm. 2). The gradient comes from the adjoint recursion,
+O(n·bands).
 
-Optimised by L-BFGS on the log-loss (the recursion can blow up outside the stable region, digest §11.3), from the
+Optimised by L-BFGS on the log-loss (the recursion C⁻¹λ can blow up outside the stable region), from the
 better of two starts: the banded square root and the best member of the 1/i + c family (001 App. J).
 """
 
@@ -149,9 +151,10 @@ def optimize_toeplitz(workload: Workload, n: int, bands: int, min_sep: int | Non
 
 
 def taper_coefficients(coef: np.ndarray, lower_min_sep: int) -> np.ndarray:
-    """Robust banded Toeplitz for an uncertain min-sep in [b₀, b] (001 App. H heuristic, digest §5 / §9.7):
+    """Robust banded Toeplitz for an uncertain min-sep in [b₀, b] (001 App. H heuristic):
     θ_i ← (b − i)/(b − b₀)·θ_i for 1-indexed i ≥ b₀, b = len(θ); the last coefficient becomes 0 and is dropped;
-    renormalised to ‖θ‖ = 1. Digest §9.7 (n = 2000, k = 5, b = 400, b₀ = 200): RMSE ratios to the untapered θ of
+    renormalised to ‖θ‖ = 1. Recomputed for
+    n = 2000, k = 5, b = 400, b₀ = 200: RMSE ratios to the untapered θ of
     0.98760 / 0.96553 / 1.02737 at true min-sep 200 / 300 / 400."""
     theta = np.asarray(coef, dtype=np.float64)
     b = theta.size

@@ -1,6 +1,6 @@
 """Workload matrices A: what the server's optimizer computes from the stream of noisy gradient sums.
 
-000_747c4ada1ff1f482.txt §5.3 and the digest `000_multi_epoch_mf.md` §1.2:
+000 §5.3 (arXiv 2211.06530) and the reference code's optimizer:
 ``A = tri(n) · diag(η) · M_β`` with ``M_β[i, j] = β^(i-j)``, i.e. ``A[i, j] = Σ_{t=j..i} η_t β^(t-j)``:
 the iterates of ``m_t = β m_{t-1} + g_t; θ_{t+1} = θ_t − η_t m_t`` (θ_0 = 0, unit base learning rate).
 The prefix sum is β = 0, η = 1. The linear cooldown decays η from 1 to ``cooldown_final`` over the last

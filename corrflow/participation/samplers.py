@@ -1,4 +1,5 @@
-"""Participation samplers (004_cab8ae431845c278.txt): who trains in round t.
+"""Participation samplers (004: Dong, Ganesh, "Privacy Amplification for BandMF via b-Min-Sep
+Subsampling", arXiv 2602.09338): who trains in round t.
 
 Every sampler draws round t's randomness from ``np.random.default_rng([seed, 0, t])``, so a run is a pure function of
 (seed, rounds so far, availability): replaying from round 0 — or restoring the small ``state()`` — reproduces it
