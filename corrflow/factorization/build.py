@@ -17,7 +17,18 @@ from corrflow.progress import ProgressCallback
 
 def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
                       kind: str | None = None) -> Participation:
-    """Fixed-epoch (k, n/k) unless a different min-sep is given (then b-min-sep with ≤ k participations)."""
+    """The participation pattern for ``rounds`` rounds (000 §2; b-min-sep as in 004).
+
+    Args:
+        rounds: n.
+        epochs: k, the most participations of one user.
+        min_sep: b, the fewest rounds between two participations (default n/k: fixed-epoch).
+        kind: ``"fixed-epoch"`` or ``"min-sep"`` to force one; default inferred (fixed-epoch when b·k = n).
+
+    Returns:
+        Fixed-epoch (k, n/k) participation unless a different min-sep is given, then b-min-separation with at most
+        k participations.
+    """
     if kind == "fixed-epoch" or (kind is None and (min_sep is None or min_sep * epochs == rounds)):
         p = Participation.fixed_epoch(rounds, epochs)
         require(min_sep is None or min_sep == p.min_sep, "min-sep", f"rounds/epochs = {p.min_sep} for fixed-epoch "
@@ -32,6 +43,17 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
               search_gamma: bool = False, tol: float = 5e-4, time_budget: float | None = None,
               buffers: int | None = None, callback: ProgressCallback | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
+
+    Args:
+        kind: one of :data:`KINDS` (the registry, :mod:`corrflow.factorization.registry`).
+        participation: the (k, b) pattern the sensitivity is computed for (:func:`participation_for`).
+        workload: A (default: prefix sums).
+        bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); default the kind's own.
+        stamps, gamma, taper, search_gamma, tol, time_budget, buffers: see below.
+        callback: progress callback of the iterative optimizers.
+
+    Returns:
+        A :class:`Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper bound as labelled.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
     [b₀, bands]; the encoder is then left column-unnormalised, as in 001 App. H.

@@ -23,7 +23,15 @@ class ErrorReport:
 
 
 def error_report(per_query_error: np.ndarray, sensitivity: float) -> ErrorReport:
-    """Aggregate per-query errors (squared row norms of B) at the given sensitivity."""
+    """Aggregate per-query errors at a sensitivity (000 Eq. 4, arXiv 2211.06530).
+
+    Args:
+        per_query_error: squared row norms of the decoder B, shape (n,).
+        sensitivity: sens.
+
+    Returns:
+        Total squared error sens²·Σ e, RMSE = √(total/n) and max error sens·√max e.
+    """
     e = np.asarray(per_query_error, dtype=np.float64)
     total = float(sensitivity**2 * e.sum())
     return ErrorReport(total, float(np.sqrt(total / len(e))), float(sensitivity * np.sqrt(e.max())))
