@@ -1,6 +1,6 @@
 """The :class:`Factorization` object: workload, encoder (sensitivity 1), participation, metadata; one .npz file.
 
-File format (README "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the encoder and whose
+File format (docs "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the encoder and whose
 ``__meta__`` entry holds JSON metadata, including ``arrays_sha256`` — a SHA-256 over every array's name,
 dtype, shape and bytes. Loading recomputes the hash and checks shapes; a mismatch is an :class:`IntegrityError`.
 """
@@ -217,7 +217,7 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
 
 def normalized(kind: str, workload: Workload, participation: Participation, encoder: Encoder,
                metadata: dict | None = None) -> Factorization:
-    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (README "Conventions")."""
+    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (docs "Conventions")."""
     sens = encoder.sensitivity(participation)
     if not (np.isfinite(sens.value) and sens.value > 0):
         raise InvalidArgumentError("encoder", "a finite, positive sensitivity", sens.value)

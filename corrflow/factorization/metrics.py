@@ -1,4 +1,4 @@
-"""Error metrics of a factorization (README "Conventions", Errors; 000 Eq. 4; 001 App. D).
+"""Error metrics of a factorization (docs "Conventions", Errors; 000 Eq. 4; 001 App. D).
 
 With per-query error e_i = ‖B[i, :]‖² (B = A C⁻¹) and sensitivity s:
 total squared error L = s²·Σ e_i, RMSE = √(L/n), max error = s·max √e_i, per-iterate variance = s²·e.

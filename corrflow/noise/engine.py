@@ -1,6 +1,6 @@
 """Streaming correlated noise w_t = σ·(C⁻¹Z)_t for model-sized updates (float32), regenerated from a secret key.
 
-Modes, chosen from the encoder's structure (README "Conventions" data flow; 001 §1.2, §4.3; 003 §3):
+Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §1.2, §4.3; 003 §3):
 
 * ``banded``: C has ``p`` bands → the recursion of 001 Alg. 1, y_t = (z_t − Σ_{r=1}^{p−1} C[t,t−r] y_{t−r})/C[t,t],
   with a float32 ring buffer of the last p−1 outputs ((p−1)·d·4 bytes, the only large state);

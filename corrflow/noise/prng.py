@@ -1,6 +1,6 @@
 """Counter-based Gaussian sources: z for (round j, coordinate chunk c) is a pure function of (secret key, j, c).
 
-README "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any row can be
+docs "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any row can be
 regenerated in any order, exactly. Two sources:
 
 * ``philox`` (default): NumPy's Philox-4×64 with the 128-bit secret as its key and (0, 0, c, j) as the starting

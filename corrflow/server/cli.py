@@ -1,4 +1,4 @@
-"""The ``corrflow`` command (README "Conventions"): one subcommand per job; ``--json`` prints exactly one JSON object
+"""The ``corrflow`` command (docs "Conventions"): one subcommand per job; ``--json`` prints exactly one JSON object
 as the last stdout line; progress goes to stderr; bad arguments exit with code 2 and name the argument."""
 
 from __future__ import annotations
