@@ -65,7 +65,14 @@ class ChaChaSource:
 
 
 def new_secret(prng: str = "philox") -> bytes:
-    """A fresh secret key from the operating system's entropy."""
+    """A fresh secret key from the operating system's entropy.
+
+    Args:
+        prng: ``"philox"`` or ``"chacha"``; fixes the key length.
+
+    Returns:
+        The key bytes (never logged; stored owner-only by :func:`~corrflow.noise.engine.save_state`).
+    """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])
 
@@ -76,7 +83,16 @@ def make_source(prng: str, key: bytes) -> GaussianSource:
 
 
 def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
-    """An audit key from a user-given seed: hex of the right length is taken as the key, anything else is hashed."""
+    """An audit key from a user-given seed (``corrflow noise sample --seed``).
+
+    Args:
+        seed: bytes of the key's length, hex of the key's length (taken as the key), or any other text or integer
+            (hashed with SHA-256).
+        prng: ``"philox"`` or ``"chacha"``.
+
+    Returns:
+        The key bytes.
+    """
     n = KEY_BYTES[prng]
     if isinstance(seed, bytes):
         require(len(seed) == n, "seed", f"{n} bytes for {prng}", len(seed))
