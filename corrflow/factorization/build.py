@@ -49,7 +49,13 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
         participation: the (k, b) pattern the sensitivity is computed for (:func:`participation_for`).
         workload: A (default: prefix sums).
         bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); default the kind's own.
-        stamps, gamma, taper, search_gamma, tol, time_budget, buffers: see below.
+        stamps: repeat a rounds/stamps mechanism along the diagonal (see below).
+        gamma: γ for bifr, bsr and lambda-cgd (see below).
+        taper: b₀ of the 001 App. H taper (toeplitz only).
+        search_gamma: bsr: search γ (the γ-BFR family of 003).
+        tol: the optimizers' relative tolerance.
+        time_budget: dense only: seconds after which the optimizer stops.
+        buffers: blt only: B, the BLT's buffers.
         callback: progress callback of the iterative optimizers.
 
     Returns:

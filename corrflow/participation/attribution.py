@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,7 @@ class AttributionGraph:
         return counts
 
     @classmethod
-    def from_pairs(cls, pairs) -> AttributionGraph:
+    def from_pairs(cls, pairs: Iterable[tuple[object, object]]) -> AttributionGraph:
         """Build a graph from links.
 
         Args:
