@@ -238,3 +238,47 @@ def test_deployment_steps_are_the_commands_the_loopback_test_runs(snippet):
                     from_run_config({**base, **parsed, "corrflow.state-dir": "run"})   # corrflow accepts them
         else:
             pytest.fail(f"{snippet.where}: {program} is not a step of deploy/loopback.sh")
+
+
+# -- docstrings of the public API ---------------------------------------------------------------------------------
+def _public_api(package: str):
+    import importlib
+    import inspect
+
+    pkg = importlib.import_module(package)
+    for name in pkg.__all__:
+        obj = getattr(pkg, name)
+        if inspect.isfunction(obj):
+            yield f"{package}.{name}", obj
+        elif inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                func = member.__func__ if isinstance(member, classmethod | staticmethod) else member
+                if not attr.startswith("_") and inspect.isfunction(func) and func.__module__.startswith("corrflow"):
+                    yield f"{package}.{name}.{attr}", func
+
+
+@pytest.mark.parametrize("package", ["corrflow.factorization", "corrflow.noise", "corrflow.participation",
+                                     "corrflow.strategies"])
+def test_public_functions_document_args_and_returns(package):
+    """Every exported function and public method says what its parameters are (Args) and what it returns
+    (Returns), as the API reference renders them."""
+    import inspect
+
+    missing = []
+    for qualname, func in _public_api(package):
+        doc = inspect.getdoc(func) or ""
+        sig = inspect.signature(func)
+        if [p for p in sig.parameters if p not in ("self", "cls")] and "Args:" not in doc:
+            missing.append(f"{qualname}: Args")
+        if sig.return_annotation not in (inspect.Signature.empty, None, "None") and "Returns:" not in doc:
+            missing.append(f"{qualname}: Returns")
+    assert not missing, missing
+
+
+def test_register_identity_is_documented():
+    import inspect
+
+    from corrflow import register_identity
+
+    doc = inspect.getdoc(register_identity)
+    assert "Args:" in doc and "Returns:" in doc

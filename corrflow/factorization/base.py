@@ -109,7 +109,11 @@ class Factorization:
         return {f"encoder.{k}": np.ascontiguousarray(v, dtype=np.float64) for k, v in self.encoder.arrays().items()}
 
     def sha256(self) -> str:
-        """SHA-256 (hex) of the encoder's arrays, as recorded in the file and in privacy reports."""
+        """The factorization's identity, checked on load and recorded in privacy reports and recipes.
+
+        Returns:
+            SHA-256 (64 hex digits) of the encoder's arrays.
+        """
         return arrays_sha256(self._arrays())
 
     def _meta(self) -> dict:

@@ -86,6 +86,14 @@ class Participation:
 
     @classmethod
     def single(cls, rounds: int) -> Participation:
+        """Single participation (k = 1).
+
+        Args:
+            rounds: n.
+
+        Returns:
+            Fixed-epoch participation with k = 1, b = n.
+        """
         return cls.fixed_epoch(rounds, 1)
 
     @property
@@ -127,13 +135,27 @@ class Participation:
         return m
 
     def describe(self) -> str:
+        """Returns:
+            A one-line description, e.g. ``fixed-epoch (rounds=12, epochs=3, min_sep=4)``.
+        """
         return f"{self.kind} (rounds={self.rounds}, epochs={self.epochs}, min_sep={self.min_sep})"
 
     def to_dict(self) -> dict:
+        """Returns:
+            ``{"kind", "rounds", "epochs", "min_sep"}``, as stored in factorization files.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Participation:
+        """The inverse of :meth:`to_dict`.
+
+        Args:
+            d: a dict with exactly the keys kind, rounds, epochs, min_sep.
+
+        Returns:
+            The validated schema.
+        """
         unknown = set(d) - {"kind", "rounds", "epochs", "min_sep"}
         require(not unknown, "participation", "keys kind, rounds, epochs, min_sep", sorted(unknown))
         return cls(**d)

@@ -43,9 +43,20 @@ class Sensitivity:
     method: str
 
     def scaled(self, factor: float) -> Sensitivity:
+        """The sensitivity of c·C for a scale c.
+
+        Args:
+            factor: c > 0.
+
+        Returns:
+            The same rule and exactness with value c·value.
+        """
         return Sensitivity(self.value * factor, self.exact, self.method)
 
     def to_dict(self) -> dict:
+        """Returns:
+            ``{"value", "exact", "method"}``.
+        """
         return asdict(self)
 
 

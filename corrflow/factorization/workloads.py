@@ -51,6 +51,9 @@ class Workload:
 
     @classmethod
     def prefix(cls) -> Workload:
+        """Returns:
+            The prefix-sum workload (A = all-ones lower triangle; plain SGD with learning rate 1).
+        """
         return cls("prefix")
 
     @classmethod
@@ -74,10 +77,20 @@ class Workload:
         return self.cooldown_fraction == 0.0
 
     def toeplitz_part(self) -> Workload:
-        """The same workload without its learning-rate schedule (Toeplitz)."""
+        """Returns:
+            The same workload without its learning-rate schedule (Toeplitz).
+        """
         return Workload(self.kind, self.momentum) if not self.is_toeplitz else self
 
     def cooldown_rounds(self, n: int) -> int:
+        """The number of cooldown rounds.
+
+        Args:
+            n: rounds.
+
+        Returns:
+            ⌊n · cooldown_fraction⌋.
+        """
         return int(n * self.cooldown_fraction)
 
     def learning_rates(self, n: int) -> np.ndarray:
@@ -142,10 +155,21 @@ class Workload:
         return self.apply(np.eye(n))
 
     def to_dict(self) -> dict:
+        """Returns:
+            ``{"kind", "momentum", "cooldown_fraction", "cooldown_final"}``.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Workload:
+        """The inverse of :meth:`to_dict`.
+
+        Args:
+            d: a dict with the keys of :meth:`to_dict` (no others).
+
+        Returns:
+            The validated workload.
+        """
         unknown = set(d) - {"kind", "momentum", "cooldown_fraction", "cooldown_final"}
         require(not unknown, "workload", "keys kind, momentum, cooldown_fraction, cooldown_final", sorted(unknown))
         return cls(**d)

@@ -51,7 +51,9 @@ class AttributionGraph:
         return len(self.user_ids)
 
     def items_per_user(self) -> np.ndarray:
-        """How many items each user is behind: int64 of shape (num_users,)."""
+        """Returns:
+            How many items each user is behind: int64 of shape (num_users,).
+        """
         counts = np.zeros(self.num_users, dtype=np.int64)
         for users in self.item_users:
             counts[users] += 1

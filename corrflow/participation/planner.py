@@ -121,7 +121,11 @@ class CohortPlanner:
     def seed_privately(self, key: bytes) -> None:
         """Draw the random sampler's cohorts from a private key (≥ 32 bytes) instead of the public seed. Amplified ε
         (Poisson subsampling in 002 Thm 3.1 / Alg. 1, 001 Alg. 2, 004 Alg. 2–3) assumes the adversary does not know
-        who was sampled; a public seed would let anyone replay the cohorts. Call before the first cohort."""
+        who was sampled; a public seed would let anyone replay the cohorts. Call before the first cohort.
+
+        Args:
+            key: the private sampler key, at least 32 bytes.
+        """
         require(self.kind != "fixed-epoch", "participation", "a random sampler (fixed-epoch has no sampling)",
                 self.kind)
         require(len(key) >= 32, "sampler key", "at least 32 bytes", len(key))
@@ -135,6 +139,9 @@ class CohortPlanner:
         return math.ceil(self.rounds / self.min_sep)
 
     def summary(self) -> PlanSummary:
+        """Returns:
+            The planned participation (items, users, k, k_u, rates, expected cohort).
+        """
         return PlanSummary(self.kind, len(self.items), len(self.users), self.rounds, self.min_sep,
                            self.max_participations, self.items_per_user, self.p0, self.p, self.expected)
 
@@ -159,6 +166,14 @@ class CohortPlanner:
         return sorted(self.items[i] for i in self._cohorts[t])
 
     def users_of(self, item: str) -> list[str]:
+        """The users behind an item.
+
+        Args:
+            item: an item id.
+
+        Returns:
+            Their user ids.
+        """
         return [self.users[u] for u in self.item_users[self.index[item]]]
 
     def planned_rounds(self, item: str) -> list[int] | None:
@@ -177,6 +192,9 @@ class CohortPlanner:
         return list(range(g, self.rounds, self.min_sep))
 
     def to_dict(self) -> dict:
+        """Returns:
+            :meth:`summary` as a dict, with the fixed-epoch cohort sizes.
+        """
         d = self.summary().to_dict()
         if self.kind == "fixed-epoch":
             d["cohort_sizes"] = sorted({len(g) for g in self.groups})
@@ -191,6 +209,15 @@ class SeparationMonitor:
 
     @staticmethod
     def last_round(rounds: Sequence[int], before: int) -> int | None:
+        """The latest of ``rounds`` before a round.
+
+        Args:
+            rounds: rounds a user was included in.
+            before: the round to look back from.
+
+        Returns:
+            The latest round < ``before``, or None.
+        """
         earlier = [r for r in rounds if r < before]
         return max(earlier) if earlier else None
 

@@ -112,9 +112,17 @@ class BMinSepSampler:
         return chosen
 
     def state(self) -> dict:
+        """Returns:
+            The sampler's small state: the next round and each item's last selected round (int64, (num_items,)).
+        """
         return {"next_round": self.next_round, "last": self.last.copy()}
 
     def load_state(self, state: dict) -> None:
+        """Continue from a saved :meth:`state`.
+
+        Args:
+            state: a dict returned by :meth:`state` for the same number of items.
+        """
         last = np.asarray(state["last"], dtype=np.int64)
         require(last.shape == (self.n,), "state", f"{self.n} items", last.shape)
         self.last, self.next_round = last.copy(), int(state["next_round"])
@@ -178,6 +186,9 @@ class MultiAttributionSampler:
         return chosen
 
     def state(self) -> dict:
+        """Returns:
+            The next round and each user's last blocking round (int64, (num_users,)).
+        """
         return {"next_round": self.next_round, "user_last": self.user_last.copy()}
 
 

@@ -85,7 +85,8 @@ class CorrelatedNoiseStrategy(Strategy):
         return self.run.round.layout.record(self.params)
 
     def report(self) -> dict:
-        """The privacy report as the operator holds it (before the amplified-run redactions of the published file).
+        """Returns:
+            The privacy report as the operator holds it (before the amplified-run redactions of the published file).
         """
         return self.run.recorder.report()
 
@@ -136,6 +137,17 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        """Plan the round's cohort, check the budget guard, and build the train messages.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            One message per scheduled, online node (none once the run is complete or stopped).
+        """
         t, state, ctx = self.next_round, self.state, self.run.round
         if t >= self.cfg.num_rounds or state.stopped_reason:
             return []
@@ -154,6 +166,15 @@ class CorrelatedNoiseStrategy(Strategy):
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Validate and clip the replies, add the correlated noise, step the server optimizer, and commit the round.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the cohort's reply messages.
+
+        Returns:
+            (the new global model, the round's metrics), or (None, None) for a round that was not planned.
+        """
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
@@ -170,11 +191,30 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         """Federated evaluation is the inner strategy's (its metrics are computed on clients' data and are not
-        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side."""
+        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The inner strategy's evaluate messages (none without an inner strategy).
+        """
         inner = self.run.inner
         return [] if inner is None else inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
+        """The inner strategy's aggregation of federated-evaluation replies (outside the DP guarantee).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the evaluation replies.
+
+        Returns:
+            The inner strategy's aggregated metrics, or None.
+        """
         inner = self.run.inner
         return None if inner is None else inner.aggregate_evaluate(server_round, replies)
 

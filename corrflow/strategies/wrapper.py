@@ -230,15 +230,55 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self.core
 
     def configure_train(self, server_round, arrays, config, grid):
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The round's train messages.
+        """
         return self._running().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the cohort's replies.
+
+        Returns:
+            (the new global model, the round's metrics).
+        """
         return self._running().aggregate_train(server_round, replies)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
+        """Federated evaluation, the inner strategy's (its metrics are outside the DP guarantee).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The inner strategy's evaluate messages.
+        """
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
+        """Federated evaluation, the inner strategy's.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the evaluation replies.
+
+        Returns:
+            The inner strategy's aggregated metrics.
+        """
         return self.inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
