@@ -104,3 +104,18 @@ def test_schema_command_prints_each_schema_and_refuses_unknown_names(tmp_path):
         jsonschema.Draft202012Validator.check_schema(printed)
     bad = corrflow("schema", "report", cwd=tmp_path, home=tmp_path)
     assert bad.returncode == 2 and "NAME" in bad.stderr and "privacy-report" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_readme_demo_report_validates_against_the_printed_schema(tmp_path):
+    """The README's first command (its `corrflow simulate …` part, on Flower's simulation engine: Ray start-up and
+    100 users make it a few minutes) writes a report that `corrflow schema privacy-report` validates."""
+    first = (ROOT / "README.md").read_text().splitlines()[3]
+    simulate = first[first.index("corrflow simulate"):].split()[1:]
+    assert simulate[0] == "simulate" and "--out" in simulate
+    run = corrflow(*simulate, cwd=tmp_path, home=tmp_path / "home")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / simulate[simulate.index("--out") + 1]
+    printed = json.loads(corrflow("schema", "privacy-report", cwd=tmp_path, home=tmp_path).stdout)
+    jsonschema.validate(_load(out / "privacy_report.json"), printed, cls=jsonschema.Draft202012Validator)
+    validate("metrics", _load(out / "metrics.json"))
