@@ -33,6 +33,9 @@ from corrflow.progress import ProgressCallback
 
 @dataclass(frozen=True)
 class DenseResult:
+    """The optimal multi-epoch Gram matrix X (n × n, sensitivity 1), its loss tr(AᵀA X⁻¹), the dual lower bound
+    (000 Thm. 3.1), the iterations and whether the gap tolerance was met."""
+
     X: np.ndarray              # optimal Gram matrix, sensitivity 1 under the participation
     loss: float                # tr(AᵀA X⁻¹) = total squared error at sensitivity 1
     lower_bound: float         # dual lower bound (valid for every X ≥ 0 on Π̂ with sensitivity ≤ 1)
@@ -45,13 +48,28 @@ class DenseResult:
 
 
 def reversed_cholesky(X: np.ndarray) -> np.ndarray:
-    """Lower-triangular C with CᵀC = X: C = J Lᵀ J where J X J = L Lᵀ (000 §3.4, reference code)."""
+    """The lower-triangular factor of a Gram matrix (000 §3.4, arXiv 2211.06530).
+
+    Args:
+        X: symmetric positive definite, shape (n, n).
+
+    Returns:
+        C, lower-triangular (n, n), with CᵀC = X: C = J Lᵀ J where J X J = L Lᵀ.
+    """
     L = cholesky(X[::-1, ::-1], lower=True)
     return np.ascontiguousarray(L.T[::-1, ::-1])
 
 
 def optimal_decoder_loss(workload_matrix: np.ndarray, X: np.ndarray) -> float:
-    """tr(AᵀA X⁻¹) = ‖A C^†‖²_F for any C with CᵀC = X (000 §1.5, optimal decoder)."""
+    """The total squared error with the optimal decoder (000 §1.5).
+
+    Args:
+        workload_matrix: A, shape (n, n).
+        X: CᵀC, shape (n, n).
+
+    Returns:
+        tr(AᵀA X⁻¹) = ‖A C^†‖²_F for any C with CᵀC = X.
+    """
     R = cholesky(X, lower=True)
     Y = solve_triangular(R, workload_matrix.T, lower=True, check_finite=False)
     return float(np.sum(Y**2))
@@ -99,7 +117,20 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
 
     Stops when (loss − dual bound)/loss ≤ ``tol``, when the loss stops improving, or after ``time_budget``
     seconds (every iterate is feasible, so a stopped X is a valid factorization; its gap says how far from the
-    optimum it may be). Shapes: X is n×n.
+    optimum it may be).
+
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b).
+        tol: the relative duality-gap tolerance.
+        max_iterations: L-BFGS iterations.
+        memory: L-BFGS history.
+        X0: a starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided by k).
+        callback: progress callback.
+        time_budget: seconds, or None.
+
+    Returns:
+        X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and the iterations.
     """
     require(participation.kind == "fixed-epoch", "participation",
             "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
@@ -178,6 +209,8 @@ CONSTRAINTS = ("sign", "pattern-nonneg", "nonneg")
 
 @dataclass(frozen=True)
 class ConstrainedResult:
+    """The optimum of 000 Eq. 6 under one constraint set: its ``loss``, ``X`` (n × n) and ``constraints``."""
+
     loss: float           # optimal tr(AᵀA X⁻¹) under the constraint set (to ~1e-9 relative)
     X: np.ndarray
     constraints: str
@@ -203,6 +236,14 @@ def solve_constrained(workload: Workload, participation: Participation, constrai
     ``"sign"``: uᵀXu ≤ 1 for all sign vectors on every pattern (Eq. 34; exact only for d = 1 when X has negative
     entries); ``"pattern-nonneg"``: all-ones pattern vectors plus X ≥ 0 on Π̂ (Eq. 36); ``"nonneg"``: pattern
     vectors plus X ≥ 0 everywhere (Eq. 35). Reproduces 000 Table 6.
+
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b), n ≤ 16.
+        constraints: ``"sign"``, ``"pattern-nonneg"`` or ``"nonneg"``.
+
+    Returns:
+        The optimal loss and X (n × n).
     """
     require(constraints in CONSTRAINTS, "constraints", f"one of {CONSTRAINTS}", constraints)
     require(participation.kind == "fixed-epoch", "participation", "fixed-epoch", participation.kind)

@@ -14,6 +14,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ErrorReport:
+    """The errors of a mechanism (000 Eq. 4): total squared error sens²·‖B‖²_F, RMSE = √(total/n) and max error
+    sens·maxᵢ‖Bᵢ‖."""
+
     total_squared_error: float
     rmse: float
     max_error: float
