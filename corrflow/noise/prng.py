@@ -32,6 +32,12 @@ class GaussianSource(Protocol):
 
 
 class PhiloxSource:
+    """NumPy's Philox counter-based generator keyed by the secret key; (round, chunk) select the counter.
+
+    Args:
+        key: the secret key.
+    """
+
     name = "philox"
 
     def __init__(self, key: bytes):
@@ -45,6 +51,12 @@ class PhiloxSource:
 
 
 class ChaChaSource:
+    """ChaCha20 (``randomgen``, the ``secure`` extra), a cryptographically secure counter-based source.
+
+    Args:
+        key: the 32-byte secret key.
+    """
+
     name = "chacha"
 
     def __init__(self, key: bytes):
@@ -78,6 +90,15 @@ def new_secret(prng: str = "philox") -> bytes:
 
 
 def make_source(prng: str, key: bytes) -> GaussianSource:
+    """The Gaussian source for a PRNG name.
+
+    Args:
+        prng: ``"philox"`` or ``"chacha"``.
+        key: the secret key.
+
+    Returns:
+        A source whose ``normal(round, chunk, size)`` is a pure function of (key, round, chunk).
+    """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return PhiloxSource(key) if prng == "philox" else ChaChaSource(key)
 
@@ -107,5 +128,12 @@ def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
 
 
 def fingerprint(key: bytes) -> str:
-    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign secret)."""
+    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign secret).
+
+    Args:
+        key: the secret key.
+
+    Returns:
+        32 hex digits of a domain-separated SHA-256.
+    """
     return hashlib.sha256(b"corrflow-noise-key:" + key).hexdigest()[:32]
