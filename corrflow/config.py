@@ -46,7 +46,7 @@ MAX_CLIP_NORM = 1e9
 #: ε a private run is calibrated for when neither a target ε nor a noise multiplier is given.
 DEFAULT_TARGET_EPSILON = 8.0
 
-#: Optimizer settings that train each task at ε = 8 in the README's examples (chosen by short sweeps; the server
+#: Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short sweeps; the server
 #: step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far one round can move the model).
 #: ``app`` is the user's own ClientApp behind the wrapper: FedAvg's server step (η = 1, no momentum); its local
 #: training is the app's own.

@@ -1,4 +1,4 @@
-"""Error types shared by every layer (README "Conventions": bad input names the field and what was expected)."""
+"""Error types shared by every layer (docs "Conventions": bad input names the field and what was expected)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`flwr run .` on this repository completes the default app (the README's command), with its own Flower home,
+"""`flwr run .` on this repository completes the default app (the docs' command), with its own Flower home,
 ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid afterwards (every process whose
 environment carries this test's Flower home), and none survives."""
 

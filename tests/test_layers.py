@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parent.parent / "corrflow"
 #: only; packages on one layer do not import each other (strategies never import clients, nor clients strategies).
 LAYERS = {
     "errors": 0,
-    "fileio": 1, "progress": 1, "choices": 1, "protocol": 1, "paths": 1, "hashing": 1,
+    "fileio": 1, "progress": 1, "choices": 1, "protocol": 1, "paths": 1, "hashing": 1, "schemas": 1,
     "factorization": 2,
     "noise": 3, "accounting": 3, "participation": 3,
     "data": 4, "config": 4,
@@ -66,15 +66,29 @@ def _source(rel: str) -> ast.Module:
     return ast.parse((PACKAGE / rel).read_text())
 
 
+def _docstring_lines(node: ast.AST) -> int:
+    """Lines taken by the docstrings of ``node`` and of the functions and classes inside it."""
+    total = 0
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if isinstance(sub, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            total += body[0].end_lineno - body[0].lineno + 1
+    return total
+
+
 def test_the_strategy_is_a_thin_shell():
     tree = _source("strategies/correlated.py")
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CorrelatedNoiseStrategy")
-    assert cls.end_lineno - cls.lineno + 1 <= 150
+    assert cls.end_lineno - cls.lineno + 1 - _docstring_lines(cls) <= 150   # code, not its documentation
     long = []
     for path in sorted((PACKAGE / "strategies").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60:
-                long.append(f"{path.name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+            size = node.end_lineno - node.lineno + 1 - _docstring_lines(node) if isinstance(
+                node, ast.FunctionDef | ast.AsyncFunctionDef) else 0
+            if size > 60:
+                long.append(f"{path.name}:{node.lineno} {node.name}: {size} lines")
     assert not long, long
 
 

@@ -114,7 +114,7 @@ def test_simulate_flags_reach_the_run(tmp_path):
 
 
 def test_readme_arxiv_cross_silo_example_learns(tmp_path):
-    """The README's arXiv example (300 authors, 4 silos, multi-attribution, k_u = 2) at its defaults improves
+    """The docs' arXiv example (300 authors, 4 silos, multi-attribution, k_u = 2) at its defaults improves
     held-out loss by ≥ 20% over the run."""
     from corrflow.data.arxiv import ArxivSpec, generate_arxiv
     from corrflow.data.partition import make_manifest, write_manifest

@@ -14,7 +14,7 @@ from corrflow.errors import require
 
 CLIENTS = ("numpy", "nextword", "keras")
 
-# Optimizer settings that train each task at ε = 8 in the README's examples (chosen by short sweeps; the server
+# Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short sweeps; the server
 # step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far one round can move the model).
 TRAINING_DEFAULTS = {
     "numpy": {"server_lr": 0.5, "momentum": 0.5, "local_lr": 0.1, "local_steps": 5, "clip_norm": 1.0},

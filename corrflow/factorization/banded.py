@@ -1,10 +1,10 @@
-"""Column-normalised banded strategies, BandMF (001_2cc4084656a0d864.txt §2.2–2.3, Problem 2.1).
+"""Column-normalised banded strategies, BandMF (001 §2.2–2.3, Problem 2.1: McKenna, "Scaling up the
+Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913).
 
 C(Θ)[j + r, j] = Θ[j, r] / ‖Θ[j, :]‖ (in-range entries only), so every column has unit norm and, for
 ``bands ≤ min_sep``, the sensitivity is exactly √k. Objective ‖A C(Θ)⁻¹‖²_F (001 Alg. 3) with gradient
 ∇_C = −2 Bᵀ W, B = A C⁻¹, W = A C⁻¹ C⁻ᵀ, evaluated on the band only and blockwise over columns: O(n²·bands) time
-and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz start (001 §9.1 reproduces Example B.1
-this way).
+and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz start (001 Example B.1 is reproduced this way).
 """
 
 from __future__ import annotations
@@ -26,14 +26,30 @@ def _valid_mask(n: int, p: int) -> np.ndarray:
 
 
 def normalize_columns(theta: np.ndarray) -> np.ndarray:
-    """Θ → the band of C(Θ): in-range entries divided by their column's norm."""
+    """Θ → the band of C(Θ) (001 §2.2).
+
+    Args:
+        theta: shape (n, bands), layout theta[j, r] = C[j + r, j].
+
+    Returns:
+        The same shape: in-range entries divided by their column's norm (out-of-range entries 0).
+    """
     theta = np.where(_valid_mask(*theta.shape), theta, 0.0)
     return theta / np.linalg.norm(theta, axis=1, keepdims=True)
 
 
 def banded_loss_and_grad(band: np.ndarray, workload: Workload, block_bytes: int = 1 << 26
                          ) -> tuple[float, np.ndarray]:
-    """‖A C⁻¹‖²_F and its gradient with respect to the band entries of C (layout band[j, r] = C[j+r, j])."""
+    """The BandMF objective and its gradient (001 Alg. 3, arXiv 2405.15913).
+
+    Args:
+        band: shape (n, bands), layout band[j, r] = C[j + r, j].
+        workload: A.
+        block_bytes: memory for the blockwise evaluation.
+
+    Returns:
+        (‖A C⁻¹‖²_F, its gradient with respect to ``band``, same shape).
+    """
     n, p = band.shape
     ab = band.T  # lower-banded storage for solve_banded((p−1, 0), ...)
     ab_upper = np.zeros((p, n))  # Cᵀ in upper-banded storage: ab_upper[p−1−r, j+r] = C[j+r, j]
@@ -61,6 +77,9 @@ def banded_loss_and_grad(band: np.ndarray, workload: Workload, block_bytes: int 
 
 @dataclass(frozen=True)
 class BandedResult:
+    """An optimised column-normalised banded encoder: ``band`` (shape (n, bands)), ``loss`` ‖A C⁻¹‖²_F and the
+    optimizer's ``iterations``."""
+
     band: np.ndarray     # column-normalised band of C
     loss: float          # ‖A C⁻¹‖²_F (unit column norms)
     iterations: int
@@ -68,7 +87,19 @@ class BandedResult:
 
 def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray | None = None,
                     max_iterations: int = 2000, callback: ProgressCallback | None = None) -> BandedResult:
-    """Optimal column-normalised ``bands``-banded C for ``workload`` (001 Problem 2.1)."""
+    """Optimal column-normalised ``bands``-banded C for ``workload`` (001 Problem 2.1, arXiv 2405.15913).
+
+    Args:
+        workload: A.
+        n: rounds.
+        bands: p.
+        init: a starting band, shape (n, bands) (default: the optimal banded Toeplitz).
+        max_iterations: L-BFGS iterations.
+        callback: progress callback.
+
+    Returns:
+        The band of shape (n, bands), its loss and the iterations.
+    """
     require(1 <= bands <= n, "bands", f"between 1 and rounds={n}", bands)
     valid = _valid_mask(n, bands)
     if init is None:

@@ -1,6 +1,6 @@
 """The :class:`Factorization` object: workload, encoder (sensitivity 1), participation, metadata; one .npz file.
 
-File format (README "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the encoder and whose
+File format (docs "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the encoder and whose
 ``__meta__`` entry holds JSON metadata, including ``arrays_sha256`` — a SHA-256 over every array's name,
 dtype, shape and bytes. Loading recomputes the hash and checks shapes; a mismatch is an :class:`IntegrityError`.
 """
@@ -28,10 +28,20 @@ FORMAT = "corrflow.factorization/1"
 
 @dataclass(frozen=True)
 class Factorization:
-    """A normalised factorization: ``encoder`` has sensitivity 1 (exact, or a bound when ``not exact``).
+    """A normalised factorization A = B·C of a workload: ``encoder`` C has sensitivity 1 under ``participation``.
 
-    ``raw_sensitivity`` is the sensitivity before normalisation (informative only). ``metadata`` holds the
-    construction's parameters (γ, stamps, solver statistics, dual lower bound, ...).
+    The decoder is B = A C⁻¹ (never stored); the error of the mechanism is sens²·‖B‖²_F (000 Eq. 4, arXiv
+    2211.06530) and the noise the server adds in round t is σ·clip·(C⁻¹Z)_t.
+
+    Attributes:
+        kind: the registry kind that built it (``dpsgd``, ``toeplitz``, ``dense``, …).
+        workload: the workload A (n × n, lower-triangular; streamed, never stored).
+        participation: the (k, b) pattern the sensitivity is computed for.
+        encoder: C, n × n lower-triangular, in one of the structured forms (Toeplitz, banded, banded-inverse, BLT,
+            dense), scaled so that its sensitivity is 1.
+        sensitivity: the sensitivity after normalisation (value 1) and whether it is exact or an upper bound.
+        raw_sensitivity: the sensitivity before normalisation (informative only).
+        metadata: the construction's parameters (γ, stamps, solver statistics, dual lower bound, …).
     """
 
     kind: str
@@ -51,14 +61,29 @@ class Factorization:
         return self.encoder.bands
 
     def per_query_error(self) -> np.ndarray:
-        """Squared row norms of the decoder B = A C⁻¹ (per-iterate variance at unit σ and sensitivity 1)."""
+        """Squared row norms of the decoder B = A C⁻¹: the per-iterate noise variance at unit σ and sensitivity 1.
+
+        Returns:
+            float64 array of shape (n,); its sum is ‖B‖²_F, the total squared error of 000 Eq. 4.
+        """
         return self.encoder.per_query_error(self.workload)
 
     def errors(self) -> ErrorReport:
+        """The mechanism's errors at unit σ (000 Eq. 4).
+
+        Returns:
+            :class:`~corrflow.factorization.metrics.ErrorReport` with the total squared error sens²·‖B‖²_F,
+            RMSE = √(total/n) and max error sens·maxᵢ‖Bᵢ‖.
+        """
         return error_report(self.per_query_error(), self.sensitivity.value)
 
     def summary(self) -> dict:
-        """The JSON summary printed by ``corrflow factorize --json`` (issue: factorization library)."""
+        """The JSON summary printed by ``corrflow factorize --json``.
+
+        Returns:
+            A JSON-serialisable dict: kind, rounds, epochs, min_sep, participation, bands, structure, workload, the
+            errors, the sensitivity (value, exact, method), raw_sensitivity, lower_bound, sha256 and the metadata.
+        """
         err = self.errors()
         out = {
             "kind": self.kind,
@@ -84,6 +109,11 @@ class Factorization:
         return {f"encoder.{k}": np.ascontiguousarray(v, dtype=np.float64) for k, v in self.encoder.arrays().items()}
 
     def sha256(self) -> str:
+        """The factorization's identity, checked on load and recorded in privacy reports and recipes.
+
+        Returns:
+            SHA-256 (64 hex digits) of the encoder's arrays.
+        """
         return arrays_sha256(self._arrays())
 
     def _meta(self) -> dict:
@@ -102,7 +132,15 @@ class Factorization:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically (temp file + rename) to exactly ``path`` (an ``.npz`` archive whatever its suffix)."""
+        """Write atomically (temp file + rename) to exactly ``path``.
+
+        Args:
+            path: the file to write: an ``.npz`` archive (no pickles) whatever its suffix, with the JSON metadata and
+                the SHA-256 of the arrays inside.
+
+        Returns:
+            ``path`` as a :class:`~pathlib.Path`.
+        """
         path = Path(path)
         payload = self._arrays()
         payload["__meta__"] = np.array(json.dumps(self._meta(), sort_keys=True))
@@ -112,7 +150,18 @@ class Factorization:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Factorization:
-        """Load and verify a file written by :meth:`save` (hash, format, shapes)."""
+        """Load and verify a file written by :meth:`save`.
+
+        Args:
+            path: a factorization ``.npz`` file.
+
+        Returns:
+            The factorization, after checking its format, the SHA-256 of its arrays and their shapes.
+
+        Raises:
+            InvalidArgumentError: ``path`` does not exist.
+            IntegrityError: the file is not a corrflow factorization, or was corrupted or edited.
+        """
         path = Path(path)
         if not path.is_file():
             raise InvalidArgumentError("factorization", "an existing factorization file", str(path))
@@ -172,7 +221,7 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
 
 def normalized(kind: str, workload: Workload, participation: Participation, encoder: Encoder,
                metadata: dict | None = None) -> Factorization:
-    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (README "Conventions")."""
+    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (docs "Conventions")."""
     sens = encoder.sensitivity(participation)
     if not (np.isfinite(sens.value) and sens.value > 0):
         raise InvalidArgumentError("encoder", "a finite, positive sensitivity", sens.value)

@@ -1,4 +1,5 @@
-"""Baselines and classical mechanisms (000_747c4ada1ff1f482.txt §4–5, App. D, J, K).
+"""Baselines and classical mechanisms (000 §4–5, App. D, J, K: Choquette-Choo, McMahan,
+Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
 
 * binary tree (Honaker) with tree completion and the zeroed virtual-node noise of 000 App. D.3;
 * the FFT mechanism in its real-valued form (000 App. K): C_F = circulant(y)[:, :n], y = ifft(√fft(v));
@@ -111,25 +112,66 @@ def restart_stamped_per_query(block_per_query: np.ndarray, stamps: int) -> np.nd
 
 
 def encoder_from_gram(X: np.ndarray) -> DenseEncoder:
+    """A streamable square encoder for a Gram matrix.
+
+    Args:
+        X: CᵀC, shape (n, n).
+
+    Returns:
+        The dense lower-triangular encoder C̃ with C̃ᵀC̃ = X (reversed Cholesky).
+    """
     return DenseEncoder(reversed_cholesky(X))
 
 
 def tree_encoder(n: int) -> DenseEncoder:
+    """The binary-tree (Honaker) mechanism as a square encoder (000 App. D).
+
+    Args:
+        n: rounds.
+
+    Returns:
+        C̃ (n × n) with C̃ᵀC̃ = :func:`tree_gram` (n).
+    """
     require(n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the tree encoder", n)
     return encoder_from_gram(tree_gram(n))
 
 
 def fft_encoder(n: int) -> DenseEncoder:
+    """The real-valued FFT mechanism as a square encoder (000 §4, App. K).
+
+    Args:
+        n: rounds.
+
+    Returns:
+        C̃ (n × n) with C̃ᵀC̃ = :func:`fft_gram` (n).
+    """
     require(n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the FFT encoder", n)
     return encoder_from_gram(fft_gram(n))
 
 
 def stamp_gram(X: np.ndarray, stamps: int) -> np.ndarray:
+    """The Gram matrix of a stamped encoder (000 App. D.4).
+
+    Args:
+        X: shape (m, m).
+        stamps: s.
+
+    Returns:
+        I_s ⊗ X, shape (s·m, s·m).
+    """
     return np.kron(np.eye(stamps), X)
 
 
 def stamp_encoder(encoder: Encoder, stamps: int) -> Encoder:
-    """I_s ⊗ C (000 App. D.4): banded structures stay banded (restarting every block), others become dense."""
+    """I_s ⊗ C (000 App. D.4): banded structures stay banded (restarting every block), others become dense.
+
+    Args:
+        encoder: C (m × m).
+        stamps: s ≥ 1.
+
+    Returns:
+        The (s·m × s·m) encoder.
+    """
     require(isinstance(stamps, int | np.integer) and stamps >= 1, "stamps", "a positive integer", stamps)
     if stamps == 1:
         return encoder

@@ -17,7 +17,18 @@ from corrflow.progress import ProgressCallback
 
 def participation_for(rounds: int, epochs: int = 1, min_sep: int | None = None,
                       kind: str | None = None) -> Participation:
-    """Fixed-epoch (k, n/k) unless a different min-sep is given (then b-min-sep with ≤ k participations)."""
+    """The participation pattern for ``rounds`` rounds (000 §2; b-min-sep as in 004).
+
+    Args:
+        rounds: n.
+        epochs: k, the most participations of one user.
+        min_sep: b, the fewest rounds between two participations (default n/k: fixed-epoch).
+        kind: ``"fixed-epoch"`` or ``"min-sep"`` to force one; default inferred (fixed-epoch when b·k = n).
+
+    Returns:
+        Fixed-epoch (k, n/k) participation unless a different min-sep is given, then b-min-separation with at most
+        k participations.
+    """
     if kind == "fixed-epoch" or (kind is None and (min_sep is None or min_sep * epochs == rounds)):
         p = Participation.fixed_epoch(rounds, epochs)
         require(min_sep is None or min_sep == p.min_sep, "min-sep", f"rounds/epochs = {p.min_sep} for fixed-epoch "
@@ -34,8 +45,25 @@ def factorize(kind: str, participation: Participation, workload: Workload | None
               max_iterations: int | None = None) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
+    Args:
+        kind: one of :data:`KINDS` (the registry, :mod:`corrflow.factorization.registry`).
+        participation: the (k, b) pattern the sensitivity is computed for (:func:`participation_for`).
+        workload: A (default: prefix sums).
+        bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); default the kind's own.
+        stamps: repeat a rounds/stamps mechanism along the diagonal (see below).
+        gamma: γ for bifr, bsr and lambda-cgd (see below).
+        taper: b₀ of the 001 App. H taper (toeplitz only).
+        search_gamma: bsr: search γ (the γ-BFR family of 003).
+        tol: the optimizers' relative tolerance.
+        time_budget: dense only: seconds after which the optimizer stops.
+        buffers: blt only: B, the BLT's buffers.
+        callback: progress callback of the iterative optimizers.
+
+    Returns:
+        A :class:`Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper bound as labelled.
+
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
-    [b₀, bands]; the encoder is then left column-unnormalised, as in the digest's check values.
+    [b₀, bands]; the encoder is then left column-unnormalised, as in 001 App. H.
     ``stamps`` > 1 builds the mechanism for rounds/stamps rounds (epochs/stamps participations) and repeats it
     along the diagonal (000 App. D.4). ``gamma`` fixes γ for bifr/bsr/lambda-cgd; by default γ is searched for
     bifr and lambda-cgd and is 1/2 for bsr unless ``search_gamma`` (then bsr is the γ-BFR family of 003).

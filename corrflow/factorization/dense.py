@@ -1,9 +1,10 @@
 """Optimal multi-epoch dense factorizations under (k, b) fixed-epoch participation.
 
-000_747c4ada1ff1f482.txt §3: minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
+000 §3 (Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private
+Machine Learning", arXiv 2211.06530): minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
 
 * :func:`optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one user can share
-  (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2, digest check 14b/14c) — and every pattern's diagonal
+  (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2) — and every pattern's diagonal
   summing to 1. The sensitivity is then exact for vector contributions (000 Cor. 2.1 and App. I.3, Eq. 36 with
   X = 0 ≥ 0 on Π̂). Solved by L-BFGS in that affine subspace (Cholesky-based, 3.3 n³ flops an iteration), stopping
   on the relative duality gap against the Lagrange dual bound of 000 Thm. 3.1 evaluated at the KKT multipliers
@@ -32,6 +33,9 @@ from corrflow.progress import ProgressCallback
 
 @dataclass(frozen=True)
 class DenseResult:
+    """The optimal multi-epoch Gram matrix X (n × n, sensitivity 1), its loss tr(AᵀA X⁻¹), the dual lower bound
+    (000 Thm. 3.1), the iterations and whether the gap tolerance was met."""
+
     X: np.ndarray              # optimal Gram matrix, sensitivity 1 under the participation
     loss: float                # tr(AᵀA X⁻¹) = total squared error at sensitivity 1
     lower_bound: float         # dual lower bound (valid for every X ≥ 0 on Π̂ with sensitivity ≤ 1)
@@ -44,13 +48,28 @@ class DenseResult:
 
 
 def reversed_cholesky(X: np.ndarray) -> np.ndarray:
-    """Lower-triangular C with CᵀC = X: C = J Lᵀ J where J X J = L Lᵀ (000 §3.4, reference code)."""
+    """The lower-triangular factor of a Gram matrix (000 §3.4, arXiv 2211.06530).
+
+    Args:
+        X: symmetric positive definite, shape (n, n).
+
+    Returns:
+        C, lower-triangular (n, n), with CᵀC = X: C = J Lᵀ J where J X J = L Lᵀ.
+    """
     L = cholesky(X[::-1, ::-1], lower=True)
     return np.ascontiguousarray(L.T[::-1, ::-1])
 
 
 def optimal_decoder_loss(workload_matrix: np.ndarray, X: np.ndarray) -> float:
-    """tr(AᵀA X⁻¹) = ‖A C^†‖²_F for any C with CᵀC = X (000 §1.5, optimal decoder)."""
+    """The total squared error with the optimal decoder (000 §1.5).
+
+    Args:
+        workload_matrix: A, shape (n, n).
+        X: CᵀC, shape (n, n).
+
+    Returns:
+        tr(AᵀA X⁻¹) = ‖A C^†‖²_F for any C with CᵀC = X.
+    """
     R = cholesky(X, lower=True)
     Y = solve_triangular(R, workload_matrix.T, lower=True, check_finite=False)
     return float(np.sum(Y**2))
@@ -113,7 +132,20 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
     deterministic budget: the same inputs give the same X on any machine) or after ``time_budget`` seconds (a
     wall-clock stop, load-dependent; every iterate is feasible, so a stopped X is a valid factorization). The lower
     bound is the best dual value over the iterates whose dual point is positive definite (the start included), so
-    the gap stays finite when the optimizer stops early. Shapes: X is n×n.
+    the gap stays finite when the optimizer stops early.
+
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b).
+        tol: the relative duality-gap tolerance.
+        max_iterations: L-BFGS iterations (the deterministic budget).
+        memory: L-BFGS history.
+        X0: a starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided by k).
+        callback: progress callback.
+        time_budget: seconds, or None.
+
+    Returns:
+        X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and the iterations.
     """
     require(participation.kind == "fixed-epoch", "participation",
             "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
@@ -194,6 +226,8 @@ CONSTRAINTS = ("sign", "pattern-nonneg", "nonneg")
 
 @dataclass(frozen=True)
 class ConstrainedResult:
+    """The optimum of 000 Eq. 6 under one constraint set: its ``loss``, ``X`` (n × n) and ``constraints``."""
+
     loss: float           # optimal tr(AᵀA X⁻¹) under the constraint set (to ~1e-9 relative)
     X: np.ndarray
     constraints: str
@@ -219,6 +253,14 @@ def solve_constrained(workload: Workload, participation: Participation, constrai
     ``"sign"``: uᵀXu ≤ 1 for all sign vectors on every pattern (Eq. 34; exact only for d = 1 when X has negative
     entries); ``"pattern-nonneg"``: all-ones pattern vectors plus X ≥ 0 on Π̂ (Eq. 36); ``"nonneg"``: pattern
     vectors plus X ≥ 0 everywhere (Eq. 35). Reproduces 000 Table 6.
+
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b), n ≤ 16.
+        constraints: ``"sign"``, ``"pattern-nonneg"`` or ``"nonneg"``.
+
+    Returns:
+        The optimal loss and X (n × n).
     """
     require(constraints in CONSTRAINTS, "constraints", f"one of {CONSTRAINTS}", constraints)
     require(participation.kind == "fixed-epoch", "participation", "fixed-epoch", participation.kind)

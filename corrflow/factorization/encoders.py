@@ -136,6 +136,12 @@ def _per_query_generic(encoder: Encoder, workload: Workload, block_bytes: int = 
 
 
 class DenseEncoder(Encoder):
+    """Any lower-triangular n × n encoder C, stored in full (float64); the noise engine's ``dense`` mode.
+
+    Args:
+        C: the square encoder matrix (lower-triangular, invertible), shape (n, n).
+    """
+
     structure = "dense"
 
     def __init__(self, C: np.ndarray):
@@ -240,7 +246,15 @@ class BandedEncoder(Encoder):
 
 
 def toeplitz_column_scale(coef: np.ndarray, n: int) -> np.ndarray:
-    """s_j = ‖θ‖ / ‖θ[:min(p, n−j)]‖: multiplying column j by s_j gives every column the norm ‖θ‖ (001 §3.2)."""
+    """Column scales that give a banded Toeplitz C equal column norms (001 §3.2, arXiv 2405.15913).
+
+    Args:
+        coef: θ, shape (p,).
+        n: rounds.
+
+    Returns:
+        s, float64 of shape (n,): s_j = ‖θ‖ / ‖θ[:min(p, n−j)]‖, so column j times s_j has norm ‖θ‖.
+    """
     sq = np.cumsum(np.asarray(coef, dtype=np.float64) ** 2)
     p = len(coef)
     lengths = np.minimum(p, n - np.arange(n))
@@ -519,7 +533,16 @@ ENCODER_TYPES: dict[str, type[Encoder]] = {
 
 
 def encoder_from_arrays(structure: str, arrays: dict[str, np.ndarray], params: dict) -> Encoder:
-    """Rebuild an encoder saved with :meth:`Encoder.arrays` and :meth:`Encoder.params`."""
+    """Rebuild an encoder saved with :meth:`Encoder.arrays` and :meth:`Encoder.params`.
+
+    Args:
+        structure: the saved encoder's structure name.
+        arrays: its arrays.
+        params: its JSON parameters.
+
+    Returns:
+        The encoder.
+    """
     if structure == "dense":
         return DenseEncoder(arrays["C"])
     if structure == "banded":

@@ -16,6 +16,8 @@ Objective = Callable[[np.ndarray, bool], tuple[float, np.ndarray | None]]
 
 @dataclass
 class LbfgsResult:
+    """The minimiser ``x``, its value ``f`` and gradient ``grad``, the ``iterations`` and why it stopped."""
+
     x: np.ndarray
     f: float
     grad: np.ndarray
@@ -30,6 +32,19 @@ def lbfgs(fun: Objective, x0: np.ndarray, *, max_iterations: int = 1000, memory:
 
     Stops when f improved by less than ``rel_improvement`` (relative) over ``window`` iterations, when the
     gradient norm is ≤ ``grad_tol``, or when no step along the direction decreases f.
+
+    Args:
+        fun: (x, need_gradient) → (f, ∇f or None), float64.
+        x0: the starting point (any shape; the result has the same).
+        max_iterations: the iteration limit.
+        memory: the L-BFGS history.
+        rel_improvement: the relative improvement below which it stops.
+        window: iterations over which the improvement is measured.
+        grad_tol: the gradient norm at which it stops.
+        on_iteration: ``on_iteration(it, x, f, g)``; returning True stops.
+
+    Returns:
+        The result, with the reason it stopped.
     """
     x = np.array(x0, dtype=np.float64)
     f, g = fun(x, True)

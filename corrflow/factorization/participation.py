@@ -21,7 +21,15 @@ PARTICIPATION_KINDS = ("fixed-epoch", "min-sep")
 
 @dataclass(frozen=True)
 class Participation:
-    """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b) apart."""
+    """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b) apart.
+
+    Attributes:
+        kind: ``"fixed-epoch"`` (000 §2: b = n/k, the same order every epoch) or ``"min-sep"`` (b-min-separation
+            with at most k participations, 004).
+        rounds: n.
+        epochs: k.
+        min_sep: b.
+    """
 
     kind: str
     rounds: int
@@ -45,7 +53,15 @@ class Participation:
 
     @classmethod
     def fixed_epoch(cls, rounds: int, epochs: int) -> Participation:
-        """(k, b)-participation with b = n / k (000 §2). ``rounds % epochs`` must be 0."""
+        """(k, b)-participation with b = n / k (000 §2, arXiv 2211.06530).
+
+        Args:
+            rounds: n.
+            epochs: k, a divisor of n.
+
+        Returns:
+            The fixed-epoch schema; user group p trains in rounds p, p + b, …, p + (k − 1)b.
+        """
         require(isinstance(epochs, int | np.integer) and epochs >= 1, "epochs", "a positive integer", epochs)
         require(isinstance(rounds, int | np.integer) and rounds >= 1, "rounds", "a positive integer", rounds)
         require(rounds % epochs == 0, "epochs", f"a divisor of rounds={rounds} for fixed-epoch participation",
@@ -54,13 +70,30 @@ class Participation:
 
     @classmethod
     def min_separation(cls, rounds: int, min_sep: int, epochs: int | None = None) -> Participation:
-        """b-min-separation with at most k participations (k defaults to ⌈n/b⌉, the most b allows)."""
+        """b-min-separation with at most k participations.
+
+        Args:
+            rounds: n.
+            min_sep: b ≥ 1.
+            epochs: k (default ⌈n/b⌉, the most b allows).
+
+        Returns:
+            The min-sep schema.
+        """
         require(isinstance(min_sep, int | np.integer) and min_sep >= 1, "min-sep", "a positive integer", min_sep)
         k = -(-rounds // min_sep) if epochs is None else epochs
         return cls("min-sep", int(rounds), int(k), int(min_sep))
 
     @classmethod
     def single(cls, rounds: int) -> Participation:
+        """Single participation (k = 1).
+
+        Args:
+            rounds: n.
+
+        Returns:
+            Fixed-epoch participation with k = 1, b = n.
+        """
         return cls.fixed_epoch(rounds, 1)
 
     @property
@@ -68,19 +101,31 @@ class Participation:
         return min(self.epochs, -(-self.rounds // self.min_sep))
 
     def patterns(self) -> np.ndarray:
-        """Fixed-epoch patterns as a (b, k) int array: row p = rounds p, p+b, …, p+(k−1)b."""
+        """The fixed-epoch patterns.
+
+        Returns:
+            int array of shape (b, k): row p lists the rounds p, p + b, …, p + (k − 1)b.
+        """
         require(self.kind == "fixed-epoch", "participation", "fixed-epoch for an explicit pattern list", self.kind)
         return np.arange(self.rounds).reshape(self.epochs, self.min_sep).T.copy()
 
     def contribution_matrix(self) -> np.ndarray:
-        """The n×b 0/1 matrix H whose column p is the indicator of pattern p (000 §3.4)."""
+        """The contribution matrix H of 000 §3.4.
+
+        Returns:
+            float64 array of shape (n, b), 0/1: column p is the indicator of pattern p.
+        """
         H = np.zeros((self.rounds, self.min_sep))
         for p, rows in enumerate(self.patterns()):
             H[rows, p] = 1.0
         return H
 
     def same_pattern_mask(self) -> np.ndarray:
-        """Boolean n×n mask of the pairs (i, j), i ≠ j, that one user can both contribute to (Π̂ of 000 Eq. 36)."""
+        """The pairs of rounds one user can both contribute to (Π̂ of 000 Eq. 36).
+
+        Returns:
+            bool array of shape (n, n), True at (i, j), i ≠ j, when one user can train in both rounds.
+        """
         idx = np.arange(self.rounds)
         if self.kind == "fixed-epoch":
             m = (idx[:, None] % self.min_sep) == (idx[None, :] % self.min_sep)
@@ -90,13 +135,27 @@ class Participation:
         return m
 
     def describe(self) -> str:
+        """Returns:
+            A one-line description, e.g. ``fixed-epoch (rounds=12, epochs=3, min_sep=4)``.
+        """
         return f"{self.kind} (rounds={self.rounds}, epochs={self.epochs}, min_sep={self.min_sep})"
 
     def to_dict(self) -> dict:
+        """Returns:
+            ``{"kind", "rounds", "epochs", "min_sep"}``, as stored in factorization files.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Participation:
+        """The inverse of :meth:`to_dict`.
+
+        Args:
+            d: a dict with exactly the keys kind, rounds, epochs, min_sep.
+
+        Returns:
+            The validated schema.
+        """
         unknown = set(d) - {"kind", "rounds", "epochs", "min_sep"}
         require(not unknown, "participation", "keys kind, rounds, epochs, min_sep", sorted(unknown))
         return cls(**d)

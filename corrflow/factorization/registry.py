@@ -221,13 +221,31 @@ BUFFER_KINDS = tuple(k for k, s in REGISTRY.items() if s.takes_buffers)
 
 
 def kind_spec(kind: str) -> KindSpec:
+    """The registry entry of a factorization kind.
+
+    Args:
+        kind: one of :data:`KINDS`.
+
+    Returns:
+        Its :class:`KindSpec`.
+
+    Raises:
+        InvalidArgumentError: an unknown kind (the message lists the kinds).
+    """
     require(kind in REGISTRY, "kind", f"one of {KINDS}", kind)
     return REGISTRY[kind]
 
 
 def noise_mode_for(structure: str) -> str:
     """The noise engine's mode for an encoder structure: the mode the registry's families of that structure
-    declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated draws; dense → dense)."""
+    declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated draws; dense → dense).
+
+    Args:
+        structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``, ``dense``).
+
+    Returns:
+        The mode of :class:`corrflow.noise.CorrelatedNoise`.
+    """
     modes = {s.noise_mode for s in REGISTRY.values() if s.structure == structure} - {"identity"}
     require(len(modes) == 1, "structure", f"one of {sorted({s.structure for s in REGISTRY.values()})}", structure)
     return modes.pop()

@@ -1,11 +1,13 @@
-"""Banded Toeplitz strategies (001_2cc4084656a0d864.txt §3).
+"""Banded Toeplitz strategies (001 §3: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for
+Differentially Private ML", arXiv 2405.15913).
 
 Loss (001 Prop. 3.1 / D.1): with θ the first column of C (``bands`` entries), λ the workload's Toeplitz
 coefficients and w = C⁻¹λ (an IIR filter, O(n·bands)), the total squared error is
 ``sens²(θ) · Σ_i (n − i) w_i²`` (0-based), where sens²(θ) = ‖θ‖²·k when bands ≤ min_sep and the O(n) min-sep
-formula otherwise (Kalinin & Lampert 2024 Thm. 2). The gradient comes from the adjoint recursion, O(n·bands).
+formula otherwise (Kalinin & Lampert, arXiv 2405.13763, Thm. 2). The gradient comes from the adjoint recursion,
+O(n·bands).
 
-Optimised by L-BFGS on the log-loss (the recursion can blow up outside the stable region, digest §11.3), from the
+Optimised by L-BFGS on the log-loss (the recursion C⁻¹λ can blow up outside the stable region), from the
 better of two starts: the banded square root and the best member of the 1/i + c family (001 App. J).
 """
 
@@ -23,12 +25,28 @@ from corrflow.progress import ProgressCallback
 
 
 def sqrt_coefs(p: int) -> np.ndarray:
-    """First p coefficients of (1 − x)^(−1/2): C(2j, j)/4^j = 1, 1/2, 3/8, … (banded square root, 001 §3.3)."""
+    """The banded square root's coefficients (001 §3.3, arXiv 2405.15913).
+
+    Args:
+        p: how many.
+
+    Returns:
+        float64 array of shape (p,): the first p coefficients of (1 − x)^(−1/2), C(2j, j)/4^j = 1, 1/2, 3/8, ….
+    """
     return binomial_series(-0.5, p)
 
 
 def binomial_series(power: float, p: int) -> np.ndarray:
-    """First p coefficients of (1 − x)^power: a_0 = 1, a_j = a_{j−1}·(j − 1 − power)/j (003 §2)."""
+    """Binomial series coefficients (003 §2, arXiv 2605.18379).
+
+    Args:
+        power: the exponent.
+        p: how many.
+
+    Returns:
+        float64 array of shape (p,): the first p coefficients of (1 − x)^power, a_0 = 1,
+        a_j = a_{j−1}·(j − 1 − power)/j.
+    """
     a = np.ones(p)
     for j in range(1, p):
         a[j] = a[j - 1] * (j - 1 - power) / j
@@ -107,6 +125,9 @@ def best_one_over_i_plus_c(loss: ToeplitzLoss, p: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ToeplitzResult:
+    """An optimised banded Toeplitz encoder: ``coef`` θ (shape (bands,), ‖θ‖ = 1), its total squared ``loss``
+    (unnormalised columns) and the optimizer's ``iterations``."""
+
     coef: np.ndarray       # θ with ‖θ‖ = 1
     loss: float            # total squared error (unnormalised columns)
     iterations: int
@@ -115,7 +136,20 @@ class ToeplitzResult:
 def optimize_toeplitz(workload: Workload, n: int, bands: int, min_sep: int | None = None,
                       max_participations: int = 1, *, max_iterations: int = 1000,
                       callback: ProgressCallback | None = None) -> ToeplitzResult:
-    """Optimal banded Toeplitz θ (length ``bands``) for a Toeplitz workload (001 §3). Θ(n·bands) per step."""
+    """Optimal banded Toeplitz θ for a Toeplitz workload (001 §3, arXiv 2405.15913); Θ(n·bands) per step.
+
+    Args:
+        workload: A, Toeplitz (no learning-rate schedule).
+        n: rounds.
+        bands: p, the length of θ.
+        min_sep: b (default n: a single participation window).
+        max_participations: k.
+        max_iterations: L-BFGS iterations.
+        callback: progress callback.
+
+    Returns:
+        θ of shape (bands,), its loss and the iterations.
+    """
     require(workload.is_toeplitz, "workload", "a workload without learning-rate cooldown for toeplitz (use "
             "banded or dense for schedules)", workload.to_dict())
     require(1 <= bands <= n, "bands", f"between 1 and rounds={n}", bands)
@@ -149,10 +183,19 @@ def optimize_toeplitz(workload: Workload, n: int, bands: int, min_sep: int | Non
 
 
 def taper_coefficients(coef: np.ndarray, lower_min_sep: int) -> np.ndarray:
-    """Robust banded Toeplitz for an uncertain min-sep in [b₀, b] (001 App. H heuristic, digest §5 / §9.7):
+    """Robust banded Toeplitz for an uncertain min-sep in [b₀, b] (001 App. H heuristic):
     θ_i ← (b − i)/(b − b₀)·θ_i for 1-indexed i ≥ b₀, b = len(θ); the last coefficient becomes 0 and is dropped;
-    renormalised to ‖θ‖ = 1. Digest §9.7 (n = 2000, k = 5, b = 400, b₀ = 200): RMSE ratios to the untapered θ of
-    0.98760 / 0.96553 / 1.02737 at true min-sep 200 / 300 / 400."""
+    renormalised to ‖θ‖ = 1. Recomputed for
+    n = 2000, k = 5, b = 400, b₀ = 200: RMSE ratios to the untapered θ of
+    0.98760 / 0.96553 / 1.02737 at true min-sep 200 / 300 / 400.
+
+    Args:
+        coef: θ, shape (b,).
+        lower_min_sep: b₀ < b.
+
+    Returns:
+        The tapered θ, shape (b − 1,), unit norm.
+    """
     theta = np.asarray(coef, dtype=np.float64)
     b = theta.size
     require(1 <= lower_min_sep < b, "taper", f"a lower min-sep b₀ in [1, bands = {b})", lower_min_sep)

@@ -1,6 +1,6 @@
 """Streaming correlated noise w_t = σ·(C⁻¹Z)_t for model-sized updates (float32), regenerated from a secret key.
 
-Modes, chosen from the encoder's structure (README "Conventions" data flow; 001 §1.2, §4.3; 003 §3):
+Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §1.2, §4.3; 003 §3):
 
 * ``banded``: C has ``p`` bands → the recursion of 001 Alg. 1, y_t = (z_t − Σ_{r=1}^{p−1} C[t,t−r] y_{t−r})/C[t,t],
   with a float32 ring buffer of the last p−1 outputs ((p−1)·d·4 bytes, the only large state);
@@ -55,8 +55,16 @@ _BLOCK = 1 << 15
 
 
 def default_mode(factorization: Factorization) -> str:
-    """The registry's mode for the encoder's structure (corrflow.factorization.registry); a diagonal banded C
-    (one band, not column-rescaled) is DP-SGD's identity."""
+    """The noise engine's mode for a factorization's encoder.
+
+    Args:
+        factorization: a normalised factorization.
+
+    Returns:
+        One of :data:`MODES`: the registry's mode for the encoder's structure
+        (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is DP-SGD's
+        ``identity``.
+    """
     from corrflow.factorization.registry import noise_mode_for
 
     enc = factorization.encoder
@@ -77,7 +85,22 @@ def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...],
 
 
 class CorrelatedNoise:
-    """Generator of σ·(C⁻¹Z)_t, one round at a time: ``next(t) -> list[np.ndarray]`` shaped like ``shapes``."""
+    """Generator of σ·(C⁻¹Z)_t, one round at a time: ``next(t) -> list[np.ndarray]`` shaped like ``shapes``.
+
+    Z is n × d standard Gaussian noise (d = the model's size), drawn counter-based from (key, round, chunk), so any
+    round can be regenerated from the key alone; the mode (module doc; 001 Alg. 1 for banded C, 003 for banded C⁻¹,
+    arXiv 2408.08868 Alg. 3 for BLTs) decides what state is kept between rounds.
+
+    Args:
+        factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number of rounds n.
+        shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise comes back in them.
+        stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
+        key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for audits and
+            restores.
+        prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure`` extra).
+        mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up to a size limit).
+        chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few chunks of float64.
+    """
 
     def __init__(self, factorization: Factorization, shapes: Sequence[Sequence[int]], stddev: float = 1.0, *,
                  key: bytes | None = None, prng: str = "philox", mode: str | None = None,
@@ -125,11 +148,24 @@ class CorrelatedNoise:
     # -- public API -------------------------------------------------------------------------------------------
     @property
     def buffer_bytes(self) -> int:
+        """Bytes of noise state kept between rounds: (bands − 1)·d·4 (banded), B·d·4 (BLT), else 0."""
         return 0 if self._buffer is None else self._buffer.nbytes
 
     def next(self, round_index: int, *, replay: bool = False,
              shapes: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
-        """Noise for ``round_index``, which must be the next round; ``replay=True`` re-creates an earlier release."""
+        """The noise of one round.
+
+        Args:
+            round_index: t, 0-based; must be the next round (rounds are released in order).
+            replay: allow an earlier round, re-created bit for bit (an identical re-release).
+            shapes: optionally, the model shapes again, checked against those fixed at construction.
+
+        Returns:
+            σ·(C⁻¹Z)_t as float32 arrays, one per shape.
+
+        Raises:
+            InvalidArgumentError: a round out of order (without ``replay``) or past the factorization's n.
+        """
         if shapes is not None and _normalize_shapes(shapes) != self.shapes:
             raise InvalidArgumentError("shapes", f"the model shapes fixed at start {list(self.shapes)}",
                                        [tuple(s) for s in shapes])
@@ -153,7 +189,12 @@ class CorrelatedNoise:
         self.next_round += 1
 
     def skip_to(self, round_index: int) -> None:
-        """Fast-forward a fresh generator to ``round_index`` (recomputing the banded or BLT buffer from the key)."""
+        """Fast-forward a fresh generator so that ``round_index`` is the next round.
+
+        Args:
+            round_index: the next round to release, in [0, n]; the banded or BLT buffer is recomputed from the key
+                (O(round_index · d) work), the regenerating modes need none.
+        """
         require(self.next_round == 0, "round_index", "skip_to only on a fresh generator", self.next_round)
         require(0 <= round_index <= self.rounds, "start", f"between 0 and {self.rounds}", round_index)
         if self.mode in STATEFUL_MODES:
@@ -350,12 +391,20 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
 
 def save_state(gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None) -> Path:
     """Write the generator's state to ``directory``: public JSON (no key) plus the key and the model-sized buffer,
-    both owner-only (0600). Each file goes through a temp file + rename; the public JSON, written last, holds
-    the hashes that tie them together, so a torn write is detected on restore, never used.
+    both owner-only (0600).
 
-    ``ring`` (a banded generator in a server's state directory): the buffer's rows go into that file in place, one
-    new row per round instead of the whole (p−1)·d buffer, each with its own MAC in the public JSON (see
-    :func:`_save_ring`). A BLT's B·d state changes in full every round and is written in full."""
+    Args:
+        gen: the generator.
+        directory: created if missing.
+        ring: a banded generator in a server's state directory: the buffer's rows go into that file in place, one
+            new row per round instead of the whole (p−1)·d buffer, each with its own MAC in the public JSON (see
+            :func:`_save_ring`). A BLT's B·d state changes in full every round and is written in full.
+
+    Returns:
+        ``directory`` as a :class:`~pathlib.Path`.
+
+    Each file goes through a temp file + rename; the public JSON, written last, holds the hashes that tie them
+    together, so a torn write is detected on restore, never used."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     public = {
@@ -419,8 +468,21 @@ def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) 
 def restore_state(directory: str | os.PathLike, factorization: Factorization,
                   cls: type[CorrelatedNoise] = CorrelatedNoise, *, ring: str | os.PathLike | None = None
                   ) -> CorrelatedNoise:
-    """Rebuild a generator (of class ``cls``, e.g. the TensorFlow backend) saved by :func:`save_state` (with the
-    same ``ring`` file, when it was saved with one); every mismatch is an :class:`IntegrityError`."""
+    """Rebuild a generator saved by :func:`save_state`; it continues bit for bit.
+
+    Args:
+        directory: the state directory.
+        factorization: the factorization the state was made for (checked by SHA-256).
+        cls: the generator class, e.g. the TensorFlow backend's.
+        ring: the ring file the state was saved with, when it was saved with one.
+
+    Returns:
+        The generator, positioned at the saved next round.
+
+    Raises:
+        IntegrityError: a missing, corrupted, torn or foreign file (a ring row that fails its MAC included), or
+            another factorization.
+    """
     d = Path(directory)
     try:
         public = json.loads((d / PUBLIC_FILE).read_text())

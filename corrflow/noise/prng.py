@@ -1,6 +1,6 @@
 """Counter-based Gaussian sources: z for (round j, coordinate chunk c) is a pure function of (secret key, j, c).
 
-README "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any row can be
+docs "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any row can be
 regenerated in any order, exactly. Two sources:
 
 * ``philox`` (default): NumPy's Philox-4×64 with the 128-bit secret as its key and (0, 0, c, j) as the starting
@@ -32,6 +32,12 @@ class GaussianSource(Protocol):
 
 
 class PhiloxSource:
+    """NumPy's Philox counter-based generator keyed by the secret key; (round, chunk) select the counter.
+
+    Args:
+        key: the secret key.
+    """
+
     name = "philox"
 
     def __init__(self, key: bytes):
@@ -45,6 +51,12 @@ class PhiloxSource:
 
 
 class ChaChaSource:
+    """ChaCha20 (``randomgen``, the ``secure`` extra), a cryptographically secure counter-based source.
+
+    Args:
+        key: the 32-byte secret key.
+    """
+
     name = "chacha"
 
     def __init__(self, key: bytes):
@@ -65,18 +77,43 @@ class ChaChaSource:
 
 
 def new_secret(prng: str = "philox") -> bytes:
-    """A fresh secret key from the operating system's entropy."""
+    """A fresh secret key from the operating system's entropy.
+
+    Args:
+        prng: ``"philox"`` or ``"chacha"``; fixes the key length.
+
+    Returns:
+        The key bytes (never logged; stored owner-only by :func:`~corrflow.noise.engine.save_state`).
+    """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])
 
 
 def make_source(prng: str, key: bytes) -> GaussianSource:
+    """The Gaussian source for a PRNG name.
+
+    Args:
+        prng: ``"philox"`` or ``"chacha"``.
+        key: the secret key.
+
+    Returns:
+        A source whose ``normal(round, chunk, size)`` is a pure function of (key, round, chunk).
+    """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return PhiloxSource(key) if prng == "philox" else ChaChaSource(key)
 
 
 def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
-    """An audit key from a user-given seed: hex of the right length is taken as the key, anything else is hashed."""
+    """An audit key from a user-given seed (``corrflow noise sample --seed``).
+
+    Args:
+        seed: bytes of the key's length, hex of the key's length (taken as the key), or any other text or integer
+            (hashed with SHA-256).
+        prng: ``"philox"`` or ``"chacha"``.
+
+    Returns:
+        The key bytes.
+    """
     n = KEY_BYTES[prng]
     if isinstance(seed, bytes):
         require(len(seed) == n, "seed", f"{n} bytes for {prng}", len(seed))
@@ -91,5 +128,12 @@ def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
 
 
 def fingerprint(key: bytes) -> str:
-    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign secret)."""
+    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign secret).
+
+    Args:
+        key: the secret key.
+
+    Returns:
+        32 hex digits of a domain-separated SHA-256.
+    """
     return hashlib.sha256(b"corrflow-noise-key:" + key).hexdigest()[:32]

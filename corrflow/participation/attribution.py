@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,14 @@ from corrflow.fileio import read_jsonl
 
 @dataclass
 class AttributionGraph:
+    """Items (devices, examples, papers) → the users behind them, for user-level accounting (004 §6).
+
+    Attributes:
+        item_ids: the items' ids, in index order.
+        user_ids: the users' ids, in index order.
+        item_users: for each item index, the sorted unique indices of its users (at least one).
+    """
+
     item_ids: list[str]
     user_ids: list[str]
     item_users: list[list[int]]          # item index -> user indices (sorted, unique)
@@ -42,14 +51,24 @@ class AttributionGraph:
         return len(self.user_ids)
 
     def items_per_user(self) -> np.ndarray:
+        """Returns:
+            How many items each user is behind: int64 of shape (num_users,).
+        """
         counts = np.zeros(self.num_users, dtype=np.int64)
         for users in self.item_users:
             counts[users] += 1
         return counts
 
     @classmethod
-    def from_pairs(cls, pairs) -> AttributionGraph:
-        """Build from (item id, user id) pairs (string ids; repeated pairs are merged)."""
+    def from_pairs(cls, pairs: Iterable[tuple[object, object]]) -> AttributionGraph:
+        """Build a graph from links.
+
+        Args:
+            pairs: iterable of (item id, user id); ids are converted to strings and repeated pairs merged.
+
+        Returns:
+            The graph, items and users indexed in order of first appearance.
+        """
         items: dict[str, int] = {}
         users: dict[str, int] = {}
         links: dict[int, set[int]] = {}
@@ -61,8 +80,18 @@ class AttributionGraph:
 
 
 def load_attribution(path: str | os.PathLike) -> AttributionGraph:
-    """Read ``.csv`` (header ``item,user``: one row per link) or ``.jsonl`` (``{"item": id, "users": [ids]}`` per
-    line). Malformed rows are errors naming the file and line."""
+    """Read an attribution file (``--attribution``).
+
+    Args:
+        path: ``.csv`` with header ``item,user`` (one row per link), or ``.jsonl`` with ``{"item": id, "users":
+            [ids]}`` per line.
+
+    Returns:
+        The attribution graph.
+
+    Raises:
+        InvalidArgumentError: a missing file, another format, or a malformed row (naming the file and line).
+    """
     path = Path(path)
     require(path.is_file(), "attribution", "an existing .csv or .jsonl file", str(path))
     pairs = []
@@ -95,6 +124,9 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
 
 @dataclass
 class BoundingReport:
+    """What :func:`bound_contributions` kept: item indices kept, how many dropped, and per user at the cap the items
+    refused for it."""
+
     kept: list[int]                                  # item indices kept
     dropped: int
     dropped_by_full_user: dict[str, int] = field(default_factory=dict)  # user id -> items refused for it
@@ -105,7 +137,18 @@ class BoundingReport:
 
 
 def bound_contributions(graph: AttributionGraph, max_items_per_user: int, seed: int = 0) -> BoundingReport:
-    """Greedy bounding: keep an item iff all its users hold fewer than ``max_items_per_user`` kept items."""
+    """Greedy contribution bounding (004 §6, arXiv 2602.09338): visit items in a seeded random order and keep an
+    item iff all its users hold fewer than ``max_items_per_user`` kept items.
+
+    Args:
+        graph: items → users.
+        max_items_per_user: k_u ≥ 1; after bounding each user is behind at most k_u kept items, which is the
+            planned sensitivity of a multi-attribution run.
+        seed: seeds the visiting order (public).
+
+    Returns:
+        The kept item indices (sorted), the number dropped, and per user at the cap the items refused for it.
+    """
     require(isinstance(max_items_per_user, int) and max_items_per_user >= 1, "k_u", "a positive integer",
             max_items_per_user)
     counts = np.zeros(graph.num_users, dtype=np.int64)

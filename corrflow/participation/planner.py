@@ -40,6 +40,8 @@ PARTICIPATIONS = values(Participation)
 
 @dataclass(frozen=True)
 class PlanSummary:
+    """The planned participation of a run, as written to the privacy report's ``planned.participation``."""
+
     kind: str
     items: int
     users: int
@@ -56,6 +58,21 @@ class PlanSummary:
 
 
 class CohortPlanner:
+    """Who trains in each round: the fixed-epoch schedule (000 §2) or one of the samplers (004, 001 Alg. 2).
+
+    Args:
+        kind: one of :data:`PARTICIPATIONS` (``fixed-epoch``, ``bminsep``, ``multi-attribution``, ``poisson``,
+            ``cyclic-poisson``).
+        items: the item ids (SuperNodes' user ids, or examples in cross-silo mode), distinct.
+        item_users: for each item, the indices of its users in ``users``.
+        users: the user ids.
+        rounds: n.
+        min_sep: b (fixed-epoch: n/k; poisson: 1).
+        rate: p0, the probability an item is offered in a round (samplers; 0: 1/(2b)); the sampler's own p follows
+            (b-min-sep: 1/p0 = 1/p + (b − 1); cyclic Poisson: q = b·p0).
+        seed: the public schedule seed (amplified runs replace it with :meth:`seed_privately`).
+    """
+
     def __init__(self, kind: str, items: Sequence[str], item_users: Sequence[Sequence[int]], users: Sequence[str],
                  rounds: int, min_sep: int, *, rate: float = 0.0, seed: int = 0):
         require(kind in PARTICIPATIONS, "participation", f"one of {PARTICIPATIONS}", kind)
@@ -104,7 +121,11 @@ class CohortPlanner:
     def seed_privately(self, key: bytes) -> None:
         """Draw the random sampler's cohorts from a private key (≥ 32 bytes) instead of the public seed. Amplified ε
         (Poisson subsampling in 002 Thm 3.1 / Alg. 1, 001 Alg. 2, 004 Alg. 2–3) assumes the adversary does not know
-        who was sampled; a public seed would let anyone replay the cohorts. Call before the first cohort."""
+        who was sampled; a public seed would let anyone replay the cohorts. Call before the first cohort.
+
+        Args:
+            key: the private sampler key, at least 32 bytes.
+        """
         require(self.kind != "fixed-epoch", "participation", "a random sampler (fixed-epoch has no sampling)",
                 self.kind)
         require(len(key) >= 32, "sampler key", "at least 32 bytes", len(key))
@@ -118,11 +139,21 @@ class CohortPlanner:
         return math.ceil(self.rounds / self.min_sep)
 
     def summary(self) -> PlanSummary:
+        """Returns:
+            The planned participation (items, users, k, k_u, rates, expected cohort).
+        """
         return PlanSummary(self.kind, len(self.items), len(self.users), self.rounds, self.min_sep,
                            self.max_participations, self.items_per_user, self.p0, self.p, self.expected)
 
     def cohort(self, t: int) -> list[str]:
-        """Item ids of round t (sorted). Rounds are drawn in order; earlier rounds are remembered for replay."""
+        """The cohort of one round.
+
+        Args:
+            t: the round, 0-based, in [0, n).
+
+        Returns:
+            The item ids of round t, sorted. Rounds are drawn in order; an earlier round is replayed from the seed.
+        """
         require(0 <= t < self.rounds, "round", f"in [0, {self.rounds})", t)
         if self.kind == "fixed-epoch":
             return sorted(self.items[i] for i in self.groups[t % self.min_sep])
@@ -135,10 +166,25 @@ class CohortPlanner:
         return sorted(self.items[i] for i in self._cohorts[t])
 
     def users_of(self, item: str) -> list[str]:
+        """The users behind an item.
+
+        Args:
+            item: an item id.
+
+        Returns:
+            Their user ids.
+        """
         return [self.users[u] for u in self.item_users[self.index[item]]]
 
     def planned_rounds(self, item: str) -> list[int] | None:
-        """The rounds a fixed-epoch item trains in (None for random samplers)."""
+        """The rounds a fixed-epoch item trains in.
+
+        Args:
+            item: an item id.
+
+        Returns:
+            Its rounds, or None for random samplers (decided round by round).
+        """
         if self.kind != "fixed-epoch":
             return None
         i = self.index[item]
@@ -146,6 +192,9 @@ class CohortPlanner:
         return list(range(g, self.rounds, self.min_sep))
 
     def to_dict(self) -> dict:
+        """Returns:
+            :meth:`summary` as a dict, with the fixed-epoch cohort sizes.
+        """
         d = self.summary().to_dict()
         if self.kind == "fixed-epoch":
             d["cohort_sizes"] = sorted({len(g) for g in self.groups})
@@ -160,15 +209,42 @@ class SeparationMonitor:
 
     @staticmethod
     def last_round(rounds: Sequence[int], before: int) -> int | None:
+        """The latest of ``rounds`` before a round.
+
+        Args:
+            rounds: rounds a user was included in.
+            before: the round to look back from.
+
+        Returns:
+            The latest round < ``before``, or None.
+        """
         earlier = [r for r in rounds if r < before]
         return max(earlier) if earlier else None
 
     def gap(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
-        """Gap between round t and the user's latest earlier included round (None if it is their first)."""
+        """The gap a participation in round t would have.
+
+        Args:
+            included: user id → the rounds the user was included in so far.
+            user: a user id.
+            t: the round.
+
+        Returns:
+            t minus the user's latest earlier included round, or None if it would be their first.
+        """
         last = self.last_round(included.get(user, ()), t)
         return None if last is None else t - last
 
     def violates(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
-        """The too-small gap if including ``user`` in round t breaks min-sep, else None."""
+        """Whether including ``user`` in round t breaks the design min-sep.
+
+        Args:
+            included: user id → the rounds the user was included in so far.
+            user: a user id.
+            t: the round.
+
+        Returns:
+            The too-small gap (< min_sep), or None when the inclusion keeps the design.
+        """
         g = self.gap(included, user, t)
         return g if g is not None and g < self.min_sep else None

@@ -1,4 +1,5 @@
-"""Participation samplers (004_cab8ae431845c278.txt): who trains in round t.
+"""Participation samplers (004: Dong, Ganesh, "Privacy Amplification for BandMF via b-Min-Sep
+Subsampling", arXiv 2602.09338): who trains in round t.
 
 Every sampler draws round t's randomness from ``np.random.default_rng([seed, 0, t])``, so a run is a pure function of
 (seed, rounds so far, availability): replaying from round 0 — or restoring the small ``state()`` — reproduces it
@@ -50,7 +51,17 @@ def _check_available(available, n: int) -> np.ndarray | None:
 
 
 class BMinSepSampler:
-    """b-min-sep Poisson sampling (004 Alg. 1/2)."""
+    """b-min-sep Poisson sampling (004 Alg. 1/2, arXiv 2602.09338): each item not selected in the last b − 1
+    rounds is selected with probability p.
+
+    Args:
+        num_items: N.
+        min_sep: b.
+        p: the Poisson probability among eligible items (:meth:`probability_for_rate` from a rate p0).
+        seed: round t draws from ``default_rng([seed, 0, t])``.
+        warm: start from the stationary distribution (004 Alg. 2) so that every round has rate p0; else cold
+            (Alg. 1: every item eligible at round 0).
+    """
 
     def __init__(self, num_items: int, min_sep: int, p: float, seed: int, warm: bool = True):
         require(num_items >= 1, "num_items", "a positive integer", num_items)
@@ -68,12 +79,28 @@ class BMinSepSampler:
 
     @staticmethod
     def probability_for_rate(p0: float, min_sep: int) -> float:
-        """p with participation rate p0: p = p0/(1 − p0(b − 1)) (004 §1.5); requires p0 ≤ 1/b."""
+        """The Poisson probability that gives a participation rate (004 §1.5).
+
+        Args:
+            p0: the per-round participation rate, in (0, 1/b].
+            min_sep: b.
+
+        Returns:
+            p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1).
+        """
         require(0 < p0 <= 1.0 / min_sep, "participation_rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", p0)
         return p0 / (1 - p0 * (min_sep - 1))
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
-        """Items selected in the next round (sorted ids). ``available``: items reachable this round."""
+        """Draw the next round's cohort.
+
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
+                not selected).
+
+        Returns:
+            The selected item indices, int64, sorted, shape (cohort,).
+        """
         t = self.next_round
         eligible = self.last <= t - self.b
         mask = _check_available(available, self.n)
@@ -85,16 +112,32 @@ class BMinSepSampler:
         return chosen
 
     def state(self) -> dict:
+        """Returns:
+            The sampler's small state: the next round and each item's last selected round (int64, (num_items,)).
+        """
         return {"next_round": self.next_round, "last": self.last.copy()}
 
     def load_state(self, state: dict) -> None:
+        """Continue from a saved :meth:`state`.
+
+        Args:
+            state: a dict returned by :meth:`state` for the same number of items.
+        """
         last = np.asarray(state["last"], dtype=np.int64)
         require(last.shape == (self.n,), "state", f"{self.n} items", last.shape)
         self.last, self.next_round = last.copy(), int(state["next_round"])
 
 
 class MultiAttributionSampler:
-    """b-min-sep with shared items (004 Alg. 3): blocking follows the users of every *sampled* item."""
+    """b-min-sep with shared items (004 Alg. 3): blocking follows the users of every *sampled* item.
+
+    Args:
+        item_users: for each item, the indices of its users.
+        num_users: the number of users.
+        min_sep: b: a user whose item was sampled is blocked for b − 1 rounds.
+        p: the Poisson probability of the interim sample S_t.
+        seed: round t draws from ``default_rng([seed, 0, t])``.
+    """
 
     def __init__(self, item_users: Sequence[Sequence[int]], num_users: int, min_sep: int, p: float, seed: int):
         require(min_sep >= 1, "min_sep", "a positive integer", min_sep)
@@ -118,6 +161,15 @@ class MultiAttributionSampler:
         return pos, self.users[np.repeat(starts, counts) + offsets]
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
+        """Draw the next round's cohort: the interim Poisson sample minus items with a user in cooldown.
+
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
+                not selected).
+
+        Returns:
+            The selected item indices, int64, sorted, shape (cohort,).
+        """
         t = self.next_round
         rng = _round_rng(self.seed, t)
         interim = _poisson_subset(rng, np.arange(self.n), self.p)  # S_t, drawn from all items
@@ -134,11 +186,20 @@ class MultiAttributionSampler:
         return chosen
 
     def state(self) -> dict:
+        """Returns:
+            The next round and each user's last blocking round (int64, (num_users,)).
+        """
         return {"next_round": self.next_round, "user_last": self.user_last.copy()}
 
 
 class BallsInBinsSampler:
-    """Balls-in-bins (004 §1.4): item i is in bin h(i) ∈ [0, T); bin t mod T trains in round t."""
+    """Balls-in-bins (004 §1.4): item i is in bin h(i) ∈ [0, T); bin t mod T trains in round t.
+
+    Args:
+        num_items: N.
+        bins: T.
+        seed: seeds the bins, drawn once.
+    """
 
     def __init__(self, num_items: int, bins: int, seed: int):
         require(bins >= 1, "bins", "a positive integer", bins)
@@ -146,6 +207,15 @@ class BallsInBinsSampler:
         self.T, self.n, self.next_round = int(bins), int(num_items), 0
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
+        """The next round's bin.
+
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
+                not selected).
+
+        Returns:
+            The selected item indices, int64, sorted, shape (cohort,).
+        """
         chosen = np.flatnonzero(self.bin == self.next_round % self.T)
         mask = _check_available(available, self.n)
         self.next_round += 1
@@ -153,7 +223,15 @@ class BallsInBinsSampler:
 
 
 class CyclicPoissonSampler:
-    """Cyclic Poisson (001 Alg. 2): items in ``cycle`` parts; part t mod cycle is sampled with probability q."""
+    """Cyclic Poisson (001 Alg. 2, arXiv 2405.15913): items in ``cycle`` parts; part t mod cycle is sampled with
+    probability q.
+
+    Args:
+        num_items: N.
+        cycle: b, the number of parts.
+        q: the Poisson probability within the round's part (b·p0 for a rate p0).
+        seed: seeds the parts (drawn once) and each round's draw.
+    """
 
     def __init__(self, num_items: int, cycle: int, q: float, seed: int):
         require(cycle >= 1, "cycle", "a positive integer", cycle)
@@ -162,6 +240,15 @@ class CyclicPoissonSampler:
         self.cycle, self.q, self.seed, self.n, self.next_round = int(cycle), float(q), int(seed), int(num_items), 0
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
+        """Draw the next round's cohort from part t mod cycle.
+
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
+                not selected).
+
+        Returns:
+            The selected item indices, int64, sorted, shape (cohort,).
+        """
         t = self.next_round
         candidates = np.flatnonzero(self.part == t % self.cycle)
         mask = _check_available(available, self.n)

@@ -1,4 +1,4 @@
-"""The ``corrflow`` command (README "Conventions"): one subcommand per job; ``--json`` prints exactly one JSON object
+"""The ``corrflow`` command (docs "Conventions"): one subcommand per job; ``--json`` prints exactly one JSON object
 as the last stdout line; progress goes to stderr; bad arguments exit with code 2 and name the argument."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from corrflow.paths import writable_directory, writable_file
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import with_settings
+from corrflow.server.schema_cli import schema_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="corrflow: federated learning with differential privacy through correlated noise.")
@@ -613,6 +614,7 @@ noise_app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
 app.command("compare")(compare_command)
+app.command("schema")(schema_command)
 
 
 @noise_app.command("sample")

@@ -1,5 +1,5 @@
 """``corrflow data``: generate federated datasets in the real on-disk formats, summarise, build a vocabulary and
-partition them over Flower nodes (README "Conventions": ``--json`` prints one object last; exit 2 on bad input)."""
+partition them over Flower nodes (docs "Conventions": ``--json`` prints one object last; exit 2 on bad input)."""
 
 from __future__ import annotations
 

@@ -77,15 +77,29 @@ class CorrelatedNoiseStrategy(Strategy):
     stopped_reason = property(lambda self: self.state.stopped_reason)
 
     def initial_arrays(self) -> ArrayRecord:
-        """The current model (the initial one before round 1), in the user's arrays' names, order and dtypes."""
+        """The current model.
+
+        Returns:
+            The model (the initial one before round 1) in the user's arrays' names, order and dtypes.
+        """
         return self.run.round.layout.record(self.params)
 
     def report(self) -> dict:
+        """Returns:
+            The privacy report as the operator holds it (before the amplified-run redactions of the published file).
+        """
         return self.run.recorder.report()
 
     def override(self, round_index: int, items: list[str]) -> None:
-        """Operator override: add ``items`` to round ``round_index``'s cohort (0-based). They pass through the
-        separation monitor like sampled items, and every override is listed in the privacy report."""
+        """Operator override: add items to a future round's cohort.
+
+        They pass through the separation monitor like sampled items (the ``policy`` setting decides), every override
+        is listed in the privacy report, and an amplified run's report switches to post-hoc accounting.
+
+        Args:
+            round_index: a future round, 0-based.
+            items: item ids known to the planner.
+        """
         require(round_index >= self.next_round, "round", f"a future round (≥ {self.next_round})", round_index)
         unknown = [i for i in items if i not in self.planner.index]
         require(not unknown, "items", "item ids known to the planner", unknown)
@@ -94,10 +108,25 @@ class CorrelatedNoiseStrategy(Strategy):
     # -- Flower Strategy API --------------------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Train until ``num_rounds`` rounds in total are released (default: all planned; a resumed run runs the
-        rest). ``initial_arrays`` must be the model the run started from. ``evaluate_fn(round, arrays)`` is called
-        for the starting model and after every round, as Flower's strategies do."""
+        rest).
+
+        Args:
+            grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
+            initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes are kept
+                in every model sent; a resumed run refuses other arrays).
+            num_rounds: n, the run's total rounds (a resumed run trains the rest).
+            timeout: seconds to wait for nodes and replies (default: the ``node_timeout`` setting).
+            train_config: the config sent to the cohort each round (merged with the inner strategy's).
+            evaluate_config: the config of the inner strategy's federated evaluation.
+            evaluate_fn: ``evaluate_fn(server_round, arrays)``, called for the starting model (round 0) and after
+                every round, as Flower's FedAvg does; its metrics go to ``metrics.json``.
+
+        Returns:
+            Flower's ``Result`` with the final arrays and the per-round train and evaluation metrics.
+        """
         if initial_arrays is not None and arrays_sha256(initial_arrays) != self.run.recorder.keys.initial_sha256:
             raise InvalidArgumentError("initial_arrays", "the initial model this run was prepared with")
         last = self.cfg.num_rounds if num_rounds is None else int(num_rounds)
@@ -108,6 +137,17 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        """Plan the round's cohort, check the budget guard, and build the train messages.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            One message per scheduled, online node (none once the run is complete or stopped).
+        """
         t, state, ctx = self.next_round, self.state, self.run.round
         if t >= self.cfg.num_rounds or state.stopped_reason:
             return []
@@ -126,6 +166,15 @@ class CorrelatedNoiseStrategy(Strategy):
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Validate and clip the replies, add the correlated noise, step the server optimizer, and commit the round.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the cohort's reply messages.
+
+        Returns:
+            (the new global model, the round's metrics), or (None, None) for a round that was not planned.
+        """
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
@@ -142,11 +191,30 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         """Federated evaluation is the inner strategy's (its metrics are computed on clients' data and are not
-        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side."""
+        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The inner strategy's evaluate messages (none without an inner strategy).
+        """
         inner = self.run.inner
         return [] if inner is None else inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
+        """The inner strategy's aggregation of federated-evaluation replies (outside the DP guarantee).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the evaluation replies.
+
+        Returns:
+            The inner strategy's aggregated metrics, or None.
+        """
         inner = self.run.inner
         return None if inner is None else inner.aggregate_evaluate(server_round, replies)
 

@@ -1,6 +1,6 @@
 """The run's state and everything that persists it: the one place where a round, a stop or an operator override
 changes the run (:meth:`Recorder.apply`), and where checkpoint, release journal, release registry, privacy report
-and metrics are written — in that order, before a round's model leaves the server (README "Conventions", Files).
+and metrics are written — in that order, before a round's model leaves the server (docs "Conventions", Files).
 
 :class:`RunState` is what changes: the model, the optimizer's momentum, the ledger, the metric history, the next
 round, the streak of empty rounds, the stop reason and pending overrides. :class:`RunSecrets` is fixed for the
@@ -219,7 +219,7 @@ class Recorder:
                                                                 ring=c.checkpoint_dir / RING_FILE))
 
     def report(self) -> dict:
-        """The privacy report (README "Conventions", Privacy report) of the run so far."""
+        """The privacy report (docs "Conventions", Privacy report) of the run so far."""
         s, c = self.state, self.ctx
         plan, salt = c.accounting.plan, self.keys.salt
         real = c.accounting.realized(s.ledger.selected, s.ledger.overrides)

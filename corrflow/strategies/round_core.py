@@ -1,4 +1,4 @@
-"""One round of correlated-noise training as pure steps that change no run state (README "Conventions", data flow):
+"""One round of correlated-noise training as pure steps that change no run state (docs "Conventions", data flow):
 
 1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy;
 2. :func:`collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped to ℓ2 ≤ clip

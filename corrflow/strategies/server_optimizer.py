@@ -1,4 +1,5 @@
-"""The server optimizer the workload A encodes (000 digest §1.2): m_t = β m_{t−1} + x̂_t, θ_{t+1} = θ_t + η·η_t·m_t.
+"""The server optimizer the workload A encodes (000 §5.3, arXiv 2211.06530): m_t = β m_{t−1} + x̂_t,
+θ_{t+1} = θ_t + η·η_t·m_t.
 
 Clients return model deltas (descent directions), so θ_t − θ_0 = η·(A x̂)_t with A = tri·diag(η_t)·M_β — the same
 A the factorization was built for; a mismatch is refused at start-up.

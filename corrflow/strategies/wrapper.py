@@ -27,10 +27,12 @@ import json
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
@@ -91,22 +93,32 @@ def check_inner_population(strategy: Strategy, users: int) -> None:
 class DifferentialPrivacyCorrelatedNoise(Strategy):
     """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
 
-    Keywords are corrflow's run settings as the wrapper names them (``help(corrflow.config.RunConfig)``; the
-    signature lists each with its default): ``clipping_norm`` (ℓ2 clip of each user's update), ``target_epsilon``
-    (σ calibrated; default 8 unless ``noise_multiplier`` is given), ``delta``, ``epochs`` k, ``min_sep`` b,
-    ``kind``/``bands`` (the factorization), ``participation``, ``identity`` (default partition-id in simulation,
-    node-key in deployment), ``num_users`` (default: the nodes connected at start), ``state_dir`` (the run
-    directory), ``replies`` ("weights", as Flower's quickstarts, or "delta"), ``server_learning_rate`` and
-    ``momentum`` (the workload the factorization is built for; default FedAvg's step: 1 and 0). ``plan``: a recipe
-    written by ``corrflow plan`` (its settings; any given here that differ are refused, each named); ``fresh``:
-    move an earlier run in ``state_dir`` aside and start anew. ``canaries``: simulation only, an empirical privacy
-    audit (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin flips, and after
-    the run :attr:`audit` (also ``audit.json``, ``audit.png`` in ``state_dir``) with the claimed ε, the estimate ε̂
-    and the 95% lower bound ε_lo; ``audit_seed`` seeds the canaries (default: fresh).
+    Each round the sum of the cohort's clipped updates gets σ·clip·(C⁻¹Z)_t, the noise of a matrix factorization
+    A = B·C of the server optimizer's workload (Choquette-Choo et al., arXiv 2211.06530; McKenna, arXiv
+    2405.15913), and the run's ε is accounted, checkpointed and journaled.
+
+    Args:
+        strategy: the inner strategy: FedAvg or a subclass whose train aggregation is FedAvg's (FedProx, …);
+            strategies with their own server-optimizer state (FedAdam, FedYogi, FedAdagrad, FedAvgM) or a robust
+            aggregation are refused, saying why.
+        plan: a recipe written by ``corrflow plan`` (``OUT/recipe.json``): its mechanism, participation, accountant
+            and σ; settings given here that differ are refused, each named.
+        fresh: move an earlier run in ``state_dir`` aside (``previous-runs/``) and start anew.
+        canaries: simulation only, an empirical privacy audit (``corrflow audit``'s): that many candidate canary
+            SuperNodes, about half inserted by coin flips; after the run :attr:`audit` (also ``audit.json`` and
+            ``audit.png`` in ``state_dir``) holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo.
+        audit_seed: seeds the canaries' directions and coins (default: fresh).
+        **settings: corrflow's run settings as the wrapper names them (the signature lists each with its default;
+            the run-config reference of the docs has them all), e.g. ``clipping_norm``, ``target_epsilon``,
+            ``delta``, ``epochs``, ``kind``, ``state_dir``.
+
+    Raises:
+        InvalidArgumentError: an inner strategy that cannot be composed, an unknown keyword or an invalid value
+            (naming the keyword and what was expected), or a plan that differs.
     """
 
     def __init__(self, strategy: Strategy, *, plan: str | Path | None = None, fresh: bool = False,
-                 canaries: int = 0, audit_seed: int | None = None, **settings):
+                 canaries: int = 0, audit_seed: int | None = None, **settings: Any):
         check_composable(strategy)
         self.inner, self.fresh = strategy, fresh
         require(isinstance(canaries, int) and not isinstance(canaries, bool) and
@@ -131,7 +143,14 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self.config(None if self.plan else epochs * min_sep)   # fail fast on bad settings (any fitting rounds)
 
     def config(self, num_rounds: int | None = None) -> RunConfig:
-        """The run's validated settings for ``num_rounds`` rounds in total (the plan's when it fixes them)."""
+        """The run's validated settings.
+
+        Args:
+            num_rounds: the run's total rounds (the plan's when a plan fixes them).
+
+        Returns:
+            The :class:`corrflow.config.RunConfig` the run will use.
+        """
         if self.plan is not None:
             require(num_rounds in (None, self.plan[0].rounds), "num_rounds", f"the plan's {self.plan[0].rounds} "
                     "rounds", num_rounds)
@@ -143,11 +162,32 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
-        """Train until ``num_rounds`` rounds in total (default: the settings' default) are released, resuming from
-        ``state_dir`` when it holds a checkpoint of this run. ``timeout``: seconds to wait for nodes and replies
-        (default: the ``node_timeout`` setting). Logs a line per round and the realised ε on the ``corrflow``
-        logger; the full report is :meth:`privacy_report`."""
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when it holds a
+        checkpoint of this run. Logs a line per round and the realised ε on the ``corrflow`` logger; the full report
+        is :meth:`privacy_report`.
+
+        Args:
+            grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
+            initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes are kept
+                in every model sent; a resumed run refuses other arrays).
+            num_rounds: n, the run's total rounds (a resumed run trains the rest).
+            timeout: seconds to wait for nodes and replies (default: the ``node_timeout`` setting).
+            train_config: the config sent to the cohort each round (merged with the inner strategy's).
+            evaluate_config: the config of the inner strategy's federated evaluation.
+            evaluate_fn: ``evaluate_fn(server_round, arrays)``, called for the starting model (round 0) and after
+                every round, as Flower's FedAvg does; its metrics go to ``metrics.json``.
+
+        Returns:
+            Flower's ``Result`` with the final arrays and the per-round train and evaluation metrics.
+
+        Raises:
+            InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner strategy asking
+                for more nodes than the population.
+            CorrflowError: the run cannot start or continue safely (another server on ``state_dir``, state that
+                disagrees with its journal, a node without the declared identity).
+        """
         ensure_console_log()
         cfg = self.config(num_rounds)
         if timeout is not None:
@@ -221,7 +261,11 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self._audits[-1] if self._audits else None
 
     def privacy_report(self) -> dict:
-        """The run's privacy report (``privacy_report.json``), as written after every round."""
+        """The run's privacy report, as written after every round.
+
+        Returns:
+            The parsed ``privacy_report.json`` (schema: ``corrflow schema privacy-report``).
+        """
         return json.loads(self.report_path.read_text())
 
     @property
@@ -241,15 +285,55 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self.core
 
     def configure_train(self, server_round, arrays, config, grid):
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The round's train messages.
+        """
         return self._running().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the cohort's replies.
+
+        Returns:
+            (the new global model, the round's metrics).
+        """
         return self._running().aggregate_train(server_round, replies)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
+        """Federated evaluation, the inner strategy's (its metrics are outside the DP guarantee).
+
+        Args:
+            server_round: Flower's 1-based round number.
+            arrays: the current global model.
+            config: the round's config.
+            grid: Flower's Grid.
+
+        Returns:
+            The inner strategy's evaluate messages.
+        """
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
+        """Federated evaluation, the inner strategy's.
+
+        Args:
+            server_round: Flower's 1-based round number.
+            replies: the evaluation replies.
+
+        Returns:
+            The inner strategy's aggregated metrics.
+        """
         return self.inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
