@@ -18,7 +18,10 @@ After training, :func:`learning_section` puts the verdict on the record (``priva
 the final model's held-out loss is finite and below the initial model's (``None`` without a held-out evaluation).
 Loss, not accuracy, decides: a noisy model can rank the right word first more often while its probabilities are
 worse than the untrained model's (DP-SGD in ``compare --preset quick``: accuracy 0 → 0.125, loss 5.3 → 6.6); the
-verdict then names both.
+verdict then names both. It also looks at the best held-out loss of the run: a final loss more than
+``DRIFT_TOLERANCE`` (10%) above the best is flagged (``drifted``; a real-format Keras run went 7.60 → 5.94 at its
+best and back to 6.94 — below the initial loss, yet a regression the final number alone hides), and the verdict
+says at which round the best model was.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import numpy as np
 
 log = logging.getLogger("corrflow")
 THRESHOLD = 0.3
+#: A final held-out loss more than this fraction above the run's best is flagged as drift.
+DRIFT_TOLERANCE = 0.10
 
 
 def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
@@ -67,6 +72,13 @@ def held_out_summary(entries: list[dict]) -> dict:
                    final_test_accuracy=_finite(last["test_accuracy"]))
     if out["initial_test_loss"] and out["final_test_loss"] is not None:
         out["loss_improvement"] = 1.0 - out["final_test_loss"] / out["initial_test_loss"]
+    losses = [(float(e["test_loss"]), int(e.get("round", i - 1))) for i, e in enumerate(entries)
+              if "test_loss" in e and math.isfinite(float(e["test_loss"]))]
+    if losses:
+        best, best_round = min(losses)
+        out.update(best_test_loss=best, best_round=best_round)
+        if out["final_test_loss"] is not None and best > 0:
+            out["drift_above_best"] = out["final_test_loss"] / best - 1.0
     return out
 
 
@@ -89,6 +101,15 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
     if "final_test_accuracy" in held:
         moved += f", accuracy from {held['initial_test_accuracy']:.4g} to {held['final_test_accuracy']:.4g}"
     verdict = moved if learned else f"the model did not learn: {moved} over {held['rounds_evaluated']} rounds"
+    drift = held.get("drift_above_best")
+    drifted = bool(drift is None and held.get("best_test_loss") is not None or
+                   (drift is not None and drift > DRIFT_TOLERANCE))
+    if drifted:
+        at = "the initial model" if held["best_round"] < 0 else f"round {held['best_round'] + 1}"
+        verdict += (f"; the final loss is {drift:.0%} above the run's best {held['best_test_loss']:.4g} ({at}): "
+                    "it drifted" if drift is not None else
+                    f"; the run's best loss was {held['best_test_loss']:.4g} ({at})")
     if not learned and out["warned"]:
         verdict += f" (the pre-flight check warned: noise-to-signal {noise_to_signal:.2f} > {THRESHOLD})"
-    return {**out, **held, "learned": learned, "verdict": verdict}
+    return {**out, **held, "learned": learned, "drifted": drifted, "drift_tolerance": DRIFT_TOLERANCE,
+            "verdict": verdict}

@@ -102,7 +102,7 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
             strategy.run.recorder.write_report()
             strategy.run.recorder.write_metrics()
         learning = strategy.run.recorder.learning()
-        if learning["learned"] is False and strategy.stopped_reason is None:
+        if (learning["learned"] is False or learning.get("drifted")) and strategy.stopped_reason is None:
             log.warning("corrflow: %s; the report's `learning` section has the numbers", learning["verdict"])
         return strategy, result
 
@@ -139,7 +139,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     layout = ModelLayout.of(spec.initial)
     params = layout.trainable_arrays(spec.initial)
     noise = _noise(fac, layout, resume, spec.noise_key)
-    accounting = RunAccounting.of(fac, plan, cfg.delta, cfg.target_epsilon)
+    accounting = RunAccounting.of(fac, plan, plan.delta, plan.target_epsilon)   # training's share of the budget
     ctx = RoundContext(cfg, layout, planner, accounting,
                        MomentumServerOptimizer(fac.workload, cfg.num_rounds, cfg.server_lr), noise,
                        float(plan.noise_multiplier), item_home)
