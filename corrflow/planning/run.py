@@ -156,8 +156,6 @@ def training_budget(cfg: RunConfig) -> TrainingBudget:
         return TrainingBudget(cfg.target_epsilon, cfg.delta, None)
     vocab = vocabulary_section(cfg.vocab_path)
     if vocab["source"] != "dp":
-        if not vocab["inside_guarantee"]:
-            log.warning("corrflow: the vocabulary %s is %s", cfg.vocab_path, vocab["note"])
         return TrainingBudget(cfg.target_epsilon, cfg.delta, vocab)
     eps_v, delta_v = float(vocab["epsilon"]), float(vocab["delta"])
     require(delta_v < cfg.delta, "delta", f"a δ above the vocabulary's δ = {delta_v:g} (the run's δ is the total; "
@@ -188,6 +186,8 @@ def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> 
     """:func:`plan_training_privacy` at the training's share of the budget (:func:`training_budget`); the plan
     carries that δ and ε and the vocabulary section."""
     budget = training_budget(cfg)
+    if budget.vocabulary is not None and not budget.vocabulary["inside_guarantee"]:
+        log.warning("corrflow: the vocabulary %s is %s", cfg.vocab_path, budget.vocabulary["note"])
     if budget.vocabulary is not None and budget.vocabulary["source"] == "dp":
         log.info("corrflow: the vocabulary spent (ε, δ) = (%g, %g); training is calibrated to the rest of the "
                  "budget: ε = %s, δ = %g", budget.vocabulary["epsilon"], budget.vocabulary["delta"],
