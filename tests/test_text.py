@@ -223,3 +223,23 @@ def test_learning_verdict_flags_drift_from_the_best():
     assert v["drift_above_best"] == pytest.approx(6.94 / 5.94 - 1) and "drifted" in v["verdict"]
     steady = learning_section([hist[0], hist[1], {"round": 1, "test_loss": 6.2}], 0.1)
     assert steady["drifted"] is False and "drifted" not in steady["verdict"]
+
+
+def test_dispatching_client_app_trains_the_selected_task_on_the_nodes_data(tmp_path):
+    """The ClientApp `flwr run .` binds trains the run config's client; a node's own data-path/vocab-path (node
+    config) win over the server's."""
+    from corrflow.clients import dispatch
+    from corrflow.data.federated import data_paths
+
+    assert data_paths({"data-path": "s.sqlite", "vocab-path": "s.txt"}, {"data-path": "n.sqlite"}) == \
+        ("n.sqlite", "s.txt")
+    assert data_paths({"data-path": "s.sqlite", "vocab-path": "s.txt"}, {"partition-id": 0}) == ("s.sqlite", "s.txt")
+    assert data_paths({}, {}) == ("", "")
+    so = _planted_file(tmp_path / "so.sqlite", users=12, heldout=3)
+    build_vocabulary(count_words(COMMON), 20, source="public").save(tmp_path / "v.txt")
+    cfg = RunConfig(num_users=12, num_rounds=2, epochs=1, noise_multiplier=0.5, client="nextword",
+                    data_path=str(so), vocab_path=str(tmp_path / "v.txt"), seq_len=10, state_dir=str(tmp_path / "r"))
+    s = run_server(InProcessGrid({"train": dispatch.train}, 12), cfg, quiet=True)
+    assert s.next_round == 2 and s.metrics_history[-1]["rejected"] == 0
+    report = json.loads((tmp_path / "r" / "privacy_report.json").read_text())
+    assert report["vocabulary"]["source"] == "public" and report["total"]["epsilon"] == report["realized"]["epsilon"]

@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import register_identity
 from corrflow.clients.numpy_client import partition_id
-from corrflow.data.federated import TextSource, text_source
+from corrflow.data.federated import TextSource, data_paths, text_source
 from corrflow.data.text_synth import SPECIAL, xy
 
 app = register_identity(ClientApp())  # answers the server's identity probe
@@ -125,8 +125,8 @@ def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray, first_wor
 def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
-    source = text_source(str(cfg.get("data-path", "")), str(cfg.get("vocab-path", "")),
-                         int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
+    data, vocab = data_paths(cfg, context)
+    source = text_source(data, vocab, int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
     sentences = source.user_sentences(partition_id(context))
     new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))
     return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(

@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import register_identity
 from corrflow.clients.numpy_client import partition_id
+from corrflow.data.federated import data_paths, text_source
 from corrflow.data.text_synth import PAD, SPECIAL, TextTask, accuracy_mask, user_sentences, xy
 
 app = register_identity(ClientApp())  # answers the server's identity probe
@@ -99,11 +100,9 @@ def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
     seed, user = int(cfg.get("seed", 0)), partition_id(context)
-    if cfg.get("data-path", ""):   # a real-format dataset file (the same one the server evaluates on)
-        from corrflow.data.federated import text_source
-
-        sentences = text_source(str(cfg["data-path"]), str(cfg.get("vocab-path", "")), int(cfg.get("seq-len", 20)),
-                                seed).user_sentences(user)
+    data, vocab = data_paths(cfg, context)
+    if data:   # a real-format dataset file: the node's own (node config), else the one the server evaluates on
+        sentences = text_source(data, vocab, int(cfg.get("seq-len", 20)), seed).user_sentences(user)
     else:
         sentences = user_sentences(task_for(seed, weights[0].shape[0] - SPECIAL), user)
     delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)),

@@ -179,6 +179,16 @@ def text_source(data_path: str = "", vocab_path: str = "", seq_len: int = 20, se
     return TextSource(data_path, vocab_path, seq_len, seed=seed)
 
 
+def data_paths(config, node_config) -> tuple[str, str]:
+    """(data file, vocabulary file) a client trains on: the SuperNode's node config (``data-path``,
+    ``vocab-path``) when it names a data file, else what the server's message config sends ("" : synthetic).
+    ``node_config``: a Flower Context (its ``node_config``) or a mapping."""
+    node = getattr(node_config, "node_config", node_config) or {}
+    if node.get("data-path"):
+        return str(node["data-path"]), str(node.get("vocab-path") or config.get("vocab-path", ""))
+    return str(config.get("data-path", "")), str(config.get("vocab-path", ""))
+
+
 def train_clients_count(data_path: str) -> int:
     """How many training partitions (StackOverflow train clients, arXiv training papers) a dataset file has."""
     return len(TextSource(data_path, "-").train_clients)

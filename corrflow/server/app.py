@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 # ClientApp in another thread, under its app-loading lock, and takes a module already in sys.modules as it is, so a
 # lazy import running at that moment handed it a half-initialised module ("partially initialized module
 # 'corrflow.clients.numpy_client' has no attribute 'app'") and `flwr run` failed at random.
-from corrflow.clients import keras_client, nextword_client, numpy_client  # noqa: F401
+from corrflow.clients import dispatch, keras_client, nextword_client, numpy_client  # noqa: F401
 from corrflow.clients.tasks import get_task
 from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
