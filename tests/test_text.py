@@ -243,3 +243,16 @@ def test_dispatching_client_app_trains_the_selected_task_on_the_nodes_data(tmp_p
     assert s.next_round == 2 and s.metrics_history[-1]["rejected"] == 0
     report = json.loads((tmp_path / "r" / "privacy_report.json").read_text())
     assert report["vocabulary"]["source"] == "public" and report["total"]["epsilon"] == report["realized"]["epsilon"]
+
+
+def test_preflight_warning_names_the_uncertain_band(caplog):
+    """Between THRESHOLD and 1.5 measured runs went both ways (real-format runs learned at 0.49–1.29): 'may not'."""
+    import logging
+
+    from corrflow.factorization import Workload, factorize, participation_for
+    from corrflow.planning.learnability import THRESHOLD, check_learnable
+
+    fac = factorize("toeplitz", participation_for(20, 2), Workload.sgd_momentum(0.9, 0.25))
+    with caplog.at_level(logging.WARNING, logger="corrflow"):
+        rho = check_learnable(fac, 0.6, [np.zeros(31_000)], 15.0)
+    assert THRESHOLD < rho < 1.5 and "may not learn" in caplog.text

@@ -11,7 +11,14 @@ does not depend on η or clip. Measured at ε = 8, δ = 1e-5: runs that learn ha
 README's first command: 0.04; nextword ``compare --preset quick``, banded Toeplitz: 0.06; the README's arXiv
 cross-silo example: 0.2; DP-SGD on the quick preset, 0.17, gains accuracy while its held-out loss rises); runs at
 ρ ≥ 0.39 ended worse than the initial model (``--preset tiny``: 0.39 Toeplitz, 0.71 DP-SGD; the Keras LSTM with 5
-users per round: 2.4). Above ``THRESHOLD`` corrflow warns before training starts.
+users per round: 2.4). Real-format runs (``--data`` on TFF-format SQLite, ε = 8) tolerate more: the Keras LSTM on
+727 real StackOverflow authors with a 2,000-word vocabulary learned at ρ = 0.49 (94% of the non-private loss drop);
+``compare --preset tiny --data`` with the nextword client and 2,000 words on a 300-user generated file learned at
+ρ = 0.82 (Toeplitz, loss 7.60 → 5.69, non-private 4.91) and not at 1.47 (DP-SGD, 7.60 → 10.18); the Keras LSTM with
+10,004 tokens and cohorts of 250 (``benchmarks/text_memory.py``) learned at 1.29 over 2 rounds (9.21 → 8.38); a
+cohort of 7 on arXiv at 5.3 diverged (6.2 → 26.4). So ρ is a ranking, not a sharp boundary: below ``THRESHOLD``
+every run measured learned; between it and about 1.5 runs went both ways (larger models with more rounds fared
+better); above 1.5 none learned. Above ``THRESHOLD`` corrflow warns before training starts, saying so.
 
 After training, :func:`learning_section` puts the verdict on the record (``privacy_report.json``'s ``learning``):
 ρ, whether it warned, the held-out loss (and accuracy) of the initial and final models, and ``learned`` — whether
@@ -53,11 +60,12 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
     dim = int(sum(np.size(w) for w in weights))
     rho = noise_to_signal(fac, sigma, dim, cohort)
     if rho > THRESHOLD:
-        log.warning("this configuration is unlikely to learn: the model will carry noise %.2f× the largest "
-                    "signal the clipped updates can give it (σ = %.3f, %d parameters, cohort %g; configurations "
-                    "that learn have ≤ %.2f). Raise the cohort (users per round), lower ε's noise (higher "
-                    "target ε), use a smaller model or a correlated-noise kind with lower error.", rho, sigma, dim,
-                    cohort, THRESHOLD)
+        log.warning("this configuration %s learn: the model will carry noise %.2f× the largest "
+                    "signal the clipped updates can give it (σ = %.3f, %d parameters, cohort %g; every measured "
+                    "run at ≤ %.2f learned, runs up to about 1.5 went both ways, none above). Raise the cohort "
+                    "(users per round), lower ε's noise (higher target ε), use a smaller model or a "
+                    "correlated-noise kind with lower error.", "is unlikely to" if rho > 1.5 else "may not", rho,
+                    sigma, dim, cohort, THRESHOLD)
     return rho
 
 
