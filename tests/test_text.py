@@ -256,3 +256,12 @@ def test_preflight_warning_names_the_uncertain_band(caplog):
     with caplog.at_level(logging.WARNING, logger="corrflow"):
         rho = check_learnable(fac, 0.6, [np.zeros(31_000)], 15.0)
     assert THRESHOLD < rho < 1.5 and "may not learn" in caplog.text
+
+
+def test_held_out_evaluation_can_be_capped(tmp_path):
+    so = _planted_file(tmp_path / "so.sqlite", users=5, heldout=30)
+    build_vocabulary(count_words(COMMON), 20).save(tmp_path / "v.txt")
+    src = TextSource(str(so), str(tmp_path / "v.txt"), seq_len=10)
+    assert len(src.held_out()) == 31 and len(src.held_out(max_sequences=7)) == 7
+    task = get_task("nextword", data_path=str(so), vocab_path=str(tmp_path / "v.txt"), seq_len=10, eval_sequences=7)
+    assert np.isfinite(task.evaluate(task.initial_weights())["test_loss"])

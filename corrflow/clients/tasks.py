@@ -40,7 +40,7 @@ class Task:
 
 
 def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20,
-             seed: int = 0) -> Task:
+             seed: int = 0, eval_sequences: int = 0) -> Task:
     require(name in CLIENTS, "client", " or ".join(CLIENTS), name)
     if name == "numpy":
         from corrflow.clients import numpy_client as c
@@ -61,7 +61,8 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
             from corrflow.data.federated import text_source
 
             source = text_source(data_path, vocab_path, seq_len, seed)
-            held, first_word, tokens = source.held_out(), source.first_word, source.num_tokens
+            held, first_word, tokens = source.held_out(max_sequences=eval_sequences), source.first_word, \
+                source.num_tokens
             data = lambda u: (source.user_sentences(u),)  # noqa: E731
         else:
             text = nw.task_for(seed)
@@ -79,7 +80,7 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
     from corrflow.data.federated import text_source
 
     source = text_source(data_path, vocab_path, seq_len, seed)
-    held_out = source.held_out()  # synthetic: 100 users never trained on; a file: its held-out split
+    held_out = source.held_out(max_sequences=eval_sequences)  # synthetic: 100 unseen users; a file: its held-out split
 
     def evaluate(w):
         loss, acc = k.evaluate_weights(w, held_out, source.first_word)

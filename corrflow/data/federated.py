@@ -146,10 +146,10 @@ class TextSource:
         posts = self._db.client_posts(clients[partition], "train")
         return self._encode(p.tokens for p in posts)
 
-    def held_out(self, users: int | None = None) -> np.ndarray:
+    def held_out(self, users: int | None = None, max_sequences: int = 0) -> np.ndarray:
         """Evaluation sequences (int32, n × (input_len + 1)): synthetic — ``users`` (default 100) users never
         trained on; StackOverflow — the first ``users`` (default: all) clients of the ``heldout`` split (else
-        ``test``); arXiv — the papers of held-out authors."""
+        ``test``); arXiv — the papers of held-out authors. ``max_sequences`` > 0 stops after that many (files only)."""
         if not self.data_path:
             from corrflow.data.text_synth import user_sentences
 
@@ -159,13 +159,24 @@ class TextSource:
             papers = self._arxiv[1][:users]
             require(bool(papers), "data-path", "an arXiv file with papers by held-out authors (10% of authors, by "
                     "hashed id) for evaluation", len(self._arxiv[0]))
-            return np.concatenate([self._encode(_sentences(p.text)) for p in papers])
+            return _capped((self._encode(_sentences(p.text)) for p in papers), max_sequences)
         split = "heldout" if "heldout" in self._db.splits() else "test"
-        rows = [self._encode(p.tokens for p in self._db.client_posts(c, split))
-                for c in self._db.client_ids(split)[:users]]
-        rows = [r for r in rows if len(r)]
-        require(bool(rows), "data-path", f"a non-empty {split!r} split for evaluation")
-        return np.concatenate(rows)
+        rows = _capped((self._encode(p.tokens for p in self._db.client_posts(c, split))
+                        for c in self._db.client_ids(split)[:users]), max_sequences)
+        require(len(rows) > 0, "data-path", f"a non-empty {split!r} split for evaluation")
+        return rows
+
+
+def _capped(blocks, max_rows: int = 0) -> np.ndarray:
+    """Concatenate arrays of rows until ``max_rows`` (0: all), reading no further blocks than needed."""
+    out, n = [], 0
+    for b in blocks:
+        if len(b):
+            out.append(b)
+            n += len(b)
+        if max_rows and n >= max_rows:
+            break
+    return np.concatenate(out)[:max_rows or None] if out else np.zeros((0, 1), np.int32)
 
 
 def _sentences(text: str) -> list[str]:

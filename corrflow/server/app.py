@@ -37,7 +37,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, noise_key: bytes | None = None, qu
     per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per round on stderr; see
     :func:`~corrflow.strategies.session.run_strategy`."""
     cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
+                    cfg.eval_sequences)
 
     def round_end(strategy, metrics):
         if not quiet:

@@ -103,7 +103,7 @@ def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend:
 
     require(not (out / "state").exists(), "out", "a directory without a previous comparison run", str(out))
     cfg = arm_config(preset, kind, seed, out, non_private=name == "nonprivate")
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, seed, cfg.eval_sequences)
     started = time.perf_counter()
     report = simulate(cfg, backend=backend)
     curve = json.loads((out / "metrics.json").read_text())

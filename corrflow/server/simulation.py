@@ -120,7 +120,8 @@ def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, no
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
+                    cfg.eval_sequences)
     kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
