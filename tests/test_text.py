@@ -114,7 +114,9 @@ def test_vocab_files_without_provenance(tmp_path):
 def test_run_reports_the_dp_vocabulary_and_the_total(tmp_path):
     """A run with a DP vocabulary is calibrated to the rest of the budget and reports both and their sum."""
     so = _planted_file(tmp_path / "so.sqlite", users=200, heldout=10)
-    res = dp_vocabulary(dataset_user_texts(so), epsilon=1.0, delta=1e-6, size=100)
+    texts, per_user = dataset_user_texts(so)
+    assert per_user == 1
+    res = dp_vocabulary(texts, epsilon=1.0, delta=1e-6, size=100)
     res.vocabulary.save(tmp_path / "v.txt")
     cfg = RunConfig(num_users=20, num_rounds=2, epochs=1, target_epsilon=4.0, delta=1e-5, client="nextword",
                     data_path=str(so), vocab_path=str(tmp_path / "v.txt"), seq_len=10, state_dir=str(tmp_path / "r"))
@@ -265,3 +267,23 @@ def test_held_out_evaluation_can_be_capped(tmp_path):
     assert len(src.held_out()) == 31 and len(src.held_out(max_sequences=7)) == 7
     task = get_task("nextword", data_path=str(so), vocab_path=str(tmp_path / "v.txt"), seq_len=10, eval_sequences=7)
     assert np.isfinite(task.evaluate(task.initial_weights())["test_loss"])
+
+
+def test_dp_vocab_on_arxiv_bounds_papers_per_author(tmp_path):
+    """arXiv: a paper belongs to all its authors, so the contributing unit is the paper, each author bounded to
+    k_u papers: σ scales by k_u and no word of a single paper (hence of a single author pair) appears."""
+    ax = tmp_path / "ax.jsonl"
+    with open(ax, "w") as f:
+        for i in range(600):
+            text = " ".join(COMMON) + f" secret{i:03d}"
+            f.write(json.dumps({"id": f"p{i}", "authors_parsed": [[f"Last{i}", "A", ""], [f"Last{(i + 1) % 600}",
+                                                                                           "B", ""]],
+                                "title": "t", "abstract": text}) + "\n")
+    res = CliRunner().invoke(app, ["data", "vocab", str(ax), "--epsilon", "1", "--delta", "1e-6",
+                                   "--out", str(tmp_path / "v.txt"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = _last_json(res)
+    v = Vocabulary.load(tmp_path / "v.txt")
+    assert not [w for w in v.words if w.startswith("secret")] and set(COMMON) <= set(v.words)
+    assert out["sigma"] == pytest.approx(2 * gaussian_sigma(1.0, 5e-7)) and v.provenance["max_items_per_user"] == "2"
+    assert out["threshold"] == pytest.approx(threshold(out["sigma"], 1e-6, 32, units_per_user=2))

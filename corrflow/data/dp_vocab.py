@@ -18,6 +18,12 @@ Why (ε, δ): for neighbouring data sets differing in one user, the counts of wo
 that any of its ≤ t such words clears ρ is 1 − Φ((ρ − 1/√t)/σ)^t ≤ δ/2 by the choice of ρ. Together (ε, δ).
 So a word used by a single user appears with probability at most δ/2 over all such words of that user.
 
+Multi-attribution (arXiv: a paper belongs to all its authors, 004 §6). The unit that contributes a word set is the
+paper, and each author keeps at most k = ``units_per_user`` papers (greedy contribution bounding on the public
+attribution graph, 004 §3.1). Removing an author removes ≤ k papers, so the shared-word difference has ℓ2 norm
+≤ k (σ scales by k) and each of the ≤ k·Δ₀ words only that author's papers hold has count ≤ k; the threshold is
+then ρ = k + σ Φ⁻¹((1 − δ/2)^{1/(k·Δ₀)}), the conservative form of the one above.
+
 The noise comes from the operating system's entropy (never a seed: a seeded draw would let anyone reproduce it).
 """
 
@@ -54,8 +60,12 @@ def gaussian_sigma(epsilon: float, delta: float) -> float:
     return math.exp(brentq(excess, math.log(1e-4), math.log(1e6), xtol=1e-12))
 
 
-def threshold(sigma: float, delta: float, max_words_per_user: int) -> float:
-    """ρ = max over t ≤ Δ₀ of 1/√t + σ Φ⁻¹((1 − δ/2)^{1/t}): a user's unique words clear it w.p. ≤ δ/2."""
+def threshold(sigma: float, delta: float, max_words_per_user: int, units_per_user: int = 1) -> float:
+    """ρ = max over t ≤ Δ₀ of 1/√t + σ Φ⁻¹((1 − δ/2)^{1/t}): a user's unique words clear it w.p. ≤ δ/2. With k
+    units per user (multi-attribution): k + σ Φ⁻¹((1 − δ/2)^{1/(kΔ₀)})."""
+    if units_per_user > 1:
+        m = units_per_user * max_words_per_user
+        return float(units_per_user + sigma * norm.isf(-np.expm1(np.log1p(-delta / 2) / m)))
     t = np.arange(1, max_words_per_user + 1, dtype=np.float64)
     # (1 − δ/2)^{1/t} in log space: Φ⁻¹(exp(log1p(−δ/2)/t)); isf of 1 − that keeps the precision near 1.
     tail = -np.expm1(np.log1p(-delta / 2) / t)
@@ -82,14 +92,16 @@ def user_word_sets(user_texts: Iterable[Iterable[str]], max_words_per_user: int)
 
 
 def dp_vocabulary(user_texts: Iterable[Iterable[str]], *, epsilon: float, delta: float, size: int,
-                  oov_buckets: int = 1, max_words_per_user: int = MAX_WORDS_PER_USER,
+                  oov_buckets: int = 1, max_words_per_user: int = MAX_WORDS_PER_USER, units_per_user: int = 1,
                   rng: np.random.Generator | None = None) -> DPVocabularyResult:
-    """The (ε, δ)-DP vocabulary of ``user_texts`` (one iterable of texts per user: the privacy unit) — the method
-    of the module docstring. ``rng`` is for tests only; a real build draws from the OS's entropy."""
+    """The (ε, δ)-DP vocabulary of ``user_texts`` (one iterable of texts per contributing unit: a user, or with
+    ``units_per_user`` = k > 1 one of a user's at most k bounded items) — the method of the module docstring.
+    ``rng`` is for tests only; a real build draws from the OS's entropy."""
     require(size >= 1, "size", "at least 1", size)
     require(max_words_per_user >= 1, "max-words-per-user", "at least 1", max_words_per_user)
-    sigma = gaussian_sigma(epsilon, delta / 2)
-    rho = threshold(sigma, delta, max_words_per_user)
+    require(units_per_user >= 1, "units_per_user", "at least 1", units_per_user)
+    sigma = units_per_user * gaussian_sigma(epsilon, delta / 2)
+    rho = threshold(sigma, delta, max_words_per_user, units_per_user)
     weights: Counter = Counter()
     users = 0
     for words in user_word_sets(user_texts, max_words_per_user):
@@ -105,28 +117,32 @@ def dp_vocabulary(user_texts: Iterable[Iterable[str]], *, epsilon: float, delta:
     order = above[np.argsort(-noisy[above], kind="stable")][:size]
     provenance = {"source": "dp", "epsilon": float(epsilon), "delta": float(delta),
                   "method": "gaussian-weighted-threshold", "max_words_per_user": max_words_per_user,
+                  **({"max_items_per_user": units_per_user} if units_per_user > 1 else {}),
                   "sigma": float(f"{sigma:.6g}"), "threshold": float(f"{rho:.6g}")}
     vocab = Vocabulary([vocab_words[i] for i in order], oov_buckets, provenance)
     return DPVocabularyResult(vocab, sigma, rho, len(vocab_words), len(above), users)
 
 
-def dataset_user_texts(path) -> Iterable[list[str]]:
-    """Per privacy unit, its training texts: StackOverflow — each ``train`` client's posts; arXiv — each author's
-    papers (a paper counts for every one of its authors), held-out authors (10% by hashed id) left out."""
-    from corrflow.data.federated import TextSource, _sentences, held_out_author
+def dataset_user_texts(path, max_papers_per_author: int = 2) -> tuple[Iterable[list[str]], int]:
+    """(texts per contributing unit, units per user). StackOverflow: each ``train`` client's posts, one unit per
+    user. arXiv: each training paper (held-out authors' papers excluded), after bounding every author to
+    ``max_papers_per_author`` papers on the public attribution graph — k units per user."""
+    from corrflow.data.federated import TextSource, _sentences
     from corrflow.data.stats import detect_format
 
     if detect_format(path) == "stackoverflow-sqlite":
-        from corrflow.data.stackoverflow import StackOverflowSQLite
+        return _sqlite_user_texts(path), 1
+    from corrflow.participation.attribution import bound_contributions
 
-        with StackOverflowSQLite(path) as db:
-            for client in db.client_ids("train"):
-                yield [p.tokens for p in db.client_posts(client, "train")]
-        return
-    papers: dict[str, list[str]] = {}
-    source = TextSource(str(path), "-")
-    for paper in source._arxiv[0]:   # training papers only: none has a held-out author
-        for author in paper.authors:
-            if not held_out_author(author):
-                papers.setdefault(author, []).extend(_sentences(paper.text))
-    yield from papers.values()
+    papers = TextSource(str(path), "-").training_papers()
+    graph = TextSource(str(path), "-").attribution()
+    kept = bound_contributions(graph, max_papers_per_author).kept
+    return ([*_sentences(papers[i].text)] for i in kept), max_papers_per_author
+
+
+def _sqlite_user_texts(path) -> Iterable[list[str]]:
+    from corrflow.data.stackoverflow import StackOverflowSQLite
+
+    with StackOverflowSQLite(path) as db:
+        for client in db.client_ids("train"):
+            yield [p.tokens for p in db.client_posts(client, "train")]

@@ -93,6 +93,10 @@ class TextSource:
             (held if any(held_out_author(a) for a in paper.authors) else train).append(paper)
         return train, held
 
+    def training_papers(self) -> list:
+        """arXiv: the training papers (no held-out author), partition i being the i-th."""
+        return self._arxiv[0]
+
     @cached_property
     def train_clients(self) -> list[str]:
         """The training partitions' ids: StackOverflow client ids, or arXiv paper ids."""

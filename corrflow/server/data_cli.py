@@ -98,6 +98,8 @@ def vocab(
     = 1e-6,
     max_words_per_user: Annotated[int, typer.Option(help="Δ₀: distinct words one user may contribute (each with "
                                                         "weight 1/√Δ₀: fewer words, more weight each)")] = 32,
+    max_papers_per_author: Annotated[int, typer.Option(help="arXiv: papers one author may contribute (k_u; each "
+                                                           "author's removal then changes ≤ k_u papers)")] = 2,
     no_privacy: Annotated[bool, typer.Option("--no-privacy", help="count the private data WITHOUT privacy: the "
                                              "vocabulary is published with the model outside any guarantee, and "
                                              "runs say so")] = False,
@@ -146,13 +148,16 @@ def vocab(
                 raise InvalidArgumentError("--delta", "a δ in (0, 1)", delta)
             if max_words_per_user < 1:
                 raise InvalidArgumentError("--max-words-per-user", "at least 1", max_words_per_user)
+            if max_papers_per_author < 1:
+                raise InvalidArgumentError("--max-papers-per-author", "at least 1", max_papers_per_author)
             if fmt == "stackoverflow-sqlite" and split != "train":
                 raise InvalidArgumentError("--split", "train for a private vocabulary (the privacy unit is a train "
                                            "client)", split)
             from corrflow.data.dp_vocab import dataset_user_texts, dp_vocabulary
 
-            res = dp_vocabulary(dataset_user_texts(path), epsilon=epsilon, delta=delta, size=size,
-                                oov_buckets=oov_buckets, max_words_per_user=max_words_per_user)
+            texts, per_user = dataset_user_texts(path, max_papers_per_author)
+            res = dp_vocabulary(texts, epsilon=epsilon, delta=delta, size=size, oov_buckets=oov_buckets,
+                                max_words_per_user=max_words_per_user, units_per_user=per_user)
             v = res.vocabulary
             info = {"users": res.users, "candidates": res.candidates, "above_threshold": res.released,
                     "sigma": res.sigma, "threshold": res.threshold}
