@@ -146,7 +146,7 @@ def vocabulary_section(vocab_path: str) -> dict:
     return {"source": prov["source"], "epsilon": prov.get("epsilon") if prov["source"] == "dp" else None,
             "delta": prov.get("delta") if prov["source"] == "dp" else None, "inside_guarantee": inside,
             "note": why[prov["source"]], "words": prov["words"], "sha256": prov["sha256"],
-            **({k: prov[k] for k in ("method", "max_words_per_user", "threshold") if k in prov})}
+            **({k: prov[k] for k in ("method", "max_words_per_user", "max_items_per_user", "threshold") if k in prov})}
 
 
 def training_budget(cfg: RunConfig) -> TrainingBudget:
