@@ -481,6 +481,10 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
     acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
            if "final_test_accuracy" in held_out else "")
     failed = " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
+    drift = held_out.get("drift_above_best")
+    if drift is not None and drift > report.get("learning", {}).get("drift_tolerance", 0.1):
+        at = "the initial model" if held_out["best_round"] < 0 else f"round {held_out['best_round'] + 1}"
+        failed += f" — drifted: {drift:.0%} above the best loss {held_out['best_test_loss']:.4f} ({at})"
     change = (f" ({-held_out['loss_improvement']:+.1%})"
               if math.isfinite(held_out.get("loss_improvement", math.nan)) else "")
     lines = [

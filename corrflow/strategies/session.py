@@ -102,7 +102,7 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
             strategy.run.recorder.write_report()
             strategy.run.recorder.write_metrics()
         learning = strategy.run.recorder.learning()
-        if (learning["learned"] is False or learning.get("drifted")) and strategy.stopped_reason is None:
+        if learning["learned"] is False and strategy.stopped_reason is None:
             log.warning("corrflow: %s; the report's `learning` section has the numbers", learning["verdict"])
         return strategy, result
 
