@@ -151,12 +151,18 @@ class RunConfig(BaseModel):
                                         "(default: seed; amplified runs draw cohorts from a private key)",
                                         "an integer ≥ 0", ge=0, surfaces=("run_config", "wrapper"))
     model_dim: int = setting(20, "numpy client: model dimension", "a positive integer", ge=1, surfaces=NOT_WRAPPER)
-    data_path: str = setting("", "a real-format dataset (TFF StackOverflow SQLite) the clients train on", "an "
+    data_path: str = setting("", "a real-format dataset the clients train on: TFF StackOverflow SQLite (users: the "
+                             "train split's clients) or arXiv JSON lines (users: authors, multi-attribution)", "an "
                              "existing file", surfaces=NOT_WRAPPER, names={"cli": "--data"})
-    vocab_path: str = setting("", "the dataset's vocabulary file (corrflow data vocab)", "an existing file",
+    vocab_path: str = setting("", "the dataset's vocabulary file (corrflow data vocab: differentially private, "
+                              "public or --no-privacy; a DP vocabulary's ε, δ come out of the run's)",
+                              "an existing file",
                               surfaces=NOT_WRAPPER, names={"cli": "--vocab"})
     seq_len: int = setting(20, "next-word sequence length for --data", "a positive integer", ge=1,
                            surfaces=NOT_WRAPPER)
+    eval_sequences: int = setting(0, "held-out sequences evaluated after each round with --data (0: all of the "
+                                  "file's held-out split; else its first clients' sequences in id order, up to "
+                                  "this many)", "an integer ≥ 0", unit="sequences", ge=0, surfaces=NOT_WRAPPER)
     # -- deployment -----------------------------------------------------------------------------------------------
     mode: Mode = setting(Mode.CROSS_DEVICE, "cross-device (an item is a SuperNode) or cross-silo (an item is an "
                          "example in a silo; needs a manifest)", "cross-device or cross-silo",

@@ -334,7 +334,8 @@ def test_data_cli(tmp_path):
     stats = json.loads(r.invoke(app, ["data", "stats", str(so), "--json"]).stdout.strip().splitlines()[-1])
     assert stats["users"] == 50 and stats["examples"] == sum(c["examples"] for c in gen["counts"].values())
     assert gen["peak_rss_mib"] > 0
-    res = r.invoke(app, ["data", "vocab", str(so), "--out", str(tmp_path / "v.txt"), "--size", "100", "--json"])
+    res = r.invoke(app, ["data", "vocab", str(so), "--no-privacy", "--out", str(tmp_path / "v.txt"), "--size", "100",
+                         "--json"])
     assert json.loads(res.stdout.strip().splitlines()[-1])["words"] == 100
     assert r.invoke(app, ["data", "generate", "arxiv", "--users", "40", "--out", str(ax)]).exit_code == 0
     out = json.loads(r.invoke(app, ["data", "stats", str(ax), "--json"]).stdout.strip().splitlines()[-1])

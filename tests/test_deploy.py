@@ -91,7 +91,7 @@ def test_deploy_app_config_is_a_valid_node_key_run_config():
 
     app = tomllib.loads((DEPLOY / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "corrflow.server.app:app",
-                                 "clientapp": "corrflow.clients.numpy_client:app"}
+                                 "clientapp": "corrflow.clients.dispatch:app"}
     from flwr.common.config import flatten_dict
 
     cfg = from_run_config(flatten_dict(app["config"]))   # as Flower flattens the nested table

@@ -40,7 +40,7 @@ class Task:
 
 
 def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20,
-             seed: int = 0) -> Task:
+             seed: int = 0, eval_sequences: int = 0) -> Task:
     require(name in CLIENTS, "client", " or ".join(CLIENTS), name)
     if name == "numpy":
         from corrflow.clients import numpy_client as c
@@ -55,26 +55,35 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
                     lambda u: regression_partition(u, model_dim, seed=seed))
     if name == "nextword":
         from corrflow.clients import nextword_client as nw
-        from corrflow.data.text_synth import user_sentences
+        from corrflow.data.text_synth import SPECIAL, user_sentences
 
-        text = nw.task_for(seed)
-        held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])  # never trained on
+        if data_path:   # a real-format dataset file and its vocabulary
+            from corrflow.data.federated import text_source
+
+            source = text_source(data_path, vocab_path, seq_len, seed)
+            held, first_word, tokens = source.held_out(max_sequences=eval_sequences), source.first_word, \
+                source.num_tokens
+            data = lambda u: (source.user_sentences(u),)  # noqa: E731
+        else:
+            text = nw.task_for(seed)
+            held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])  # never trained on
+            first_word, tokens = SPECIAL, text.num_tokens
+            data = lambda u: (user_sentences(text, u),)  # noqa: E731
 
         def evaluate_nw(w):
-            loss, acc = nw.evaluate_weights(w, held)
+            loss, acc = nw.evaluate_weights(w, held, first_word)
             return {"test_loss": loss, "test_accuracy": acc}
 
-        return Task("nextword", nw.app, {"train": nw.train},
-                    lambda: nw.initial_weights(text.num_tokens, seed), evaluate_nw,
-                    lambda u: (user_sentences(text, u),))
+        return Task("nextword", nw.app, {"train": nw.train}, lambda: nw.initial_weights(tokens, seed), evaluate_nw,
+                    data)
     from corrflow.clients import keras_client as k
     from corrflow.data.federated import text_source
 
     source = text_source(data_path, vocab_path, seq_len, seed)
-    held_out = source.held_out(100)  # users never trained on
+    held_out = source.held_out(max_sequences=eval_sequences)  # synthetic: 100 unseen users; a file: its held-out split
 
     def evaluate(w):
-        loss, acc = k.evaluate_weights(w, held_out)
+        loss, acc = k.evaluate_weights(w, held_out, source.first_word)
         return {"test_loss": loss, "test_accuracy": acc}
 
     def initial():

@@ -6,8 +6,13 @@ The file TFF's ``stackoverflow.load_data`` uses has two tables (000 §5.3 trains
     client_metadata(client_id TEXT, split_name TEXT, num_examples INTEGER)
 
 and every example is a ``tf.train.Example`` with bytes features ``tokens`` (space-separated lower-case words),
-``title``, ``tags`` ('|'-separated), ``type``, ``creation_date`` and the int64 ``score``. Splits are by client:
-``train``, ``heldout`` and ``test``. One client is one user (one account).
+``title``, ``tags`` ('|'-separated), ``type``, ``creation_date`` and the int64 ``score``. TFF's splits are by
+date, not by client: ``train`` holds the posts before 2018-01-01, ``heldout`` and ``test`` later posts (TFF's
+``stackoverflow.load_data`` documentation), so one client may appear in several splits — ``client_metadata`` has one
+row per (client, split). One client id is one user (one account) whatever the split; ``corrflow data stats``
+counts distinct ids. Evaluation on ``heldout`` measures later posts, partly of users seen in training.
+
+The generator below assigns each synthetic user to one split (a simplification; held-out users are then unseen).
 
 The generator writes the very same format with a realistic shape: power-law posts per user (Pareto tail), Zipfian
 words with per-user topic mixtures, log-normal post lengths; it streams user by user so memory stays bounded at

@@ -1,5 +1,6 @@
 """Summary statistics of a federated dataset on disk (``corrflow data stats``): users, examples, tokens, and the
-quantiles of examples per user and users per example — the numbers that set k_u, cohort sizes and δ."""
+quantiles of examples per user and users per example — the numbers that set k_u, cohort sizes and δ. A user is a
+distinct id across the file's splits (StackOverflow clients) or a distinct author (arXiv)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,15 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def stackoverflow_stats(path: str | os.PathLike, on_error: str = "raise") -> dict:
+    """Per split: clients, examples, tokens and examples per client; overall: distinct users (a TFF client may
+    appear in several splits — the split is by date — and is one user), examples per user summed over splits, and
+    how many users appear in more than one split."""
     from corrflow.data.stackoverflow import StackOverflowSQLite
 
     with StackOverflowSQLite(path, on_error=on_error) as db:
         splits = {}
-        per_user_all: list[int] = []
+        per_user: Counter = Counter()
+        in_splits: Counter = Counter()
         tokens = examples = 0
         for split in db.splits():
             counts = db.num_examples(split)
@@ -53,11 +58,14 @@ def stackoverflow_stats(path: str | os.PathLike, on_error: str = "raise") -> dic
                 n_examples += 1
             splits[split] = {"users": len(counts), "examples": n_examples, "tokens": n_tokens,
                              "examples_per_user": quantiles(list(counts.values()))}
-            per_user_all.extend(counts.values())
+            per_user.update(counts)
+            in_splits.update(counts.keys())
             tokens += n_tokens
             examples += n_examples
-        return {"format": "stackoverflow-sqlite", "path": str(path), "users": len(per_user_all),
-                "examples": examples, "tokens": tokens, "examples_per_user": quantiles(per_user_all),
+        return {"format": "stackoverflow-sqlite", "path": str(path), "users": len(per_user),
+                "users_in_several_splits": sum(1 for n in in_splits.values() if n > 1),
+                "train_users": splits.get("train", {}).get("users", 0),
+                "examples": examples, "tokens": tokens, "examples_per_user": quantiles(list(per_user.values())),
                 "users_per_example": quantiles([1]) if examples else {}, "splits": splits,
                 "skipped": db.skipped}
 

@@ -97,6 +97,8 @@ def xy(sentences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sentences[:, :-1], sentences[:, 1:]
 
 
-def accuracy_mask(targets: np.ndarray) -> np.ndarray:
-    """Accuracy counts real words only: no PAD, EOS or OOV (000 §5.3's 'without OOV or EOS' variant)."""
-    return targets >= SPECIAL
+def accuracy_mask(targets: np.ndarray, first_word: int = SPECIAL) -> np.ndarray:
+    """Accuracy counts real words only: no PAD, BOS, EOS or OOV bucket (000 §5.3's 'without OOV or EOS' variant).
+    ``first_word``: the first real word's id — 3 + the OOV buckets (:attr:`corrflow.data.vocab.Vocabulary.first_word`;
+    here one bucket, id 3)."""
+    return targets >= first_word

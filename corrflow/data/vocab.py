@@ -5,6 +5,13 @@ Ids: PAD = 0, BOS = 1, EOS = 2, OOV buckets 3 … 2 + oov_buckets, then the word
 (ties by the word itself, so the vocabulary is a pure function of the counts). With one OOV bucket this is the id
 layout of :mod:`corrflow.data.text_synth`, so the Keras model works on either source. An OOV word goes to bucket
 ``crc32(word) mod oov_buckets`` (stable across processes, unlike Python's ``hash``).
+
+Provenance. The vocabulary ships with the model, so it is part of what a run publishes. The file's header line
+records how it was built — ``source=dp`` with its (ε, δ) (:mod:`corrflow.data.dp_vocab`), ``source=public`` (a word
+list from public data), or ``source=non-private`` (counted from the private data without privacy, only with
+``corrflow data vocab --no-privacy``) — so a run reports it truthfully. A file without a header (TFF's own
+vocabulary layout: one word per line) is a list the user supplies, taken as public; a corrflow header without a
+``source`` (files written before provenance was recorded) reads as ``unrecorded``, outside the guarantee.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,16 +30,23 @@ from corrflow.errors import DataFormatError, require
 from corrflow.fileio import write_text
 
 PAD, BOS, EOS = 0, 1, 2
+HEADER = "#corrflow-vocab"
+#: How a vocabulary was built (the header's ``source``); only ``dp`` and ``public`` are inside a run's guarantee.
+SOURCES = ("dp", "public", "non-private", "unrecorded")
 
 
 @dataclass
 class Vocabulary:
     words: list[str]
     oov_buckets: int = 1
+    #: How it was built: ``{"source": one of SOURCES, "epsilon", "delta", ...}`` (the header's key=value pairs).
+    provenance: dict[str, Any] = field(default_factory=lambda: {"source": "public"})
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         require(self.oov_buckets >= 1, "oov_buckets", "at least 1", self.oov_buckets)
+        require(self.provenance.get("source") in SOURCES, "source", f"one of {SOURCES}",
+                self.provenance.get("source"))
         self._index = {w: i + self.first_word for i, w in enumerate(self.words)}
         require(len(self._index) == len(self.words), "words", "distinct words")
 
@@ -67,9 +82,18 @@ class Vocabulary:
         rows = [self.encode(s, seq_len) for _, s in zip(range(max_sentences), sentences, strict=False)]
         return np.stack(rows) if rows else np.zeros((0, seq_len + 1), np.int32)
 
+    def header(self) -> str:
+        """``#corrflow-vocab oov_buckets=N source=S [epsilon=E delta=D …]`` (values without spaces)."""
+        extra = " ".join(f"{k}={v}" for k, v in self.provenance.items() if k != "source")
+        return f"{HEADER} oov_buckets={self.oov_buckets} source={self.provenance['source']}" + \
+            (f" {extra}" if extra else "")
+
     def save(self, path: str | os.PathLike) -> None:
-        """One word per line, most frequent first (TFF's vocabulary file layout); the header holds the buckets."""
-        write_text(path, f"#corrflow-vocab oov_buckets={self.oov_buckets}\n" + "".join(w + "\n" for w in self.words))
+        """One word per line, most frequent first (TFF's vocabulary file layout) after the provenance header."""
+        for k, v in self.provenance.items():
+            require(k.isidentifier() and not any(c.isspace() or c == "=" for c in str(v)), "provenance",
+                    "key=value pairs without spaces", f"{k}={v}")
+        write_text(path, self.header() + "\n" + "".join(w + "\n" for w in self.words))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
@@ -77,16 +101,10 @@ class Vocabulary:
         if not path.is_file():
             raise DataFormatError(path, None, "an existing vocabulary file")
         lines = path.read_text(encoding="utf-8").splitlines()
-        buckets = 1
-        if lines and lines[0].startswith("#corrflow-vocab"):
-            try:
-                buckets = int(lines[0].split("oov_buckets=")[1])
-            except (IndexError, ValueError) as exc:
-                raise DataFormatError(path, 1, "'#corrflow-vocab oov_buckets=N'", lines[0]) from exc
-            lines = lines[1:]
-            offset = 2
-        else:
-            offset = 1
+        buckets, provenance, offset = 1, {"source": "public"}, 1
+        if lines and lines[0].startswith(HEADER):
+            buckets, provenance = _parse_header(path, lines[0])
+            lines, offset = lines[1:], 2
         for n, w in enumerate(lines):
             if not w or any(c.isspace() for c in w):
                 raise DataFormatError(path, n + offset, "one word (no spaces) per line", w)
@@ -95,7 +113,39 @@ class Vocabulary:
             if w in seen:
                 raise DataFormatError(path, n + offset, "distinct words", w)
             seen.add(w)
-        return cls(lines, buckets)
+        return cls(lines, buckets, provenance)
+
+
+def _parse_header(path: Path, line: str) -> tuple[int, dict[str, Any]]:
+    """(OOV buckets, provenance) from a header line; a header without ``source`` is ``unrecorded``."""
+    fields: dict[str, Any] = {}
+    for part in line[len(HEADER):].split():
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise DataFormatError(path, 1, f"'{HEADER} key=value …'", line)
+        fields[key] = value
+    try:
+        buckets = int(fields.pop("oov_buckets", 1))
+        for key in ("epsilon", "delta"):
+            if key in fields:
+                fields[key] = float(fields[key])
+    except ValueError as exc:
+        raise DataFormatError(path, 1, "numeric oov_buckets, epsilon and delta in the header", line) from exc
+    provenance = {"source": fields.pop("source", "unrecorded"), **fields}
+    if provenance["source"] not in SOURCES:
+        raise DataFormatError(path, 1, f"source one of {SOURCES}", provenance["source"])
+    if provenance["source"] == "dp" and not ("epsilon" in provenance and "delta" in provenance):
+        raise DataFormatError(path, 1, "epsilon= and delta= for source=dp", line)
+    return buckets, provenance
+
+
+def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
+    """The provenance of a vocabulary file (its header only), with the file's SHA-256 and word count."""
+    import hashlib
+
+    v = Vocabulary.load(path)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {**v.provenance, "words": len(v.words), "oov_buckets": v.oov_buckets, "sha256": digest}
 
 
 def count_words(sentences: Iterable[str]) -> Counter:
@@ -105,8 +155,11 @@ def count_words(sentences: Iterable[str]) -> Counter:
     return counts
 
 
-def build_vocabulary(counts: Counter, size: int = 10_000, oov_buckets: int = 1) -> Vocabulary:
-    """The ``size`` most frequent words (000 App. F: 10,000), ties broken by the word."""
+def build_vocabulary(counts: Counter, size: int = 10_000, oov_buckets: int = 1,
+                     source: str = "non-private") -> Vocabulary:
+    """The ``size`` most frequent words (000 App. F: 10,000), ties broken by the word. Counted from private data
+    this is ``non-private`` (outside any guarantee: :func:`corrflow.data.dp_vocab.dp_vocabulary` is the private
+    route); from public text, pass ``source="public"``."""
     require(size >= 1, "vocab_size", "at least 1", size)
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
-    return Vocabulary([w for w, _ in ranked], oov_buckets)
+    return Vocabulary([w for w, _ in ranked], oov_buckets, {"source": source})

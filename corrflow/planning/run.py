@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from corrflow.accounting import account
 from corrflow.accounting.accountant import SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.config import RunConfig
+from corrflow.data.federated import TextSource, data_format
 from corrflow.errors import require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import AttributionGraph, bound_contributions, load_attribution
@@ -93,8 +95,14 @@ def build_planner(cfg: RunConfig, identities: list[str]) -> tuple[CohortPlanner,
         items = sorted(item_home)
     else:
         items = sorted(identities)
+    graph = None
     if cfg.attribution_path:
         graph = load_graph(cfg.attribution_path)
+    elif cfg.data_path and cfg.mode == "cross-device" and data_format(cfg.data_path) == "arxiv-jsonl":
+        require(cfg.participation == "multi-attribution", "participation", "multi-attribution with an arXiv "
+                "data file (a paper belongs to all its authors, 004 §6)", cfg.participation)
+        graph = TextSource(cfg.data_path, cfg.vocab_path or "-").attribution()   # items: partition-<i>
+    if graph is not None:
         index = {item: i for i, item in enumerate(graph.item_ids)}
         unknown = [i for i in items if i not in index]
         require(not unknown, "attribution-path", "every item (node identity or example id) in the graph",
@@ -113,7 +121,85 @@ def build_planner(cfg: RunConfig, identities: list[str]) -> tuple[CohortPlanner,
     return planner, item_home, info
 
 
+@dataclass(frozen=True)
+class TrainingBudget:
+    """The run's (ε, δ) left for training once the vocabulary's share is taken out (basic composition: a DP
+    vocabulary (ε_v, δ_v) and training (ε_t, δ_t) together are (ε_v + ε_t, δ_v + δ_t)-DP — Dwork, Roth 2014, "The
+    Algorithmic Foundations of Differential Privacy", Thm 3.16 — so training gets ε_t = ε* − ε_v, δ_t = δ − δ_v
+    and the total stays within the target)."""
+    epsilon: float | None        # training's target ε (None: no target)
+    delta: float
+    vocabulary: dict | None      # the report's ``vocabulary`` section (None: no dataset file)
+
+
+def vocabulary_section(vocab_path: str) -> dict:
+    """How the run's vocabulary was built, for the report: source, its (ε, δ) when DP, whether it is inside the
+    guarantee, and the file's SHA-256."""
+    from corrflow.data.vocab import read_provenance
+
+    prov = read_provenance(vocab_path)
+    inside = prov["source"] in ("dp", "public")
+    why = {"dp": "differentially private (corrflow data vocab); its (ε, δ) is composed into the total",
+           "public": "a public word list (supplied by the user, or counted from data marked --public)",
+           "non-private": "counted from the private data WITHOUT privacy (--no-privacy): outside the guarantee",
+           "unrecorded": "the file does not record how it was built: treated as outside the guarantee"}
+    return {"source": prov["source"], "epsilon": prov.get("epsilon") if prov["source"] == "dp" else None,
+            "delta": prov.get("delta") if prov["source"] == "dp" else None, "inside_guarantee": inside,
+            "note": why[prov["source"]], "words": prov["words"], "sha256": prov["sha256"],
+            **({k: prov[k] for k in ("method", "max_words_per_user", "max_items_per_user", "threshold") if k in prov})}
+
+
+def training_budget(cfg: RunConfig) -> TrainingBudget:
+    """The training's (ε, δ) for ``cfg``: the run's target less a DP vocabulary's spend (see
+    :class:`TrainingBudget`); refuses a vocabulary that spends the whole budget, naming the setting."""
+    if not cfg.data_path or not cfg.vocab_path:
+        return TrainingBudget(cfg.target_epsilon, cfg.delta, None)
+    vocab = vocabulary_section(cfg.vocab_path)
+    if vocab["source"] != "dp":
+        return TrainingBudget(cfg.target_epsilon, cfg.delta, vocab)
+    eps_v, delta_v = float(vocab["epsilon"]), float(vocab["delta"])
+    require(delta_v < cfg.delta, "delta", f"a δ above the vocabulary's δ = {delta_v:g} (the run's δ is the total; "
+            "the vocabulary's share is taken out of it)", cfg.delta)
+    eps = cfg.target_epsilon
+    if eps is not None and not cfg.non_private:
+        require(eps_v < eps, "target-epsilon", f"an ε above the vocabulary's ε = {eps_v:g} (the run's ε is the "
+                "total; the vocabulary's share is taken out of it)", eps)
+        eps = eps - eps_v
+    return TrainingBudget(eps, cfg.delta - delta_v, vocab)
+
+
+def total_privacy(training_epsilon: float | None, training_delta: float, vocabulary: dict | None) -> dict:
+    """The report's ``total``: training composed with the vocabulary (basic composition, :class:`TrainingBudget`)."""
+    if vocabulary is None or vocabulary["source"] == "public":
+        return {"epsilon": training_epsilon, "delta": training_delta,
+                "composition": "training only" + (" (a public vocabulary spends nothing)" if vocabulary else "")}
+    if vocabulary["source"] != "dp":
+        return {"epsilon": training_epsilon, "delta": training_delta, "includes_vocabulary": False,
+                "composition": f"training only; the vocabulary is {vocabulary['note']}"}
+    eps = None if training_epsilon is None else training_epsilon + float(vocabulary["epsilon"])
+    return {"epsilon": eps, "delta": training_delta + float(vocabulary["delta"]), "includes_vocabulary": True,
+            "composition": "basic composition: (ε, δ) = (ε_vocabulary + ε_training, δ_vocabulary + δ_training) "
+                           "(Dwork & Roth 2014, Thm 3.16)"}
+
+
 def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
+    """:func:`plan_training_privacy` at the training's share of the budget (:func:`training_budget`); the plan
+    carries that δ and ε and the vocabulary section."""
+    budget = training_budget(cfg)
+    if budget.vocabulary is not None and not budget.vocabulary["inside_guarantee"]:
+        log.warning("corrflow: the vocabulary %s is %s", cfg.vocab_path, budget.vocabulary["note"])
+    if budget.vocabulary is not None and budget.vocabulary["source"] == "dp":
+        log.info("corrflow: the vocabulary spent (ε, δ) = (%g, %g); training is calibrated to the rest of the "
+                 "budget: ε = %s, δ = %g", budget.vocabulary["epsilon"], budget.vocabulary["delta"],
+                 "n/a" if budget.epsilon is None else f"{budget.epsilon:g}", budget.delta)
+    inner = cfg if (budget.epsilon, budget.delta) == (cfg.target_epsilon, cfg.delta) else \
+        cfg.model_copy(update={"target_epsilon": budget.epsilon, "delta": budget.delta})
+    plan = plan_training_privacy(inner, fac, planner)
+    return replace(plan, delta=budget.delta, target_epsilon=None if cfg.non_private else budget.epsilon,
+                   vocabulary=budget.vocabulary)
+
+
+def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its

@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 # ClientApp in another thread, under its app-loading lock, and takes a module already in sys.modules as it is, so a
 # lazy import running at that moment handed it a half-initialised module ("partially initialized module
 # 'corrflow.clients.numpy_client' has no attribute 'app'") and `flwr run` failed at random.
-from corrflow.clients import keras_client, nextword_client, numpy_client  # noqa: F401
+from corrflow.clients import dispatch, keras_client, nextword_client, numpy_client  # noqa: F401
 from corrflow.clients.tasks import get_task
 from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
@@ -37,7 +37,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, noise_key: bytes | None = None, qu
     per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per round on stderr; see
     :func:`~corrflow.strategies.session.run_strategy`."""
     cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
+                    cfg.eval_sequences)
 
     def round_end(strategy, metrics):
         if not quiet:

@@ -355,8 +355,10 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         except DataFormatError as exc:
             raise InvalidArgumentError("--manifest", "a partition manifest written by `corrflow data partition`",
                                        str(exc)) from None
+    if settings.get(param_name("data_path")):
+        overrides.update(_data_defaults(settings, given_on_command_line(ctx)))
     if plan is None:
-        return _fits(config_from_cli(settings, **overrides))
+        return _checked_data(_fits(config_from_cli(settings, **overrides)))
     from corrflow.config import recipe_names, surface_name
     from corrflow.planning.recipe import install_factorization, load_recipe, load_recipe_factorization
 
@@ -372,8 +374,45 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
     if "num_users" not in typed and "num_users" not in overrides:
         overrides["num_users"] = recipe.population
-    cfg = _fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides))
+    cfg = _checked_data(_fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides)))
     install_factorization(recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+    return cfg
+
+
+def _data_defaults(settings: dict, typed: set[str]) -> dict:
+    """Defaults of a run on a dataset file (--data): every training partition (--users), and for arXiv the author
+    as the privacy unit — multi-attribution participation with k_u = 2 papers per author (004 §7.3) — unless the
+    flags say otherwise."""
+    from corrflow.data.federated import data_format, train_clients_count
+    from corrflow.server.options import param_name
+
+    path = settings[param_name("data_path")]
+    if not Path(path).is_file():
+        raise InvalidArgumentError("--data", "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
+                                   path)
+    out: dict = {}
+    if "num_users" not in typed:
+        out["num_users"] = train_clients_count(path)
+    if data_format(path) == "arxiv-jsonl":
+        if "participation" not in typed:
+            out["participation"] = "multi-attribution"
+        if "max_items_per_user" not in typed:
+            out["max_items_per_user"] = 2
+    return out
+
+
+def _checked_data(cfg):
+    """A run on a dataset file: --users within the file's training partitions, the vocabulary's share of the
+    budget leaves some for training (exit 2 naming the flag)."""
+    if cfg.data_path:
+        from corrflow.planning.run import training_budget
+        from corrflow.server.simulation import check_data_population
+
+        check_data_population(cfg, "--users")
+        try:
+            training_budget(cfg)
+        except InvalidArgumentError as exc:
+            raise _as_flag(exc) from None
     return cfg
 
 
@@ -577,6 +616,10 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
     acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
            if "final_test_accuracy" in held_out else "")
     failed = " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
+    drift = held_out.get("drift_above_best")
+    if drift is not None and drift > report.get("learning", {}).get("drift_tolerance", 0.1):
+        at = "the initial model" if held_out["best_round"] < 0 else f"round {held_out['best_round'] + 1}"
+        failed += f" — drifted: {drift:.0%} above the best loss {held_out['best_test_loss']:.4f} ({at})"
     change = (f" ({-held_out['loss_improvement']:+.1%})"
               if math.isfinite(held_out.get("loss_improvement", math.nan)) else "")
     lines = [
@@ -591,12 +634,26 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
         _users_line(realized, out),
+        *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed" + (f"; stopped: {report['stopped_reason']}"
                                                                  if report.get("stopped_reason") else ""),
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
+
+
+def _vocabulary_lines(report: dict) -> list[str]:
+    """The vocabulary's provenance and the total (ε, δ) with it, for a run on a dataset file."""
+    vocab, total = report.get("vocabulary"), report.get("total")
+    if vocab is None:
+        return []
+    spent = f" (ε = {vocab['epsilon']:g}, δ = {vocab['delta']:g})" if vocab["source"] == "dp" else ""
+    lines = [f"vocabulary  {vocab['words']} words, {vocab['source']}{spent}: {vocab['note']}"]
+    if total and vocab["source"] == "dp":
+        eps = "n/a" if total["epsilon"] is None else f"{total['epsilon']:.4f}"
+        lines.append(f"total       ε = {eps}, δ = {total['delta']:g} (vocabulary + training, basic composition)")
+    return lines
 
 
 def _users_line(realized: dict, out: Path) -> str:

@@ -44,6 +44,8 @@ class Preset:
     momentum: float = 0.9
     local_lr: float = 2.0
     local_steps: int = 2
+    data_path: str = ""          # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
+    vocab_path: str = ""
 
     @property
     def cohort(self) -> int:
@@ -78,7 +80,20 @@ def arm_config(preset: Preset, kind: str, seed: int, out: Path, non_private: boo
     return RunConfig(num_users=preset.users, num_rounds=preset.rounds, epochs=preset.epochs, kind=kind,
                      delta=preset.delta, clip_norm=preset.clip_norm, server_lr=preset.server_lr,
                      momentum=preset.momentum, local_lr=preset.local_lr, local_steps=preset.local_steps,
-                     client=preset.client, seed=seed, state_dir=str(out), **privacy)
+                     client=preset.client, seed=seed, state_dir=str(out), **privacy, **data_settings(preset))
+
+
+def data_settings(preset: Preset) -> dict:
+    """The run settings of a comparison on a dataset file (``--data``): the file and its vocabulary; on arXiv
+    JSON lines the author is the privacy unit (multi-attribution participation, k_u = 2, 004 §7.3)."""
+    if not preset.data_path:
+        return {}
+    from corrflow.data.federated import data_format
+
+    out = {"data_path": preset.data_path, "vocab_path": preset.vocab_path}
+    if data_format(preset.data_path) == "arxiv-jsonl":
+        out.update(participation="multi-attribution", min_sep=preset.rounds // preset.epochs, max_items_per_user=2)
+    return out
 
 
 def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend: str) -> dict:
@@ -88,7 +103,7 @@ def run_arm(preset: Preset, name: str, kind: str, seed: int, out: Path, backend:
 
     require(not (out / "state").exists(), "out", "a directory without a previous comparison run", str(out))
     cfg = arm_config(preset, kind, seed, out, non_private=name == "nonprivate")
-    task = get_task(cfg.client, cfg.model_dim, seed=seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, seed, cfg.eval_sequences)
     started = time.perf_counter()
     report = simulate(cfg, backend=backend)
     curve = json.loads((out / "metrics.json").read_text())

@@ -13,7 +13,23 @@ from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, Inva
 
 # StrategyConfig's names for the settings compare's flags set.
 _FLAGS = {"num-rounds": "--rounds", "num-users": "--users", "target-epsilon": "--epsilon", "epochs": "--epochs",
-          "delta": "--delta", "seeds": "--seeds", "kinds": "--kinds", "client": "--client"}
+          "delta": "--delta", "seeds": "--seeds", "kinds": "--kinds", "client": "--client", "data-path": "--data",
+          "vocab-path": "--vocab"}
+
+
+def _data_users(data: Path, vocab: Path | None, users: int | None) -> int:
+    """--users for a comparison on a dataset file: default every training partition; more is refused."""
+    from corrflow.data.federated import train_clients_count
+
+    if not data.is_file():
+        raise InvalidArgumentError("--data", "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
+                                   str(data))
+    if vocab is None or not vocab.is_file():
+        raise InvalidArgumentError("--vocab", "a vocabulary file (corrflow data vocab) with --data", vocab)
+    count = train_clients_count(str(data))
+    if users is not None and users > count:
+        raise InvalidArgumentError("--users", f"at most the {count} training partitions of {data}", users)
+    return count if users is None else users
 
 
 def compare_command(
@@ -30,6 +46,11 @@ def compare_command(
     epochs: Annotated[int | None, typer.Option(help="participations per user k (default: the preset's)")] = None,
     client: Annotated[str | None, typer.Option(help="nextword (numpy), keras or numpy (default: nextword)")]
     = None,
+    data: Annotated[Path | None, typer.Option(help="train on a real-format dataset file (TFF StackOverflow SQLite or "
+                                                   "arXiv JSON lines; default --users: all its train clients)")]
+    = None,
+    vocab: Annotated[Path | None, typer.Option(help="the dataset's vocabulary (corrflow data vocab); needed with "
+                                                    "--data")] = None,
     out: Annotated[Path, typer.Option(help="output directory (comparison.json, curves.csv, PNG plots, runs/)")]
     = Path("corrflow_compare"),
     backend: Annotated[str, typer.Option(help="inprocess (deterministic, no Ray) or flower")] = "inprocess",
@@ -60,8 +81,12 @@ def compare_command(
         writable_directory(out, "--out")
         if (out / "comparison.json").exists() or (out / "runs").exists():
             raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
+        if data is not None:
+            users = _data_users(data, vocab, users)
         chosen = with_overrides(PRESETS[preset], seeds=seeds, epsilon=epsilon, delta=delta, rounds=rounds,
-                                users=users, epochs=epochs, client=client)
+                                users=users, epochs=epochs, client=client,
+                                data_path=None if data is None else str(data),
+                                vocab_path=None if vocab is None else str(vocab))
         if client is not None and client != PRESETS[preset].client:   # that client's optimizer settings
             chosen = with_overrides(chosen, **training_defaults(client))
         quiet_native_logs()

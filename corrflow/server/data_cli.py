@@ -90,33 +90,83 @@ def stats(
 @data_app.command("vocab")
 def vocab(
     path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
-    out: Annotated[Path, typer.Option(help="vocabulary file to write (one word per line)")],
+    out: Annotated[Path, typer.Option(help="vocabulary file to write (a provenance header, then one word per line)")],
     size: Annotated[int, typer.Option(help="most frequent words kept (000 §5.3: 10000)")] = 10_000,
+    epsilon: Annotated[float, typer.Option(help="ε of the differentially private vocabulary (the default route); "
+                                                "a run using it takes this ε out of its --target-epsilon")] = 1.0,
+    delta: Annotated[float, typer.Option(help="δ of the private vocabulary (taken out of the run's --delta)")]
+    = 1e-6,
+    max_words_per_user: Annotated[int, typer.Option(help="Δ₀: distinct words one user may contribute (each with "
+                                                        "weight 1/√Δ₀: fewer words, more weight each)")] = 32,
+    max_papers_per_author: Annotated[int, typer.Option(help="arXiv: papers one author may contribute (k_u; each "
+                                                           "author's removal then changes ≤ k_u papers)")] = 2,
+    no_privacy: Annotated[bool, typer.Option("--no-privacy", help="count the private data WITHOUT privacy: the "
+                                             "vocabulary is published with the model outside any guarantee, and "
+                                             "runs say so")] = False,
+    public: Annotated[bool, typer.Option("--public", help="FILE is public data: count it without privacy and mark "
+                                         "the vocabulary public")] = False,
     oov_buckets: Annotated[int, typer.Option(help="out-of-vocabulary buckets")] = 1,
     split: Annotated[str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")]
     = "train",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Count words over the training split and keep the most frequent (ties by the word)."""
+    """Build the vocabulary of FILE's training split. Default: user-level differentially private top words
+    (weighted Gaussian with a threshold; Gopi et al. 2020, "Differentially Private Set Union", arXiv 2002.09745):
+    no word only one user wrote appears, except with probability ≤ δ/2. --no-privacy counts exactly (outside the
+    guarantee); --public marks a public corpus. The file's header records which, and runs report it."""
     from corrflow.data.stats import detect_format
     from corrflow.data.vocab import build_vocabulary, count_words
 
     try:
-        if detect_format(path) == "stackoverflow-sqlite":
-            from corrflow.data.stackoverflow import StackOverflowSQLite
+        if no_privacy and public:
+            raise InvalidArgumentError("--public", "at most one of --no-privacy and --public")
+        if size < 1:
+            raise InvalidArgumentError("--size", "at least 1 word", size)
+        if oov_buckets < 1:
+            raise InvalidArgumentError("--oov-buckets", "at least 1", oov_buckets)
+        fmt = detect_format(path)
+        if no_privacy or public:
+            if fmt == "stackoverflow-sqlite":
+                from corrflow.data.stackoverflow import StackOverflowSQLite
 
-            with StackOverflowSQLite(path) as db:
-                counts = count_words(p.tokens for _, p in db.iter_posts(split))
+                with StackOverflowSQLite(path) as db:
+                    counts = count_words(p.tokens for _, p in db.iter_posts(split))
+            else:
+                from corrflow.data.arxiv import ArxivReader
+
+                counts = count_words(p.text.lower() for p in ArxivReader(path))
+            v = build_vocabulary(counts, size, oov_buckets, source="public" if public else "non-private")
+            covered, total = sum(counts[w] for w in v.words), sum(counts.values())
+            info = {"distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}
+            if no_privacy:
+                typer.echo("warning: --no-privacy: this vocabulary is counted from the private data without "
+                           "privacy; it ships with the model outside the run's (ε, δ), and runs report it so", err=True)
         else:
-            from corrflow.data.arxiv import ArxivReader
+            if not (epsilon > 0 and epsilon < float("inf")):
+                raise InvalidArgumentError("--epsilon", "a finite ε > 0", epsilon)
+            if not 0 < delta < 1:
+                raise InvalidArgumentError("--delta", "a δ in (0, 1)", delta)
+            if max_words_per_user < 1:
+                raise InvalidArgumentError("--max-words-per-user", "at least 1", max_words_per_user)
+            if max_papers_per_author < 1:
+                raise InvalidArgumentError("--max-papers-per-author", "at least 1", max_papers_per_author)
+            if fmt == "stackoverflow-sqlite" and split != "train":
+                raise InvalidArgumentError("--split", "train for a private vocabulary (the privacy unit is a train "
+                                           "client)", split)
+            from corrflow.data.dp_vocab import dataset_user_texts, dp_vocabulary
 
-            counts = count_words(p.text.lower() for p in ArxivReader(path))
-        v = build_vocabulary(counts, size, oov_buckets)
+            texts, per_user = dataset_user_texts(path, max_papers_per_author)
+            res = dp_vocabulary(texts, epsilon=epsilon, delta=delta, size=size, oov_buckets=oov_buckets,
+                                max_words_per_user=max_words_per_user, units_per_user=per_user)
+            v = res.vocabulary
+            info = {"users": res.users, "candidates": res.candidates, "above_threshold": res.released,
+                    "sigma": res.sigma, "threshold": res.threshold}
+            if len(v.words) < size:
+                typer.echo(f"note: {len(v.words)} of the {size} words requested cleared the privacy threshold "
+                           f"(noisy user count > {res.threshold:.3g}); a larger ε or more users give more", err=True)
         v.save(out)
-        covered = sum(counts[w] for w in v.words)
-        total = sum(counts.values())
         _emit({"path": str(out), "words": len(v.words), "oov_buckets": oov_buckets, "num_tokens": v.num_tokens,
-               "distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}, as_json)
+               "provenance": v.provenance, **info}, as_json)
     except CorrflowError as exc:
         _fail(exc)
 

@@ -92,6 +92,21 @@ def engine_output(log_path: Path, verbose: bool):
             flwr_log.addHandler(h)
 
 
+def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
+    """A run on a dataset file trains at most the file's training partitions (StackOverflow train clients, arXiv
+    training papers): more simulated users would ask for partitions that do not exist (every round would reject
+    their replies and train on fewer users than planned), so it is refused, naming ``flag`` and the file's count."""
+    if not cfg.data_path or cfg.mode != "cross-device" or cfg.num_users is None:
+        return
+    from corrflow.data.federated import data_format, train_clients_count
+    from corrflow.errors import require
+
+    count = train_clients_count(cfg.data_path)
+    what = "train clients" if data_format(cfg.data_path) == "stackoverflow-sqlite" else \
+        "training papers (arXiv: those without a held-out author)"
+    require(cfg.num_users <= count, flag, f"at most the {count} {what} of {cfg.data_path}", cfg.num_users)
+
+
 def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, noise_key: bytes | None = None,
              quiet: bool = False, verbose: bool = True) -> dict:
     """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report (also in
@@ -100,11 +115,13 @@ def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, no
     compare runs bit for bit; a real run draws a fresh secret key."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
+    check_data_population(cfg)
     out.mkdir(parents=True, exist_ok=True)
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed)
+    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
+                    cfg.eval_sequences)
     kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":

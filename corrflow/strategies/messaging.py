@@ -72,6 +72,7 @@ def train_messages(cfg: RunConfig, plan: RoundPlan, arrays: ArrayRecord, user_co
     is offline is recorded as rejected in the plan. Fills ``plan.expected`` (node → item or items)."""
     cfg_record = ConfigRecord({"server-round": plan.round + 1, "local-lr": cfg.local_lr,
                                "local-steps": cfg.local_steps, "clip-norm": cfg.clip_norm, "seed": cfg.seed,
+                               "client": cfg.client,   # corrflow's dispatching ClientApp trains this task
                                **user_config})
     if cfg.data_path:  # clients read their user's examples from the same dataset file
         cfg_record.update({"data-path": cfg.data_path, "vocab-path": cfg.vocab_path, "seq-len": cfg.seq_len})

@@ -29,6 +29,7 @@ from corrflow.noise import CorrelatedNoise
 from corrflow.noise.engine import RING_FILE, save_state
 from corrflow.participation.planner import CohortPlanner
 from corrflow.planning.learnability import learning_section
+from corrflow.planning.run import total_privacy
 from corrflow.strategies.checkpoint import SAMPLER_KEY, SECRET, load_arrays, manifest_digest, write_checkpoint
 from corrflow.strategies.disclosure import Disclosure
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
@@ -228,7 +229,8 @@ class Recorder:
         k_u = c.planner.items_per_user
         report = privacy_report(
             factorization=c.factorization, noise_multiplier=plan.noise_multiplier, clip_norm=c.cfg.clip_norm,
-            delta=c.cfg.delta, target_epsilon=c.cfg.target_epsilon, accountant=plan.accountant,
+            delta=plan.delta if plan.delta is not None else c.cfg.delta, target_epsilon=c.cfg.target_epsilon,
+            accountant=plan.accountant,
             planned={"sensitivity": float(k_u) * c.factorization.sensitivity.value,
                      "sensitivity_exact": c.factorization.sensitivity.exact and k_u == 1, "epsilon": plan.epsilon,
                      "participation": {**c.planner.to_dict(), "mode": c.cfg.mode}},
@@ -241,6 +243,9 @@ class Recorder:
             identity={"source": c.identity, "stable_across_restarts": c.identity != "per-launch"},
             learning=self.learning())
         report["mechanism"]["notes"] = list(c.notes)
+        if plan.vocabulary is not None:   # a run on a dataset file: how its vocabulary was built, and the total
+            report["vocabulary"] = plan.vocabulary
+            report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
         return report
 
     def learning(self) -> dict:

@@ -131,7 +131,8 @@ def budget_reason(ctx: RoundContext, plan: RoundPlan, selected: Mapping[str, Seq
     if eps is None:
         return None
     return (f"budget guard: round {plan.round + 1} of {ctx.cfg.num_rounds} would spend ε = {eps:.4f} > target "
-            f"{ctx.cfg.target_epsilon}")
+            f"{ctx.accounting.target_epsilon:g}" + ("" if ctx.accounting.target_epsilon == ctx.cfg.target_epsilon
+                                                   else f" (training's share of {ctx.cfg.target_epsilon:g})"))
 
 
 #: Flower's error codes (flwr.common.constant.ErrorCode) and what they mean for a round's reply.

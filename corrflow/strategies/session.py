@@ -140,7 +140,8 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     layout = ModelLayout.of(spec.initial)
     params = layout.trainable_arrays(spec.initial)
     noise = _noise(fac, layout, resume, spec.noise_key)
-    accounting = RunAccounting.of(fac, plan, cfg.delta, cfg.target_epsilon)
+    accounting = RunAccounting.of(fac, plan, cfg.delta if plan.delta is None else plan.delta,
+                                  plan.target_epsilon)   # the training's share of the budget
     ctx = RoundContext(cfg, layout, planner, accounting,
                        MomentumServerOptimizer(fac.workload, cfg.num_rounds, cfg.server_lr), noise,
                        float(plan.noise_multiplier), item_home)

@@ -1,0 +1,24 @@
+"""One ClientApp for every corrflow task, the one ``flwr run .`` and ``deploy/app`` bind: each TRAIN message is
+handled by the client the server's run config selects (``corrflow.client``, sent as the message's ``client`` key:
+``numpy``, ``nextword`` or ``keras``; ``numpy`` when absent). The next-word clients read their user's data from the
+SuperNode's own node config when it names a file (``data-path``, ``vocab-path``, as ``corrflow data partition``
+prints them), else from the paths the server sends. Answers the identity probe like every corrflow ClientApp."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from corrflow.clients import keras_client, nextword_client, numpy_client
+from corrflow.clients.identity import register_identity
+
+app = register_identity(ClientApp())  # answers the server's identity probe
+_CLIENTS = {"numpy": numpy_client, "nextword": nextword_client, "keras": keras_client}
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    name = str(msg.content["config"].get("client", "numpy"))
+    if name not in _CLIENTS:
+        raise ValueError(f"client: expected one of {', '.join(_CLIENTS)} (corrflow.client), got {name!r}")
+    return _CLIENTS[name].train(msg, context)
