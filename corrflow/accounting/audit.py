@@ -60,28 +60,64 @@ GUESS_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
 
 # -- canaries -------------------------------------------------------------------------------------------------------
 def canary_direction(seed: int, index: int, dim: int) -> np.ndarray:
-    """Canary ``index``'s unit direction in ℝ^dim (float64), uniform on the sphere: a N(0, I) draw keyed by
-    (audit seed, index), normalised (Andrew et al. 2302.03098 §3)."""
+    """Canary ``index``'s unit direction, uniform on the sphere (Andrew et al., arXiv 2302.03098, §3).
+
+    Args:
+        seed: the audit seed.
+        index: the canary's index among the candidates.
+        dim: d, the model's parameters.
+
+    Returns:
+        c, float64, shape (dim,), ‖c‖ = 1: a N(0, I) draw keyed by (seed, index), normalised.
+    """
     z = np.random.default_rng([int(seed), 2302_03098, int(index)]).standard_normal(int(dim))
     return z / np.linalg.norm(z)
 
 
 def canary_coins(seed: int, count: int) -> np.ndarray:
-    """Which of ``count`` candidate canaries are inserted: independent fair coins keyed by the audit seed (the
-    randomisation Steinke et al. 2305.08846 Thm. 3.1 needs); the others are the held-out null."""
+    """Which candidate canaries are inserted: independent fair coins (the randomisation Steinke, Nasr, Jagielski,
+    arXiv 2305.08846, Thm. 3.1 needs); the others are the held-out null.
+
+    Args:
+        seed: the audit seed (the coins are a function of it alone).
+        count: m, the number of candidates.
+
+    Returns:
+        bool, shape (count,): True for an inserted canary.
+    """
     return np.random.default_rng([int(seed), 2305_08846]).random(int(count)) < 0.5
 
 
 # -- the Gaussian mechanism's exact ε ---------------------------------------------------------------------------------
 def gaussian_delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang 1805.06530 Thm. 8; the one
-    implementation is :mod:`corrflow.accounting.gaussian`)."""
+    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang, arXiv 1805.06530, Thm. 8; the one
+    implementation is :mod:`corrflow.accounting.gaussian`).
+
+    Args:
+        epsilon: ε ≥ 0.
+        mu: μ = sensitivity/σ.
+
+    Returns:
+        δ(ε) = Φ(μ/2 − ε/μ) − e^ε Φ(−μ/2 − ε/μ); 0 when μ ≤ 0.
+    """
     return gaussian.delta(epsilon, mu) if mu > 0 else 0.0
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
-    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ — the
-    accountants' own exact curve (:func:`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ."""
+    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ (Balle &
+    Wang, arXiv 1805.06530, Thm. 8) — the accountants' own exact curve
+    (:func:`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ.
+
+    Args:
+        mu: μ = sensitivity/σ (may be inf).
+        delta: δ in (0, 1).
+
+    Returns:
+        ε_G(μ; δ), rounded up; 0 when μ ≤ 0, inf when μ is not finite.
+
+    Raises:
+        InvalidArgumentError: ``delta`` is not in (0, 1).
+    """
     require(0 < delta < 1, "delta", "a number in (0, 1)", delta)
     if not math.isfinite(mu):
         return math.inf
@@ -94,10 +130,18 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 def whitened_scores(deltas: np.ndarray, projections: np.ndarray, patterns: np.ndarray) -> np.ndarray:
     """GLS matched-filter scores s_j = a_jᵀΣ̂⁻¹p_j / √(a_jᵀΣ̂⁻¹a_j) (module docstring).
 
-    ``deltas``: D, (n', d) model changes per released round; ``projections``: p_j = D c_j, (m, n');
-    ``patterns``: a_j = M u_j, (m, n') — each canary's (possibly hypothetical) rounds mapped through the server
-    optimizer. Σ̂ = D Dᵀ/d; eigenvalues below 1e-12 of the largest are floored (noise omitted: Σ̂ is the users'
-    updates alone and may be singular)."""
+    Σ̂ = D Dᵀ/d; eigenvalues below 1e-12 of the largest are floored (noise omitted: Σ̂ is the users' updates alone
+    and may be singular).
+
+    Args:
+        deltas: D, shape (n', d): the model changes of the n' released rounds.
+        projections: p_j = D c_j, shape (m, n'), one row per candidate canary.
+        patterns: a_j = M u_j, shape (m, n'): each canary's (possibly hypothetical) rounds mapped through the
+            server optimizer.
+
+    Returns:
+        s, shape (m,): N(0, 1) for a held-out canary, N(‖C u_j‖/σ, 1) for an inserted one.
+    """
     d = deltas.shape[1]
     sigma = deltas @ deltas.T / d
     w, v = np.linalg.eigh(sigma)
@@ -109,7 +153,15 @@ def whitened_scores(deltas: np.ndarray, projections: np.ndarray, patterns: np.nd
 
 
 def final_model_cosines(total_delta: np.ndarray, projections_total: np.ndarray) -> np.ndarray:
-    """Andrew et al.'s final-model statistic ⟨c_j, Δ⟩/‖Δ‖ from the projections ⟨c_j, Δ⟩ (Δ = θ_T − θ_0)."""
+    """The final-model statistic of Andrew et al. (arXiv 2302.03098): the cosine ⟨c_j, Δ⟩/‖Δ‖.
+
+    Args:
+        total_delta: Δ = θ_T − θ_0, flattened, shape (d,).
+        projections_total: ⟨c_j, Δ⟩, shape (m,).
+
+    Returns:
+        The cosines, shape (m,) (zeros when Δ = 0).
+    """
     norm = float(np.linalg.norm(total_delta))
     return projections_total / norm if norm > 0 else np.zeros_like(projections_total)
 
@@ -117,7 +169,17 @@ def final_model_cosines(total_delta: np.ndarray, projections_total: np.ndarray) 
 # -- estimators -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Estimate:
-    """The one-shot Gaussian-fit estimate from the inserted canaries' scores, with a bootstrap interval."""
+    """The one-shot Gaussian-fit estimate from the inserted canaries' scores, with a bootstrap interval
+    (Andrew et al., arXiv 2302.03098).
+
+    Attributes:
+        epsilon: ε̂ = ε_G(mean/std; δ).
+        interval: the percentile bootstrap interval of ε̂.
+        mean: μ̂ of the inserted scores.
+        std: σ̂ (ddof 1) of the inserted scores.
+        null_mean: mean of the held-out scores (≈ 0 when the test is calibrated).
+        null_std: their standard deviation (≈ 1; NaN for fewer than two).
+    """
     epsilon: float
     interval: tuple[float, float]
     mean: float
@@ -126,12 +188,26 @@ class Estimate:
     null_std: float
 
     def to_dict(self) -> dict:
+        """Returns:
+            The fields as a JSON-serialisable dict (the interval as a list).
+        """
         return {**asdict(self), "interval": list(self.interval)}
 
 
 def gaussian_fit_epsilon(inserted: np.ndarray, delta: float) -> float:
-    """ε̂ = ε_G(μ̂/σ̂; δ) with μ̂, σ̂ the mean and standard deviation (ddof 1) of the inserted scores (Andrew et al.
-    2302.03098 §3, the equal-variance Gaussian fit; 0 when μ̂ ≤ 0)."""
+    """ε̂ = ε_G(μ̂/σ̂; δ), the equal-variance Gaussian fit of Andrew et al. (arXiv 2302.03098, §3).
+
+    Args:
+        inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
+        delta: δ in (0, 1).
+
+    Returns:
+        ε̂ with μ̂, σ̂ the mean and standard deviation (ddof 1) of the scores; 0 when μ̂ ≤ 0, inf when σ̂ = 0 < μ̂.
+
+    Raises:
+        InvalidArgumentError: fewer than two inserted scores, or ``delta`` not in (0, 1) when σ̂ > 0.
+
+    """
     s = np.asarray(inserted, dtype=np.float64)
     require(s.size >= 2, "inserted", "at least two inserted canaries", s.size)
     mu, sd = float(s.mean()), float(s.std(ddof=1))
@@ -143,7 +219,19 @@ def gaussian_fit_epsilon(inserted: np.ndarray, delta: float) -> float:
 def one_shot_estimate(inserted: np.ndarray, held_out: np.ndarray, delta: float, confidence: float = 0.95,
                       resamples: int = 1000, seed: int = 0) -> Estimate:
     """ε̂ (:func:`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted scores
-    (``scipy.stats.bootstrap``)."""
+    (``scipy.stats.bootstrap``; Andrew et al., arXiv 2302.03098).
+
+    Args:
+        inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
+        held_out: the held-out canaries' scores, shape (m₋,) (reported as the null's mean and spread).
+        delta: δ in (0, 1).
+        confidence: the bootstrap interval's level.
+        resamples: bootstrap resamples.
+        seed: the bootstrap's seed.
+
+    Returns:
+        The :class:`Estimate`.
+    """
     s = np.asarray(inserted, dtype=np.float64)
     eps = gaussian_fit_epsilon(s, delta)
     res = stats.bootstrap((s,), lambda x: gaussian_fit_epsilon(x, delta), n_resamples=resamples,
@@ -156,8 +244,19 @@ def one_shot_estimate(inserted: np.ndarray, held_out: np.ndarray, delta: float, 
 
 
 def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
-    """Steinke et al. 2305.08846: an upper bound on P[W ≥ correct] for an (ε, δ)-DP run audited with ``m``
-    candidates and ``guesses`` guesses (module docstring)."""
+    """An upper bound on P[W ≥ correct] for an (ε, δ)-DP run (Steinke, Nasr, Jagielski, arXiv 2305.08846,
+    Thm. 3.1 and Prop. 5.4; module docstring).
+
+    Args:
+        m: the number of candidate canaries.
+        guesses: r = k₊ + k₋, the number of guesses.
+        correct: v, the number of correct guesses.
+        epsilon: ε of the null hypothesis.
+        delta: δ of the null hypothesis.
+
+    Returns:
+        min(1, β + 2mδ·α), with β = P[Bin(r, q) ≥ v], q = e^ε/(1 + e^ε).
+    """
     q = 1.0 / (1.0 + math.exp(-epsilon))
     beta = float(stats.binom.sf(correct - 1, guesses, q))
     if delta == 0 or correct == 0:
@@ -168,8 +267,20 @@ def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: f
 
 
 def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significance: float = 0.05) -> float:
-    """The largest ε whose p-value (:func:`one_run_p_value`) is ≤ ``significance``: a lower bound on the run's ε
-    at confidence 1 − significance (0 when even ε = 0 is not rejected)."""
+    """The largest ε whose p-value (:func:`one_run_p_value`) is ≤ ``significance`` (Steinke et al., arXiv
+    2305.08846).
+
+    Args:
+        m: the number of candidate canaries.
+        guesses: the number of guesses.
+        correct: the number of correct guesses.
+        delta: the run's δ.
+        significance: the test's level.
+
+    Returns:
+        A lower bound on the run's ε at confidence 1 − significance (to 1e-7; 0 when even ε = 0 is not rejected,
+        inf above 1000).
+    """
     if guesses == 0 or one_run_p_value(m, guesses, correct, 0.0, delta) > significance:
         return 0.0
     hi = 1.0
@@ -183,7 +294,18 @@ def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significan
 
 @dataclass(frozen=True)
 class LowerBound:
-    """ε_lo and the guess count that gave it."""
+    """ε_lo and the guess count that gave it (Steinke et al., arXiv 2305.08846).
+
+    Attributes:
+        epsilon: ε_lo.
+        confidence: its confidence level.
+        candidates: m.
+        guesses_in: k₊, the "in" guesses (the highest scores).
+        guesses_out: k₋, the "out" guesses (the lowest scores).
+        correct: correct guesses among them.
+        fractions: the guess fractions tried (Bonferroni-corrected over them).
+        method: the bound's name and source.
+    """
     epsilon: float
     confidence: float
     candidates: int
@@ -195,13 +317,32 @@ class LowerBound:
                    "counts fixed in advance, Bonferroni over them")
 
     def to_dict(self) -> dict:
+        """Returns:
+            The fields as a JSON-serialisable dict (the fractions as a list).
+        """
         return {**asdict(self), "fractions": list(self.fractions)}
 
 
 def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, confidence: float = 0.95,
                         fractions: Sequence[float] = GUESS_FRACTIONS) -> LowerBound:
-    """ε_lo at ``confidence``: for each fraction f, guess "in" for the ⌊f·m/2⌋ highest scores and "out" for as many
-    of the lowest; the best bound at significance (1 − confidence)/len(fractions)."""
+    """The one-run lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846, Thm. 3.1, (ε, δ) version).
+
+    For each fraction f, guess "in" for the ⌊f·m/2⌋ highest scores and "out" for as many of the lowest; the best
+    bound at significance (1 − confidence)/len(fractions) (Bonferroni).
+
+    Args:
+        scores: one score per candidate canary, shape (m,), m ≥ 2.
+        inserted: which candidates were inserted (:func:`canary_coins`), bool, shape (m,).
+        delta: the run's δ.
+        confidence: the bound's confidence level.
+        fractions: the guess fractions, fixed before the scores are seen.
+
+    Returns:
+        The :class:`LowerBound`.
+
+    Raises:
+        InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of another shape.
+    """
     scores = np.asarray(scores, dtype=np.float64)
     inserted = np.asarray(inserted, dtype=bool)
     m = scores.size
@@ -223,7 +364,18 @@ def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, 
 
 def lower_bound_ceiling(candidates: int, confidence: float = 0.95, fractions: Sequence[float] = GUESS_FRACTIONS,
                         delta: float = 0.0) -> float:
-    """The largest ε_lo ``candidates`` canaries can show: every guess correct at the largest guess count."""
+    """The largest ε_lo an audit of this size can show: every guess correct at the largest guess count.
+
+    Args:
+        candidates: m, the number of candidate canaries.
+        confidence: the bound's confidence level.
+        fractions: the guess fractions.
+        delta: the run's δ.
+
+    Returns:
+        The ceiling on ε_lo (an audit that shows it could not have shown more).
+    """
+
     k = int(max(fractions) * candidates) // 2
     return one_run_epsilon(candidates, 2 * k, 2 * k, delta, (1 - confidence) / len(fractions))
 

@@ -50,10 +50,18 @@ def _terms(epsilon: float, mu: float) -> tuple[float, float, float, float]:
 
 
 def log_delta_bound(epsilon: float, mu: float) -> tuple[float, float]:
-    """(log δ(ε), a certified upper bound on log δ(ε)) for μ = sensitivity/σ (Balle & Wang 2018, Thm. 8).
+    """log δ(ε) and a certified upper bound on it (Balle & Wang, arXiv 1805.06530, Thm. 8).
 
     δ(ε) = Φ(a)·(1 − e^r) with r = ε + log Φ(b) − log Φ(a) ≤ 0; the bound moves log Φ(a) up and r down by their
-    rounding errors (1 − e^r falls in r). −inf when δ(ε) = 0."""
+    rounding errors (1 − e^r falls in r).
+
+    Args:
+        epsilon: ε.
+        mu: μ = sensitivity/σ.
+
+    Returns:
+        (log δ(ε), its certified upper bound); −inf where δ(ε) = 0 (and both −inf when μ ≤ 0).
+    """
     if mu <= 0:
         return -math.inf, -math.inf
     la, err_la, r, err_r = _terms(epsilon, mu)
@@ -63,12 +71,28 @@ def log_delta_bound(epsilon: float, mu: float) -> tuple[float, float]:
 
 
 def log_delta(epsilon: float, mu: float) -> float:
-    """log δ(ε) of a Gaussian mechanism with μ = sensitivity/σ (Balle & Wang 2018, Thm. 8); −inf when δ(ε) = 0."""
+    """log δ(ε) of a Gaussian mechanism (Balle & Wang, arXiv 1805.06530, Thm. 8).
+
+    Args:
+        epsilon: ε.
+        mu: μ = sensitivity/σ.
+
+    Returns:
+        log δ(ε); −inf when δ(ε) = 0.
+    """
     return log_delta_bound(epsilon, mu)[0]
 
 
 def delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of a Gaussian mechanism with μ = sensitivity/σ (Balle & Wang 2018, Thm. 8)."""
+    """δ(ε) of a Gaussian mechanism (Balle & Wang, arXiv 1805.06530, Thm. 8).
+
+    Args:
+        epsilon: ε.
+        mu: μ = sensitivity/σ.
+
+    Returns:
+        δ(ε) = Φ(μ/2 − ε/μ) − e^ε Φ(−μ/2 − ε/μ).
+    """
     return math.exp(log_delta(epsilon, mu))
 
 
@@ -85,7 +109,19 @@ def _certify(epsilon: float, mu: float) -> None:
 
 
 def epsilon(mu: float, target_delta: float) -> float:
-    """The smallest ε (to ~1e-12 relative, rounded up) with δ(ε) ≤ ``target_delta`` for μ = sensitivity/σ."""
+    """The smallest ε with δ(ε) ≤ ``target_delta`` (Balle & Wang, arXiv 1805.06530, Thm. 8; module docstring).
+
+    Args:
+        mu: μ = sensitivity/σ.
+        target_delta: δ in (0, 1).
+
+    Returns:
+        ε to ~1e-12 relative, on the safe side of the certified bound; 0 when δ(0) ≤ δ already, inf when no
+        ε ≤ 1e12 suffices.
+
+    Raises:
+        IllConditionedError: δ cannot be certified to :data:`MAX_LOG_ERROR` there (the caller uses a PLD).
+    """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
     goal = math.log(target_delta)
@@ -107,9 +143,22 @@ def epsilon(mu: float, target_delta: float) -> float:
 
 
 def noise_multiplier(target_epsilon: float, target_delta: float, sensitivity: float = 1.0) -> float:
-    """The smallest σ (to ~1e-12 relative, rounded up) with δ(target ε) ≤ ``target_delta`` for this sensitivity.
+    """The smallest σ with δ(target ε) ≤ ``target_delta`` (Balle & Wang, arXiv 1805.06530, Thm. 8).
 
-    Root of log δ(ε; μ = Δ/σ) = log δ in log σ (δ(ε) falls monotonically as σ grows)."""
+    Root of log δ(ε; μ = Δ/σ) = log δ in log σ (δ(ε) falls monotonically as σ grows).
+
+    Args:
+        target_epsilon: ε.
+        target_delta: δ in (0, 1).
+        sensitivity: Δ.
+
+    Returns:
+        σ to ~1e-12 relative, rounded up (on the safe side of the certified bound).
+
+    Raises:
+        IllConditionedError: δ cannot be certified to :data:`MAX_LOG_ERROR` there (the caller uses a PLD).
+    """
+
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
     goal = math.log(target_delta)

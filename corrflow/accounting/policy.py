@@ -4,7 +4,8 @@ strategy applies without knowing how ε is computed.
 * The plan's ε holds while an amplified plan's pattern is followed: participation came from the sampler's
   randomness alone. An accepted separation violation, or an operator forcing an item in, leaves that pattern
   (amplification assumes nobody chose who trains), and from then on the run is accounted post hoc on its realised
-  participation (one Gaussian of the realised sensitivity, 000 App. D.2).
+  participation (one Gaussian of the realised sensitivity, 000 App. D.2: Choquette-Choo et al., "Multi-Epoch
+  Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
 * The budget guard refuses a round whose participation would take the realised ε above the target.
 """
 
@@ -21,13 +22,30 @@ BUDGET_TOLERANCE = 1e-9
 
 
 def pattern_followed(overrides: Iterable[Mapping]) -> bool:
-    """False once the sampler's pattern was left: a min-sep break was accounted, or an operator forced an item in."""
+    """Whether the run still follows the sampler's pattern (the condition of an amplified plan's ε).
+
+    Args:
+        overrides: the run's override records, each with ``"action"`` and ``"source"``.
+
+    Returns:
+        False once the pattern was left: a min-sep break was accepted and accounted, or an operator forced an item
+        in (an override that was not rejected); else True.
+    """
     return not any(o["action"] == "accepted-and-accounted" or (o["source"] == "override" and o["action"] != "rejected")
                    for o in overrides)
 
 
 def with_round(selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]) -> dict[str, list[int]]:
-    """``selected`` (user → rounds) with ``round_index`` added for each of ``users`` (with multiplicity)."""
+    """The participation after a prospective round.
+
+    Args:
+        selected: user → the rounds the user contributed to so far (not modified).
+        round_index: the round, 0-based.
+        users: the round's cohort (a user listed twice contributes twice).
+
+    Returns:
+        A new user → rounds mapping with ``round_index`` added for each of ``users``.
+    """
     out = {u: list(r) for u, r in selected.items()}
     for u in users:
         out.setdefault(u, []).append(round_index)
@@ -38,7 +56,10 @@ def with_round(selected: Mapping[str, Sequence[int]], round_index: int, users: I
 class RunAccounting:
     """ε of a run's participation under the policy above, and the budget guard.
 
-    ``target_epsilon``: the guard's limit (None: no guard)."""
+    Attributes:
+        privacy: the run's memoised :class:`~corrflow.accounting.tracking.RunPrivacy`.
+        target_epsilon: the guard's limit (None: no guard).
+    """
 
     privacy: RunPrivacy
     target_epsilon: float | None
@@ -46,19 +67,52 @@ class RunAccounting:
     @classmethod
     def of(cls, factorization: Factorization, plan: PrivacyPlan, delta: float,
            target_epsilon: float | None) -> RunAccounting:
+        """The accounting of one run.
+
+        Args:
+            factorization: the run's normalised factorization (its encoder C gives realised sensitivities).
+            plan: σ, the planned ε and whether it is amplified.
+            delta: the training's δ.
+            target_epsilon: the budget guard's limit (None: no guard).
+
+        Returns:
+            The :class:`RunAccounting`.
+        """
         return cls(RunPrivacy(factorization, plan, delta), target_epsilon)
 
     @property
     def plan(self) -> PrivacyPlan:
+        """The run's privacy plan."""
         return self.privacy.plan
 
     def realized(self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping]) -> RealizedPrivacy:
-        """ε of ``selected``: the plan's while an amplified plan's pattern is followed, else post hoc."""
+        """ε of the participation so far: the plan's while an amplified plan's pattern is followed, else post hoc.
+
+        Args:
+            selected: user → rounds contributed to (with multiplicity).
+            overrides: the run's override records (see :func:`pattern_followed`).
+
+        Returns:
+            The :class:`~corrflow.accounting.tracking.RealizedPrivacy`: sensitivity, whether it is exact, ε (None
+            for a non-private run) and how ε was obtained.
+        """
         return self.privacy.realized(selected, pattern_followed=pattern_followed(overrides))
 
     def budget_exceeded(self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping],
                         round_index: int, users: Iterable[str]) -> float | None:
-        """The ε round ``round_index`` with ``users`` would spend when that exceeds the target, else None."""
+        """The budget guard: would this round take the realised ε above the target?
+
+        Args:
+            selected: user → rounds contributed to so far.
+            overrides: the run's override records.
+            round_index: the prospective round, 0-based.
+            users: its cohort.
+
+        Returns:
+            The ε after the round when it exceeds the target (to a relative :data:`BUDGET_TOLERANCE`), else None
+            (also without a target).
+        """
+
         if not self.target_epsilon:
             return None
         eps = self.realized(with_round(selected, round_index, users), overrides).epsilon

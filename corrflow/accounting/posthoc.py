@@ -1,4 +1,6 @@
-"""Post-hoc accounting of the participation that really happened (000 Def. 1 applied to the realised patterns).
+"""Post-hoc accounting of the participation that really happened (000: Choquette-Choo, McMahan, Rush, Thakurta,
+"Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530, Def. 1 applied to
+the realised patterns).
 
 For user u with realised rounds S_u, the contribution of u is C G_u with G_u supported on S_u (rows ≤ 1), so the
 realised sensitivity is max_u sup ‖C G_u‖_F. For one fixed pattern π:
@@ -19,10 +21,22 @@ from corrflow.factorization.sensitivity import NONNEG_TOL, Sensitivity
 
 
 def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
-    """Worst-case ‖C G‖_F over contributions G on exactly these rounds (row i ≤ m_i in ℓ2).
+    """Worst-case ‖C G‖_F over contributions G on exactly these rounds (row i ≤ m_i in ℓ2; 000 Def. 1).
 
-    A round listed m times is a user contributing m items (each clipped to 1) in it — multi-attribution, 004 §6 —
-    so the row bound is m_i: exact √(mᵀXm) when X ≥ 0, else min(√(λ_max(X)·Σm²), √(Σ|X_ij| m_i m_j)).
+    A round listed m times is a user contributing m items (each clipped to 1) in it — multi-attribution, 004 §6
+    (Dong & Ganesh, arXiv 2602.09338) — so the row bound is m_i: exact √(mᵀXm) when X = C[:, π]ᵀC[:, π] ≥ 0
+    entrywise (000 Cor. 2.1), else min(√(λ_max(X)·Σm²) (000 Thm. 2.1), √(Σ|X_ij| m_i m_j)).
+
+    Args:
+        encoder: C, an n × n encoder (only the columns of these rounds are read).
+        rounds: 0-based round indices in [0, n), repeated for multiplicity.
+
+    Returns:
+        The :class:`~corrflow.factorization.sensitivity.Sensitivity`: its value, whether it is exact and the
+        method (``"realized-nonnegative-gram"``, ``"realized-upper-bound"`` or ``"no-participation"``).
+
+    Raises:
+        InvalidArgumentError: (field ``rounds``) a round outside [0, n).
     """
     idx, mult = np.unique(np.fromiter((int(r) for r in rounds), dtype=np.int64), return_counts=True)
     if not idx.size:
@@ -39,10 +53,19 @@ def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
 
 def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[int]],
                          cache: dict[tuple[int, ...], Sensitivity] | None = None) -> tuple[Sensitivity, str | None]:
-    """max over users of :func:`pattern_sensitivity`; returns it and the (raw) id of a worst user.
+    """The realised sensitivity: the maximum over users of :func:`pattern_sensitivity` (000 Def. 1).
 
-    Users with the same rounds (and multiplicities) share one computation; ``cache`` (pattern → sensitivity, for
-    this ``encoder`` only) carries them across calls, so a run recomputes only the patterns a round changed.
+    Users with the same rounds (and multiplicities) share one computation.
+
+    Args:
+        encoder: C, n × n.
+        user_rounds: user id → the rounds the user contributed to (with multiplicity).
+        cache: pattern (sorted rounds) → sensitivity, for this ``encoder`` only; updated in place, so a run
+            recomputes only the patterns a round changed.
+
+    Returns:
+        (sensitivity, raw id of a worst user or None without participation); exact only when every pattern's
+        value is.
     """
     by_pattern: dict[tuple[int, ...], str] = {}
     for user, rounds in user_rounds.items():
@@ -61,6 +84,14 @@ def realized_sensitivity(encoder: Encoder, user_rounds: Mapping[str, Sequence[in
 
 
 def min_gap(rounds: Sequence[int]) -> int | None:
-    """Smallest gap between two distinct participation rounds (None for fewer than two)."""
+    """The smallest gap between two distinct participation rounds.
+
+    Args:
+        rounds: round indices (any order, repeats allowed).
+
+    Returns:
+        The smallest difference between distinct rounds; None for fewer than two distinct rounds.
+    """
+
     r = np.unique(np.asarray(list(rounds), dtype=np.int64))
     return int(np.diff(r).min()) if r.size > 1 else None

@@ -2,12 +2,12 @@
 000 §5.3, scaled to the machine), local SGD over the user's sentences; replies with the new weights and the example
 count. TensorFlow uses a GPU when it sees one; simulated clients share it through the engine's fractional GPUs.
 
-The model has one change from 000's stack: the output layer reads the word embedding as well as the LSTM state
-(a residual path), its kernel starts at zero and the embedding at N(0, 1/e). Federated training takes a few dozen
+The model has one change from 000's stack: the output layer reads the word embedding as well as the LSTM state (a
+residual path), its kernel starts at zero and the embedding at N(0, 1/e). Federated training takes a few dozen
 averaged steps, and with SGD the plain embedding → LSTM → dense stack sits on the unigram plateau far longer than
 that (measured, no noise, 100 users a round: held-out loss 5.32 → 4.90 in 20 rounds of FedAvg; with the residual
-path and the README's settings 5.32 → 3.93), because the LSTM's output is too small at initialisation to carry a
-gradient to the embedding.
+path the same run reaches 3.93 — docs/reference/benchmarks.md, "The Keras LSTM in ``corrflow simulate``"), because
+the LSTM's output is too small at initialisation to carry a gradient to the embedding.
 
 Memory: the model holds V·(2e + u) + LSTM parameters (10,004 tokens, e = 16, u = 32: about 0.5 M floats, 2 MB);
 a training step materialises ``batch × seq_len × V`` float32 logits (16 × 20 × 10,004: 13 MB) and evaluation

@@ -22,7 +22,14 @@ CACHE_FORMAT = 2   # 2: exact Gaussian and Brent-calibrated σ (issue 24)
 
 
 def default_cache_dir(out: Path | None) -> Path:
-    """``$CORRFLOW_HOME/cache`` when set, else ``OUT/cache``."""
+    """Where ``corrflow plan`` caches factorizations and calibrations.
+
+    Args:
+        out: the plan's output directory, or None (the current directory).
+
+    Returns:
+        ``$CORRFLOW_HOME/cache`` when that variable is set, else ``out/cache``.
+    """
     home = os.environ.get("CORRFLOW_HOME")
     if home:
         return Path(home).expanduser() / "cache"
@@ -30,12 +37,24 @@ def default_cache_dir(out: Path | None) -> Path:
 
 
 def cache_key(params: dict) -> str:
+    """The cache key of a set of build or calibration parameters.
+
+    Args:
+        params: JSON-serialisable parameters (values that are not are written with ``str``).
+
+    Returns:
+        The SHA-256 hex digest of the canonical (sorted-key) JSON of ``params`` and the cache format.
+    """
     return hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **params}, sort_keys=True, default=str).encode()
                           ).hexdigest()
 
 
 class PlanCache:
-    """Factorizations under ``fac-<key>.npz``, calibrations under ``cal-<key>.json``."""
+    """Factorizations under ``fac-<key>.npz``, calibrations under ``cal-<key>.json``; counts hits and misses.
+
+    Args:
+        root: the cache directory (created when missing).
+    """
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -44,8 +63,18 @@ class PlanCache:
         self.misses = 0
 
     def factorization(self, params: dict, build: Callable[[], Factorization]) -> tuple[Factorization, bool]:
-        """The cached factorization for ``params`` (kind, rounds, epochs, min-sep, bands, workload, γ, taper,
-        stamps, tolerance, ...) or a fresh ``build()`` stored under that key. Returns (factorization, cached)."""
+        """The cached factorization for ``params``, or a fresh ``build()`` stored under that key.
+
+        A stored file that fails its integrity check is deleted and rebuilt, never used.
+
+        Args:
+            params: every parameter the factorization depends on (kind, rounds, epochs, min-sep, bands, workload,
+                γ, taper, stamps, tolerance, ...).
+            build: builds the factorization on a miss.
+
+        Returns:
+            (factorization, cached): ``cached`` is True when it was read from the cache.
+        """
         path = self.root / f"fac-{cache_key(params)}.npz"
         if path.exists():
             try:
@@ -61,8 +90,19 @@ class PlanCache:
 
     def calibration(self, params: dict, compute: Callable[[], dict],
                     valid: Callable[[dict], bool] | None = None) -> tuple[dict, bool]:
-        """The cached ``compute()`` for ``params``. A stored entry is used only when its params match and its result
-        passes ``valid`` (an edited or corrupted file is recomputed, never printed)."""
+        """The cached ``compute()`` for ``params``.
+
+        A stored entry is used only when its params match and its result passes ``valid`` (an edited or corrupted
+        file is recomputed, never printed); a fresh result is written atomically.
+
+        Args:
+            params: every input of the calibration (factorization hash, accountant, sampling, target, ...).
+            compute: computes the JSON-serialisable result on a miss.
+            valid: an optional check of a stored result.
+
+        Returns:
+            (result, cached): ``cached`` is True when it was read from the cache.
+        """
         path = self.root / f"cal-{cache_key(params)}.json"
         if path.exists():
             try:

@@ -7,18 +7,19 @@ most η·clip·(A·1)_t. Their ratio at the last round,
 
     ρ = σ · √d · ‖B_{n−1}‖ / (cohort · (A·1)_{n−1}),
 
-does not depend on η or clip. Measured at ε = 8, δ = 1e-5: runs that learn had ρ ≤ 0.2 (numpy regression, the
-README's first command: 0.04; nextword ``compare --preset quick``, banded Toeplitz: 0.06; the README's arXiv
-cross-silo example: 0.2; DP-SGD on the quick preset, 0.17, gains accuracy while its held-out loss rises); runs at
-ρ ≥ 0.39 ended worse than the initial model (``--preset tiny``: 0.39 Toeplitz, 0.71 DP-SGD; the Keras LSTM with 5
-users per round: 2.4). Real-format runs (``--data`` on TFF-format SQLite, ε = 8) tolerate more: the Keras LSTM on
-727 real StackOverflow authors with a 2,000-word vocabulary learned at ρ = 0.49 (94% of the non-private loss drop);
-``compare --preset tiny --data`` with the nextword client and 2,000 words on a 300-user generated file learned at
-ρ = 0.82 (Toeplitz, loss 7.60 → 5.69, non-private 4.91) and not at 1.47 (DP-SGD, 7.60 → 10.18); the Keras LSTM with
-10,004 tokens and cohorts of 250 (``benchmarks/text_memory.py``) learned at 1.29 over 2 rounds (9.21 → 8.38); a
-cohort of 7 on arXiv at 5.3 diverged (6.2 → 26.4). So ρ is a ranking, not a sharp boundary: below ``THRESHOLD``
-every run measured learned; between it and about 1.5 runs went both ways (larger models with more rounds fared
-better); above 1.5 none learned. Above ``THRESHOLD`` corrflow warns before training starts, saying so.
+does not depend on η or clip. Measured at ε = 8, δ = 1e-5: runs that learn had ρ ≤ 0.2 (numpy regression, ``corrflow
+simulate --users 100 --rounds 20 --epochs 2 --target-epsilon 8``: 0.04; nextword ``compare --preset quick``, banded
+Toeplitz: 0.06; the arXiv cross-silo example of the participation how-to, docs/how-to/participation.md: 0.2; DP-SGD
+on the quick preset, 0.17, gains accuracy while its held-out loss rises); runs at ρ ≥ 0.39 ended worse than the
+initial model (``--preset tiny``: 0.39 Toeplitz, 0.71 DP-SGD; the Keras LSTM with 5 users per round: 2.4).
+Real-format runs (``--data`` on TFF-format SQLite, ε = 8) tolerate more: the Keras LSTM on 727 real StackOverflow
+authors with a 2,000-word vocabulary learned at ρ = 0.49 (94% of the non-private loss drop); ``compare --preset tiny
+--data`` with the nextword client and 2,000 words on a 300-user generated file learned at ρ = 0.82 (Toeplitz, loss
+7.60 → 5.69, non-private 4.91) and not at 1.47 (DP-SGD, 7.60 → 10.18); the Keras LSTM with 10,004 tokens and cohorts
+of 250 (``benchmarks/text_memory.py``) learned at 1.29 over 2 rounds (9.21 → 8.38); a cohort of 7 on arXiv at 5.3
+diverged (6.2 → 26.4). So ρ is a ranking, not a sharp boundary: below ``THRESHOLD`` every run measured learned;
+between it and about 1.5 runs went both ways (larger models with more rounds fared better); above 1.5 none learned.
+Above ``THRESHOLD`` corrflow warns before training starts, saying so.
 
 After training, :func:`learning_section` puts the verdict on the record (``privacy_report.json``'s ``learning``):
 ρ, whether it warned, the held-out loss (and accuracy) of the initial and final models, and ``learned`` — whether
@@ -28,7 +29,8 @@ worse than the untrained model's (DP-SGD in ``compare --preset quick``: accuracy
 verdict then names both. It also looks at the best held-out loss of the run: a final loss more than
 ``DRIFT_TOLERANCE`` (10%) above the best is flagged (``drifted``; a real-format Keras run went 7.60 → 5.94 at its
 best and back to 6.94 — below the initial loss, yet a regression the final number alone hides), and the verdict
-says at which round the best model was.
+says at which round the best model was. The user-facing account is docs/how-to/compare.md, "Will my configuration
+learn?".
 """
 
 from __future__ import annotations
@@ -39,14 +41,25 @@ import math
 import numpy as np
 
 log = logging.getLogger("corrflow")
+#: ρ above which corrflow warns before training that the configuration may not learn.
 THRESHOLD = 0.3
 #: A final held-out loss more than this fraction above the run's best is flagged as drift.
 DRIFT_TOLERANCE = 0.10
 
 
 def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
-    """ρ above (0 without noise). ``fac``: a normalised Factorization; ``dim``: model parameters; ``cohort``: the
-    number the summed update is divided by."""
+    """The pre-flight noise-to-signal ratio ρ = σ·√d·‖B_{n−1}‖ / (cohort·(A·1)_{n−1}) (module docstring).
+
+    Args:
+        fac: a :class:`~corrflow.factorization.base.Factorization` normalised to sensitivity 1 (its per-query error
+            gives ‖B_t‖², its workload A).
+        sigma: the noise multiplier σ.
+        dim: d, the number of model parameters.
+        cohort: the number the summed update is divided by.
+
+    Returns:
+        ρ (0 without noise).
+    """
     if sigma <= 0:
         return 0.0
     n = fac.rounds
@@ -56,7 +69,17 @@ def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
 
 
 def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
-    """Compute ρ for a model (list of arrays) and warn when it exceeds ``THRESHOLD``; returns ρ."""
+    """Compute ρ (:func:`noise_to_signal`) for a model and log a warning when it exceeds :data:`THRESHOLD`.
+
+    Args:
+        fac: the run's normalised factorization.
+        sigma: the noise multiplier σ.
+        weights: the model's arrays (any shapes; d is their total size).
+        cohort: the number the summed update is divided by.
+
+    Returns:
+        ρ.
+    """
     dim = int(sum(np.size(w) for w in weights))
     rho = noise_to_signal(fac, sigma, dim, cohort)
     if rho > THRESHOLD:
@@ -70,8 +93,18 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
 
 
 def held_out_summary(entries: list[dict]) -> dict:
-    """Initial and final held-out loss (and accuracy) and the loss's relative improvement, from ``metrics.json``'s
-    entries (the initial model as ``"round": -1``, then one entry per round)."""
+    """Initial, final and best held-out loss (and accuracy) and the loss's relative improvement.
+
+    Args:
+        entries: ``metrics.json``'s entries, non-empty: the initial model as ``"round": -1``, then one entry per
+            round, each with ``test_loss`` (and optionally ``test_accuracy``).
+
+    Returns:
+        ``{"initial_test_loss", "final_test_loss", "rounds_evaluated"}`` (non-finite losses as None), plus
+        ``initial_test_accuracy``/``final_test_accuracy`` when both ends report accuracy, ``loss_improvement``
+        (1 − final/initial), ``best_test_loss``/``best_round`` and ``drift_above_best`` (final/best − 1) when
+        they are defined.
+    """
     first, last = entries[0], entries[-1]
     out = {"initial_test_loss": _finite(first["test_loss"]), "final_test_loss": _finite(last["test_loss"]),
            "rounds_evaluated": len(entries) - 1}
@@ -97,8 +130,18 @@ def _finite(value) -> float | None:
 
 
 def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
-    """The report's ``learning`` verdict: ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}`` plus
-    :func:`held_out_summary`'s fields when the run evaluates a held-out set and has trained at least one round."""
+    """The privacy report's ``learning`` verdict (module docstring).
+
+    Args:
+        entries: ``metrics.json``'s entries (see :func:`held_out_summary`); may be empty.
+        noise_to_signal: the run's pre-flight ρ.
+
+    Returns:
+        ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus :func:`held_out_summary`'s
+        fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a held-out set and has trained at least
+        one round (else ``learned`` is None).
+    """
+
     out = {"noise_to_signal": noise_to_signal, "threshold": THRESHOLD, "warned": noise_to_signal > THRESHOLD}
     if len(entries) < 2 or "test_loss" not in entries[0] or "test_loss" not in entries[-1]:
         return {**out, "learned": None, "verdict": "not evaluated (no held-out evaluation or no round trained)"}

@@ -1,5 +1,7 @@
-"""PNG plots of a plan: RMSE against bands per accountant (as 001 Fig. 2), per-iterate error of the top candidates
-(as 000 Fig. 4), and ε against σ for the recommended recipe and DP-SGD."""
+"""PNG plots of a plan: RMSE against bands per accountant, with the rule of thumb bands ≈ ε√n/k (as 001 Fig. 2:
+McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913),
+per-iterate error of the top candidates (as 000 Fig. 4: Choquette-Choo et al., "Multi-Epoch Matrix Factorization
+Mechanisms for Private Machine Learning", arXiv 2211.06530), and ε against σ for the recommended recipe and DP-SGD."""
 
 from __future__ import annotations
 
@@ -10,13 +12,27 @@ import numpy as np
 from corrflow.fileio import copy_file
 from corrflow.progress import Progress
 
+#: Plot name → the PNG file it is written to.
 NAMES = {"rmse_vs_bands": "rmse_vs_bands.png", "per_iterate_error": "per_iterate_error.png",
          "epsilon_vs_sigma": "epsilon_vs_sigma.png"}
 
 
 def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
-    """Write the three plots into ``out``; returns {name: file name}. With a cache, plots of identical plan data
-    are copied from it instead of drawn again."""
+    """Write the three plots of a plan into ``out``.
+
+    With a cache, plots of identical plan data are copied from it instead of drawn again (atomically, both ways).
+
+    Args:
+        result: the plan (:class:`corrflow.planning.candidates.PlanResult`: request, ranked candidates, their
+            factorizations and the recommended one).
+        out: an existing directory.
+        cache: a :class:`corrflow.planning.cache.PlanCache`, or None.
+        quiet: no progress bar.
+
+    Returns:
+        ``{plot name: file name in out}`` for the names of :data:`NAMES`.
+    """
+
     from dataclasses import asdict
 
     from corrflow.planning.cache import cache_key

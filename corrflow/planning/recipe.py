@@ -11,6 +11,7 @@ from pathlib import Path
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
 from corrflow.fileio import copy_file, write_text
 
+#: The ``format`` field every recipe carries; a file with another is refused.
 RECIPE_FORMAT = "corrflow.recipe/1"
 
 
@@ -20,7 +21,8 @@ class Recipe:
 
     ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings (``StrategyConfig``);
     ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error`` are at that σ per unit clip norm and
-    model coordinate (README "Conventions", Errors)."""
+    model coordinate (docs/explanation/conventions.md, "Errors"). The JSON Schema of its file is
+    ``corrflow schema recipe``."""
 
     kind: str
     bands: int | None
@@ -48,12 +50,22 @@ class Recipe:
     format: str = RECIPE_FORMAT
 
     def to_dict(self) -> dict:
+        """Returns:
+            The recipe's fields as a JSON-serialisable dict (the content of ``recipe.json``).
+        """
         return asdict(self)
 
     def strategy_settings(self) -> dict:
-        """The run settings (:class:`corrflow.config.RunConfig` fields) this recipe fixes: every setting the
-        ``recipe`` surface declares but the population (a default the run may change) and the target ε (σ is
-        fixed, so the run has none to calibrate for). A fixed-epoch recipe leaves min-sep to rounds/epochs."""
+        """The run settings this recipe fixes.
+
+        Every setting the ``recipe`` surface declares but the population (a default the run may change) and the
+        target ε (σ is fixed, so the run has none to calibrate for). A fixed-epoch recipe leaves min-sep to
+        rounds/epochs.
+
+        Returns:
+            :class:`corrflow.config.RunConfig` field → value, with ``target_epsilon`` None, ``min_sep`` 0 for
+            fixed-epoch and ``bands`` 0 for the kind's default.
+        """
         from corrflow.config import recipe_names
 
         out = {setting: getattr(self, name) for name, setting in recipe_names().items()
@@ -63,9 +75,18 @@ class Recipe:
         return out
 
     def differences(self, settings: dict, names: dict[str, str] | None = None) -> list[str]:
-        """The settings (``StrategyConfig`` field → value) that differ from this recipe's, as 'name: plan X, run Y'
-        (``names``: field → the name the user typed, e.g. a CLI flag; default the run-config key). A min-sep of 0
-        means rounds/epochs, as in the strategy."""
+        """The run settings that differ from this recipe's (the target ε included: σ was calibrated for it).
+
+        A min-sep of 0 means rounds/epochs, as in the strategy; floats compare to 1e-12 relative; settings the run
+        does not give are not compared.
+
+        Args:
+            settings: ``StrategyConfig`` field → value (an enum member counts by its value).
+            names: field → the name the user typed, e.g. a CLI flag (default: the run-config key).
+
+        Returns:
+            One ``"name: plan X, run Y"`` per difference (empty when the run matches).
+        """
         mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}   # σ was calibrated for it
         out = []
         for key, want in mine.items():
@@ -86,6 +107,14 @@ class Recipe:
         return out
 
     def save(self, path: Path) -> Path:
+        """Write the recipe as sorted, indented JSON, atomically (its parent directory is created).
+
+        Args:
+            path: the file, conventionally ``recipe.json`` next to its factorization file.
+
+        Returns:
+            ``path``.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -93,8 +122,18 @@ class Recipe:
 
 
 def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
-    """Read a plan file written by ``corrflow plan`` (``recipe.json``, or ``plan.json`` whose ``recommended``
-    entry is the recipe). Returns (recipe, path of its factorization file, verified to exist)."""
+    """Read a plan file written by ``corrflow plan``.
+
+    Args:
+        path: ``recipe.json``, or ``plan.json`` whose ``recommended`` entry is the recipe.
+
+    Returns:
+        (recipe, path of its factorization file, verified to exist next to the plan file).
+
+    Raises:
+        InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of :data:`RECIPE_FORMAT`,
+            incomplete, has no recommended recipe, or its factorization file is missing.
+    """
     path = Path(path)
     if not path.is_file():
         raise InvalidArgumentError("plan", "an existing plan file written by `corrflow plan`", str(path))
@@ -120,7 +159,18 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
 
 
 def load_recipe_factorization(recipe: Recipe, fac_path: Path):
-    """The recipe's factorization, verified against the recorded SHA-256."""
+    """The recipe's factorization, verified against the recorded SHA-256.
+
+    Args:
+        recipe: the recipe.
+        fac_path: its factorization file (from :func:`load_recipe`).
+
+    Returns:
+        The :class:`~corrflow.factorization.base.Factorization`.
+
+    Raises:
+        IntegrityError: the file is corrupted or its hash is not the recipe's ``factorization_sha256``.
+    """
     from corrflow.factorization.base import Factorization
 
     fac = Factorization.load(fac_path)
@@ -131,11 +181,27 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
 
 
 def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool) -> str:
-    """Put the plan's factorization where the run looks for it (``factorization.npz`` in the run directory
-    ``cfg.state_dir``) and check that the run will use it as is: same kind, workload and participation as the
-    strategy builds for ``cfg`` (a :class:`corrflow.config.RunConfig`; else the run would rebuild another).
-    ``replace``: overwrite a different file there (a new run); otherwise a different file is refused (a resumed run
-    keeps its own). Returns the SHA-256."""
+    """Put the plan's factorization where the run looks for it and check that the run will use it as is.
+
+    The file goes to ``factorization.npz`` in the run directory ``cfg.state_dir``; its kind, workload and
+    participation must be those the strategy builds for ``cfg`` (else the run would rebuild another).
+
+    Args:
+        recipe: the recipe.
+        fac_path: its factorization file (from :func:`load_recipe`).
+        cfg: the run's :class:`corrflow.config.RunConfig`.
+        replace: overwrite a different file there (a new run); otherwise a different file is refused (a resumed
+            run keeps its own).
+
+    Returns:
+        The factorization's SHA-256.
+
+    Raises:
+        InvalidArgumentError: (field ``plan``) the factorization does not match the run's settings, or the run
+            directory holds a different one and ``replace`` is False.
+        IntegrityError: the plan's factorization file fails verification.
+    """
+
     from corrflow.planning.run import participation_of, workload_for
 
     fac = load_recipe_factorization(recipe, fac_path)

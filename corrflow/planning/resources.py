@@ -21,25 +21,50 @@ BANDED_KINDS = ("dpsgd", "toeplitz", "banded", "bifr", "bisr", "bsr")
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Bytes a run needs, by part (see :func:`estimate`).
+
+    Attributes:
+        users: the server's per-user state (node maps, planner, ledger, a message in flight).
+        factorization: the encoder/decoder matrices and the noise engine's own arrays.
+        noise: the streaming noise state, (bands − 1)·d float32 values.
+    """
+
     users: int
     factorization: int
     noise: int
 
     @property
     def total(self) -> int:
+        """The sum of the three parts, in bytes."""
         return self.users + self.factorization + self.noise
 
 
 def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) -> MemoryEstimate:
-    """Bytes the server needs for ``users`` simulated users, an n = ``rounds`` factorization of ``kind`` with
-    ``bands`` bands (0: the default, ≤ n) and a model of ``model_params`` parameters."""
+    """Bytes the server needs for a run, estimated high (module docstring).
+
+    Args:
+        users: simulated users.
+        rounds: n, the factorization's size.
+        kind: the factorization kind; :data:`BANDED_KINDS` work in O(n·bands), the others keep three n × n float64
+            matrices.
+        bands: the band count (0: the default, n; clipped to [1, n]).
+        model_params: d, the model's parameters.
+
+    Returns:
+        The estimate, by part.
+    """
     p = max(1, min(bands or rounds, rounds))
     fac = 8 * rounds * (4 * p + 16) if kind in BANDED_KINDS else 3 * 8 * rounds * rounds
     return MemoryEstimate(BYTES_PER_USER * users, fac, 4 * max(p - 1, 1) * model_params)
 
 
 def available_memory() -> int | None:
-    """MemAvailable (Linux), else free physical pages; None when neither can be read."""
+    """The memory available to a new run.
+
+    Returns:
+        Bytes: ``MemAvailable`` from ``/proc/meminfo`` (Linux), else the free physical pages; None when neither
+        can be read.
+    """
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -54,8 +79,17 @@ def available_memory() -> int | None:
 
 
 def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
-    """Refuse (naming the flag behind the largest part, ``names``: part → flag) when ``need`` exceeds the memory
-    available."""
+    """Refuse a run whose estimate exceeds 90% of the memory available (no check when that cannot be read).
+
+    Args:
+        need: the run's :class:`MemoryEstimate`.
+        names: part (``"users"``, ``"factorization"``, ``"noise"``) → the flag or setting behind it, named in the
+            error.
+
+    Raises:
+        InvalidArgumentError: naming the setting behind the largest part, with the estimate and what is available.
+    """
+
     have = available_memory()
     if have is None or need.total <= 0.9 * have:
         return

@@ -4,7 +4,9 @@ For tests, comparisons and debugging of the strategy: deterministic, fast, and a
 corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through :meth:`restart_node`. Messages are
 routed as a ClientApp routes them (``category`` or ``category.action``); corrflow's identity handler is registered
 as in corrflow's ClientApps (``identity=False`` emulates an app without it).
-Production and the README's simulation use Flower's own engines.
+Production uses Flower's own engines: ``corrflow simulate`` without ``--backend inprocess`` runs Flower's
+simulation engine (docs/tutorials/first-simulation.md), and deployments run SuperLink and SuperNodes
+(docs/how-to/deploy.md).
 """
 
 from __future__ import annotations
