@@ -375,7 +375,6 @@ def lower_bound_ceiling(candidates: int, confidence: float = 0.95, fractions: Se
     Returns:
         The ceiling on ε_lo (an audit that shows it could not have shown more).
     """
-
     k = int(max(fractions) * candidates) // 2
     return one_run_epsilon(candidates, 2 * k, 2 * k, delta, (1 - confidence) / len(fractions))
 

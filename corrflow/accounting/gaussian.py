@@ -158,7 +158,6 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sensitivity: fl
     Raises:
         IllConditionedError: δ cannot be certified to :data:`MAX_LOG_ERROR` there (the caller uses a PLD).
     """
-
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
     goal = math.log(target_delta)

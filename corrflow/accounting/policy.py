@@ -112,7 +112,6 @@ class RunAccounting:
             The ε after the round when it exceeds the target (to a relative :data:`BUDGET_TOLERANCE`), else None
             (also without a target).
         """
-
         if not self.target_epsilon:
             return None
         eps = self.realized(with_round(selected, round_index, users), overrides).epsilon

@@ -92,6 +92,5 @@ def min_gap(rounds: Sequence[int]) -> int | None:
     Returns:
         The smallest difference between distinct rounds; None for fewer than two distinct rounds.
     """
-
     r = np.unique(np.asarray(list(rounds), dtype=np.int64))
     return int(np.diff(r).min()) if r.size > 1 else None

@@ -141,7 +141,6 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a held-out set and has trained at least
         one round (else ``learned`` is None).
     """
-
     out = {"noise_to_signal": noise_to_signal, "threshold": THRESHOLD, "warned": noise_to_signal > THRESHOLD}
     if len(entries) < 2 or "test_loss" not in entries[0] or "test_loss" not in entries[-1]:
         return {**out, "learned": None, "verdict": "not evaluated (no held-out evaluation or no round trained)"}

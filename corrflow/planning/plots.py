@@ -32,7 +32,6 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     Returns:
         ``{plot name: file name in out}`` for the names of :data:`NAMES`.
     """
-
     from dataclasses import asdict
 
     from corrflow.planning.cache import cache_key

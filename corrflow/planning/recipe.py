@@ -201,7 +201,6 @@ def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool)
             directory holds a different one and ``replace`` is False.
         IntegrityError: the plan's factorization file fails verification.
     """
-
     from corrflow.planning.run import participation_of, workload_for
 
     fac = load_recipe_factorization(recipe, fac_path)

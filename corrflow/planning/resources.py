@@ -89,7 +89,6 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
     Raises:
         InvalidArgumentError: naming the setting behind the largest part, with the estimate and what is available.
     """
-
     have = available_memory()
     if have is None or need.total <= 0.9 * have:
         return
