@@ -325,7 +325,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                                                                                       "blt") else bands)
             # With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified, so a p-banded C
             # (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its own separation b = p, the
-            # largest the reduction allows for p bands (001 Prop. 2.1, §4), q = p·B/P. For p = 1 (DP-SGD) that is
+            # largest the reduction allows for p bands (001 Prop. 2.1), q = p·B/P. For p = 1 (DP-SGD) that is
             # Poisson sampling in every round (b = 1, q = B/P): the amplified DP-SGD baseline.
             variants = [(acc, None) for acc in accountants]
             own_b = fac.bands or 1

@@ -8,8 +8,8 @@ The arms at each ε:
 * ``dpsgd`` — DP-SGD with fixed-epoch participation (each user in k rounds n/k apart), unamplified accounting;
 * ``dpsgd-poisson`` — DP-SGD as Flower, Opacus and TF-Privacy users run it: every user sampled with probability
   q = cohort/population in every round, accounted with dp-accounting's PLD of the Poisson-subsampled Gaussian (the
-  cyclic-Poisson reduction of "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML",
-  McKenna et al., arXiv 2306.08153 (001), Prop. 2.1, with separation b = 1);
+  cyclic-Poisson reduction of "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML"
+  (R. McKenna, arXiv 2405.15913; 001), Prop. 2.1, with separation b = 1);
 * one arm per correlated-noise kind asked for, fixed-epoch and unamplified, as before;
 * with ``amplified``, ``<kind>-amplified``: the kind under the cyclic Poisson sampler its registry entry allows, with
   its own separation b < population/cohort chosen by the planner (at b = population/cohort the sampling probability
