@@ -137,6 +137,10 @@ def test_gap_closed_and_planner_scores(tiny):
         rmse = entry["planner"]["rmse"]
         assert rmse["plan"] <= min(rmse["dpsgd"], rmse["dpsgd-poisson"]) * (1 + 1e-12)
         assert a["plan"]["rmse"] == rmse["plan"]
+        # each run's own score (σ·√mean‖B_i‖² of the factorization it used) is the planner's for planned arms
+        for name in ("dpsgd", "dpsgd-poisson", "toeplitz-amplified", "plan"):
+            assert a[name]["per_seed"][0]["rmse"] == pytest.approx(rmse[name], rel=1e-9)
+        assert a["toeplitz"]["rmse"] == a["toeplitz"]["per_seed"][0]["rmse"] > 0
     assert "dpsgd-poisson" in stderr and "gap closed" in stderr and "ε = 2" in stderr   # the table, on stderr
 
 

@@ -253,12 +253,18 @@ def run_arm(preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilo
     verified = (not private) or (eps is not None and delta is not None and eps <= epsilon * (1 + 1e-9)
                                  and delta <= preset.delta * (1 + 1e-12))
     rounds = [m for m in curve if m["round"] >= 0]
+    rmse = None
+    if private:   # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+        from corrflow.factorization.base import Factorization
+
+        fac = Factorization.load(out / "factorization.npz")
+        rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
     return {"seed": seed, "accuracy": last.get("test_accuracy"), "loss": last["test_loss"],
             "learned": learning["learned"], "noise_to_signal": learning["noise_to_signal"],
             "initial_accuracy": curve[0].get("test_accuracy"), "initial_loss": curve[0]["test_loss"],
             "epsilon": eps, "delta": delta if private else None, "target_epsilon": epsilon, "verified": verified,
             "accountant": acc.get("name", "none"), "sampling": acc.get("sampling", "none"),
-            "noise_multiplier": report["noise_multiplier"],
+            "noise_multiplier": report["noise_multiplier"], "rmse": rmse,
             "participation": cfg.participation, "min_sep": cfg.b, "bands": report["mechanism"].get("bands"),
             "cohort": last.get("cohort"), "mean_cohort": _mean(m.get("accepted") for m in rounds),
             "rejected": sum(int(m.get("rejected", 0)) for m in rounds),
@@ -389,7 +395,7 @@ def _summarise(arm: Arm, runs: list[dict]) -> dict:
             "participation": first["participation"], "min_sep": first["min_sep"], "bands": first["bands"],
             "epsilon": max(eps) if eps else None, "delta": max(deltas) if deltas else None,
             "target_epsilon": first["target_epsilon"], "verified": all(r["verified"] for r in runs),
-            "rmse": arm.rmse, "noise_to_signal": first["noise_to_signal"],
+            "rmse": first["rmse"] if arm.rmse is None else arm.rmse, "noise_to_signal": first["noise_to_signal"],
             "learned_seeds": sum(bool(r["learned"]) for r in runs), "per_seed": runs}
 
 
@@ -510,7 +516,7 @@ def table(result: dict) -> str:
         rows.append(f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner recommends "
                     f"{entry['planner']['recommended']}")
         rows.append(f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} {'accuracy':>9} "
-                    f"{'loss':>8} {'learned':>8} {'gap closed':>11}")
+                    f"{'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}")
         for name, arm in entry["arms"].items():
             acct = "none" if arm["accountant"] == "none" else f"{arm['accountant']} ({arm['sampling']})"
             acct = acct.replace("none (fixed-epoch, unamplified)", "unamplified")[:26]
@@ -518,12 +524,13 @@ def table(result: dict) -> str:
             mark = "" if arm["verified"] else "  NOT VERIFIED"
             rows.append(f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                         f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
-                        f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} {fmt(arm['loss']):>8} "
+                        f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} {fmt(arm['rmse'], '.2f'):>7} {fmt(arm['loss']):>8} "
                         f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}")
     rows.append(f"ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's turns (the "
                 f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm is unlikely "
                 "to learn); learned: seeds whose final held-out loss is below the initial model's; gap closed: of "
-                "the accuracy gap between the best DP-SGD arm and non-private training.")
+                "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the planner's score of the "
+                "arm's mechanism at its σ (per unit clip norm and coordinate).")
     for s in result["skipped"]:
         rows.append(f"skipped {s['arm']} at ε = {s['epsilon']:g}: {s['reason']}")
     return "\n".join(rows)
