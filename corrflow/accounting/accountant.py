@@ -235,6 +235,7 @@ class MMCCAccountant(_Calibrating):
             return 1, p, None
         cycle = fac.participation.min_sep
         q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
+        q = 1.0 if 1.0 < q <= 1.0 + 1e-9 else q      # N/B = cycle exactly: rounding must not leave [0, 1]
         require(q <= 1, "expected_batch_size", f"at most dataset_size/cycle = {s.dataset_size / cycle:g} "
                 "(q = cycle·B/N must be ≤ 1)", s.expected_batch_size)
         enc = fac.encoder
@@ -297,9 +298,9 @@ class MonteCarloEVRAccountant:
                       f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)"}
             return MonteCarloAccountant(band, 1, p, scheme="poisson"), params
         b = fac.participation.min_sep
-        require(p0 <= 1.0 / b, "expected_batch_size", f"at most dataset_size/min_sep = "
+        require(p0 <= (1.0 / b) * (1 + 1e-9), "expected_batch_size", f"at most dataset_size/min_sep = "
                 f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
-        p = sampling.sampling_probability or min(1.0, p0 / (1 - p0 * (b - 1)))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
+        p = sampling.sampling_probability or min(1.0, 1.0 / (1.0 / p0 - (b - 1)))  # 004 §1.5: 1/p0 = 1/p + b − 1
         require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the "
                 "banded recursion", band.shape[1])
         warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
