@@ -123,3 +123,23 @@ def test_budget_spent_falls_back_to_mmcc_by_name(capsys):
     err = capsys.readouterr().err
     assert "--max-samples 300" in err and f"{res['epsilon']:.4g}" in err
     assert f"{acc['monte_carlo']['epsilon_estimate']:.4g}" in err
+
+
+def test_cli_account_names_its_own_flags(tmp_path):
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from corrflow.server.cli import account as account_command
+    from corrflow.server.cli import app
+
+    path = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4).save(tmp_path / "f.npz")
+    flags = {"--" + p.replace("_", "-") for p in inspect.signature(account_command).parameters} | {"--json"}
+    for extra in (["--sampling", "poisson", "--accountant", "monte-carlo", "--dataset-size", "10",
+                   "--expected-batch-size", "10"],                      # p = 1: not a Poisson sampler
+                  ["--sampling", "bminsep", "--dataset-size", "100", "--expected-batch-size", "50"]):   # B > N/b
+        r = CliRunner().invoke(app, ["account", "--factorization", str(path), "--delta", "1e-3",
+                                     "--noise-multiplier", "1", *extra])
+        assert r.exit_code == 2
+        named = r.output.split("error: ")[1].split(":")[0]
+        assert named in flags, r.output

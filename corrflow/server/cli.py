@@ -180,9 +180,30 @@ def account(
         _describe_bounds(res)
         _emit(res, as_json)
     except InvalidArgumentError as exc:
-        _fail(_as_flag(exc))
+        _fail(_account_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+
+
+#: Library fields an accountant may name that `account` has no flag for: the flag that sets them.
+_ACCOUNT_FIELDS = {"sampling_probability": "--expected-batch-size", "participation_rate": "--expected-batch-size",
+                   "min_sep": "--factorization", "cycle": "--factorization", "band": "--factorization",
+                   "k_u": "--items-per-user", "warm": "--sampling", "scheme": "--sampling", "epsilon": "--delta",
+                   "sensitivity": "--factorization"}
+
+
+def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """The error naming one of `account`'s own flags (never one it does not have)."""
+    field = exc.field
+    if field in _ACCOUNT_FIELDS:
+        return InvalidArgumentError(_ACCOUNT_FIELDS[field], f"{exc.expected} ({field.replace('_', ' ')})", exc.got)
+    import inspect
+
+    named = _as_flag(exc)
+    flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {"--json"}
+    if named.field not in flags:   # a field of the factorization file or the sampling it implies
+        return InvalidArgumentError("--factorization", f"{named.expected} ({field})", named.got)
+    return named
 
 
 def _describe_bounds(res: dict) -> None:
