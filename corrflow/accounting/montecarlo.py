@@ -164,10 +164,15 @@ def _binomial_at_least_one(k: int, p: float, size: int, rng: np.random.Generator
 def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray, counts: np.ndarray) -> None:
     """y[:, s] += count·C[:, pos] for every participation (y round-major, n × S). Participations of one run are
     ≥ bands apart, so the scattered entries never collide."""
-    n = y.shape[0]
+    n, S = y.shape
+    # Scatter in memory order (round-major flat index): ~5× faster than unsorted fancy indexing at n = 2048.
+    base = pos.astype(np.int64) * S + rows
+    order = np.argsort(base, kind="stable")
+    base, pos, counts = base[order], pos[order], counts[order]
+    flat = y.reshape(-1)
     for k in range(band.shape[1]):
         ok = pos + k < n
-        y[pos[ok] + k, rows[ok]] += (counts[ok] * band[pos[ok], k]).astype(y.dtype)
+        flat[base[ok] + k * S] += (counts[ok] * band[pos[ok], k]).astype(y.dtype)
 
 
 # -- Poisson and balls-in-bins sampling of a banded encoder: exact likelihood ------------------------------------

@@ -40,6 +40,7 @@ class RealizedPrivacy:
     epsilon: float | None
     accounting: str                       # how ε was obtained, for the report
     worst_user: str | None = None
+    delta: float | None = None            # the δ at which ``epsilon`` holds (verified)
 
 
 class RunPrivacy:
@@ -63,7 +64,11 @@ class RunPrivacy:
         was followed, else post-hoc on the realised sensitivity."""
         sens, worst = realized_sensitivity(self.fac.encoder, selected)
         if self.plan.amplified and pattern_followed:
+            planned_delta = float(self.plan.accountant.get("delta", self.delta))
             return RealizedPrivacy(sens.value, sens.exact, self.plan.epsilon,
-                                   "as planned (the sampler's pattern was followed)", worst)
+                                   "as planned (the sampler's pattern was followed)", worst,
+                                   max(self.delta, planned_delta))
+        # One Gaussian of the realised sensitivity (PLD): it holds at the run's δ, verified, whatever δ the plan's
+        # (amplified) accountant verified.
         return RealizedPrivacy(sens.value, sens.exact, self._epsilon_for_sensitivity(sens.value),
-                               "post-hoc (unamplified, realised pattern)", worst)
+                               "post-hoc (unamplified, realised pattern)", worst, self.delta)
