@@ -11,15 +11,18 @@ from corrflow.accounting.accountant import (
     AccountingOptions,
     AccountingResult,
     SamplingSpec,
+    TightestAccountant,
     account,
     accountant_for,
+    candidate_accountants,
 )
 from corrflow.accounting.mechanisms import CyclicPoisson, calibrate_on_grid, epsilon_of, unamplified_event
-from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
+from corrflow.accounting.montecarlo import MonteCarloAccountant, adaptive_evr, minimum_samples, overall_delta
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
 from corrflow.accounting.report import hash_user_id, privacy_report, write_report
 
 __all__ = ["ACCOUNTANTS_FOR", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult", "CyclicPoisson",
-           "MonteCarloAccountant", "SamplingSpec", "account", "accountant_for", "calibrate_on_grid", "epsilon_of",
+           "MonteCarloAccountant", "SamplingSpec", "TightestAccountant", "account", "accountant_for", "adaptive_evr",
+           "candidate_accountants", "calibrate_on_grid", "epsilon_of",
            "hash_user_id", "minimum_samples", "overall_delta", "pattern_sensitivity", "privacy_report",
            "realized_sensitivity", "unamplified_event", "write_report"]

@@ -586,4 +586,5 @@ def account(fac: Factorization, *, delta: float, noise_multiplier: float | None 
 
 __all__ = ["ACCOUNTANTS_FOR", "ACCOUNTANT_NAMES", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult",
            "CyclicPoissonAccountant", "MMCCAccountant", "MonteCarloEVRAccountant", "SamplingSpec",
-           "UnamplifiedAccountant", "accountant_for", "account", "check_pld_size"]
+           "TightestAccountant", "UnamplifiedAccountant", "accountant_for", "account", "candidate_accountants",
+           "check_pld_size"]

@@ -10,10 +10,15 @@ computed here in log space, vectorised over samples, O(n·bands) per sample. War
 (f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (digest §1.6).
 Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items (cold start only).
 
+Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward algorithm over
+the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins: the N/B phases enumerated
+(:func:`balls_in_bins_llr`, any encoder).
+
 δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln P/Q, and
 y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release (004 Alg. 5, Thm A.1):
 a verifier at threshold δ' with s samples fails to catch a mechanism that is not (ε, δ)-DP with probability at most
-exp(−s·KL(δ'‖δ)), giving (ε, δ + q(1 − δ))-DP overall.
+exp(−s·KL(δ'‖δ)), giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
+deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that δ.
 """
 
 from __future__ import annotations
