@@ -257,8 +257,10 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
 
         return SamplingSpec("bminsep", req.population, req.population * p0,
                             sampling_probability=BMinSepSampler.probability_for_rate(p0, b), accountant="monte-carlo")
-    return SamplingSpec("cyclic-poisson", req.population, req.population * p0, sampling_probability=b * p0,
-                        accountant=accountant)
+    from corrflow.participation.samplers import clamp_probability
+
+    return SamplingSpec("cyclic-poisson", req.population, req.population * p0,
+                        sampling_probability=clamp_probability(b * p0), accountant=accountant)
 
 
 def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | None:
