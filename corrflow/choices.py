@@ -91,11 +91,12 @@ SAMPLING_OF = {Participation.FIXED_EPOCH: Sampling.NONE, Participation.BMINSEP: 
                Participation.CYCLIC_POISSON: Sampling.CYCLIC_POISSON}
 
 #: Accountants that can analyse each sampling; the first is the default. Cyclic Poisson: 001 Prop. 2.1 (≤ b bands)
-#: or Generalized-MMCC (002 App. D); Poisson: MMCC (002 Alg. 1); b-min-sep, balls-in-bins, multi-attribution: 004's
+#: or Generalized-MMCC (002 App. D); Poisson: MMCC (002 Alg. 1) or Monte Carlo over the exact likelihood of a banded
+#: encoder (≤ 12 bands); b-min-sep, balls-in-bins, multi-attribution: 004's
 #: Monte Carlo (Eq. 1, Thm 6.1).
 ACCOUNTANTS_FOR = {Sampling.NONE: (Accountant.UNAMPLIFIED,),
                    Sampling.CYCLIC_POISSON: (Accountant.CYCLIC_POISSON, Accountant.MMCC),
-                   Sampling.POISSON: (Accountant.MMCC,),
+                   Sampling.POISSON: (Accountant.MMCC, Accountant.MONTE_CARLO),
                    Sampling.BMINSEP: (Accountant.MONTE_CARLO,),
                    Sampling.BALLS_IN_BINS: (Accountant.MONTE_CARLO,),
                    Sampling.MULTI_ATTRIBUTION: (Accountant.MONTE_CARLO,)}

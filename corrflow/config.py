@@ -271,7 +271,7 @@ class RunConfig(BaseModel):
                     self.participation_rate)
             return
         require(1 <= self.b <= self.num_rounds, "min-sep", f"in [1, num-rounds = {self.num_rounds}]", self.b)
-        require(self.participation_rate <= 1.0 / self.b, "participation-rate",
+        require(self.participation_rate <= (1.0 / self.b) * (1 + 1e-9), "participation-rate",
                 f"in (0, 1/min-sep = {1 / self.b:g}], or 0 for the default 1/(2·min-sep)", self.participation_rate)
         require(self.participation != "poisson" or self.min_sep == 1, "min-sep",
                 "1 for poisson participation (a user may train in any round)", self.min_sep)

@@ -15,7 +15,6 @@ from corrflow.accounting.montecarlo import (
     bernoulli_kl,
     log_likelihood_ratio,
     minimum_samples,
-    overall_delta,
     sample_participations,
 )
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
@@ -158,23 +157,26 @@ def test_evr_bounds():
 def test_bminsep_beats_unamplified_and_calibrates(rng):
     fac = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
     spec = SamplingSpec("bminsep", 48_000, 400)
-    res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, mc_samples=20_000, seed=1)
+    res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, seed=1)
     unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
     acc = res["accountant"]
-    assert acc["samples"] == 20_000 and acc["verify_samples"] == 20_000 and acc["verification_passed"]
-    # Issue 11 item 4: the printed pair is the verified one — 20 000 samples verify δ = overall_delta, not 1e-3.
-    assert res["delta"] == pytest.approx(overall_delta(20_000, 5e-4)) and res["delta"] > 1e-3
-    assert res["guarantee"] is False and acc["slack"] == pytest.approx(res["delta"] - 5e-4)
-    assert acc["epsilon_estimate"] < res["epsilon"] == acc["epsilon_upper_confidence"]
+    # The pair printed is verified at the target δ (issue 21): EVR's failure budget is inside it.
+    assert acc["verification_passed"] and res["delta"] == 1e-3 and res["guarantee"] is True
+    assert acc["selected"] == "monte-carlo" and {b["accountant"] for b in acc["bounds"]} == {"monte-carlo",
+                                                                                           "unamplified"}
+    assert acc["slack"] == pytest.approx(acc["verifier_failure_budget"]) == pytest.approx(5e-5)
+    assert acc["epsilon_estimate"] < res["epsilon"]
     assert res["epsilon"] < unamp
     cal = account(fac, delta=1e-3, target_epsilon=3.0, sampling=spec, mc_samples=20_000, seed=2)
     acc = cal["accountant"]
-    assert cal["noise_multiplier"] <= acc["fallback_noise_multiplier"]
-    passed = [c for c in acc["candidates"] if c["passed"]]
-    if passed:
-        assert cal["noise_multiplier"] == pytest.approx(passed[-1]["noise_multiplier"])
-    assert acc["candidates"][-1]["passed"] is False or len(acc["candidates"]) == 40
-    assert cal["delta"] == (pytest.approx(overall_delta(20_000, 5e-4)) if passed else 1e-3)
+    assert cal["noise_multiplier"] <= acc["fallback_noise_multiplier"] and cal["guarantee"] is True
+    # 20 000 samples per candidate verify only δ = overall_delta > 1e-3: the fallback σ is released, named.
+    assert acc["released"] == "fallback" and cal["noise_multiplier"] == acc["fallback_noise_multiplier"]
+    assert acc["monte_carlo_noise_multiplier"] < acc["fallback_noise_multiplier"]
+    ok = account(fac, delta=1e-3, target_epsilon=3.0, sampling=spec, mc_samples=20_000, seed=2, verify_target=True,
+                 max_candidates=2)
+    assert ok["guarantee"] is True and ok["delta"] == 1e-3
+    assert ok["noise_multiplier"] < ok["accountant"]["fallback_noise_multiplier"]
 
 
 def test_multi_attribution_monte_carlo():
@@ -184,11 +186,11 @@ def test_multi_attribution_monte_carlo():
     eps = {}
     for k_u in (1, 2):
         spec = SamplingSpec("multi-attribution", 48_000, 400, items_per_user=k_u)
-        res = account(fac, delta=1e-3, noise_multiplier=2.0, sampling=spec, mc_samples=10_000, seed=1)
+        res = account(fac, delta=1e-2, noise_multiplier=2.0, sampling=spec, seed=1)
         acc = res["accountant"]
         assert acc["items_per_user"] == k_u and acc["warm_start"] is False
         eps[k_u] = res["epsilon"]
-        unamplified = account(fac, delta=1e-3, noise_multiplier=2.0 / k_u)["epsilon"]
+        unamplified = account(fac, delta=1e-2, noise_multiplier=2.0 / k_u)["epsilon"]
         assert eps[k_u] < unamplified
     assert eps[2] > eps[1]
     cal = account(fac, delta=1e-3, target_epsilon=3.0, mc_samples=5_000, seed=2, max_candidates=8,
@@ -202,8 +204,8 @@ def test_multi_attribution_monte_carlo():
 
 def test_balls_in_bins_equals_warm_bminsep_p1():
     fac = factorize("toeplitz", participation_for(32, 4, 8, kind="min-sep"), bands=4)
-    res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=SamplingSpec("balls-in-bins", 800, 100),
-                  mc_samples=4000, seed=5)
+    res = account(fac, delta=1e-3, noise_multiplier=1.0, seed=5,
+                  sampling=SamplingSpec("balls-in-bins", 800, 100, accountant="monte-carlo"))
     assert res["accountant"]["min_sep"] == 8 and res["accountant"]["sampling_probability"] == 1.0
 
 
@@ -231,7 +233,12 @@ def test_bad_sampling_input():
         SamplingSpec("cyclic-poisson", 100)
     dense = factorize("dense", participation_for(16, 2))
     with pytest.raises(InvalidArgumentError, match="banded encoder"):
-        account(dense, delta=1e-5, noise_multiplier=1.0, sampling=SamplingSpec("bminsep", 1000, 10))
+        account(dense, delta=1e-5, noise_multiplier=1.0,
+                sampling=SamplingSpec("bminsep", 1000, 10, accountant="monte-carlo"))
+    # With no accountant named, a dense encoder gets the bound that applies (unamplified, ⌈n/b⌉ participations).
+    res = account(dense, delta=1e-5, noise_multiplier=1.0, sampling=SamplingSpec("bminsep", 1000, 10))
+    assert res["guarantee"] and res["accountant"]["selected"] == "unamplified"
+    assert res["accountant"]["skipped"][0]["accountant"] == "monte-carlo"
     neg = factorize("bsr", participation_for(16, 2), gamma=0.9)  # still banded; make C negative by hand below
     band = -neg.encoder.band_array()
     with pytest.raises(InvalidArgumentError, match="non-negative"):

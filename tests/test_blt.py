@@ -241,7 +241,11 @@ def test_accountants_for_blt(blt_fac):
     every = mmcc_epsilon(C, q, 2.0, 1e-5, cycle=fac.participation.min_sep)
     assert mm["epsilon"] == pytest.approx(every.epsilon, rel=1e-12)
     with pytest.raises(InvalidArgumentError, match="banded"):
-        account(fac, delta=1e-5, noise_multiplier=2.0, sampling=SamplingSpec("cyclic-poisson", 400, 25.0))
+        account(fac, delta=1e-5, noise_multiplier=2.0,
+                sampling=SamplingSpec("cyclic-poisson", 400, 25.0, accountant="cyclic-poisson"))
+    # With no accountant named, the bound that applies to a BLT encoder (Generalized-MMCC) is used and named.
+    best = account(fac, delta=1e-5, noise_multiplier=2.0, sampling=SamplingSpec("cyclic-poisson", 400, 25.0))
+    assert best["accountant"]["selected"] == "mmcc" and best["epsilon"] == pytest.approx(mm["epsilon"], rel=1e-12)
 
 
 def test_plan_offers_blt_with_its_memory(tmp_path):

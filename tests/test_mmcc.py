@@ -19,7 +19,6 @@ from corrflow.accounting import (
     unamplified_event,
 )
 from corrflow.accounting.mmcc import block_problem, mmcc_epsilon, row_pmf, tail_bounds
-from corrflow.accounting.montecarlo import minimum_samples
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization import factorize, participation_for
 
@@ -130,7 +129,7 @@ def test_bad_input():
         SamplingSpec("poisson", 100, 10, sampling_probability=0.0)
     assert e.value.field == "sampling_probability"
     with pytest.raises(InvalidArgumentError) as e:
-        SamplingSpec("poisson", 100, 10, accountant="monte-carlo")
+        SamplingSpec("poisson", 100, 10, accountant="cyclic-poisson")
     assert e.value.field == "accountant"
     # A dense multi-epoch encoder (k ≥ 2) has negative entries: refused with the entry named.
     dense = factorize("dense", participation_for(8, 2))
@@ -150,9 +149,12 @@ def test_noise_multiplier_too_small_is_refused_before_pld():
 
 
 def test_interface_and_registry():
-    for spec, name in [(SamplingSpec(), "unamplified"), (SamplingSpec("cyclic-poisson", 100, 10), "cyclic-poisson"),
+    for spec, name in [(SamplingSpec(), "unamplified"), (SamplingSpec("cyclic-poisson", 100, 10), "tightest"),
+                       (SamplingSpec("cyclic-poisson", 100, 10, accountant="cyclic-poisson"), "cyclic-poisson"),
                        (SamplingSpec("cyclic-poisson", 100, 10, accountant="mmcc"), "mmcc"),
-                       (SamplingSpec("poisson", 100, 10), "mmcc"), (SamplingSpec("bminsep", 100, 10), "monte-carlo")]:
+                       (SamplingSpec("poisson", 100, 10), "tightest"), (SamplingSpec("bminsep", 100, 10), "tightest"),
+                       (SamplingSpec("poisson", 100, 10, accountant="monte-carlo"), "monte-carlo"),
+                       (SamplingSpec("bminsep", 100, 10, accountant="monte-carlo"), "monte-carlo")]:
         acc = accountant_for(spec)
         assert isinstance(acc, Accountant) and acc.name == name
     fac = factorize("toeplitz", participation_for(16, 2))
@@ -174,19 +176,21 @@ def test_mmcc_calibration_hits_target():
 
 
 def test_monte_carlo_verify_target():
-    # --verify-target draws exactly the samples the target δ needs, so the verified pair is at the target δ.
+    # ε for a σ always verifies the target δ: the released pair is at the target, whatever --mc-samples (which
+    # only sizes the first batch); a budget too small to verify falls back to the unamplified bound, named.
     fac = factorize("toeplitz", participation_for(24, 4, 6, kind="min-sep"), bands=3)
-    spec = SamplingSpec("bminsep", 24_000, 400)
-    needed = minimum_samples(5e-3, 1e-2)
-    res = account(fac, delta=1e-2, noise_multiplier=1.0, sampling=spec, mc_samples=5_000, seed=3,
-                  verify_target=True)
+    spec = SamplingSpec("bminsep", 24_000, 400, accountant="monte-carlo")
+    res = account(fac, delta=1e-2, noise_multiplier=1.0, sampling=spec, mc_samples=5_000, seed=3)
     acc = res["accountant"]
-    assert acc["verify_samples"] == max(needed, 5_000) and acc["samples_needed_for_target_delta"] == needed
     assert res["delta"] == 1e-2 and res["guarantee"] is True and acc["verification_passed"]
-    capped = account(fac, delta=1e-2, noise_multiplier=1.0, sampling=spec, mc_samples=1_000, seed=3,
-                     verify_target=True, max_samples=2_000)
-    assert capped["accountant"]["verify_samples"] == 2_000 and capped["delta"] > 1e-2
-    assert capped["guarantee"] is False
+    assert acc["delta_mechanism"] + acc["verifier_failure_budget"] == pytest.approx(1e-2)
+    assert sum(a["failure_share"] for a in acc["attempts"]) <= acc["verifier_failure_budget"]
+    capped = account(fac, delta=1e-2, noise_multiplier=1.0, sampling=spec, mc_samples=200, seed=3,
+                     max_samples=400)
+    assert capped["guarantee"] is True and capped["delta"] == 1e-2
+    assert capped["accountant"]["released"] == "fallback" and capped["accountant"]["name"] == "pld"
+    assert capped["accountant"]["monte_carlo"]["verification_passed"] is False
+    assert capped["epsilon"] > res["epsilon"]
 
 
 def test_cli_account_mmcc(tmp_path):
@@ -232,7 +236,8 @@ def test_strategy_config_accountant_checks():
     base = dict(num_users=50, num_rounds=8, epochs=8, noise_multiplier=4.0)
     RunConfig(**base, participation="poisson", min_sep=1, accountant="mmcc")
     RunConfig(**base, participation="cyclic-poisson", min_sep=2, accountant="mmcc")
-    for bad in (dict(participation="poisson", min_sep=1, accountant="monte-carlo"),
+    RunConfig(**base, participation="poisson", min_sep=1, accountant="monte-carlo")
+    for bad in (dict(participation="fixed-epoch", accountant="monte-carlo"),
                 dict(participation="bminsep", min_sep=2, accountant="mmcc"),
                 dict(participation="fixed-epoch", accountant="mmcc")):
         with pytest.raises(InvalidArgumentError) as e:

@@ -139,6 +139,27 @@ def test_cyclic_poisson_recipe_matches_run_accounting(tmp_path):
     assert c.rmse < account(fac, delta=1e-5, target_epsilon=2.0)["noise_multiplier"] * c.rmse_unit_sigma  # q < 1
 
 
+def test_banded_kinds_are_also_planned_with_their_own_sampler_separation(tmp_path):
+    """A p-banded Toeplitz C with p < ⌊P/B⌋ is also planned under the cyclic Poisson sampler with b = p bands apart
+    (q = p·B/P < 1, so the sampling amplifies; at b = ⌊P/B⌋, q ≈ 1): the strategy's accounting path gives the
+    candidate's ε, within the target, and the best of them beats the unamplified σ's error at b = ⌊P/B⌋."""
+    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
+                      kinds=("toeplitz",), accountants=("cyclic-poisson",))
+    res = make_plan(req, PlanCache(tmp_path / "cache"), quiet=True)
+    own = [c for c in res.candidates if c.min_sep < req.min_sep]
+    assert sorted(c.min_sep for c in own) == [1, 2, 3, 4] and all(c.bands == c.min_sep for c in own)
+    for c in own:
+        b = c.min_sep
+        fac = res.factorizations[c.key()]
+        assert fac.participation == participation_for(16, -(-16 // b), b, kind="min-sep")   # what the run builds
+        spec = SamplingSpec("cyclic-poisson", 110, 20.0, sampling_probability=b * 20 / 110,
+                            accountant="cyclic-poisson")
+        eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)["epsilon"]
+        assert eps == pytest.approx(c.epsilon) and eps <= 2.0
+    at_p_over_b = min(c.rmse for c in res.candidates if c.min_sep == req.min_sep)
+    assert min(c.rmse for c in own) < at_p_over_b
+
+
 def test_dpsgd_is_also_planned_with_poisson_sampling(tmp_path):
     """DP-SGD under Poisson sampling in every round (b = 1, q = B/P): n compositions of the subsampled Gaussian."""
     import dp_accounting as dpa

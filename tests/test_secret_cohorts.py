@@ -19,7 +19,7 @@ from corrflow.server.inprocess import InProcessGrid
 AMPLIFIED = {
     "poisson": dict(participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", kind="dpsgd"),
     "bminsep": dict(participation="bminsep", min_sep=3, participation_rate=0.2, accountant="monte-carlo",
-                    mc_samples=2000),
+                    mc_samples=2000, delta=1e-3),
 }
 MODEL = re.compile(r"(test-loss|accuracy) -?[0-9.]+(e-?\d+)?|\d+(\.\d+)?\s*s\b")
 

@@ -21,8 +21,10 @@ from corrflow.accounting.accountant import (
     AccountingOptions,
     AccountingResult,
     SamplingSpec,
+    TightestAccountant,
     account,
     accountant_for,
+    candidate_accountants,
 )
 from corrflow.accounting.audit import one_run_lower_bound, one_shot_estimate
 from corrflow.accounting.mechanisms import (
@@ -34,12 +36,13 @@ from corrflow.accounting.mechanisms import (
     gaussian_noise_multiplier,
     unamplified_event,
 )
-from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
+from corrflow.accounting.montecarlo import MonteCarloAccountant, adaptive_evr, minimum_samples, overall_delta
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
 from corrflow.accounting.report import hash_user_id, privacy_report, write_report
 
 __all__ = ["ACCOUNTANTS_FOR", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult", "CyclicPoisson",
-           "MonteCarloAccountant", "SamplingSpec", "account", "accountant_for", "calibrate_log_sigma",
-           "calibrate_on_grid", "epsilon_of", "gaussian_epsilon", "gaussian_noise_multiplier",
-           "hash_user_id", "minimum_samples", "one_run_lower_bound", "one_shot_estimate", "overall_delta",
-           "pattern_sensitivity", "privacy_report", "realized_sensitivity", "unamplified_event", "write_report"]
+           "MonteCarloAccountant", "SamplingSpec", "TightestAccountant", "account", "accountant_for", "adaptive_evr",
+           "calibrate_log_sigma", "calibrate_on_grid", "candidate_accountants", "epsilon_of", "gaussian_epsilon",
+           "gaussian_noise_multiplier", "hash_user_id", "minimum_samples", "one_run_lower_bound", "one_shot_estimate",
+           "overall_delta", "pattern_sensitivity", "privacy_report", "realized_sensitivity", "unamplified_event",
+           "write_report"]

@@ -8,9 +8,14 @@ Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multipl
   curve (Balle & Wang 2018, arXiv 1805.06530);
 * ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians, b-banded C) or,
   with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D: any non-negative C);
-* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1);
+* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1) or, for banded non-negative
+  encoders with ≤ 12 bands, :class:`MonteCarloEVRAccountant` over the exact likelihood (forward algorithm);
 * ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → :class:`MonteCarloEVRAccountant` (004 Eq. 1, Thm 6.1,
   Estimate-Verify-Release, Alg. 5).
+
+With no accountant named (``SamplingSpec.accountant=None``) an amplified sampling gets :class:`TightestAccountant`:
+every accountant that applies is computed and the tightest bound verified at the target δ is used; the result
+names it and lists the others with their values.
 
 :func:`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity fields).
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -39,7 +44,15 @@ from corrflow.accounting.mechanisms import (
     gaussian_noise_multiplier,
 )
 from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
-from corrflow.accounting.montecarlo import MonteCarloAccountant, minimum_samples, overall_delta
+from corrflow.accounting.montecarlo import (
+    DEFAULT_MAX_SAMPLES,
+    MAX_FORWARD_BANDS,
+    MonteCarloAccountant,
+    adaptive_evr,
+    first_verification_size,
+    minimum_samples,
+    overall_delta,
+)
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzEncoder
@@ -91,12 +104,13 @@ class SamplingSpec:
 class AccountingOptions:
     """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own."""
 
-    mc_samples: int = 100_000
+    mc_samples: int | None = None    # Monte Carlo: first batch per direction (None: what the target δ needs)
     seed: int = 0
     grid_ratio: float = 1.02
     max_candidates: int = 40
-    verify_target: bool = False      # Monte Carlo: draw the samples the target δ needs (≈ 10.7 M at δ = 1e-5)
-    max_samples: int = 20_000_000    # cap for verify_target
+    verify_target: bool = False      # σ calibration (Monte Carlo): draw the samples the target δ needs
+    max_samples: int = DEFAULT_MAX_SAMPLES   # Monte Carlo: sample budget per direction, all batches
+    time_limit: float | None = None  # Monte Carlo: seconds after which the search aborts (nothing released)
     mmcc_grid: float | None = None   # Δ2; None: the largest sensitivity entry / 256
     delta_split: float = 0.5         # MMCC: share of δ spent on tail bounds
     progress: bool = False
@@ -290,6 +304,7 @@ class MMCCAccountant(_Calibrating):
             return 1, p, None
         cycle = fac.participation.min_sep
         q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
+        q = 1.0 if 1.0 < q <= 1.0 + 1e-9 else q      # N/B = cycle exactly: rounding must not leave [0, 1]
         require(q <= 1, "expected_batch_size", f"at most dataset_size/cycle = {s.dataset_size / cycle:g} "
                 "(q = cycle·B/N must be ≤ 1)", s.expected_batch_size)
         enc = fac.encoder
@@ -316,13 +331,16 @@ class MMCCAccountant(_Calibrating):
 
 @dataclass
 class MonteCarloEVRAccountant:
-    """004's Monte Carlo accountant with Estimate-Verify-Release (Alg. 5, Thm A.1).
+    """Monte Carlo accounting over the exact likelihood, released by Estimate-Verify-Release (004 App. A, Thm A.1).
 
-    The released pair is the one EVR verified with the samples drawn: ε is estimated (upper confidence end, z = 3)
-    on one set of samples and verified at δ' = δ/2 on a fresh set; the δ reported is the overall δ that verification
-    implies, max(δ, δ'+failure term), which exceeds the target δ unless enough samples were drawn
-    (``verify_target``). A failed verification releases the b-min-sep fallback (⌈n/b⌉ participations, no
-    amplification), which needs no Monte Carlo."""
+    Schemes: b-min-sep (004 Eq. 1, warm start) and multi-attribution (Thm 6.1, cold start) with bands ≤ b; Poisson
+    sampling in every round of a banded encoder with ≤ 12 bands (a forward algorithm over the last bands − 1
+    participation bits); balls-in-bins (the N/B phases enumerated, any bands). Both adjacency directions.
+
+    ``epsilon``: :func:`~corrflow.accounting.montecarlo.adaptive_evr` — batches of samples, deterministic given the
+    seed, until verification at the target δ passes (the verifier's failure probability is part of that δ) or the
+    ``max_samples`` budget is spent; then the scheme's other verified bound is released (unamplified ⌈n/b⌉
+    participations, or MMCC for Poisson) and both numbers are named on stderr and in the result."""
 
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
@@ -332,88 +350,125 @@ class MonteCarloEVRAccountant:
         sampling = self.sampling
         band = _band(fac)
         p0 = sampling.expected_batch_size / sampling.dataset_size
+        k_u = sampling.items_per_user
         if sampling.kind == "balls-in-bins":
             bins = round(1 / p0)
             require(abs(bins * p0 - 1) < 1e-9, "expected_batch_size", "a divisor of dataset_size (N/B bins)",
                     sampling.expected_batch_size)
-            b, p = bins, 1.0
-        else:
-            b = fac.participation.min_sep
-            require(p0 <= 1.0 / b, "expected_batch_size", f"at most dataset_size/min_sep = "
-                    f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
-            p = sampling.sampling_probability or p0 / (1 - p0 * (b - 1))  # 004 §1.5: 1/p0 = 1/p + (b − 1)
+            params = {"sampling": "balls-in-bins", "bins": bins, "min_sep": bins, "sampling_probability": 1.0,
+                      "participation_rate": p0, "items_per_user": 1, "likelihood": "exact: the N/B phases "
+                      "enumerated (004 §1.4)"}
+            return MonteCarloAccountant(band, bins, 1.0, scheme="balls-in-bins"), params
+        if sampling.kind == "poisson":
+            p = sampling.sampling_probability or p0
+            require(band.shape[1] <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for "
+                    "the Monte Carlo accountant under Poisson sampling (2^(bands−1) states; use mmcc)", band.shape[1])
+            params = {"sampling": "poisson", "min_sep": 1, "sampling_probability": p, "participation_rate": p,
+                      "items_per_user": 1, "likelihood": f"exact: forward algorithm over the last "
+                      f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)"}
+            return MonteCarloAccountant(band, 1, p, scheme="poisson"), params
+        b = fac.participation.min_sep
+        require(p0 <= (1.0 / b) * (1 + 1e-9), "expected_batch_size", f"at most dataset_size/min_sep = "
+                f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
+        p = sampling.sampling_probability or min(1.0, 1.0 / (1.0 / p0 - (b - 1)))  # 004 §1.5: 1/p0 = 1/p + b − 1
         require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the "
                 "banded recursion", band.shape[1])
         warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
-        k_u = sampling.items_per_user
         params = {"sampling": sampling.kind, "min_sep": b, "sampling_probability": p, "participation_rate": p0,
-                  "warm_start": warm, "items_per_user": k_u}
+                  "warm_start": warm, "items_per_user": k_u, "likelihood": "exact: 004 Eq. 1 recursion"}
         return MonteCarloAccountant(band, b, p, warm=warm, k_u=k_u), params
 
     def _verify_samples(self, delta_prime: float, delta: float) -> tuple[int, int]:
         o = self.options
         needed = minimum_samples(delta_prime, delta)
+        base = o.mc_samples or 100_000
         if not o.verify_target:
-            return o.mc_samples, needed
+            return base, needed
         require(isinstance(o.max_samples, int) and o.max_samples >= 2, "max_samples", "an integer ≥ 2",
                 o.max_samples)
         if needed > o.max_samples:
             print(f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, above "
                   f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is what they "
                   "verify)", file=sys.stderr)
-        return max(o.mc_samples, min(needed, o.max_samples)), needed
+        return max(base, min(needed, o.max_samples)), needed
 
-    def _fallback(self, fac, params, delta, sigma=None, target_epsilon=None):
-        k = math.ceil(fac.rounds / params["min_sep"])
-        sens_fb = params["items_per_user"] * float(np.sqrt(k)) * float(fac.encoder.column_norms().max())
-        if sigma is not None:
-            return gaussian_epsilon(sigma, sens_fb, delta)
-        return gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
+    def fallback(self, fac, noise_multiplier: float, delta: float) -> AccountingResult:
+        """The scheme's other bound, needing no Monte Carlo: MMCC (002) for Poisson; else one Gaussian of the
+        sensitivity of ⌈n/b⌉ participations b apart (k_u items each), which every run of the sampler obeys."""
+        if self.sampling.kind == "poisson":
+            spec = SamplingSpec("poisson", self.sampling.dataset_size, self.sampling.expected_batch_size,
+                                sampling_probability=self.sampling.sampling_probability, accountant="mmcc")
+            return MMCCAccountant(spec, self.options).epsilon(fac, noise_multiplier, delta)
+        sep = self._separation(fac)
+        k = math.ceil(fac.rounds / sep)
+        col = float(fac.encoder.column_norms().max())
+        # Disjoint supports when bands ≤ separation (√k); otherwise the triangle inequality (k).
+        per = math.sqrt(k) if (fac.bands or fac.rounds) <= sep else k
+        sens = self.sampling.items_per_user * per * col
+        e = gaussian_epsilon(noise_multiplier, sens, delta)
+        return AccountingResult("analytic-gaussian", e, delta, noise_multiplier, delta, parameters={
+            "sampling": f"none ({self.sampling.kind}: at most {k} participations {sep} rounds apart, unamplified)",
+            "sensitivity": sens, "normalisation": "one Gaussian of the sensitivity of the sampler's worst pattern "
+            "(000 App. D.2)"})
 
-    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
+    def _separation(self, fac) -> int:
+        if self.sampling.kind == "balls-in-bins":
+            return round(self.sampling.dataset_size / self.sampling.expected_batch_size)
+        return fac.participation.min_sep
+
+    def verified_epsilon(self, fac, noise_multiplier, delta) -> AccountingResult:
+        """Adaptive EVR at the target δ; ``guarantee`` is False (and ``epsilon`` the point estimate) when the sample
+        budget was spent before a verification passed."""
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
         o = self.options
-        k = math.ceil(fac.rounds / params["min_sep"])
-        # The fallback is a PLD: refuse a σ it cannot represent before spending any samples.
-        check_pld_size(noise_multiplier, params["items_per_user"] * math.sqrt(k)
-                       * float(fac.encoder.column_norms().max()))
-        delta_prime = delta / 2  # 004 §7.1: verify at δ/2
-        verify_n, needed = self._verify_samples(delta_prime, delta)
-        ss = np.random.SeedSequence(o.seed)
-        est_seed, ver_seed = ss.spawn(2)
-        est = mc.sample_losses(noise_multiplier, o.mc_samples, est_seed)
-        eps_hat = est.epsilon(delta_prime)
-        eps_rel = est.epsilon(delta_prime, z=RELEASE_Z)
-        ver = mc.sample_losses(noise_multiplier, verify_n, ver_seed, progress=o.progress)
-        d_hat, _ = ver.delta(eps_rel)
-        passed = d_hat <= delta_prime
-        d_overall = overall_delta(ver.samples, delta_prime)
-        acc = {**params, "samples": o.mc_samples, "verify_samples": ver.samples, "verify_delta": delta_prime,
-               "samples_needed_for_target_delta": needed, "directions": "add and remove",
-               "epsilon_estimate": eps_hat, "epsilon_upper_confidence": eps_rel, "release_z": RELEASE_Z,
-               "verified_delta_hat": d_hat,
-               "verification_passed": bool(passed), "overall_delta": d_overall,
+        if self.sampling.kind != "poisson":   # the fallback is a PLD: refuse a σ it cannot represent first
+            k = math.ceil(fac.rounds / self._separation(fac))
+            check_pld_size(noise_multiplier, params["items_per_user"] * k
+                           * float(fac.encoder.column_norms().max()))
+        require(isinstance(o.max_samples, int) and o.max_samples >= 4, "max_samples", "an integer ≥ 4",
+                o.max_samples)
+        run = adaptive_evr(mc, noise_multiplier, delta, o.seed, max_samples=o.max_samples,
+                           first_samples=o.mc_samples, release_z=RELEASE_Z, time_limit=o.time_limit,
+                           progress=o.progress)
+        acc = {**params, **run.to_dict(), "directions": "add and remove", "release_z": RELEASE_Z, "seed": o.seed,
+               "verify_rule": "attempt i: fresh samples, threshold δ' with wrong-pass probability ≤ β/2^(i+1); "
+               "released δ = δ_mechanism + β",
                "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
-        if passed:
-            return AccountingResult("monte-carlo", eps_rel, max(delta, d_overall), noise_multiplier, delta,
-                                    slack=d_overall - delta_prime, parameters=acc)
-        e_fb = self._fallback(fac, params, delta, sigma=noise_multiplier)
-        print("monte carlo: verification failed; releasing the unamplified b-min-sep bound", file=sys.stderr)
-        return AccountingResult("monte-carlo", e_fb, delta, noise_multiplier, delta, parameters={
-            **acc, "released": "fallback: unamplified, ⌈n/b⌉ participations"})
+        if run.passed:
+            return AccountingResult("monte-carlo", run.epsilon, delta, noise_multiplier, delta,
+                                    slack=run.failure_budget, parameters=acc)
+        # Not a guarantee: the estimate with δ = 1 marks it unverified (never released as a pair).
+        return AccountingResult("monte-carlo", run.estimate, 1.0, noise_multiplier, delta, parameters={
+            **acc, "released": "nothing: the sample budget was spent before a verification passed"})
+
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # nothing coarser is cheaper
+        res = self.verified_epsilon(fac, noise_multiplier, delta)
+        if res.guarantee:
+            return res
+        fb = self.fallback(fac, noise_multiplier, delta)
+        note = (f"monte carlo: no verification passed within --max-samples {self.options.max_samples} per direction "
+                f"(estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); releasing the {fb.accountant} "
+                f"bound ε = {fb.epsilon:.4g} — raise --max-samples for the Monte Carlo bound")
+        print(note, file=sys.stderr)
+        return replace(fb, parameters={**fb.parameters, "released": "fallback", "fallback_reason": note,
+                                       "monte_carlo": res.parameters})
 
     def noise_multiplier(self, fac, target_epsilon, delta):
         # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the fallback (the
         # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
         check_delta(delta)
         check_epsilon(target_epsilon)
+        require(self.sampling.kind != "poisson", "accountant", "mmcc to calibrate σ under Poisson sampling (the "
+                "Monte Carlo accountant gives ε for a σ there)", "monte-carlo")
         mc, params = self._mc(fac)
         o = self.options
         delta_prime = delta / 2
         verify_n, needed = self._verify_samples(delta_prime, delta)
-        fallback = self._fallback(fac, params, delta, target_epsilon=target_epsilon)
+        k = math.ceil(fac.rounds / self._separation(fac))
+        sens_fb = params["items_per_user"] * math.sqrt(k) * float(fac.encoder.column_norms().max())
+        fallback = gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
         chosen, tried = fallback, []
         for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
             cand = chosen / o.grid_ratio
@@ -423,19 +478,147 @@ class MonteCarloEVRAccountant:
                 break
             chosen = cand
         d_overall = overall_delta(verify_n, delta_prime)
-        released = delta if chosen == fallback else max(delta, d_overall)
         acc = {**params, "samples": verify_n, "verify_delta": delta_prime,
                "samples_needed_for_target_delta": needed, "directions": "add and remove",
                "fallback_noise_multiplier": fallback, "candidates": tried, "grid_ratio": o.grid_ratio,
                "overall_delta": d_overall,
                "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
-        return AccountingResult("monte-carlo", target_epsilon, released, chosen, delta, target_epsilon,
+        if chosen != fallback and d_overall > delta * (1 + 1e-12):
+            # The samples per candidate verify only a larger δ: release the fallback σ, which holds at the target,
+            # and name both (never an unverified pair).
+            note = (f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ = "
+                    f"{d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} (--verify-target "
+                    f"draws the {needed} samples per candidate the target needs)")
+            print(note, file=sys.stderr)
+            fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
+            return AccountingResult("analytic-gaussian", fb_eps, delta, fallback, delta, target_epsilon, parameters={
+                **acc, "released": "fallback", "fallback_reason": note, "monte_carlo_noise_multiplier": chosen})
+        return AccountingResult("monte-carlo", target_epsilon, delta, chosen, delta, target_epsilon,
                                 slack=(d_overall - delta_prime) if chosen != fallback else 0.0, parameters=acc)
+
+
+def _monte_carlo_applies(fac: Factorization, sampling: SamplingSpec) -> str | None:
+    """Why the Monte Carlo accountant cannot analyse ``fac`` under ``sampling`` (None: it can)."""
+    enc = fac.encoder
+    if not isinstance(enc, ToeplitzEncoder | BandedEncoder):
+        return f"not a banded encoder ({enc.structure})"
+    if float(np.min(_band(fac))) < 0:
+        return "the encoder has negative entries"
+    if sampling.kind == "poisson" and (fac.bands or fac.rounds) > MAX_FORWARD_BANDS:
+        return f"{fac.bands} bands > {MAX_FORWARD_BANDS} (2^(bands−1) forward states)"
+    if sampling.kind in ("bminsep", "multi-attribution") and (fac.bands or fac.rounds) > fac.participation.min_sep:
+        return f"{fac.bands} bands > min_sep {fac.participation.min_sep}"
+    return None
+
+
+#: Poisson sampling: the Monte Carlo accountant joins the default selection when its first attempt costs at most this
+#: many forward-algorithm state updates (samples × rounds × 2^(bands−1), both directions; ~ a minute on 2 cores).
+MC_AFFORDABLE_WORK = 2e10
+
+
+def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
+    """State updates of a first Monte Carlo attempt under Poisson sampling at ``delta``."""
+    samples = 2 * first_verification_size(delta)
+    return 2.0 * samples * fac.rounds * (1 << ((fac.bands or fac.rounds) - 1))
+
+
+def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: float
+                          ) -> tuple[list[str], list[dict]]:
+    """(accountants computed for ``sampling`` when none is named, the ones skipped with the reason).
+
+    Poisson: MMCC (002) and, for banded non-negative encoders with ≤ 12 bands, Monte Carlo over the exact
+    likelihood (where affordable, see :data:`MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins, multi-attribution:
+    Monte Carlo and its unamplified bound; cyclic Poisson:
+    001 Prop. 2.1 when bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC."""
+    kind = sampling.kind
+    if kind == "none":
+        return ["unamplified"], []
+    if kind == "cyclic-poisson":
+        if (fac.bands or fac.rounds) <= fac.participation.min_sep and isinstance(
+                fac.encoder, ToeplitzEncoder | BandedEncoder):
+            return ["cyclic-poisson"], [{"accountant": "mmcc", "reason": "equals cyclic-poisson for encoders with "
+                                         "≤ cycle bands (002 App. D)"}]
+        return ["mmcc"], [{"accountant": "cyclic-poisson", "reason": "more bands than the cycle"}]
+    why = _monte_carlo_applies(fac, sampling)
+    if kind == "poisson":
+        if not why and (fac.bands or fac.rounds) == 1:
+            why = "MMCC is exact for a one-band (diagonal) encoder: no tail bounds, the rows are independent"
+        if not why:
+            work = poisson_monte_carlo_work(fac, delta)
+            if work > MC_AFFORDABLE_WORK:
+                why = (f"too costly by default (~{work:.2g} state updates for δ = {delta:g}; name --accountant "
+                       "monte-carlo to run it)")
+        return (["mmcc"], [{"accountant": "monte-carlo", "reason": why}]) if why else (["monte-carlo", "mmcc"], [])
+    if why:
+        return ["unamplified"], [{"accountant": "monte-carlo", "reason": why}]
+    return ["monte-carlo", "unamplified"], []
+
+
+@dataclass
+class TightestAccountant:
+    """Every accountant that applies to the sampling (:func:`candidate_accountants`), and the tightest bound
+    verified at the target δ: each is a valid (ε, δ) for the same mechanism, so their minimum is too. The result
+    names the one used and lists every bound with its value (``parameters["bounds"]``)."""
+
+    sampling: SamplingSpec
+    options: AccountingOptions = field(default_factory=AccountingOptions)
+    name = "tightest"
+
+    def _one(self, name: str, fac, sigma: float, delta: float) -> AccountingResult:
+        if name == "monte-carlo":
+            return MonteCarloEVRAccountant(self.sampling, self.options).verified_epsilon(fac, sigma, delta)
+        if name == "unamplified" and self.sampling.kind != "none":
+            return MonteCarloEVRAccountant(self.sampling, self.options).fallback(fac, sigma, delta)
+        spec = replace(self.sampling, accountant=name)
+        return accountant_for(spec, self.options).epsilon(fac, sigma, delta)
+
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
+        check_delta(delta)
+        check_sigma(noise_multiplier)
+        names, skipped = candidate_accountants(fac, self.sampling, delta)
+        results = [(n, self._one(n, fac, noise_multiplier, delta)) for n in names]
+        return _pick(results, skipped, delta, "epsilon")
+
+    def noise_multiplier(self, fac, target_epsilon, delta):
+        check_delta(delta)
+        check_epsilon(target_epsilon)
+        names, skipped = candidate_accountants(fac, self.sampling, delta)
+        if self.sampling.kind == "poisson" and "monte-carlo" in names:
+            names = [n for n in names if n != "monte-carlo"]
+            skipped = [*skipped, {"accountant": "monte-carlo", "reason": "gives ε for a σ, not σ for an ε"}]
+        results = []
+        for n in names:
+            if n == "unamplified" and self.sampling.kind != "none":
+                continue   # the Monte Carlo calibration already starts from (and falls back to) it
+            spec = replace(self.sampling, accountant=n)
+            results.append((n, accountant_for(spec, self.options).noise_multiplier(fac, target_epsilon, delta)))
+        return _pick(results, skipped, delta, "noise_multiplier")
+
+
+def _pick(results: list[tuple[str, AccountingResult]], skipped: list[dict], delta: float, key: str
+          ) -> AccountingResult:
+    """The verified result with the smallest ``key`` (ε, or σ), with every bound listed."""
+    bounds = [{"accountant": n, "method": r.accountant, "epsilon": r.epsilon, "noise_multiplier": r.noise_multiplier,
+               "delta": r.delta, "verified": r.guarantee,
+               **({"note": "Monte Carlo estimate only: the sample budget was spent before a verification passed"}
+                  if not r.guarantee else {})} for n, r in results]
+    verified = [(n, r) for n, r in results if r.guarantee]
+    require(bool(verified), "accountant", "an accountant that verifies the target δ", [b["accountant"] for b in bounds])
+    name, best = min(verified, key=lambda nr: getattr(nr[1], key))
+    unverified = [b for b in bounds if not b["verified"]]
+    for b in unverified:
+        print(f"accounting: {b['accountant']} did not verify δ = {delta:g} within its sample budget (estimate "
+              f"ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}", file=sys.stderr)
+    return replace(best, parameters={**best.parameters, "selected": name,
+                                     "selection": "the tightest bound verified at the target δ", "bounds": bounds,
+                                     "skipped": skipped})
 
 
 def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
     """The accountant for a sampling description (``sampling.accountant`` picks among the valid ones)."""
     options = options or AccountingOptions()
+    if sampling.accountant is None and sampling.kind != "none":
+        return TightestAccountant(sampling, options)
     method = sampling.method
     if method == "unamplified":
         return UnamplifiedAccountant()
@@ -448,14 +631,15 @@ def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = N
 
 def account(fac: Factorization, *, delta: float, noise_multiplier: float | None = None,
             target_epsilon: float | None = None, sampling: SamplingSpec = SamplingSpec(),
-            mc_samples: int = 100_000, seed: int = 0, grid_ratio: float = 1.02,
+            mc_samples: int | None = None, seed: int = 0, grid_ratio: float = 1.02,
             max_candidates: int = 40, **options) -> dict:
     """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as a dict: :class:`AccountingResult`'s
     ``to_dict()`` plus the sensitivity fields. ``options``: further :class:`AccountingOptions` fields."""
     check_delta(delta)
     require((noise_multiplier is None) != (target_epsilon is None), "noise_multiplier",
             "exactly one of noise_multiplier and target_epsilon")
-    require(isinstance(mc_samples, int) and mc_samples >= 2, "mc_samples", "an integer ≥ 2", mc_samples)
+    require(mc_samples is None or (isinstance(mc_samples, int) and mc_samples >= 2), "mc_samples", "an integer ≥ 2",
+            mc_samples)
     opts = AccountingOptions(mc_samples=mc_samples, seed=seed, grid_ratio=grid_ratio, max_candidates=max_candidates,
                              **options)
     acc = accountant_for(sampling, opts)
@@ -471,4 +655,5 @@ def account(fac: Factorization, *, delta: float, noise_multiplier: float | None 
 
 __all__ = ["ACCOUNTANTS_FOR", "ACCOUNTANT_NAMES", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult",
            "CyclicPoissonAccountant", "MMCCAccountant", "MonteCarloEVRAccountant", "SamplingSpec",
-           "UnamplifiedAccountant", "accountant_for", "account", "check_pld_size"]
+           "TightestAccountant", "UnamplifiedAccountant", "accountant_for", "account", "candidate_accountants",
+           "check_pld_size"]

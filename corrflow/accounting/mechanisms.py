@@ -154,7 +154,8 @@ class CyclicPoisson:
 
     @property
     def sampling_probability(self) -> float:
-        return self.cycle * self.expected_batch_size / self.dataset_size
+        q = self.cycle * self.expected_batch_size / self.dataset_size
+        return 1.0 if 1.0 < q <= 1.0 + 1e-9 else q     # N/B = cycle exactly: rounding must not leave [0, 1]
 
     @property
     def compositions(self) -> int:

@@ -10,10 +10,15 @@ computed here in log space, vectorised over samples, O(n·bands) per sample. War
 (f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (digest §1.6).
 Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items (cold start only).
 
+Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward algorithm over
+the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins: the N/B phases enumerated
+(:func:`balls_in_bins_llr`, any encoder).
+
 δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln P/Q, and
 y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release (004 Alg. 5, Thm A.1):
 a verifier at threshold δ' with s samples fails to catch a mechanism that is not (ε, δ)-DP with probability at most
-exp(−s·KL(δ'‖δ)), giving (ε, δ + q(1 − δ))-DP overall.
+exp(−s·KL(δ'‖δ)), giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
+deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that δ.
 """
 
 from __future__ import annotations
@@ -163,10 +168,104 @@ def _binomial_at_least_one(k: int, p: float, size: int, rng: np.random.Generator
 def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray, counts: np.ndarray) -> None:
     """y[:, s] += count·C[:, pos] for every participation (y round-major, n × S). Participations of one run are
     ≥ bands apart, so the scattered entries never collide."""
-    n = y.shape[0]
+    n, S = y.shape
+    # Scatter in memory order (round-major flat index, each (round, run) hit once per band offset): several times
+    # faster than unsorted fancy indexing at n = 2048; entries past round n are a suffix (sorted by round).
+    base = pos.astype(np.int64) * S + rows
+    if np.all(counts == 1):
+        base = np.sort(base)
+        vals = band[base // S].astype(y.dtype)
+    else:
+        order = np.argsort(base, kind="stable")
+        base = base[order]
+        vals = (band[base // S] * counts[order][:, None]).astype(y.dtype)
+    pos = base // S
+    flat = y.reshape(-1)
     for k in range(band.shape[1]):
-        ok = pos + k < n
-        y[pos[ok] + k, rows[ok]] += (counts[ok] * band[pos[ok], k]).astype(y.dtype)
+        m = int(np.searchsorted(pos, n - k))
+        flat[base[:m] + k * S] += vals[:m, k]
+
+
+# -- Poisson and balls-in-bins sampling of a banded encoder: exact likelihood ------------------------------------
+
+#: Most bands the Poisson forward algorithm takes (2^(bands−1) states per sample); above it MMCC is the bound.
+MAX_FORWARD_BANDS = 12
+
+
+def column_gram_bands(band: np.ndarray) -> np.ndarray:
+    """G[j, d] = ⟨c_j, c_{j+d}⟩ for d = 1..bands−1 (n × (bands−1)), columns truncated at row n (zero past it)."""
+    band = truncate_band(band)
+    n, L = band.shape
+    G = np.zeros((n, max(L - 1, 0)))
+    for d in range(1, L):
+        # c_j has rows j..j+L−1 (band[j, k] at row j+k); c_{j+d} has band[j+d, k'] at row j+d+k'; overlap k = d+k'.
+        for kp in range(L - d):
+            G[: n - d, d - 1] += band[: n - d, d + kp] * band[d:, kp]
+    return G
+
+
+def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) -> np.ndarray:
+    """ln P(y)/Q(y) for Poisson sampling with probability p in every round of a banded encoder, exactly.
+
+    P = Σ_x Π_j p^{x_j}(1−p)^{1−x_j} · N(Cx, σ²I), Q = N(0, σ²I) (004 §1.3 / 002 Lemma 4.5 reduction). With
+    c_j = C[:, j] (``band[j, k] = C[j + k, j]``), ln N(Cx)/N(0)(y) = Σ_j x_j a_j − Σ_{j<k<j+L} x_j x_k G_jk/σ² with
+    a_j = (⟨c_j, y⟩ − ‖c_j‖²/2)/σ²: a chain whose interactions reach L − 1 rounds back, summed over x by a forward
+    algorithm on the last L − 1 participation bits (2^(L−1) states; rescaled every round, linear space).
+    y: n × S (round-major). Returns (S,) float64. Cost O(n·2^(L−1)) per sample.
+    """
+    y = np.asarray(y, dtype=np.float64)
+    band = truncate_band(band)
+    n, S = y.shape
+    L = band.shape[1]
+    require(L <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for the exact Poisson "
+            "likelihood (2^(bands−1) states); MMCC covers more", L)
+    require(0 < p < 1, "sampling_probability", "a probability in (0, 1) for Poisson sampling", p)
+    inv = 1.0 / (sigma * sigma)
+    sq = np.sum(band ** 2, axis=1)
+    dots = np.zeros((n, S))
+    _block_dots(y, band, 0, n, dots, np.empty((n, S)))
+    a = (dots - 0.5 * sq[:, None]) * inv + math.log(p / (1 - p))   # log-odds of joining, before interactions
+    G = column_gram_bands(band) * inv
+    K = 1 << (L - 1)
+    bits = (np.arange(K)[:, None] >> np.arange(L - 1)[None, :]) & 1  # bit d−1 of state s: x_{j−d}
+    half = K >> 1
+    log_scale = np.full(S, n * math.log1p(-p))
+    alpha = np.zeros((K, S))
+    alpha[0] = 1.0
+    new = np.empty_like(alpha)
+    for j in range(n):
+        # Interaction of joining at j with the earlier participations recorded in the state.
+        inter = np.zeros(K)
+        for d in range(1, min(L - 1, j) + 1):
+            inter += bits[:, d - 1] * G[j - d, d - 1]
+        m = np.maximum(a[j], 0.0)
+        join = np.exp(a[j] - m)                                  # (S,)
+        stay = np.exp(-m)
+        w1 = np.exp(-inter)[:, None] * alpha                     # joining weight per predecessor state (K, S)
+        if K == 1:
+            new[0] = alpha[0] * stay + w1[0] * join
+        else:
+            # s' = ((s << 1) | x) mod K: predecessors of s' are s'>>1 and (s'>>1) | half.
+            lo, hi = alpha[:half], alpha[half:]
+            new[0::2] = (lo + hi) * stay
+            new[1::2] = (w1[:half] + w1[half:]) * join
+        total = new.sum(axis=0)
+        alpha = new / total
+        new = np.empty_like(alpha)
+        log_scale += m + np.log(total)
+    return log_scale
+
+
+def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> np.ndarray:
+    """ln P(y)/Q(y) for balls-in-bins with ``bins`` bins: the example takes a uniform phase φ and trains in rounds
+    φ, φ + T, φ + 2T, … (004 §1.4; 2410.06266). Exact for any encoder: L = logsumexp_φ(⟨Cx_φ, y⟩/σ² −
+    ‖Cx_φ‖²/(2σ²)) − ln T. y: n × S. Returns (S,) float64."""
+    y = np.asarray(y, dtype=np.float64)
+    n = y.shape[0]
+    X = (np.arange(n)[:, None] % bins == np.arange(bins)[None, :]).astype(np.float64)
+    M = np.asarray(C, dtype=np.float64) @ X                       # n × T: the mean under each phase
+    w = (M.T @ y - 0.5 * np.sum(M * M, axis=0)[:, None]) / (sigma * sigma)
+    return logsumexp(w, axis=0) - math.log(bins)
 
 
 # -- δ estimation and EVR ---------------------------------------------------------------------------------------
@@ -217,23 +316,43 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
 
 @dataclass
 class MonteCarloEstimate:
-    """Privacy-loss samples for both adjacency directions at one σ."""
+    """Privacy-loss samples for both adjacency directions at one σ.
+
+    ``count`` samples were drawn per direction; when ``floor`` is set only the losses above it are stored (the
+    others add 0 to δ(ε) for every ε ≥ floor)."""
 
     sigma: float
     add: np.ndarray        # L = ln P/Q, y ∼ P   (the differing example present)
     remove: np.ndarray     # L = ln Q/P, y ∼ Q
+    count: int | None = None
+    floor: float | None = None
     samples: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = int(min(len(self.add), len(self.remove)))
+        if self.count is None:
+            self.count = int(min(len(self.add), len(self.remove)))
+        self.samples = int(self.count)
+
+    def merged(self, other: MonteCarloEstimate) -> MonteCarloEstimate:
+        """The pooled estimate of two independent sample sets at the same σ (stored above the higher floor)."""
+        floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
+        def cut(a):
+            return a if floor is None else a[a > floor]
+        return MonteCarloEstimate(self.sigma, np.concatenate([cut(self.add), cut(other.add)]),
+                                  np.concatenate([cut(self.remove), cut(other.remove)]),
+                                  count=self.samples + other.samples, floor=floor)
 
     def delta(self, epsilon: float) -> tuple[float, float]:
         """(δ̂(ε), its standard error) for the worse direction."""
+        require(self.floor is None or epsilon >= self.floor - 1e-12, "epsilon",
+                f"at least the stored floor {self.floor}", epsilon)
         best = (0.0, 0.0)
+        N = self.samples
         for losses in (self.add, self.remove):
             t = delta_terms(losses, epsilon)
-            est = (float(t.mean()), float(t.std(ddof=1) / math.sqrt(len(t))))
-            best = max(best, est)
+            mean = float(t.sum()) / N
+            var = max(float(np.dot(t, t)) / N - mean * mean, 0.0) * N / max(N - 1, 1)
+            best = max(best, (mean, math.sqrt(var / N)))
         return best
 
     def epsilon(self, delta: float, z: float = 0.0) -> float:
@@ -243,10 +362,11 @@ class MonteCarloEstimate:
         def g(eps):
             d, se = self.delta(eps)
             return d + z * se - delta
-        hi = float(max(self.add.max(), self.remove.max(), 0.0)) + 1.0
-        if g(0.0) <= 0:
-            return 0.0
-        return float(brentq(g, 0.0, hi, xtol=1e-9))
+        lo = 0.0 if self.floor is None else max(self.floor, 0.0)
+        top = max([float(a.max()) for a in (self.add, self.remove) if a.size] + [lo])
+        if g(lo) <= 0:
+            return lo
+        return float(brentq(g, lo, top + 1.0, xtol=1e-9))
 
 
 def _collect(parts, sizes: list[int], progress: bool) -> list:
@@ -261,50 +381,89 @@ def _collect(parts, sizes: list[int], progress: bool) -> list:
     return out
 
 
+#: Sampling schemes the Monte Carlo accountant draws from: 004's b-min-sep chain (Eq. 1; warm start, or
+#: multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
+SCHEMES = ("bminsep", "poisson", "balls-in-bins")
+
+
 class MonteCarloAccountant:
-    """Samples privacy losses of banded MF under b-min-sep (or balls-in-bins, or multi-attribution) sampling."""
+    """Samples privacy losses of banded MF under b-min-sep (or multi-attribution) sampling (004 Eq. 1), Poisson
+    sampling in every round (forward algorithm, ≤ 12 bands) or balls-in-bins (phase enumeration, any encoder).
+
+    ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1). ``scheme="balls-in-bins"``:
+    ``min_sep`` is the number of bins T (``p`` = 1)."""
 
     def __init__(self, band: np.ndarray, min_sep: int, p: float, *, warm: bool = True, k_u: int = 1,
-                 dtype=np.float32, batch: int = 16384):
+                 dtype=np.float32, batch: int = 16384, scheme: str = "bminsep"):
         band = np.asarray(band, dtype=np.float64)
+        require(scheme in SCHEMES, "scheme", f"one of {SCHEMES}", scheme)
         require(band.ndim == 2 and band.shape[1] >= 1, "factorization", "a banded encoder (n × bands)", band.shape)
         band = truncate_band(band)
         require(bool(np.all(band >= 0)), "factorization", "an entrywise non-negative banded C for Monte Carlo "
                 "accounting (004 §2.2)")
-        require(band.shape[1] <= min_sep, "min_sep", f"at least the number of bands ({band.shape[1]}) for the "
-                "banded recursion (004 Eq. 1)", min_sep)
+        if scheme == "bminsep":
+            require(band.shape[1] <= min_sep, "factorization", f"at most min_sep = {min_sep} bands for the banded "
+                    "recursion (004 Eq. 1)", band.shape[1])
+        if scheme == "poisson":
+            require(band.shape[1] <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for "
+                    "the exact Poisson likelihood (use the MMCC accountant above)", band.shape[1])
+            require(0 < p < 1, "sampling_probability", "a probability in (0, 1) for Poisson sampling", p)
+            min_sep, warm = 1, False
+        if scheme == "balls-in-bins":
+            p, warm = 1.0, True
         require(0 < p <= 1, "sampling_probability", "a probability in (0, 1]", p)
         require(isinstance(k_u, int) and k_u >= 1, "k_u", "a positive integer", k_u)
         self.band, self.min_sep, self.p, self.warm, self.k_u = band, int(min_sep), float(p), bool(warm), k_u
+        self.scheme = scheme
         self.dtype, self.batch = dtype, int(batch)
         if k_u > 1:
-            require(not warm, "warm", "cold start for multi-attribution (004 §6.2)", warm)
+            require(scheme == "bminsep" and not warm, "warm", "cold-start b-min-sep for multi-attribution "
+                    "(004 §6.2)", warm)
+        if scheme == "balls-in-bins":
+            n = band.shape[0]
+            C = np.zeros((n, n))
+            for k in range(band.shape[1]):
+                idx = np.arange(n - k)
+                C[idx + k, idx] = band[: n - k, k]
+            self._C = C
+            X = (np.arange(n)[:, None] % self.min_sep == np.arange(self.min_sep)[None, :]).astype(np.float64)
+            self._phase_means = C @ X                                # n × T
 
     @property
     def rounds(self) -> int:
         return self.band.shape[0]
 
     def sample_losses(self, sigma: float, samples: int, seed: int | np.random.SeedSequence,
-                      workers: int | None = None, progress: bool = False) -> MonteCarloEstimate:
+                      workers: int | None = None, progress: bool = False,
+                      keep_above: float | None = None) -> MonteCarloEstimate:
         """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per seed).
 
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count for large
-        runs); the result depends only on (seed, samples, batch size).
+        runs); the result depends only on (seed, samples, batch size). ``keep_above``: keep only losses above it
+        (δ(ε) for ε ≥ ``keep_above`` needs no others; the count of all samples is kept), to bound memory.
         """
         require(np.isfinite(sigma) and sigma > 0, "noise_multiplier", "a positive number", sigma)
         require(isinstance(samples, int) and samples >= 2, "mc_samples", "an integer ≥ 2", samples)
         ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         sizes = [min(self.batch, samples - s0) for s0 in range(0, samples, self.batch)]
-        jobs = list(zip(sizes, ss.spawn(len(sizes)), strict=True))
+        jobs = [(sigma, size, child, keep_above) for size, child in zip(sizes, ss.spawn(len(sizes)), strict=True)]
         if workers is None:
             workers = min(os.cpu_count() or 1, max(1, samples // 50_000))
         if workers > 1 and len(jobs) > 1:
             ctx = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-                parts = _collect(pool.map(self._batch, [sigma] * len(jobs), jobs), sizes, progress)
+                parts = _collect(pool.map(self._job, jobs, chunksize=4), sizes, progress)
         else:
-            parts = _collect((self._batch(sigma, job) for job in jobs), sizes, progress)
-        return MonteCarloEstimate(sigma, np.concatenate([a for a, _ in parts]), np.concatenate([r for _, r in parts]))
+            parts = _collect((self._job(job) for job in jobs), sizes, progress)
+        return MonteCarloEstimate(sigma, np.concatenate([a for a, _ in parts]),
+                                  np.concatenate([r for _, r in parts]), count=samples, floor=keep_above)
+
+    def _job(self, job) -> tuple[np.ndarray, np.ndarray]:
+        sigma, size, child, keep_above = job
+        add, remove = self._batch(sigma, (size, child))
+        if keep_above is not None:
+            add, remove = add[add > keep_above], remove[remove > keep_above]
+        return add, remove
 
     def _batch(self, sigma: float, job) -> tuple[np.ndarray, np.ndarray]:
         S, child = job
@@ -315,13 +474,163 @@ class MonteCarloAccountant:
         z = rng.standard_normal((n, S), dtype=self.dtype)
         z *= self.dtype(sigma)
         remove = -self._llr(z, sigma)
-        add_means(z, self.band, *sample_participations(S, n, self.min_sep, self.p, rng, self.warm, self.k_u))
+        if self.scheme == "balls-in-bins":
+            z += self._phase_means[:, rng.integers(0, self.min_sep, size=S)].astype(z.dtype)
+        elif self.scheme == "poisson":
+            rows, pos, counts = sample_participations(S, n, 1, self.p, rng)
+            for k in range(self.band.shape[1]):   # participations may be closer than the bands: accumulate
+                ok = pos + k < n
+                np.add.at(z, (pos[ok] + k, rows[ok]), self.band[pos[ok], k].astype(z.dtype))
+        else:
+            add_means(z, self.band, *sample_participations(S, n, self.min_sep, self.p, rng, self.warm, self.k_u))
         return self._llr(z, sigma), remove
 
     def _llr(self, y: np.ndarray, sigma: float) -> np.ndarray:
+        if self.scheme == "poisson":
+            return poisson_banded_llr(y, self.band, sigma, self.p)
+        if self.scheme == "balls-in-bins":
+            return balls_in_bins_llr(y, self._C, sigma, self.min_sep)
         return log_likelihood_ratio(y, self.band, sigma, self.min_sep, self.p, self.warm, self.k_u)
 
     def verify(self, sigma: float, epsilon: float, delta_prime: float, samples: int, seed) -> tuple[bool, float]:
         """EVR verifier: pass iff δ̂(ε) ≤ δ' (both directions); returns (passed, δ̂)."""
         d, _ = self.sample_losses(sigma, samples, seed).delta(epsilon)
         return d <= delta_prime, d
+
+
+# -- adaptive, deterministic Estimate-Verify-Release at the target δ ---------------------------------------------
+
+#: Share of the target δ spent on the verifier's failure probability β (attempt i gets β/2^(i+1)); the rest, δ_v,
+#: is the δ the mechanism itself must have at the released ε.
+EVR_FAILURE_SHARE = 0.05
+#: The first verification is sized so that its threshold δ' reaches this fraction of the target δ.
+EVR_FIRST_THRESHOLD = 0.4
+#: Default sample budget per direction: a first attempt at δ = 1e-5 draws ~ 7.5 M estimation + 7.5 M verification
+#: samples; this leaves room for a second (15 M) and third (30 M) attempt.
+DEFAULT_MAX_SAMPLES = 60_000_000
+
+
+def verify_threshold(samples: int, share: float, delta_v: float) -> float:
+    """The largest threshold δ' with exp(−s·KL(δ'‖δ_v)) ≤ share: a verifier passing iff δ̂ ≤ δ' wrongly passes a
+    mechanism whose δ exceeds δ_v with probability ≤ share (Chernoff, 004 Thm A.1 / 2412.16802 Fact 4.2).
+    0 when even δ' = 0 is not enough."""
+    from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
+
+    need = math.log(1.0 / share) / samples
+    if bernoulli_kl(0.0, delta_v) < need:
+        return 0.0
+    return float(brentq(lambda d: bernoulli_kl(d, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9))
+
+
+def first_verification_size(delta_target: float, share_of_failure: float = EVR_FAILURE_SHARE,
+                            ratio: float = EVR_FIRST_THRESHOLD) -> int:
+    """Smallest s (to 1%) whose first-attempt threshold reaches ``ratio``·δ_target."""
+    beta = share_of_failure * delta_target
+    delta_v = delta_target - beta
+    s = 2
+    while verify_threshold(s, beta / 2, delta_v) < ratio * delta_target:
+        s = int(s * 1.01) + 1
+    return s
+
+
+@dataclass
+class EVRAttempt:
+    samples: int
+    threshold: float          # δ'
+    failure_share: float      # β_i
+    epsilon: float            # ε chosen on the earlier samples (upper confidence end)
+    delta_hat: float          # δ̂(ε) on the attempt's fresh samples
+    passed: bool
+
+
+@dataclass
+class EVRRun:
+    """Outcome of :func:`adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the verifier's failure
+    probability counted in δ; else the budget was spent (``estimate`` is the point estimate at δ_v, not a bound)."""
+
+    passed: bool
+    epsilon: float | None
+    delta_target: float
+    delta_verified: float     # δ_v
+    failure_budget: float     # β
+    estimate: float
+    samples_drawn: int
+    max_samples: int
+    attempts: list[EVRAttempt]
+
+    def to_dict(self) -> dict:
+        return {"verification_passed": self.passed, "delta_mechanism": self.delta_verified,
+                "verifier_failure_budget": self.failure_budget, "epsilon_estimate": self.estimate,
+                "samples_drawn": self.samples_drawn, "max_samples": self.max_samples,
+                "attempts": [vars(a) for a in self.attempts]}
+
+
+def adaptive_evr(mc: MonteCarloAccountant, sigma: float, delta_target: float, seed: int, *,
+                 max_samples: int = DEFAULT_MAX_SAMPLES, first_samples: int | None = None,
+                 release_z: float = 3.0, time_limit: float | None = None, progress: bool = False,
+                 clock=None) -> EVRRun:
+    """ε verified at ``delta_target`` by Estimate-Verify-Release in doubling batches (004 App. A, Alg. 5 for one σ).
+
+    Deterministic given ``seed``: batch k (k = 0 the estimation batch, then the verification batches of s·2^(k−1)
+    samples) has its own child seed. Attempt i chooses ε on every sample drawn before it (the upper ``release_z``
+    confidence end of δ̂ at its threshold) and verifies it on its fresh batch at threshold δ'_i, the largest whose
+    wrong-pass probability against δ_v = (1 − 0.05)·δ is ≤ β/2^(i+1), β = 0.05·δ. The attempts' failure probabilities
+    sum to ≤ β, so a pass releases (ε, δ_v + β = δ). The budget ``max_samples`` (per direction, all batches) ends the
+    search without a release; ``time_limit`` (seconds) aborts it with an error (nothing released).
+    """
+    import time
+
+    from corrflow.errors import CorrflowError
+
+    clock = clock or time.monotonic
+    start = clock()
+    beta = EVR_FAILURE_SHARE * delta_target
+    delta_v = delta_target - beta
+    # --mc-samples (first_samples) sizes the first batch; batches too small to verify anything at the target δ
+    # only add to the estimation pool (no attempt, no share of β spent), doubling until one can.
+    s_ver = first_verification_size(delta_target) if first_samples is None else int(first_samples)
+    s_ver = max(2, min(s_ver, max_samples // 2))
+    est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
+    est_seeds, children = est_root.spawn(64), ver_root.spawn(64)
+    pool = mc.sample_losses(sigma, s_ver, est_seeds[0], progress=progress)
+    # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing contributes to
+    # δ̂ at the thresholds used; a floor set too high only makes ε larger, never invalid.
+    level = max(100 * delta_target, 50 / pool.samples)
+    floor = pool.epsilon(level) if level < 0.5 else None
+    if floor is not None:
+        pool = MonteCarloEstimate(sigma, pool.add[pool.add > floor], pool.remove[pool.remove > floor],
+                                  count=pool.samples, floor=floor)
+    drawn = s_ver
+    attempts: list[EVRAttempt] = []
+    i, j = 0, 1
+    while True:
+        if time_limit is not None and clock() - start > time_limit:
+            raise CorrflowError(f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
+                                f"{time_limit:g} s) with {drawn} samples per direction; nothing is released")
+        size = min(s_ver * 2**i, max_samples - drawn)
+        share = beta / 2 ** (i + 1)
+        threshold = verify_threshold(size, share, delta_v) if size >= 2 else 0.0
+        if threshold < EVR_FIRST_THRESHOLD * delta_target and size < max_samples - drawn:
+            # Too small to verify a useful threshold: estimation only, then a batch twice the pool.
+            pool = pool.merged(mc.sample_losses(sigma, size, est_seeds[j], progress=progress, keep_above=floor))
+            drawn, j = drawn + size, j + 1
+            s_ver = drawn
+            continue
+        if threshold <= 0.0:
+            break
+        eps = pool.epsilon(threshold, z=release_z)
+        ver = mc.sample_losses(sigma, size, children[i], progress=progress, keep_above=floor)
+        drawn += size
+        d_hat, _ = ver.delta(eps)
+        attempts.append(EVRAttempt(size, threshold, share, eps, d_hat, bool(d_hat <= threshold)))
+        if progress:
+            print(f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
+                  f"({'passed' if d_hat <= threshold else 'failed'}, {size} samples)", file=sys.stderr)
+        if d_hat <= threshold:
+            return EVRRun(True, eps, delta_target, delta_v, beta, pool.merged(ver).epsilon(delta_v), drawn,
+                          max_samples, attempts)
+        pool = pool.merged(ver)
+        i += 1
+        if i >= len(children) or j >= len(est_seeds):
+            break
+    return EVRRun(False, None, delta_target, delta_v, beta, pool.epsilon(delta_v), drawn, max_samples, attempts)

@@ -44,6 +44,7 @@ class RealizedPrivacy:
     epsilon: float | None
     accounting: str                       # how ε was obtained, for the report
     worst_user: str | None = None
+    delta: float | None = None            # the δ at which ``epsilon`` holds (verified)
 
 
 class RunPrivacy:
@@ -77,10 +78,14 @@ class RunPrivacy:
             return self._last[1]
         sens, worst = realized_sensitivity(self.fac.encoder, selected, self._pattern_cache)
         if self.plan.amplified and pattern_followed:
+            planned_delta = float(self.plan.accountant.get("delta", self.delta))
             out = RealizedPrivacy(sens.value, sens.exact, self.plan.epsilon,
-                                  "as planned (the sampler's pattern was followed)", worst)
+                                  "as planned (the sampler's pattern was followed)", worst,
+                                  max(self.delta, planned_delta))
         else:
+            # One Gaussian of the realised sensitivity (the exact curve): it holds at the run's δ, verified, whatever
+            # δ the plan's (amplified) accountant verified.
             out = RealizedPrivacy(sens.value, sens.exact, self._epsilon_for_sensitivity(sens.value),
-                                  "post-hoc (unamplified, realised pattern)", worst)
+                                  "post-hoc (unamplified, realised pattern)", worst, self.delta)
         self._last = (key, out)
         return out

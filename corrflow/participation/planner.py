@@ -33,7 +33,13 @@ import numpy as np
 
 from corrflow.choices import Participation, values
 from corrflow.errors import require
-from corrflow.participation.samplers import BMinSepSampler, CyclicPoissonSampler, MultiAttributionSampler
+from corrflow.participation.samplers import (
+    BMinSepSampler,
+    CyclicPoissonSampler,
+    MultiAttributionSampler,
+    clamp_probability,
+    rate_limit,
+)
 
 PARTICIPATIONS = values(Participation)
 
@@ -97,12 +103,14 @@ class CohortPlanner:
             self.expected = n / min_sep
         else:
             p0 = rate or 0.5 / min_sep
-            require(0 < p0 <= 1.0 / min_sep, "participation-rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", rate)
+            require(0 < p0 <= rate_limit(min_sep), "participation-rate", f"in (0, 1/min_sep = {1 / min_sep:g}]",
+                    rate)
             require(kind != "poisson" or min_sep == 1, "min-sep", "1 for poisson participation (any round)",
                     min_sep)
             self.p0 = p0
             # The sampler's own probability: b-min-sep's p (1/p0 = 1/p + b − 1), cyclic Poisson's q = b·p0.
-            self.p = min_sep * p0 if kind == "cyclic-poisson" else BMinSepSampler.probability_for_rate(p0, min_sep)
+            self.p = (clamp_probability(min_sep * p0) if kind == "cyclic-poisson"
+                      else BMinSepSampler.probability_for_rate(p0, min_sep))
             self.expected = n * p0
         self._sampler = self._new_sampler()
         self._cohorts: dict[int, list[int]] = {}

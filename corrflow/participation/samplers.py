@@ -50,6 +50,20 @@ def _check_available(available, n: int) -> np.ndarray | None:
     return mask
 
 
+#: Relative rounding a probability may carry where the algebra makes it exactly 1 (population/cohort = b).
+PROBABILITY_ROUNDING = 1e-9
+
+
+def clamp_probability(x: float) -> float:
+    """x, with values above 1 by rounding only (≤ 1 + 1e-9) returned as exactly 1."""
+    return 1.0 if 1.0 < x <= 1.0 + PROBABILITY_ROUNDING else float(x)
+
+
+def rate_limit(min_sep: int) -> float:
+    """The largest participation rate p0 a sampler with separation b can realise: 1/b, plus rounding."""
+    return (1.0 / min_sep) * (1.0 + PROBABILITY_ROUNDING)
+
+
 class BMinSepSampler:
     """b-min-sep Poisson sampling (004 Alg. 1/2, arXiv 2602.09338): each item not selected in the last b − 1
     rounds is selected with probability p.
@@ -86,10 +100,11 @@ class BMinSepSampler:
             min_sep: b.
 
         Returns:
-            p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1).
+            p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1). At p0 = 1/b (population/cohort = b exactly) the
+            algebra gives p = 1, returned exactly (rounding never leaves [0, 1]).
         """
-        require(0 < p0 <= 1.0 / min_sep, "participation_rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", p0)
-        return p0 / (1 - p0 * (min_sep - 1))
+        require(0 < p0 <= rate_limit(min_sep), "participation_rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", p0)
+        return clamp_probability(1.0 / (1.0 / p0 - (min_sep - 1)))
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """Draw the next round's cohort.

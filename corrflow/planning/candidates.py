@@ -2,7 +2,8 @@
 
 From the population P, the cohort size B and the rounds n the participation follows: b = ⌊P/B⌋ rounds between a
 user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or the sampler an accountant implies
-(cyclic Poisson with q = b·B/P for the cyclic-Poisson reduction of 001 Prop. 2.1 and Generalized-MMCC, 002 App. D;
+(cyclic Poisson with q = b·B/P for the cyclic-Poisson reduction of 001 Prop. 2.1 and Generalized-MMCC, 002 App. D —
+and, for a p-banded C with p < ⌊P/B⌋, the cyclic Poisson sampler with its own separation b = p, which amplifies;
 b-min-sep with p0 = B/P for the Monte Carlo accountant, 004). For each kind of the registry and each band count
 (powers of two up to b and the neighbourhood of the rule of thumb ε√n/k, whose optimum sits near twice it, 001
 Fig. 2b) the factorization is built (cached), σ is calibrated with every applicable accountant (cached), and the
@@ -256,8 +257,10 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
 
         return SamplingSpec("bminsep", req.population, req.population * p0,
                             sampling_probability=BMinSepSampler.probability_for_rate(p0, b), accountant="monte-carlo")
-    return SamplingSpec("cyclic-poisson", req.population, req.population * p0, sampling_probability=b * p0,
-                        accountant=accountant)
+    from corrflow.participation.samplers import clamp_probability
+
+    return SamplingSpec("cyclic-poisson", req.population, req.population * p0,
+                        sampling_probability=clamp_probability(b * p0), accountant=accountant)
 
 
 def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | None:
@@ -352,11 +355,14 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             eff_bands = fac.bands if spec.takes_bands else None
             mem, secs = cost_of(kind, spec.size_of(fac.encoder) if spec.noise_mode in ("banded", "banded-inverse",
                                                                                       "blt") else bands)
-            # A 1-banded C (DP-SGD) is also planned with Poisson sampling in every round (b = 1, q = B/P): the
-            # amplified DP-SGD baseline; with b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1.
+            # With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified, so a p-banded C
+            # (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its own separation b = p, the
+            # largest the reduction allows for p bands (001 Prop. 2.1), q = p·B/P. For p = 1 (DP-SGD) that is
+            # Poisson sampling in every round (b = 1, q = B/P): the amplified DP-SGD baseline.
             variants = [(acc, None) for acc in accountants]
-            if "cyclic-poisson" in accountants and (fac.bands or 1) == 1 and req.min_sep > 1:
-                variants.append(("cyclic-poisson", 1))
+            own_b = fac.bands or 1
+            if "cyclic-poisson" in accountants and "cyclic-poisson" in spec.accountants and own_b < req.min_sep:
+                variants.append(("cyclic-poisson", own_b))
             for acc, sampler_b in variants:
                 part, strategy, p0 = participation_of(req, acc, sampler_b)
                 try:

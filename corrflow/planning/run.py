@@ -59,6 +59,10 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
         return [f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD (independent noise "
                 "in every round); give bands above 1 (--bands, corrflow.bands) to correlate the noise across rounds"]
+    if cfg.participation != "fixed-epoch" and not cfg.bands and fac.bands is not None and fac.bands == cfg.b \
+            and fac.bands < cfg.num_rounds:
+        return [f"kind {cfg.kind}: {fac.bands} bands, cut to the sampler's min-sep b = {cfg.b} (participations b "
+                "apart touch disjoint rows, which the amplified accountants need); --bands sets it"]
     return []
 
 

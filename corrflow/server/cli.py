@@ -142,16 +142,26 @@ def account(
     sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or "
                                                "multi-attribution")] = "none",
     accountant: Annotated[str | None, typer.Option(help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
-                                                        "the sampling's own; mmcc for poisson)")] = None,
+                                                        "every one that applies, and the tightest bound verified "
+                                                        "at --delta)")] = None,
     items_per_user: Annotated[int, typer.Option(help="k_u: items per user, for multi-attribution")] = 1,
     dataset_size: Annotated[int | None, typer.Option(help="N (examples or users), for amplified sampling")] = None,
     expected_batch_size: Annotated[float | None, typer.Option(help="B, for amplified sampling")] = None,
-    mc_samples: Annotated[int, typer.Option(help="Monte Carlo samples per direction (and per candidate σ)")]
-    = 100_000,
-    seed: Annotated[int, typer.Option(help="Monte Carlo seed")] = 0,
-    verify_target: Annotated[bool, typer.Option(help="Monte Carlo: draw the samples that verify the target δ "
-                                                     "(≈ 10.7 M per direction at δ = 1e-5)")] = False,
-    max_samples: Annotated[int, typer.Option(help="cap on the samples --verify-target draws")] = 20_000_000,
+    mc_samples: Annotated[int | None, typer.Option(help="Monte Carlo: size of the first batch of samples per "
+                                                        "direction (default: what the target δ needs; smaller "
+                                                        "batches only feed the estimate); with --target-epsilon: "
+                                                        "samples per candidate σ (default 100000)")] = None,
+    seed: Annotated[int, typer.Option(help="Monte Carlo seed (the result does not depend on it beyond the stated "
+                                           "confidence)")] = 0,
+    verify_target: Annotated[bool, typer.Option(help="with --target-epsilon and Monte Carlo: draw the samples per "
+                                                     "candidate σ that verify the target δ (ε for a σ always "
+                                                     "verifies the target δ)")] = False,
+    max_samples: Annotated[int | None, typer.Option(help="Monte Carlo: budget of samples per direction, all batches "
+                                                  "together; when spent before a verification passes, the "
+                                                  "sampling's other verified bound is used and both are named; "
+                                                  "default 60000000)")] = None,
+    time_limit: Annotated[float | None, typer.Option(help="Monte Carlo: abort after this many seconds (nothing is "
+                                                          "released, exit 1)")] = None,
     mmcc_grid: Annotated[float | None, typer.Option(help="MMCC: grid Δ2 the entries of C are rounded up to "
                                                          "(default: the largest entry / 256)")] = None,
     delta_split: Annotated[float, typer.Option(help="MMCC: share of δ spent on the tail bounds")] = 0.5,
@@ -171,17 +181,53 @@ def account(
         spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant)
         res = run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                           sampling=spec, mc_samples=mc_samples, seed=seed, verify_target=verify_target,
-                          max_samples=max_samples, mmcc_grid=mmcc_grid, delta_split=delta_split,
-                          progress=verify_target or spec.method == "mmcc")
+                          **({} if max_samples is None else {"max_samples": max_samples}),
+                          time_limit=time_limit, mmcc_grid=mmcc_grid,
+                          delta_split=delta_split, progress=True)
         if not res["guarantee"]:
+            needed = res["accountant"].get("samples_needed_for_target_delta")
             print(f"warning: the samples drawn verify (ε = {res['epsilon']:.4g}, δ = {res['delta']:.3g}), not "
-                  f"δ = {delta:g}; --verify-target draws the {res['accountant']['samples_needed_for_target_delta']} "
-                  "samples per direction the target needs", file=sys.stderr)
+                  f"δ = {delta:g}" + (f"; --verify-target draws the {needed} samples per candidate σ the target "
+                                      "needs" if needed else ""), file=sys.stderr)
+        _describe_bounds(res)
         _emit(res, as_json)
     except InvalidArgumentError as exc:
-        _fail(_as_flag(exc))
+        _fail(_account_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
+
+
+#: Library fields an accountant may name that `account` has no flag for: the flag that sets them.
+_ACCOUNT_FIELDS = {"sampling_probability": "--expected-batch-size", "participation_rate": "--expected-batch-size",
+                   "min_sep": "--factorization", "cycle": "--factorization", "band": "--factorization",
+                   "k_u": "--items-per-user", "warm": "--sampling", "scheme": "--sampling", "epsilon": "--delta",
+                   "sensitivity": "--factorization"}
+
+
+def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """The error naming one of `account`'s own flags (never one it does not have)."""
+    field = exc.field
+    if field in _ACCOUNT_FIELDS:
+        return InvalidArgumentError(_ACCOUNT_FIELDS[field], f"{exc.expected} ({field.replace('_', ' ')})", exc.got)
+    import inspect
+
+    named = _as_flag(exc)
+    flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {"--json"}
+    if named.field not in flags:   # a field of the factorization file or the sampling it implies
+        return InvalidArgumentError("--factorization", f"{named.expected} ({field})", named.got)
+    return named
+
+
+def _describe_bounds(res: dict) -> None:
+    """Which bound was used and the others with their values, on stderr."""
+    acc = res["accountant"]
+    for b in acc.get("bounds", []):
+        mark = "used" if b["accountant"] == acc.get("selected") else ("verified" if b["verified"] else
+                                                                        "NOT verified (estimate)")
+        print(f"bound {b['accountant']:>12}: ε = {b['epsilon']:.4g} at δ = {b['delta']:.3g}, σ = "
+              f"{b['noise_multiplier']:.4g} — {mark}", file=sys.stderr)
+    for s in acc.get("skipped", []):
+        print(f"bound {s['accountant']:>12}: not computed ({s['reason']})", file=sys.stderr)
 
 
 def _byte_size(text: str | None, flag: str) -> float:
