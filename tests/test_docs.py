@@ -258,7 +258,7 @@ def _public_api(package: str):
 
 
 @pytest.mark.parametrize("package", ["corrflow.factorization", "corrflow.noise", "corrflow.participation",
-                                     "corrflow.strategies"])
+                                     "corrflow.strategies", "corrflow.accounting", "corrflow.planning"])
 def test_public_functions_document_args_and_returns(package):
     """Every exported function and public method says what its parameters are (Args) and what it returns
     (Returns), as the API reference renders them."""

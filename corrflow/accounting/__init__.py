@@ -4,10 +4,13 @@
   Privacy", arXiv 1805.06530, Thm. 8, at the factorization's sensitivity (000: Choquette-Choo, McMahan, Rush,
   Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530, App. D.2);
 * cyclic Poisson sampling of a banded encoder (001: McKenna, "Scaling up the Banded Matrix Factorization Mechanism
-  for Differentially Private ML", arXiv 2405.15913, Alg. 2) and MMCC for Poisson sampling (002: Choquette-Choo,
-  Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix Mechanisms", arXiv 2310.15526), on dp-accounting;
-* Monte Carlo accounting of b-min-sep and balls-in-bins sampling, with multi-attribution (004: Dong & Ganesh,
-  "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338);
+  for Differentially Private ML", arXiv 2405.15913, Alg. 2 and Prop. 2.1) and MMCC for Poisson and cyclic Poisson
+  sampling (002: Choquette-Choo, Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix Mechanisms", arXiv
+  2310.15526), on dp-accounting;
+* Monte Carlo accounting of b-min-sep and balls-in-bins sampling, with multi-attribution, and of Poisson sampling of
+  banded encoders, verified by Estimate-Verify-Release (004: Dong & Ganesh, "Privacy Amplification for BandMF via
+  b-Min-Sep Subsampling", arXiv 2602.09338);
+* with no accountant named, the tightest verified bound among those that apply (:class:`TightestAccountant`);
 * post-hoc accounting of the realised participation, the JSON privacy report (``corrflow schema
   privacy-report``), and the statistics of empirical audits with canaries (:mod:`corrflow.accounting.audit`).
 

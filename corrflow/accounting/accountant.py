@@ -57,6 +57,7 @@ from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzEncoder
 
+#: The sampling kinds a :class:`SamplingSpec` accepts (:class:`corrflow.choices.Sampling`).
 SAMPLINGS = choices.values(choices.Sampling)
 #: Accountants valid for each sampling kind; the first is the default (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
 ACCOUNTANTS_FOR = {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
@@ -70,6 +71,21 @@ GAUSSIAN_NAME = "analytic-gaussian"
 
 @dataclass(frozen=True)
 class SamplingSpec:
+    """How the users of each round are chosen, as the accountants read it.
+
+    Attributes:
+        kind: one of :data:`SAMPLINGS` (``none``: deterministic participation, accounted unamplified).
+        dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
+        expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is ``none``).
+        items_per_user: k_u, items a user may hold (multi-attribution only).
+        sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
+        accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of every
+            accountant that applies (:class:`TightestAccountant`), for ``none`` the unamplified one.
+
+    Raises:
+        InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error names it).
+    """
+
     kind: str = "none"
     dataset_size: int | None = None
     expected_batch_size: float | None = None
@@ -97,12 +113,26 @@ class SamplingSpec:
 
     @property
     def method(self) -> str:
+        """``accountant``, or the kind's first valid accountant (``ACCOUNTANTS_FOR[kind][0]``)."""
         return self.accountant or ACCOUNTANTS_FOR[self.kind][0]
 
 
 @dataclass(frozen=True)
 class AccountingOptions:
-    """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own."""
+    """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own.
+
+    Attributes:
+        mc_samples: Monte Carlo: the first batch per direction (None: what the target δ needs).
+        seed: the Monte Carlo seed.
+        grid_ratio: Monte Carlo σ search: each candidate is the previous one divided by this.
+        max_candidates: Monte Carlo σ search: at most this many candidates.
+        verify_target: σ calibration (Monte Carlo): draw the samples per candidate the target δ needs.
+        max_samples: Monte Carlo: the sample budget per direction, all batches together.
+        time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
+        mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256).
+        delta_split: MMCC: the share of δ spent on tail bounds.
+        progress: progress lines on stderr for long runs.
+    """
 
     mc_samples: int | None = None    # Monte Carlo: first batch per direction (None: what the target δ needs)
     seed: int = 0
@@ -136,9 +166,16 @@ class AccountingResult:
 
     @property
     def guarantee(self) -> bool:
+        """Whether the guaranteed ``delta`` meets ``target_delta`` (to 1e-12 relative)."""
         return self.delta <= self.target_delta * (1 + 1e-12)
 
     def to_dict(self) -> dict:
+        """The result in the privacy report's shape.
+
+        Returns:
+            ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee", "accountant": {"name", ...
+            parameters, "slack", "delta", "guarantee"}}``, plus ``target_epsilon`` when one was given.
+        """
         out = {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
                "target_delta": self.target_delta, "guarantee": self.guarantee,
                "accountant": {"name": self.accountant, **self.parameters, "slack": self.slack,
@@ -157,11 +194,40 @@ class Accountant(Protocol):
 
     def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float, *,
                 coarse: bool = False) -> AccountingResult:
-        """ε at σ. ``coarse``: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
-        searches and plots."""
+        """ε at σ.
+
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            noise_multiplier: σ (the noise's standard deviation per unit clip norm).
+            delta: δ in (0, 1).
+            coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ searches and
+                plots.
+
+        Returns:
+            The guaranteed (ε, δ) at σ and how it was obtained.
+
+        Raises:
+            InvalidArgumentError: δ or σ out of range, or a factorization or sampling this accountant cannot
+                analyse.
+        """
         ...
 
-    def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult: ...
+    def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult:
+        """The smallest σ (to the accountant's precision, rounded up) whose ε is at most ``target_epsilon``.
+
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The guaranteed (ε, δ) at the calibrated σ, with the target ε.
+
+        Raises:
+            InvalidArgumentError: ε or δ out of range, or a factorization or sampling this accountant cannot
+                analyse.
+        """
+        ...
 
 
 def _band(fac: Factorization) -> np.ndarray:
@@ -224,6 +290,17 @@ class UnamplifiedAccountant:
             f"({fac.participation.describe()})"})
 
     def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # exact: nothing coarser is cheaper
+        """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see :meth:`Accountant.epsilon`).
+
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            noise_multiplier: σ.
+            delta: δ in (0, 1).
+            coarse: ignored (the exact curve is the cheapest).
+
+        Returns:
+            The :class:`AccountingResult`.
+        """
         check_delta(delta)
         # The same floor as every other accountant (ε would be in the thousands): one answer to a σ that small.
         check_pld_size(noise_multiplier, fac.sensitivity.value)
@@ -231,6 +308,16 @@ class UnamplifiedAccountant:
                             gaussian_epsilon(noise_multiplier, fac.sensitivity.value, delta), delta)
 
     def noise_multiplier(self, fac, target_epsilon, delta):
+        """The smallest σ, rounded up, whose exact Gaussian ε is at most ``target_epsilon``.
+
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The :class:`AccountingResult` at that σ.
+        """
         sigma = gaussian_noise_multiplier(target_epsilon, delta, fac.sensitivity.value)
         eps = gaussian_epsilon(sigma, fac.sensitivity.value, delta)
         return self._result(fac, sigma, eps, delta, target_epsilon)
@@ -238,6 +325,16 @@ class UnamplifiedAccountant:
 
 @dataclass
 class CyclicPoissonAccountant(_Calibrating):
+    """Cyclic Poisson sampling of a b-banded encoder (001: McKenna, "Scaling up the Banded Matrix Factorization
+    Mechanism for Differentially Private ML", arXiv 2405.15913, Prop. 2.1): the mechanism is ⌈n/b⌉ compositions
+    of a Poisson-subsampled Gaussian with probability q = b·B/N and noise multiplier σ / max column norm of C,
+    accounted by dp-accounting's PLD; at q = 1, one Gaussian through its exact curve (Balle & Wang, arXiv
+    1805.06530, Thm. 8). σ for a target ε by a Brent search on log σ.
+
+    Args:
+        sampling: a ``cyclic-poisson`` :class:`SamplingSpec`.
+    """
+
     sampling: SamplingSpec
     name = "cyclic-poisson"
 
@@ -277,6 +374,17 @@ class CyclicPoissonAccountant(_Calibrating):
         return self._result(cp, col, noise_multiplier, e, delta)
 
     def noise_multiplier(self, fac, target_epsilon, delta):
+        """The smallest σ (to ``rtol``, rounded up) whose ε is at most ``target_epsilon``: a Brent search on
+        log σ over the PLD (exact when q = 1).
+
+        Args:
+            fac: a banded factorization with at most b bands.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The :class:`AccountingResult` at that σ, with the calibration's details.
+        """
         check_epsilon(target_epsilon)
         check_delta(delta)
         cp, col = self._reduction(fac)
@@ -289,7 +397,15 @@ class CyclicPoissonAccountant(_Calibrating):
 
 @dataclass
 class MMCCAccountant(_Calibrating):
-    """MMCC (002 Alg. 1) for Poisson sampling in every round; Generalized-MMCC (002 Alg. 3) for cyclic Poisson."""
+    """MMCC (002 Alg. 1) for Poisson sampling in every round; Generalized-MMCC (002 Alg. 3) for cyclic Poisson.
+
+    002: Choquette-Choo, Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix Mechanisms", arXiv
+    2310.15526. Any non-negative encoder C; σ for a target ε by a Brent search on log σ.
+
+    Args:
+        sampling: a ``poisson`` or ``cyclic-poisson`` :class:`SamplingSpec`.
+        options: reads ``mmcc_grid``, ``delta_split`` and ``progress``.
+    """
 
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
@@ -340,7 +456,15 @@ class MonteCarloEVRAccountant:
     ``epsilon``: :func:`~corrflow.accounting.montecarlo.adaptive_evr` — batches of samples, deterministic given the
     seed, until verification at the target δ passes (the verifier's failure probability is part of that δ) or the
     ``max_samples`` budget is spent; then the scheme's other verified bound is released (unamplified ⌈n/b⌉
-    participations, or MMCC for Poisson) and both numbers are named on stderr and in the result."""
+    participations, or MMCC for Poisson) and both numbers are named on stderr and in the result.
+
+    004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338.
+
+    Args:
+        sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson`` :class:`SamplingSpec`.
+        options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit`` and ``progress`` (ε), and
+            ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
+    """
 
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
@@ -394,7 +518,17 @@ class MonteCarloEVRAccountant:
 
     def fallback(self, fac, noise_multiplier: float, delta: float) -> AccountingResult:
         """The scheme's other bound, needing no Monte Carlo: MMCC (002) for Poisson; else one Gaussian of the
-        sensitivity of ⌈n/b⌉ participations b apart (k_u items each), which every run of the sampler obeys."""
+        sensitivity of ⌈n/b⌉ participations b apart (k_u items each), which every run of the sampler obeys
+        (000 App. D.2).
+
+        Args:
+            fac: the factorization.
+            noise_multiplier: σ.
+            delta: δ in (0, 1).
+
+        Returns:
+            The MMCC or exact-Gaussian (``analytic-gaussian``) :class:`AccountingResult`.
+        """
         if self.sampling.kind == "poisson":
             spec = SamplingSpec("poisson", self.sampling.dataset_size, self.sampling.expected_batch_size,
                                 sampling_probability=self.sampling.sampling_probability, accountant="mmcc")
@@ -417,8 +551,22 @@ class MonteCarloEVRAccountant:
         return fac.participation.min_sep
 
     def verified_epsilon(self, fac, noise_multiplier, delta) -> AccountingResult:
-        """Adaptive EVR at the target δ; ``guarantee`` is False (and ``epsilon`` the point estimate) when the sample
-        budget was spent before a verification passed."""
+        """Adaptive Estimate-Verify-Release at the target δ (004 App. A, Thm A.1;
+        :func:`~corrflow.accounting.montecarlo.adaptive_evr`).
+
+        Args:
+            fac: a banded, entrywise non-negative factorization the scheme can analyse.
+            noise_multiplier: σ.
+            delta: the target δ in (0, 1).
+
+        Returns:
+            The verified :class:`AccountingResult`; when the sample budget was spent before a verification passed,
+            ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point estimate (never a released pair).
+
+        Raises:
+            InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the scheme cannot
+                analyse.
+        """
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
@@ -444,6 +592,18 @@ class MonteCarloEVRAccountant:
             **acc, "released": "nothing: the sample budget was spent before a verification passed"})
 
     def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # nothing coarser is cheaper
+        """ε at σ: :meth:`verified_epsilon`, or :meth:`fallback` (named on stderr and in the result) when no
+        verification passed within the sample budget.
+
+        Args:
+            fac: a banded, entrywise non-negative factorization the scheme can analyse.
+            noise_multiplier: σ.
+            delta: δ in (0, 1).
+            coarse: ignored.
+
+        Returns:
+            The :class:`AccountingResult` (the fallback's carries the Monte Carlo attempt under ``monte_carlo``).
+        """
         res = self.verified_epsilon(fac, noise_multiplier, delta)
         if res.guarantee:
             return res
@@ -456,6 +616,21 @@ class MonteCarloEVRAccountant:
                                        "monte_carlo": res.parameters})
 
     def noise_multiplier(self, fac, target_epsilon, delta):
+        """The smallest verified σ for ``target_epsilon``: candidates from the unamplified fallback σ down by
+        ``grid_ratio``, each verified by Monte Carlo on fresh samples (004 Alg. 5), until one fails.
+
+        Args:
+            fac: a banded factorization with at most b bands.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The :class:`AccountingResult` at the last verified σ; the unamplified fallback σ (named on stderr and
+            in the result) when none passed, or when the samples per candidate verify only a δ above the target.
+
+        Raises:
+            InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out of range.
+        """
         # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the fallback (the
         # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
         check_delta(delta)
@@ -517,19 +692,36 @@ MC_AFFORDABLE_WORK = 2e10
 
 
 def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
-    """State updates of a first Monte Carlo attempt under Poisson sampling at ``delta``."""
+    """The cost of a first Monte Carlo attempt under Poisson sampling, in forward-algorithm state updates.
+
+    Args:
+        fac: a banded factorization.
+        delta: the target δ.
+
+    Returns:
+        2 directions × samples × n × 2^(bands−1), with the samples of the first verification at ``delta``.
+    """
     samples = 2 * first_verification_size(delta)
     return 2.0 * samples * fac.rounds * (1 << ((fac.bands or fac.rounds) - 1))
 
 
 def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: float
                           ) -> tuple[list[str], list[dict]]:
-    """(accountants computed for ``sampling`` when none is named, the ones skipped with the reason).
+    """The accountants :class:`TightestAccountant` computes for ``sampling`` when none is named.
 
     Poisson: MMCC (002) and, for banded non-negative encoders with ≤ 12 bands, Monte Carlo over the exact
     likelihood (where affordable, see :data:`MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins, multi-attribution:
     Monte Carlo and its unamplified bound; cyclic Poisson:
-    001 Prop. 2.1 when bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC."""
+    001 Prop. 2.1 when bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC.
+
+    Args:
+        fac: the factorization.
+        sampling: the sampling.
+        delta: the target δ (it sets the cost of Monte Carlo under Poisson sampling).
+
+    Returns:
+        (accountant names to compute, skipped accountants as ``{"accountant", "reason"}``).
+    """
     kind = sampling.kind
     if kind == "none":
         return ["unamplified"], []
@@ -558,7 +750,12 @@ def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: flo
 class TightestAccountant:
     """Every accountant that applies to the sampling (:func:`candidate_accountants`), and the tightest bound
     verified at the target δ: each is a valid (ε, δ) for the same mechanism, so their minimum is too. The result
-    names the one used and lists every bound with its value (``parameters["bounds"]``)."""
+    names the one used and lists every bound with its value (``parameters["bounds"]``).
+
+    Args:
+        sampling: an amplified :class:`SamplingSpec` with no accountant named.
+        options: passed to each accountant.
+    """
 
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
@@ -573,6 +770,21 @@ class TightestAccountant:
         return accountant_for(spec, self.options).epsilon(fac, sigma, delta)
 
     def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
+        """The smallest ε verified at ``delta`` among the accountants that apply.
+
+        Args:
+            fac: the factorization.
+            noise_multiplier: σ.
+            delta: δ in (0, 1).
+            coarse: ignored.
+
+        Returns:
+            The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
+
+        Raises:
+            InvalidArgumentError: no accountant verified the target δ.
+        """
         check_delta(delta)
         check_sigma(noise_multiplier)
         names, skipped = candidate_accountants(fac, self.sampling, delta)
@@ -580,6 +792,21 @@ class TightestAccountant:
         return _pick(results, skipped, delta, "epsilon")
 
     def noise_multiplier(self, fac, target_epsilon, delta):
+        """The smallest σ calibrated for ``target_epsilon`` among the accountants that apply (Monte Carlo under
+        Poisson sampling gives ε for a σ only, and is skipped here).
+
+        Args:
+            fac: the factorization.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
+
+        Raises:
+            InvalidArgumentError: no accountant verified the target δ.
+        """
         check_delta(delta)
         check_epsilon(target_epsilon)
         names, skipped = candidate_accountants(fac, self.sampling, delta)
@@ -615,7 +842,17 @@ def _pick(results: list[tuple[str, AccountingResult]], skipped: list[dict], delt
 
 
 def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
-    """The accountant for a sampling description (``sampling.accountant`` picks among the valid ones)."""
+    """The accountant for a sampling description (module docstring).
+
+    Args:
+        sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the tightest for an
+            amplified sampling, unamplified for ``none``).
+        options: the accountants' knobs (default :class:`AccountingOptions`).
+
+    Returns:
+        An :class:`Accountant`: :class:`TightestAccountant`, :class:`UnamplifiedAccountant`,
+        :class:`CyclicPoissonAccountant`, :class:`MMCCAccountant` or :class:`MonteCarloEVRAccountant`.
+    """
     options = options or AccountingOptions()
     if sampling.accountant is None and sampling.kind != "none":
         return TightestAccountant(sampling, options)
@@ -633,8 +870,28 @@ def account(fac: Factorization, *, delta: float, noise_multiplier: float | None 
             target_epsilon: float | None = None, sampling: SamplingSpec = SamplingSpec(),
             mc_samples: int | None = None, seed: int = 0, grid_ratio: float = 1.02,
             max_candidates: int = 40, **options) -> dict:
-    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as a dict: :class:`AccountingResult`'s
-    ``to_dict()`` plus the sensitivity fields. ``options``: further :class:`AccountingOptions` fields."""
+    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as the CLI and the strategy read it.
+
+    Args:
+        fac: the factorization, normalised to sensitivity 1 under its participation.
+        delta: δ in (0, 1).
+        noise_multiplier: σ, to account; or None.
+        target_epsilon: ε, to calibrate σ for; or None.
+        sampling: the sampling (default: none, unamplified).
+        mc_samples: the Monte Carlo first batch per direction (≥ 2; None: what the target δ needs).
+        seed: the Monte Carlo seed.
+        grid_ratio: the Monte Carlo σ search's ratio.
+        max_candidates: the Monte Carlo σ search's length.
+        **options: further :class:`AccountingOptions` fields.
+
+    Returns:
+        :meth:`AccountingResult.to_dict` plus ``sampling``, ``sensitivity``, ``sensitivity_exact`` and
+        ``factorization_sha256``.
+
+    Raises:
+        InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or a value out of
+            range (the error names it).
+    """
     check_delta(delta)
     require((noise_multiplier is None) != (target_epsilon is None), "noise_multiplier",
             "exactly one of noise_multiplier and target_epsilon")

@@ -28,6 +28,7 @@ from corrflow.errors import InvalidArgumentError, require
 if TYPE_CHECKING:   # dp-accounting takes ~1 s to import (scipy.signal): only the PLD paths load it
     import dp_accounting as dpa
 
+#: dp-accounting's accountants :func:`epsilon_of` can compose an event with.
 ACCOUNTANTS = ("pld", "rdp")
 #: PLD discretisation; 1e-4 is dp-accounting's default and moves ε by < 0.1% against 1e-3 at these sizes.
 PLD_DISCRETIZATION = 1e-4
@@ -37,16 +38,42 @@ PROBE_DISCRETIZATION = 1e-3
 
 
 def check_delta(delta: float) -> None:
+    """Refuse a δ outside (0, 1).
+
+    Args:
+        delta: δ.
+
+    Raises:
+        InvalidArgumentError: (field ``delta``) not a finite number in (0, 1).
+    """
     require(isinstance(delta, int | float) and np.isfinite(delta) and 0.0 < delta < 1.0, "delta",
             "a number in (0, 1)", delta)
 
 
 def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
+    """Refuse an ε that is not a finite positive number.
+
+    Args:
+        epsilon: ε.
+        field: the name the error gives it.
+
+    Raises:
+        InvalidArgumentError: naming ``field``.
+    """
     require(isinstance(epsilon, int | float) and np.isfinite(epsilon) and epsilon > 0, field,
             "a positive number", epsilon)
 
 
 def check_sigma(sigma: float, field: str = "noise_multiplier") -> None:
+    """Refuse a noise multiplier that is not a finite positive number.
+
+    Args:
+        sigma: σ.
+        field: the name the error gives it.
+
+    Raises:
+        InvalidArgumentError: naming ``field``.
+    """
     require(isinstance(sigma, int | float) and np.isfinite(sigma) and sigma > 0, field, "a positive number", sigma)
 
 
@@ -61,6 +88,16 @@ def check_pld_size(noise_multiplier: float, sensitivity: float, field: str = "no
 
     With μ = sensitivity/σ the loss of N(μ, 1) against N(0, 1) spans about μ²/2 + 2·μ·t (t ≈ 10 standard
     deviations, dp-accounting's tail truncation at e^{−50}), i.e. that many / ``discretization`` grid points.
+
+    Args:
+        noise_multiplier: σ.
+        sensitivity: the sensitivity σ is divided by.
+        field: the name the error gives σ.
+        discretization: the PLD's value discretisation interval.
+
+    Raises:
+        InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when more than
+            :data:`PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
     """
     check_sigma(noise_multiplier, field)
     mu = sensitivity / noise_multiplier
@@ -83,8 +120,21 @@ def _accountant(name: str, discretization: float = PLD_DISCRETIZATION) -> dpa.Pr
 
 def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld", *,
                discretization: float = PLD_DISCRETIZATION) -> float:
-    """ε at ``delta`` of ``event``: exact for one Gaussian (:func:`gaussian_epsilon`), else dp-accounting's PLD (at
-    ``discretization``, pessimistic) or RDP."""
+    """ε of a dp-accounting event at ``delta``.
+
+    Args:
+        event: a ``dp_accounting.DpEvent``.
+        delta: δ in (0, 1).
+        accountant: ``"pld"`` or ``"rdp"`` (:data:`ACCOUNTANTS`).
+        discretization: the PLD's value discretisation interval.
+
+    Returns:
+        ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (:func:`gaussian_epsilon`), else dp-accounting's PLD
+        (pessimistic at ``discretization``) or RDP bound.
+
+    Raises:
+        InvalidArgumentError: δ out of range or an unknown accountant.
+    """
     import dp_accounting as dpa
 
     check_delta(delta)
@@ -94,8 +144,20 @@ def epsilon_of(event: dpa.DpEvent, delta: float, accountant: str = "pld", *,
 
 
 def gaussian_epsilon(noise_multiplier: float, sensitivity: float, delta: float) -> float:
-    """Exact ε of one Gaussian mechanism (noise σ, sensitivity Δ) at ``delta`` (Balle & Wang 2018, arXiv
-    1805.06530, Thm. 8), rounded up; dp-accounting's PLD where double precision cannot certify it."""
+    """Exact ε of one Gaussian mechanism (Balle & Wang 2018, "Improving the Gaussian Mechanism for Differential
+    Privacy", arXiv 1805.06530, Thm. 8).
+
+    Args:
+        noise_multiplier: σ, the noise's standard deviation.
+        sensitivity: Δ.
+        delta: δ in (0, 1).
+
+    Returns:
+        ε, rounded up; dp-accounting's PLD ε where double precision cannot certify the exact curve.
+
+    Raises:
+        InvalidArgumentError: δ or σ out of range, or σ/Δ too small to account.
+    """
     check_delta(delta)
     check_sigma(noise_multiplier)
     try:
@@ -109,8 +171,20 @@ def gaussian_epsilon(noise_multiplier: float, sensitivity: float, delta: float) 
 
 
 def gaussian_noise_multiplier(target_epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
-    """The smallest σ (rounded up) whose Gaussian mechanism with ``sensitivity`` is (ε, δ)-DP, exactly (Balle & Wang
-    2018, arXiv 1805.06530, Thm. 8); a σ search over the PLD where double precision cannot certify it."""
+    """The smallest σ whose Gaussian mechanism is (ε, δ)-DP (Balle & Wang 2018, arXiv 1805.06530, Thm. 8).
+
+    Args:
+        target_epsilon: ε > 0.
+        delta: δ in (0, 1).
+        sensitivity: Δ > 0.
+
+    Returns:
+        σ, rounded up; where double precision cannot certify the exact curve, the smallest σ on a 1.001-ratio
+        grid whose PLD ε meets the target.
+
+    Raises:
+        InvalidArgumentError: ε, δ or Δ out of range.
+    """
     check_epsilon(target_epsilon)
     check_delta(delta)
     require(np.isfinite(sensitivity) and sensitivity > 0, "sensitivity", "a positive number", sensitivity)
@@ -125,7 +199,19 @@ def gaussian_noise_multiplier(target_epsilon: float, delta: float, sensitivity: 
 
 
 def unamplified_event(noise_multiplier: float, sensitivity: float = 1.0) -> dpa.DpEvent:
-    """One Gaussian release with noise multiplier σ/sensitivity (000 App. D.2)."""
+    """The whole unamplified run as one Gaussian release (000 App. D.2: Choquette-Choo et al., "Multi-Epoch Matrix
+    Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
+
+    Args:
+        noise_multiplier: σ.
+        sensitivity: the factorization's sensitivity s under the participation that really holds.
+
+    Returns:
+        ``dp_accounting.GaussianDpEvent(σ/s)``.
+
+    Raises:
+        InvalidArgumentError: σ or s not positive, or σ/s too small to account.
+    """
     import dp_accounting as dpa
 
     check_sigma(noise_multiplier)
@@ -136,7 +222,19 @@ def unamplified_event(noise_multiplier: float, sensitivity: float = 1.0) -> dpa.
 
 @dataclass(frozen=True)
 class CyclicPoisson:
-    """Cyclic Poisson sampling (001 Alg. 2): N examples in ``cycle`` parts, part t mod cycle trains in round t."""
+    """Cyclic Poisson sampling (001 Alg. 2: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for
+    Differentially Private ML", arXiv 2405.15913): N examples in ``cycle`` parts, part t mod cycle trains in round
+    t, each of its examples with probability q = cycle·B/N.
+
+    Args:
+        rounds: n.
+        cycle: b, the number of parts (1 ≤ b ≤ n; at least the encoder's bands for :meth:`event`).
+        dataset_size: N.
+        expected_batch_size: B, in (0, N/b].
+
+    Raises:
+        InvalidArgumentError: a field out of range (the error names it).
+    """
 
     rounds: int
     cycle: int
@@ -154,15 +252,28 @@ class CyclicPoisson:
 
     @property
     def sampling_probability(self) -> float:
+        """q = cycle·B/N (1 where rounding puts it within 1e-9 above 1)."""
         q = self.cycle * self.expected_batch_size / self.dataset_size
         return 1.0 if 1.0 < q <= 1.0 + 1e-9 else q     # N/B = cycle exactly: rounding must not leave [0, 1]
 
     @property
     def compositions(self) -> int:
+        """⌈n/cycle⌉: how many times each part trains."""
         return math.ceil(self.rounds / self.cycle)
 
     def event(self, noise_multiplier: float, max_column_norm: float) -> dpa.DpEvent:
-        """⌈n/cycle⌉ × PoissonSampled(q, Gaussian(σ/max‖C[:,j]‖)) (001 Prop. 2.1)."""
+        """The run as a dp-accounting event (001 Prop. 2.1): ⌈n/cycle⌉ × PoissonSampled(q, Gaussian(σ/max‖C[:,j]‖)).
+
+        Args:
+            noise_multiplier: σ.
+            max_column_norm: max_j ‖C[:, j]‖ of a b-banded encoder C with b ≤ cycle.
+
+        Returns:
+            A ``dp_accounting.SelfComposedDpEvent``.
+
+        Raises:
+            InvalidArgumentError: σ not positive, or too small to account.
+        """
         import dp_accounting as dpa
 
         check_pld_size(noise_multiplier, max_column_norm)
@@ -176,6 +287,20 @@ def calibrate_on_grid(epsilon_of_sigma: Callable[[float], float], target_epsilon
     """Smallest σ on the grid base·ratio^i whose ε ≤ target; returns (σ, ε(σ)). ε must decrease in σ.
 
     Brackets geometrically (×1.25) from ``guess``, then bisects on grid indices: O(log) accountant calls.
+
+    Args:
+        epsilon_of_sigma: σ → ε, decreasing in σ.
+        target_epsilon: ε > 0.
+        guess: a starting σ.
+        base: the grid's smallest σ.
+        ratio: the grid's ratio.
+        limit: the largest σ tried.
+
+    Returns:
+        (σ, ε(σ)) for the smallest grid σ with ε(σ) ≤ target.
+
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad ``guess``.
     """
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
@@ -228,6 +353,20 @@ def calibrate_log_sigma(probe: Callable[[float], float], verify: Callable[[float
     to ``rtol``; the result is verified, then moved once toward the verified root by a secant step when the
     verified ε leaves more than ``rtol`` of the target unused (kept only if it verifies), or stepped up until it
     verifies. The σ returned always has verify(σ) ≤ target.
+
+    Args:
+        probe: σ → a cheap ε (a coarse PLD), decreasing in σ.
+        verify: σ → the full-precision ε that is reported.
+        target_epsilon: ε > 0.
+        guess: a starting σ (e.g. the unamplified one).
+        rtol: the relative precision of σ.
+        limit: the largest σ tried.
+
+    Returns:
+        The :class:`Calibration`: σ, its verified ε and the numbers of probes and verifications.
+
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad ``guess``.
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 

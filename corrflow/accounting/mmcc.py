@@ -50,7 +50,16 @@ MIN_GRID_STEPS = 10
 
 
 def check_encoder(C: np.ndarray) -> None:
-    """MMCC needs a lower-triangular C (adaptive inputs, 002 §1.2) with non-negative entries (Lemma C.3)."""
+    """Refuse an encoder MMCC cannot analyse: it needs a lower-triangular C (adaptive inputs, 002 §1.2) with
+    non-negative entries (002 Lemma C.3).
+
+    Args:
+        C: the encoder, shape (n, n).
+
+    Raises:
+        InvalidArgumentError: (field ``factorization``) C is not square, has a negative entry or an entry above
+            the diagonal (beyond 1e-12 of its largest).
+    """
     require(C.ndim == 2 and C.shape[0] == C.shape[1], "factorization", "a square encoder C", C.shape)
     scale = max(float(np.abs(C).max()), 1e-300)
     i, j = np.unravel_index(int(np.argmin(C)), C.shape)
@@ -69,8 +78,14 @@ def check_encoder(C: np.ndarray) -> None:
 def block_problem(C: np.ndarray, start: int, cycle: int) -> tuple[np.ndarray, np.ndarray]:
     """Generalized-MMCC's reduction (002 Alg. 3 steps 1 and 4) for the group training in rounds start, start + b, ….
 
-    Returns (H, Cb): H = C[start:, start::b] (rows in release order, the kept columns) and
-    Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities (⌈(n − start)/b⌉ × columns).
+    Args:
+        C: the encoder, shape (n, n), non-negative, lower-triangular.
+        start: the group's first round k (0 ≤ k < b).
+        cycle: b.
+
+    Returns:
+        (H, Cb): H = C[start:, start::b] clipped at 0, shape (n − start, columns) (rows in release order, the kept
+        columns), and Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities, shape (⌈(n − start)/b⌉, columns).
     """
     H = np.clip(C[start:, start::cycle], 0.0, None)
     m = H.shape[0]
@@ -85,8 +100,22 @@ def tail_bounds(H: np.ndarray, Cb: np.ndarray, cycle: int, q: float, sigma: floa
                 ) -> tuple[np.ndarray, int]:
     """p̃ for every (block, column) with a non-zero block sensitivity (002 Alg. 2; Alg. 4 for cycle > 1).
 
-    Block i conditions on the rows before i·cycle. Returns (p̃ of Cb's shape, number of pairs that used a tail
-    bound); entries where Cb is 0 are irrelevant and left at q.
+    Block i conditions on the rows before i·cycle.
+
+    Args:
+        H: the kept columns in release order, shape (rows, columns) (:func:`block_problem`).
+        Cb: the block sensitivities, shape (blocks, columns).
+        cycle: b (1: MMCC).
+        q: the sampling probability.
+        sigma: σ.
+        delta1: the δ share of the tail bounds, split evenly over the pairs that use one.
+
+    Returns:
+        (p̃ of Cb's shape, number of pairs that used a tail bound); entries where Cb is 0 are irrelevant and left
+        at q.
+
+    Raises:
+        InvalidArgumentError: (field ``delta_split``) ``delta1`` is 0 while some pair needs a tail bound.
     """
     from scipy.stats import binom, norm  # lazy: scipy's import slows every CLI start
 
@@ -145,7 +174,14 @@ def _round_up_probability(p: np.ndarray) -> np.ndarray:
 def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Law of Σ_j Bern(probs_j)·idx_j (grid units) by two-point convolutions (002 App. F.2).
 
-    Returns (support, masses) with masses below MASS_FLOOR moved to the largest support point."""
+    Args:
+        idx: the sensitivities in grid units, int, shape (m,).
+        probs: the Bernoulli probabilities p̃_j, shape (m,).
+
+    Returns:
+        (support, masses): the support points in grid units and their probabilities (summing to 1), with masses
+        below :data:`MASS_FLOOR` moved to the largest support point.
+    """
     total = int(idx.sum())
     pmf = np.zeros(total + 1)
     pmf[0] = 1.0
@@ -205,13 +241,28 @@ def mmcc_epsilon(C: np.ndarray, q: float, sigma: float, delta: float, *, cycle: 
                  groups: list[int] | None = None, delta_split: float = 0.5, grid: float | None = None,
                  discretization: float = MMCC_DISCRETIZATION, workers: int | None = None,
                  progress: bool = False) -> MMCCRun:
-    """ε of the matrix mechanism with encoder C (n × n, non-negative, lower-triangular), noise multiplier σ (per unit
-    clip norm), Poisson sampling with probability q in every round (cycle = 1, 002 Alg. 1) or cyclic Poisson with
-    ``cycle`` groups sampled with probability q when their turn comes (Generalized-MMCC, 002 Alg. 3).
+    """ε of an amplified matrix mechanism by MMCC (002 Alg. 1) or Generalized-MMCC (002 Alg. 3).
 
-    ``groups``: the groups (0..cycle−1) to analyse, worst taken (default all). ``delta_split``: share of δ spent on the
-    tail bounds (δ1); all of δ goes to δ2 when no tail bound is needed. ``grid``: Δ2 (default: the largest block
-    sensitivity / 256).
+    Args:
+        C: the encoder, shape (n, n), non-negative, lower-triangular.
+        q: the sampling probability: every round (cycle = 1) or of a group when its turn comes.
+        sigma: the noise multiplier σ, per unit clip norm.
+        delta: δ in (0, 1).
+        cycle: b, the cyclic Poisson groups (1: Poisson sampling in every round).
+        groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
+        delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail bound is
+            needed.
+        grid: Δ2 (default: the largest block sensitivity / 256; at most 1/:data:`MIN_GRID_STEPS` of it).
+        discretization: the row PLDs' value discretisation.
+        workers: processes for the row PLDs (default: the CPU count).
+        progress: progress lines on stderr.
+
+    Returns:
+        The :class:`MMCCRun` of the worst group: ε at δ2, with the guarantee (ε, δ1 + δ2).
+
+    Raises:
+        InvalidArgumentError: an encoder MMCC cannot analyse (:func:`check_encoder`), or a parameter out of range
+            (the error names it).
     """
     C = np.asarray(C, dtype=np.float64)
     check_encoder(C)

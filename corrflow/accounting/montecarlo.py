@@ -1,13 +1,14 @@
 """Monte Carlo accounting of banded MF under b-min-sep sampling, balls-in-bins and multi-attribution (004).
 
-004_cab8ae431845c278.txt §5 (Thm 5.1, Eq. 1): for a b-banded, entrywise non-negative lower-triangular C under
-b-min-sep Poisson sampling with probability p (Alg. 1), the privacy-loss ratio of P = N(Cx, σ²I) (x the differing
-example's participations) against Q = N(0, σ²I) is f_0(y) with
+004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338, §5
+(Thm 5.1, Eq. 1): for a b-banded, entrywise non-negative lower-triangular C under b-min-sep Poisson sampling with
+probability p (Alg. 1), the privacy-loss ratio of P = N(Cx, σ²I) (x the differing example's participations) against
+Q = N(0, σ²I) is f_0(y) with
 
     f_i = (1 − p)·f_{i+1} + p·exp((2⟨c_i, y_{i:i+b}⟩ − ‖c_i‖²)/(2σ²))·f_{i+b},   f_i = 1 for i ≥ n,
 
 computed here in log space, vectorised over samples, O(n·bands) per sample. Warm start (Alg. 2):
-(f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (digest §1.6).
+(f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004 §4).
 Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items (cold start only).
 
 Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward algorithm over
@@ -17,8 +18,9 @@ the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-b
 δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln P/Q, and
 y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release (004 Alg. 5, Thm A.1):
 a verifier at threshold δ' with s samples fails to catch a mechanism that is not (ε, δ)-DP with probability at most
-exp(−s·KL(δ'‖δ)), giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
-deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that δ.
+exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2), giving (ε, δ + q(1 − δ))-DP overall.
+:func:`adaptive_evr` verifies ε at a target δ in doubling, deterministically seeded batches, attempt i spending
+β/2^(i+1) of the failure budget β inside that δ.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def truncate_band(band: np.ndarray) -> np.ndarray:
     A Toeplitz encoder's band layout repeats its coefficients in every column, also where row i + k ≥ n does not
     exist; counting those entries in ‖c_i‖² would over-state the squared column norms of the last bands − 1 columns
     and understate the privacy loss of late participations.
+
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
+
+    Returns:
+        A float64 copy, shape (n, bands), with ``band[i, k] = 0`` where i + k ≥ n.
     """
     band = np.array(band, dtype=np.float64)
     n, bands = band.shape
@@ -52,9 +60,23 @@ def truncate_band(band: np.ndarray) -> np.ndarray:
 
 def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
                          warm: bool = False, k_u: int = 1) -> np.ndarray:
-    """ln P(y)/Q(y) for every column of y (n × S, round-major) by the recursion of 004 Eq. 1 (Thm 6.1 for k_u > 1).
+    """ln P(y)/Q(y) for every column of y by the recursion of 004 Eq. 1 (Thm 5.1; Thm 6.1 for k_u > 1).
 
-    ``band[i, k] = C[i + k, i]`` (n × bands, zero past row n), bands ≤ min_sep, entries ≥ 0. Returns (S,) float64.
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored), bands ≤ min_sep,
+            entries ≥ 0.
+        sigma: the noise multiplier σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds (1: balls-in-bins).
+        warm: the warm-start mixture of 004 Alg. 2 (else cold start, Alg. 1).
+        k_u: items per user (multi-attribution, 004 §6; cold start only).
+
+    Returns:
+        ln P(y)/Q(y), float64, shape (S,).
+
+    Raises:
+        InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u > 1.
     """
     y = np.asarray(y)
     n, S = y.shape
@@ -134,12 +156,22 @@ def sample_participations(S: int, n: int, min_sep: int, p: float, rng: np.random
                           k_u: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One example's (or user's) participations under b-min-sep sampling (004 Alg. 1–3), for S independent runs.
 
-    Returns (run index, round, count) arrays, one entry per participation.
+    Args:
+        S: the number of independent runs.
+        n: rounds.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        rng: the generator.
+        warm: start from the stationary distribution (004 Alg. 2).
+        k_u: items per user: a round is taken when Binom(k_u, p) ≥ 1, with that count (004 Alg. 3).
+
+    Returns:
+        (run index, round, count): three arrays of equal length, one entry per participation.
     """
     b = min_sep
     p_any = 1.0 - (1.0 - p) ** k_u  # an available step takes part when Binom(k_u, p) ≥ 1
     if warm:
-        # Stationary chain (digest §1.5): available w.p. 1/(1+(b−1)p), else barred for s ~ U{1..b−1} more rounds.
+        # Stationary chain (004 Alg. 2): available w.p. 1/(1+(b−1)p), else barred for s ~ U{1..b−1} more rounds.
         barred = rng.random(S) >= 1.0 / (1.0 + (b - 1) * p)
         s = np.where(barred, rng.integers(1, max(b, 2), size=S), 0)
         last = s - b
@@ -166,8 +198,17 @@ def _binomial_at_least_one(k: int, p: float, size: int, rng: np.random.Generator
 
 
 def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray, counts: np.ndarray) -> None:
-    """y[:, s] += count·C[:, pos] for every participation (y round-major, n × S). Participations of one run are
-    ≥ bands apart, so the scattered entries never collide."""
+    """Add each participation's mean: y[:, s] += count·C[:, pos] (in place).
+
+    Participations of one run are ≥ bands apart, so the scattered entries never collide.
+
+    Args:
+        y: shape (n, S), round-major; modified in place.
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
+        rows: the run index s of each participation.
+        pos: its round.
+        counts: its multiplicity.
+    """
     n, S = y.shape
     # Scatter in memory order (round-major flat index, each (round, run) hit once per band offset): several times
     # faster than unsorted fancy indexing at n = 2048; entries past round n are a suffix (sorted by round).
@@ -193,7 +234,14 @@ MAX_FORWARD_BANDS = 12
 
 
 def column_gram_bands(band: np.ndarray) -> np.ndarray:
-    """G[j, d] = ⟨c_j, c_{j+d}⟩ for d = 1..bands−1 (n × (bands−1)), columns truncated at row n (zero past it)."""
+    """Inner products of nearby columns of a banded encoder, for :func:`poisson_banded_llr`.
+
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
+
+    Returns:
+        G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns truncated at row n.
+    """
     band = truncate_band(band)
     n, L = band.shape
     G = np.zeros((n, max(L - 1, 0)))
@@ -211,7 +259,19 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
     c_j = C[:, j] (``band[j, k] = C[j + k, j]``), ln N(Cx)/N(0)(y) = Σ_j x_j a_j − Σ_{j<k<j+L} x_j x_k G_jk/σ² with
     a_j = (⟨c_j, y⟩ − ‖c_j‖²/2)/σ²: a chain whose interactions reach L − 1 rounds back, summed over x by a forward
     algorithm on the last L − 1 participation bits (2^(L−1) states; rescaled every round, linear space).
-    y: n × S (round-major). Returns (S,) float64. Cost O(n·2^(L−1)) per sample.
+    Cost O(n·2^(L−1)) per sample.
+
+    Args:
+        y: outputs, shape (n, S), round-major.
+        band: shape (n, L), ``band[i, k] = C[i + k, i]``, L ≤ :data:`MAX_FORWARD_BANDS`.
+        sigma: σ.
+        p: the per-round probability, in (0, 1).
+
+    Returns:
+        ln P(y)/Q(y), float64, shape (S,).
+
+    Raises:
+        InvalidArgumentError: more than :data:`MAX_FORWARD_BANDS` bands, or p outside (0, 1).
     """
     y = np.asarray(y, dtype=np.float64)
     band = truncate_band(band)
@@ -258,8 +318,18 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
 
 def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> np.ndarray:
     """ln P(y)/Q(y) for balls-in-bins with ``bins`` bins: the example takes a uniform phase φ and trains in rounds
-    φ, φ + T, φ + 2T, … (004 §1.4; 2410.06266). Exact for any encoder: L = logsumexp_φ(⟨Cx_φ, y⟩/σ² −
-    ‖Cx_φ‖²/(2σ²)) − ln T. y: n × S. Returns (S,) float64."""
+    φ, φ + T, φ + 2T, … (004 §1.4; Choquette-Choo et al., "Near Exact Privacy Amplification for Matrix Mechanisms",
+    arXiv 2410.06266). Exact for any encoder: L = logsumexp_φ(⟨Cx_φ, y⟩/σ² − ‖Cx_φ‖²/(2σ²)) − ln T.
+
+    Args:
+        y: outputs, shape (n, S), round-major.
+        C: the encoder, shape (n, n).
+        sigma: σ.
+        bins: T.
+
+    Returns:
+        ln P(y)/Q(y), float64, shape (S,).
+    """
     y = np.asarray(y, dtype=np.float64)
     n = y.shape[0]
     X = (np.arange(n)[:, None] % bins == np.arange(bins)[None, :]).astype(np.float64)
@@ -271,12 +341,28 @@ def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> 
 # -- δ estimation and EVR ---------------------------------------------------------------------------------------
 
 def delta_terms(losses: np.ndarray, epsilon: float) -> np.ndarray:
-    """max(0, 1 − e^{ε − L}) per sample: unbiased terms of δ(ε) (004 §2.5)."""
+    """Unbiased terms of δ(ε) (004 §2.5).
+
+    Args:
+        losses: privacy-loss samples L, shape (S,).
+        epsilon: ε.
+
+    Returns:
+        max(0, 1 − e^{ε − L}), shape (S,).
+    """
     return -np.expm1(np.minimum(epsilon - losses, 0.0))
 
 
 def bernoulli_kl(a: float, b: float) -> float:
-    """KL(Bern(a) ‖ Bern(b))."""
+    """The Bernoulli KL divergence, for EVR's failure bound (004 App. A).
+
+    Args:
+        a: a probability in [0, 1].
+        b: a probability in (0, 1).
+
+    Returns:
+        KL(Bern(a) ‖ Bern(b)) = a·ln(a/b) + (1 − a)·ln((1 − a)/(1 − b)).
+    """
     out = 0.0
     if a > 0:
         out += a * math.log(a / b)
@@ -286,7 +372,15 @@ def bernoulli_kl(a: float, b: float) -> float:
 
 
 def overall_delta(samples: int, delta_prime: float) -> float:
-    """min over δ ∈ [δ', 1) of δ + exp(−s·KL(δ'‖δ))(1 − δ): the δ that EVR releases (004 Thm A.1)."""
+    """The δ that Estimate-Verify-Release releases (004 Alg. 5, Thm A.1).
+
+    Args:
+        samples: s, the verifier's samples per direction.
+        delta_prime: δ', the verifier's threshold.
+
+    Returns:
+        min over δ ∈ [δ', 1) of δ + exp(−s·KL(δ'‖δ))(1 − δ), at most 1.
+    """
     from scipy.optimize import minimize_scalar  # lazy: scipy's import slows every CLI start
 
     def f(log_tau):
@@ -298,7 +392,18 @@ def overall_delta(samples: int, delta_prime: float) -> float:
 
 
 def minimum_samples(delta_prime: float, delta_target: float) -> int:
-    """Smallest s with overall_delta(s, δ') ≤ δ_target (binary search, digest §6.5)."""
+    """The verifier's sample count a target δ needs (004 App. A, which verifies at δ' = δ/2).
+
+    Args:
+        delta_prime: δ', the verifier's threshold.
+        delta_target: the δ to release, δ' < δ_target < 1.
+
+    Returns:
+        The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; :func:`overall_delta`).
+
+    Raises:
+        InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than 2^50 samples needed.
+    """
     require(0 < delta_prime < delta_target < 1, "delta", "δ' < δ_target in (0, 1)", (delta_prime, delta_target))
     lo, hi = 1, 2
     while overall_delta(hi, delta_prime) > delta_target:
@@ -316,10 +421,19 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
 
 @dataclass
 class MonteCarloEstimate:
-    """Privacy-loss samples for both adjacency directions at one σ.
+    """Privacy-loss samples for both adjacency directions at one σ (004 §2.5).
 
     ``count`` samples were drawn per direction; when ``floor`` is set only the losses above it are stored (the
-    others add 0 to δ(ε) for every ε ≥ floor)."""
+    others add 0 to δ(ε) for every ε ≥ floor).
+
+    Attributes:
+        sigma: σ.
+        add: L = ln P/Q with y ∼ P (the differing example present), stored losses, shape (S₊,).
+        remove: L = ln Q/P with y ∼ Q, stored losses, shape (S₋,).
+        count: samples drawn per direction (None: the smaller array's length).
+        floor: the loss below which samples were dropped, or None.
+        samples: ``count``, as an int.
+    """
 
     sigma: float
     add: np.ndarray        # L = ln P/Q, y ∼ P   (the differing example present)
@@ -334,7 +448,14 @@ class MonteCarloEstimate:
         self.samples = int(self.count)
 
     def merged(self, other: MonteCarloEstimate) -> MonteCarloEstimate:
-        """The pooled estimate of two independent sample sets at the same σ (stored above the higher floor)."""
+        """The pooled estimate of two independent sample sets at the same σ.
+
+        Args:
+            other: another estimate at the same σ.
+
+        Returns:
+            The pooled :class:`MonteCarloEstimate`: counts added, losses stored above the higher floor.
+        """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
         def cut(a):
             return a if floor is None else a[a > floor]
@@ -343,7 +464,17 @@ class MonteCarloEstimate:
                                   count=self.samples + other.samples, floor=floor)
 
     def delta(self, epsilon: float) -> tuple[float, float]:
-        """(δ̂(ε), its standard error) for the worse direction."""
+        """The estimated δ(ε), for the worse direction.
+
+        Args:
+            epsilon: ε.
+
+        Returns:
+            (δ̂(ε), its standard error), from the direction with the larger pair.
+
+        Raises:
+            InvalidArgumentError: ε below the stored ``floor`` (the dropped samples would matter).
+        """
         require(self.floor is None or epsilon >= self.floor - 1e-12, "epsilon",
                 f"at least the stored floor {self.floor}", epsilon)
         best = (0.0, 0.0)
@@ -356,7 +487,16 @@ class MonteCarloEstimate:
         return best
 
     def epsilon(self, delta: float, z: float = 0.0) -> float:
-        """ε with δ̂(ε) + z·se(ε) = δ (z = 0: point estimate; z > 0: upper confidence end)."""
+        """The ε at which the estimated δ meets ``delta``.
+
+        Args:
+            delta: δ.
+            z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper confidence end of ε).
+
+        Returns:
+            ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is returned when it
+            already meets δ.
+        """
         from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
         def g(eps):
@@ -391,7 +531,23 @@ class MonteCarloAccountant:
     sampling in every round (forward algorithm, ≤ 12 bands) or balls-in-bins (phase enumeration, any encoder).
 
     ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1). ``scheme="balls-in-bins"``:
-    ``min_sep`` is the number of bins T (``p`` = 1)."""
+    ``min_sep`` is the number of bins T (``p`` = 1).
+
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤ min_sep for
+            b-min-sep; ≤ :data:`MAX_FORWARD_BANDS` for Poisson).
+        min_sep: b (b-min-sep), or the number of bins T (balls-in-bins).
+        p: the Poisson probability among eligible rounds (b-min-sep), or per round (Poisson).
+        warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
+        k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only).
+        dtype: the dtype of the sampled outputs and of the recursion.
+        batch: samples per batch (a batch's draws depend only on its child seed).
+        scheme: one of :data:`SCHEMES`.
+
+    Raises:
+        InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than the scheme allows,
+            p out of range, or k_u > 1 outside cold-start b-min-sep.
+    """
 
     def __init__(self, band: np.ndarray, min_sep: int, p: float, *, warm: bool = True, k_u: int = 1,
                  dtype=np.float32, batch: int = 16384, scheme: str = "bminsep"):
@@ -431,6 +587,7 @@ class MonteCarloAccountant:
 
     @property
     def rounds(self) -> int:
+        """n."""
         return self.band.shape[0]
 
     def sample_losses(self, sigma: float, samples: int, seed: int | np.random.SeedSequence,
@@ -439,8 +596,19 @@ class MonteCarloAccountant:
         """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per seed).
 
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count for large
-        runs); the result depends only on (seed, samples, batch size). ``keep_above``: keep only losses above it
-        (δ(ε) for ε ≥ ``keep_above`` needs no others; the count of all samples is kept), to bound memory.
+        runs); the result depends only on (seed, samples, batch size).
+
+        Args:
+            sigma: σ > 0.
+            samples: per direction, ≥ 2.
+            seed: an integer or a ``SeedSequence``.
+            workers: processes (None: up to the CPU count, one per 50,000 samples).
+            progress: a progress line on stderr.
+            keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no others; the count of all
+                samples is kept), to bound memory.
+
+        Returns:
+            The :class:`MonteCarloEstimate`.
         """
         require(np.isfinite(sigma) and sigma > 0, "noise_multiplier", "a positive number", sigma)
         require(isinstance(samples, int) and samples >= 2, "mc_samples", "an integer ≥ 2", samples)
@@ -493,7 +661,18 @@ class MonteCarloAccountant:
         return log_likelihood_ratio(y, self.band, sigma, self.min_sep, self.p, self.warm, self.k_u)
 
     def verify(self, sigma: float, epsilon: float, delta_prime: float, samples: int, seed) -> tuple[bool, float]:
-        """EVR verifier: pass iff δ̂(ε) ≤ δ' (both directions); returns (passed, δ̂)."""
+        """The EVR verifier (004 Alg. 5): pass iff δ̂(ε) ≤ δ' in both directions, on fresh samples.
+
+        Args:
+            sigma: the candidate σ.
+            epsilon: ε.
+            delta_prime: δ', the threshold.
+            samples: per direction.
+            seed: an integer or a ``SeedSequence``.
+
+        Returns:
+            (passed, δ̂ of the worse direction).
+        """
         d, _ = self.sample_losses(sigma, samples, seed).delta(epsilon)
         return d <= delta_prime, d
 
@@ -512,8 +691,17 @@ DEFAULT_MAX_SAMPLES = 60_000_000
 
 def verify_threshold(samples: int, share: float, delta_v: float) -> float:
     """The largest threshold δ' with exp(−s·KL(δ'‖δ_v)) ≤ share: a verifier passing iff δ̂ ≤ δ' wrongly passes a
-    mechanism whose δ exceeds δ_v with probability ≤ share (Chernoff, 004 Thm A.1 / 2412.16802 Fact 4.2).
-    0 when even δ' = 0 is not enough."""
+    mechanism whose δ exceeds δ_v with probability ≤ share (Chernoff, 004 Thm A.1 / Chua et al., arXiv
+    2412.16802, Fact 4.2).
+
+    Args:
+        samples: s, the verifier's samples.
+        share: the allowed wrong-pass probability.
+        delta_v: δ_v, the mechanism's δ to verify.
+
+    Returns:
+        δ' (to 1e-9 relative of δ_v); 0 when even δ' = 0 is not enough.
+    """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
     need = math.log(1.0 / share) / samples
@@ -524,7 +712,16 @@ def verify_threshold(samples: int, share: float, delta_v: float) -> float:
 
 def first_verification_size(delta_target: float, share_of_failure: float = EVR_FAILURE_SHARE,
                             ratio: float = EVR_FIRST_THRESHOLD) -> int:
-    """Smallest s (to 1%) whose first-attempt threshold reaches ``ratio``·δ_target."""
+    """The first verification's sample count for :func:`adaptive_evr`.
+
+    Args:
+        delta_target: the target δ.
+        share_of_failure: the share β/δ of the target spent on the verifier's failure probability.
+        ratio: the first attempt's threshold δ' must reach this fraction of the target.
+
+    Returns:
+        The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches ``ratio``·δ_target.
+    """
     beta = share_of_failure * delta_target
     delta_v = delta_target - beta
     s = 2
@@ -535,6 +732,17 @@ def first_verification_size(delta_target: float, share_of_failure: float = EVR_F
 
 @dataclass
 class EVRAttempt:
+    """One verification of :func:`adaptive_evr`.
+
+    Attributes:
+        samples: its fresh samples per direction.
+        threshold: δ'.
+        failure_share: β_i, its wrong-pass probability.
+        epsilon: the ε chosen on the earlier samples (upper confidence end).
+        delta_hat: δ̂(ε) on its fresh samples.
+        passed: δ̂ ≤ δ'.
+    """
+
     samples: int
     threshold: float          # δ'
     failure_share: float      # β_i
@@ -559,6 +767,10 @@ class EVRRun:
     attempts: list[EVRAttempt]
 
     def to_dict(self) -> dict:
+        """Returns:
+            The run's fields for the report's ``accountant`` section (``verification_passed``,
+            ``delta_mechanism``, ``verifier_failure_budget``, ``epsilon_estimate``, samples and attempts).
+        """
         return {"verification_passed": self.passed, "delta_mechanism": self.delta_verified,
                 "verifier_failure_budget": self.failure_budget, "epsilon_estimate": self.estimate,
                 "samples_drawn": self.samples_drawn, "max_samples": self.max_samples,
@@ -577,6 +789,24 @@ def adaptive_evr(mc: MonteCarloAccountant, sigma: float, delta_target: float, se
     wrong-pass probability against δ_v = (1 − 0.05)·δ is ≤ β/2^(i+1), β = 0.05·δ. The attempts' failure probabilities
     sum to ≤ β, so a pass releases (ε, δ_v + β = δ). The budget ``max_samples`` (per direction, all batches) ends the
     search without a release; ``time_limit`` (seconds) aborts it with an error (nothing released).
+
+    Args:
+        mc: the Monte Carlo accountant of the scheme.
+        sigma: σ.
+        delta_target: the target δ.
+        seed: the run's seed.
+        max_samples: the sample budget per direction, all batches.
+        first_samples: the first batch's size (None: :func:`first_verification_size` of the target).
+        release_z: standard errors added to δ̂ when choosing ε.
+        time_limit: seconds after which the search aborts (None: none).
+        progress: progress lines on stderr.
+        clock: a monotonic clock (default ``time.monotonic``), for tests.
+
+    Returns:
+        The :class:`EVRRun`.
+
+    Raises:
+        CorrflowError: the time limit was reached (nothing is released).
     """
     import time
 

@@ -1,4 +1,5 @@
-"""The privacy report (README "Conventions", Privacy report (JSON)), with user ids hashed by salted SHA-256."""
+"""The privacy report (``privacy_report.json``; its fields: docs/explanation/conventions.md, "Privacy report", and
+the JSON Schema that ``corrflow schema privacy-report`` prints), with user ids hashed by salted SHA-256."""
 
 from __future__ import annotations
 
@@ -13,11 +14,27 @@ from corrflow.fileio import write_json
 
 
 def hash_user_id(user_id: str, salt: bytes) -> str:
-    """Salted SHA-256 of a user id (reports never print raw ids)."""
+    """Salted SHA-256 of a user id (reports never print raw ids).
+
+    Args:
+        user_id: the raw id (converted with ``str``).
+        salt: the run's secret salt.
+
+    Returns:
+        The first 24 hex digits of SHA-256(salt ‖ id).
+    """
     return hashlib.sha256(salt + str(user_id).encode()).hexdigest()[:24]
 
 
 def mechanism_section(factorization: Factorization) -> dict:
+    """The report's ``mechanism`` section.
+
+    Args:
+        factorization: the run's factorization.
+
+    Returns:
+        ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload", "factorization_sha256"}``.
+    """
     return {"kind": factorization.kind, "rounds": factorization.rounds, "epochs": factorization.participation.epochs,
             "min_sep": factorization.participation.min_sep, "bands": factorization.bands,
             "participation": factorization.participation.kind, "workload": factorization.workload.to_dict(),
@@ -26,6 +43,17 @@ def mechanism_section(factorization: Factorization) -> dict:
 
 def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes, policy: str | None = None,
                           overrides: Sequence[dict] = ()) -> dict:
+    """The report's participation section, with user ids hashed.
+
+    Args:
+        user_rounds: user id → the rounds the user contributed to.
+        salt: the run's secret salt (:func:`hash_user_id`).
+        policy: the separation policy, or None.
+        overrides: the override records.
+
+    Returns:
+        ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id: {"rounds", "min_gap"}}}``.
+    """
     users = {hash_user_id(u, salt): {"rounds": sorted(int(r) for r in rs), "min_gap": min_gap(rs)}
              for u, rs in user_rounds.items()}
     gaps = [u["min_gap"] for u in users.values() if u["min_gap"] is not None]
@@ -37,11 +65,29 @@ def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes,
 def privacy_report(*, factorization: Factorization, noise_multiplier: float, clip_norm: float, delta: float,
                    target_epsilon: float | None, accountant: dict, planned: dict, realized: dict,
                    rounds_completed: int, **extra) -> dict:
-    """Assemble the report; ``planned``/``realized`` hold sensitivity, epsilon and participation.
+    """Assemble the privacy report.
 
-    ``delta`` is the δ that goes with the reported ε's: the target, or the larger δ the accountant actually verified
-    (``accountant["delta"]``, Monte Carlo with too few samples) — never a target that was not verified. A pair valid at
-    the target δ stays valid at any larger δ, so one δ serves the planned and the realised ε."""
+    The report's ``delta`` is the δ that goes with the reported ε's: the target, or the larger δ the accountant
+    actually verified (``accountant["delta"]``, Monte Carlo with too few samples) — never a target that was not
+    verified; when ``realized`` carries the δ its ε holds at (``realized["delta"]``: the run's δ after post-hoc
+    accounting), that one is used. A pair valid at the target δ stays valid at any larger δ, so one δ serves the
+    planned and the realised ε.
+
+    Args:
+        factorization: the run's factorization (the ``mechanism`` section).
+        noise_multiplier: σ.
+        clip_norm: the clip norm.
+        delta: the target δ.
+        target_epsilon: the target ε, or None.
+        accountant: the accountant section (:meth:`AccountingResult.to_dict`'s ``accountant``).
+        planned: the planned sensitivity, ε and participation.
+        realized: the realised sensitivity, ε, its δ and participation.
+        rounds_completed: rounds completed so far.
+        **extra: further top-level sections, as given.
+
+    Returns:
+        The report dict (the shape the ``privacy-report`` JSON Schema describes).
+    """
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
         # The run's ε is the realised one; after post-hoc accounting (an override) it holds at the run's δ,
@@ -54,5 +100,13 @@ def privacy_report(*, factorization: Factorization, noise_multiplier: float, cli
 
 
 def write_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write JSON atomically (:mod:`corrflow.fileio`)."""
+    """Write a report as indented, sorted JSON, atomically (:mod:`corrflow.fileio`).
+
+    Args:
+        report: the report (:func:`privacy_report`).
+        path: the file.
+
+    Returns:
+        The path written.
+    """
     return write_json(path, report, indent=1, sort_keys=True)

@@ -21,7 +21,18 @@ from corrflow.factorization.base import Factorization
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """σ and the planned ε of a run, with the report's ``accountant`` section."""
+    """σ and the planned ε of a run, with the report's ``accountant`` section.
+
+    Attributes:
+        noise_multiplier: σ (0 for a non-private baseline).
+        epsilon: the planned ε (None: non-private).
+        accountant: the report's ``accountant`` section.
+        amplified: ε comes from the sampler's randomness (valid while its pattern is followed).
+        items_per_user: k_u: the sensitivity of a user's sum of items is ≤ k_u.
+        delta: δ of the training's ε (None: the run's δ; less when a DP vocabulary spent part of it).
+        target_epsilon: the training's share of the run's target ε (the budget guard's limit).
+        vocabulary: the report's ``vocabulary`` section (a run on a dataset file), or None.
+    """
     noise_multiplier: float               # 0 for a non-private baseline
     epsilon: float | None                 # planned ε (None: non-private)
     accountant: dict = field(default_factory=dict)
@@ -34,11 +45,24 @@ class PrivacyPlan:
 
     @property
     def private(self) -> bool:
+        """Whether noise is added (σ > 0)."""
         return self.noise_multiplier > 0
 
 
 @dataclass(frozen=True)
 class RealizedPrivacy:
+    """ε of the participation recorded so far.
+
+    Attributes:
+        sensitivity: the realised sensitivity (000 Def. 1 on the realised patterns).
+        sensitivity_exact: whether it is exact (else an upper bound).
+        epsilon: ε (None for a non-private run).
+        accounting: how ε was obtained, for the report.
+        worst_user: the raw id of a user with the largest sensitivity, or None.
+        delta: the δ at which ``epsilon`` holds, verified (the run's δ, or the larger δ an amplified plan's
+            accountant verified).
+    """
+
     sensitivity: float
     sensitivity_exact: bool
     epsilon: float | None
@@ -53,6 +77,11 @@ class RunPrivacy:
     Memoised, since the strategy asks several times a round (budget guard, release, record): each user pattern's
     sensitivity is computed once (a round adds only its cohort's new patterns), ε once per distinct sensitivity
     (the exact Gaussian curve, microseconds), and the whole answer is reused while the participation is unchanged.
+
+    Args:
+        factorization: the run's normalised factorization.
+        plan: the run's :class:`PrivacyPlan`.
+        delta: the training's δ.
     """
 
     def __init__(self, factorization: Factorization, plan: PrivacyPlan, delta: float):
@@ -71,8 +100,17 @@ class RunPrivacy:
         return self._eps_cache[key]
 
     def realized(self, selected: Mapping[str, Sequence[int]], *, pattern_followed: bool = True) -> RealizedPrivacy:
-        """ε of ``selected`` (user → rounds, with multiplicity): the plan's when it is amplified and its pattern
-        was followed, else post-hoc on the realised sensitivity."""
+        """ε of the participation so far: the plan's when it is amplified and its pattern was followed, else
+        post hoc on the realised sensitivity (one Gaussian, 000 App. D.2).
+
+        Args:
+            selected: user → rounds contributed to (with multiplicity).
+            pattern_followed: whether the sampler's pattern was followed (see
+                :func:`corrflow.accounting.policy.pattern_followed`).
+
+        Returns:
+            The :class:`RealizedPrivacy`.
+        """
         key = (pattern_followed, tuple((u, tuple(r)) for u, r in selected.items()))
         if self._last is not None and self._last[0] == key:
             return self._last[1]

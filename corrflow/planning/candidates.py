@@ -1,4 +1,4 @@
-"""``corrflow plan``: choose the mechanism for a training run (issue "corrflow plan").
+"""``corrflow plan``: choose the mechanism for a training run (how to use it: docs/how-to/plan.md).
 
 From the population P, the cohort size B and the rounds n the participation follows: b = ⌊P/B⌋ rounds between a
 user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or the sampler an accountant implies
@@ -6,7 +6,8 @@ user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or th
 and, for a p-banded C with p < ⌊P/B⌋, the cyclic Poisson sampler with its own separation b = p, which amplifies;
 b-min-sep with p0 = B/P for the Monte Carlo accountant, 004). For each kind of the registry and each band count
 (powers of two up to b and the neighbourhood of the rule of thumb ε√n/k, whose optimum sits near twice it, 001
-Fig. 2b) the factorization is built (cached), σ is calibrated with every applicable accountant (cached), and the
+Fig. 2b: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
+2405.15913) the factorization is built (cached), σ is calibrated with every applicable accountant (cached), and the
 candidate is scored by its RMSE at the target ε (σ · RMSE at unit σ), its max error, the noise engine's state
 memory and time per round for d parameters. The best candidate within the memory and noise-time budgets is the
 recommendation.
@@ -55,7 +56,14 @@ DENSE_MAX_ITERATIONS = 10_000
 
 
 def dense_iterations(rounds: int) -> int:
-    """The plan's default iteration budget for the dense optimizer at n = ``rounds`` (see :data:`DENSE_WORK`)."""
+    """The plan's default iteration budget for the dense optimizer (see :data:`DENSE_WORK`).
+
+    Args:
+        rounds: n.
+
+    Returns:
+        ⌈DENSE_WORK / n³⌉ iterations, within [50, :data:`DENSE_MAX_ITERATIONS`].
+    """
     return int(min(DENSE_MAX_ITERATIONS, max(50, math.ceil(DENSE_WORK / float(rounds) ** 3))))
 
 
@@ -66,6 +74,30 @@ class PlanStoppedError(CorrflowError):
 
 @dataclass(frozen=True)
 class PlanRequest:
+    """What ``corrflow plan`` is asked: the run's size, its privacy target and the budgets a recipe must fit.
+
+    Attributes:
+        rounds: n.
+        population: P, the users (≥ cohort_size).
+        cohort_size: B, the users per round.
+        target_epsilon: ε > 0.
+        delta: δ in (0, 1).
+        memory_budget: bytes of noise state (inf: none).
+        noise_time_budget: seconds of noise generation per round (inf: none).
+        model_params: d.
+        kinds: the factorization kinds to plan (:data:`DEFAULT_KINDS`).
+        accountants: the accountants (None: the cheap defaults, :meth:`accountant_list`).
+        momentum: the server optimizer's momentum β.
+        cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown.
+        tol: the dense optimizer's duality-gap tolerance.
+        time_budget: wall-clock seconds after which the plan aborts with no recipe (None: none).
+        mc_samples: Monte Carlo samples per direction.
+        dense_iterations: the dense optimizer's iteration budget (None: :func:`dense_iterations` of n).
+
+    Raises:
+        InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
+    """
+
     rounds: int
     population: int
     cohort_size: int
@@ -110,6 +142,7 @@ class PlanRequest:
 
     @property
     def dense_iteration_budget(self) -> int:
+        """The dense optimizer's iteration budget: ``dense_iterations``, or its default for n."""
         return self.dense_iterations or dense_iterations(self.rounds)
 
     @property
@@ -124,6 +157,7 @@ class PlanRequest:
 
     @property
     def fixed_epoch(self) -> bool:
+        """Whether b·k = n (fixed-epoch participation is possible)."""
         return self.min_sep * self.epochs == self.rounds
 
     @property
@@ -134,7 +168,12 @@ class PlanRequest:
         return workload_for(self.momentum, self.cooldown_fraction)
 
     def accountant_list(self) -> tuple[list[str], list[dict]]:
-        """(accountants to run, skipped accountants with the reason)."""
+        """The accountants the plan runs.
+
+        Returns:
+            (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the requested ones, or
+            unamplified, cyclic-poisson and MMCC up to :data:`MMCC_DEFAULT_MAX_ROUNDS` rounds.
+        """
         if self.accountants is not None:
             return list(self.accountants), [{"accountant": a, "reason": "not requested (--accountants)"}
                                             for a in PLAN_ACCOUNTANTS if a not in self.accountants]
@@ -149,11 +188,22 @@ class PlanRequest:
         return run, skipped
 
     def rule_of_thumb(self) -> float:
-        """ε√n/k: the digest of 001's rule of thumb for the bands (its optimum sits near twice it, Fig. 2b)."""
+        """The rule of thumb for the number of bands, b* ≈ ε√n/k (001 §4.2, Fig. 2b: McKenna, "Scaling up the Banded
+        Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913; the optimum sits near
+        twice it).
+
+        Returns:
+            ε√n/k.
+        """
         return self.target_epsilon * math.sqrt(self.rounds) / self.epochs
 
     def band_grid(self) -> list[int]:
-        """Powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of thumb r (within [1, b])."""
+        """The band counts the plan tries.
+
+        Returns:
+            Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of thumb r (within
+            [1, b]).
+        """
         b = self.min_sep
         grid = {2**i for i in range(int(math.log2(b)) + 1)} | {b}
         r = self.rule_of_thumb()
@@ -163,7 +213,8 @@ class PlanRequest:
 
 @dataclass
 class Candidate:
-    """A complete recipe (kind, bands, participation, accountant, σ) with its scores."""
+    """A complete recipe (kind, bands, participation, accountant, σ) with its scores; the fields are those of
+    ``plan.json``'s ``candidates`` (RMSE and max error at the target ε, per unit clip norm and coordinate)."""
 
     kind: str
     bands: int | None
@@ -189,19 +240,42 @@ class Candidate:
     notes: dict = field(default_factory=dict)
 
     def label(self) -> str:
+        """Returns:
+            ``kind[bands] / accountant``, with ``(Poisson, b=1)`` for a sampler in every round.
+        """
         sampler = " (Poisson, b=1)" if self.min_sep == 1 and self.participation != "fixed-epoch" else ""
         return f"{self.kind}" + (f"[{self.bands}]" if self.bands is not None else "") + f" / {self.accountant}" + \
             sampler
 
     def key(self) -> tuple:
+        """Returns:
+            (kind, bands, accountant, min_sep): the candidate's identity in :attr:`PlanResult.factorizations`.
+        """
         return (self.kind, self.bands, self.accountant, self.min_sep)
 
     def to_dict(self) -> dict:
+        """Returns:
+            The fields as a JSON-serialisable dict.
+        """
         return asdict(self)
 
 
 @dataclass
 class PlanResult:
+    """A plan: the ranked candidates, the recommended one and what was skipped.
+
+    Attributes:
+        request: the :class:`PlanRequest`.
+        candidates: sorted by RMSE at the target ε; those within the budgets ranked.
+        recommended: the best candidate within the budgets, or None.
+        skipped: kinds and accountants not planned, each with the reason.
+        seconds: the plan's wall-clock time.
+        cache_hits: cache hits.
+        cache_misses: cache misses.
+        factorizations: :meth:`Candidate.key` → its normalised factorization.
+        noise_cost: :func:`noise_unit_costs` as measured.
+    """
+
     request: PlanRequest
     candidates: list[Candidate]
     recommended: Candidate | None
@@ -214,7 +288,15 @@ class PlanResult:
 
 
 def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
-    """Seconds per float32 Gaussian draw (the engine's Philox source) and per multiply-add, measured here."""
+    """Seconds per float32 Gaussian draw (the engine's Philox source) and per multiply-add, measured here.
+
+    Args:
+        dim: the vector length timed.
+        repeats: the best of this many timings is kept.
+
+    Returns:
+        ``{"seconds_per_draw", "seconds_per_multiply_add", "measured_dim"}``.
+    """
     from corrflow.noise.prng import make_source
 
     src = make_source("philox", bytes(16))
@@ -233,8 +315,16 @@ def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
 
 def participation_of(req: PlanRequest, accountant: str, min_sep: int | None = None
                      ) -> tuple[Participation, str, float]:
-    """(factorization participation, strategy participation, p0) the accountant analyses (see module docstring).
-    ``min_sep``: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round)."""
+    """The participation an accountant analyses (module docstring).
+
+    Args:
+        req: the plan request.
+        accountant: one of :data:`PLAN_ACCOUNTANTS`.
+        min_sep: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
+
+    Returns:
+        (factorization participation, strategy participation name, participation rate p0 = B/P).
+    """
     n, b, k = req.rounds, req.min_sep, req.epochs
     if min_sep is not None and accountant != "unamplified":
         b, k = min_sep, -(-n // min_sep)
@@ -247,7 +337,17 @@ def participation_of(req: PlanRequest, accountant: str, min_sep: int | None = No
 
 
 def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -> SamplingSpec:
-    """The accountant's sampling description, with the strategy's sampler probability (CohortPlanner's p)."""
+    """The accountant's sampling description, with the strategy's sampler probability (the cohort planner's p).
+
+    Args:
+        req: the plan request.
+        accountant: one of :data:`PLAN_ACCOUNTANTS`.
+        min_sep: the sampler's b (default ⌊P/B⌋).
+
+    Returns:
+        The :class:`~corrflow.accounting.accountant.SamplingSpec` (b-min-sep for Monte Carlo, 004 §1.5; cyclic
+        Poisson with q = b·B/P otherwise; none for unamplified).
+    """
     if accountant == "unamplified":
         return SamplingSpec()
     p0 = req.cohort_size / req.population
@@ -264,7 +364,17 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
 
 
 def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | None:
-    """None if ``accountant`` can analyse ``fac`` here, else the reason it cannot."""
+    """Whether an accountant can analyse a factorization.
+
+    Args:
+        req: the plan request.
+        fac: the candidate's factorization.
+        accountant: one of :data:`PLAN_ACCOUNTANTS`.
+
+    Returns:
+        None when it can, else the reason it cannot (the encoder's structure, more than b bands, or negative
+        entries for MMCC).
+    """
     spec = REGISTRY[fac.kind]
     if accountant not in spec.accountants:
         return f"{accountant} does not analyse {fac.kind} ({spec.structure} encoder)"
@@ -292,7 +402,19 @@ def _for_participation(fac: Factorization, part: Participation, cache: PlanCache
 
 
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
-    """Build, calibrate and rank every candidate (see the module docstring)."""
+    """Build, calibrate and rank every candidate (module docstring).
+
+    Args:
+        req: the plan request.
+        cache: the plan cache (factorizations and calibrations are reused from it).
+        quiet: no progress bars.
+
+    Returns:
+        The :class:`PlanResult`.
+
+    Raises:
+        PlanStoppedError: the plan ran past ``req.time_budget``.
+    """
     start = time.perf_counter()
 
     def deadline_check(where: str) -> None:
@@ -485,8 +607,19 @@ def _rank(cands: list[Candidate], rounds: int) -> None:
 
 def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: PlanCache | None = None,
                quiet: bool = False) -> dict:
-    """Write ``recipe.json`` (the recommended recipe), ``factorization.npz``, ``plan.json`` and the PNG plots to
-    ``out``; return plan.json's content."""
+    """Write a plan to a directory.
+
+    Args:
+        result: the plan (:func:`make_plan`).
+        out: the directory (created).
+        plots: also write the PNG plots (:func:`corrflow.planning.plots.write_plots`).
+        cache: the plan cache, for the plots.
+        quiet: no progress bars.
+
+    Returns:
+        ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema recipe``) and
+        ``factorization.npz`` are written when a candidate fits the budgets.
+    """
     from corrflow.planning.recipe import Recipe
 
     out = Path(out)

@@ -23,21 +23,48 @@ log = logging.getLogger("corrflow")
 
 
 def workload_for(momentum: float, cooldown_fraction: float) -> Workload:
-    """The workload of the server optimizer: SGD with momentum and a linear cooldown, or the prefix sum."""
+    """The workload A of the server optimizer (000 §5: Choquette-Choo et al., "Multi-Epoch Matrix Factorization
+    Mechanisms for Private Machine Learning", arXiv 2211.06530).
+
+    Args:
+        momentum: β in [0, 1) (0: plain SGD).
+        cooldown_fraction: the fraction of the rounds over which the learning rate falls linearly.
+
+    Returns:
+        SGD with momentum and a linear cooldown when β > 0, else the prefix sum with that cooldown.
+    """
     return Workload.sgd_momentum(momentum, cooldown_fraction) if momentum > 0 else \
         Workload("prefix", 0.0, cooldown_fraction)
 
 
 def participation_of(cfg: RunConfig):
-    """The participation the run's factorization is built for: (k, n/k) fixed-epoch, or any b-separated pattern
-    with at most ⌈n/b⌉ participations."""
+    """The participation the run's factorization is built for.
+
+    Args:
+        cfg: the run's settings.
+
+    Returns:
+        (k, n/k) fixed-epoch participation, or any b-separated pattern with at most ``max_participations``
+        participations (min-sep).
+    """
     if cfg.participation == "fixed-epoch":
         return participation_for(cfg.num_rounds, cfg.epochs)
     return participation_for(cfg.num_rounds, cfg.max_participations, cfg.b, kind="min-sep")
 
 
 def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
-    """The run's factorization: ``out_dir/factorization.npz`` when it matches the settings, else built there."""
+    """The run's factorization, built once and kept in the run's directory.
+
+    Args:
+        cfg: the run's settings (kind, bands, taper, buffers, workload and participation).
+        out_dir: the run directory.
+
+    Returns:
+        ``out_dir/factorization.npz`` when it matches the settings, else a new factorization, saved there.
+
+    Raises:
+        IntegrityError: the stored file is corrupted.
+    """
     workload = workload_for(cfg.momentum, cfg.cooldown_fraction)
     path = out_dir / "factorization.npz"
     part = participation_of(cfg)
@@ -55,7 +82,15 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
 
 def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     """What was built where it differs from what the settings name: a correlated kind whose participation leaves it
-    one band (its default is min-sep b bands) is DP-SGD — C = I/√k, independent noise in every round."""
+    one band (its default is min-sep b bands) is DP-SGD — C = I/√k, independent noise in every round.
+
+    Args:
+        cfg: the run's settings.
+        fac: the factorization built for them.
+
+    Returns:
+        Notes for the console and the report (empty when the mechanism is what the settings name).
+    """
     if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
         return [f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD (independent noise "
                 "in every round); give bands above 1 (--bands, corrflow.bands) to correlate the noise across rounds"]
@@ -67,8 +102,15 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
 
 
 def load_graph(path: str) -> AttributionGraph:
-    """An attribution file (CSV ``item,user`` / JSON lines ``{"item", "users"}``) or arXiv metadata JSON lines
-    (items = paper ids, users = normalised authors)."""
+    """Read an attribution graph (items and the users behind them; 004 §6, multi-attribution).
+
+    Args:
+        path: an attribution file (CSV ``item,user`` or JSON lines ``{"item", "users"}``), or arXiv metadata JSON
+            lines (items = paper ids, users = normalised authors).
+
+    Returns:
+        The :class:`~corrflow.participation.attribution.AttributionGraph`.
+    """
     p = Path(path)
     if p.suffix == ".jsonl":
         with open(p, encoding="utf-8") as f:
@@ -85,8 +127,19 @@ def load_graph(path: str) -> AttributionGraph:
 
 
 def build_planner(cfg: RunConfig, identities: list[str]) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
-    """Items (SuperNode identities, or cross-silo example ids from the manifest), the users behind them, user-level
-    contribution bounding (k_u), and the cohort planner. Returns (planner, item → silo identity, bounding info)."""
+    """The cohort planner of a run: its items, the users behind them and user-level contribution bounding (k_u).
+
+    Args:
+        cfg: the run's settings (mode, participation, manifest, attribution, data, bounding, seed).
+        identities: the node identities online (SuperNodes, or the silos of a cross-silo run).
+
+    Returns:
+        (planner, item → silo identity (None unless cross-silo), bounding info ``{"items", "users", ...}``).
+
+    Raises:
+        InvalidArgumentError: a manifest partition without its silo online, an item missing from the attribution
+            graph, or an arXiv data file without multi-attribution participation (the error names the setting).
+    """
     item_home = None
     if cfg.mode == "cross-silo":
         from corrflow.data.partition import load_manifest
@@ -137,8 +190,15 @@ class TrainingBudget:
 
 
 def vocabulary_section(vocab_path: str) -> dict:
-    """How the run's vocabulary was built, for the report: source, its (ε, δ) when DP, whether it is inside the
-    guarantee, and the file's SHA-256."""
+    """How the run's vocabulary was built, for the report's ``vocabulary`` section.
+
+    Args:
+        vocab_path: the vocabulary file (its provenance is recorded with it).
+
+    Returns:
+        ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus the DP method's
+        parameters when recorded; ε and δ are None unless the source is ``dp``.
+    """
     from corrflow.data.vocab import read_provenance
 
     prov = read_provenance(vocab_path)
@@ -154,8 +214,17 @@ def vocabulary_section(vocab_path: str) -> dict:
 
 
 def training_budget(cfg: RunConfig) -> TrainingBudget:
-    """The training's (ε, δ) for ``cfg``: the run's target less a DP vocabulary's spend (see
-    :class:`TrainingBudget`); refuses a vocabulary that spends the whole budget, naming the setting."""
+    """The training's (ε, δ): the run's target less a DP vocabulary's spend (see :class:`TrainingBudget`).
+
+    Args:
+        cfg: the run's settings.
+
+    Returns:
+        The :class:`TrainingBudget` (the run's (ε, δ) when there is no DP vocabulary).
+
+    Raises:
+        InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole budget.
+    """
     if not cfg.data_path or not cfg.vocab_path:
         return TrainingBudget(cfg.target_epsilon, cfg.delta, None)
     vocab = vocabulary_section(cfg.vocab_path)
@@ -173,7 +242,16 @@ def training_budget(cfg: RunConfig) -> TrainingBudget:
 
 
 def total_privacy(training_epsilon: float | None, training_delta: float, vocabulary: dict | None) -> dict:
-    """The report's ``total``: training composed with the vocabulary (basic composition, :class:`TrainingBudget`)."""
+    """The report's ``total``: training composed with the vocabulary (basic composition, :class:`TrainingBudget`).
+
+    Args:
+        training_epsilon: the training's ε (None: none).
+        training_delta: the training's δ.
+        vocabulary: the report's ``vocabulary`` section (:func:`vocabulary_section`), or None.
+
+    Returns:
+        ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public vocabulary).
+    """
     if vocabulary is None or vocabulary["source"] == "public":
         return {"epsilon": training_epsilon, "delta": training_delta,
                 "composition": "training only" + (" (a public vocabulary spends nothing)" if vocabulary else "")}
@@ -187,8 +265,21 @@ def total_privacy(training_epsilon: float | None, training_delta: float, vocabul
 
 
 def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
-    """:func:`plan_training_privacy` at the training's share of the budget (:func:`training_budget`); the plan
-    carries that δ and ε and the vocabulary section."""
+    """σ and the planned ε of a run: :func:`plan_training_privacy` at the training's share of the budget
+    (:func:`training_budget`).
+
+    Args:
+        cfg: the run's settings.
+        fac: the run's factorization.
+        planner: the run's cohort planner (:func:`build_planner`).
+
+    Returns:
+        The :class:`~corrflow.accounting.tracking.PrivacyPlan`, carrying the training's δ and target ε and the
+        vocabulary section.
+
+    Raises:
+        InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot analyse this run.
+    """
     budget = training_budget(cfg)
     if budget.vocabulary is not None and not budget.vocabulary["inside_guarantee"]:
         log.warning("corrflow: the vocabulary %s is %s", cfg.vocab_path, budget.vocabulary["note"])
@@ -208,7 +299,20 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
     Poisson probability p, verified at δ/2 (the accountant dict's ``delta`` is the δ its samples verified). MMCC
-    (poisson / cyclic-poisson participation): 002 Alg. 1 / Alg. 3 at the sampler's probability."""
+    (poisson / cyclic-poisson participation): 002 Alg. 1 / Alg. 3 at the sampler's probability.
+
+    Args:
+        cfg: the run's settings (their target ε and δ are the training's).
+        fac: the run's factorization.
+        planner: the run's cohort planner.
+
+    Returns:
+        The :class:`~corrflow.accounting.tracking.PrivacyPlan` (σ 0 and ε None for a non-private baseline).
+
+    Raises:
+        InvalidArgumentError: several items per user without multi-attribution participation, or a setting the
+            accountant refuses.
+    """
     k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
