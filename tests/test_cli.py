@@ -61,3 +61,37 @@ def test_corrupted_or_truncated_file_is_a_bad_argument(tmp_path):
     (tmp_path / "cut.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     r = run("account", "--factorization", str(tmp_path / "cut.npz"), "--delta", "1e-5", "--noise-multiplier", "1")
     assert r.returncode == 2 and "--factorization" in r.stderr
+
+
+def _bad_input_cases():
+    """(command line with {tmp} placeholders, the flag its error must name): inputs that once gave a traceback
+    (an unwritable output, a binary manifest) or were silently ignored, each refused before anything is written."""
+    plan = ["plan", "--rounds", "8", "--population", "20", "--cohort-size", "10", "--target-epsilon", "8",
+            "--delta", "1e-5", "--quiet"]
+    sim = ["simulate", "--users", "10", "--rounds", "4", "--backend", "inprocess"]
+    return [
+        (plan + ["--out", "{tmp}/a_file"], "--out"),
+        (plan + ["--out", "{tmp}/p", "--cache-dir", "{tmp}/a_file"], "--cache-dir"),
+        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--out", "/proc/corrflow.npz"],
+         "--out"),
+        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--out", "{tmp}/a_file/f.npz"],
+         "--out"),
+        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--workload", "momentum",
+          "--cooldown-fraction", "2"], "--cooldown-fraction"),
+        (["factorize", "--kind", "dense", "--rounds", "8", "--epochs", "2", "--tol", "nan"], "--tol"),
+        (["factorize", "--kind", "dense", "--rounds", "10000000", "--epochs", "1"], "--rounds"),
+        (["compare", "--preset", "tiny", "--out", "{tmp}/a_file"], "--out"),
+        (sim + ["--out", "{tmp}/a_file"], "--out"),
+        (sim + ["--mode", "cross-silo", "--manifest", "{tmp}/manifest.png", "--out", "{tmp}/s"], "--manifest"),
+    ]
+
+
+@pytest.mark.parametrize("args, flag", _bad_input_cases())
+def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(tmp_path, args, flag):
+    (tmp_path / "a_file").write_text("a file, not a directory\n")
+    (tmp_path / "manifest.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = run(*[a.format(tmp=tmp_path) for a in args])
+    assert r.returncode == 2, r.stderr
+    assert f"error: {flag}:" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
