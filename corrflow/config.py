@@ -19,6 +19,7 @@ table, :data:`TRAINING_DEFAULTS`; a setting left unset takes its client's value 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -254,8 +255,13 @@ class RunConfig(BaseModel):
             require(not path or Path(path).is_file(), _kebab(name), "an existing file", path)
         require(self.mode == "cross-device" or self.reply_kind == "delta", "replies",
                 "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)", self.replies)
-        require(not self.data_path or (self.client in ("keras", "nextword") and bool(self.vocab_path)),
-                "data-path", "a next-word client (keras, nextword) and a vocab-path when a data file is given")
+        require(not self.data_path or self.client in ("keras", "nextword"), "client",
+                f"a next-word client (keras or nextword) to train on a data file ({self.data_path})", self.client)
+        require(not self.data_path or bool(self.vocab_path), "vocab-path",
+                f"a vocabulary file (corrflow data vocab) to train on a data file ({self.data_path})")
+        require(self.client != "keras" or importlib.util.find_spec("tensorflow") is not None, "client",
+                "an installed client: keras needs TensorFlow (pip install 'corrflow[keras]'), or use nextword",
+                self.client)
         return self
 
     def _participation_rules(self) -> None:

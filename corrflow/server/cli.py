@@ -668,11 +668,12 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         failed += f" — drifted: {drift:.0%} above the best loss {held_out['best_test_loss']:.4f} ({at})"
     change = (f" ({-held_out['loss_improvement']:+.1%})"
               if math.isfinite(held_out.get("loss_improvement", math.nan)) else "")
+    bands = "" if mech["bands"] is None else f", bands={mech['bands']}"   # None: a dense (unbanded) encoder
     lines = [
         f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{change}{acc} "
         f"over {held_out['rounds_evaluated']} rounds{failed}",
-        f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}, "
-        f"bands={mech['bands']}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
+        f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}{bands}), "
+        f"{mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
         f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
         f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), "
@@ -707,8 +708,10 @@ def _users_line(realized: dict, out: Path) -> str:
     if "users" not in users:   # an amplified run: nothing public depends on the secret cohorts
         return (f"users       secret cohorts (amplified ε): who trained, and the per-round reply counts, are in "
                 f"{out / users['operator_only']} and {out / 'operator'} (owner-only); policy {users['policy']}")
-    return (f"users       {len(users['users'])}, at most {users['max_participations']} rounds each, smallest gap "
-            f"{users['min_gap']}; {realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
+    count = users["max_participations"]
+    gap = "no user trained twice" if users["min_gap"] is None else f"smallest gap {users['min_gap']}"
+    return (f"users       {len(users['users'])}, at most {count} round{'' if count == 1 else 's'} each, {gap}; "
+            f"{realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
             f"policy {users['policy']}")
 
 
