@@ -59,6 +59,9 @@ def _load_factorization(path: Path, flag: str):
 
 
 def _fail(exc: Exception) -> None:
+    if isinstance(exc, InvalidArgumentError) and exc.field.replace("_", "-").replace("-", "").isalnum() \
+            and exc.field.islower():   # a setting's name (not a path, not a positional NAME): the flag
+        exc = _as_flag(exc)
     typer.echo(f"error: {exc}", err=True)
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
