@@ -124,7 +124,8 @@ class RunConfig(BaseModel):
         None, "unamplified, monte-carlo (bminsep, multi-attribution, poisson), mmcc (poisson, cyclic-poisson) or "
         "cyclic-poisson (001 Prop. 2.1); default: unamplified for fixed-epoch, else every bound that applies and "
         "the tightest verified at δ", "an accountant")
-    mc_samples: int = setting(100_000, "Monte Carlo samples per direction (monte-carlo accountant)",
+    mc_samples: int = setting(100_000, "Monte Carlo samples per direction: the first batch of ε, per σ candidate of "
+                              "a calibration (monte-carlo accountant, or the tightest when none is named)",
                               "at least 1000", unit="samples", surfaces=("cli", "run_config", "wrapper"), ge=1000)
     clip_norm: float | None = setting(None, "ℓ2 clip of each user's update (default: the client's)",
                                       f"a positive number ≤ {MAX_CLIP_NORM:g} (σ·clip must stay far inside float32, "
