@@ -211,6 +211,13 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
     line = selection_line(acc)
     assert line.startswith("accountant monte-carlo: the tightest") and "unamplified ε" in line
     assert any(line in r.getMessage() for r in caplog.records)
+    # σ calibrated with too few samples per candidate to verify the target δ: the line says the fallback stands.
+    from corrflow.accounting import account
+
+    cal = account(fac, delta=1e-3, target_epsilon=3.0, mc_samples=2000, seed=0,
+                  sampling=SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p))
+    assert cal["accountant"]["released"] == "fallback"
+    assert "monte-carlo (released its fallback, analytic-gaussian)" in selection_line(cal["accountant"])
 
     cfg = _cfg(tmp_path / "p", num_users=12, num_rounds=6, participation="poisson", min_sep=1,
                participation_rate=0.25, kind="dpsgd", noise_multiplier=1.0, delta=1e-3, target_epsilon=50.0)

@@ -380,15 +380,19 @@ def selection_line(acc: dict) -> str:
         acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was selected).
 
     Returns:
-        e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 1.21); others: unamplified
-        ε 4.377"``; just the accountant's name when nothing was selected among several.
+        e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ 1); others:
+        unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected among several.
     """
     if "bounds" not in acc:
         return f"accountant {acc.get('name', 'none')}"
     used = next((b for b in acc["bounds"] if b["accountant"] == acc["selected"]), None)
-    others = [f"{b['accountant']} ε {b['epsilon']:.4g}" + ("" if b["verified"] else " (not verified)")
+
+    def values(b: dict) -> str:
+        return f"ε {b['epsilon']:.4g}, σ {b['noise_multiplier']:.4g}"
+    others = [f"{b['accountant']} {values(b)}" + ("" if b["verified"] else " (not verified)")
               for b in acc["bounds"] if b is not used]
     others += [f"{s['accountant']} not computed ({s['reason']})" for s in acc.get("skipped", [])]
-    return (f"accountant {acc['selected']}: the tightest bound verified at the target δ"
-            + ("" if used is None else f" (ε {used['epsilon']:.4g})")
+    fallback = acc.get("released") == "fallback"   # Monte Carlo verified nothing better: its fallback bound stands
+    return (f"accountant {acc['selected']}" + (f" (released its fallback, {acc['name']})" if fallback else "")
+            + ": the tightest bound verified at the target δ" + ("" if used is None else f" ({values(used)})")
             + (f"; others: {', '.join(others)}" if others else ""))
