@@ -218,6 +218,19 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
                   sampling=SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p))
     assert cal["accountant"]["released"] == "fallback"
     assert "monte-carlo (released its fallback, analytic-gaussian)" in selection_line(cal["accountant"])
+    # The same in a run: the bound used is the sampler's unamplified one, so the run is planned unamplified — public
+    # cohorts and post-hoc accounting of the realised pattern (recomputed from the ledger).
+    cfg = _cfg(tmp_path / "u", num_users=40, num_rounds=12, epochs=4, participation="bminsep",
+               participation_rate=0.2, mc_samples=2000, noise_multiplier=None, target_epsilon=3.0, kind="toeplitz",
+               delta=1e-3)
+    s = run_server(InProcessGrid(HANDLERS, 40), cfg, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "u" / "privacy_report.json").read_text())
+    assert rep["accountant"]["name"] == "analytic-gaussian" and rep["accountant"]["selected"] == "monte-carlo"
+    assert rep["accountant"]["sampling"].startswith("none (bminsep, unamplified")
+    assert rep["noise_multiplier"] == pytest.approx(cal["noise_multiplier"], rel=1e-12)
+    assert rep["realized"]["accounting"].startswith("post-hoc") and rep["realized"]["participation"]["users"]
+    assert rep["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path / "u", s), rel=1e-12)
+    assert rep["realized"]["epsilon"] <= rep["planned"]["epsilon"] * (1 + 1e-9)
 
     cfg = _cfg(tmp_path / "p", num_users=12, num_rounds=6, participation="poisson", min_sep=1,
                participation_rate=0.25, kind="dpsgd", noise_multiplier=1.0, delta=1e-3, target_epsilon=50.0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from corrflow.accounting import account
-from corrflow.accounting.accountant import SamplingSpec
+from corrflow.accounting.accountant import GAUSSIAN_NAME, SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.config import RunConfig
 from corrflow.data.federated import TextSource, data_format
@@ -306,8 +306,11 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
     :class:`~corrflow.accounting.accountant.TightestAccountant`, as ``corrflow account`` does: every bound that
     applies is computed (:func:`~corrflow.accounting.accountant.candidate_accountants`) and the tightest verified
     at the target δ is used; the report's ``accountant`` section names it (``selected``) and lists the others
-    (``bounds``, ``skipped``). Where no amplified bound can analyse the run (a user holding several items without
-    multi-attribution sampling) it is accounted unamplified, and the section says why.
+    (``bounds``, ``skipped``). When the bound used is the sampler's unamplified one (the exact Gaussian curve of
+    its worst pattern, or Monte Carlo's fallback to it), the run is planned unamplified: public cohorts from
+    ``schedule-seed`` and post-hoc accounting of the realised pattern, as with ``--accountant unamplified``. Where
+    no amplified bound can analyse the run (a user holding several items without multi-attribution sampling) it is
+    accounted unamplified, and the section says why.
 
     Args:
         cfg: the run's settings (their target ε and δ are the training's).
@@ -339,10 +342,16 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
                      "picks one)", planner.kind, cfg.delta)
         res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
                       **target)
+        acc = res["accountant"]
         if accountant is None:
-            log.info("corrflow: %s", selection_line(res["accountant"]))
-        return PrivacyPlan(res["noise_multiplier"], res["epsilon"], res["accountant"], amplified=True,
-                           items_per_user=k_u)
+            log.info("corrflow: %s", selection_line(acc))
+        # The regime follows what the bound used analysed (tracking module): the sampler's unamplified worst-case
+        # pattern (the exact Gaussian curve) needs no secret cohorts, and its realised pattern is accounted post hoc.
+        amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
+        if not amplified:
+            acc = {**acc, "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
+                   "items_per_user": k_u}
+        return PrivacyPlan(res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u)
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
         sigma = cfg.noise_multiplier
