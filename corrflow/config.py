@@ -120,10 +120,12 @@ class RunConfig(BaseModel):
     noise_multiplier: float | None = setting(None, "σ, fixed instead of calibrated for target-epsilon",
                                              "a finite σ > 0", gt=0, allow_inf_nan=False)
     delta: float = setting(1e-5, "δ", "a number in (0, 1)", gt=0, lt=1)
-    accountant: Accountant = setting(
-        Accountant.UNAMPLIFIED, "unamplified, monte-carlo (bminsep, multi-attribution), mmcc (poisson, "
-        "cyclic-poisson) or cyclic-poisson (001 Prop. 2.1)", "an accountant")
-    mc_samples: int = setting(100_000, "Monte Carlo samples per direction (monte-carlo accountant)",
+    accountant: Accountant | None = setting(
+        None, "unamplified, monte-carlo (bminsep, multi-attribution, poisson), mmcc (poisson, cyclic-poisson) or "
+        "cyclic-poisson (001 Prop. 2.1); default: unamplified for fixed-epoch, else every bound that applies and "
+        "the tightest verified at δ", "an accountant")
+    mc_samples: int = setting(100_000, "Monte Carlo samples per direction: the first batch of ε, per σ candidate of "
+                              "a calibration (monte-carlo accountant, or the tightest when none is named)",
                               "at least 1000", unit="samples", surfaces=("cli", "run_config", "wrapper"), ge=1000)
     clip_norm: float | None = setting(None, "ℓ2 clip of each user's update (default: the client's)",
                                       f"a positive number ≤ {MAX_CLIP_NORM:g} (σ·clip must stay far inside float32, "
@@ -243,9 +245,10 @@ class RunConfig(BaseModel):
         require(self.taper == 0 or (self.kind == "toeplitz" and self.taper < (self.bands or self.b)),
                 "taper", "0, or with kind toeplitz a lower min-sep b₀ below the bands", self.taper)
         allowed = [str(a) for a in accountants_for_participation(self.participation)]
-        require(self.accountant in allowed, "accountant", f"one of {tuple(allowed)} for participation "
-                f"{self.participation} (monte-carlo: bminsep or multi-attribution, 004; mmcc: poisson or "
-                "cyclic-poisson, 002)", self.accountant)
+        require(self.accountant is None or self.accountant in allowed, "accountant",
+                f"one of {tuple(allowed)} for participation {self.participation}, or none for the tightest "
+                "(monte-carlo: bminsep, multi-attribution or poisson, 004; mmcc: poisson or cyclic-poisson, 002)",
+                self.accountant)
         require(self.mode == "cross-device" or bool(self.manifest_path), "manifest-path",
                 "a partition manifest (corrflow data partition) in cross-silo mode")
         require(not (self.non_private and (self.noise_multiplier or self.target_epsilon)), "non-private",

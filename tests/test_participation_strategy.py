@@ -175,6 +175,76 @@ def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
     assert replay(key) == s.ledger.selected and replay(None) != s.ledger.selected
 
 
+def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, caplog):
+    """No accountant named: the run goes through the same selection as ``corrflow account`` (TightestAccountant).
+    b-min-sep: Monte Carlo (004) and the unamplified bound of ⌈n/b⌉ participations are both computed; the run's ε
+    is the smaller verified one, each recomputed here on another path (the Monte Carlo accountant called directly
+    with the run's seed; the unamplified bound by dp-accounting's Gaussian PLD). Poisson with DP-SGD: MMCC is exact
+    (Monte Carlo skipped, saying why) and equals dp-accounting's Poisson-subsampled Gaussian composed n times."""
+    import math
+
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    from corrflow.accounting.accountant import AccountingOptions, MonteCarloEVRAccountant, SamplingSpec
+    from corrflow.planning.run import selection_line
+
+    cfg = _cfg(tmp_path / "b", num_users=40, num_rounds=12, epochs=4, participation="bminsep",
+               participation_rate=0.2, mc_samples=4000, noise_multiplier=1.5, kind="toeplitz", delta=1e-3)
+    assert cfg.accountant is None
+    with caplog.at_level(logging.INFO, logger="corrflow"):
+        s = run_server(InProcessGrid(HANDLERS, 40), cfg, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "b" / "privacy_report.json").read_text())
+    acc = rep["accountant"]
+    bounds = {b["accountant"]: b for b in acc["bounds"]}
+    assert set(bounds) == {"monte-carlo", "unamplified"} and all(b["verified"] for b in bounds.values())
+    assert acc["selected"] == "monte-carlo" == acc["name"] and acc["skipped"] == []
+    assert rep["planned"]["epsilon"] == min(b["epsilon"] for b in bounds.values())
+    assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]             # amplified, pattern followed
+    fac = Factorization.load(tmp_path / "b" / "factorization.npz")
+    spec = SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p, accountant="monte-carlo")
+    direct = MonteCarloEVRAccountant(spec, AccountingOptions(mc_samples=4000, seed=cfg.schedule_seed))
+    assert direct.verified_epsilon(fac, 1.5, 1e-3).epsilon == rep["planned"]["epsilon"]
+    sens = math.sqrt(math.ceil(12 / 3)) * float(fac.encoder.column_norms().max())
+    gaussian = pld.from_gaussian_mechanism(standard_deviation=1.5 / sens, value_discretization_interval=1e-4)
+    assert bounds["unamplified"]["epsilon"] == pytest.approx(gaussian.get_epsilon_for_delta(1e-3), rel=1e-3)
+    assert rep["planned"]["epsilon"] < 0.7 * bounds["unamplified"]["epsilon"]
+    line = selection_line(acc)
+    assert line.startswith("accountant monte-carlo: the tightest") and "unamplified ε" in line
+    assert any(line in r.getMessage() for r in caplog.records)
+    # σ calibrated with too few samples per candidate to verify the target δ: the line says the fallback stands.
+    from corrflow.accounting import account
+
+    cal = account(fac, delta=1e-3, target_epsilon=3.0, mc_samples=2000, seed=0,
+                  sampling=SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p))
+    assert cal["accountant"]["released"] == "fallback"
+    assert "monte-carlo (released its fallback, analytic-gaussian)" in selection_line(cal["accountant"])
+    # The same in a run: the bound used is the sampler's unamplified one, so the run is planned unamplified — public
+    # cohorts and post-hoc accounting of the realised pattern (recomputed from the ledger).
+    cfg = _cfg(tmp_path / "u", num_users=40, num_rounds=12, epochs=4, participation="bminsep",
+               participation_rate=0.2, mc_samples=2000, noise_multiplier=None, target_epsilon=3.0, kind="toeplitz",
+               delta=1e-3)
+    s = run_server(InProcessGrid(HANDLERS, 40), cfg, noise_key=KEY, quiet=True)
+    rep = json.loads((tmp_path / "u" / "privacy_report.json").read_text())
+    assert rep["accountant"]["name"] == "analytic-gaussian" and rep["accountant"]["selected"] == "monte-carlo"
+    assert rep["accountant"]["sampling"].startswith("none (bminsep, unamplified")
+    assert rep["noise_multiplier"] == pytest.approx(cal["noise_multiplier"], rel=1e-12)
+    assert rep["realized"]["accounting"].startswith("post-hoc") and rep["realized"]["participation"]["users"]
+    assert rep["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path / "u", s), rel=1e-12)
+    assert rep["realized"]["epsilon"] <= rep["planned"]["epsilon"] * (1 + 1e-9)
+
+    cfg = _cfg(tmp_path / "p", num_users=12, num_rounds=6, participation="poisson", min_sep=1,
+               participation_rate=0.25, kind="dpsgd", noise_multiplier=1.0, delta=1e-3, target_epsilon=50.0)
+    s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
+    acc = json.loads((tmp_path / "p" / "privacy_report.json").read_text())["accountant"]
+    assert acc["selected"] == "mmcc" and [b["accountant"] for b in acc["bounds"]] == ["mmcc"]
+    assert [k["accountant"] for k in acc["skipped"]] == ["monte-carlo"] and "exact" in acc["skipped"][0]["reason"]
+    fac = Factorization.load(tmp_path / "p" / "factorization.npz")
+    subsampled = pld.from_gaussian_mechanism(standard_deviation=1.0 / float(fac.encoder.column_norms().max()),
+                                             sampling_prob=s.planner.p, value_discretization_interval=1e-4)
+    assert acc["bounds"][0]["epsilon"] == pytest.approx(subsampled.self_compose(6).get_epsilon_for_delta(1e-3),
+                                                        rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- cross-silo arXiv
 
 def _arxiv_setup(tmp_path, silos=3):
@@ -188,7 +258,7 @@ def test_cross_silo_arxiv_multi_attribution_end_to_end(tmp_path):
     data, manifest = _arxiv_setup(tmp_path)
     cfg = _cfg(tmp_path, num_users=3, num_rounds=12, epochs=3, participation="multi-attribution",
                participation_rate=0.06, mode="cross-silo", attribution_path=str(data),
-               manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0)
+               manifest_path=str(manifest), max_items_per_user=2, noise_multiplier=2.0, accountant="unamplified")
     s = run_server(InProcessGrid(HANDLERS, 3), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert rep["rounds_completed"] == 12 and rep["planned"]["epsilon"] > 0 and rep["realized"]["epsilon"] > 0
@@ -244,7 +314,7 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
     cfg = _cfg(tmp_path, num_users=3, num_rounds=4, epochs=2, participation="multi-attribution",
                participation_rate=0.1, mode="cross-silo", attribution_path=str(data),
                manifest_path=str(manifest),
-               max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0)
+               max_items_per_user=2, noise_multiplier=2.0, zeroing_factor=0.0, accountant="unamplified")
     with caplog.at_level(logging.WARNING, logger="corrflow"):
         s = run_server(InProcessGrid(HANDLERS, 3, tamper=inflate), cfg, noise_key=KEY, quiet=True)
     # Every reply of every round is rejected: the run stops after max-empty-rounds (3), saying why.
@@ -258,7 +328,7 @@ def test_bminsep_restart_replays_the_sampler(tmp_path):
     """A crash after round 4's checkpoint, then a restart: the sampler is replayed from its public seed, a pending
     operator override survives, and the result is bit-identical to an uninterrupted run."""
     kw = dict(num_users=30, num_rounds=10, epochs=2, participation="bminsep", participation_rate=0.1,
-              policy="accept-and-account")
+              policy="accept-and-account", accountant="unamplified")
 
     def script(crash):
         def on_end(strategy, metrics):
@@ -293,6 +363,7 @@ def test_poisson_run_accounted_by_mmcc_keeps_its_planned_epsilon(tmp_path):
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 6 and rep["stopped_reason"] is None
     assert rep["accountant"]["name"] == "mmcc" and rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
+    assert "selected" not in rep["accountant"]    # a named accountant is honoured: nothing else is computed
     assert rep["realized"]["accounting"].startswith("as planned")
     fac = Factorization.load(tmp_path / "factorization.npz")
     posthoc = RunPrivacy(fac, PrivacyPlan(1.0, rep["planned"]["epsilon"]), 1e-5).realized(s.ledger.selected)

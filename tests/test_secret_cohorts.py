@@ -20,6 +20,9 @@ AMPLIFIED = {
     "poisson": dict(participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", kind="dpsgd"),
     "bminsep": dict(participation="bminsep", min_sep=3, participation_rate=0.2, accountant="monte-carlo",
                     mc_samples=2000, delta=1e-3),
+    # No accountant named: the tightest verified bound (Monte Carlo or unamplified), its selection public.
+    "bminsep-tightest": dict(participation="bminsep", min_sep=3, participation_rate=0.2, mc_samples=2000,
+                             delta=1e-3),
 }
 MODEL = re.compile(r"(test-loss|accuracy) -?[0-9.]+(e-?\d+)?|\d+(\.\d+)?\s*s\b")
 
@@ -67,6 +70,9 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
     assert a.ledger.selected != b.ledger.selected                     # the two runs sampled other cohorts
     assert a.ledger.rejections and b.ledger.rejections                 # and rejected replies
     assert _public(dir_a) == _public(dir_b)
+    if "accountant" not in AMPLIFIED[sampling]:    # the selection and every bound are public, and cohort-free
+        acc = json.loads((dir_a / "privacy_report.json").read_text())["accountant"]
+        assert acc["selected"] and {b["accountant"] for b in acc["bounds"]} == {"monte-carlo", "unamplified"}
     assert _mask(console_a, dir_a) == _mask(console_b, dir_b)
 
     for run, console, run_dir in ((a, console_a, dir_a), (b, console_b, dir_b)):

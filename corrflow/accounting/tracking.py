@@ -5,8 +5,10 @@ Two regimes, chosen by what the plan's accountant analysed, never by its name:
 * deterministic patterns (fixed-epoch, any unamplified plan): post-hoc accounting of the realised participation,
   one Gaussian with the realised sensitivity (000 App. D.2; :func:`realized_sensitivity`), scaled by k_u;
 * amplified plans (Monte Carlo for b-min-sep / multi-attribution samplers, 004; MMCC for Poisson / cyclic Poisson,
-  002): their ε is a property of the sampler's randomness and stands while the sampler's pattern is followed; once
-  it is broken (an accepted separation violation or override), the run falls back to post-hoc accounting.
+  002; or, with no accountant named, the tightest verified bound that applies, even when that is the sampler's
+  unamplified worst-case bound): their ε is a property of the sampler's randomness and stands while the sampler's
+  pattern is followed; once it is broken (an accepted separation violation or override), the run falls back to
+  post-hoc accounting.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from corrflow.accounting import account
-from corrflow.accounting.accountant import SamplingSpec
+from corrflow.accounting.accountant import GAUSSIAN_NAME, SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.config import RunConfig
 from corrflow.data.federated import TextSource, data_format
@@ -298,8 +298,19 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
     """σ and planned ε. Unamplified: one Gaussian with sensitivity k_u (a user's ≤ k_u items each follow the
     factorization's pattern, so their sum has sensitivity ≤ k_u by the triangle inequality). Monte Carlo: the
     planner's own sampler — warm b-min-sep (004 Alg. 2) or multi-attribution with k_u (Alg. 3, Thm 6.1) — at its
-    Poisson probability p, verified at δ/2 (the accountant dict's ``delta`` is the δ its samples verified). MMCC
-    (poisson / cyclic-poisson participation): 002 Alg. 1 / Alg. 3 at the sampler's probability.
+    Poisson probability p, verified at the target δ (the accountant dict's ``delta`` is the δ its samples verified).
+    MMCC (poisson / cyclic-poisson participation): 002 Alg. 1 / Alg. 3 at the sampler's probability.
+
+    With no accountant named (``cfg.accountant`` None) a fixed-epoch run is accounted unamplified, and an amplified
+    participation (bminsep, multi-attribution, poisson, cyclic-poisson) goes through
+    :class:`~corrflow.accounting.accountant.TightestAccountant`, as ``corrflow account`` does: every bound that
+    applies is computed (:func:`~corrflow.accounting.accountant.candidate_accountants`) and the tightest verified
+    at the target δ is used; the report's ``accountant`` section names it (``selected``) and lists the others
+    (``bounds``, ``skipped``). When the bound used is the sampler's unamplified one (the exact Gaussian curve of
+    its worst pattern, or Monte Carlo's fallback to it), the run is planned unamplified: public cohorts from
+    ``schedule-seed`` and post-hoc accounting of the realised pattern, as with ``--accountant unamplified``. Where
+    no amplified bound can analyse the run (a user holding several items without multi-attribution sampling) it is
+    accounted unamplified, and the section says why.
 
     Args:
         cfg: the run's settings (their target ε and δ are the training's).
@@ -319,15 +330,28 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
         return PrivacyPlan(0.0, None, {"name": "none", "sampling": "none", "slack": 0.0})
     target = {"noise_multiplier": cfg.noise_multiplier} if cfg.noise_multiplier is not None else \
         {"target_epsilon": cfg.target_epsilon}
-    if cfg.accountant != "unamplified":   # the sampler's own accountant: Monte Carlo (004) or MMCC (002)
+    accountant, skipped = _run_accountant(cfg, planner)
+    if accountant != "unamplified":   # the sampler's own accountant (004, 002), or the tightest of them (None)
         require(k_u == 1 or planner.kind == "multi-attribution", "accountant",
                 "participation multi-attribution when a user holds several items (k_u > 1)", k_u)
         spec = SamplingSpec(planner.kind, planner.summary().items, planner.expected, items_per_user=k_u,
-                            sampling_probability=planner.p, accountant=cfg.accountant)
+                            sampling_probability=planner.p, accountant=accountant)
+        if accountant is None:
+            log.info("corrflow: no accountant named: computing every bound that applies to %s sampling and using "
+                     "the tightest verified at δ = %g (Monte Carlo at a small δ can take minutes; --accountant "
+                     "picks one)", planner.kind, cfg.delta)
         res = account(fac, delta=cfg.delta, sampling=spec, mc_samples=cfg.mc_samples, seed=cfg.schedule_seed,
                       **target)
-        return PrivacyPlan(res["noise_multiplier"], res["epsilon"], res["accountant"], amplified=True,
-                           items_per_user=k_u)
+        acc = res["accountant"]
+        if accountant is None:
+            log.info("corrflow: %s", selection_line(acc))
+        # The regime follows what the bound used analysed (tracking module): the sampler's unamplified worst-case
+        # pattern (the exact Gaussian curve) needs no secret cohorts, and its realised pattern is accounted post hoc.
+        amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
+        if not amplified:
+            acc = {**acc, "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
+                   "items_per_user": k_u}
+        return PrivacyPlan(res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u)
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
         sigma = cfg.noise_multiplier
@@ -335,5 +359,49 @@ def plan_training_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPla
         res = account(fac, delta=cfg.delta, target_epsilon=cfg.target_epsilon)
         sigma = res["noise_multiplier"] * k_u
     acc = {**res["accountant"], "sampling": f"none ({planner.kind}, unamplified)", "items_per_user": k_u,
-           "normalisation": f"sensitivity {k_u} = k_u × 1 under the planned participation"}
+           "normalisation": f"sensitivity {k_u} = k_u × 1 under the planned participation",
+           **({"selection": "the only bound that applies", "skipped": skipped} if skipped else {})}
     return PrivacyPlan(sigma, res["epsilon"], acc, amplified=False, items_per_user=k_u)
+
+
+def _run_accountant(cfg: RunConfig, planner: CohortPlanner) -> tuple[str | None, list[dict]]:
+    """The accountant a run asks :func:`~corrflow.accounting.accountant.accountant_for` for: the one its settings
+    name; with none named, ``unamplified`` for a fixed-epoch pattern and None (the tightest that applies) for a
+    sampler — unless a user holds several items outside multi-attribution sampling, which only the unamplified
+    bound (sensitivity k_u) analyses, except under Poisson sampling, which has no unamplified bound (the amplified
+    path then refuses, naming the setting). Returns (the accountant, the amplified bounds not computed and why)."""
+    if cfg.accountant is not None:
+        return str(cfg.accountant), []
+    if planner.kind == "fixed-epoch":
+        return "unamplified", []
+    k_u = planner.items_per_user
+    if k_u > 1 and planner.kind not in ("multi-attribution", "poisson"):
+        return "unamplified", [{"accountant": "amplified (monte-carlo, mmcc, cyclic-poisson)", "reason":
+                                f"a user holds up to {k_u} items: only multi-attribution sampling (004 §6) analyses "
+                                "several items per user"}]
+    return None, []
+
+
+def selection_line(acc: dict) -> str:
+    """One line naming the bound a run uses and the others, from the report's ``accountant`` section.
+
+    Args:
+        acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was selected).
+
+    Returns:
+        e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ 1); others:
+        unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected among several.
+    """
+    if "bounds" not in acc:
+        return f"accountant {acc.get('name', 'none')}"
+    used = next((b for b in acc["bounds"] if b["accountant"] == acc["selected"]), None)
+
+    def values(b: dict) -> str:
+        return f"ε {b['epsilon']:.4g}, σ {b['noise_multiplier']:.4g}"
+    others = [f"{b['accountant']} {values(b)}" + ("" if b["verified"] else " (not verified)")
+              for b in acc["bounds"] if b is not used]
+    others += [f"{s['accountant']} not computed ({s['reason']})" for s in acc.get("skipped", [])]
+    fallback = acc.get("released") == "fallback"   # Monte Carlo verified nothing better: its fallback bound stands
+    return (f"accountant {acc['selected']}" + (f" (released its fallback, {acc['name']})" if fallback else "")
+            + ": the tightest bound verified at the target δ" + ("" if used is None else f" ({values(used)})")
+            + (f"; others: {', '.join(others)}" if others else ""))

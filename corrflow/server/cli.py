@@ -659,6 +659,8 @@ def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
 
 def _summary(report: dict, out: Path, held_out: dict) -> str:
     """The run in a few lines: held-out progress and the privacy report (whole: OUT/privacy_report.json)."""
+    from corrflow.planning.run import selection_line
+
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
     part = planned["participation"]
     eps = realized["epsilon"]
@@ -683,6 +685,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
+        *([f"accounting  {selection_line(report['accountant'])}"] if "bounds" in report["accountant"] else []),
         _users_line(realized, out),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
