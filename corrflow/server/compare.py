@@ -543,8 +543,8 @@ def table(result: dict) -> str:
                         f"{fmt(arm['loss']):>8} "
                         f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}")
     rows.append(f"ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's turns (the "
-                f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm is unlikely "
-                "to learn); learned: seeds whose final held-out loss is below the initial model's; gap closed: of "
+                f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm may not "
+                "learn); learned: seeds whose final held-out loss is below the initial model's; gap closed: of "
                 "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the planner's score of "
                 "the arm's mechanism at its σ (per unit clip norm and coordinate).")
     for s in result["skipped"]:
