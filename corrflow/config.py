@@ -316,8 +316,15 @@ class RunConfig(BaseModel):
         return RunConfig(**{**self.to_dict(), **changes})
 
     def run_settings(self) -> dict:
-        """The settings that fix the mechanism and the data order (a restart must match them)."""
-        return {k: v for k, v in self.to_dict().items() if k not in self.OPERATIONAL}
+        """The settings that fix the mechanism and the data order (a restart must match them), with the
+        vocabulary file's SHA-256: its privacy cost is composed into the run's total, so a resume must use the same
+        file, not just the same path."""
+        out = {k: v for k, v in self.to_dict().items() if k not in self.OPERATIONAL}
+        if self.vocab_path:
+            import hashlib
+
+            out["vocab_sha256"] = hashlib.sha256(Path(self.vocab_path).read_bytes()).hexdigest()
+        return out
 
     def fingerprint(self) -> str:
         """Hash of :meth:`run_settings`."""

@@ -143,3 +143,29 @@ def test_cli_account_names_its_own_flags(tmp_path):
         assert r.exit_code == 2
         named = r.output.split("error: ")[1].split(":")[0]
         assert named in flags, r.output
+
+
+def test_a_calibration_no_monte_carlo_candidate_verifies_releases_the_unamplified_bound_it_holds_under():
+    """Balls-in-bins with more bands than the separation: the fallback sensitivity is k·max col (the triangle
+    inequality), not √k·max col, and when no Monte Carlo candidate below it verifies, the release is that exact
+    Gaussian bound, named as such — never a 'monte-carlo' label on an unverified σ."""
+    import dp_accounting as dpa
+
+    fac = factorize("banded", participation_for(16, 4, 4, kind="min-sep"), bands=8)
+    spec = SamplingSpec("balls-in-bins", 100, 25, accountant="monte-carlo")
+    res = account(fac, delta=1e-5, target_epsilon=2.0, sampling=spec, mc_samples=2000)
+    sens = 4 * float(fac.encoder.column_norms().max())   # k = ⌈16/4⌉ participations, bands 8 > b = 4
+    assert res["accountant"]["name"] == "analytic-gaussian" and res["guarantee"] is True
+    assert res["accountant"]["sensitivity"] == pytest.approx(sens)
+    assert res["noise_multiplier"] == res["accountant"]["fallback_noise_multiplier"]
+    independent = dpa.get_epsilon_gaussian(res["noise_multiplier"] / sens, 1e-5)
+    assert independent <= 2.0 + 1e-3 and independent == pytest.approx(2.0, abs=2e-2)
+
+
+def test_no_accountant_named_and_no_monte_carlo_possible_calibrates_the_unamplified_bound():
+    """A sampler whose factorization Monte Carlo cannot analyse (bands > b) and a target ε: the tightest (only)
+    bound is the unamplified one, calibrated — not an error for want of candidates."""
+    fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=8)
+    res = account(fac, delta=1e-5, target_epsilon=2.0, sampling=SamplingSpec("bminsep", 100, 25))
+    assert res["accountant"]["selected"] == "unamplified" and res["guarantee"] is True
+    assert res["epsilon"] <= 2.0 and res["accountant"]["skipped"][0]["accountant"] == "monte-carlo"

@@ -155,6 +155,12 @@ def test_simulate_data_cli_refuses_and_reports(tmp_path):
     report = json.loads((tmp_path / "b" / "privacy_report.json").read_text())
     assert report["vocabulary"]["inside_guarantee"] is False and report["total"]["includes_vocabulary"] is False
     assert report["realized"]["participation"]["users"] and len(report["realized"]["participation"]["users"]) == 40
+    # the vocabulary's privacy cost is part of the run: resuming with another file at the same path is refused
+    (tmp_path / "n.txt").write_text((tmp_path / "n.txt").read_text() + "extra\n")
+    res = r.invoke(app, ["simulate", "--data", str(so), "--vocab", str(tmp_path / "n.txt"), "--client", "nextword",
+                         "--rounds", "2", "--noise-multiplier", "0.5", "--backend", "inprocess",
+                         "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "vocab_sha256" in res.output, res.output
 
 
 def test_nextword_on_arxiv_holds_out_authors(tmp_path):

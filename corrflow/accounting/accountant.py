@@ -533,17 +533,42 @@ class MonteCarloEVRAccountant:
             spec = SamplingSpec("poisson", self.sampling.dataset_size, self.sampling.expected_batch_size,
                                 sampling_probability=self.sampling.sampling_probability, accountant="mmcc")
             return MMCCAccountant(spec, self.options).epsilon(fac, noise_multiplier, delta)
+        sens, k, sep = self.fallback_sensitivity(fac)
+        e = gaussian_epsilon(noise_multiplier, sens, delta)
+        return AccountingResult("analytic-gaussian", e, delta, noise_multiplier, delta,
+                                parameters=self._fallback_parameters(sens, k, sep))
+
+    def fallback_noise_multiplier(self, fac, target_epsilon: float, delta: float) -> AccountingResult:
+        """σ for ``target_epsilon`` under the scheme's unamplified bound (:meth:`fallback`'s sensitivity), exact
+        (Balle & Wang 2018, arXiv 1805.06530): what every run of the sampler obeys, with no Monte Carlo.
+
+        Args:
+            fac: the factorization.
+            target_epsilon: ε > 0.
+            delta: δ in (0, 1).
+
+        Returns:
+            The ``analytic-gaussian`` :class:`AccountingResult`.
+        """
+        sens, k, sep = self.fallback_sensitivity(fac)
+        sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
+        return AccountingResult("analytic-gaussian", gaussian_epsilon(sigma, sens, delta), delta, sigma, delta,
+                                target_epsilon, parameters=self._fallback_parameters(sens, k, sep))
+
+    def fallback_sensitivity(self, fac) -> tuple[float, int, int]:
+        """(sensitivity, k, b) of the sampler's worst pattern: at most k = ⌈n/b⌉ participations b rounds apart, k_u
+        items each; √k per item when the bands fit between participations (disjoint supports), else k (the triangle
+        inequality), times the largest column norm of C."""
         sep = self._separation(fac)
         k = math.ceil(fac.rounds / sep)
-        col = float(fac.encoder.column_norms().max())
-        # Disjoint supports when bands ≤ separation (√k); otherwise the triangle inequality (k).
         per = math.sqrt(k) if (fac.bands or fac.rounds) <= sep else k
-        sens = self.sampling.items_per_user * per * col
-        e = gaussian_epsilon(noise_multiplier, sens, delta)
-        return AccountingResult("analytic-gaussian", e, delta, noise_multiplier, delta, parameters={
-            "sampling": f"none ({self.sampling.kind}: at most {k} participations {sep} rounds apart, unamplified)",
-            "sensitivity": sens, "normalisation": "one Gaussian of the sensitivity of the sampler's worst pattern "
-            "(000 App. D.2)"})
+        return self.sampling.items_per_user * per * float(fac.encoder.column_norms().max()), k, sep
+
+    def _fallback_parameters(self, sens: float, k: int, sep: int) -> dict:
+        return {"sampling": f"none ({self.sampling.kind}: at most {k} participations {sep} rounds apart, "
+                            "unamplified)",
+                "sensitivity": sens,
+                "normalisation": "one Gaussian of the sensitivity of the sampler's worst pattern (000 App. D.2)"}
 
     def _separation(self, fac) -> int:
         if self.sampling.kind == "balls-in-bins":
@@ -641,8 +666,7 @@ class MonteCarloEVRAccountant:
         o = self.options
         delta_prime = delta / 2
         verify_n, needed = self._verify_samples(delta_prime, delta)
-        k = math.ceil(fac.rounds / self._separation(fac))
-        sens_fb = params["items_per_user"] * math.sqrt(k) * float(fac.encoder.column_norms().max())
+        sens_fb = self.fallback_sensitivity(fac)[0]   # the same rule as fallback(): √k only where bands ≤ b
         fallback = gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
         chosen, tried = fallback, []
         for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
@@ -658,7 +682,10 @@ class MonteCarloEVRAccountant:
                "fallback_noise_multiplier": fallback, "candidates": tried, "grid_ratio": o.grid_ratio,
                "overall_delta": d_overall,
                "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
-        if chosen != fallback and d_overall > delta * (1 + 1e-12):
+        if chosen == fallback:   # no candidate below the fallback verified: release the bound that holds without one
+            res = self.fallback_noise_multiplier(fac, target_epsilon, delta)
+            return replace(res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc})
+        if d_overall > delta * (1 + 1e-12):
             # The samples per candidate verify only a larger δ: release the fallback σ, which holds at the target,
             # and name both (never an unverified pair).
             note = (f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ = "
@@ -667,9 +694,10 @@ class MonteCarloEVRAccountant:
             print(note, file=sys.stderr)
             fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
             return AccountingResult("analytic-gaussian", fb_eps, delta, fallback, delta, target_epsilon, parameters={
-                **acc, "released": "fallback", "fallback_reason": note, "monte_carlo_noise_multiplier": chosen})
+                **acc, "released": "fallback", "fallback_reason": note, "monte_carlo_noise_multiplier": chosen,
+                "sensitivity": sens_fb})
         return AccountingResult("monte-carlo", target_epsilon, delta, chosen, delta, target_epsilon,
-                                slack=(d_overall - delta_prime) if chosen != fallback else 0.0, parameters=acc)
+                                slack=d_overall - delta_prime, parameters=acc)
 
 
 def _monte_carlo_applies(fac: Factorization, sampling: SamplingSpec) -> str | None:
@@ -816,7 +844,10 @@ class TightestAccountant:
         results = []
         for n in names:
             if n == "unamplified" and self.sampling.kind != "none":
-                continue   # the Monte Carlo calibration already starts from (and falls back to) it
+                if "monte-carlo" not in names:   # else the Monte Carlo calibration starts from and falls back to it
+                    results.append((n, MonteCarloEVRAccountant(self.sampling, self.options)
+                                    .fallback_noise_multiplier(fac, target_epsilon, delta)))
+                continue
             spec = replace(self.sampling, accountant=n)
             results.append((n, accountant_for(spec, self.options).noise_multiplier(fac, target_epsilon, delta)))
         return _pick(results, skipped, delta, "noise_multiplier")

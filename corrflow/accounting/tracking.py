@@ -95,7 +95,7 @@ class RunPrivacy:
     def _epsilon_for_sensitivity(self, sens: float) -> float | None:
         if not self.plan.private:
             return None
-        key = round(sens, 12)
+        key = float(sens)   # exact: a larger sensitivity never reuses a smaller ε
         if key not in self._eps_cache:
             self._eps_cache[key] = 0.0 if sens == 0 else gaussian_epsilon(self.plan.noise_multiplier, sens,
                                                                           self.delta)

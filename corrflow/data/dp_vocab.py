@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import brentq
 from scipy.stats import norm
 
 from corrflow.data.vocab import Vocabulary
@@ -47,17 +46,14 @@ MAX_WORDS_PER_USER = 32
 
 
 def gaussian_sigma(epsilon: float, delta: float) -> float:
-    """σ of the analytic Gaussian mechanism (sensitivity 1) that is exactly (ε, δ)-DP (Balle & Wang 2018, Thm 8:
-    δ(σ) = Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ), decreasing in σ)."""
+    """σ of the analytic Gaussian mechanism (sensitivity 1) that is (ε, δ)-DP (Balle & Wang 2018, arXiv 1805.06530,
+    Thm 8: δ(σ) = Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ), decreasing in σ): the accountants' certified root, rounded
+    up, so the vocabulary's δ never exceeds what it reports."""
     require(epsilon > 0 and math.isfinite(epsilon), "epsilon", "a finite ε > 0", epsilon)
     require(0 < delta < 1, "delta", "a δ in (0, 1)", delta)
+    from corrflow.accounting.mechanisms import gaussian_noise_multiplier
 
-    def excess(log_sigma: float) -> float:
-        s = math.exp(log_sigma)
-        d = norm.cdf(0.5 / s - epsilon * s) - math.exp(epsilon) * norm.cdf(-0.5 / s - epsilon * s)
-        return d - delta
-
-    return math.exp(brentq(excess, math.log(1e-4), math.log(1e6), xtol=1e-12))
+    return gaussian_noise_multiplier(epsilon, delta)
 
 
 def threshold(sigma: float, delta: float, max_words_per_user: int, units_per_user: int = 1) -> float:

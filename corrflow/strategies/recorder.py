@@ -209,6 +209,8 @@ class Recorder:
                   "factorization_sha256": c.factorization.sha256(), "ledger": s.ledger.to_dict(),
                   "noise_multiplier": c.accounting.plan.noise_multiplier,
                   "planned_epsilon": c.accounting.plan.epsilon, "initial_sha256": k.initial_sha256,
+                  "amplified": c.accounting.plan.amplified,
+                  "accountant": c.accounting.plan.accountant.get("name"),
                   "pending_overrides": {str(r): v for r, v in s.pending_overrides.items()},
                   "metrics_history": s.metrics_history, "empty_streak": s.empty_streak}
         private = {"report_salt": k.salt, SECRET: k.secret,
@@ -276,6 +278,16 @@ def _restore(ctx: RecordingContext, ckpt: Path, shapes: list[tuple[int, ...]],
         raise IntegrityError(f"{ckpt}: the checkpoint was made with another factorization")
     if public["noise_multiplier"] != sigma:
         raise InvalidArgumentError("noise-multiplier", f"{public['noise_multiplier']} (the checkpoint's)", sigma)
+    plan = ctx.accounting.plan
+    was = (public.get("amplified", plan.amplified), public.get("accountant", plan.accountant.get("name")))
+    if was != (plan.amplified, plan.accountant.get("name")) or ((ckpt / SAMPLER_KEY).is_file() and not plan.amplified):
+        # The run's accounting (the bound, and whether its cohorts are secret) is fixed when it starts: a resume
+        # that re-plans to another regime would change the planned ε and the cohorts' key mid-run.
+        raise IntegrityError(f"{ckpt / 'state.json'}: the run started with accountant {was[1]} "
+                             f"({'amplified, secret cohorts' if was[0] else 'unamplified'}); resuming now plans "
+                             f"{plan.accountant.get('name')} ({'amplified' if plan.amplified else 'unamplified'}) — "
+                             "resume with the inputs it started with (name its --accountant), or start anew with "
+                             "--fresh")
     if public.get("initial_sha256", initial_sha256) != initial_sha256:
         raise InvalidArgumentError("initial_arrays", "the initial model this run started from (a resumed run "
                                    "cannot change it; start a new run with --fresh / fresh=True)",
