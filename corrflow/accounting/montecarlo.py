@@ -707,7 +707,11 @@ def verify_threshold(samples: int, share: float, delta_v: float) -> float:
     need = math.log(1.0 / share) / samples
     if bernoulli_kl(0.0, delta_v) < need:
         return 0.0
-    return float(brentq(lambda d: bernoulli_kl(d, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9))
+    d = brentq(lambda x: bernoulli_kl(x, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9)
+    step = delta_v * 1e-9
+    while d > 0 and bernoulli_kl(d, delta_v) < need:   # brentq may land just above the root: step to its safe side
+        d, step = max(0.0, d - step), 2 * step
+    return float(d)
 
 
 def first_verification_size(delta_target: float, share_of_failure: float = EVR_FAILURE_SHARE,
