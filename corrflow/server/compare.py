@@ -451,6 +451,15 @@ def _pyplot():
     return plt
 
 
+def _finish_plot(plt, fig, ax, path: Path) -> str:
+    """Legend, layout, write ``path`` (PNG) and close the figure; the path written."""
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
 def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
     """accuracy_eps<ε>.png and loss_eps<ε>.png: held-out metric against round (round −1 = the initial model), the
     mean over seeds as a line and the min–max over seeds as a band, one colour per arm."""
@@ -470,12 +479,7 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
         ax.set_title(f"{result['preset']} ({result['client']}): ε = {key}, δ = {result['delta']:g}, "
                      f"cohort {result['cohort']}, {result['seeds']} seed(s)", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"{metric}_eps{key}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(str(path))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png"))
     return paths
 
 
@@ -512,12 +516,7 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         ax.set_title(f"{result['preset']} ({result['client']}): {result['users']} users, cohort {result['cohort']}, "
                      f"{result['rounds']} rounds, {result['seeds']} seed(s)", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"{metric}_vs_epsilon.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(str(path))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png"))
     return paths
 
 
