@@ -1,9 +1,13 @@
 """Accounting timings: unamplified calibration, cyclic Poisson at n = 2052, the b-min-sep Monte Carlo accountant at
 n = 2052 with 10⁶ samples (issue 4 target: under 60 s on 2 cores), Monte Carlo ``verify_target`` at δ = 1e-5 (issue
 11), and MMCC (issue 15): Poisson MMCC for non-negative 16-band Toeplitz encoders at n ∈ {128, 512, 2048} (target:
-n = 2048 in under 10 minutes on 2 cores) and for a non-Toeplitz banded encoder at n = 512. Prints one JSON object.
+n = 2048 in under 10 minutes on 2 cores) and for a non-Toeplitz banded encoder at n = 512; and issue 21 item 2
+(section ``verified``): a b-min-sep ε verified at δ = 1e-5 for n = 2048 rounds and 16 bands (target: ≤ 120 s on 2
+idle cores), with its samples per second, against the bounds without Monte Carlo for the same encoder: MMCC under
+Poisson sampling at the same rate (``--verified-mmcc``; minutes) and the cyclic Poisson PLD. Prints one JSON object.
 
-Usage: python benchmarks/accounting.py [--sections unamplified,cyclic,bminsep,verify,mmcc] [--mmcc-rounds 128,512,2048]
+Usage: python benchmarks/accounting.py [--sections unamplified,cyclic,bminsep,verify,throughput,verified,mmcc]
+                                       [--mmcc-rounds 128,512,2048] [--verified-mmcc]
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from corrflow.accounting import SamplingSpec, account
 from corrflow.accounting.montecarlo import MonteCarloAccountant
 from corrflow.factorization import factorize, participation_for
 
-SECTIONS = ("unamplified", "cyclic", "bminsep", "verify", "throughput", "mmcc")
+SECTIONS = ("unamplified", "cyclic", "bminsep", "verify", "throughput", "verified", "mmcc")
 
 
 def timed(fn):
@@ -42,6 +46,39 @@ def mmcc_case(kind: str, n: int, sigma: float, p: float) -> dict:
     return out
 
 
+def verified_case(sigma: float, with_mmcc: bool) -> dict:
+    """Issue 21 item 2: `account` at δ = 1e-5 under b-min-sep (b = 16, p0 = 1/32) for a 16-band Toeplitz encoder over
+    2048 rounds, wall and CPU seconds (the Monte Carlo's worker processes included), against the bounds that need no
+    Monte Carlo for the same encoder and rate."""
+    import resource
+
+    fac = factorize("toeplitz", participation_for(2048, 128, 16, kind="min-sep"), bands=16)
+    spec = SamplingSpec("bminsep", 3200, 100)           # p0 = B/N = 1/32; b = N/B/2 = 16 by the planner's rule
+    def cpu():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    c0 = cpu()
+    r, t = timed(lambda: account(fac, delta=1e-5, noise_multiplier=sigma, sampling=spec, seed=1))
+    used = cpu() - c0
+    a = r["accountant"]
+    drawn = a.get("samples_drawn") or 0
+    out = {"rounds": 2048, "bands": 16, "min_sep": 16, "expected_rate": 1 / 32, "noise_multiplier": sigma,
+           "delta": 1e-5, "epsilon": r["epsilon"], "guarantee": r["guarantee"], "selected": a.get("selected"),
+           "seconds": t, "cpu_seconds": used, "cpus": os.cpu_count(), "target_seconds": 120,
+           "samples_per_direction": drawn, "samples_per_second": drawn / t if t else None,
+           "samples_per_cpu_second": drawn / used if used else None,
+           "bounds": {b["accountant"]: b["epsilon"] for b in a.get("bounds", [])}}
+    cyc = account(fac, delta=1e-5, noise_multiplier=sigma, sampling=SamplingSpec("cyclic-poisson", 3200, 100))
+    out["cyclic_poisson_epsilon"] = cyc["epsilon"]
+    if with_mmcc:
+        mm, tm = timed(lambda: account(fac, delta=1e-5, noise_multiplier=sigma,
+                                       sampling=SamplingSpec("poisson", 3200, 100, accountant="mmcc")))
+        out["mmcc_poisson_epsilon"], out["mmcc_seconds"] = mm["epsilon"], tm
+        out["mmcc_ratio"] = mm["epsilon"] / r["epsilon"]
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mc-samples", type=int, default=1_000_000)
@@ -50,6 +87,8 @@ def main() -> None:
     ap.add_argument("--mmcc-sigma", type=float, default=4.0)
     ap.add_argument("--mmcc-p", type=float, default=0.01)
     ap.add_argument("--throughput-samples", type=int, default=32_768)
+    ap.add_argument("--verified-sigma", type=float, default=1.0)
+    ap.add_argument("--verified-mmcc", action="store_true", help="also MMCC under Poisson sampling (minutes)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     res = {}
@@ -97,6 +136,8 @@ def main() -> None:
                                            "cpu_seconds": cpu, "samples_per_cpu_second": args.throughput_samples / cpu,
                                            "samples_needed_at_delta_1e-5": need,
                                            "projected_seconds_on_2_cores": need / (args.throughput_samples / cpu) / 2}
+    if "verified" in sections:
+        res["bminsep_n2048_verified"] = verified_case(args.verified_sigma, args.verified_mmcc)
     if "mmcc" in sections:
         rounds = [int(x) for x in args.mmcc_rounds.split(",") if x]
         res["mmcc_toeplitz"] = [mmcc_case("toeplitz", n, args.mmcc_sigma, args.mmcc_p) for n in rounds]

@@ -3,6 +3,7 @@
 reference (a point estimate at δ from independent samples) and MMCC. Prints one JSON object.
 
     PYTHONPATH=. python benchmarks/amplified_accounting.py [--seeds 1 2 3 4 5] [--reference-samples 20000000]
+                                                          [--samplers bminsep poisson]
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--reference-samples", type=int, default=20_000_000)
+    ap.add_argument("--samplers", nargs="+", default=["bminsep", "poisson"], choices=["bminsep", "poisson"])
     args = ap.parse_args()
     fac = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
     out = {"factorization": "toeplitz n=48 k=4 min_sep=12 bands=4", "noise_multiplier": 1.0, "delta": args.delta}
-    for kind in ("bminsep", "poisson"):
+    for kind in args.samplers:
         spec = SamplingSpec(kind, 1000, 50)
         runs = []
         for seed in args.seeds:

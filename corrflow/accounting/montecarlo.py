@@ -7,7 +7,10 @@ Q = N(0, σ²I) is f_0(y) with
 
     f_i = (1 − p)·f_{i+1} + p·exp((2⟨c_i, y_{i:i+b}⟩ − ‖c_i‖²)/(2σ²))·f_{i+b},   f_i = 1 for i ≥ n,
 
-computed here in log space, vectorised over samples, O(n·bands) per sample. Warm start (Alg. 2):
+computed in log space, vectorised over samples, O(n·bands) per sample (:func:`log_likelihood_ratio`, the
+definition); the sampler itself runs on compiled kernels (:mod:`corrflow.accounting.mc_kernels`: the same recursion
+in linear space, the differing example's exponents only where its participations reach, numpy's ziggurat over
+xoshiro256++ bits), which the tests hold to it. Warm start (Alg. 2):
 (f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004 §4).
 Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items (cold start only).
 
@@ -123,6 +126,59 @@ def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep:
         buf[1:b] += dtype.type(math.log(p))
     top = buf.max(axis=0)
     return (top + np.log(np.exp(buf - top).sum(axis=0))).astype(np.float64) - math.log1p((b - 1) * p)
+
+
+def linear_log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
+                                warm: bool = False) -> np.ndarray:
+    """:func:`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
+    :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1 as
+    f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls back to the log-space
+    recursion where e^{a_i} could overflow or (at p = 1) underflow.
+
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are in its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥ 0.
+        sigma: σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        warm: the warm-start mixture of 004 Alg. 2.
+
+    Returns:
+        ln P(y)/Q(y), float64, shape (S,).
+    """
+    from corrflow.accounting import mc_kernels as kernels
+
+    y = np.ascontiguousarray(y)
+    band = truncate_band(band)
+    require(band.shape[0] == y.shape[0], "band", f"{y.shape[0]} columns (one per round of y)", band.shape[0])
+    band_v, offset = _exponent_terms(band, sigma, p, y.dtype)
+    a = np.empty_like(y)
+    kernels.exponents(y, band_v, offset, a)
+    return _llr_from_exponents(a, lambda: y, band, sigma, min_sep, p, warm)
+
+
+def _exponent_terms(band: np.ndarray, sigma: float, p: float, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(band/σ², ln p − ‖c_i‖²/(2σ²)) in ``dtype``: the exponent a_i = ⟨c_i, y⟩/σ² − ‖c_i‖²/(2σ²) + ln p of 004 Eq. 1
+    is ⟨band_i/σ², y_{i:i+bands}⟩ + offset_i."""
+    inv = 1.0 / (sigma * sigma)
+    return (np.ascontiguousarray(band * inv, dtype=dtype),
+            (math.log(p) - 0.5 * inv * np.sum(band ** 2, axis=1)).astype(dtype))
+
+
+def _llr_from_exponents(a: np.ndarray, outputs, band: np.ndarray, sigma: float, min_sep: int, p: float,
+                        warm: bool) -> np.ndarray:
+    """ln P(y)/Q(y) from the exponents ``a`` (n × S, overwritten by e^a) by the linear recursion; the log-space
+    recursion on ``outputs()`` (y, built only then) where e^a would overflow or a run's result is not finite."""
+    from corrflow.accounting import mc_kernels as kernels
+
+    if a.max() > kernels.MAX_EXPONENT:
+        return log_likelihood_ratio(outputs(), band, sigma, min_sep, p, warm)
+    np.exp(a, out=a)
+    out = kernels.linear_recursion(a, int(min_sep), float(p), bool(warm))
+    bad = ~np.isfinite(out)
+    if bad.any():
+        out[bad] = log_likelihood_ratio(outputs()[:, bad], band, sigma, min_sep, p, warm)
+    return out
 
 
 def _block_dots(y: np.ndarray, band: np.ndarray, lo: int, hi: int, out: np.ndarray, prod: np.ndarray) -> None:
@@ -250,6 +306,27 @@ def column_gram_bands(band: np.ndarray) -> np.ndarray:
         for kp in range(L - d):
             G[: n - d, d - 1] += band[: n - d, d + kp] * band[d:, kp]
     return G
+
+
+def participation_window(band: np.ndarray, sigma: float) -> np.ndarray:
+    """Inner products of each column of a banded encoder with its neighbours, over σ², laid out per column.
+
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
+        sigma: σ.
+
+    Returns:
+        W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where i is outside 0..n − 1);
+        W[j, bands − 1] = ‖c_j‖²/σ².
+    """
+    band = truncate_band(band)
+    n, L = band.shape
+    G = np.concatenate([np.sum(band ** 2, axis=1)[:, None], column_gram_bands(band)], axis=1)  # ⟨c_j, c_{j+d}⟩
+    W = np.zeros((n, 2 * L - 1))
+    W[:, L - 1:] = G                                     # i = j + d ≥ j
+    for d in range(1, L):                               # i = j − d: ⟨c_{j−d}, c_j⟩ = G[j − d, d]
+        W[d:, L - 1 - d] = G[: n - d, d]
+    return W / (sigma * sigma)
 
 
 def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) -> np.ndarray:
@@ -521,6 +598,10 @@ def _collect(parts, sizes: list[int], progress: bool) -> list:
     return out
 
 
+#: Outputs per chunk of the compiled b-min-sep path (runs × rounds): its few n × runs arrays stay in cache; at least
+#: 64 runs per chunk, and more for short n, so that the per-chunk calls do not dominate.
+KERNEL_CHUNK = 64 * 2048
+
 #: Sampling schemes the Monte Carlo accountant draws from: 004's b-min-sep chain (Eq. 1; warm start, or
 #: multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
 SCHEMES = ("bminsep", "poisson", "balls-in-bins")
@@ -540,7 +621,8 @@ class MonteCarloAccountant:
         p: the Poisson probability among eligible rounds (b-min-sep), or per round (Poisson).
         warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
         k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only).
-        dtype: the dtype of the sampled outputs and of the recursion.
+        dtype: the dtype of the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in
+            float64).
         batch: samples per batch (a batch's draws depend only on its child seed).
         scheme: one of :data:`SCHEMES`.
 
@@ -637,6 +719,8 @@ class MonteCarloAccountant:
         S, child = job
         rng = np.random.default_rng(child)
         n = self.rounds
+        if self.scheme == "bminsep" and self.k_u == 1:
+            return self._bminsep_batch(sigma, S, rng)
         # One Gaussian draw serves both directions: each direction's estimate is still a mean of i.i.d. terms, and
         # the EVR failure bound is applied to the failing direction alone, so their correlation does not matter.
         z = rng.standard_normal((n, S), dtype=self.dtype)
@@ -652,6 +736,36 @@ class MonteCarloAccountant:
         else:
             add_means(z, self.band, *sample_participations(S, n, self.min_sep, self.p, rng, self.warm, self.k_u))
         return self._llr(z, sigma), remove
+
+    def _bminsep_batch(self, sigma: float, S: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Both directions' losses for S runs of b-min-sep sampling (k_u = 1) by the compiled kernels, in chunks of
+        about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z, the exponents of y = σz, those of
+        y = σz + Cx from them (only rounds near a participation change), then the linear recursion for each."""
+        from corrflow.accounting import mc_kernels as kernels
+
+        n, dtype, band = self.rounds, self.dtype, self.band
+        band_v, offset = _exponent_terms(band, sigma, self.p, dtype)
+        window = participation_window(band, sigma).astype(dtype)
+        add, remove = np.empty(S), np.empty(S)
+        state = rng.integers(1, 2**63, size=4, dtype=np.uint64)   # xoshiro256++'s state: never all zero
+        runs = max(64, KERNEL_CHUNK // n)
+        for lo in range(0, S, runs):
+            m = min(runs, S - lo)
+            z, a_q, a_p = (np.empty((n, m), dtype=dtype) for _ in range(3))
+            x = np.zeros((n, m), dtype=np.uint8)
+            kernels.sample_noise(state, float(sigma), z)
+            kernels.exponents(z, band_v, offset, a_q)
+            kernels.participation_exponents(state, window, self.min_sep, self.p, self.warm, a_q, a_p, x)
+
+            def with_means(z=z, x=x):
+                y = z.copy()
+                for k in range(band.shape[1]):
+                    y[k:] += (x[: n - k] * band[: n - k, k:k + 1]).astype(dtype)
+                return y
+            remove[lo:lo + m] = -_llr_from_exponents(a_q, lambda z=z: z, band, sigma, self.min_sep, self.p,
+                                                     self.warm)
+            add[lo:lo + m] = _llr_from_exponents(a_p, with_means, band, sigma, self.min_sep, self.p, self.warm)
+        return add, remove
 
     def _llr(self, y: np.ndarray, sigma: float) -> np.ndarray:
         if self.scheme == "poisson":
