@@ -25,10 +25,12 @@ import math
 import numba
 import numpy as np
 
-#: The linear recursion keeps each new value within [2^−SCALE_BITS, 2^SCALE_BITS] by exact power-of-two rescaling.
-SCALE_BITS = 300
-#: Largest a_i the linear recursion takes (e^{a_i} must be finite in float32; one round then multiplies a value by at
-#: most 2^128, and 2^(2·SCALE_BITS + 128) is finite in float64).
+#: The linear recursion keeps each new value within [2^−SCALE_BITS, 2^SCALE_BITS] by exact power-of-two rescaling,
+#: checked every CHECK_EVERY rounds.
+SCALE_BITS = 200
+CHECK_EVERY = 4
+#: Largest a_i the linear recursion takes: e^{a_i} must be finite in float32. Typical exponents are a few units
+#: (a_i ≈ ‖c_i‖²/(2σ²) ± ‖c_i‖/σ at a participation); the recursion's finiteness check catches the rest.
 MAX_EXPONENT = 88.0
 
 
@@ -160,28 +162,33 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
     Args:
         st: the xoshiro256++ state, shape (4,), uint64, not all zero (advanced in place).
         sigma: σ.
-        z_out: shape (n, S), float32 or float64, written.
+        z_out: shape (n, S), C-contiguous, float32 or float64, written.
     """
     n, S = z_out.shape
+    flat = z_out.reshape(n * S)            # the caller's arrays are C-contiguous: a view
+    size = n * S
     half = z_out.itemsize == 4
     s0, s1, s2, s3 = st[0], st[1], st[2], st[3]
-    spare = np.uint64(0)
-    have = False
-    for i in range(n):
-        for s in range(S):
-            if have:
-                bits = spare
-                have = False
-            else:
-                bits, s0, s1, s2, s3 = _next_u64(s0, s1, s2, s3)
-                if half:
-                    spare = bits >> np.uint64(32)
-                    bits = bits & _LOW32
-                    have = True
-            idx, x, accept = _proposal(bits, half)
+    t = 0
+    while t < size:
+        bits, s0, s1, s2, s3 = _next_u64(s0, s1, s2, s3)
+        if half:
+            idx, x, accept = _proposal(bits & _LOW32, True)
             if not accept:
-                x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, half, idx, x)
-            z_out[i, s] = sigma * x
+                x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, True, idx, x)
+            flat[t] = sigma * x
+            if t + 1 < size:   # the high half of the same 64 bits
+                idx, x, accept = _proposal(bits >> np.uint64(32), True)
+                if not accept:
+                    x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, True, idx, x)
+                flat[t + 1] = sigma * x
+            t += 2
+        else:
+            idx, x, accept = _proposal(bits, False)
+            if not accept:
+                x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, False, idx, x)
+            flat[t] = sigma * x
+            t += 1
     st[0], st[1], st[2], st[3] = s0, s1, s2, s3
 
 
@@ -210,7 +217,7 @@ def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # p
     b = min_sep
     s0, s1, s2, s3 = st[0], st[1], st[2], st[3]
     stay = 1.0 / (1.0 + (b - 1) * p)
-    log_skip = math.log1p(-p) if p < 1.0 else -math.inf
+    per_log = 1.0 / math.log1p(-p) if p < 1.0 else 0.0
     cap = S * (n // b + 1)                 # participations are ≥ b apart
     run_of = np.empty(cap, dtype=np.int64)
     round_of = np.empty(cap, dtype=np.int64)
@@ -224,11 +231,11 @@ def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # p
                 u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
                 last = 1 + np.int64(u * (b - 1)) - b          # barred for U{1..b−1} more rounds
         while True:
-            # gap = (b − 1) + Geom(p) on {1, 2, …}, by inversion: P(Geom ≥ g) = (1 − p)^(g−1)
+            # gap = (b − 1) + Geom(p) on {1, 2, …}, by inversion: P(Geom ≥ g) = (1 − p)^(g−1); 1 − u is exact
             g = 1
             if p < 1.0:
                 u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
-                g = 1 + np.int64(math.floor(math.log1p(-u) / log_skip))
+                g = 1 + np.int64(math.log(1.0 - u) * per_log)
             j = last + b - 1 + g
             if j >= n:
                 break
@@ -297,11 +304,12 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
 def linear_recursion(E, min_sep, p, warm):  # pragma: no cover - compiled
     """ln f_0 (cold start) or the warm-start mixture (004 Alg. 2) of 004 Eq. 1 in linear space.
 
-    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. When a new value leaves
-    [2^−:data:`SCALE_BITS`, 2^:data:`SCALE_BITS`] its run's ring of the last b values is multiplied by 2^∓SCALE_BITS
-    (exact) and the exponent is counted. One round multiplies a value by at most 1 + e^{a_i}, so with
-    a_i ≤ :data:`MAX_EXPONENT` nothing overflows; values that underflow are below 2^−600 of the largest and negligible.
-    A run whose chain vanished entirely returns −∞ (the caller recomputes it in log space).
+    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. Every :data:`CHECK_EVERY` rounds, a run
+    whose new value left [2^−:data:`SCALE_BITS`, 2^:data:`SCALE_BITS`] has its ring of the last b values multiplied by
+    2^∓SCALE_BITS (exact) and the exponent counted. One round multiplies a value by at most 1 + e^{a_i}, so with
+    a_i ≤ :data:`MAX_EXPONENT` a value stays finite between checks in all but extreme cases; values that underflow
+    are below 2^−(1074 − SCALE_BITS) of the ring's largest and negligible. A run whose result is not finite (an
+    overflow, or a chain that vanished) returns ±∞ or NaN, and the caller recomputes it in log space.
 
     Args:
         E: shape (n, S), e^{a_i}.
@@ -323,6 +331,10 @@ def linear_recursion(E, min_sep, p, warm):  # pragma: no cover - compiled
         i = n - 1 - step
         r = i % b
         r1 = (i + 1) % b
+        if step % CHECK_EVERY != CHECK_EVERY - 1:
+            for s in range(S):
+                ring[r, s] = q * ring[r1, s] + E[i, s] * ring[r, s]
+            continue
         top = 0.0
         bottom = hi
         for s in range(S):

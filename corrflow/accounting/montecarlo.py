@@ -749,10 +749,13 @@ class MonteCarloAccountant:
         add, remove = np.empty(S), np.empty(S)
         state = rng.integers(1, 2**63, size=4, dtype=np.uint64)   # xoshiro256++'s state: never all zero
         runs = max(64, KERNEL_CHUNK // n)
+        buffers: dict[int, tuple] = {}          # per chunk width (all chunks but the last share one set)
         for lo in range(0, S, runs):
             m = min(runs, S - lo)
-            z, a_q, a_p = (np.empty((n, m), dtype=dtype) for _ in range(3))
-            x = np.zeros((n, m), dtype=np.uint8)
+            if m not in buffers:
+                buffers[m] = (*(np.empty((n, m), dtype=dtype) for _ in range(3)), np.empty((n, m), dtype=np.uint8))
+            z, a_q, a_p, x = buffers[m]
+            x.fill(0)
             kernels.sample_noise(state, float(sigma), z)
             kernels.exponents(z, band_v, offset, a_q)
             kernels.participation_exponents(state, window, self.min_sep, self.p, self.warm, a_q, a_p, x)
