@@ -1,21 +1,24 @@
 """Compiled kernels for the b-min-sep Monte Carlo accountant (004 Eq. 1), the hot path of a verified ε at small δ.
 
 A verified δ = 1e-5 needs ~15 M privacy-loss samples per direction; at n = 2048 rounds that is 3·10¹⁰ Gaussian draws
-and twice as many recursion steps. The numpy formulation spends most of its time in the generator (numpy's
-float32 ziggurat costs ~8.5 ns a draw on the reference machine) and in the dozen passes over memory the log-space
-recursion takes per round. Here (numba, compiled from wheels; no C toolchain needed):
+and twice as many recursion steps. The numpy formulation spent its time in the generator (numpy's float32 ziggurat
+costs ~8.5 ns a draw on the reference machine) and in the dozen passes over memory the log-space recursion takes per
+round. Here (numba, installed from wheels; no C toolchain), per chunk of runs laid out round-major (n × S):
 
-- :func:`sample_outputs` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over xoshiro256++ bits,
-  seeded per chunk from the run's numpy ``Generator``, and adds the differing example's participations (the b-min-sep
-  chain of 004 Alg. 1/2) in the same pass;
-- :func:`exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p for every round, vectorised over
-  samples; numpy's SIMD ``exp`` turns them into e^{a_i};
-- :func:`linear_recursion` runs 004 Eq. 1 in linear space, f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b}, in float64 with
-  exact power-of-two rescaling (no exp or log per step).
+- :func:`sample_noise` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over xoshiro256++ bits,
+  seeded per batch from the run's numpy ``Generator`` (~1.9 ns a draw);
+- :func:`exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p of y = σz for every round,
+  vectorised over runs;
+- :func:`participation_exponents` draws the differing example's b-min-sep participations (004 Alg. 1/2) and derives
+  the exponents of y = σz + Cx from those of σz: only the 2·bands − 1 rounds around each participation change;
+- numpy's SIMD ``exp`` turns the exponents into e^{a_i}, and :func:`linear_recursion` runs 004 Eq. 1 in linear
+  space, f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b}, in float64 with exact power-of-two rescaling (no exp or log per
+  step).
 
 :func:`corrflow.accounting.montecarlo.log_likelihood_ratio` (log space, numpy) remains the definition; the tests
 hold these kernels to it. Where e^{a_i} would overflow (a_i > :data:`MAX_EXPONENT`, only at tiny σ) or a run's
-result is not finite (its chain vanished, possible at p = 1 where f_i = e^{a_i}·f_{i+b}), the caller falls back to it.
+result is not finite (an overflow between checks, or a chain that vanished, possible at p = 1 where
+f_i = e^{a_i}·f_{i+b}), the caller recomputes it in log space.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
                 xx = -math.log1p(-u) / _R
                 yy = -math.log1p(-v)
                 if yy + yy > xx * xx:
-                    return (-(_R + xx) if x < 0 else _R + xx), s0, s1, s2, s3
+                    return math.copysign(_R + xx, x), s0, s1, s2, s3    # the proposal's sign (also for ±0)
         u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
         if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
             return x, s0, s1, s2, s3
