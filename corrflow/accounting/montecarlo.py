@@ -700,6 +700,9 @@ class MonteCarloAccountant:
         if workers is None:
             workers = min(os.cpu_count() or 1, max(1, samples // 50_000))
         if workers > 1 and len(jobs) > 1:
+            if self.scheme == "bminsep" and self.k_u == 1:
+                # Compile (or load) the kernels here, once, so that the forked workers inherit them.
+                self._bminsep_batch(sigma, 1, np.random.default_rng(0))
             ctx = multiprocessing.get_context("fork")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 parts = _collect(pool.map(self._job, jobs, chunksize=4), sizes, progress)
