@@ -20,8 +20,8 @@
 #                clears its threshold at ε = 1). The drill runs at ε = 32, δ = 1e-5, clip norm 0.25: a plumbing
 #                check that 3 devices can train a private text model end to end, NOT a recommended setting.
 #                Three devices barely learn at an ordinary ε (in process: ε = 8, clip norm 0.25 learned in 0 of 20
-#                three-round runs; ε = 16, clip norm 0.1 in 40 of 40 two-round runs with a thin margin); at these
-#                settings the held-out loss fell in 80 of 80 simulations of 2 and 3 rounds. A run that does not
+#                three-round runs; ε = 16, clip norm 0.1 in 80 of 80 runs with a thin margin); at these settings
+#                the held-out loss fell in 160 of 160 simulations of 2 and 3 rounds. A run that does not
 #                learn fails (`flwr ls`: finished:failed) and so does this script.
 # --drills       also the failure drills: a fourth SuperNode with an unregistered key must be refused; after the
 #                first checkpoint the ServerApp is killed (SIGKILL), SuperNode sn1 is restarted, and a second
