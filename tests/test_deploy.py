@@ -1,7 +1,9 @@
 """The deploy/ kit: shell scripts pass shellcheck, the compose file validates against the Compose Specification,
 key fingerprints equal what Flower stores for a registered SuperNode, and the whole secure deployment runs on
 loopback (deploy/loopback.sh --drills): TLS + SuperNode authentication, three registered SuperNodes, three rounds,
-an unregistered SuperNode refused, a SuperNode restarted and a killed ServerApp resumed from its checkpoint."""
+an unregistered SuperNode refused, a SuperNode restarted and a killed ServerApp resumed from its checkpoint; and the
+text client in deployment (deploy/loopback.sh --client nextword): each SuperNode trains on its own data file named
+in its node config, and the held-out loss falls."""
 
 from __future__ import annotations
 
@@ -118,22 +120,38 @@ def _processes_using(path: Path) -> list[int]:
     return found
 
 
-def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
-    work = tmp_path / "loopback"
+def _loopback(work: Path, *args: str, timeout: float = 540) -> dict:
+    """Run deploy/loopback.sh with ``args`` in ``work``; assert it succeeded, printed the report's path last and left
+    no process alive; return the privacy report."""
     env = {**os.environ, "FLWR_BIN": str(BIN), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([str(DEPLOY / "loopback.sh"), "--workdir", str(work), "--rounds", "3", "--drills"],
+    proc = subprocess.Popen([str(DEPLOY / "loopback.sh"), "--workdir", str(work), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        stdout, stderr = proc.communicate(timeout=540)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()  # the script's exit trap stops every process it started
         stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"loopback.sh took more than 540 s: {stderr[-6000:]}")
+        pytest.fail(f"loopback.sh took more than {timeout:.0f} s: {stderr[-6000:]}")
     assert proc.returncode == 0, stderr[-6000:]
     report_path = Path(stdout.strip().splitlines()[-1])
     assert report_path == work / "server" / "privacy_report.json"
-    report = json.loads(report_path.read_text())
     assert not _processes_using(work), "processes of the loopback run are still alive"
+    return json.loads(report_path.read_text())
+
+
+def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:
+    """ε of the Gaussian mechanism at σ / sensitivity, the sensitivity recomputed from the stored encoder C for the
+    realised pattern (every user in every round): sens² = Σ_ij |(CᵀC)_ij|."""
+    fac = Factorization.load(work / "server" / "factorization.npz")
+    assert fac.sha256() == report["mechanism"]["factorization_sha256"]
+    C = fac.encoder.matrix()
+    sens = float(np.sqrt(np.abs(C.T @ C).sum()))
+    return dp_accounting.get_epsilon_gaussian(report["noise_multiplier"] / sens, report["delta"])
+
+
+def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
+    work = tmp_path / "loopback"
+    report = _loopback(work, "--rounds", "3", "--drills")
 
     # Identities: the three registered keys' fingerprints, hashed with the checkpoint's salt, are the report's users.
     registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
@@ -148,13 +166,8 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     assert report["rounds_completed"] == 3 and report["realized"]["rejections"] == 0
     assert all(u["rounds"] == [0, 1, 2] for u in users.values())
 
-    # ε: the Gaussian mechanism at σ / sensitivity, the sensitivity recomputed from the stored encoder C for the
-    # realised pattern (every user in every round): sens² = Σ_ij |(CᵀC)_ij|.
-    fac = Factorization.load(work / "server" / "factorization.npz")
-    assert fac.sha256() == report["mechanism"]["factorization_sha256"]
-    C = fac.encoder.matrix()
-    sens = float(np.sqrt(np.abs(C.T @ C).sum()))
-    expected = dp_accounting.get_epsilon_gaussian(report["noise_multiplier"] / sens, report["delta"])
+    # ε: the Gaussian mechanism for the realised pattern, recomputed from the stored encoder.
+    expected = _gaussian_epsilon_every_round(work, report)
     assert report["realized"]["epsilon"] == pytest.approx(expected, rel=1e-6)
     assert report["realized"]["epsilon"] <= report["target_epsilon"]
 
@@ -186,6 +199,45 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
         assert after["aggregation_seconds"] == before["aggregation_seconds"]
     second = (work / "logs" / f"serverapp-{drills['second-run']}.log").read_text()
     assert f"resumed from round-{k:06d} at round {k + 1}" in second   # 1-based: the next round
+
+
+def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_file(tmp_path):
+    from corrflow.data.vocab import Vocabulary
+
+    work = tmp_path / "loopback"
+    report = _loopback(work, "--client", "nextword", "--rounds", "2", timeout=420)
+    data, nodes, logs = work / "data", work / "nodes", work / "logs"
+
+    # The next-word model: its initial weights (W = 0, b = 0) predict uniformly over the vocabulary's tokens, so the
+    # held-out loss before training is exactly ln V — the numpy client's squared error would not be.
+    vocab = Vocabulary.load(data / "vocab.txt")
+    learning = report["learning"]
+    assert learning["initial_test_loss"] == pytest.approx(np.log(vocab.num_tokens), rel=1e-9)
+    assert learning["learned"] is True and learning["final_test_loss"] < learning["initial_test_loss"]
+    assert report["rounds_completed"] == 2 and report["stopped_reason"] is None
+
+    # The vocabulary: the public word list, identified by its SHA-256, spends nothing; ε, δ and the clip norm are
+    # the drill's, and ε is the Gaussian mechanism's for every user in both rounds.
+    assert report["vocabulary"]["source"] == "public" and report["vocabulary"]["inside_guarantee"] is True
+    assert report["vocabulary"]["sha256"] == hashlib.sha256((data / "vocab.txt").read_bytes()).hexdigest()
+    assert report["vocabulary"]["words"] == len(vocab.words)
+    assert (report["target_epsilon"], report["delta"], report["clip_norm"]) == (32.0, 1e-5, 0.25)
+    assert report["realized"]["epsilon"] == pytest.approx(_gaussian_epsilon_every_round(work, report), rel=1e-6)
+    assert report["realized"]["epsilon"] <= 32.0
+    assert report["total"]["epsilon"] == report["realized"]["epsilon"] and report["total"]["delta"] == 1e-5
+    users = report["realized"]["participation"]["users"]
+    assert len(users) == 3 and all(u["rounds"] == [0, 1] for u in users.values())
+
+    # Each SuperNode trained on its own copy named in its node config, not on the file the server sent.
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["num_partitions"] == 3 and Path(manifest["path"]) == data / "stackoverflow.sqlite"
+    for i in range(3):
+        own = nodes / f"sn{i + 1}"
+        log = (logs / f"sn{i + 1}.log").read_text()
+        assert (f"partition-id {i} trains on the SuperNode's own data file {own / 'stackoverflow.sqlite'} "
+                f"(node config data-path), vocabulary {own / 'vocab.txt'}") in log
+        assert str(data / "stackoverflow.sqlite") not in log
+        assert (own / "vocab.txt").read_bytes() == (data / "vocab.txt").read_bytes()
 
 
 def _free_ports(n: int) -> list[int]:

@@ -253,6 +253,28 @@ def test_dispatching_client_app_trains_the_selected_task_on_the_nodes_data(tmp_p
     assert report["vocabulary"]["source"] == "public" and report["total"]["epsilon"] == report["realized"]["epsilon"]
 
 
+def test_a_node_says_once_that_it_trains_on_its_own_data_file(caplog):
+    """The SuperNode's log names the file its node config gives (the deployment's proof that a device read its own
+    data), once per process; a node trained on the server's path says nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from corrflow.clients.nextword_client import _announce, node_data_paths
+
+    _announce.cache_clear()
+    server = {"data-path": "/srv/s.sqlite", "vocab-path": "/srv/v.txt"}
+    plain = SimpleNamespace(node_id=5, node_config={"partition-id": 1})
+    own = SimpleNamespace(node_id=7, node_config={"partition-id": 2, "data-path": "/dev2/d.sqlite",
+                                                  "vocab-path": "/dev2/v.txt"})
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        assert node_data_paths(server, plain) == ("/srv/s.sqlite", "/srv/v.txt")
+        assert "own data file" not in caplog.text
+        for _ in range(2):
+            assert node_data_paths(server, own) == ("/dev2/d.sqlite", "/dev2/v.txt")
+    assert caplog.text.count("partition-id 2 trains on the SuperNode's own data file /dev2/d.sqlite (node config "
+                             "data-path), vocabulary /dev2/v.txt") == 1
+
+
 def test_preflight_warning_names_the_uncertain_band(caplog):
     """Between THRESHOLD and 1.5 measured runs went both ways (real-format runs learned at 0.49–1.29): 'may not'."""
     import logging

@@ -21,8 +21,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import register_identity
+from corrflow.clients.nextword_client import node_data_paths
 from corrflow.clients.numpy_client import partition_id
-from corrflow.data.federated import TextSource, data_paths, text_source
+from corrflow.data.federated import TextSource, text_source
 from corrflow.data.text_synth import SPECIAL, xy
 
 app = register_identity(ClientApp())  # answers the server's identity probe
@@ -125,7 +126,7 @@ def evaluate_weights(weights: list[np.ndarray], sentences: np.ndarray, first_wor
 def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
-    data, vocab = data_paths(cfg, context)
+    data, vocab = node_data_paths(cfg, context)
     source = text_source(data, vocab, int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
     sentences = source.user_sentences(partition_id(context))
     new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))

@@ -10,9 +10,13 @@ Memory: training holds one minibatch's probabilities (64 × V float64: 5 MB at V
 
 from __future__ import annotations
 
+from functools import lru_cache
+from logging import INFO
+
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from corrflow.clients.identity import register_identity
 from corrflow.clients.numpy_client import partition_id
@@ -23,6 +27,22 @@ app = register_identity(ClientApp())  # answers the server's identity probe
 EMBEDDING = 16
 #: (previous word, next word) pairs per evaluation chunk (memory ∝ EVAL_PAIRS × vocabulary, see the module doc).
 EVAL_PAIRS = 1024
+
+
+def node_data_paths(cfg, context: Context) -> tuple[str, str]:
+    """:func:`~corrflow.data.federated.data_paths`, saying once per process in the SuperNode's log when the node's
+    own config names the data file (deployment: each device reads its own file, not the path the server sent).
+    Paths and the partition id only: operator settings, never the user's data."""
+    data, vocab = data_paths(cfg, context)
+    if context.node_config.get("data-path"):
+        _announce(partition_id(context), data, vocab)
+    return data, vocab
+
+
+@lru_cache(maxsize=8)
+def _announce(partition: int, data: str, vocab: str) -> None:
+    log(INFO, "corrflow: partition-id %d trains on the SuperNode's own data file %s (node config data-path), "
+        "vocabulary %s", partition, data, vocab)
 
 
 def task_for(seed: int, vocab: int = 200) -> TextTask:
@@ -100,7 +120,7 @@ def train(msg: Message, context: Context) -> Message:
     weights = msg.content["arrays"].to_numpy_ndarrays()
     cfg = msg.content["config"]
     seed, user = int(cfg.get("seed", 0)), partition_id(context)
-    data, vocab = data_paths(cfg, context)
+    data, vocab = node_data_paths(cfg, context)
     if data:   # a real-format dataset file: the node's own (node config), else the one the server evaluates on
         sentences = text_source(data, vocab, int(cfg.get("seq-len", 20)), seed).user_sentences(user)
     else:
