@@ -7,7 +7,7 @@ idle cores), with its samples per second, against the bounds without Monte Carlo
 Poisson sampling at the same rate (``--verified-mmcc``; minutes) and the cyclic Poisson PLD. Prints one JSON object.
 
 Usage: python benchmarks/accounting.py [--sections unamplified,cyclic,bminsep,verify,throughput,verified,mmcc]
-                                       [--mmcc-rounds 128,512,2048] [--verified-mmcc]
+                                       [--mmcc-rounds 128,512,2048]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def mmcc_case(kind: str, n: int, sigma: float, p: float) -> dict:
     return out
 
 
-def verified_case(sigma: float, with_mmcc: bool) -> dict:
+def verified_case(sigma: float) -> dict:
     """Issue 21 item 2: `account` at δ = 1e-5 under b-min-sep (b = 16, p0 = 1/32) for a 16-band Toeplitz encoder over
     2048 rounds, wall and CPU seconds (the Monte Carlo's worker processes included), against the bounds that need no
     Monte Carlo for the same encoder and rate."""
@@ -70,11 +70,10 @@ def verified_case(sigma: float, with_mmcc: bool) -> dict:
            "bounds": {b["accountant"]: b["epsilon"] for b in a.get("bounds", [])}}
     cyc = account(fac, delta=1e-5, noise_multiplier=sigma, sampling=SamplingSpec("cyclic-poisson", 3200, 100))
     out["cyclic_poisson_epsilon"] = cyc["epsilon"]
-    if with_mmcc:
-        mm, tm = timed(lambda: account(fac, delta=1e-5, noise_multiplier=sigma,
-                                       sampling=SamplingSpec("poisson", 3200, 100, accountant="mmcc")))
-        out["mmcc_poisson_epsilon"], out["mmcc_seconds"] = mm["epsilon"], tm
-        out["mmcc_ratio"] = mm["epsilon"] / r["epsilon"]
+    mm, tm = timed(lambda: account(fac, delta=1e-5, noise_multiplier=sigma,
+                                   sampling=SamplingSpec("poisson", 3200, 100, accountant="mmcc")))
+    out["mmcc_poisson_epsilon"], out["mmcc_seconds"] = mm["epsilon"], tm
+    out["mmcc_ratio"] = mm["epsilon"] / r["epsilon"]
     print(json.dumps(out), file=sys.stderr, flush=True)
     return out
 
@@ -88,7 +87,6 @@ def main() -> None:
     ap.add_argument("--mmcc-p", type=float, default=0.01)
     ap.add_argument("--throughput-samples", type=int, default=32_768)
     ap.add_argument("--verified-sigma", type=float, default=1.0)
-    ap.add_argument("--verified-mmcc", action="store_true", help="also MMCC under Poisson sampling (minutes)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     res = {}
@@ -137,7 +135,7 @@ def main() -> None:
                                            "samples_needed_at_delta_1e-5": need,
                                            "projected_seconds_on_2_cores": need / (args.throughput_samples / cpu) / 2}
     if "verified" in sections:
-        res["bminsep_n2048_verified"] = verified_case(args.verified_sigma, args.verified_mmcc)
+        res["bminsep_n2048_verified"] = verified_case(args.verified_sigma)
     if "mmcc" in sections:
         rounds = [int(x) for x in args.mmcc_rounds.split(",") if x]
         res["mmcc_toeplitz"] = [mmcc_case("toeplitz", n, args.mmcc_sigma, args.mmcc_p) for n in rounds]
