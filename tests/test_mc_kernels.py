@@ -46,15 +46,20 @@ def _draw(band, sigma, min_sep, p, warm, S, dtype=np.float64, seed=(9, 8, 7, 6))
     return z, a_q, a_p, x
 
 
+def _with_means(z, x, band):
+    """y = z + Cx, written out: x's participations (n × S indicators) through the banded encoder."""
+    n, y = z.shape[0], z.copy()
+    for d in range(band.shape[1]):
+        y[d:] += x[: n - d] * band[: n - d, d:d + 1]
+    return y
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_linear_recursion_equals_the_log_space_recursion(case):
     n, k, b, bands, p, warm, sigma = case
     band = _band(n, k, b, bands)
     z, _, _, x = _draw(band, sigma, b, p, warm, 301)
-    y = z.copy()
-    for d in range(bands):
-        y[d:] += x[: n - d] * band[: n - d, d:d + 1]
-    for arr in (z, y):
+    for arr in (z, _with_means(z, x, band)):
         ref = log_likelihood_ratio(arr, band, sigma, b, p, warm)
         assert np.abs(linear_log_likelihood_ratio(arr, band, sigma, b, p, warm) - ref).max() < 1e-11
         # float32 outputs: the exponents and e^a in float32, the recursion in float64
@@ -67,10 +72,7 @@ def test_tiny_sigma_falls_back_to_the_log_space_recursion():
     band = _band(40, 4, 10, 10)
     for sigma, p in ((0.02, 0.5), (0.05, 1.0)):
         z, _, _, x = _draw(band, sigma, 10, p, True, 64)
-        y = z.copy()
-        for d in range(band.shape[1]):
-            y[d:] += x[: 40 - d] * band[: 40 - d, d:d + 1]
-        for arr in (z, y):
+        for arr in (z, _with_means(z, x, band)):
             got = linear_log_likelihood_ratio(arr, band, sigma, 10, p, True)
             ref = log_likelihood_ratio(arr, band, sigma, 10, p, True)
             assert np.all(np.isfinite(got))
@@ -82,9 +84,7 @@ def test_participation_exponents_equal_those_of_the_explicit_outputs(case):
     n, k, b, bands, p, warm, sigma = case
     band = _band(n, k, b, bands)
     z, _, a_p, x = _draw(band, sigma, b, p, warm, 97)
-    y = z.copy()
-    for d in range(bands):
-        y[d:] += x[: n - d] * band[: n - d, d:d + 1]
+    y = _with_means(z, x, band)
     band_v, offset = _exponent_terms(band, sigma, p, np.float64)
     direct = np.empty_like(y)
     kernels.exponents(y, band_v, offset, direct)
