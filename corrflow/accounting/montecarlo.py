@@ -587,13 +587,17 @@ class MonteCarloEstimate:
 
 
 def _collect(parts, sizes: list[int], progress: bool) -> list:
-    """Batches in order, with a progress line on stderr when asked."""
-    out, done, total = [], 0, sum(sizes)
+    """Batches in order, with progress on stderr when asked: one line rewritten in place on a terminal, else a line
+    per tenth (a log file gets ten lines, not one per batch)."""
+    out, done, total, shown = [], 0, sum(sizes), 0
+    live = sys.stderr.isatty()
     for part, size in zip(parts, sizes, strict=True):
         out.append(part)
         done += size
-        if progress:
-            print(f"\rmonte carlo samples {done}/{total} per direction", end="\n" if done == total else "",
+        if progress and (live or done * 10 // total > shown):
+            shown = done * 10 // total
+            print(f"\rmonte carlo samples {done}/{total} per direction" if live else
+                  f"monte carlo samples {done}/{total} per direction", end="\n" if done == total or not live else "",
                   file=sys.stderr, flush=True)
     return out
 

@@ -171,8 +171,9 @@ def account(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta) printed is
-    a pair the accountant guarantees; Monte Carlo reports the δ its samples verified (guarantee: false when that
-    exceeds --delta)."""
+    a pair the accountant guarantees; with no --accountant, the tightest verified bound of those that apply (all
+    listed). When Monte Carlo cannot verify --delta within its sample budget, the sampler's other verified bound is
+    released and both numbers are named."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
 
