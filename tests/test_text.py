@@ -20,6 +20,7 @@ from corrflow.data.federated import HELD_OUT_AUTHORS, TextSource, held_out_autho
 from corrflow.data.stackoverflow import Post, StackOverflowWriter
 from corrflow.data.stats import dataset_stats
 from corrflow.data.vocab import Vocabulary, build_vocabulary, count_words, read_provenance
+from corrflow.errors import InvalidArgumentError
 from corrflow.server.app import run_server
 from corrflow.server.cli import app
 from corrflow.server.inprocess import InProcessGrid
@@ -273,6 +274,32 @@ def test_a_node_says_once_that_it_trains_on_its_own_data_file(caplog):
             assert node_data_paths(server, own) == ("/dev2/d.sqlite", "/dev2/v.txt")
     assert caplog.text.count("partition-id 2 trains on the SuperNode's own data file /dev2/d.sqlite (node config "
                              "data-path), vocabulary /dev2/v.txt") == 1
+
+
+def test_a_node_with_its_own_data_file_trains_one_train_partition_of_it(tmp_path):
+    """A node config naming the data file must count the file's train partitions (one user per node, as `corrflow
+    data partition` writes it without --partitions); a manifest of several users per node is refused, naming the
+    field, instead of training one user of the group in silence."""
+    from types import SimpleNamespace
+
+    from corrflow.clients.nextword_client import own_sentences
+    from corrflow.data.partition import make_manifest
+
+    so = _planted_file(tmp_path / "so.sqlite", users=6, heldout=2)
+    build_vocabulary(count_words(COMMON), 20, source="public").save(tmp_path / "v.txt")
+    src = TextSource(str(so), str(tmp_path / "v.txt"), seq_len=10)
+
+    def node(**config):
+        return SimpleNamespace(node_id=1, node_config=config)
+    own = node(**{"partition-id": 4, "num-partitions": 6, "data-path": str(so)})
+    np.testing.assert_array_equal(own_sentences(src, own), src.user_sentences(4))
+    grouped = make_manifest(so, partitions=3)["partitions"][1]           # users 1 and 4 on one node
+    assert len(grouped["users"]) == 2
+    with pytest.raises(InvalidArgumentError, match="num-partitions.*6 in the node config"):
+        own_sentences(src, node(**{"partition-id": 1, "num-partitions": 3, "data-path": str(so)}))
+    # the server's path (simulation) or no count given: partition-id alone decides
+    np.testing.assert_array_equal(own_sentences(src, node(**{"partition-id": 2, "num-partitions": 3})),
+                                  src.user_sentences(2))
 
 
 def test_preflight_warning_names_the_uncertain_band(caplog):

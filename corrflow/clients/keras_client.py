@@ -21,8 +21,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from corrflow.clients.identity import register_identity
-from corrflow.clients.nextword_client import node_data_paths
-from corrflow.clients.numpy_client import partition_id
+from corrflow.clients.nextword_client import node_data_paths, own_sentences
 from corrflow.data.federated import TextSource, text_source
 from corrflow.data.text_synth import SPECIAL, xy
 
@@ -128,7 +127,7 @@ def train(msg: Message, context: Context) -> Message:
     cfg = msg.content["config"]
     data, vocab = node_data_paths(cfg, context)
     source = text_source(data, vocab, int(cfg.get("seq-len", 20)), int(cfg.get("seed", 0)))
-    sentences = source.user_sentences(partition_id(context))
+    sentences = own_sentences(source, context)
     new, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)))
     return Message(content=RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(
         {"num-examples": int(len(sentences)), "train-loss": loss})}), reply_to=msg)

@@ -22,6 +22,7 @@ from corrflow.clients.identity import register_identity
 from corrflow.clients.numpy_client import partition_id
 from corrflow.data.federated import data_paths, text_source
 from corrflow.data.text_synth import PAD, SPECIAL, TextTask, accuracy_mask, user_sentences, xy
+from corrflow.errors import require
 
 app = register_identity(ClientApp())  # answers the server's identity probe
 EMBEDDING = 16
@@ -37,6 +38,28 @@ def node_data_paths(cfg, context: Context) -> tuple[str, str]:
     if context.node_config.get("data-path"):
         _announce(partition_id(context), data, vocab)
     return data, vocab
+
+
+def own_sentences(source, context: Context) -> np.ndarray:
+    """The training sentences of this node's user: train partition ``partition-id`` of ``source`` (a
+    :class:`~corrflow.data.federated.TextSource`).
+
+    A node whose own config names the data file trains exactly one of the file's train partitions, so its
+    ``num-partitions`` (when given) must equal their count, as ``corrflow data partition`` writes it without
+    ``--partitions``: a manifest with several users per node is a cross-silo layout, under which this node would
+    silently train one user of its group.
+
+    Raises:
+        InvalidArgumentError: (field ``num-partitions``) the node config's count differs from the file's.
+    """
+    part = partition_id(context)
+    node = context.node_config
+    if node.get("data-path") and "num-partitions" in node:
+        count = len(source.train_clients)
+        require(int(node["num-partitions"]) == count, "num-partitions", f"{count} in the node config (one node per "
+                f"train partition of {node['data-path']}: write the node configs with `corrflow data partition` "
+                "without --partitions; a node trains user partition-id only)", node["num-partitions"])
+    return source.user_sentences(part)
 
 
 @lru_cache(maxsize=8)
@@ -122,7 +145,7 @@ def train(msg: Message, context: Context) -> Message:
     seed, user = int(cfg.get("seed", 0)), partition_id(context)
     data, vocab = node_data_paths(cfg, context)
     if data:   # a real-format dataset file: the node's own (node config), else the one the server evaluates on
-        sentences = text_source(data, vocab, int(cfg.get("seq-len", 20)), seed).user_sentences(user)
+        sentences = own_sentences(text_source(data, vocab, int(cfg.get("seq-len", 20)), seed), context)
     else:
         sentences = user_sentences(task_for(seed, weights[0].shape[0] - SPECIAL), user)
     delta, loss = local_train(weights, sentences, float(cfg.get("local-lr", 0.5)), int(cfg.get("local-steps", 1)),
