@@ -168,3 +168,17 @@ def test_monte_carlo_losses_are_deterministic_per_seed_and_independent_across_se
     for losses in (big.remove, big.add):
         w = np.exp(-losses)
         assert abs(w.mean() - 1) < 5 * w.std() / math.sqrt(w.size)
+
+
+def test_tiny_sigma_batches_equal_the_small_noise_limit():
+    """At σ → 0 the likelihood ratio of pure noise is the probability that the example never participates:
+    ln P/Q(z) → ln P(x = 0), for every z (the other terms are e^{−‖Cx‖²/(2σ²)} smaller). At σ = 0.02 every exponent
+    of the differing example's outputs overflows e^88, so the batch takes the log-space fallback on outputs it
+    rebuilds from the drawn participations."""
+    n, b, p = 40, 10, 0.5
+    mc = MonteCarloAccountant(_band(n, 4, b, 10), b, p, warm=True)
+    est = mc.sample_losses(0.02, 300, seed=1, workers=1)
+    stay = 1 / (1 + (b - 1) * p)   # warm start: available, else barred for s = 1..b−1 more rounds
+    never = stay * (1 - p) ** n + sum(p * stay * (1 - p) ** (n - s) for s in range(1, b))
+    np.testing.assert_allclose(est.remove, -math.log(never), rtol=1e-9)
+    assert np.all(np.isfinite(est.add)) and est.add.min() > 100   # ‖Cx‖²/(2σ²) dominates with x drawn from P

@@ -133,7 +133,7 @@ def linear_log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, m
     """:func:`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
     :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1 as
     f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls back to the log-space
-    recursion where e^{a_i} could overflow or (at p = 1) underflow.
+    recursion where e^{a_i} would overflow or a run's result is not finite.
 
     Args:
         y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are in its dtype).
@@ -768,9 +768,8 @@ class MonteCarloAccountant:
             kernels.participation_exponents(state, window, self.min_sep, self.p, self.warm, a_q, a_p, x)
 
             def with_means(z=z, x=x):
-                y = z.copy()
-                for k in range(band.shape[1]):
-                    y[k:] += (x[: n - k] * band[: n - k, k:k + 1]).astype(dtype)
+                y, (pos, rows) = z.copy(), np.nonzero(x)
+                add_means(y, band, rows, pos, np.ones(rows.size))
                 return y
             remove[lo:lo + m] = -_llr_from_exponents(a_q, lambda z=z: z, band, sigma, self.min_sep, self.p,
                                                      self.warm)
