@@ -1,12 +1,14 @@
-"""Noise-generation speed and memory for d = 10⁷ float32 coordinates, per mode, against independent Gaussian
-noise of the same size (measured in the same run) and jax-privacy's ``matrix_factorization_privatizer`` for the
-same banded Toeplitz factorization when that peer is installed.
+"""Noise-generation speed and memory for d = 10⁷ float32 coordinates, per mode, against independent
+Gaussian noise of the same size (measured in the same run) and jax-privacy's
+``matrix_factorization_privatizer`` for the same banded Toeplitz factorization when that peer is
+installed.
 
-Targets (issue 3, 2 CPU cores): banded (16 bands) ≤ 4× the independent-noise time and ≥ 3× faster than the peer;
-banded-inverse (p = 16) ≤ 1.5·p × the independent-noise time; banded buffer = (bands − 1)·d·4 bytes (+5%).
-Issue 24: a BLT with 2 buffers (one draw per round, 2·d·4 bytes of state), and the regenerating modes' fused
-arithmetic against the unfused combination they replaced (``unfused`` below, a copy of the old code: each draw
-scaled in place, then added, then a pass for σ), timed alternately in the same run.
+Targets (issue 3, 2 CPU cores): banded (16 bands) ≤ 4× the independent-noise time and ≥ 3× faster
+than the peer; banded-inverse (p = 16) ≤ 1.5·p × the independent-noise time; banded buffer = (bands
+− 1)·d·4 bytes (+5%). Issue 24: a BLT with 2 buffers (one draw per round, 2·d·4 bytes of state), and
+the regenerating modes' fused arithmetic against the unfused combination they replaced (``unfused``
+below, a copy of the old code: each draw scaled in place, then added, then a pass for σ), timed
+alternately in the same run.
 
 Usage: python benchmarks/noise.py [--dim 10000000] [--rounds 4] [--no-peer]
 """
@@ -28,7 +30,8 @@ from corrflow.noise.prng import PhiloxSource, new_secret
 
 
 def _time_rounds(fn, rounds: int) -> tuple[float, int]:
-    """Median seconds per call of fn(t) over ``rounds`` calls, and the peak traced allocation (bytes)."""
+    """Median seconds per call of fn(t) over ``rounds`` calls, and the peak traced allocation
+    (bytes)."""
     times = []
     tracemalloc.start()
     for t in range(rounds):
@@ -54,8 +57,13 @@ def run(dim: int, rounds: int, use_peer: bool) -> dict:
         "identity (dpsgd)": factorize("dpsgd", part),
         "blt (2 buffers)": factorize("blt", part, buffers=2),
     }
-    out = {"dim": dim, "independent_seconds": indep_s, "numpy_default_rng_seconds": plain_s,
-           "independent_peak_bytes": indep_peak, "modes": {}}
+    out = {
+        "dim": dim,
+        "independent_seconds": indep_s,
+        "numpy_default_rng_seconds": plain_s,
+        "independent_peak_bytes": indep_peak,
+        "modes": {},
+    }
     for name, fac in cases.items():
         gen = CorrelatedNoise(fac, [(dim,)], key=key)
         if name.startswith("dense"):
@@ -65,9 +73,14 @@ def run(dim: int, rounds: int, use_peer: bool) -> dict:
             gen.skip_to(16)  # steady state: the buffer (banded) or band (banded-inverse) is full
             offset = 16
         secs, peak = _time_rounds(lambda t, g=gen, o=offset: g.next(o + t), rounds)
-        entry = {"mode": gen.mode, "seconds_per_round": secs, "ratio_to_independent": secs / indep_s,
-                 "buffer_bytes": gen.buffer_bytes, "peak_traced_bytes_per_round": peak,
-                 "bands": fac.bands}
+        entry = {
+            "mode": gen.mode,
+            "seconds_per_round": secs,
+            "ratio_to_independent": secs / indep_s,
+            "buffer_bytes": gen.buffer_bytes,
+            "peak_traced_bytes_per_round": peak,
+            "bands": fac.bands,
+        }
         if gen.mode == "banded":
             entry["buffer_ratio_to_(bands-1)*d*4"] = gen.buffer_bytes / ((fac.bands - 1) * dim * 4)
             entry["buffer_dtype"] = str(gen._buffer.dtype)
@@ -114,8 +127,9 @@ def unfused(gen: CorrelatedNoise, t: int, out: np.ndarray) -> None:
 
 
 class _CachedSource:
-    """The generator's draws, made once and handed out as fresh copies: times the combining arithmetic without the
-    draws (whose cost is the same for both variants and dominates and blurs a measurement on a shared machine)."""
+    """The generator's draws, made once and handed out as fresh copies: times the combining
+    arithmetic without the draws (whose cost is the same for both variants and dominates and blurs a
+    measurement on a shared machine)."""
 
     def __init__(self, source):
         self._source, self._cache = source, {}
@@ -128,16 +142,20 @@ class _CachedSource:
 
 
 def _fused_vs_unfused(gen: CorrelatedNoise, t: int, rounds: int) -> dict:
-    """Median seconds (wall and CPU) of the engine's fused combination and of ``unfused`` for round t, alternated,
-    with the draws cached (``_CachedSource``; both variants pay the same copy per draw)."""
+    """Median seconds (wall and CPU) of the engine's fused combination and of ``unfused`` for round
+    t, alternated, with the draws cached (``_CachedSource``; both variants pay the same copy per
+    draw)."""
     out = np.empty(gen.dim, dtype=np.float32)
     ref = np.empty(gen.dim, dtype=np.float32)
     times = {"fused": [], "unfused": [], "fused_cpu": [], "unfused_cpu": []}
     source, gen._source = gen._source, _CachedSource(gen._source)
     try:
-        gen._stateless(t, out)   # fill the cache
+        gen._stateless(t, out)  # fill the cache
         for _ in range(rounds):
-            for name, fn in (("fused", lambda: gen._stateless(t, out)), ("unfused", lambda: unfused(gen, t, ref))):
+            for name, fn in (
+                ("fused", lambda: gen._stateless(t, out)),
+                ("unfused", lambda: unfused(gen, t, ref)),
+            ):
                 c0, w0 = time.process_time(), time.perf_counter()
                 fn()
                 times[name + "_cpu"].append(time.process_time() - c0)
@@ -145,11 +163,15 @@ def _fused_vs_unfused(gen: CorrelatedNoise, t: int, rounds: int) -> dict:
     finally:
         gen._source = source
     med = {k: float(np.median(v)) for k, v in times.items()}
-    return {"fused_seconds": med["fused"], "unfused_seconds": med["unfused"],
-            "fused_cpu_seconds": med["fused_cpu"], "unfused_cpu_seconds": med["unfused_cpu"],
-            "unfused_over_fused": med["unfused"] / med["fused"],
-            "unfused_over_fused_cpu": med["unfused_cpu"] / med["fused_cpu"],
-            "max_abs_difference": float(np.max(np.abs(out - ref)))}
+    return {
+        "fused_seconds": med["fused"],
+        "unfused_seconds": med["unfused"],
+        "fused_cpu_seconds": med["fused_cpu"],
+        "unfused_cpu_seconds": med["unfused_cpu"],
+        "unfused_over_fused": med["unfused"] / med["fused"],
+        "unfused_over_fused_cpu": med["unfused_cpu"] / med["fused_cpu"],
+        "max_abs_difference": float(np.max(np.abs(out - ref))),
+    }
 
 
 def _peer(fac, dim: int, rounds: int) -> float | None:
@@ -163,7 +185,9 @@ def _peer(fac, dim: int, rounds: int) -> float | None:
     enc = fac.encoder
     coef = jnp.asarray(enc.coef / np.linalg.norm(enc.coef), dtype=jnp.float32)
     noising = toeplitz.inverse_as_streaming_matrix(coef, column_normalize_for_n=enc.n)
-    priv = noise_addition.matrix_factorization_privatizer(noising, stddev=1.0, prng_key=0, dtype=jnp.float32)
+    priv = noise_addition.matrix_factorization_privatizer(
+        noising, stddev=1.0, prng_key=0, dtype=jnp.float32
+    )
     grads = jnp.zeros((dim,), dtype=jnp.float32)
     state = priv.init(grads)
     update = jax.jit(priv.update)

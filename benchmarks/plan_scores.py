@@ -1,22 +1,24 @@
-"""Which error score ranks the planner's candidates in the order of their trained accuracy? A diagnostic for the
-``compare`` preset's plan (population, cohort, rounds and momentum of ``corrflow compare --preset quick``).
+"""Which error score ranks the planner's candidates in the order of their trained accuracy? A
+diagnostic for the ``compare`` preset's plan (population, cohort, rounds and momentum of ``corrflow
+compare --preset quick``).
 
-For each candidate of the plan at each ε it prints, at the candidate's calibrated σ (per unit clip norm and
-coordinate, DESIGN "Errors": B = A C⁻¹, per-iterate error = the row norms of B):
+For each candidate of the plan at each ε it prints, at the candidate's calibrated σ (per unit clip
+norm and coordinate, DESIGN "Errors": B = A C⁻¹, per-iterate error = the row norms of B):
 
 - the planner's score, RMSE over all n iterates, and the max error;
-- open-loop errors of the *released* model: the last row of B (the final iterate) and the root-mean over the last
-  10% and 25% of the iterates;
-- the final-model error under *closed-loop* training on a quadratic with curvature h: the server optimizer's
-  update is the noisy gradient at the current (noisy) model, so noise injected in round s is damped by the
-  training itself before round n. With κ = server_lr·h the model error is x_n = r_κᵀ C⁻¹ z, where r_κ is the
-  last row of the closed-loop response of the momentum-with-cooldown optimizer (r_0 = the last row of A). This is
-  the linear-regression analysis of Choquette-Choo, Dvijotham, Pillutla, Ganesh, Steinke, Thakurta, "Correlated
-  Noise Provably Beats Independent Noise for Differentially Private Learning" (arXiv 2310.06771), applied to a
-  finite factorization. κ is a property of the task, not of the mechanism: the script sweeps it.
+- open-loop errors of the *released* model: the last row of B (the final iterate) and the root-mean
+  over the last 10% and 25% of the iterates;
+- the final-model error under *closed-loop* training on a quadratic with curvature h: the server
+  optimizer's update is the noisy gradient at the current (noisy) model, so noise injected in round
+  s is damped by the training itself before round n. With κ = server_lr·h the model error is x_n =
+  r_κᵀ C⁻¹ z, where r_κ is the last row of the closed-loop response of the momentum-with-cooldown
+  optimizer (r_0 = the last row of A). This is the linear-regression analysis of Choquette-Choo,
+  Dvijotham, Pillutla, Ganesh, Steinke, Thakurta, "Correlated Noise Provably Beats Independent Noise
+  for Differentially Private Learning" (arXiv 2310.06771), applied to a finite factorization. κ is a
+  property of the task, not of the mechanism: the script sweeps it.
 
-Usage: python benchmarks/plan_scores.py [--epsilons 2,8] [--preset quick] [--kappas 0,0.003,0.01,0.03,0.1,0.3]
-                                        [--cache DIR]
+Usage: python benchmarks/plan_scores.py [--epsilons 2,8] [--preset quick] [--kappas
+0,0.003,0.01,0.03,0.1,0.3] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from corrflow.server.compare import PRESETS, parse_epsilons, plan_request
 
 
 def closed_loop_response(workload: Workload, n: int, kappa: float) -> np.ndarray:
-    """R (n × n): model error x_t = Σ_s R[t, s]·w_s for noise w_s added to round s's update, when the optimizer
-    (m_t = β m_{t-1} + u_t, x_t = x_{t-1} + η_t m_t) trains a quadratic of curvature κ (u_t = -κ x_{t-1} + w_t).
-    κ = 0 gives the workload A."""
+    """R (n × n): model error x_t = Σ_s R[t, s]·w_s for noise w_s added to round s's update, when
+    the optimizer (m_t = β m_{t-1} + u_t, x_t = x_{t-1} + η_t m_t) trains a quadratic of curvature κ
+    (u_t = -κ x_{t-1} + w_t). κ = 0 gives the workload A."""
     eta, beta = workload.learning_rates(n), workload.momentum
     x, m, out = np.zeros(n), np.zeros(n), np.zeros((n, n))
     for t in range(n):
@@ -59,13 +61,23 @@ def scores(plan, kappas: list[float]) -> list[dict]:
         sigma, sens = c.noise_multiplier, fac.sensitivity.value
         e = fac.per_query_error() * sens**2
         enc_t = fac.encoder.matrix().T
-        closed = {f"{k:g}": float(sigma * sens * np.linalg.norm(np.linalg.solve(enc_t, r[-1])))
-                  for k, r in responses.items()}
-        rows.append({"candidate": c.label(), "rank": c.rank, "noise_multiplier": sigma, "rmse": c.rmse,
-                     "max_error": c.max_error, "final_error": float(sigma * np.sqrt(e[-1])),
-                     "last10_rms": float(sigma * np.sqrt(e[-max(1, n // 10):].mean())),
-                     "last25_rms": float(sigma * np.sqrt(e[-max(1, n // 4):].mean())),
-                     "closed_loop_final_error": closed})
+        closed = {
+            f"{k:g}": float(sigma * sens * np.linalg.norm(np.linalg.solve(enc_t, r[-1])))
+            for k, r in responses.items()
+        }
+        rows.append(
+            {
+                "candidate": c.label(),
+                "rank": c.rank,
+                "noise_multiplier": sigma,
+                "rmse": c.rmse,
+                "max_error": c.max_error,
+                "final_error": float(sigma * np.sqrt(e[-1])),
+                "last10_rms": float(sigma * np.sqrt(e[-max(1, n // 10) :].mean())),
+                "last25_rms": float(sigma * np.sqrt(e[-max(1, n // 4) :].mean())),
+                "closed_loop_final_error": closed,
+            }
+        )
     return rows
 
 
@@ -82,10 +94,24 @@ def main() -> None:
     out = {}
     for eps in parse_epsilons(args.epsilons):
         plan = make_plan(plan_request(preset, eps), cache, quiet=True)
-        out[f"{eps:g}"] = {"recommended": plan.recommended.label(), "candidates": scores(plan, kappas)}
-    print(json.dumps({"benchmark": "plan_scores", "preset": args.preset, "users": preset.users,
-                      "cohort": preset.cohort, "rounds": preset.rounds, "momentum": preset.momentum,
-                      "kappas": kappas, "epsilons": out}))
+        out[f"{eps:g}"] = {
+            "recommended": plan.recommended.label(),
+            "candidates": scores(plan, kappas),
+        }
+    print(
+        json.dumps(
+            {
+                "benchmark": "plan_scores",
+                "preset": args.preset,
+                "users": preset.users,
+                "cohort": preset.cohort,
+                "rounds": preset.rounds,
+                "momentum": preset.momentum,
+                "kappas": kappas,
+                "epsilons": out,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

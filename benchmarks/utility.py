@@ -1,20 +1,23 @@
-"""Utility at equal (ε, δ) across a sweep of ε: ``corrflow compare`` on the synthetic StackOverflow-style next-word
-task (numpy bigram model) — non-private, DP-SGD with fixed-epoch participation (unamplified), DP-SGD with Poisson
-sampling (amplified, the standard baseline), banded Toeplitz MF (fixed-epoch and, with --amplified, under the cyclic
-Poisson sampler with the planner's separation) and the recipe ``corrflow plan`` recommends — same users, data,
-initialisation, evaluation set, optimizer and clipping per seed.
+"""Utility at equal (ε, δ) across a sweep of ε: ``corrflow compare`` on the synthetic
+StackOverflow-style next-word task (numpy bigram model) — non-private, DP-SGD with fixed-epoch
+participation (unamplified), DP-SGD with Poisson sampling (amplified, the standard baseline), banded
+Toeplitz MF (fixed-epoch and, with --amplified, under the cyclic Poisson sampler with the planner's
+separation) and the recipe ``corrflow plan`` recommends — same users, data, initialisation,
+evaluation set, optimizer and clipping per seed.
 
-Targets (issue "the evidence users ask for"): at each ε the ``plan`` arm's mean accuracy is at least the best DP-SGD
-arm's less 0.01, and at ε = 8 it closes at least half of the gap between the best DP-SGD arm and non-private
-training (000 Fig. 3 measures the same gap on StackOverflow; 001 Fig. 1 plots accuracy against ε).
+Targets (issue "the evidence users ask for"): at each ε the ``plan`` arm's mean accuracy is at least
+the best DP-SGD arm's less 0.01, and at ε = 8 it closes at least half of the gap between the best
+DP-SGD arm and non-private training (000 Fig. 3 measures the same gap on StackOverflow; 001 Fig. 1
+plots accuracy against ε).
 
-Prints one JSON object: per ε each arm's final held-out accuracy and loss (means over seeds), σ, verified (ε, δ),
-the gap each arm closes, whether the targets hold, and the wall and CPU seconds of the whole sweep (the issue's
-budget: ≤ 60 CPU-minutes on 2 cores for the full sweep). ``reduced`` says when the sweep is smaller than the full one
-(quick preset, ε ∈ {1, 2, 4, 8, 16}, 3 seeds, the preset's rounds).
+Prints one JSON object: per ε each arm's final held-out accuracy and loss (means over seeds), σ,
+verified (ε, δ), the gap each arm closes, whether the targets hold, and the wall and CPU seconds of
+the whole sweep (the issue's budget: ≤ 60 CPU-minutes on 2 cores for the full sweep). ``reduced``
+says when the sweep is smaller than the full one (quick preset, ε ∈ {1, 2, 4, 8, 16}, 3 seeds, the
+preset's rounds).
 
-Usage: python benchmarks/utility.py [--epsilons 1,2,4,8,16] [--preset quick] [--seeds 3] [--rounds N]
-                                    [--kinds toeplitz] [--no-amplified] [--out DIR]
+Usage: python benchmarks/utility.py [--epsilons 1,2,4,8,16] [--preset quick] [--seeds 3] [--rounds
+N] [--kinds toeplitz] [--no-amplified] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,24 +41,32 @@ from corrflow.server.compare import (
 from corrflow.server.simulation import quiet_native_logs
 
 FULL = {"preset": "quick", "epsilons": (1.0, 2.0, 4.0, 8.0, 16.0), "seeds": 3}
-TOLERANCE = 0.01       # the plan arm may trail the best DP-SGD arm by this much accuracy
-GAP_AT_8 = 0.5         # ... and must close half of the gap at ε = 8
+TOLERANCE = 0.01  # the plan arm may trail the best DP-SGD arm by this much accuracy
+GAP_AT_8 = 0.5  # ... and must close half of the gap at ε = 8
 
 
 def targets(result: dict) -> dict:
-    """Per ε: the plan arm against the best DP-SGD arm (accuracy margin, gap closed) and whether the targets hold;
-    and the planner's own score (RMSE at the target ε) of its recipe against both DP-SGD arms'."""
+    """Per ε: the plan arm against the best DP-SGD arm (accuracy margin, gap closed) and whether the
+    targets hold; and the planner's own score (RMSE at the target ε) of its recipe against both
+    DP-SGD arms'."""
     out = {}
     for key, entry in result["epsilons"].items():
         arms, best = entry["arms"], entry["best_dpsgd"]
         margin = arms["plan"]["accuracy"] - arms[best]["accuracy"]
         gap = entry["gap_closed"]["plan"]
         rmse = entry["planner"]["rmse"]
-        out[key] = {"best_dpsgd": best, "plan_minus_best_dpsgd": margin, "plan_gap_closed": gap,
-                    "within_tolerance": margin >= -TOLERANCE,
-                    "closes_half_gap": None if entry["epsilon"] != 8 else (gap is not None and gap >= GAP_AT_8),
-                    "planner_rmse_at_most_dpsgd": all(rmse["plan"] <= rmse[n] * (1 + 1e-9)
-                                                      for n in ("dpsgd", "dpsgd-poisson"))}
+        out[key] = {
+            "best_dpsgd": best,
+            "plan_minus_best_dpsgd": margin,
+            "plan_gap_closed": gap,
+            "within_tolerance": margin >= -TOLERANCE,
+            "closes_half_gap": None
+            if entry["epsilon"] != 8
+            else (gap is not None and gap >= GAP_AT_8),
+            "planner_rmse_at_most_dpsgd": all(
+                rmse["plan"] <= rmse[n] * (1 + 1e-9) for n in ("dpsgd", "dpsgd-poisson")
+            ),
+        }
     return out
 
 
@@ -64,34 +75,89 @@ def main() -> None:
     ap.add_argument("--epsilons", default="1,2,4,8,16")
     ap.add_argument("--preset", default="quick", choices=sorted(PRESETS))
     ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=None, help="fewer rounds for a reduced run (default: preset's)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="fewer rounds for a reduced run (default: preset's)",
+    )
     ap.add_argument("--kinds", default="toeplitz")
     ap.add_argument("--no-amplified", dest="amplified", action="store_false")
-    ap.add_argument("--out", default=None, help="keep the comparison here (default: a temporary directory)")
+    ap.add_argument(
+        "--out", default=None, help="keep the comparison here (default: a temporary directory)"
+    )
     args = ap.parse_args()
     quiet_native_logs()
     logging.getLogger("corrflow").setLevel(logging.ERROR)
     epsilons = parse_epsilons(args.epsilons)
     preset = with_overrides(PRESETS[args.preset], seeds=args.seeds, rounds=args.rounds)
     root = Path(args.out or tempfile.mkdtemp(prefix="corrflow-utility-"))
-    res = compare(preset, [k for k in args.kinds.split(",") if k], root, progress=stderr_progress,
-                  epsilons=epsilons, amplified=args.amplified)
+    res = compare(
+        preset,
+        [k for k in args.kinds.split(",") if k],
+        root,
+        progress=stderr_progress,
+        epsilons=epsilons,
+        amplified=args.amplified,
+    )
     print(table(res), file=sys.stderr, flush=True)
-    reduced = (args.preset != FULL["preset"] or epsilons != FULL["epsilons"] or preset.seeds != FULL["seeds"]
-               or preset.rounds != PRESETS[args.preset].rounds)
-    results = {key: {"arms": {n: {k: a[k] for k in ("accuracy", "loss", "kind", "accountant", "sampling", "min_sep",
-                                                     "noise_multiplier", "epsilon", "delta", "verified", "rmse")}
-                              | {"accuracy_per_seed": [r["accuracy"] for r in a["per_seed"]]}
-                              for n, a in e["arms"].items()},
-                     "best_dpsgd": e["best_dpsgd"], "gap_closed": e["gap_closed"],
-                     "recommended": e["planner"]["recommended"]}
-               for key, e in res["epsilons"].items()}
-    print(json.dumps({"benchmark": "utility", "preset": args.preset, "client": preset.client, "users": preset.users,
-                      "rounds": preset.rounds, "epochs": preset.epochs, "cohort": preset.cohort,
-                      "delta": preset.delta, "seeds": preset.seeds, "epsilons": [epsilon_key(e) for e in epsilons],
-                      "reduced": reduced, "results": results, "targets": targets(res),
-                      "wall_seconds": res["seconds"], "cpu_seconds": res["cpu_seconds"],
-                      "plots": res["plots"], "out": str(root)}))
+    reduced = (
+        args.preset != FULL["preset"]
+        or epsilons != FULL["epsilons"]
+        or preset.seeds != FULL["seeds"]
+        or preset.rounds != PRESETS[args.preset].rounds
+    )
+    results = {
+        key: {
+            "arms": {
+                n: {
+                    k: a[k]
+                    for k in (
+                        "accuracy",
+                        "loss",
+                        "kind",
+                        "accountant",
+                        "sampling",
+                        "min_sep",
+                        "noise_multiplier",
+                        "epsilon",
+                        "delta",
+                        "verified",
+                        "rmse",
+                    )
+                }
+                | {"accuracy_per_seed": [r["accuracy"] for r in a["per_seed"]]}
+                for n, a in e["arms"].items()
+            },
+            "best_dpsgd": e["best_dpsgd"],
+            "gap_closed": e["gap_closed"],
+            "recommended": e["planner"]["recommended"],
+        }
+        for key, e in res["epsilons"].items()
+    }
+    print(
+        json.dumps(
+            {
+                "benchmark": "utility",
+                "preset": args.preset,
+                "client": preset.client,
+                "users": preset.users,
+                "rounds": preset.rounds,
+                "epochs": preset.epochs,
+                "cohort": preset.cohort,
+                "delta": preset.delta,
+                "seeds": preset.seeds,
+                "epsilons": [epsilon_key(e) for e in epsilons],
+                "reduced": reduced,
+                "results": results,
+                "targets": targets(res),
+                "wall_seconds": res["seconds"],
+                "cpu_seconds": res["cpu_seconds"],
+                "plots": res["plots"],
+                "out": str(root),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

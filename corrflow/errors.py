@@ -1,4 +1,5 @@
-"""Error types shared by every layer (docs "Conventions": bad input names the field and what was expected)."""
+"""Error types shared by every layer (docs "Conventions": bad input names the field and what was
+expected)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ class CorrflowError(Exception):
 
 
 class InvalidArgumentError(CorrflowError, ValueError):
-    """A caller passed a value that cannot be used; ``field`` names it (the CLI maps this to exit code 2)."""
+    """A caller passed a value that cannot be used; ``field`` names it (the CLI maps this to exit
+    code 2)."""
 
     def __init__(self, field: str, expected: str, got: Any = None):
         self.field = field
@@ -23,7 +25,8 @@ class InvalidArgumentError(CorrflowError, ValueError):
 
 
 class DataFormatError(CorrflowError, ValueError):
-    """A data file does not follow its format; the message names the file and the line (or table row)."""
+    """A data file does not follow its format; the message names the file and the line (or table
+    row)."""
 
     def __init__(self, path: Any, where: Any, expected: str, got: Any = None):
         self.path = str(path)
@@ -41,7 +44,9 @@ class IntegrityError(CorrflowError):
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    if isinstance(value, str) and len(value) <= 1000:   # a message's own text (e.g. every setting that differs)
+    if (
+        isinstance(value, str) and len(value) <= 1000
+    ):  # a message's own text (e.g. every setting that differs)
         return repr(value)
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

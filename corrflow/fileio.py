@@ -1,11 +1,12 @@
-"""Atomic writes: the one helper behind every file corrflow saves (reports, factorizations, plan caches, noise
-state, checkpoint pointers, vocabularies, manifests, generated data).
+"""Atomic writes: the one helper behind every file corrflow saves (reports, factorizations, plan
+caches, noise state, checkpoint pointers, vocabularies, manifests, generated data).
 
-A file is written to a temporary name in its own directory, flushed and fsync-ed, then renamed over the target
-(``os.replace``, atomic on POSIX): a reader, or a server restarted after a kill, sees the old file or the new one,
-never half of one. A failed write removes its temporary file and leaves the target as it was. A directory of files
-that belong together (a server checkpoint) is written the same way by :func:`atomic_directory`: filled in a
-temporary directory, every file fsync-ed, renamed into place, its parent fsync-ed."""
+A file is written to a temporary name in its own directory, flushed and fsync-ed, then renamed over
+the target (``os.replace``, atomic on POSIX): a reader, or a server restarted after a kill, sees the
+old file or the new one, never half of one. A failed write removes its temporary file and leaves the
+target as it was. A directory of files that belong together (a server checkpoint) is written the
+same way by :func:`atomic_directory`: filled in a temporary directory, every file fsync-ed, renamed
+into place, its parent fsync-ed."""
 
 from __future__ import annotations
 
@@ -19,16 +20,19 @@ from pathlib import Path
 from typing import IO
 
 TEMP_PREFIX = ".tmp-"
-# mkstemp creates files 0600; shared files (reports, vocabularies, manifests) get the mode open() would give them.
+# mkstemp creates files 0600; shared files (reports, vocabularies, manifests) get the mode open()
+# would give them.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb", *, private: bool = False,
-                suffix: str = "") -> Iterator[IO]:
-    """Open a temporary file beside ``path`` (``mode`` "w" or "wb"); when the block ends without an exception it is
-    fsync-ed and renamed onto ``path``. ``private``: mode 0600 (secrets, noise state)."""
+def atomic_file(
+    path: str | os.PathLike, mode: str = "wb", *, private: bool = False, suffix: str = ""
+) -> Iterator[IO]:
+    """Open a temporary file beside ``path`` (``mode`` "w" or "wb"); when the block ends without an
+    exception it is fsync-ed and renamed onto ``path``. ``private``: mode 0600 (secrets, noise
+    state)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=suffix)
@@ -55,9 +59,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 @contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a private (0700) temporary directory beside ``path``; when the block ends without an exception every
-    file in it is fsync-ed and the directory replaces ``path`` (an existing one is removed first). A failed block
-    removes the temporary directory."""
+    """Yield a private (0700) temporary directory beside ``path``; when the block ends without an
+    exception every file in it is fsync-ed and the directory replaces ``path`` (an existing one is
+    removed first). A failed block removes the temporary directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=TEMP_PREFIX))
@@ -103,9 +107,9 @@ def write_json(path: str | os.PathLike, obj, *, private: bool = False, **dumps) 
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
-    """(line number, value) of every non-blank line of a JSON-lines file (UTF-8; invalid bytes replaced so that the
-    JSON parser names the line). A line that is not JSON raises :class:`~corrflow.errors.DataFormatError` naming
-    ``file:line``."""
+    """(line number, value) of every non-blank line of a JSON-lines file (UTF-8; invalid bytes
+    replaced so that the JSON parser names the line). A line that is not JSON raises
+    :class:`~corrflow.errors.DataFormatError` naming ``file:line``."""
     from corrflow.errors import DataFormatError
 
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -115,5 +119,6 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
             try:
                 yield line_no, json.loads(text)
             except json.JSONDecodeError as exc:
-                raise DataFormatError(path, line_no, f"a JSON value ({exc.msg})", text.strip()[:80]) from None
-
+                raise DataFormatError(
+                    path, line_no, f"a JSON value ({exc.msg})", text.strip()[:80]
+                ) from None

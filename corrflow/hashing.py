@@ -1,6 +1,7 @@
-"""The one canonical form corrflow hashes and authenticates JSON in: ``json.dumps(obj, sort_keys=True)`` (default
-separators, non-JSON values as ``str``), UTF-8. Settings fingerprints, cache keys, release-journal entries and
-checkpoint manifests all go through it, so two writers can never disagree on the bytes behind one digest."""
+"""The one canonical form corrflow hashes and authenticates JSON in: ``json.dumps(obj,
+sort_keys=True)`` (default separators, non-JSON values as ``str``), UTF-8. Settings fingerprints,
+cache keys, release-journal entries and checkpoint manifests all go through it, so two writers can
+never disagree on the bytes behind one digest."""
 
 from __future__ import annotations
 

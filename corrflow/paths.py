@@ -1,5 +1,6 @@
-"""Where a run's files go. Everything a run writes lies inside its run directory; the only places shared between
-runs are under ``$CORRFLOW_HOME`` (default ``~/corrflow``): the plan cache and the release registry."""
+"""Where a run's files go. Everything a run writes lies inside its run directory; the only places
+shared between runs are under ``$CORRFLOW_HOME`` (default ``~/corrflow``): the plan cache and the
+release registry."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 log = logging.getLogger("corrflow")
 
-#: How a relative run directory is resolved: against the working directory (the Python API and the CLI, as Python
-#: users expect), or against $CORRFLOW_HOME (the ServerApp, which `flwr run` starts in the SuperLink's directory).
+#: How a relative run directory is resolved: against the working directory (the Python API and the
+# CLI, as Python : users expect), or against $CORRFLOW_HOME (the ServerApp, which `flwr run` starts
+# in the SuperLink's directory).
 RELATIVE_TO = ("cwd", "home")
 
 
@@ -20,8 +22,8 @@ def corrflow_home() -> Path:
 
 
 def run_directory(path: str | os.PathLike, relative_to: str = "cwd") -> Path:
-    """The absolute run directory for ``path`` (``~`` expanded; a relative path under the working directory or
-    under :func:`corrflow_home`, per ``relative_to``), logged."""
+    """The absolute run directory for ``path`` (``~`` expanded; a relative path under the working
+    directory or under :func:`corrflow_home`, per ``relative_to``), logged."""
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to must be one of {RELATIVE_TO}")
     p = Path(path).expanduser()
@@ -40,8 +42,8 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _probe_writable(directory: Path) -> OSError | None:
-    """Create and remove a temporary file in ``directory``: what an access check cannot tell (read-only mounts,
-    /proc, permissions under root)."""
+    """Create and remove a temporary file in ``directory``: what an access check cannot tell
+    (read-only mounts, /proc, permissions under root)."""
     import tempfile
 
     try:
@@ -53,8 +55,8 @@ def _probe_writable(directory: Path) -> OSError | None:
 
 
 def writable_directory(path: str | os.PathLike, flag: str) -> Path:
-    """``path`` as a directory corrflow may write (existing or creatable), checked without creating it; else
-    :class:`~corrflow.errors.InvalidArgumentError` naming ``flag``."""
+    """``path`` as a directory corrflow may write (existing or creatable), checked without creating
+    it; else :class:`~corrflow.errors.InvalidArgumentError` naming ``flag``."""
     from corrflow.errors import InvalidArgumentError
 
     p = Path(path).expanduser()
@@ -64,12 +66,15 @@ def writable_directory(path: str | os.PathLike, flag: str) -> Path:
     if not base.is_dir():
         raise InvalidArgumentError(flag, f"a directory path ({base} is a file)", str(p))
     if (exc := _probe_writable(base)) is not None:
-        raise InvalidArgumentError(flag, f"a writable directory ({base}: {exc.strerror or exc})", str(p))
+        raise InvalidArgumentError(
+            flag, f"a writable directory ({base}: {exc.strerror or exc})", str(p)
+        )
     return p
 
 
 def writable_file(path: str | os.PathLike, flag: str) -> Path:
-    """``path`` as a file corrflow may write (not a directory; its directory writable or creatable)."""
+    """``path`` as a file corrflow may write (not a directory; its directory writable or
+    creatable)."""
     from corrflow.errors import InvalidArgumentError
 
     p = Path(path).expanduser()

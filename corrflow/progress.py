@@ -1,4 +1,5 @@
-"""Progress reporting for long computations: a rich bar on stderr that appears only after one second."""
+"""Progress reporting for long computations: a rich bar on stderr that appears only after one
+second."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ ProgressCallback = Callable[[int, float], None]
 
 
 class Progress:
-    """Context manager yielding a :data:`ProgressCallback`; silent when ``quiet`` or for work under a second."""
+    """Context manager yielding a :data:`ProgressCallback`; silent when ``quiet`` or for work under
+    a second."""
 
-    def __init__(self, description: str, total: int | None = None, quiet: bool = False, delay: float = 1.0,
-                 unit: str | None = None):
+    def __init__(
+        self,
+        description: str,
+        total: int | None = None,
+        quiet: bool = False,
+        delay: float = 1.0,
+        unit: str | None = None,
+    ):
         self.description = description
-        self.unit = unit              # counting progress ("12000 users") instead of optimizer iterations
+        self.unit = unit  # counting progress ("12000 users") instead of optimizer iterations
         self.total = total
         self.quiet = quiet
         self.delay = delay
@@ -38,8 +46,14 @@ class Progress:
             from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                                     TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
             self._bar.start()
             self._task = self._bar.add_task(self.description, total=self.total, info="")
         info = f"{iteration} {self.unit}" if self.unit else f"iter {iteration}  loss {loss:.6g}"
@@ -51,12 +65,20 @@ class Progress:
 
 
 def round_line(metrics: dict, num_rounds: int) -> str:
-    """``round t/n  accepted a/c  rejected j (most frequent reason)  test-loss L  accuracy A  ε E`` (accuracy only
-    for tasks that have it; the reply counts only where the run publishes them, never in an amplified run)."""
+    """``round t/n  accepted a/c  rejected j (most frequent reason)  test-loss L  accuracy A  ε E``
+    (accuracy only for tasks that have it; the reply counts only where the run publishes them, never
+    in an amplified run)."""
     acc = f" accuracy {metrics['test_accuracy']:.4f}" if "test_accuracy" in metrics else ""
     loss = f" test-loss {metrics['test_loss']:.4f}" if "test_loss" in metrics else ""
     why = f" ({metrics['top_rejection']})" if metrics.get("top_rejection") else ""
-    counts = (f"  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g} rejected {metrics['rejected']}{why}"
-              if "accepted" in metrics else "")
-    return (f"round {metrics['round'] + 1:>4}/{num_rounds}{counts}{loss}{acc}  "
-            + (f"ε spent {metrics['epsilon']:.3f}" if metrics.get("epsilon") is not None else "non-private (no ε)"))
+    counts = (
+        f"  accepted {metrics['accepted']:>3}/{metrics['cohort']:<3g} rejected "
+        f"{metrics['rejected']}{why}"
+        if "accepted" in metrics
+        else ""
+    )
+    return f"round {metrics['round'] + 1:>4}/{num_rounds}{counts}{loss}{acc}  " + (
+        f"ε spent {metrics['epsilon']:.3f}"
+        if metrics.get("epsilon") is not None
+        else "non-private (no ε)"
+    )

@@ -1,18 +1,23 @@
-"""The identity probe's wire format, shared by the server (which sends it) and corrflow's client mod (which answers
-it): config keys, and how a node reports its stable id from its node config. Flower-free.
+"""The identity probe's wire format, shared by the server (which sends it) and corrflow's client mod
+(which answers it): config keys, and how a node reports its stable id from its node config.
+Flower-free.
 
-The server cannot tell from a node id who is behind it (simulated nodes and insecure SuperNodes get a new id and a
-new key on every launch), so an operator who declares ``identity = user-id`` or ``partition-id`` needs every
-ClientApp to report that value from its node config.
+The server cannot tell from a node id who is behind it (simulated nodes and insecure SuperNodes get
+a new id and a new key on every launch), so an operator who declares ``identity = user-id`` or
+``partition-id`` needs every ClientApp to report that value from its node config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-PROBE_ACTION = "corrflow_identity"        # the probe is a QUERY message of this action (query.corrflow_identity)
-PROBE_KEY = "corrflow.identity-probe"   # config key of a probe; its value is the identity source asked for
-REPLY_KEY = "corrflow.identity"         # reply record: {"value": id} or {"error": why}
+PROBE_ACTION = (
+    "corrflow_identity"  # the probe is a QUERY message of this action (query.corrflow_identity)
+)
+PROBE_KEY = (
+    "corrflow.identity-probe"  # config key of a probe; its value is the identity source asked for
+)
+REPLY_KEY = "corrflow.identity"  # reply record: {"value": id} or {"error": why}
 
 
 def node_identity(source: str, node_config: Mapping) -> tuple[str | None, str | None]:
@@ -25,7 +30,10 @@ def node_identity(source: str, node_config: Mapping) -> tuple[str | None, str | 
     if source == "user-id":
         value = node_config.get("user-id")
         if not isinstance(value, str) or not value.strip():
-            return None, "the node config has no non-empty string 'user-id' (start the SuperNode with " \
-                         "--node-config \"user-id='…'\")"
+            return (
+                None,
+                "the node config has no non-empty string 'user-id' (start the SuperNode with "
+                "--node-config \"user-id='…'\")",
+            )
         return f"user-{value.strip()}", None
     return None, f"identity source {source!r} is not reported by clients"

@@ -1,6 +1,6 @@
-"""Helper for test_blt: a BLT run (2 buffers) on the in-process server with a fixed noise key; with KILL_AFTER set,
-SIGKILL this process right after the checkpoint of that round (a crash, not a clean exit). Saves the final model to
-OUT/final.npy."""
+"""Helper for test_blt: a BLT run (2 buffers) on the in-process server with a fixed noise key; with
+KILL_AFTER set, SIGKILL this process right after the checkpoint of that round (a crash, not a clean
+exit). Saves the final model to OUT/final.npy."""
 
 import os
 import signal
@@ -15,8 +15,16 @@ from corrflow.server.inprocess import InProcessGrid
 
 out = sys.argv[1]
 kill_after = int(os.environ.get("KILL_AFTER", "-1"))
-cfg = RunConfig(num_users=12, num_rounds=16, epochs=2, kind="blt", buffers=2, noise_multiplier=0.7,
-                     model_dim=6, state_dir=out)
+cfg = RunConfig(
+    num_users=12,
+    num_rounds=16,
+    epochs=2,
+    kind="blt",
+    buffers=2,
+    noise_multiplier=0.7,
+    model_dim=6,
+    state_dir=out,
+)
 
 
 def on_round_end(strategy, metrics):
@@ -24,6 +32,11 @@ def on_round_end(strategy, metrics):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-s = run_server(InProcessGrid({"train": train}, 12), cfg, noise_key=bytes(range(16)),
-               quiet=True, on_round_end=on_round_end)
+s = run_server(
+    InProcessGrid({"train": train}, 12),
+    cfg,
+    noise_key=bytes(range(16)),
+    quiet=True,
+    on_round_end=on_round_end,
+)
 np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in s.params]))

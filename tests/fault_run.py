@@ -1,6 +1,6 @@
 """Helper for the fault-tolerance tests: run the in-process server on OUT (argv[1]) in this process.
-ROUND_DELAY (seconds) slows every training reply, and while the file HOLD names exists every reply waits, so that
-another process can act while the run is going."""
+ROUND_DELAY (seconds) slows every training reply, and while the file HOLD names exists every reply
+waits, so that another process can act while the run is going."""
 
 import os
 import sys
@@ -24,5 +24,7 @@ def slow_train(msg, ctx):
     return HANDLERS["train"](msg, ctx)
 
 
-cfg = RunConfig(num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6, state_dir=out)
+cfg = RunConfig(
+    num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6, state_dir=out
+)
 run_server(InProcessGrid({**HANDLERS, "train": slow_train}, 12), cfg, noise_key=KEY, quiet=True)

@@ -1,10 +1,11 @@
-"""ClientApps written the way Flower's quickstarts are — full weights back, `num-examples`, the user's own config
-keys — plus the one line corrflow asks of a user's app (`app = register_identity(ClientApp())`). Three apps share one
-ClientApp object only so that one Ray start serves every wrapper test; each handler is what a user would write.
+"""ClientApps written the way Flower's quickstarts are — full weights back, `num-examples`, the
+user's own config keys — plus the one line corrflow asks of a user's app (`app =
+register_identity(ClientApp())`). Three apps share one ClientApp object only so that one Ray start
+serves every wrapper test; each handler is what a user would write.
 
 * numpy: linear regression with float64 weights (`lr` from the train config);
-* torch-style: a named state dict (emulated with numpy) with an integer buffer `bn.num_batches_tracked`, FedProx's
-  `proximal-mu` used in the local objective;
+* torch-style: a named state dict (emulated with numpy) with an integer buffer
+  `bn.num_batches_tracked`, FedProx's `proximal-mu` used in the local objective;
 * keras: a small Dense model, `set_weights` / `fit` / `get_weights`.
 """
 
@@ -40,25 +41,34 @@ app = register_identity(ClientApp())
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     return {"numpy": numpy_train, "torch": torch_style_train, "keras": keras_train}[
-        str(msg.content["config"]["app"])](msg, context)
+        str(msg.content["config"]["app"])
+    ](msg, context)
 
 
 def numpy_train(msg: Message, context: Context) -> Message:
     w, b = msg.content["arrays"].to_numpy_ndarrays()
-    assert w.dtype == np.float64, w.dtype   # the dtype the app sent comes back
+    assert w.dtype == np.float64, w.dtype  # the dtype the app sent comes back
     lr = float(msg.content["config"]["lr"])
     X, y = regression_data(int(context.node_config["partition-id"]))
     for _ in range(5):
         r = X @ w + b - y
         w, b = w - lr * 2 * X.T @ r / len(y), b - lr * 2 * r.mean()
-    return Message(RecordDict({"arrays": ArrayRecord([w, b]),
-                               "metrics": MetricRecord({"train_loss": loss_of(w, float(b[0]), X, y),
-                                                        "num-examples": len(y)})}), reply_to=msg)
+    return Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord([w, b]),
+                "metrics": MetricRecord(
+                    {"train_loss": loss_of(w, float(b[0]), X, y), "num-examples": len(y)}
+                ),
+            }
+        ),
+        reply_to=msg,
+    )
 
 
 def torch_style_train(msg: Message, context: Context) -> Message:
     state = OrderedDict((k, v.numpy()) for k, v in msg.content["arrays"].items())
-    w, b = state["fc.weight"], state["fc.bias"]   # a KeyError here: the names were lost
+    w, b = state["fc.weight"], state["fc.bias"]  # a KeyError here: the names were lost
     mu = float(msg.content["config"]["proximal-mu"])
     lr = float(msg.content["config"]["lr"])
     X, y = regression_data(int(context.node_config["partition-id"]))
@@ -68,10 +78,20 @@ def torch_style_train(msg: Message, context: Context) -> Message:
         w = w - lr * (2 * (X.T @ r)[None, :] / len(y) + mu * (w - w0))
         b = b - lr * (2 * r.mean() + mu * (b - b0))
     state["fc.weight"], state["fc.bias"] = w.astype(np.float32), b.astype(np.float32)
-    state["bn.num_batches_tracked"] = np.asarray(state["bn.num_batches_tracked"] + 5)   # the server keeps its own
-    return Message(RecordDict({"arrays": ArrayRecord(OrderedDict((k, Array(v)) for k, v in state.items())),
-                               "metrics": MetricRecord({"train_loss": loss_of(w[0], float(b[0]), X, y),
-                                                        "num-examples": len(y)})}), reply_to=msg)
+    state["bn.num_batches_tracked"] = np.asarray(
+        state["bn.num_batches_tracked"] + 5
+    )  # the server keeps its own
+    return Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord(OrderedDict((k, Array(v)) for k, v in state.items())),
+                "metrics": MetricRecord(
+                    {"train_loss": loss_of(w[0], float(b[0]), X, y), "num-examples": len(y)}
+                ),
+            }
+        ),
+        reply_to=msg,
+    )
 
 
 def keras_model():
@@ -87,7 +107,17 @@ def keras_train(msg: Message, context: Context) -> Message:
     model = keras_model()
     model.set_weights(msg.content["arrays"].to_numpy_ndarrays())
     X, y = regression_data(int(context.node_config["partition-id"]))
-    history = model.fit(X, y, epochs=int(msg.content["config"]["local-epochs"]), batch_size=8, verbose=0)
-    return Message(RecordDict({"arrays": ArrayRecord(model.get_weights()),
-                               "metrics": MetricRecord({"train_loss": float(history.history["loss"][-1]),
-                                                        "num-examples": len(y)})}), reply_to=msg)
+    history = model.fit(
+        X, y, epochs=int(msg.content["config"]["local-epochs"]), batch_size=8, verbose=0
+    )
+    return Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord(model.get_weights()),
+                "metrics": MetricRecord(
+                    {"train_loss": float(history.history["loss"][-1]), "num-examples": len(y)}
+                ),
+            }
+        ),
+        reply_to=msg,
+    )

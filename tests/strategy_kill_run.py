@@ -1,6 +1,7 @@
-"""Helper for test_strategy: run the in-process server; with KILL_AFTER set, SIGKILL this process right after the
-checkpoint of that round (a crash, not a clean exit); with KILL_IN_RING set, SIGKILL it halfway through writing that
-round's row of the banded noise ring (a torn row, before the round's checkpoint is published)."""
+"""Helper for test_strategy: run the in-process server; with KILL_AFTER set, SIGKILL this process
+right after the checkpoint of that round (a crash, not a clean exit); with KILL_IN_RING set, SIGKILL
+it halfway through writing that round's row of the banded noise ring (a torn row, before the round's
+checkpoint is published)."""
 
 import os
 import signal
@@ -19,7 +20,9 @@ kill_in_ring = int(os.environ.get("KILL_IN_RING", "-1"))
 if kill_in_ring >= 0:
     real_pwrite, rows_written = os.pwrite, [0]
 
-    def torn_pwrite(fd, data, offset):   # one ring row per round: the round's row is write number `round`
+    def torn_pwrite(
+        fd, data, offset
+    ):  # one ring row per round: the round's row is write number `round`
         if rows_written[0] == kill_in_ring:
             real_pwrite(fd, bytes(data)[: len(data) // 2], offset)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -27,8 +30,9 @@ if kill_in_ring >= 0:
         return real_pwrite(fd, data, offset)
 
     os.pwrite = torn_pwrite
-cfg = RunConfig(num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6,
-                     state_dir=out)
+cfg = RunConfig(
+    num_users=12, num_rounds=8, epochs=2, noise_multiplier=0.7, model_dim=6, state_dir=out
+)
 
 
 def on_round_end(strategy, metrics):
@@ -36,6 +40,11 @@ def on_round_end(strategy, metrics):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-s = run_server(InProcessGrid({"train": train}, 12), cfg, noise_key=bytes(range(16)),
-               quiet=True, on_round_end=on_round_end)
+s = run_server(
+    InProcessGrid({"train": train}, 12),
+    cfg,
+    noise_key=bytes(range(16)),
+    quiet=True,
+    on_round_end=on_round_end,
+)
 np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in s.params]))

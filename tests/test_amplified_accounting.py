@@ -1,5 +1,6 @@
-"""Issue 21: amplified accounting users can count on — exact likelihoods for Poisson and balls-in-bins sampling of a
-banded encoder, adaptive Estimate-Verify-Release at the target δ, and the tightest verified bound by default."""
+"""Issue 21: amplified accounting users can count on — exact likelihoods for Poisson and
+balls-in-bins sampling of a banded encoder, adaptive Estimate-Verify-Release at the target δ, and
+the tightest verified bound by default."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _dense(band):
 
 
 def test_poisson_forward_algorithm_equals_brute_force():
-    # ln Σ_x p^|x|(1−p)^(n−|x|) N(Cx, σ²)/N(0, σ²)(y), over all 2^7 participation vectors, overlapping bands.
+    # ln Σ_x p^|x|(1−p)^(n−|x|) N(Cx, σ²)/N(0, σ²)(y), over all 2^7 participation vectors,
+    # overlapping bands.
     rng = np.random.default_rng(0)
     n, L, sigma, p = 7, 3, 0.9, 0.3
     band = np.abs(rng.normal(size=(n, L)))
@@ -47,9 +49,14 @@ def test_poisson_forward_algorithm_equals_brute_force():
         for x in itertools.product([0, 1], repeat=n):
             x = np.array(x, float)
             m = C @ x
-            terms.append(x.sum() * math.log(p) + (n - x.sum()) * math.log1p(-p) + (y[:, s] @ m - m @ m / 2) / sigma**2)
+            terms.append(
+                x.sum() * math.log(p)
+                + (n - x.sum()) * math.log1p(-p)
+                + (y[:, s] @ m - m @ m / 2) / sigma**2
+            )
         assert got[s] == pytest.approx(logsumexp(terms), abs=1e-10)
-    # One band: the closed form Σ_i ln(1 − p + p·e^{(2y_i c − c²)/(2σ²)}) (004 digest §6.2 last row).
+    # One band: the closed form Σ_i ln(1 − p + p·e^{(2y_i c − c²)/(2σ²)}) (004 digest §6.2 last
+    # row).
     c = 0.8
     closed = np.log1p(-p + p * np.exp((2 * y * c - c * c) / (2 * sigma**2))).sum(axis=0)
     assert poisson_banded_llr(y, np.full((n, 1), c), sigma, p) == pytest.approx(closed, abs=1e-10)
@@ -57,19 +64,23 @@ def test_poisson_forward_algorithm_equals_brute_force():
 
 def test_balls_in_bins_phase_enumeration():
     # 004 digest §6.2 (jaxp tests): T = 2, n = 4, σ = 1.
-    for y, c, want in [((1, 0, 1, 0), [1, 0], 0.4337808304830272), ((1, .5, 1, .5), [1, .5], 0.9052974004451105),
-                       ((1, 1, 1, 1), [1, 1, .5, .5], 1.5799760835798948)]:
+    for y, c, want in [
+        ((1, 0, 1, 0), [1, 0], 0.4337808304830272),
+        ((1, 0.5, 1, 0.5), [1, 0.5], 0.9052974004451105),
+        ((1, 1, 1, 1), [1, 1, 0.5, 0.5], 1.5799760835798948),
+    ]:
         band = np.tile(np.array(c, float), (4, 1))
         got = balls_in_bins_llr(np.array(y, float)[:, None], _dense(band), 1.0, 2)
         assert got[0] == pytest.approx(want, abs=1e-12)
     # bands ≤ T: equals warm b-min-sep with p = 1 and b = T (004 §1.6).
     rng = np.random.default_rng(1)
     band = np.abs(rng.normal(size=(9, 3)))
-    band[9 - 2:, 2] = 0
-    band[9 - 1:, 1:] = 0
+    band[9 - 2 :, 2] = 0
+    band[9 - 1 :, 1:] = 0
     y = rng.normal(size=(9, 4))
     assert balls_in_bins_llr(y, _dense(band), 0.7, 3) == pytest.approx(
-        log_likelihood_ratio(y, band, 0.7, 3, 1.0, warm=True), abs=1e-9)
+        log_likelihood_ratio(y, band, 0.7, 3, 1.0, warm=True), abs=1e-9
+    )
 
 
 def test_verify_threshold_is_the_chernoff_boundary():
@@ -77,7 +88,9 @@ def test_verify_threshold_is_the_chernoff_boundary():
         t = verify_threshold(s, share, dv)
         assert 0 < t < dv
         assert math.exp(-s * bernoulli_kl(t, dv)) == pytest.approx(share, rel=1e-6)
-    assert verify_threshold(1000, 1e-6, 1e-5) == 0.0       # even δ' = 0 cannot fail that rarely with 1000 samples
+    assert (
+        verify_threshold(1000, 1e-6, 1e-5) == 0.0
+    )  # even δ' = 0 cannot fail that rarely with 1000 samples
 
 
 def test_adaptive_evr_is_deterministic_and_seed_stable():
@@ -89,11 +102,15 @@ def test_adaptive_evr_is_deterministic_and_seed_stable():
     again = adaptive_evr(mc, 1.0, 1e-2, 1)
     assert again.epsilon == runs[0].epsilon and again.samples_drawn == runs[0].samples_drawn
     eps = [r.epsilon for r in runs]
-    assert max(eps) / min(eps) < 1.10     # issue 21: seeds within 10% (6% here at a few thousand samples)
+    assert (
+        max(eps) / min(eps) < 1.10
+    )  # issue 21: seeds within 10% (6% here at a few thousand samples)
     for r in runs:
         assert r.delta_verified + r.failure_budget == pytest.approx(1e-2)
         assert sum(a.failure_share for a in r.attempts) <= r.failure_budget
-        assert r.estimate < r.epsilon < r.estimate + 0.2   # the price of verifying at δ' ≈ 0.4·δ with z = 3
+        assert (
+            r.estimate < r.epsilon < r.estimate + 0.2
+        )  # the price of verifying at δ' ≈ 0.4·δ with z = 3
     # A wall clock may only abort: nothing is returned.
     ticks = iter(range(0, 10**6, 100))
     with pytest.raises(CorrflowError, match="nothing is released"):
@@ -101,15 +118,19 @@ def test_adaptive_evr_is_deterministic_and_seed_stable():
 
 
 def test_poisson_four_band_monte_carlo_beats_mmcc():
-    # Issue 21: a Poisson-sampled 4-band Toeplitz encoder gets a verified Monte Carlo ε below its MMCC ε, and the
-    # default accountant uses it and lists MMCC's.
+    # Issue 21: a Poisson-sampled 4-band Toeplitz encoder gets a verified Monte Carlo ε below its
+    # MMCC ε, and the default accountant uses it and lists MMCC's.
     fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4)
     spec = SamplingSpec("poisson", 1000, 100)
     res = account(fac, delta=1e-2, noise_multiplier=1.5, sampling=spec, seed=4)
     acc = res["accountant"]
     bounds = {b["accountant"]: b for b in acc["bounds"]}
     assert res["guarantee"] is True and res["delta"] == 1e-2
-    assert acc["selected"] == "monte-carlo" and bounds["monte-carlo"]["verified"] and bounds["mmcc"]["verified"]
+    assert (
+        acc["selected"] == "monte-carlo"
+        and bounds["monte-carlo"]["verified"]
+        and bounds["mmcc"]["verified"]
+    )
     assert res["epsilon"] == bounds["monte-carlo"]["epsilon"] < bounds["mmcc"]["epsilon"]
     assert "forward algorithm" in acc["likelihood"]
 
@@ -117,7 +138,15 @@ def test_poisson_four_band_monte_carlo_beats_mmcc():
 def test_budget_spent_falls_back_to_mmcc_by_name(capsys):
     fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4)
     spec = SamplingSpec("poisson", 1000, 100, accountant="monte-carlo")
-    res = account(fac, delta=1e-2, noise_multiplier=1.5, sampling=spec, seed=4, mc_samples=100, max_samples=300)
+    res = account(
+        fac,
+        delta=1e-2,
+        noise_multiplier=1.5,
+        sampling=spec,
+        seed=4,
+        mc_samples=100,
+        max_samples=300,
+    )
     acc = res["accountant"]
     assert res["guarantee"] is True and acc["name"] == "mmcc" and acc["released"] == "fallback"
     err = capsys.readouterr().err
@@ -133,28 +162,54 @@ def test_cli_account_names_its_own_flags(tmp_path):
     from corrflow.server.cli import account as account_command
     from corrflow.server.cli import app
 
-    path = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4).save(tmp_path / "f.npz")
-    flags = {"--" + p.replace("_", "-") for p in inspect.signature(account_command).parameters} | {"--json"}
-    for extra in (["--sampling", "poisson", "--accountant", "monte-carlo", "--dataset-size", "10",
-                   "--expected-batch-size", "10"],                      # p = 1: not a Poisson sampler
-                  ["--sampling", "bminsep", "--dataset-size", "100", "--expected-batch-size", "50"]):   # B > N/b
-        r = CliRunner().invoke(app, ["account", "--factorization", str(path), "--delta", "1e-3",
-                                     "--noise-multiplier", "1", *extra])
+    path = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4).save(
+        tmp_path / "f.npz"
+    )
+    flags = {"--" + p.replace("_", "-") for p in inspect.signature(account_command).parameters} | {
+        "--json"
+    }
+    for extra in (
+        [
+            "--sampling",
+            "poisson",
+            "--accountant",
+            "monte-carlo",
+            "--dataset-size",
+            "10",
+            "--expected-batch-size",
+            "10",
+        ],  # p = 1: not a Poisson sampler
+        ["--sampling", "bminsep", "--dataset-size", "100", "--expected-batch-size", "50"],
+    ):  # B > N/b
+        r = CliRunner().invoke(
+            app,
+            [
+                "account",
+                "--factorization",
+                str(path),
+                "--delta",
+                "1e-3",
+                "--noise-multiplier",
+                "1",
+                *extra,
+            ],
+        )
         assert r.exit_code == 2
         named = r.output.split("error: ")[1].split(":")[0]
         assert named in flags, r.output
 
 
-def test_a_calibration_no_monte_carlo_candidate_verifies_releases_the_unamplified_bound_it_holds_under():
-    """Balls-in-bins with more bands than the separation: the fallback sensitivity is k·max col (the triangle
-    inequality), not √k·max col, and when no Monte Carlo candidate below it verifies, the release is that exact
-    Gaussian bound, named as such — never a 'monte-carlo' label on an unverified σ."""
+def test_a_calibration_no_mc_candidate_verifies_releases_the_unamplified_bound_it_holds_under():
+    """Balls-in-bins with more bands than the separation: the fallback sensitivity is k·max col (the
+    triangle inequality), not √k·max col, and when no Monte Carlo candidate below it verifies, the
+    release is that exact Gaussian bound, named as such — never a 'monte-carlo' label on an
+    unverified σ."""
     import dp_accounting as dpa
 
     fac = factorize("banded", participation_for(16, 4, 4, kind="min-sep"), bands=8)
     spec = SamplingSpec("balls-in-bins", 100, 25, accountant="monte-carlo")
     res = account(fac, delta=1e-5, target_epsilon=2.0, sampling=spec, mc_samples=2000)
-    sens = 4 * float(fac.encoder.column_norms().max())   # k = ⌈16/4⌉ participations, bands 8 > b = 4
+    sens = 4 * float(fac.encoder.column_norms().max())  # k = ⌈16/4⌉ participations, bands 8 > b = 4
     assert res["accountant"]["name"] == "analytic-gaussian" and res["guarantee"] is True
     assert res["accountant"]["sensitivity"] == pytest.approx(sens)
     assert res["noise_multiplier"] == res["accountant"]["fallback_noise_multiplier"]
@@ -163,8 +218,9 @@ def test_a_calibration_no_monte_carlo_candidate_verifies_releases_the_unamplifie
 
 
 def test_no_accountant_named_and_no_monte_carlo_possible_calibrates_the_unamplified_bound():
-    """A sampler whose factorization Monte Carlo cannot analyse (bands > b) and a target ε: the tightest (only)
-    bound is the unamplified one, calibrated — not an error for want of candidates."""
+    """A sampler whose factorization Monte Carlo cannot analyse (bands > b) and a target ε: the
+    tightest (only) bound is the unamplified one, calibrated — not an error for want of
+    candidates."""
     fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=8)
     res = account(fac, delta=1e-5, target_epsilon=2.0, sampling=SamplingSpec("bminsep", 100, 25))
     assert res["accountant"]["selected"] == "unamplified" and res["guarantee"] is True

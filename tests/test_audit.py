@@ -1,7 +1,7 @@
-"""Empirical privacy auditing (`corrflow audit`): the statistics against published and independently computed
-values, the whitened estimator on a Gaussian toy where the true ε is known (the production correlated-noise
-engine, a momentum server optimizer), and end-to-end audits of correct runs and of mechanisms broken by patching
-the public noise API ``CorrelatedNoise.next`` in the test only."""
+"""Empirical privacy auditing (`corrflow audit`): the statistics against published and independently
+computed values, the whitened estimator on a Gaussian toy where the true ε is known (the production
+correlated-noise engine, a momentum server optimizer), and end-to-end audits of correct runs and of
+mechanisms broken by patching the public noise API ``CorrelatedNoise.next`` in the test only."""
 
 import json
 import math
@@ -22,9 +22,10 @@ from corrflow.strategies.server_optimizer import MomentumServerOptimizer
 DELTA = 1e-5
 
 
-# -- statistics -------------------------------------------------------------------------------------------------------
+# -- statistics ------------------------------------------------------------------------------------
 def test_gaussian_epsilon_matches_balle_wang_values():
-    # ε_G(1) and ε_G(0.5) at δ = 1e-5 (exact Gaussian mechanism, Balle & Wang 1805.06530), and a fitted ratio.
+    # ε_G(1) and ε_G(0.5) at δ = 1e-5 (exact Gaussian mechanism, Balle & Wang 1805.06530), and a
+    # fitted ratio.
     assert st.gaussian_epsilon(1.0, DELTA) == pytest.approx(4.3772, abs=1e-4)
     assert st.gaussian_epsilon(0.5, DELTA) == pytest.approx(1.9931, abs=1e-4)
     assert st.gaussian_epsilon(6.858863e-3 / 6.992453e-3, DELTA) == pytest.approx(4.2806, abs=1e-4)
@@ -32,35 +33,40 @@ def test_gaussian_epsilon_matches_balle_wang_values():
     mu = 0.7
     eps = st.gaussian_epsilon(mu, 1e-3)
     x = np.linspace(-12, 12, 400_001)
-    p, q = np.exp(-(x - mu) ** 2 / 2), np.exp(-x ** 2 / 2)
+    p, q = np.exp(-((x - mu) ** 2) / 2), np.exp(-(x**2) / 2)
     brute = np.sum(np.maximum(p - np.exp(eps) * q, 0)) * (x[1] - x[0]) / math.sqrt(2 * math.pi)
     assert brute == pytest.approx(1e-3, rel=1e-4)
     assert st.gaussian_epsilon(0.0, DELTA) == 0.0
 
 
-@pytest.mark.parametrize(("m", "r", "v", "delta", "expected"), [
-    (1000, 100, 100, 0.0, 3.492965),      # all correct: ln(q/(1−q)), q = 0.05^(1/100)
-    (1000, 100, 90, 1e-5, 1.626143),
-    (1000, 100, 90, 0.0, 1.630823),
-    (10000, 500, 400, 1e-6, 1.197969),
-    (2000, 200, 180, 1e-5, 1.793677),
-])
+@pytest.mark.parametrize(
+    ("m", "r", "v", "delta", "expected"),
+    [
+        (1000, 100, 100, 0.0, 3.492965),  # all correct: ln(q/(1−q)), q = 0.05^(1/100)
+        (1000, 100, 90, 1e-5, 1.626143),
+        (1000, 100, 90, 0.0, 1.630823),
+        (10000, 500, 400, 1e-6, 1.197969),
+        (2000, 200, 180, 1e-5, 1.793677),
+    ],
+)
 def test_one_run_bound_matches_jax_privacy_values(m, r, v, delta, expected):
-    """Steinke et al. 2305.08846 at 95%: values jax-privacy's `_epsilon_one_run` gives for these counts."""
+    """Steinke et al. 2305.08846 at 95%: values jax-privacy's `_epsilon_one_run` gives for these
+    counts."""
     assert st.one_run_epsilon(m, r, v, delta, 0.05) == pytest.approx(expected, abs=2e-6)
     q = 0.05 ** (1 / 100)
     assert st.one_run_epsilon(1000, 100, 100, 0.0) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
 
 
 def test_one_run_bound_cross_check_with_jax_privacy():
-    try:   # the `peer` extra; jax-privacy's package import needs jax and a matching optax
+    try:  # the `peer` extra; jax-privacy's package import needs jax and a matching optax
         from jax_privacy import auditing
     except Exception as exc:  # noqa: BLE001 - any import failure means the peer is not usable here
         pytest.skip(f"jax-privacy not importable: {exc}")
     for m, r, v, delta in ((1000, 100, 90, 1e-5), (2000, 200, 180, 1e-5)):
         for eps in (0.5, 1.0, 2.0):
             assert st.one_run_p_value(m, r, v, eps, delta) == pytest.approx(
-                auditing._one_run_p_value(m, r, v, eps, delta), rel=1e-6)
+                auditing._one_run_p_value(m, r, v, eps, delta), rel=1e-6
+            )
 
 
 def test_lower_bound_is_zero_without_signal_and_saturates_with_perfect_separation():
@@ -69,15 +75,21 @@ def test_lower_bound_is_zero_without_signal_and_saturates_with_perfect_separatio
     assert st.one_run_lower_bound(rng.standard_normal(200), inserted, DELTA).epsilon < 0.5
     separated = np.where(inserted, 10.0, 0.0) + 0.01 * rng.standard_normal(200)
     lb = st.one_run_lower_bound(separated, inserted, DELTA)
-    # Guesses are fixed in advance (100 "in", 100 "out"); the coins inserted about, not exactly, half.
-    assert lb.guesses_in + lb.guesses_out == 200 and lb.correct == 200 - abs(int(inserted.sum()) - 100)
-    assert 3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0   # "about ε 4 at 200 canaries"
+    # Guesses are fixed in advance (100 "in", 100 "out"); the coins inserted about, not exactly,
+    # half.
+    assert lb.guesses_in + lb.guesses_out == 200 and lb.correct == 200 - abs(
+        int(inserted.sum()) - 100
+    )
+    assert (
+        3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0
+    )  # "about ε 4 at 200 canaries"
 
 
-# -- the estimator under correlated noise: a Gaussian toy with a known ε ----------------------------------------------
+# -- the estimator under correlated noise: a Gaussian toy with a known ε ---------------------------
 def _toy(kind: str, sigma: float, seed: int, noise=None, candidates: int = 600, dim: int = 6000):
-    """The matrix mechanism in the clear: X̃ = ζ Σ_in u_j c_j + σζ (C⁻¹Z) from corrflow's noise engine, released
-    through a momentum server optimizer (D = M X̃). Inserted canaries all take the worst fixed-epoch pattern."""
+    """The matrix mechanism in the clear: X̃ = ζ Σ_in u_j c_j + σζ (C⁻¹Z) from corrflow's noise
+    engine, released through a momentum server optimizer (D = M X̃). Inserted canaries all take the
+    worst fixed-epoch pattern."""
     rounds, epochs = 8, 2
     fac = factorize(kind, participation_for(rounds, epochs), Workload.prefix())
     b = rounds // epochs
@@ -95,7 +107,9 @@ def _toy(kind: str, sigma: float, seed: int, noise=None, candidates: int = 600, 
     u = patterns[groups]
     dirs = np.stack([st.canary_direction(seed, j, dim) for j in range(candidates)])
     X = (u[inserted].T @ dirs[inserted]) + sigma * Z
-    M = optimizer_map(MomentumServerOptimizer(Workload.sgd_momentum(0.9, 0.25), rounds, 1.0), rounds)
+    M = optimizer_map(
+        MomentumServerOptimizer(Workload.sgd_momentum(0.9, 0.25), rounds, 1.0), rounds
+    )
     D = M @ X
     scores = st.whitened_scores(D, dirs @ D.T, u @ M.T)
     return scores, inserted, norms[worst], D, dirs
@@ -105,8 +119,8 @@ def _toy(kind: str, sigma: float, seed: int, noise=None, candidates: int = 600, 
 def test_whitened_estimate_recovers_the_true_epsilon_of_the_matrix_mechanism(kind):
     sigma = 1.0
     scores, inserted, worst, D, dirs = _toy(kind, sigma, seed=11)
-    assert worst == pytest.approx(1.0, abs=1e-6)        # the factorization's sensitivity is realised
-    truth = st.gaussian_epsilon(worst / sigma, DELTA)   # 4.377
+    assert worst == pytest.approx(1.0, abs=1e-6)  # the factorization's sensitivity is realised
+    truth = st.gaussian_epsilon(worst / sigma, DELTA)  # 4.377
     est = st.one_shot_estimate(scores[inserted], scores[~inserted], DELTA, resamples=200)
     assert abs(est.epsilon - truth) < 0.7, (est, truth)
     assert est.interval[0] < truth < est.interval[1]
@@ -118,7 +132,8 @@ def test_whitened_estimate_recovers_the_true_epsilon_of_the_matrix_mechanism(kin
 
 
 def test_whitened_estimate_sees_noise_reused_across_two_rounds():
-    """Noise repeated in rounds 0 and 1: the final-model cosine cannot see it; the whitened statistic does."""
+    """Noise repeated in rounds 0 and 1: the final-model cosine cannot see it; the whitened
+    statistic does."""
     fac = factorize("toeplitz", participation_for(8, 2), Workload.prefix())
     gen = CorrelatedNoise(fac, [(6000,)], 1.0, key=bytes(range(16)))
     first = []
@@ -135,11 +150,22 @@ def test_whitened_estimate_sees_noise_reused_across_two_rounds():
     assert st.gaussian_fit_epsilon(scores[inserted], DELTA) > 2 * truth
 
 
-# -- end to end: `corrflow audit` -------------------------------------------------------------------------------------
+# -- end to end: `corrflow audit` ------------------------------------------------------------------
 def _config(kind: str, out) -> RunConfig:
-    """The `tiny` preset's task at half the size (48 users, 8 rounds, each user in 2), claimed ε = 1."""
-    return RunConfig(num_users=48, num_rounds=8, epochs=2, kind=kind, target_epsilon=1.0, delta=DELTA,
-                     client="nextword", local_steps=1, seed=0, state_dir=str(out))
+    """The `tiny` preset's task at half the size (48 users, 8 rounds, each user in 2), claimed ε =
+    1."""
+    return RunConfig(
+        num_users=48,
+        num_rounds=8,
+        epochs=2,
+        kind=kind,
+        target_epsilon=1.0,
+        delta=DELTA,
+        client="nextword",
+        local_steps=1,
+        seed=0,
+        state_dir=str(out),
+    )
 
 
 def _audit(kind: str, out, **kw) -> dict:
@@ -156,7 +182,7 @@ def _break(monkeypatch, how: str) -> None:
             return [np.zeros_like(a) for a in out]
         if how == "scaled":
             return [a / np.float32(10) for a in out]
-        held.setdefault(0, [a.copy() for a in out])     # reuse: round 1 releases round 0's noise again
+        held.setdefault(0, [a.copy() for a in out])  # reuse: round 1 releases round 0's noise again
         return [a.copy() for a in held[0]] if round_index == 1 else out
 
     monkeypatch.setattr(CorrelatedNoise, "next", broken)
@@ -169,7 +195,7 @@ def test_correct_runs_audit_below_their_claim(kind, tmp_path):
     assert res["epsilon_lower"] <= res["epsilon_claimed"]
     assert res["epsilon_estimate_interval"][0] <= res["epsilon_claimed"]
     w = res["statistics"]["whitened"]
-    assert abs(w["null_mean"]) < 0.35 and 0.7 < w["null_std"] < 1.3      # the held-out null is N(0, 1)
+    assert abs(w["null_mean"]) < 0.35 and 0.7 < w["null_std"] < 1.3  # the held-out null is N(0, 1)
     assert res["canaries"]["inserted"] + res["canaries"]["held_out"] == 100
     assert res["run"]["rounds_completed"] == 8
     report = json.loads((tmp_path / kind / "privacy_report.json").read_text())
@@ -187,30 +213,63 @@ def test_broken_noise_gives_an_estimate_above_the_claim(how, tmp_path, monkeypat
 def _cli(tmp_path, name: str) -> tuple[int, dict, str]:
     from corrflow.server.cli import app
 
-    args = ["audit", "--canaries", "100", "--audit-seed", "3", "--users", "48", "--rounds", "8", "--epochs", "2",
-            "--client", "nextword", "--local-steps", "1", "--target-epsilon", "1", "--kind", "toeplitz", "--json",
-            "--out", str(tmp_path / name)]
+    args = [
+        "audit",
+        "--canaries",
+        "100",
+        "--audit-seed",
+        "3",
+        "--users",
+        "48",
+        "--rounds",
+        "8",
+        "--epochs",
+        "2",
+        "--client",
+        "nextword",
+        "--local-steps",
+        "1",
+        "--target-epsilon",
+        "1",
+        "--kind",
+        "toeplitz",
+        "--json",
+        "--out",
+        str(tmp_path / name),
+    ]
     res = CliRunner().invoke(app, args)
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     return res.exit_code, json.loads(lines[-1]) if lines else {}, res.output
 
 
 def test_cli_audit_of_the_default_mechanism(tmp_path, monkeypatch):
-    monkeypatch.setattr("corrflow.strategies.session.new_secret", lambda: bytes(16))   # a reproducible noise key
+    monkeypatch.setattr(
+        "corrflow.strategies.session.new_secret", lambda: bytes(16)
+    )  # a reproducible noise key
     code, res, output = _cli(tmp_path, "ok")
     assert code == 0, output
-    for key in ("epsilon_claimed", "delta", "epsilon_estimate", "epsilon_lower", "canaries", "statistics"):
+    for key in (
+        "epsilon_claimed",
+        "delta",
+        "epsilon_estimate",
+        "epsilon_lower",
+        "canaries",
+        "statistics",
+    ):
         assert key in res
     assert res["delta"] == DELTA and res["run"]["kind"] == "toeplitz"
     assert res["epsilon_lower"] <= res["epsilon_claimed"]
     assert (tmp_path / "ok" / "audit.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "ok" / "audit.json").read_text())["epsilon_lower"] == res["epsilon_lower"]
+    assert (
+        json.loads((tmp_path / "ok" / "audit.json").read_text())["epsilon_lower"]
+        == res["epsilon_lower"]
+    )
 
 
 def test_cli_audit_proves_omitted_noise(tmp_path, monkeypatch):
     _break(monkeypatch, "zeros")
     code, res, output = _cli(tmp_path, "zeros")
-    assert code == 4, output                                   # a violation at 95% confidence
+    assert code == 4, output  # a violation at 95% confidence
     assert res["epsilon_lower"] > res["epsilon_claimed"]
     assert res["epsilon_estimate"] > res["epsilon_claimed"]
     assert "VIOLATION" in res["verdict"]
@@ -219,16 +278,20 @@ def test_cli_audit_proves_omitted_noise(tmp_path, monkeypatch):
 def test_cli_audit_refuses_bad_arguments(tmp_path):
     from corrflow.server.cli import app
 
-    for args, flag in ((["--canaries", "4"], "--canaries"), (["--preset", "huge"], "--preset"),
-                       (["--canaries", "100", "--users", "0"], "--users")):
+    for args, flag in (
+        (["--canaries", "4"], "--canaries"),
+        (["--preset", "huge"], "--preset"),
+        (["--canaries", "100", "--users", "0"], "--users"),
+    ):
         res = CliRunner().invoke(app, ["audit", *args, "--out", str(tmp_path / "bad")])
         assert res.exit_code == 2, res.output
         assert flag in res.output
 
 
 def test_wrapper_audits_a_users_strategy_in_simulation(tmp_path, monkeypatch):
-    """DifferentialPrivacyCorrelatedNoise(..., canaries=N) around FedAvg on a simulation grid: canary SuperNodes
-    join the grid, the run is accounted with them, and the audit lands beside the privacy report."""
+    """DifferentialPrivacyCorrelatedNoise(..., canaries=N) around FedAvg on a simulation grid:
+    canary SuperNodes join the grid, the run is accounted with them, and the audit lands beside the
+    privacy report."""
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.serverapp.strategy import FedAvg
 
@@ -238,11 +301,24 @@ def test_wrapper_audits_a_users_strategy_in_simulation(tmp_path, monkeypatch):
 
     monkeypatch.setattr("corrflow.strategies.session.new_secret", lambda: bytes(16))
     task = get_task("nextword", seed=0)
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0, target_epsilon=1.0,
-                                                  delta=DELTA, epochs=2, kind="dpsgd", num_users=48,
-                                                  state_dir=str(tmp_path / "w"), canaries=100, audit_seed=3)
-    strategy.start(grid=InProcessGrid(task.handlers, 48), initial_arrays=ArrayRecord(task.initial_weights()),
-                   num_rounds=8, train_config=ConfigRecord({"local-lr": 2.0, "local-steps": 1, "seed": 0}))
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        target_epsilon=1.0,
+        delta=DELTA,
+        epochs=2,
+        kind="dpsgd",
+        num_users=48,
+        state_dir=str(tmp_path / "w"),
+        canaries=100,
+        audit_seed=3,
+    )
+    strategy.start(
+        grid=InProcessGrid(task.handlers, 48),
+        initial_arrays=ArrayRecord(task.initial_weights()),
+        num_rounds=8,
+        train_config=ConfigRecord({"local-lr": 2.0, "local-steps": 1, "seed": 0}),
+    )
     audit = strategy.audit
     assert audit["epsilon_claimed"] == pytest.approx(1.0, abs=0.01)
     assert audit["epsilon_lower"] <= audit["epsilon_claimed"]
@@ -263,22 +339,35 @@ def test_wrapper_canaries_refused_outside_simulation(tmp_path):
     from corrflow.server.inprocess import InProcessGrid
     from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 
-    class DeviceGrid(InProcessGrid):   # any grid that is not a simulation engine's: node-key identities
+    class DeviceGrid(
+        InProcessGrid
+    ):  # any grid that is not a simulation engine's: node-key identities
         pass
 
     task = get_task("nextword", seed=0)
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0, epochs=2,
-                                                  num_users=8, state_dir=str(tmp_path / "d"), canaries=40)
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        epochs=2,
+        num_users=8,
+        state_dir=str(tmp_path / "d"),
+        canaries=40,
+    )
     with pytest.raises(InvalidArgumentError, match="canaries"):
-        strategy.start(grid=DeviceGrid(task.handlers, 8), initial_arrays=ArrayRecord(task.initial_weights()),
-                       num_rounds=4)
+        strategy.start(
+            grid=DeviceGrid(task.handlers, 8),
+            initial_arrays=ArrayRecord(task.initial_weights()),
+            num_rounds=4,
+        )
 
 
 def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
-    """Cyclic-Poisson sampling with the amplified ε (001 Prop. 2.1): the cohorts are secret, so every canary is
-    scored over all rounds; a correct run stays below its (smaller) amplified claim."""
-    cfg = _config("toeplitz", tmp_path / "amp").replace(participation="cyclic-poisson", accountant="cyclic-poisson",
-                                                         min_sep=4)
+    """Cyclic-Poisson sampling with the amplified ε (001 Prop. 2.1): the cohorts are secret, so
+    every canary is scored over all rounds; a correct run stays below its (smaller) amplified
+    claim."""
+    cfg = _config("toeplitz", tmp_path / "amp").replace(
+        participation="cyclic-poisson", accountant="cyclic-poisson", min_sep=4
+    )
     res = run_audit(cfg, 100, audit_seed=3, noise_key=bytes(16), quiet=True, plot=False)
     assert res["run"]["participation"] == "cyclic-poisson"
     assert res["canaries"]["rounds"].startswith("every round")

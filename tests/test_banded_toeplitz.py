@@ -12,15 +12,24 @@ from corrflow.factorization.toeplitz import (
 from corrflow.factorization.workloads import Workload
 
 PREFIX = Workload.prefix()
-EXAMPLE_B1 = np.array([
-    [0.740, 0, 0, 0, 0, 0, 0, 0, 0], [0.500, 0.822, 0, 0, 0, 0, 0, 0, 0], [0.450, 0.492, 0.876, 0, 0, 0, 0, 0, 0],
-    [0, 0.286, 0.395, 0.821, 0, 0, 0, 0, 0], [0, 0, 0.278, 0.462, 0.855, 0, 0, 0, 0],
-    [0, 0, 0, 0.335, 0.442, 0.882, 0, 0, 0], [0, 0, 0, 0, 0.272, 0.403, 0.892, 0, 0],
-    [0, 0, 0, 0, 0, 0.243, 0.409, 0.936, 0], [0, 0, 0, 0, 0, 0, 0.194, 0.353, 1.000]])
+EXAMPLE_B1 = np.array(
+    [
+        [0.740, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0.500, 0.822, 0, 0, 0, 0, 0, 0, 0],
+        [0.450, 0.492, 0.876, 0, 0, 0, 0, 0, 0],
+        [0, 0.286, 0.395, 0.821, 0, 0, 0, 0, 0],
+        [0, 0, 0.278, 0.462, 0.855, 0, 0, 0, 0],
+        [0, 0, 0, 0.335, 0.442, 0.882, 0, 0, 0],
+        [0, 0, 0, 0, 0.272, 0.403, 0.892, 0, 0],
+        [0, 0, 0, 0, 0, 0.243, 0.409, 0.936, 0],
+        [0, 0, 0, 0, 0, 0, 0.194, 0.353, 1.000],
+    ]
+)
 
 
 def test_algorithm3_equals_dense():
-    # 001 digest §9.2: Θ uniform(0.1, 1) (12×4, seed 0), columns normalised over in-range entries → 1477.28844.
+    # 001 digest §9.2: Θ uniform(0.1, 1) (12×4, seed 0), columns normalised over in-range entries →
+    # 1477.28844.
     theta = np.random.default_rng(0).uniform(0.1, 1, size=(12, 4))
     band = normalize_columns(theta)
     loss, _ = banded_loss_and_grad(band, PREFIX)
@@ -56,8 +65,11 @@ def test_prop31_check_values():
     val, _ = loss(np.array([1, 0.5, 0.375]))
     assert val / 1.390625 == pytest.approx(15.365032196044922, rel=1e-13)
     enc = ToeplitzEncoder([1, 0.5, 0.375], 8)
-    np.testing.assert_allclose(enc.per_query_error(PREFIX),
-                               [1, 1.25, 1.390625, 1.78125, 2.080322, 2.322571, 2.623783, 2.916481], atol=1e-6)
+    np.testing.assert_allclose(
+        enc.per_query_error(PREFIX),
+        [1, 1.25, 1.390625, 1.78125, 2.080322, 2.322571, 2.623783, 2.916481],
+        atol=1e-6,
+    )
 
 
 def test_toeplitz_gradient_finite_difference():
@@ -70,8 +82,10 @@ def test_toeplitz_gradient_finite_difference():
         np.testing.assert_allclose(g, fd, rtol=1e-6)
 
 
-@pytest.mark.parametrize("n, bands, rmse", [(4096, 16, 11.88388), (16384, 64, 12.27842), (16384, 8, 32.28250),
-                                            (4096, 4, 22.82174)])
+@pytest.mark.parametrize(
+    "n, bands, rmse",
+    [(4096, 16, 11.88388), (16384, 64, 12.27842), (16384, 8, 32.28250), (4096, 4, 22.82174)],
+)
 def test_optimal_banded_toeplitz_rmse(n, bands, rmse):
     # 001 digest §9.4 (unit noise, ‖θ‖ = 1, no column normalisation).
     res = optimize_toeplitz(PREFIX, n, bands)
@@ -99,7 +113,8 @@ def test_one_over_i_plus_c_ratio():
 
 
 def test_taper_heuristic_check_values():
-    """001 App. H taper, digest §9.7: n = 2000, k = 5, θ optimised for b = 400, taper from b₀ = 200."""
+    """001 App. H taper, digest §9.7: n = 2000, k = 5, θ optimised for b = 400, taper from b₀ =
+    200."""
     from corrflow.factorization import factorize, participation_for
     from corrflow.factorization.sensitivity import toeplitz_min_sep_sensitivity
     from corrflow.factorization.toeplitz import taper_coefficients
@@ -108,14 +123,19 @@ def test_taper_heuristic_check_values():
     np.testing.assert_allclose(theta[:3], [0.53541, 0.27003, 0.20397], atol=2e-5)
     tapered = taper_coefficients(theta, 200)
     assert tapered.size == 399 and np.linalg.norm(tapered) == pytest.approx(1.0)
-    np.testing.assert_allclose(tapered[:199] / theta[:199], tapered[0] / theta[0])  # untouched below b₀
+    np.testing.assert_allclose(
+        tapered[:199] / theta[:199], tapered[0] / theta[0]
+    )  # untouched below b₀
 
     def rmse(coef, s):
         err = ToeplitzEncoder(coef, 2000).per_query_error(Workload.prefix()).sum()
         return np.sqrt(toeplitz_min_sep_sensitivity(coef, 2000, s, 5) ** 2 * err / 2000)
 
-    for s, plain, taper, ratio in [(200, 9.20244, 9.08831, 0.98760), (300, 8.66766, 8.36887, 0.96553),
-                                   (400, 7.84910, 8.06395, 1.02737)]:
+    for s, plain, taper, ratio in [
+        (200, 9.20244, 9.08831, 0.98760),
+        (300, 8.66766, 8.36887, 0.96553),
+        (400, 7.84910, 8.06395, 1.02737),
+    ]:
         assert rmse(theta, s) == pytest.approx(plain, abs=2e-5)
         assert rmse(tapered, s) == pytest.approx(taper, abs=2e-5)
         assert rmse(tapered, s) / rmse(theta, s) == pytest.approx(ratio, abs=2e-5)

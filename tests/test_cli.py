@@ -4,23 +4,52 @@ import sys
 
 import pytest
 
-REQUIRED = {"kind", "rounds", "epochs", "min_sep", "bands", "total_squared_error", "rmse", "max_error",
-            "sensitivity", "sensitivity_exact", "lower_bound", "seconds"}
+REQUIRED = {
+    "kind",
+    "rounds",
+    "epochs",
+    "min_sep",
+    "bands",
+    "total_squared_error",
+    "rmse",
+    "max_error",
+    "sensitivity",
+    "sensitivity_exact",
+    "lower_bound",
+    "seconds",
+}
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_factorize_json_and_describe(tmp_path):
     out = tmp_path / "f.npz"
-    r = run("factorize", "--kind", "dense", "--rounds", "6", "--epochs", "3", "--json", "--out", str(out))
+    r = run(
+        "factorize",
+        "--kind",
+        "dense",
+        "--rounds",
+        "6",
+        "--epochs",
+        "3",
+        "--json",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert REQUIRED <= set(obj)
     assert round(obj["total_squared_error"] ** 0.5, 3) == 6.461  # 000 Table 6
-    assert obj["sensitivity_exact"] is True and obj["lower_bound"] <= obj["total_squared_error"] * (1 + 1e-9)
+    assert obj["sensitivity_exact"] is True and obj["lower_bound"] <= obj["total_squared_error"] * (
+        1 + 1e-9
+    )
     r2 = run("factorize", "--describe", str(out), "--json")
     assert r2.returncode == 0, r2.stderr
     obj2 = json.loads(r2.stdout.strip().splitlines()[-1])
@@ -28,21 +57,45 @@ def test_factorize_json_and_describe(tmp_path):
 
 
 def test_factorize_momentum_toeplitz_min_sep():
-    r = run("factorize", "--kind", "toeplitz", "--rounds", "64", "--epochs", "4", "--min-sep", "8", "--bands", "8",
-            "--workload", "momentum", "--json", "--quiet")
+    r = run(
+        "factorize",
+        "--kind",
+        "toeplitz",
+        "--rounds",
+        "64",
+        "--epochs",
+        "4",
+        "--min-sep",
+        "8",
+        "--bands",
+        "8",
+        "--workload",
+        "momentum",
+        "--json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert obj["participation"] == "min-sep" and obj["bands"] == 8 and obj["sensitivity_exact"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--kind", "dense", "--rounds", "10", "--epochs", "3"], "epochs"),
-    (["--kind", "banded", "--rounds", "8", "--bands", "9"], "bands"),
-    (["--kind", "toeplitz", "--rounds", "8", "--min-sep", "0", "--participation", "min-sep"], "min-sep"),
-    (["--kind", "dense", "--rounds", "8", "--workload", "momentum", "--momentum", "nan"], "momentum"),
-    (["--kind", "magic", "--rounds", "8"], "kind"),
-    (["--rounds", "8"], "--kind"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--kind", "dense", "--rounds", "10", "--epochs", "3"], "epochs"),
+        (["--kind", "banded", "--rounds", "8", "--bands", "9"], "bands"),
+        (
+            ["--kind", "toeplitz", "--rounds", "8", "--min-sep", "0", "--participation", "min-sep"],
+            "min-sep",
+        ),
+        (
+            ["--kind", "dense", "--rounds", "8", "--workload", "momentum", "--momentum", "nan"],
+            "momentum",
+        ),
+        (["--kind", "magic", "--rounds", "8"], "kind"),
+        (["--rounds", "8"], "--kind"),
+    ],
+)
 def test_bad_arguments_exit_2(args, needle):
     r = run("factorize", *args, "--json")
     assert r.returncode == 2
@@ -53,36 +106,118 @@ def test_corrupted_or_truncated_file_is_a_bad_argument(tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
     r = run("factorize", "--describe", str(bad), "--json")
-    assert r.returncode == 2 and "--describe" in r.stderr and "not a readable factorization" in r.stderr
-    good = tmp_path / "t.fact"   # written under exactly the name given
-    assert run("factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--quiet", "--out",
-               str(good)).returncode == 0
+    assert (
+        r.returncode == 2
+        and "--describe" in r.stderr
+        and "not a readable factorization" in r.stderr
+    )
+    good = tmp_path / "t.fact"  # written under exactly the name given
+    assert (
+        run(
+            "factorize",
+            "--kind",
+            "toeplitz",
+            "--rounds",
+            "8",
+            "--epochs",
+            "2",
+            "--quiet",
+            "--out",
+            str(good),
+        ).returncode
+        == 0
+    )
     assert good.is_file() and not (tmp_path / "t.fact.npz").exists()
     (tmp_path / "cut.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    r = run("account", "--factorization", str(tmp_path / "cut.npz"), "--delta", "1e-5", "--noise-multiplier", "1")
+    r = run(
+        "account",
+        "--factorization",
+        str(tmp_path / "cut.npz"),
+        "--delta",
+        "1e-5",
+        "--noise-multiplier",
+        "1",
+    )
     assert r.returncode == 2 and "--factorization" in r.stderr
 
 
 def _bad_input_cases():
-    """(command line with {tmp} placeholders, the flag its error must name): inputs that once gave a traceback
-    (an unwritable output, a binary manifest) or were silently ignored, each refused before anything is written."""
-    plan = ["plan", "--rounds", "8", "--population", "20", "--cohort-size", "10", "--target-epsilon", "8",
-            "--delta", "1e-5", "--quiet"]
+    """(command line with {tmp} placeholders, the flag its error must name): inputs that once gave a
+    traceback (an unwritable output, a binary manifest) or were silently ignored, each refused
+    before anything is written."""
+    plan = [
+        "plan",
+        "--rounds",
+        "8",
+        "--population",
+        "20",
+        "--cohort-size",
+        "10",
+        "--target-epsilon",
+        "8",
+        "--delta",
+        "1e-5",
+        "--quiet",
+    ]
     sim = ["simulate", "--users", "10", "--rounds", "4", "--backend", "inprocess"]
     return [
         (plan + ["--out", "{tmp}/a_file"], "--out"),
         (plan + ["--out", "{tmp}/p", "--cache-dir", "{tmp}/a_file"], "--cache-dir"),
-        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--out", "/proc/corrflow.npz"],
-         "--out"),
-        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--out", "{tmp}/a_file/f.npz"],
-         "--out"),
-        (["factorize", "--kind", "toeplitz", "--rounds", "8", "--epochs", "2", "--workload", "momentum",
-          "--cooldown-fraction", "2"], "--cooldown-fraction"),
-        (["factorize", "--kind", "dense", "--rounds", "8", "--epochs", "2", "--tol", "nan"], "--tol"),
+        (
+            [
+                "factorize",
+                "--kind",
+                "toeplitz",
+                "--rounds",
+                "8",
+                "--epochs",
+                "2",
+                "--out",
+                "/proc/corrflow.npz",
+            ],
+            "--out",
+        ),
+        (
+            [
+                "factorize",
+                "--kind",
+                "toeplitz",
+                "--rounds",
+                "8",
+                "--epochs",
+                "2",
+                "--out",
+                "{tmp}/a_file/f.npz",
+            ],
+            "--out",
+        ),
+        (
+            [
+                "factorize",
+                "--kind",
+                "toeplitz",
+                "--rounds",
+                "8",
+                "--epochs",
+                "2",
+                "--workload",
+                "momentum",
+                "--cooldown-fraction",
+                "2",
+            ],
+            "--cooldown-fraction",
+        ),
+        (
+            ["factorize", "--kind", "dense", "--rounds", "8", "--epochs", "2", "--tol", "nan"],
+            "--tol",
+        ),
         (["factorize", "--kind", "dense", "--rounds", "10000000", "--epochs", "1"], "--rounds"),
         (["compare", "--preset", "tiny", "--out", "{tmp}/a_file"], "--out"),
         (sim + ["--out", "{tmp}/a_file"], "--out"),
-        (sim + ["--mode", "cross-silo", "--manifest", "{tmp}/manifest.png", "--out", "{tmp}/s"], "--manifest"),
+        (
+            sim + ["--mode", "cross-silo", "--manifest", "{tmp}/manifest.png", "--out", "{tmp}/s"],
+            "--manifest",
+        ),
     ]
 
 

@@ -1,8 +1,9 @@
-"""``corrflow compare --preset tiny --epsilons 2,8 --amplified``: every arm (non-private, both DP-SGD arms, banded
-Toeplitz fixed-epoch and amplified, the planner's recipe) shares data, initialisation and evaluation set; each
-private arm's ε, verified by its run at the target δ, is within the target and recomputed here without corrflow's
-accountants; the gap arithmetic and the planner's scores are right; the plots are valid PNGs; one seed reproduces
-its numbers except the noise."""
+"""``corrflow compare --preset tiny --epsilons 2,8 --amplified``: every arm (non-private, both
+DP-SGD arms, banded Toeplitz fixed-epoch and amplified, the planner's recipe) shares data,
+initialisation and evaluation set; each private arm's ε, verified by its run at the target δ, is
+within the target and recomputed here without corrflow's accountants; the gap arithmetic and the
+planner's scores are right; the plots are valid PNGs; one seed reproduces its numbers except the
+noise."""
 
 import json
 import math
@@ -36,9 +37,26 @@ def home(tmp_path_factory):
 def tiny(tmp_path_factory, home):
     out = tmp_path_factory.mktemp("compare")
     env = {**__import__("os").environ, "CORRFLOW_HOME": str(home)}
-    proc = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", "--epsilons",
-                           "8,2", "--amplified", "--out", str(out), "--json"], capture_output=True, text=True,
-                          timeout=900, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corrflow.server.cli",
+            "compare",
+            "--preset",
+            "tiny",
+            "--epsilons",
+            "8,2",
+            "--amplified",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), out, proc.stderr
 
@@ -46,44 +64,87 @@ def tiny(tmp_path_factory, home):
 def test_json_contract_and_shared_setup(tiny):
     result, out, _ = tiny
     p = PRESETS["tiny"]
-    assert {"epsilons", "plots", "preset", "delta", "rounds", "cohort", "seeds", "seconds", "cpu_seconds"} <= \
-        set(result)
-    assert (result["preset"], result["rounds"], result["cohort"], result["seeds"]) == ("tiny", p.rounds, p.cohort,
-                                                                                       p.seeds)
+    assert {
+        "epsilons",
+        "plots",
+        "preset",
+        "delta",
+        "rounds",
+        "cohort",
+        "seeds",
+        "seconds",
+        "cpu_seconds",
+    } <= set(result)
+    assert (result["preset"], result["rounds"], result["cohort"], result["seeds"]) == (
+        "tiny",
+        p.rounds,
+        p.cohort,
+        p.seeds,
+    )
     assert set(result["epsilons"]) == {"2", "8"} and result["unverified"] == []
     for entry in result["epsilons"].values():
         assert set(entry["arms"]) == ARMS and set(entry["gap_closed"]) == PRIVATE
         for arm in entry["arms"].values():
-            assert {"accuracy", "loss", "noise_multiplier", "accountant", "epsilon", "delta", "per_seed"} <= set(arm)
+            assert {
+                "accuracy",
+                "loss",
+                "noise_multiplier",
+                "accountant",
+                "epsilon",
+                "delta",
+                "per_seed",
+            } <= set(arm)
             assert len(arm["per_seed"]) == p.seeds
-            assert arm["accuracy"] == pytest.approx(np.mean([r["accuracy"] for r in arm["per_seed"]]))
+            assert arm["accuracy"] == pytest.approx(
+                np.mean([r["accuracy"] for r in arm["per_seed"]])
+            )
             assert arm["loss"] == pytest.approx(np.mean([r["loss"] for r in arm["per_seed"]]))
-            for r in arm["per_seed"]:   # each run's verdict is its own held-out loss against its initial model's
+            for r in arm[
+                "per_seed"
+            ]:  # each run's verdict is its own held-out loss against its initial model's
                 assert r["learned"] is (r["loss"] < r["initial_loss"])
-        # the samplers: DP-SGD with Poisson sampling in every round; amplified Toeplitz with its own b < P/B
+        # the samplers: DP-SGD with Poisson sampling in every round; amplified Toeplitz with its own
+        # b < P/B
         a = entry["arms"]
-        assert (a["dpsgd-poisson"]["participation"], a["dpsgd-poisson"]["min_sep"]) == ("cyclic-poisson", 1)
+        assert (a["dpsgd-poisson"]["participation"], a["dpsgd-poisson"]["min_sep"]) == (
+            "cyclic-poisson",
+            1,
+        )
         assert a["toeplitz-amplified"]["participation"] == "cyclic-poisson"
         assert 1 <= a["toeplitz-amplified"]["min_sep"] < p.users // p.cohort
-        assert (a["dpsgd"]["participation"], a["dpsgd"]["min_sep"]) == ("fixed-epoch", p.rounds // p.epochs)
+        assert (a["dpsgd"]["participation"], a["dpsgd"]["min_sep"]) == (
+            "fixed-epoch",
+            p.rounds // p.epochs,
+        )
         assert a["nonprivate"]["epsilon"] is None and a["nonprivate"]["noise_multiplier"] == 0
     for seed in range(p.seeds):
-        runs = [arm["per_seed"][seed] for e in result["epsilons"].values() for arm in e["arms"].values()]
-        # same data, same initial model, same evaluation set (so the same initial held-out metrics), every arm and ε
+        runs = [
+            arm["per_seed"][seed] for e in result["epsilons"].values() for arm in e["arms"].values()
+        ]
+        # same data, same initial model, same evaluation set (so the same initial held-out metrics),
+        # every arm and ε
         assert len({r["data_sha256"] for r in runs}) == 1
         assert len({r["init_sha256"] for r in runs}) == 1
         assert len({(r["initial_loss"], r["initial_accuracy"]) for r in runs}) == 1
     # the non-private arm trains once per seed and stands at every ε
-    assert result["epsilons"]["2"]["arms"]["nonprivate"] == result["epsilons"]["8"]["arms"]["nonprivate"]
+    assert (
+        result["epsilons"]["2"]["arms"]["nonprivate"]
+        == result["epsilons"]["8"]["arms"]["nonprivate"]
+    )
     saved = json.loads((out / "comparison.json").read_text())
     curve = saved["epsilons"]["8"]["arms"]["dpsgd"]["per_seed"][0]["curve"]
-    assert curve[0]["round"] == -1 and len(curve) == p.rounds + 1   # curves start at the initial model
+    assert (
+        curve[0]["round"] == -1 and len(curve) == p.rounds + 1
+    )  # curves start at the initial model
 
 
-def _independent(entry: dict, name: str, run_dir: Path, users: int, cohort: int, rounds: int, delta: float) -> float:
-    """ε of one run recomputed with dp-accounting from its factorization and realized participation: the Gaussian
-    of the realized sensitivity (fixed-epoch), or ⌈n/b⌉ compositions of the Poisson-subsampled Gaussian at
-    q = b·B/P and σ / max column norm (cyclic Poisson, b = 1: Poisson sampling; 001 Prop. 2.1)."""
+def _independent(
+    entry: dict, name: str, run_dir: Path, users: int, cohort: int, rounds: int, delta: float
+) -> float:
+    """ε of one run recomputed with dp-accounting from its factorization and realized participation:
+    the Gaussian of the realized sensitivity (fixed-epoch), or ⌈n/b⌉ compositions of the
+    Poisson-subsampled Gaussian at q = b·B/P and σ / max column norm (cyclic Poisson, b = 1: Poisson
+    sampling; 001 Prop. 2.1)."""
     arm = entry["arms"][name]
     fac = Factorization.load(run_dir / "factorization.npz")
     sigma = arm["per_seed"][0]["noise_multiplier"]
@@ -94,9 +155,12 @@ def _independent(entry: dict, name: str, run_dir: Path, users: int, cohort: int,
     b = arm["min_sep"]
     q = b * cohort / users
     col = float(np.linalg.norm(fac.encoder.matrix(), axis=0).max())
-    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma / col)),
-                                    math.ceil(rounds / b))
-    return dpa.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event).get_epsilon(delta)
+    event = dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma / col)), math.ceil(rounds / b)
+    )
+    return (
+        dpa.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event).get_epsilon(delta)
+    )
 
 
 def test_every_private_arm_spends_at_most_its_target_at_delta(tiny):
@@ -106,21 +170,31 @@ def test_every_private_arm_spends_at_most_its_target_at_delta(tiny):
         eps = float(key)
         for name in PRIVATE:
             arm = entry["arms"][name]
-            assert arm["verified"] and arm["delta"] <= p.delta and arm["epsilon"] <= eps * (1 + 1e-9), (key, name)
+            assert (
+                arm["verified"] and arm["delta"] <= p.delta and arm["epsilon"] <= eps * (1 + 1e-9)
+            ), (key, name)
             for r in arm["per_seed"]:
                 assert r["verified"] and r["epsilon"] <= eps * (1 + 1e-9) and r["delta"] <= p.delta
                 assert r["noise_multiplier"] > 0 and r["target_epsilon"] == eps
-            if arm["accountant"] == "mmcc":    # no independent implementation of MMCC here
+            if arm["accountant"] == "mmcc":  # no independent implementation of MMCC here
                 continue
-            again = _independent(entry, name, out / f"eps{key}" / "runs" / f"{name}-seed0", p.users, p.cohort,
-                                 p.rounds, p.delta)
+            again = _independent(
+                entry,
+                name,
+                out / f"eps{key}" / "runs" / f"{name}-seed0",
+                p.users,
+                p.cohort,
+                p.rounds,
+                p.delta,
+            )
             assert again == pytest.approx(arm["per_seed"][0]["epsilon"], rel=3e-3), (key, name)
             assert again <= eps * 1.003, (key, name)
-        # amplification buys noise: at the same ε, the Poisson-sampled DP-SGD adds less noise per round than the
-        # fixed-epoch DP-SGD (σ per unit sensitivity: √n·σ against √k·σ)
+        # amplification buys noise: at the same ε, the Poisson-sampled DP-SGD adds less noise per
+        # round than the fixed-epoch DP-SGD (σ per unit sensitivity: √n·σ against √k·σ)
         a = entry["arms"]
-        assert a["dpsgd-poisson"]["noise_multiplier"] * math.sqrt(p.rounds) < \
-            a["dpsgd"]["noise_multiplier"] * math.sqrt(p.epochs)
+        assert a["dpsgd-poisson"]["noise_multiplier"] * math.sqrt(p.rounds) < a["dpsgd"][
+            "noise_multiplier"
+        ] * math.sqrt(p.epochs)
 
 
 def test_gap_closed_and_planner_scores(tiny):
@@ -131,30 +205,45 @@ def test_gap_closed_and_planner_scores(tiny):
         assert entry["best_dpsgd"] == best
         for name in PRIVATE:
             assert entry["gap_closed"][name] == pytest.approx(
-                (a[name]["accuracy"] - a[best]["accuracy"]) / (a["nonprivate"]["accuracy"] - a[best]["accuracy"]))
+                (a[name]["accuracy"] - a[best]["accuracy"])
+                / (a["nonprivate"]["accuracy"] - a[best]["accuracy"])
+            )
         assert entry["gap_closed"][best] == pytest.approx(0.0)
         # the planner's own score (RMSE at the target ε) for its recipe is at most both DP-SGD arms'
         rmse = entry["planner"]["rmse"]
         assert rmse["plan"] <= min(rmse["dpsgd"], rmse["dpsgd-poisson"]) * (1 + 1e-12)
         assert a["plan"]["rmse"] == rmse["plan"]
-        # each run's own score (σ·√mean‖B_i‖² of the factorization it used) is the planner's for planned arms
+        # each run's own score (σ·√mean‖B_i‖² of the factorization it used) is the planner's for
+        # planned arms
         for name in ("dpsgd", "dpsgd-poisson", "toeplitz-amplified", "plan"):
             assert a[name]["per_seed"][0]["rmse"] == pytest.approx(rmse[name], rel=1e-9)
         assert a["toeplitz"]["rmse"] == a["toeplitz"]["per_seed"][0]["rmse"] > 0
-    assert "dpsgd-poisson" in stderr and "gap closed" in stderr and "ε = 2" in stderr   # the table, on stderr
+    assert (
+        "dpsgd-poisson" in stderr and "gap closed" in stderr and "ε = 2" in stderr
+    )  # the table, on stderr
 
 
 def _png_size(path) -> tuple[int, int]:
     with open(path, "rb") as f:
         data = f.read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.endswith(b"IEND\xaeB`\x82")
+    assert (
+        data[:8] == b"\x89PNG\r\n\x1a\n"
+        and data[12:16] == b"IHDR"
+        and data.endswith(b"IEND\xaeB`\x82")
+    )
     return struct.unpack(">II", data[16:24])
 
 
 def test_plots_are_valid_pngs(tiny):
     result, out, _ = tiny
-    expected = {"accuracy_vs_epsilon.png", "loss_vs_epsilon.png", "accuracy_eps2.png", "loss_eps2.png",
-                "accuracy_eps8.png", "loss_eps8.png"}
+    expected = {
+        "accuracy_vs_epsilon.png",
+        "loss_vs_epsilon.png",
+        "accuracy_eps2.png",
+        "loss_eps2.png",
+        "accuracy_eps8.png",
+        "loss_eps8.png",
+    }
     assert sorted(result["plots"]) == sorted(str(out / f) for f in expected)
     for path in result["plots"]:
         width, height = _png_size(path)
@@ -163,30 +252,40 @@ def test_plots_are_valid_pngs(tiny):
 
 def test_one_seed_reproduces_its_numbers_but_not_its_noise(tiny, tmp_path, home, monkeypatch):
     first, _, _ = tiny
-    monkeypatch.setenv("CORRFLOW_HOME", str(home))       # the module's plan cache: planning is a lookup
-    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path)    # ε: the preset's (8)
-    assert list(again["epsilons"]) == ["8"] and set(again["epsilons"]["8"]["arms"]) == ARMS - {"toeplitz-amplified"}
+    monkeypatch.setenv("CORRFLOW_HOME", str(home))  # the module's plan cache: planning is a lookup
+    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path)  # ε: the preset's (8)
+    assert list(again["epsilons"]) == ["8"] and set(again["epsilons"]["8"]["arms"]) == ARMS - {
+        "toeplitz-amplified"
+    }
     a, b = first["epsilons"]["8"]["arms"], again["epsilons"]["8"]["arms"]
     # no noise: bit for bit
-    assert (a["nonprivate"]["accuracy"], a["nonprivate"]["loss"]) == (b["nonprivate"]["accuracy"],
-                                                                      b["nonprivate"]["loss"])
+    assert (a["nonprivate"]["accuracy"], a["nonprivate"]["loss"]) == (
+        b["nonprivate"]["accuracy"],
+        b["nonprivate"]["loss"],
+    )
     for name in ("dpsgd", "dpsgd-poisson", "toeplitz", "plan"):
         x, y = a[name]["per_seed"][0], b[name]["per_seed"][0]
-        assert (x["data_sha256"], x["init_sha256"], x["initial_loss"], x["noise_multiplier"]) == \
-            (y["data_sha256"], y["init_sha256"], y["initial_loss"], y["noise_multiplier"])
-        assert x["loss"] != y["loss"]          # a fresh secret noise key per run, whatever the seed
+        assert (x["data_sha256"], x["init_sha256"], x["initial_loss"], x["noise_multiplier"]) == (
+            y["data_sha256"],
+            y["init_sha256"],
+            y["initial_loss"],
+            y["noise_multiplier"],
+        )
+        assert x["loss"] != y["loss"]  # a fresh secret noise key per run, whatever the seed
 
 
 def test_an_amplified_arm_needs_a_banded_kind(tmp_path, home, monkeypatch):
     monkeypatch.setenv("CORRFLOW_HOME", str(home))
     arms = plan_arms(PRESETS["tiny"], ["bifr"], 8.0, True, tmp_path, PlanCache(home / "cache"))
     assert [a.name for a in arms.arms] == ["dpsgd", "dpsgd-poisson", "bifr", "plan"]
-    assert arms.skipped[0]["arm"] == "bifr-amplified" and "cyclic-Poisson" in arms.skipped[0]["reason"]
+    assert (
+        arms.skipped[0]["arm"] == "bifr-amplified" and "cyclic-Poisson" in arms.skipped[0]["reason"]
+    )
 
 
 def test_gap_closed_and_bad_arguments(tmp_path):
     assert gap_closed(0.25, 0.1, 0.3) == pytest.approx(0.75)
-    assert gap_closed(4.0, 6.0, 3.5) == pytest.approx(0.8)          # loss: lower is better, same formula
+    assert gap_closed(4.0, 6.0, 3.5) == pytest.approx(0.8)  # loss: lower is better, same formula
     assert gap_closed(0.2, 0.1, 0.1) is None
     assert parse_epsilons("8,1, 2,8") == (1.0, 2.0, 8.0)
     for bad in ("", "1,x", "0,2", "inf", "-1"):
@@ -194,20 +293,32 @@ def test_gap_closed_and_bad_arguments(tmp_path):
             parse_epsilons(bad)
     with pytest.raises(InvalidArgumentError, match="kinds"):
         compare(PRESETS["tiny"], ["dpsgd"], tmp_path)
-    with pytest.raises(InvalidArgumentError, match="epochs"):           # every arm is checked before any trains
+    with pytest.raises(
+        InvalidArgumentError, match="epochs"
+    ):  # every arm is checked before any trains
         compare(replace(PRESETS["tiny"], epochs=3), ["toeplitz"], tmp_path / "z")
     assert not (tmp_path / "z").exists()
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", *args],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     proc = cli("--preset", "huge", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--preset" in proc.stderr
     proc = cli("--kinds", "toeplitz,foo", "--out", str(tmp_path / "y"))
     assert proc.returncode == 2 and "--kinds" in proc.stderr and "foo" in proc.stderr
-    assert not (tmp_path / "y").exists()                              # refused before anything was written
-    for args, flag in ((("--epsilon", "-1"), "--epsilon"), (("--epsilons", "2,-1"), "--epsilons"),
-                       (("--epsilons", "2,8", "--epsilon", "8"), "--epsilon")):
+    assert not (tmp_path / "y").exists()  # refused before anything was written
+    for args, flag in (
+        (("--epsilon", "-1"), "--epsilon"),
+        (("--epsilons", "2,-1"), "--epsilons"),
+        (("--epsilons", "2,8", "--epsilon", "8"), "--epsilon"),
+    ):
         proc = cli(*args, "--out", str(tmp_path / "w"))
-        assert proc.returncode == 2 and flag in proc.stderr and not (tmp_path / "w").exists(), (args, proc.stderr)
+        assert proc.returncode == 2 and flag in proc.stderr and not (tmp_path / "w").exists(), (
+            args,
+            proc.stderr,
+        )

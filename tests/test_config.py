@@ -1,6 +1,7 @@
-"""One settings model, four surfaces: `simulate`'s options, the ServerApp's run-config keys, the wrapper's keywords
-and the recipe agree with `corrflow.config.RunConfig` on names and defaults (each read from the surface itself,
-not from the model), and errors name the setting as each surface spells it."""
+"""One settings model, four surfaces: `simulate`'s options, the ServerApp's run-config keys, the
+wrapper's keywords and the recipe agree with `corrflow.config.RunConfig` on names and defaults (each
+read from the surface itself, not from the model), and errors name the setting as each surface
+spells it."""
 
 import inspect
 import tomllib
@@ -44,8 +45,12 @@ def test_cli_options_are_the_models_settings_with_its_defaults():
         assert flag in options, flag
         assert _plain(options[flag]) == _plain(surface_default(name, "cli")), flag
     own = {"--backend", "--fresh", "--verbose", "--json", "--plan", "--help"}
-    assert set(options) - own - {surface_name(n, "cli") for n in cli} == set()   # nothing declared twice
-    assert options["--users"] == 50 and options["--epochs"] == RunConfig.model_fields["epochs"].default
+    assert (
+        set(options) - own - {surface_name(n, "cli") for n in cli} == set()
+    )  # nothing declared twice
+    assert (
+        options["--users"] == 50 and options["--epochs"] == RunConfig.model_fields["epochs"].default
+    )
 
 
 def test_run_config_keys_and_the_shipped_tables_are_the_models():
@@ -54,7 +59,9 @@ def test_run_config_keys_and_the_shipped_tables_are_the_models():
         assert key == "corrflow." + name.replace("_", "-")
     for path in (ROOT / "pyproject.toml", ROOT / "deploy" / "app" / "pyproject.toml"):
         table = tomllib.loads(path.read_text())["tool"]["flwr"]["app"]["config"]["corrflow"]
-        cfg = from_run_config({f"corrflow.{k}": v for k, v in table.items()})   # every shipped key is known
+        cfg = from_run_config(
+            {f"corrflow.{k}": v for k, v in table.items()}
+        )  # every shipped key is known
         for key, value in table.items():
             assert getattr(cfg, key.replace("-", "_")) == value, (path, key)
 
@@ -64,14 +71,25 @@ def test_wrapper_keywords_and_defaults_come_from_the_model():
 
     params = inspect.signature(DifferentialPrivacyCorrelatedNoise.__init__).parameters
     wrapper = settings_on("wrapper")
-    own = {"self", "strategy", "plan", "fresh", "canaries", "audit_seed"}   # the wrapper's, not run settings
+    own = {
+        "self",
+        "strategy",
+        "plan",
+        "fresh",
+        "canaries",
+        "audit_seed",
+    }  # the wrapper's, not run settings
     assert {surface_name(n, "wrapper") for n in wrapper} | own == set(params)
     for name in wrapper:
-        assert _plain(params[surface_name(name, "wrapper")].default) == _plain(surface_default(name, "wrapper"))
-    assert surface_name("clip_norm", "wrapper") == "clipping_norm"   # Flower's DP wrappers' name
+        assert _plain(params[surface_name(name, "wrapper")].default) == _plain(
+            surface_default(name, "wrapper")
+        )
+    assert surface_name("clip_norm", "wrapper") == "clipping_norm"  # Flower's DP wrappers' name
     assert surface_name("server_lr", "wrapper") == "server_learning_rate"
     start = inspect.signature(DifferentialPrivacyCorrelatedNoise.start).parameters
-    assert start["num_rounds"].default is None and start["timeout"].default is None   # the settings' defaults
+    assert (
+        start["num_rounds"].default is None and start["timeout"].default is None
+    )  # the settings' defaults
 
 
 def test_recipe_fields_map_onto_settings():
@@ -86,12 +104,17 @@ def test_recipe_fields_map_onto_settings():
 
 def test_one_default_per_setting_and_the_task_dependent_ones_from_one_table():
     cfg = RunConfig()
-    assert (cfg.target_epsilon, cfg.noise_multiplier) == (8.0, None)        # ε = 8 when neither is given
-    assert RunConfig(noise_multiplier=1.0).target_epsilon is None           # σ given: no budget to calibrate for
+    assert (cfg.target_epsilon, cfg.noise_multiplier) == (8.0, None)  # ε = 8 when neither is given
+    assert (
+        RunConfig(noise_multiplier=1.0).target_epsilon is None
+    )  # σ given: no budget to calibrate for
     for client, defaults in TRAINING_DEFAULTS.items():
         got = RunConfig(client=client)
         assert {k: getattr(got, k) for k in defaults} == defaults
-    assert RunConfig(seed=7).schedule_seed == 7 and RunConfig(seed=7, schedule_seed=3).schedule_seed == 3
+    assert (
+        RunConfig(seed=7).schedule_seed == 7
+        and RunConfig(seed=7, schedule_seed=3).schedule_seed == 3
+    )
 
 
 def test_choices_are_enums_shared_by_the_layers():
@@ -100,17 +123,21 @@ def test_choices_are_enums_shared_by_the_layers():
 
     assert tuple(PARTICIPATIONS) == choices.values(choices.Participation)
     assert tuple(SAMPLINGS) == choices.values(choices.Sampling)
-    assert {str(k): tuple(map(str, v)) for k, v in ACCOUNTANTS_FOR.items()} == \
-        {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
+    assert {str(k): tuple(map(str, v)) for k, v in ACCOUNTANTS_FOR.items()} == {
+        k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()
+    }
     assert choices.accountants_for_participation("bminsep") == ("unamplified", "monte-carlo")
     assert choices.accountants_for_participation("poisson") == ("mmcc", "monte-carlo")
 
 
-@pytest.mark.parametrize("surface, values, name", [
-    ("run_config", {"corrflow.clip-norm": -1.0}, "corrflow.clip-norm"),
-    ("run_config", {"corrflow.epochs": True}, "corrflow.epochs"),
-    ("run_config", {"corrflow.kind": "nope"}, "corrflow.kind"),
-])
+@pytest.mark.parametrize(
+    "surface, values, name",
+    [
+        ("run_config", {"corrflow.clip-norm": -1.0}, "corrflow.clip-norm"),
+        ("run_config", {"corrflow.epochs": True}, "corrflow.epochs"),
+        ("run_config", {"corrflow.kind": "nope"}, "corrflow.kind"),
+    ],
+)
 def test_run_config_errors_name_the_key(surface, values, name):
     with pytest.raises(InvalidArgumentError) as err:
         from_run_config(values)
@@ -126,7 +153,9 @@ def test_wrapper_errors_name_the_keyword(tmp_path):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=-1.0, state_dir=tmp_path)
     assert err.value.field == "clipping_norm"
     with pytest.raises(InvalidArgumentError) as err:
-        DifferentialPrivacyCorrelatedNoise(FedAvg(), clip_norm=1.0, state_dir=tmp_path)   # the model's name
+        DifferentialPrivacyCorrelatedNoise(
+            FedAvg(), clip_norm=1.0, state_dir=tmp_path
+        )  # the model's name
     assert err.value.field == "clip_norm" and "clipping_norm" in err.value.expected
 
 
@@ -135,8 +164,14 @@ def test_cli_errors_name_the_flag(tmp_path):
 
     from corrflow.server.cli import app
 
-    for args, flag in ((["--clip-norm", "-1"], "--clip-norm"), (["--epochs", "3"], "--epochs"),
-                       (["--delta", "2"], "--delta"), (["--users", "0"], "--users")):
-        r = CliRunner().invoke(app, ["simulate", "--backend", "inprocess", "--out", str(tmp_path / "x"), *args])
+    for args, flag in (
+        (["--clip-norm", "-1"], "--clip-norm"),
+        (["--epochs", "3"], "--epochs"),
+        (["--delta", "2"], "--delta"),
+        (["--users", "0"], "--users"),
+    ):
+        r = CliRunner().invoke(
+            app, ["simulate", "--backend", "inprocess", "--out", str(tmp_path / "x"), *args]
+        )
         assert r.exit_code == 2 and f"{flag}:" in r.output, (args, r.output)
-    assert not (tmp_path / "x").exists()   # nothing written
+    assert not (tmp_path / "x").exists()  # nothing written

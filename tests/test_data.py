@@ -1,5 +1,5 @@
-"""Federated text datasets: real-format loaders (TFF SQLite, arXiv JSON lines), generators, vocabulary, stats,
-partitioning and the ``corrflow data`` CLI."""
+"""Federated text datasets: real-format loaders (TFF SQLite, arXiv JSON lines), generators,
+vocabulary, stats, partitioning and the ``corrflow data`` CLI."""
 
 import json
 import sqlite3
@@ -29,38 +29,68 @@ from corrflow.data.tfexample import ProtoError, decode_example, encode_example
 from corrflow.data.vocab import BOS, EOS, PAD, Vocabulary, build_vocabulary, count_words
 from corrflow.errors import DataFormatError, InvalidArgumentError
 
-# ---------------------------------------------------------------------------------------------- tf.train.Example
+# ----------------------------------------------------------------------------------------------
+# tf.train.Example
 
 
 def test_example_codec_round_trip_and_known_bytes():
-    feats = {"tokens": "how do i", "tags": b"python|numpy", "score": np.array([-3, 0, 300], np.int64),
-             "w": np.array([1.5, -2.0], np.float32), "empty": []}
+    feats = {
+        "tokens": "how do i",
+        "tags": b"python|numpy",
+        "score": np.array([-3, 0, 300], np.int64),
+        "w": np.array([1.5, -2.0], np.float32),
+        "empty": [],
+    }
     back = decode_example(encode_example(feats))
-    assert back["tokens"] == [b"how do i"] and back["tags"] == [b"python|numpy"] and back["empty"] == []
+    assert (
+        back["tokens"] == [b"how do i"]
+        and back["tags"] == [b"python|numpy"]
+        and back["empty"] == []
+    )
     np.testing.assert_array_equal(back["score"], [-3, 0, 300])
     np.testing.assert_array_equal(back["w"], [1.5, -2.0])
     # Hand-assembled wire bytes of Example{features{feature{key:"a" value{int64_list{value:[1]}}}}}
     entry = b"\x0a\x01a" + b"\x12\x05" + b"\x1a\x03\x0a\x01\x01"
-    assert encode_example({"a": np.array([1], np.int64)}) == b"\x0a" + bytes([len(entry) + 2]) + b"\x0a" + \
-        bytes([len(entry)]) + entry
+    assert (
+        encode_example({"a": np.array([1], np.int64)})
+        == b"\x0a" + bytes([len(entry) + 2]) + b"\x0a" + bytes([len(entry)]) + entry
+    )
     with pytest.raises(ProtoError):
         decode_example(encode_example(feats)[:-3])
 
 
 def test_example_codec_matches_tensorflow():
     tf = pytest.importorskip("tensorflow")
-    ex = tf.train.Example(features=tf.train.Features(feature={
-        "tokens": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"a b c"])),
-        "score": tf.train.Feature(int64_list=tf.train.Int64List(value=[7, -1])),
-        "f": tf.train.Feature(float_list=tf.train.FloatList(value=[0.25]))}))
+    ex = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "tokens": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"a b c"])),
+                "score": tf.train.Feature(int64_list=tf.train.Int64List(value=[7, -1])),
+                "f": tf.train.Feature(float_list=tf.train.FloatList(value=[0.25])),
+            }
+        )
+    )
     ours = decode_example(ex.SerializeToString())
-    assert ours["tokens"] == [b"a b c"] and ours["score"].tolist() == [7, -1] and ours["f"].tolist() == [0.25]
-    parsed = tf.train.Example.FromString(encode_example({"tokens": "a b c", "score": np.array([7, -1], np.int64),
-                                                         "f": np.array([0.25], np.float32)}))
+    assert (
+        ours["tokens"] == [b"a b c"]
+        and ours["score"].tolist() == [7, -1]
+        and ours["f"].tolist() == [0.25]
+    )
+    parsed = tf.train.Example.FromString(
+        encode_example(
+            {
+                "tokens": "a b c",
+                "score": np.array([7, -1], np.int64),
+                "f": np.array([0.25], np.float32),
+            }
+        )
+    )
     assert parsed == ex
 
 
-# ---------------------------------------------------------------------------------------------- StackOverflow
+# ----------------------------------------------------------------------------------------------
+# StackOverflow
+
 
 def _tiny_tff_sqlite(path, extra_rows=()):
     """Hand-written file in TFF's schema (as tff.simulation.datasets.stackoverflow ships it)."""
@@ -70,16 +100,37 @@ def _tiny_tff_sqlite(path, extra_rows=()):
                                serialized_example_proto BLOB NOT NULL);
         CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT NOT NULL,
                                       num_examples INTEGER NOT NULL);""")
-    rows = [("train", "00000001", Post("how do i sort a list", "sorting", ("python", "list"), "question", 3,
-                                       "2010-01-01 00:00:00 UTC")),
-            ("train", "00000001", Post("use sorted", type="answer", score=5)),
-            ("train", "00000002", Post("the list is empty")),
-            ("heldout", "00000003", Post("sort the list")),
-            ("test", "00000001", Post("a later post"))]
-    db.executemany("INSERT INTO examples VALUES (?, ?, ?)", [(s, c, p.to_proto()) for s, c, p in rows])
+    rows = [
+        (
+            "train",
+            "00000001",
+            Post(
+                "how do i sort a list",
+                "sorting",
+                ("python", "list"),
+                "question",
+                3,
+                "2010-01-01 00:00:00 UTC",
+            ),
+        ),
+        ("train", "00000001", Post("use sorted", type="answer", score=5)),
+        ("train", "00000002", Post("the list is empty")),
+        ("heldout", "00000003", Post("sort the list")),
+        ("test", "00000001", Post("a later post")),
+    ]
+    db.executemany(
+        "INSERT INTO examples VALUES (?, ?, ?)", [(s, c, p.to_proto()) for s, c, p in rows]
+    )
     db.executemany("INSERT INTO examples VALUES (?, ?, ?)", list(extra_rows))
-    db.executemany("INSERT INTO client_metadata VALUES (?, ?, ?)", [
-        ("00000001", "train", 2), ("00000002", "train", 1), ("00000003", "heldout", 1), ("00000001", "test", 1)])
+    db.executemany(
+        "INSERT INTO client_metadata VALUES (?, ?, ?)",
+        [
+            ("00000001", "train", 2),
+            ("00000002", "train", 1),
+            ("00000003", "heldout", 1),
+            ("00000001", "test", 1),
+        ],
+    )
     db.commit()
     db.close()
     return rows
@@ -94,9 +145,15 @@ def test_tiny_handwritten_sqlite_loads(tmp_path):
         assert db.num_examples("train") == {"00000001": 2, "00000002": 1}
         posts = db.client_posts("00000001", "train")
         assert posts == [rows[0][2], rows[1][2]]
-        assert posts[0].tags == ("python", "list") and posts[0].score == 3 and posts[0].type == "question"
+        assert (
+            posts[0].tags == ("python", "list")
+            and posts[0].score == 3
+            and posts[0].type == "question"
+        )
         assert [c for c, _ in db.iter_posts("train")] == ["00000001", "00000001", "00000002"]
-        with pytest.raises(DataFormatError, match=r"split one of \['heldout', 'test', 'train'\].*'validation'"):
+        with pytest.raises(
+            DataFormatError, match=r"split one of \['heldout', 'test', 'train'\].*'validation'"
+        ):
             db.client_ids("validation")
 
 
@@ -109,19 +166,34 @@ def test_sqlite_malformed_inputs(tmp_path):
     with pytest.raises(DataFormatError, match="missing.sqlite:table client_metadata"):
         StackOverflowSQLite(missing)
     db = sqlite3.connect(missing)
-    db.execute("CREATE TABLE client_metadata (client_id TEXT, split_name TEXT, num_examples INTEGER)")
+    db.execute(
+        "CREATE TABLE client_metadata (client_id TEXT, split_name TEXT, num_examples INTEGER)"
+    )
     db.commit()
     db.close()
-    with pytest.raises(DataFormatError, match=r"table examples.*missing \['serialized_example_proto'\]"):
+    with pytest.raises(
+        DataFormatError, match=r"table examples.*missing \['serialized_example_proto'\]"
+    ):
         StackOverflowSQLite(missing)
     (tmp_path / "text.sqlite").write_text("not a database at all, just text" * 10)
     with pytest.raises(DataFormatError, match="an SQLite database"):
         StackOverflowSQLite(tmp_path / "text.sqlite")
     bad = tmp_path / "bad.sqlite"
-    _tiny_tff_sqlite(bad, extra_rows=[("train", "00000002", b"\x0a\x05garbage"),
-                                      ("train", "00000002", encode_example({"title": "no tokens"}))])
-    with StackOverflowSQLite(bad) as db, pytest.raises(DataFormatError, match=r"bad.sqlite:examples row 6 "
-                                                                              r"\(client 00000002\)"):
+    _tiny_tff_sqlite(
+        bad,
+        extra_rows=[
+            ("train", "00000002", b"\x0a\x05garbage"),
+            ("train", "00000002", encode_example({"title": "no tokens"})),
+        ],
+    )
+    with (
+        StackOverflowSQLite(bad) as db,
+        pytest.raises(
+            DataFormatError,
+            match=r"bad.sqlite:examples row 6 "
+            r"\(client 00000002\)",
+        ),
+    ):
         db.client_posts("00000002")
     with StackOverflowSQLite(bad, on_error="skip") as db:
         assert len(db.client_posts("00000002")) == 1 and db.skipped == 2
@@ -137,9 +209,11 @@ def test_generated_stackoverflow_round_trip_and_shape(tmp_path):
         assert total == 400 and sum(c["clients"] for c in counts.values()) == 400
         cid = db.client_ids("train")[5]
         split, posts = synthetic_user(spec, int(cid))
-        assert split == "train" and db.client_posts(cid) == posts     # regenerable per user
+        assert split == "train" and db.client_posts(cid) == posts  # regenerable per user
     stats = dataset_stats(path)
-    assert stats["users"] == 400 and stats["examples"] == sum(c["examples"] for c in counts.values())
+    assert stats["users"] == 400 and stats["examples"] == sum(
+        c["examples"] for c in counts.values()
+    )
     # Pareto(α) posts per user with minimum m: median ≈ m·2^(1/α), P(X ≥ 10) ≈ (m/10)^α.
     per_user = stats["examples_per_user"]
     assert per_user["p0"] == spec.posts_min
@@ -150,8 +224,8 @@ def test_generated_stackoverflow_round_trip_and_shape(tmp_path):
     expected = (spec.posts_min / 10) ** spec.posts_alpha
     assert abs(tail - expected) < 4 * np.sqrt(expected * (1 - expected) / len(n))
     mean_len = stats["tokens"] / stats["examples"]
-    lognormal_mean = spec.tokens_median * np.exp(spec.tokens_sigma ** 2 / 2)
-    assert abs(mean_len / lognormal_mean - 1) < 0.03                        # log-normal mean = median·e^{σ²/2}
+    lognormal_mean = spec.tokens_median * np.exp(spec.tokens_sigma**2 / 2)
+    assert abs(mean_len / lognormal_mean - 1) < 0.03  # log-normal mean = median·e^{σ²/2}
     shares = np.array([c["clients"] for c in counts.values()]) / 400
     assert np.allclose(shares, spec.split_fractions, atol=0.06)
 
@@ -163,9 +237,11 @@ def test_generator_zipf_and_topic_skew():
     freq = np.array(sorted(counts.values(), reverse=True), dtype=float)
     ranks = np.arange(1, len(freq) + 1)
     slope = np.polyfit(np.log(ranks[5:300]), np.log(freq[5:300]), 1)[0]
-    assert -1.4 < slope < -0.7                                   # Zipf-like rank/frequency
-    # Per-user topic skew (Dirichlet mixtures): a user's tokens concentrate on one topic's words far more than
-    # with near-uniform mixtures (the control), where the ratio only reflects sampling noise.
+    assert -1.4 < slope < -0.7  # Zipf-like rank/frequency
+
+    # Per-user topic skew (Dirichlet mixtures): a user's tokens concentrate on one topic's words far
+    # more than with near-uniform mixtures (the control), where the ratio only reflects sampling
+    # noise.
     def concentration(alpha):
         spec = StackOverflowSpec(users=600, seed=1, topic_concentration=alpha)
         lex = spec.lexicon
@@ -184,16 +260,18 @@ def test_generator_zipf_and_topic_skew():
     assert concentration(spec.topic_concentration) > 1.4 * concentration(1000.0)
 
 
-# ---------------------------------------------------------------------------------------------- vocabulary
+# ----------------------------------------------------------------------------------------------
+# vocabulary
+
 
 def test_vocabulary_ids_sequences_and_file(tmp_path):
     counts = count_words(["b a a c", "a b d", "e"])
     v = build_vocabulary(counts, size=3, oov_buckets=2)
-    assert v.words == ["a", "b", "c"]              # by count, ties by word (c, d, e all 1)
+    assert v.words == ["a", "b", "c"]  # by count, ties by word (c, d, e all 1)
     assert v.first_word == 5 and v.num_tokens == 8
     seq = v.encode("a zz b", seq_len=5)
     assert seq.tolist() == [BOS, 5, v.lookup("zz"), 6, EOS, PAD] and 3 <= v.lookup("zz") < 5
-    assert v.encode("a a a a a a a", seq_len=4).tolist() == [BOS, 5, 5, 5, 5]   # truncated: no EOS
+    assert v.encode("a a a a a a a", seq_len=4).tolist() == [BOS, 5, 5, 5, 5]  # truncated: no EOS
     assert v.sequences(["a"] * 300, seq_len=4).shape == (256, 5)
     v.save(tmp_path / "v.txt")
     w = Vocabulary.load(tmp_path / "v.txt")
@@ -203,23 +281,54 @@ def test_vocabulary_ids_sequences_and_file(tmp_path):
         Vocabulary.load(tmp_path / "bad.txt")
 
 
-# ---------------------------------------------------------------------------------------------- arXiv
+# ----------------------------------------------------------------------------------------------
+# arXiv
 
 TINY_ARXIV = [
-    {"id": "0704.0001", "submitter": "Pavel Nadolsky",
-     "authors": "C. Bal\\'azs, E. L. Berger, P. M. Nadolsky, C.-P. Yuan",
-     "title": "Calculation of prompt diphoton production cross sections at Tevatron and\n  LHC energies",
-     "abstract": "  A fully differential calculation in perturbative quantum chromodynamics is presented.",
-     "categories": "hep-ph", "update_date": "2008-11-13",
-     "authors_parsed": [["Balázs", "C.", ""], ["Berger", "E. L.", ""], ["Nadolsky", "P. M.", ""],
-                        ["Yuan", "C. -P.", ""]]},
-    {"id": "0704.0002", "authors": "Ileana Streinu and Louis Theran", "title": "Sparsity-certifying Graph "
-     "Decompositions", "abstract": "We describe a new algorithm.", "categories": "math.CO cs.CG"},
-    {"id": "0704.0003", "authors": "Hongjun Pan", "title": "The evolution of the Earth-Moon system",
-     "abstract": "The evolution.", "categories": "physics.gen-ph",
-     "authors_parsed": [["Pan", "Hongjun", ""]]},
-    {"id": "0704.0004", "authors": "Louis Theran and C. Balazs", "title": "t", "abstract": "a",
-     "categories": "math.CO", "authors_parsed": [["Theran", "Louis", ""], ["Balazs", "C.", ""]]},
+    {
+        "id": "0704.0001",
+        "submitter": "Pavel Nadolsky",
+        "authors": "C. Bal\\'azs, E. L. Berger, P. M. Nadolsky, C.-P. Yuan",
+        "title": (
+            "Calculation of prompt diphoton production cross sections at Tevatron and\n"
+            "  LHC energies"
+        ),
+        "abstract": (
+            "  A fully differential calculation in perturbative quantum chromodynamics is "
+            "presented."
+        ),
+        "categories": "hep-ph",
+        "update_date": "2008-11-13",
+        "authors_parsed": [
+            ["Balázs", "C.", ""],
+            ["Berger", "E. L.", ""],
+            ["Nadolsky", "P. M.", ""],
+            ["Yuan", "C. -P.", ""],
+        ],
+    },
+    {
+        "id": "0704.0002",
+        "authors": "Ileana Streinu and Louis Theran",
+        "title": "Sparsity-certifying Graph Decompositions",
+        "abstract": "We describe a new algorithm.",
+        "categories": "math.CO cs.CG",
+    },
+    {
+        "id": "0704.0003",
+        "authors": "Hongjun Pan",
+        "title": "The evolution of the Earth-Moon system",
+        "abstract": "The evolution.",
+        "categories": "physics.gen-ph",
+        "authors_parsed": [["Pan", "Hongjun", ""]],
+    },
+    {
+        "id": "0704.0004",
+        "authors": "Louis Theran and C. Balazs",
+        "title": "t",
+        "abstract": "a",
+        "categories": "math.CO",
+        "authors_parsed": [["Theran", "Louis", ""], ["Balazs", "C.", ""]],
+    },
 ]
 
 
@@ -237,32 +346,52 @@ def test_tiny_arxiv_file_loads_and_builds_the_graph(tmp_path):
     papers = list(ArxivReader(path))
     assert [p.id for p in papers] == ["0704.0001", "0704.0002", "0704.0003", "0704.0004"]
     assert papers[0].authors == ("balazs|c", "berger|e l", "nadolsky|p m", "yuan|c p")
-    assert papers[1].authors == ("streinu|ileana", "theran|louis")           # from the free-text field
-    assert papers[0].title.endswith("at Tevatron and LHC energies") and papers[1].categories == ("math.CO", "cs.CG")
+    assert papers[1].authors == ("streinu|ileana", "theran|louis")  # from the free-text field
+    assert papers[0].title.endswith("at Tevatron and LHC energies") and papers[1].categories == (
+        "math.CO",
+        "cs.CG",
+    )
     g = arxiv_attribution(papers)
     assert g.num_items == 4 and g.num_users == 7
     per_user = dict(zip(g.user_ids, g.items_per_user(), strict=True))
-    assert per_user["balazs|c"] == 2 and per_user["theran|louis"] == 2   # same person across the two fields
+    assert (
+        per_user["balazs|c"] == 2 and per_user["theran|louis"] == 2
+    )  # same person across the two fields
     reader = ArxivReader(path, min_authors=2)
     assert len(list(reader)) == 3 and reader.filtered == 1
     assert normalize_author("Müller-Lüdenscheidt", "J.-P.", "Jr") == "muller ludenscheidt jr|j p"
     assert normalize_author("Smith", "John", key="initial") == "smith|j"
-    assert split_authors("A. B. Smith (MIT), C. Jones and D. Lee") == [("Smith", "A. B."), ("Jones", "C."),
-                                                                        ("Lee", "D.")]
+    assert split_authors("A. B. Smith (MIT), C. Jones and D. Lee") == [
+        ("Smith", "A. B."),
+        ("Jones", "C."),
+        ("Lee", "D."),
+    ]
 
 
 def test_arxiv_malformed_lines(tmp_path):
     path = tmp_path / "bad.jsonl"
-    _write_jsonl(path, TINY_ARXIV[:1], extra_lines=['{"id": "x", "authors": ', '', '["a list"]',
-                                                    '{"authors": "A B"}', '{"id": "y", "authors_parsed": [1]}',
-                                                    '{"id": "z", "title": "no authors"}'])
+    _write_jsonl(
+        path,
+        TINY_ARXIV[:1],
+        extra_lines=[
+            '{"id": "x", "authors": ',
+            "",
+            '["a list"]',
+            '{"authors": "A B"}',
+            '{"id": "y", "authors_parsed": [1]}',
+            '{"id": "z", "title": "no authors"}',
+        ],
+    )
     with pytest.raises(DataFormatError, match=r"bad.jsonl:2: expected a JSON object"):
         list(ArxivReader(path))
     reader = ArxivReader(path, on_error="skip")
     assert [p.id for p in reader] == ["0704.0001"] and reader.skipped == 5
-    for line, text, msg in [(1, '["a list"]', "a JSON object"), (1, '{"authors": "A B"}', "'id'"),
-                            (1, '{"id": "y", "authors_parsed": [1]}', "authors_parsed"),
-                            (1, '{"id": "z", "title": 3, "authors": "A B"}', "'title'")]:
+    for line, text, msg in [
+        (1, '["a list"]', "a JSON object"),
+        (1, '{"authors": "A B"}', "'id'"),
+        (1, '{"id": "y", "authors_parsed": [1]}', "authors_parsed"),
+        (1, '{"id": "z", "title": 3, "authors": "A B"}', "'title'"),
+    ]:
         (tmp_path / "one.jsonl").write_text(text + "\n")
         with pytest.raises(DataFormatError, match=f"one.jsonl:{line}: .*{msg}"):
             list(ArxivReader(tmp_path / "one.jsonl"))
@@ -279,20 +408,26 @@ def test_generated_arxiv_round_trip_and_shape(tmp_path):
     pmf = spec.team_size_pmf()
     observed = np.bincount(np.minimum(sizes, 8), minlength=9)[1:8] / len(sizes)
     se = np.sqrt(pmf[1:8] * (1 - pmf[1:8]) / len(sizes))
-    assert np.all(np.abs(observed - pmf[1:8]) < 5 * se + 1e-3)        # the team-size mixture, body
-    assert sizes.max() >= spec.big_collab_min                           # and its long tail
-    assert stats["examples_per_user"]["p50"] == 2                       # arXiv's median k_u = 2 (004 §3.5)
-    assert stats["examples_per_user"]["p100"] > 10 * stats["examples_per_user"]["p50"]   # prolific authors
+    assert np.all(np.abs(observed - pmf[1:8]) < 5 * se + 1e-3)  # the team-size mixture, body
+    assert sizes.max() >= spec.big_collab_min  # and its long tail
+    assert stats["examples_per_user"]["p50"] == 2  # arXiv's median k_u = 2 (004 §3.5)
+    assert (
+        stats["examples_per_user"]["p100"] > 10 * stats["examples_per_user"]["p50"]
+    )  # prolific authors
     assert stats["repeat_coauthorship_fraction"] > 0.2
     # Without repeat co-authorship, repeated pairs are rare.
     generate_arxiv(tmp_path / "norepeat.jsonl", ArxivSpec(users=3000, seed=2, repeat_p=0.0))
-    assert dataset_stats(tmp_path / "norepeat.jsonl")["repeat_coauthorship_fraction"] < \
-        0.5 * stats["repeat_coauthorship_fraction"]
+    assert (
+        dataset_stats(tmp_path / "norepeat.jsonl")["repeat_coauthorship_fraction"]
+        < 0.5 * stats["repeat_coauthorship_fraction"]
+    )
     generate_arxiv(tmp_path / "again.jsonl", spec)
-    assert path.read_bytes() == (tmp_path / "again.jsonl").read_bytes()                 # seeded
+    assert path.read_bytes() == (tmp_path / "again.jsonl").read_bytes()  # seeded
 
 
-# ---------------------------------------------------------------------------------------------- partitioning
+# ----------------------------------------------------------------------------------------------
+# partitioning
+
 
 def test_partition_manifest_and_node_config(tmp_path):
     from flwr.common.config import parse_config_args
@@ -300,18 +435,24 @@ def test_partition_manifest_and_node_config(tmp_path):
     so = tmp_path / "so.sqlite"
     _tiny_tff_sqlite(so)
     m = make_manifest(so)
-    assert m["num_partitions"] == 2 and [p["users"] for p in m["partitions"]] == [["00000001"], ["00000002"]]
+    assert m["num_partitions"] == 2 and [p["users"] for p in m["partitions"]] == [
+        ["00000001"],
+        ["00000002"],
+    ]
     cfg = parse_config_args([m["partitions"][1]["node_config"]])
     assert cfg == {"partition-id": 1, "num-partitions": 2, "data-path": str(so.resolve())}
-    assert parse_config_args([node_config(0, 1, tmp_path / 'a "quoted" dir' / "x.sqlite")])["data-path"] == \
-        str((tmp_path / 'a "quoted" dir' / "x.sqlite").resolve())
+    assert parse_config_args([node_config(0, 1, tmp_path / 'a "quoted" dir' / "x.sqlite")])[
+        "data-path"
+    ] == str((tmp_path / 'a "quoted" dir' / "x.sqlite").resolve())
     with pytest.raises(InvalidArgumentError, match="partitions"):
         make_manifest(so, partitions=5)
     ax = tmp_path / "a.jsonl"
     generate_arxiv(ax, ArxivSpec(users=300))
     m = make_manifest(ax, partitions=3)
     items = [i for p in m["partitions"] for i in p["items"]]
-    assert sorted(items) == sorted(p.id for p in ArxivReader(ax)) and all(p["items"] for p in m["partitions"])
+    assert sorted(items) == sorted(p.id for p in ArxivReader(ax)) and all(
+        p["items"] for p in m["partitions"]
+    )
     assert make_manifest(ax, partitions=3) == m
     write_manifest(m, tmp_path / "m.json")
     assert load_manifest(tmp_path / "m.json") == m
@@ -321,6 +462,7 @@ def test_partition_manifest_and_node_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- CLI
 
+
 def test_data_cli(tmp_path):
     from typer.testing import CliRunner
 
@@ -328,33 +470,79 @@ def test_data_cli(tmp_path):
 
     r = CliRunner()
     so, ax = tmp_path / "so.sqlite", tmp_path / "ax.jsonl"
-    res = r.invoke(app, ["data", "generate", "stackoverflow", "--users", "50", "--out", str(so), "--json"])
+    res = r.invoke(
+        app, ["data", "generate", "stackoverflow", "--users", "50", "--out", str(so), "--json"]
+    )
     assert res.exit_code == 0, res.output
     gen = json.loads(res.stdout.strip().splitlines()[-1])
-    stats = json.loads(r.invoke(app, ["data", "stats", str(so), "--json"]).stdout.strip().splitlines()[-1])
-    assert stats["users"] == 50 and stats["examples"] == sum(c["examples"] for c in gen["counts"].values())
+    stats = json.loads(
+        r.invoke(app, ["data", "stats", str(so), "--json"]).stdout.strip().splitlines()[-1]
+    )
+    assert stats["users"] == 50 and stats["examples"] == sum(
+        c["examples"] for c in gen["counts"].values()
+    )
     assert gen["peak_rss_mib"] > 0
-    res = r.invoke(app, ["data", "vocab", str(so), "--no-privacy", "--out", str(tmp_path / "v.txt"), "--size", "100",
-                         "--json"])
+    res = r.invoke(
+        app,
+        [
+            "data",
+            "vocab",
+            str(so),
+            "--no-privacy",
+            "--out",
+            str(tmp_path / "v.txt"),
+            "--size",
+            "100",
+            "--json",
+        ],
+    )
     assert json.loads(res.stdout.strip().splitlines()[-1])["words"] == 100
-    assert r.invoke(app, ["data", "generate", "arxiv", "--users", "40", "--out", str(ax)]).exit_code == 0
-    out = json.loads(r.invoke(app, ["data", "stats", str(ax), "--json"]).stdout.strip().splitlines()[-1])
+    assert (
+        r.invoke(app, ["data", "generate", "arxiv", "--users", "40", "--out", str(ax)]).exit_code
+        == 0
+    )
+    out = json.loads(
+        r.invoke(app, ["data", "stats", str(ax), "--json"]).stdout.strip().splitlines()[-1]
+    )
     assert out["users"] == 40 and set(out["users_per_example"]) >= {"p50", "p90", "p100"}
-    res = r.invoke(app, ["data", "partition", str(ax), "--partitions", "2", "--out", str(tmp_path / "m.json"),
-                         "--json"])
-    assert res.exit_code == 0 and json.loads(res.stdout.strip().splitlines()[-1])["num_partitions"] == 2
-    assert r.invoke(app, ["data", "generate", "reddit", "--users", "3", "--out", str(tmp_path / "x")]).exit_code == 2
+    res = r.invoke(
+        app,
+        [
+            "data",
+            "partition",
+            str(ax),
+            "--partitions",
+            "2",
+            "--out",
+            str(tmp_path / "m.json"),
+            "--json",
+        ],
+    )
+    assert (
+        res.exit_code == 0
+        and json.loads(res.stdout.strip().splitlines()[-1])["num_partitions"] == 2
+    )
+    assert (
+        r.invoke(
+            app, ["data", "generate", "reddit", "--users", "3", "--out", str(tmp_path / "x")]
+        ).exit_code
+        == 2
+    )
     (tmp_path / "bad.jsonl").write_text('{"id": \n')
     res = r.invoke(app, ["data", "stats", str(tmp_path / "bad.jsonl")])
     assert res.exit_code == 2 and "bad.jsonl:1" in res.output
 
 
-# ---------------------------------------------------------------------------------------------- n-gram structure
+# ----------------------------------------------------------------------------------------------
+# n-gram structure
 
-def _bigram_vs_unigram(train: list[list], test: list[list], min_count: int = 5) -> tuple[float, float]:
-    """Accuracy of count-based predictors of the next word: the most frequent successor of the previous word
-    (bigram) and the most frequent word (unigram), on test positions whose previous word was seen ≥ min_count
-    times in training (so the bigram row is estimated, not guessed)."""
+
+def _bigram_vs_unigram(
+    train: list[list], test: list[list], min_count: int = 5
+) -> tuple[float, float]:
+    """Accuracy of count-based predictors of the next word: the most frequent successor of the
+    previous word (bigram) and the most frequent word (unigram), on test positions whose previous
+    word was seen ≥ min_count times in training (so the bigram row is estimated, not guessed)."""
     from collections import Counter, defaultdict
 
     succ: dict = defaultdict(Counter)
@@ -376,16 +564,17 @@ def _bigram_vs_unigram(train: list[list], test: list[list], min_count: int = 5) 
 
 
 def test_stackoverflow_text_has_learnable_bigram_structure():
-    """Bigram counts beat the unigram baseline by at least half the generator's ceiling follow·w₁·(1 − topic-
-    specific rows) (0.29 at the defaults; the rest is lost to estimation noise on a 20k-word vocabulary)."""
+    """Bigram counts beat the unigram baseline by at least half the generator's ceiling follow·w₁·(1
+    − topic- specific rows) (0.29 at the defaults; the rest is lost to estimation noise on a
+    20k-word vocabulary)."""
     spec = StackOverflowSpec(users=400, seed=3)
     posts = [p.tokens.split() for i in range(400) for p in synthetic_user(spec, i)[1]]
-    bi, uni = _bigram_vs_unigram(posts[:len(posts) * 3 // 4], posts[len(posts) * 3 // 4:])
+    bi, uni = _bigram_vs_unigram(posts[: len(posts) * 3 // 4], posts[len(posts) * 3 // 4 :])
     assert bi - uni >= 0.5 * spec.lexicon.bigram_ceiling(), (bi, uni)
     # the control: without the Markov order (follow = 0) the bigram predictor has nothing to learn
     flat = StackOverflowSpec(users=400, seed=3, lexicon=Lexicon(follow=0.0))
     posts = [p.tokens.split() for i in range(400) for p in synthetic_user(flat, i)[1]]
-    bi0, uni0 = _bigram_vs_unigram(posts[:len(posts) * 3 // 4], posts[len(posts) * 3 // 4:])
+    bi0, uni0 = _bigram_vs_unigram(posts[: len(posts) * 3 // 4], posts[len(posts) * 3 // 4 :])
     assert bi0 - uni0 < 0.05, (bi0, uni0)
 
 
@@ -399,12 +588,19 @@ def test_arxiv_abstracts_have_learnable_bigram_structure(tmp_path):
 
 
 def test_in_memory_text_bigram_reaches_its_ceiling():
-    """The clients' in-memory text (text_synth): bigram counts reach most of follow·w₁·(1 − oov), far above the
-    unigram baseline; the topic-specific rows cost at most topic_specific of the ceiling."""
+    """The clients' in-memory text (text_synth): bigram counts reach most of follow·w₁·(1 − oov),
+    far above the unigram baseline; the topic-specific rows cost at most topic_specific of the
+    ceiling."""
     from corrflow.data.text_synth import SPECIAL, TextTask, bigram_ceiling, user_sentences
 
     task = TextTask(vocab=200)
-    seqs = [[int(w) for w in s if w >= SPECIAL] for u in range(1500) for s in user_sentences(task, u)]
-    bi, uni = _bigram_vs_unigram(seqs[:len(seqs) * 4 // 5], seqs[len(seqs) * 4 // 5:])
+    seqs = [
+        [int(w) for w in s if w >= SPECIAL] for u in range(1500) for s in user_sentences(task, u)
+    ]
+    bi, uni = _bigram_vs_unigram(seqs[: len(seqs) * 4 // 5], seqs[len(seqs) * 4 // 5 :])
     ceiling = bigram_ceiling(task)
-    assert bi >= (1 - task.topic_specific) * ceiling - 0.03 and uni < 0.1 * ceiling, (bi, uni, ceiling)
+    assert bi >= (1 - task.topic_specific) * ceiling - 0.03 and uni < 0.1 * ceiling, (
+        bi,
+        uni,
+        ceiling,
+    )

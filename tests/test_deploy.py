@@ -1,9 +1,10 @@
-"""The deploy/ kit: shell scripts pass shellcheck, the compose file validates against the Compose Specification,
-key fingerprints equal what Flower stores for a registered SuperNode, and the whole secure deployment runs on
-loopback (deploy/loopback.sh --drills): TLS + SuperNode authentication, three registered SuperNodes, three rounds,
-an unregistered SuperNode refused, a SuperNode restarted and a killed ServerApp resumed from its checkpoint; and the
-text client in deployment (deploy/loopback.sh --client nextword): each SuperNode trains on its own data file named
-in its node config, and the held-out loss falls."""
+"""The deploy/ kit: shell scripts pass shellcheck, the compose file validates against the Compose
+Specification, key fingerprints equal what Flower stores for a registered SuperNode, and the whole
+secure deployment runs on loopback (deploy/loopback.sh --drills): TLS + SuperNode authentication,
+three registered SuperNodes, three rounds, an unregistered SuperNode refused, a SuperNode restarted
+and a killed ServerApp resumed from its checkpoint; and the text client in deployment
+(deploy/loopback.sh --client nextword): each SuperNode trains on its own data file named in its node
+config, and the held-out loss falls."""
 
 from __future__ import annotations
 
@@ -40,45 +41,93 @@ def tool(name: str) -> str:
 def test_shell_scripts_pass_shellcheck():
     scripts = sorted(str(p) for p in DEPLOY.rglob("*.sh"))
     assert len(scripts) >= 4
-    res = subprocess.run([tool("shellcheck"), "--severity=style", *scripts], capture_output=True, text=True)
+    res = subprocess.run(
+        [tool("shellcheck"), "--severity=style", *scripts], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_compose_file_validates_against_the_compose_spec(tmp_path):
     compose = DEPLOY / "compose.yaml"
-    ok = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(compose)],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(compose)],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     # The validator rejects what the specification forbids (here an unknown service key).
     broken = tmp_path / "compose.yaml"
-    broken.write_text(compose.read_text().replace("services:\n", "services:\n  bad:\n    imagee: x\n", 1))
-    bad = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(broken)],
-                         capture_output=True, text=True)
+    broken.write_text(
+        compose.read_text().replace("services:\n", "services:\n  bad:\n    imagee: x\n", 1)
+    )
+    bad = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(broken)],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0
 
 
 def test_pki_makes_owner_only_files_keeps_keys_and_fingerprints_match_flower(tmp_path):
     out = tmp_path / "pki"
-    made = subprocess.run([str(DEPLOY / "pki.sh"), "--san", "IP:127.0.0.1", "--san", "DNS:link.example.org", str(out),
-                           "dev1", "dev2"], capture_output=True, text=True, check=True).stdout
-    for f in ["ca.key", "ca.crt", "superlink.key", "superlink.crt", "supernodes/dev1", "supernodes/dev1.pub"]:
+    made = subprocess.run(
+        [
+            str(DEPLOY / "pki.sh"),
+            "--san",
+            "IP:127.0.0.1",
+            "--san",
+            "DNS:link.example.org",
+            str(out),
+            "dev1",
+            "dev2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for f in [
+        "ca.key",
+        "ca.crt",
+        "superlink.key",
+        "superlink.crt",
+        "supernodes/dev1",
+        "supernodes/dev1.pub",
+    ]:
         assert stat.S_IMODE((out / f).stat().st_mode) == 0o600, f
-    san = subprocess.run(["openssl", "x509", "-in", str(out / "superlink.crt"), "-noout", "-ext", "subjectAltName"],
-                         capture_output=True, text=True, check=True).stdout
+    san = subprocess.run(
+        ["openssl", "x509", "-in", str(out / "superlink.crt"), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "IP Address:127.0.0.1" in san and "DNS:link.example.org" in san
-    subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "superlink.crt")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "superlink.crt")],
+        check=True,
+        capture_output=True,
+    )
     # Re-running keeps every existing key (a new SuperNode is added); --force replaces.
     before = (out / "supernodes/dev1").read_bytes()
-    again = subprocess.run([str(DEPLOY / "pki.sh"), str(out), "dev1", "dev3"], capture_output=True, text=True,
-                           check=True).stdout
+    again = subprocess.run(
+        [str(DEPLOY / "pki.sh"), str(out), "dev1", "dev3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert (out / "supernodes/dev1").read_bytes() == before and "kept" in again and "dev3" in again
-    subprocess.run([str(DEPLOY / "pki.sh"), "--force", str(out), "dev1"], capture_output=True, check=True)
+    subprocess.run(
+        [str(DEPLOY / "pki.sh"), "--force", str(out), "dev1"], capture_output=True, check=True
+    )
     assert (out / "supernodes/dev1").read_bytes() != before
-    # The identity the ServerApp derives: SHA-256 of the bytes `flwr supernode register` stores (PEM SPKI).
+    # The identity the ServerApp derives: SHA-256 of the bytes `flwr supernode register` stores (PEM
+    # SPKI).
     pubs = [out / "supernodes" / f"{n}.pub" for n in ("dev1", "dev2", "dev3")]
-    printed = subprocess.run([str(DEPLOY / "fingerprint.sh"), *map(str, pubs)], capture_output=True, text=True,
-                             check=True).stdout.splitlines()
+    printed = subprocess.run(
+        [str(DEPLOY / "fingerprint.sh"), *map(str, pubs)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     for pub, line in zip(pubs, printed, strict=True):
         stored = try_load_public_key(pub)
         assert stored.startswith(b"-----BEGIN PUBLIC KEY-----\n")
@@ -92,23 +141,32 @@ def test_deploy_app_config_is_a_valid_node_key_run_config():
     from corrflow.config import from_run_config
 
     app = tomllib.loads((DEPLOY / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert app["components"] == {"serverapp": "corrflow.server.app:app",
-                                 "clientapp": "corrflow.clients.dispatch:app"}
+    assert app["components"] == {
+        "serverapp": "corrflow.server.app:app",
+        "clientapp": "corrflow.clients.dispatch:app",
+    }
     from flwr.common.config import flatten_dict
 
-    cfg = from_run_config(flatten_dict(app["config"]))   # as Flower flattens the nested table
+    cfg = from_run_config(flatten_dict(app["config"]))  # as Flower flattens the nested table
     assert cfg.identity == "node-key" and Path(cfg.state_dir).is_absolute()
 
 
 def test_pki_rejects_bad_arguments(tmp_path):
-    res = subprocess.run([str(DEPLOY / "pki.sh"), "--san", "localhost", str(tmp_path)], capture_output=True, text=True)
+    res = subprocess.run(
+        [str(DEPLOY / "pki.sh"), "--san", "localhost", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and "--san" in res.stderr
-    res = subprocess.run([str(DEPLOY / "pki.sh"), str(tmp_path), "bad/name"], capture_output=True, text=True)
+    res = subprocess.run(
+        [str(DEPLOY / "pki.sh"), str(tmp_path), "bad/name"], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "bad/name" in res.stderr
 
 
 def _processes_using(path: Path) -> list[int]:
-    """Live processes whose environment names ``path`` (every Flower process of the run has FLWR_HOME there)."""
+    """Live processes whose environment names ``path`` (every Flower process of the run has
+    FLWR_HOME there)."""
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
@@ -121,11 +179,20 @@ def _processes_using(path: Path) -> list[int]:
 
 
 def _loopback(work: Path, *args: str, timeout: float = 540) -> dict:
-    """Run deploy/loopback.sh with ``args`` in ``work``; assert it succeeded, printed the report's path last and left
-    no process alive; return the privacy report."""
-    env = {**os.environ, "FLWR_BIN": str(BIN), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([str(DEPLOY / "loopback.sh"), "--workdir", str(work), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    """Run deploy/loopback.sh with ``args`` in ``work``; assert it succeeded, printed the report's
+    path last and left no process alive; return the privacy report."""
+    env = {
+        **os.environ,
+        "FLWR_BIN": str(BIN),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    proc = subprocess.Popen(
+        [str(DEPLOY / "loopback.sh"), "--workdir", str(work), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -140,8 +207,8 @@ def _loopback(work: Path, *args: str, timeout: float = 540) -> dict:
 
 
 def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:
-    """ε of the Gaussian mechanism at σ / sensitivity, the sensitivity recomputed from the stored encoder C for the
-    realised pattern (every user in every round): sens² = Σ_ij |(CᵀC)_ij|."""
+    """ε of the Gaussian mechanism at σ / sensitivity, the sensitivity recomputed from the stored
+    encoder C for the realised pattern (every user in every round): sens² = Σ_ij |(CᵀC)_ij|."""
     fac = Factorization.load(work / "server" / "factorization.npz")
     assert fac.sha256() == report["mechanism"]["factorization_sha256"]
     C = fac.encoder.matrix()
@@ -153,7 +220,8 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     work = tmp_path / "loopback"
     report = _loopback(work, "--rounds", "3", "--drills")
 
-    # Identities: the three registered keys' fingerprints, hashed with the checkpoint's salt, are the report's users.
+    # Identities: the three registered keys' fingerprints, hashed with the checkpoint's salt, are
+    # the report's users.
     registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
     assert [r[0] for r in registered] == ["sn1", "sn2", "sn3"]
     pubs = [work / "pki" / "supernodes" / f"{name}.pub" for name in ("sn1", "sn2", "sn3")]
@@ -174,31 +242,37 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     # The unregistered fourth SuperNode was refused (Flower error 2004) and never became a user.
     assert (work / "rogue.txt").read_text().split()[1] != "0"
     assert "2004" in (work / "logs" / "rogue.log").read_text()
-    rogue = "key-" + hashlib.sha256(try_load_public_key(work / "pki/supernodes/rogue.pub")).hexdigest()[:24]
+    rogue = (
+        "key-"
+        + hashlib.sha256(try_load_public_key(work / "pki/supernodes/rogue.pub")).hexdigest()[:24]
+    )
     assert hash_user_id(rogue, salt) not in users
 
-    # sn1 was restarted: the same node id before and after, the one assigned at registration; its ledger goes on.
+    # sn1 was restarted: the same node id before and after, the one assigned at registration; its
+    # ledger goes on.
     drills = dict(line.split() for line in (work / "drills.txt").read_text().splitlines())
     sn1_ids = re.findall(r"SuperNode ID: (\d+)", (work / "logs" / "sn1.log").read_text())
     assert len(sn1_ids) >= 2 and set(sn1_ids) == {registered[0][1]}
     assert users[hash_user_id(fingerprints[0], salt)]["rounds"] == [0, 1, 2]
 
-    # The ServerApp was killed after round k < 3 and the second run resumed there: the first k rounds' metrics are
-    # the checkpoint's, unchanged, and the ServerApp logged the resumption.
+    # The ServerApp was killed after round k < 3 and the second run resumed there: the first k
+    # rounds' metrics are the checkpoint's, unchanged, and the ServerApp logged the resumption.
     k = int(drills["killed-after-round"])
     assert 1 <= k < 3
-    def rounds(entries):   # metrics.json opens with the initial model's evaluation (round −1)
+
+    def rounds(entries):  # metrics.json opens with the initial model's evaluation (round −1)
         return [e for e in entries if e["round"] >= 0]
 
     at_kill = rounds(json.loads((work / "metrics-at-kill.json").read_text()))
     final = rounds(json.loads((work / "server" / "metrics.json").read_text()))
     assert len(final) == 3 and k - 1 <= len(at_kill) <= k
     for before, after in zip(at_kill, final, strict=False):
-        assert {key: after[key] for key in before if key in after} == {key: before[key] for key in after
-                                                                       if key in before}
+        assert {key: after[key] for key in before if key in after} == {
+            key: before[key] for key in after if key in before
+        }
         assert after["aggregation_seconds"] == before["aggregation_seconds"]
     second = (work / "logs" / f"serverapp-{drills['second-run']}.log").read_text()
-    assert f"resumed from round-{k:06d} at round {k + 1}" in second   # 1-based: the next round
+    assert f"resumed from round-{k:06d} at round {k + 1}" in second  # 1-based: the next round
 
 
 def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_file(tmp_path):
@@ -208,34 +282,54 @@ def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_
     report = _loopback(work, "--client", "nextword", "--rounds", "2", timeout=420)
     data, nodes, logs = work / "data", work / "nodes", work / "logs"
 
-    # The next-word model: its initial weights (W = 0, b = 0) predict uniformly over the vocabulary's tokens, so the
-    # held-out loss before training is exactly ln V — the numpy client's squared error would not be.
+    # The next-word model: its initial weights (W = 0, b = 0) predict uniformly over the
+    # vocabulary's tokens, so the held-out loss before training is exactly ln V — the numpy client's
+    # squared error would not be.
     vocab = Vocabulary.load(data / "vocab.txt")
     learning = report["learning"]
     assert learning["initial_test_loss"] == pytest.approx(np.log(vocab.num_tokens), rel=1e-9)
-    assert learning["learned"] is True and learning["final_test_loss"] < learning["initial_test_loss"]
+    assert (
+        learning["learned"] is True and learning["final_test_loss"] < learning["initial_test_loss"]
+    )
     assert report["rounds_completed"] == 2 and report["stopped_reason"] is None
 
-    # The vocabulary: the public word list, identified by its SHA-256, spends nothing; ε, δ and the clip norm are
-    # the drill's, and ε is the Gaussian mechanism's for every user in both rounds.
-    assert report["vocabulary"]["source"] == "public" and report["vocabulary"]["inside_guarantee"] is True
-    assert report["vocabulary"]["sha256"] == hashlib.sha256((data / "vocab.txt").read_bytes()).hexdigest()
+    # The vocabulary: the public word list, identified by its SHA-256, spends nothing; ε, δ and the
+    # clip norm are the drill's, and ε is the Gaussian mechanism's for every user in both rounds.
+    assert (
+        report["vocabulary"]["source"] == "public"
+        and report["vocabulary"]["inside_guarantee"] is True
+    )
+    assert (
+        report["vocabulary"]["sha256"]
+        == hashlib.sha256((data / "vocab.txt").read_bytes()).hexdigest()
+    )
     assert report["vocabulary"]["words"] == len(vocab.words)
     assert (report["target_epsilon"], report["delta"], report["clip_norm"]) == (32.0, 1e-5, 0.25)
-    assert report["realized"]["epsilon"] == pytest.approx(_gaussian_epsilon_every_round(work, report), rel=1e-6)
+    assert report["realized"]["epsilon"] == pytest.approx(
+        _gaussian_epsilon_every_round(work, report), rel=1e-6
+    )
     assert report["realized"]["epsilon"] <= 32.0
-    assert report["total"]["epsilon"] == report["realized"]["epsilon"] and report["total"]["delta"] == 1e-5
+    assert (
+        report["total"]["epsilon"] == report["realized"]["epsilon"]
+        and report["total"]["delta"] == 1e-5
+    )
     users = report["realized"]["participation"]["users"]
     assert len(users) == 3 and all(u["rounds"] == [0, 1] for u in users.values())
 
-    # Each SuperNode trained on its own copy named in its node config, not on the file the server sent.
+    # Each SuperNode trained on its own copy named in its node config, not on the file the server
+    # sent.
     manifest = json.loads((data / "manifest.json").read_text())
-    assert manifest["num_partitions"] == 3 and Path(manifest["path"]) == data / "stackoverflow.sqlite"
+    assert (
+        manifest["num_partitions"] == 3 and Path(manifest["path"]) == data / "stackoverflow.sqlite"
+    )
     for i in range(3):
         own = nodes / f"sn{i + 1}"
         log = (logs / f"sn{i + 1}.log").read_text()
-        assert (f"partition-id {i} trains on the SuperNode's own data file {own / 'stackoverflow.sqlite'} "
-                f"(node config data-path), vocabulary {own / 'vocab.txt'}") in log
+        assert (
+            f"partition-id {i} trains on the SuperNode's own data file "
+            f"{own / 'stackoverflow.sqlite'} "
+            f"(node config data-path), vocabulary {own / 'vocab.txt'}"
+        ) in log
         assert str(data / "stackoverflow.sqlite") not in log
         assert (own / "vocab.txt").read_bytes() == (data / "vocab.txt").read_bytes()
 
@@ -258,17 +352,21 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 180.0) -
 
     start = time.monotonic()
     while True:
-        assert proc.poll() is None, f"the process meant to listen on port {port} exited with {proc.returncode}"
+        assert proc.poll() is None, (
+            f"the process meant to listen on port {port} exited with {proc.returncode}"
+        )
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
-        assert time.monotonic() - start < timeout, f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s"
+        assert time.monotonic() - start < timeout, (
+            f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s"
+        )
         time.sleep(0.5)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM a process started in its own session (``ray start --block`` stops the Ray processes it started),
-    then SIGKILL its session and anything it left behind, by pid."""
+    """SIGTERM a process started in its own session (``ray start --block`` stops the Ray processes
+    it started), then SIGKILL its session and anything it left behind, by pid."""
     import signal
 
     children = _descendants(proc.pid)
@@ -287,7 +385,9 @@ def _descendants(root: int) -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(proc.name)] = int(
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, IndexError, ValueError):
                 continue
     found, frontier = [], [root]
@@ -307,7 +407,8 @@ from corrflow.config import RunConfig, from_run_config, unprefixed_keys
 address, out = sys.argv[1], sys.argv[2]
 cfg = RunConfig(num_users=3, num_rounds=2, epochs=2, target_epsilon=8.0, state_dir=out)
 task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len)
-run_simulation(server_app=make_server_app(cfg, out, quiet=True), client_app=task.client_app, num_supernodes=3,
+run_simulation(server_app=make_server_app(cfg, out, quiet=True), client_app=task.client_app,
+               num_supernodes=3,
                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                "init_args": {"address": address}})
 """
@@ -315,31 +416,75 @@ run_simulation(server_app=make_server_app(cfg, out, quiet=True), client_app=task
 
 @pytest.fixture
 def ray_cluster():
-    """A Ray head with no CPUs and a worker with two, on loopback, in their own sessions and temp directory (so no
-    other ray.init() on this machine finds them); yields the head's address; stopped by pid."""
+    """A Ray head with no CPUs and a worker with two, on loopback, in their own sessions and temp
+    directory (so no other ray.init() on this machine finds them); yields the head's address;
+    stopped by pid."""
     import tempfile
 
     ray = tool("ray")
-    temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's unix sockets live below it
+    temp = Path(
+        tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    )  # short: Ray's unix sockets live below it
     head_port, *ports = _free_ports(8)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    common = ["--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--include-log-monitor=false"]
-    head = [ray, "start", "--head", f"--port={head_port}", "--num-cpus=0", "--include-dashboard=false",
-            f"--temp-dir={temp}", f"--ray-client-server-port={ports[0]}", f"--dashboard-agent-listen-port={ports[1]}",
-            f"--dashboard-agent-grpc-port={ports[2]}", f"--metrics-export-port={ports[3]}", *common]
-    procs = [subprocess.Popen(head, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+    common = [
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        "--include-log-monitor=false",
+    ]
+    head = [
+        ray,
+        "start",
+        "--head",
+        f"--port={head_port}",
+        "--num-cpus=0",
+        "--include-dashboard=false",
+        f"--temp-dir={temp}",
+        f"--ray-client-server-port={ports[0]}",
+        f"--dashboard-agent-listen-port={ports[1]}",
+        f"--dashboard-agent-grpc-port={ports[2]}",
+        f"--metrics-export-port={ports[3]}",
+        *common,
+    ]
+    procs = [
+        subprocess.Popen(
+            head,
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     address = f"127.0.0.1:{head_port}"
     try:
-        procs.append(subprocess.Popen([ray, "start", f"--address={address}", "--num-cpus=2",
-                                       f"--dashboard-agent-listen-port={ports[4]}",
-                                       f"--dashboard-agent-grpc-port={ports[5]}", f"--metrics-export-port={ports[6]}",
-                                       *common], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    ray,
+                    "start",
+                    f"--address={address}",
+                    "--num-cpus=2",
+                    f"--dashboard-agent-listen-port={ports[4]}",
+                    f"--dashboard-agent-grpc-port={ports[5]}",
+                    f"--metrics-export-port={ports[6]}",
+                    *common,
+                ],
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         # Ray sizes Flower's actor pool when the run starts: wait until the worker has joined.
-        wait = subprocess.run([sys.executable, "-c", CLUSTER_WAIT, address], capture_output=True, text=True,
-                              timeout=300, env=env)
+        wait = subprocess.run(
+            [sys.executable, "-c", CLUSTER_WAIT, address],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert wait.returncode == 0, wait.stderr[-3000:]
         yield address, temp
     finally:
@@ -360,18 +505,23 @@ while ray.cluster_resources().get("CPU", 0) < 2:
 CLUSTER_CHECK = """
 import json, sys, ray
 ray.init(address=sys.argv[1])
-print(json.dumps({"alive_nodes": sum(n["Alive"] for n in ray.nodes()), "cpus": ray.cluster_resources().get("CPU")}))
+alive = sum(n["Alive"] for n in ray.nodes())
+print(json.dumps({"alive_nodes": alive, "cpus": ray.cluster_resources().get("CPU")}))
 """
 
 
 def _check_cluster_and_report(address: str, out: Path, rounds: int) -> None:
-    res = subprocess.run([sys.executable, "-c", CLUSTER_CHECK, address], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", CLUSTER_CHECK, address], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     # The head has no CPUs, so every ClientApp actor of the run ran on the worker.
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"alive_nodes": 2, "cpus": 2.0}
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["rounds_completed"] == rounds
-    assert [u["rounds"] for u in report["realized"]["participation"]["users"].values()] == [[0, 1]] * 3
+    assert [u["rounds"] for u in report["realized"]["participation"]["users"].values()] == [
+        [0, 1]
+    ] * 3
 
 
 @pytest.mark.slow
@@ -379,35 +529,78 @@ def test_run_simulation_on_an_existing_ray_cluster(ray_cluster):
     """The deprecated run_simulation passes backend init args to ray.init: ``init_args.address``."""
     address, temp = ray_cluster
     out = temp / "run"
-    res = subprocess.run([sys.executable, "-c", RAY_DRIVER, address, str(out)], capture_output=True, text=True,
-                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, timeout=480)
+    res = subprocess.run(
+        [sys.executable, "-c", RAY_DRIVER, address, str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        timeout=480,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_cluster_and_report(address, out, 2)
 
 
 @pytest.mark.slow
 def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
-    """`flwr run` reaches an existing cluster only through the simulation SuperLink's RAY_ADDRESS environment."""
+    """`flwr run` reaches an existing cluster only through the simulation SuperLink's RAY_ADDRESS
+    environment."""
     address, temp = ray_cluster
-    port, = _free_ports(1)
+    (port,) = _free_ports(1)
     home, cli, out = temp / "superlink-home", temp / "cli-home", temp / "flwr-run"
     cli.mkdir()
-    (cli / "config.toml").write_text(f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
-                                     'insecure = true\n')
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "FLWR_TELEMETRY_ENABLED": "0",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    link = subprocess.Popen([tool("flower-superlink"), "--insecure", "--simulation",
-                             "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port),
-                             "--database", str(temp / "superlink.db")],
-                            env={**env, "RAY_ADDRESS": address, "FLWR_HOME": str(home)}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (cli / "config.toml").write_text(
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
+        "insecure = true\n"
+    )
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    link = subprocess.Popen(
+        [
+            tool("flower-superlink"),
+            "--insecure",
+            "--simulation",
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database",
+            str(temp / "superlink.db"),
+        ],
+        env={**env, "RAY_ADDRESS": address, "FLWR_HOME": str(home)},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_listening(port, link)
-        run_config = (f'corrflow.num-users=3 corrflow.num-rounds=2 corrflow.epochs=2 corrflow.identity="partition-id" '
-                      f'corrflow.state-dir="{out}"')
-        res = subprocess.run([tool("flwr"), "run", ".", "sim", "--stream", "--run-config", run_config,
-                              "--federation-config", "num-supernodes=3"], cwd=DEPLOY / "app",
-                             env={**env, "FLWR_HOME": str(cli)}, capture_output=True, text=True, timeout=480)
+        run_config = (
+            "corrflow.num-users=3 corrflow.num-rounds=2 corrflow.epochs=2 "
+            'corrflow.identity="partition-id" '
+            f'corrflow.state-dir="{out}"'
+        )
+        res = subprocess.run(
+            [
+                tool("flwr"),
+                "run",
+                ".",
+                "sim",
+                "--stream",
+                "--run-config",
+                run_config,
+                "--federation-config",
+                "num-supernodes=3",
+            ],
+            cwd=DEPLOY / "app",
+            env={**env, "FLWR_HOME": str(cli)},
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     finally:
         _stop(link)

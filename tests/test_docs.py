@@ -1,16 +1,19 @@
-"""Docs that cannot rot: the documentation site builds with `mkdocs build --strict` (broken links, anchors and
-references fail; the CLI, run-config, schema and API reference pages are generated from the code), and every example
-in it runs.
+"""Docs that cannot rot: the documentation site builds with `mkdocs build --strict` (broken links,
+anchors and references fail; the CLI, run-config, schema and API reference pages are generated from
+the code), and every example in it runs.
 
-Snippet markers — an HTML comment on the line right before a fenced block (invisible in the rendered page):
+Snippet markers — an HTML comment on the line right before a fenced block (invisible in the rendered
+page):
 
-* Python blocks run unless marked ``<!-- doctest: skip REASON -->``; the blocks of one page run in order in one
-  namespace and one fresh working directory. ``<!-- doctest: run wrapper -->`` also drives the snippet's ServerApp
-  ``main`` over an in-process grid of 10 nodes answered by its ClientApp's ``train``, as a Flower engine would.
-* Shell blocks are syntax-checked (``bash -n``); ``<!-- doctest: run -->`` runs them (bash -euo pipefail, in the
-  page's directory, with ``corrflow`` on PATH); ``<!-- doctest: loopback -->`` checks them against
-  ``deploy/loopback.sh``, the deployment the suite really runs (same programs, same flags, node-config keys,
-  run-config keys that Flower parses and corrflow accepts) — a real deployment per snippet would take minutes.
+* Python blocks run unless marked ``<!-- doctest: skip REASON -->``; the blocks of one page run in
+  order in one namespace and one fresh working directory. ``<!-- doctest: run wrapper -->`` also
+  drives the snippet's ServerApp ``main`` over an in-process grid of 10 nodes answered by its
+  ClientApp's ``train``, as a Flower engine would.
+* Shell blocks are syntax-checked (``bash -n``); ``<!-- doctest: run -->`` runs them (bash -euo
+  pipefail, in the page's directory, with ``corrflow`` on PATH); ``<!-- doctest: loopback -->``
+  checks them against ``deploy/loopback.sh``, the deployment the suite really runs (same programs,
+  same flags, node-config keys, run-config keys that Flower parses and corrflow accepts) — a real
+  deployment per snippet would take minutes.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Snippet:
     line: int
     lang: str
     code: str
-    mode: str        # run | skip | loopback | check (shell: syntax only)
+    mode: str  # run | skip | loopback | check (shell: syntax only)
     arg: str
 
     @property
@@ -56,7 +59,7 @@ def snippets(page: Path) -> list[Snippet]:
     for m in FENCE.finditer(text):
         lang = m.group(1).lower()
         line = text.count("\n", 0, m.start()) + 1
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = MARKER.match(before.strip())
         mode, arg = (marker.group(1), marker.group(2) or "") if marker else ("", "")
         if lang in ("python", "py"):
@@ -75,15 +78,33 @@ RUN_PAGES = sorted({s.page for s in ALL if s.mode == "run" and s.page != README}
 def test_readme_is_a_short_guide_that_starts_with_the_setup_commands():
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 150, len(lines)
-    assert lines[2] == "```bash" and "corrflow simulate" in lines[3] and "pytest" in lines[4], lines[:6]
+    assert lines[2] == "```bash" and "corrflow simulate" in lines[3] and "pytest" in lines[4], (
+        lines[:6]
+    )
     assert "## References" in lines and all(f"**00{i}**" in "\n".join(lines) for i in range(5))
 
 
 def test_docs_build_strictly_with_generated_reference(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                          "-d", str(site)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(site),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     pages = list(site.rglob("index.html"))
     assert len(pages) >= 10, pages
@@ -100,9 +121,13 @@ def test_docs_build_strictly_with_generated_reference(tmp_path):
         assert surface_name(name, "run_config") in keys, name
     api = (site / "reference" / "api" / "corrflow" / "index.html").read_text(encoding="utf-8")
     assert "DifferentialPrivacyCorrelatedNoise" in api and "register_identity" in api
-    assert "Factorization" in (site / "reference" / "api" / "factorization" / "index.html").read_text()
+    assert (
+        "Factorization" in (site / "reference" / "api" / "factorization" / "index.html").read_text()
+    )
     assert "arXiv:2211.06530" in (site / "reference" / "papers" / "index.html").read_text()
-    assert (site / "compare_quick_accuracy.png").exists() and (site / "compare_quick_keras_accuracy.png").exists()
+    assert (site / "compare_quick_accuracy.png").exists() and (
+        site / "compare_quick_keras_accuracy.png"
+    ).exists()
 
 
 def test_every_snippet_is_valid_and_enough_of_them_run(tmp_path):
@@ -136,18 +161,29 @@ def _environment(workdir: Path, home: Path) -> dict:
     corrflow = shim / "corrflow"
     corrflow.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m corrflow.server.cli "$@"\n')
     corrflow.chmod(0o755)
-    path = os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "CORRFLOW_HOME": str(home), "MPLBACKEND": "Agg"}
+    path = os.pathsep.join(
+        [str(shim), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )
+    return {
+        **os.environ,
+        "PATH": path,
+        "PYTHONPATH": str(ROOT),
+        "CORRFLOW_HOME": str(home),
+        "MPLBACKEND": "Agg",
+    }
 
 
 def _drive_wrapper_app(namespace: dict) -> None:
-    """Run the snippet's ServerApp main over an in-process grid answered by its ClientApp's train handler."""
+    """Run the snippet's ServerApp main over an in-process grid answered by its ClientApp's train
+    handler."""
     from flwr.app import Context, RecordDict
 
     from corrflow.server.inprocess import InProcessGrid
 
     grid = InProcessGrid({"train": namespace["train"]}, 10)
-    namespace["main"](grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    namespace["main"](
+        grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    )
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
@@ -161,7 +197,7 @@ def test_runnable_snippets_of_a_page_run(page, tmp_path, shared_home, monkeypatc
         if s.mode != "run":
             continue
         if s.lang in ("python", "py"):
-            exec(compile(s.code, s.where, "exec"), namespace)   # noqa: S102 - the docs' own examples
+            exec(compile(s.code, s.where, "exec"), namespace)  # noqa: S102 - the docs' own examples
             if s.arg == "wrapper":
                 _drive_wrapper_app(namespace)
                 report = json.loads((tmp_path / "my_run" / "privacy_report.json").read_text())
@@ -170,21 +206,36 @@ def test_runnable_snippets_of_a_page_run(page, tmp_path, shared_home, monkeypatc
                 validate("privacy-report", report)
                 assert report["rounds_completed"] == 10 and report["realized"]["epsilon"] <= 8.0
         else:
-            res = subprocess.run(["bash", "-euo", "pipefail", "-c", s.code], cwd=tmp_path, env=env,
-                                 capture_output=True, text=True, timeout=600)
-            assert res.returncode == 0, (f"{s.where} exited {res.returncode}:\n{res.stdout[-2000:]}\n"
-                                         f"{res.stderr[-4000:]}")
+            res = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", s.code],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert res.returncode == 0, (
+                f"{s.where} exited {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+            )
 
 
-# -- the deployment steps are the loopback test's -----------------------------------------------------------------
+# -- the deployment steps are the loopback test's --------------------------------------------------
 def _logical_lines(code: str) -> list[str]:
-    return [ln.strip() for ln in code.replace("\\\n", " ").splitlines() if ln.strip() and not ln.startswith("#")]
+    return [
+        ln.strip()
+        for ln in code.replace("\\\n", " ").splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
 
 
 def _loopback_invocation(program: str) -> str:
     """The loopback script's command line that starts ``program`` (continuation lines joined)."""
     text = LOOPBACK.read_text().replace("\\\n", " ")
-    lines = [ln for ln in text.splitlines() if f'"$bin/{program}"' in ln and not ln.lstrip().startswith(("#", "[["))]
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if f'"$bin/{program}"' in ln and not ln.lstrip().startswith(("#", "[["))
+    ]
     assert len(lines) == 1, (program, lines)
     return lines[0]
 
@@ -212,7 +263,10 @@ def test_deployment_steps_are_the_commands_the_loopback_test_runs(snippet):
         program = Path(argv[0]).name
         if program in ("flower-superlink", "flower-supernode"):
             expected = _loopback_invocation(program)
-            assert _flags(" ".join(a for a in argv if a.startswith("--"))) == _flags(expected), (line, expected)
+            assert _flags(" ".join(a for a in argv if a.startswith("--"))) == _flags(expected), (
+                line,
+                expected,
+            )
             if "--node-config" in argv:
                 ours = argv[argv.index("--node-config") + 1]
                 theirs = re.search(r'--node-config "(.*?)"\s*$', expected).group(1)
@@ -227,20 +281,30 @@ def test_deployment_steps_are_the_commands_the_loopback_test_runs(snippet):
             sub = argv[1]
             assert re.search(rf"flwr_cli {sub}\b", loopback), f"loopback.sh never runs flwr {sub}"
             if sub == "run":
-                assert argv[2] == "deploy/app" and (ROOT / "deploy" / "app" / "pyproject.toml").exists()
+                assert (
+                    argv[2] == "deploy/app"
+                    and (ROOT / "deploy" / "app" / "pyproject.toml").exists()
+                )
                 theirs = re.search(r"flwr_cli run \. loopback (.*?)\)", loopback).group(1)
-                assert _flags(" ".join(a for a in argv if a.startswith("--"))) <= _flags(theirs), line
+                assert _flags(" ".join(a for a in argv if a.startswith("--"))) <= _flags(theirs), (
+                    line
+                )
                 if "--run-config" in argv:
                     parsed = parse_config_args([argv[argv.index("--run-config") + 1]])
                     assert parsed and all(k.startswith("corrflow.") for k in parsed), parsed
                     app = tomllib.loads((ROOT / "deploy" / "app" / "pyproject.toml").read_text())
-                    base = {f"corrflow.{k}": v for k, v in app["tool"]["flwr"]["app"]["config"]["corrflow"].items()}
-                    from_run_config({**base, **parsed, "corrflow.state-dir": "run"})   # corrflow accepts them
+                    base = {
+                        f"corrflow.{k}": v
+                        for k, v in app["tool"]["flwr"]["app"]["config"]["corrflow"].items()
+                    }
+                    from_run_config(
+                        {**base, **parsed, "corrflow.state-dir": "run"}
+                    )  # corrflow accepts them
         else:
             pytest.fail(f"{snippet.where}: {program} is not a step of deploy/loopback.sh")
 
 
-# -- docstrings of the public API ---------------------------------------------------------------------------------
+# -- docstrings of the public API ------------------------------------------------------------------
 def _public_api(package: str):
     import importlib
     import inspect
@@ -253,15 +317,28 @@ def _public_api(package: str):
         elif inspect.isclass(obj):
             for attr, member in vars(obj).items():
                 func = member.__func__ if isinstance(member, classmethod | staticmethod) else member
-                if not attr.startswith("_") and inspect.isfunction(func) and func.__module__.startswith("corrflow"):
+                if (
+                    not attr.startswith("_")
+                    and inspect.isfunction(func)
+                    and func.__module__.startswith("corrflow")
+                ):
                     yield f"{package}.{name}.{attr}", func
 
 
-@pytest.mark.parametrize("package", ["corrflow.factorization", "corrflow.noise", "corrflow.participation",
-                                     "corrflow.strategies", "corrflow.accounting", "corrflow.planning"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "corrflow.factorization",
+        "corrflow.noise",
+        "corrflow.participation",
+        "corrflow.strategies",
+        "corrflow.accounting",
+        "corrflow.planning",
+    ],
+)
 def test_public_functions_document_args_and_returns(package):
-    """Every exported function and public method says what its parameters are (Args) and what it returns
-    (Returns), as the API reference renders them."""
+    """Every exported function and public method says what its parameters are (Args) and what it
+    returns (Returns), as the API reference renders them."""
     import inspect
 
     missing = []
@@ -270,7 +347,10 @@ def test_public_functions_document_args_and_returns(package):
         sig = inspect.signature(func)
         if [p for p in sig.parameters if p not in ("self", "cls")] and "Args:" not in doc:
             missing.append(f"{qualname}: Args")
-        if sig.return_annotation not in (inspect.Signature.empty, None, "None") and "Returns:" not in doc:
+        if (
+            sig.return_annotation not in (inspect.Signature.empty, None, "None")
+            and "Returns:" not in doc
+        ):
             missing.append(f"{qualname}: Returns")
     assert not missing, missing
 

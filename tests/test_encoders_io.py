@@ -9,7 +9,12 @@ from corrflow.factorization.base import Factorization
 from corrflow.factorization.baselines import stamp_encoder
 from corrflow.factorization.build import KINDS, factorize, participation_for
 from corrflow.factorization.closed_forms import bifr_encoder
-from corrflow.factorization.encoders import BandedEncoder, DenseEncoder, InverseToeplitzEncoder, ToeplitzEncoder
+from corrflow.factorization.encoders import (
+    BandedEncoder,
+    DenseEncoder,
+    InverseToeplitzEncoder,
+    ToeplitzEncoder,
+)
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import brute_force_sensitivity
 from corrflow.factorization.workloads import Workload
@@ -37,8 +42,11 @@ def test_structured_paths_equal_dense(rng):
         for w in WORKLOADS:
             dense = np.sum((w.matrix(n) @ np.linalg.inv(C)) ** 2, axis=1)
             np.testing.assert_allclose(enc.per_query_error(w), dense, rtol=1e-9)
-        for part in (Participation.fixed_epoch(16, 4), Participation.min_separation(16, 3, 4),
-                     Participation.min_separation(16, 5)):
+        for part in (
+            Participation.fixed_epoch(16, 4),
+            Participation.min_separation(16, 3, 4),
+            Participation.min_separation(16, 5),
+        ):
             s = enc.sensitivity(part)
             brute = brute_force_sensitivity(C, part)
             assert s.value >= brute * (1 - 1e-10)
@@ -47,8 +55,9 @@ def test_structured_paths_equal_dense(rng):
 
 
 def test_column_normalised_toeplitz_has_unit_columns():
-    enc = ToeplitzEncoder([0.7, 0.45, 0.3, 0.2], 12, column_normalize=True).scaled(1 / np.linalg.norm(
-        [0.7, 0.45, 0.3, 0.2]))
+    enc = ToeplitzEncoder([0.7, 0.45, 0.3, 0.2], 12, column_normalize=True).scaled(
+        1 / np.linalg.norm([0.7, 0.45, 0.3, 0.2])
+    )
     np.testing.assert_allclose(np.linalg.norm(enc.matrix(), axis=0), 1.0)
     s = enc.sensitivity(Participation.min_separation(12, 4, 3))
     assert s.exact and s.value == pytest.approx(np.sqrt(3))
@@ -63,18 +72,21 @@ def test_stamping_structure(rng):
     np.testing.assert_allclose(stamp_encoder(d, 2).matrix(), np.kron(np.eye(2), d.matrix()))
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: DenseEncoder(np.triu(np.ones((3, 3)))), "encoder"),  # not lower-triangular
-    (lambda: DenseEncoder(np.diag([1.0, 0.0, 1.0])), "encoder"),  # singular
-    (lambda: DenseEncoder(np.array([[1.0, 0], [np.nan, 1.0]])), "encoder"),
-    (lambda: DenseEncoder(np.ones((2, 3))), "encoder"),
-    (lambda: ToeplitzEncoder([1.0, 0.5, 0.2], 2), "bands"),  # bands > n
-    (lambda: InverseToeplitzEncoder([0.0, 1.0], 4), "encoder"),
-    (lambda: factorize("banded", Participation.fixed_epoch(8, 1), bands=9), "bands"),
-    (lambda: factorize("nope", Participation.fixed_epoch(8, 1)), "kind"),
-    (lambda: factorize("dense", Participation.min_separation(8, 2)), "participation"),
-    (lambda: participation_for(10, 3), "epochs"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: DenseEncoder(np.triu(np.ones((3, 3)))), "encoder"),  # not lower-triangular
+        (lambda: DenseEncoder(np.diag([1.0, 0.0, 1.0])), "encoder"),  # singular
+        (lambda: DenseEncoder(np.array([[1.0, 0], [np.nan, 1.0]])), "encoder"),
+        (lambda: DenseEncoder(np.ones((2, 3))), "encoder"),
+        (lambda: ToeplitzEncoder([1.0, 0.5, 0.2], 2), "bands"),  # bands > n
+        (lambda: InverseToeplitzEncoder([0.0, 1.0], 4), "encoder"),
+        (lambda: factorize("banded", Participation.fixed_epoch(8, 1), bands=9), "bands"),
+        (lambda: factorize("nope", Participation.fixed_epoch(8, 1)), "kind"),
+        (lambda: factorize("dense", Participation.min_separation(8, 2)), "participation"),
+        (lambda: participation_for(10, 3), "epochs"),
+    ],
+)
 def test_bad_input(make, field):
     with pytest.raises(InvalidArgumentError) as e:
         make()
@@ -84,7 +96,11 @@ def test_bad_input(make, field):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_normalised_and_roundtrips(kind, tmp_path):
     part = participation_for(32, 4)
-    wl = Workload.sgd_momentum(0.9, 0.25) if kind in ("dense", "toeplitz", "bifr") else Workload.prefix()
+    wl = (
+        Workload.sgd_momentum(0.9, 0.25)
+        if kind in ("dense", "toeplitz", "bifr")
+        else Workload.prefix()
+    )
     fac = factorize(kind, part, wl)
     C = fac.encoder.matrix()
     assert brute_force_sensitivity(C, part) <= 1 + 1e-9
@@ -93,7 +109,9 @@ def test_every_kind_normalised_and_roundtrips(kind, tmp_path):
     path = fac.save(tmp_path / kind)
     back = Factorization.load(path)
     assert back.sha256() == fac.sha256()
-    assert back.summary()["total_squared_error"] == pytest.approx(fac.summary()["total_squared_error"], rel=1e-12)
+    assert back.summary()["total_squared_error"] == pytest.approx(
+        fac.summary()["total_squared_error"], rel=1e-12
+    )
     assert back.workload == fac.workload and back.participation == fac.participation
     dense_total = np.sum((wl.matrix(32) @ np.linalg.inv(C)) ** 2)
     assert fac.errors().total_squared_error == pytest.approx(dense_total, rel=1e-9)

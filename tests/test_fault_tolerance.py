@@ -1,5 +1,6 @@
-"""The printed ε stays true under faults: one server per directory, refusals on tampered or rolled-back state,
-declared identities, stop reasons, bad inputs. Real processes and real files; the in-process grid (no Ray)."""
+"""The printed ε stays true under faults: one server per directory, refusals on tampered or
+rolled-back state, declared identities, stop reasons, bad inputs. Real processes and real files; the
+in-process grid (no Ray)."""
 
 import json
 import logging
@@ -30,7 +31,9 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[RunConfig, Path | None]:
@@ -50,20 +53,40 @@ def _ckpt(tmp_path) -> Path:
 
 
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
-    hold = tmp_path.parent / f"{tmp_path.name}.hold"   # the first server's replies wait while it exists
+    hold = (
+        tmp_path.parent / f"{tmp_path.name}.hold"
+    )  # the first server's replies wait while it exists
     hold.touch()
-    first = subprocess.Popen([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
-                             env=dict(ENV, HOLD=str(hold)), stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+        env=dict(ENV, HOLD=str(hold)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
-        while not (tmp_path / ".corrflow.lock.holder").exists():   # the first server holds the directory
-            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+        while not (
+            tmp_path / ".corrflow.lock.holder"
+        ).exists():  # the first server holds the directory
+            assert first.poll() is None and time.monotonic() < deadline, (
+                first.stderr.read() if first.stderr else ""
+            )
             time.sleep(0.05)
-        second = subprocess.run([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)], env=ENV,
-                                capture_output=True, text=True, timeout=600)
-        assert first.poll() is None   # refused while the first server still runs, not queued behind it
+        second = subprocess.run(
+            [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert (
+            first.poll() is None
+        )  # refused while the first server still runs, not queued behind it
         assert second.returncode != 0
-        assert "in use by another corrflow server" in second.stderr and f"pid {first.pid}" in second.stderr
+        assert (
+            "in use by another corrflow server" in second.stderr
+            and f"pid {first.pid}" in second.stderr
+        )
         hold.unlink()
         assert first.wait(timeout=240) == 0, first.stderr.read()
     finally:
@@ -74,32 +97,42 @@ def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
 
 
 def test_lock_dies_with_a_killed_server(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
-                            env=dict(ENV, ROUND_DELAY="0.2"))
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+        env=dict(ENV, ROUND_DELAY="0.2"),
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / JOURNAL).exists():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    r = subprocess.run([sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)], env=ENV, capture_output=True,
-                       text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     entries = ReleaseJournal(tmp_path / JOURNAL).read()
-    assert [e.round for e in entries] == list(range(8))      # every noise round released exactly once
+    assert [e.round for e in entries] == list(range(8))  # every noise round released exactly once
     assert not list((tmp_path / "state").glob(".tmp-*"))
 
 
-@pytest.mark.parametrize("fault, names", [
-    ("delete-current", "CURRENT"),
-    ("edit-ledger", "state.json"),
-    ("old-state", "older than what was released"),
-    ("empty-salt", "report_salt"),
-    ("journal-truncated", JOURNAL),
-    ("journal-edited", JOURNAL),
-    ("edit-ring-row", "noise_ring.bin"),
-    ("swap-ring-rows", "noise_ring.bin"),
-])
+@pytest.mark.parametrize(
+    "fault, names",
+    [
+        ("delete-current", "CURRENT"),
+        ("edit-ledger", "state.json"),
+        ("old-state", "older than what was released"),
+        ("empty-salt", "report_salt"),
+        ("journal-truncated", JOURNAL),
+        ("journal-edited", JOURNAL),
+        ("edit-ring-row", "noise_ring.bin"),
+        ("swap-ring-rows", "noise_ring.bin"),
+    ],
+)
 def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     cfg, snapshot = _finished_run(tmp_path, copy_at=3)
     ckpt = _ckpt(tmp_path)
@@ -108,14 +141,19 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     elif fault == "edit-ledger":
         public = json.loads((ckpt / "state.json").read_text())
         user = sorted(public["ledger"]["selected"])[0]
-        public["ledger"]["selected"][user] = public["ledger"]["selected"][user][:1]   # hide a participation
+        public["ledger"]["selected"][user] = public["ledger"]["selected"][user][
+            :1
+        ]  # hide a participation
         (ckpt / "state.json").write_text(json.dumps(public, sort_keys=True))
     elif fault == "old-state":
         shutil.rmtree(tmp_path / "state")
         shutil.copytree(snapshot, tmp_path / "state")
     elif fault == "empty-salt":
         (ckpt / "report_salt").write_bytes(b"")
-    elif fault in ("edit-ring-row", "swap-ring-rows"):   # the banded buffer's rows, outside the checkpoint dir
+    elif fault in (
+        "edit-ring-row",
+        "swap-ring-rows",
+    ):  # the banded buffer's rows, outside the checkpoint dir
         ring = tmp_path / "state" / "noise_ring.bin"
         raw = bytearray(ring.read_bytes())
         rows = json.loads((ckpt / "noise" / "noise_state.json").read_text())["ring"]
@@ -124,8 +162,10 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
             raw[slot * size + 5] ^= 1
         else:
             other = rows["rows"][0]["slot"]
-            raw[slot * size:(slot + 1) * size], raw[other * size:(other + 1) * size] = \
-                raw[other * size:(other + 1) * size], raw[slot * size:(slot + 1) * size]
+            raw[slot * size : (slot + 1) * size], raw[other * size : (other + 1) * size] = (
+                raw[other * size : (other + 1) * size],
+                raw[slot * size : (slot + 1) * size],
+            )
         ring.write_bytes(bytes(raw))
     elif fault == "journal-truncated":
         lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
@@ -137,14 +177,16 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     before = _files(tmp_path)
     with pytest.raises(IntegrityError, match=names):
         run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
-    assert _files(tmp_path) == before           # nothing deleted, nothing rewritten
+    assert _files(tmp_path) == before  # nothing deleted, nothing rewritten
 
 
 def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_aside(tmp_path):
     cfg, _ = _finished_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
-    (tmp_path / JOURNAL).write_text("".join(lines[:-1]))   # killed between round 7's checkpoint and its entry
-    forget_last_release(tmp_path)                         # (so the registry never recorded it either)
+    (tmp_path / JOURNAL).write_text(
+        "".join(lines[:-1])
+    )  # killed between round 7's checkpoint and its entry
+    forget_last_release(tmp_path)  # (so the registry never recorded it either)
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
     old_report = (tmp_path / "privacy_report.json").read_bytes()
@@ -153,17 +195,24 @@ def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_asi
     assert len(moved) == 1 and (moved[0] / "privacy_report.json").read_bytes() == old_report
     assert len(ReleaseJournal(moved[0] / JOURNAL).read()) == 8
     assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
-    assert json.loads((tmp_path / "privacy_report.json").read_text())["run_id"] != json.loads(old_report)["run_id"]
+    assert (
+        json.loads((tmp_path / "privacy_report.json").read_text())["run_id"]
+        != json.loads(old_report)["run_id"]
+    )
 
 
-def test_fresh_moves_the_checkpoints_with_their_journal_whatever_the_run_directory_is_called(tmp_path):
-    """--fresh (the wrapper's fresh=True) moves state/ with the journal, report and metrics: the next start would
-    otherwise meet a checkpoint without its journal (or resume the old run)."""
+def test_fresh_moves_the_checkpoints_with_their_journal_whatever_the_run_directory_is_called(
+    tmp_path,
+):
+    """--fresh (the wrapper's fresh=True) moves state/ with the journal, report and metrics: the
+    next start would otherwise meet a checkpoint without its journal (or resume the old run)."""
     cfg = _cfg(tmp_path / "server-state", num_rounds=4, epochs=2)
     first = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     second = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, fresh=True)
     (moved,) = (tmp_path / "server-state" / "previous-runs").iterdir()
-    assert (moved / "state" / "CURRENT").exists() and len(ReleaseJournal(moved / JOURNAL).read()) == 4
+    assert (moved / "state" / "CURRENT").exists() and len(
+        ReleaseJournal(moved / JOURNAL).read()
+    ) == 4
     assert (moved / "privacy_report.json").exists() and (moved / "metrics.json").exists()
     assert second.run.recorder.keys.run_id != first.run.recorder.keys.run_id
     assert len(ReleaseJournal(tmp_path / "server-state" / JOURNAL).read()) == 4
@@ -179,23 +228,49 @@ def test_other_settings_are_named_on_resume(tmp_path):
 
 
 def test_the_cli_names_every_setting_that_differs(tmp_path):
-    """Rerunning `simulate` on a finished run with other flags is refused, and the message lists each difference
-    (an 80-character cut once hid all but the first)."""
-    base = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess", "--users", "12",
-            "--rounds", "4", "--epochs", "2", "--out", str(tmp_path / "run")]
-    assert subprocess.run(base, env=ENV, capture_output=True, text=True, timeout=300).returncode == 0
-    r = subprocess.run([*base, "--clip-norm", "2", "--server-lr", "0.25", "--momentum", "0.3", "--seed", "4"],
-                       env=ENV, capture_output=True, text=True, timeout=300)
+    """Rerunning `simulate` on a finished run with other flags is refused, and the message lists
+    each difference (an 80-character cut once hid all but the first)."""
+    base = [
+        sys.executable,
+        "-m",
+        "corrflow.server.cli",
+        "simulate",
+        "--backend",
+        "inprocess",
+        "--users",
+        "12",
+        "--rounds",
+        "4",
+        "--epochs",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    assert (
+        subprocess.run(base, env=ENV, capture_output=True, text=True, timeout=300).returncode == 0
+    )
+    r = subprocess.run(
+        [*base, "--clip-norm", "2", "--server-lr", "0.25", "--momentum", "0.3", "--seed", "4"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2
     for setting in ("clip_norm", "server_lr", "momentum", "seed"):
         assert setting in r.stderr, r.stderr
-    assert (tmp_path / "run" / ".gitignore").read_text().splitlines()[-1] == "*"   # the run's secrets stay out of git
+    assert (tmp_path / "run" / ".gitignore").read_text().splitlines()[
+        -1
+    ] == "*"  # the run's secrets stay out of git
 
 
 def test_node_without_the_identity_mod_is_refused_naming_the_fix(tmp_path):
     cfg = _cfg(tmp_path)
-    with pytest.raises(IdentityError, match=r"cannot report identity = partition-id.*no corrflow identity "
-                                            r"handler.*register_identity"):
+    with pytest.raises(
+        IdentityError,
+        match=r"cannot report identity = partition-id.*no corrflow identity "
+        r"handler.*register_identity",
+    ):
         run_server(InProcessGrid(HANDLERS, 12, identity=False), cfg, quiet=True)
     user_cfg = _cfg(tmp_path, identity="user-id")
     with pytest.raises(IdentityError, match="user-id"):
@@ -209,7 +284,9 @@ def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
     restarted = {}
 
     def restart(strategy, metrics):
-        if metrics["round"] == 1:   # partition 0 trains in rounds r and r + 3: give it a new node id in between
+        if (
+            metrics["round"] == 1
+        ):  # partition 0 trains in rounds r and r + 3: give it a new node id in between
             restarted["node"] = grid.restart_node(0)
 
     s = run_server(grid, cfg, noise_key=KEY, quiet=True, on_round_end=restart)
@@ -230,8 +307,12 @@ def test_per_launch_identity_is_marked_and_never_resumes(tmp_path):
 
 def _nan_train(msg, ctx):
     arrays = [np.full_like(a, np.nan) for a in msg.content["arrays"].to_numpy_ndarrays()]
-    return Message(content=RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": 1})}),
-                   reply_to=msg)
+    return Message(
+        content=RecordDict(
+            {"arrays": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": 1})}
+        ),
+        reply_to=msg,
+    )
 
 
 def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
@@ -243,20 +324,33 @@ def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 2 and report["rounds_completed"] == 2
     assert "no valid replies in 2 consecutive rounds" in report["stopped_reason"]
-    assert "NaN or Inf values ×8" in report["stopped_reason"]   # 2 rounds × 4 users
-    metrics = json.loads((tmp_path / "metrics.json").read_text())[1:]   # after the initial model's entry
-    assert [m["rejected"] for m in metrics] == [4, 4] and metrics[0]["top_rejection"] == "NaN or Inf values"
+    assert "NaN or Inf values ×8" in report["stopped_reason"]  # 2 rounds × 4 users
+    metrics = json.loads((tmp_path / "metrics.json").read_text())[
+        1:
+    ]  # after the initial model's entry
+    assert [m["rejected"] for m in metrics] == [4, 4] and metrics[0][
+        "top_rejection"
+    ] == "NaN or Inf values"
     # The ε of the two rounds that did run (noise only) is still accounted.
     fac = Factorization.load(tmp_path / "factorization.npz")
     sens, _ = realized_sensitivity(fac.encoder, {u: r for u, r in s.ledger.selected.items()})
-    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5))
-    with pytest.raises(RunStoppedEarlyError, match="budget guard"):   # `corrflow simulate` exits 1 on it
-        simulate(_cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5),
-                 backend="inprocess", quiet=True)
+    assert report["realized"]["epsilon"] == pytest.approx(
+        epsilon_of(unamplified_event(0.7, sens.value), 1e-5)
+    )
+    with pytest.raises(
+        RunStoppedEarlyError, match="budget guard"
+    ):  # `corrflow simulate` exits 1 on it
+        simulate(
+            _cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5),
+            backend="inprocess",
+            quiet=True,
+        )
 
 
 def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
-    cfg = _cfg(tmp_path, noise_multiplier=0.5, target_epsilon=0.1)  # σ fixed, target far below one round's ε
+    cfg = _cfg(
+        tmp_path, noise_multiplier=0.5, target_epsilon=0.1
+    )  # σ fixed, target far below one round's ε
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 0 and report["rounds_completed"] == 0
@@ -265,44 +359,73 @@ def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
 
 
 def test_inputs_that_cannot_be_private_are_refused():
-    for kw, field in [({"clip_norm": float("inf")}, "clip-norm"), ({"noise_multiplier": float("nan")},
-                      "noise-multiplier"), ({"target_epsilon": float("inf")}, "target-epsilon")]:
+    for kw, field in [
+        ({"clip_norm": float("inf")}, "clip-norm"),
+        ({"noise_multiplier": float("nan")}, "noise-multiplier"),
+        ({"target_epsilon": float("inf")}, "target-epsilon"),
+    ]:
         with pytest.raises(InvalidArgumentError, match=field):
             RunConfig(**{"noise_multiplier": 1.0, **kw})
     with pytest.raises(InvalidArgumentError, match="clip-norm.*not a boolean"):
         from_run_config({"corrflow.noise-multiplier": 1.0, "corrflow.clip-norm": True})
 
 
-@pytest.mark.parametrize("flag, value", [("--clip-norm", "inf"), ("--noise-multiplier", "nan"),
-                                         ("--noise-multiplier", "1e-6"), ("--seed", "-1"),
-                                         ("--participation-rate", "0.5")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--clip-norm", "inf"),
+        ("--noise-multiplier", "nan"),
+        ("--noise-multiplier", "1e-6"),
+        ("--seed", "-1"),
+        ("--participation-rate", "0.5"),
+    ],
+)
 def test_cli_refuses_unusable_privacy_inputs_with_exit_2(tmp_path, flag, value):
-    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess",
-                        "--out", str(tmp_path / "run"), flag, value], env=ENV, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corrflow.server.cli",
+            "simulate",
+            "--backend",
+            "inprocess",
+            "--out",
+            str(tmp_path / "run"),
+            flag,
+            value,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-1500:]
     assert flag in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "state").exists()
 
 
 def test_a_torn_last_journal_line_is_an_unreleased_round(tmp_path):
-    """A power cut during round 7's journal append leaves half a line without its newline. Its model never left
-    (release follows the append), so the resume treats round 7 as checkpointed-but-unreleased: it journals it again
-    from the checkpoint, cutting the torn tail; a complete line that does not verify is still refused (above)."""
+    """A power cut during round 7's journal append leaves half a line without its newline. Its model
+    never left (release follows the append), so the resume treats round 7 as
+    checkpointed-but-unreleased: it journals it again from the checkpoint, cutting the torn tail; a
+    complete line that does not verify is still refused (above)."""
     cfg, _ = _finished_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
     (tmp_path / JOURNAL).write_text("".join(lines[:-1]) + lines[-1][:40])
-    forget_last_release(tmp_path)                          # the registry records a round after its journal entry
+    forget_last_release(tmp_path)  # the registry records a round after its journal entry
     assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 7
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8
-    assert (tmp_path / JOURNAL).read_text().splitlines(keepends=True) == lines   # the same entry, chain intact
+    assert (tmp_path / JOURNAL).read_text().splitlines(
+        keepends=True
+    ) == lines  # the same entry, chain intact
 
 
 def test_a_restored_or_copied_run_directory_is_refused_by_the_release_registry(tmp_path):
-    """Backing up the whole run directory at round 3 and restoring it after the run finished carries a journal
-    that agrees with its checkpoint: only the registry outside the directory knows rounds 4–8 were released. A copy
-    of the run directory resumed elsewhere is refused too; in both cases nothing is released."""
+    """Backing up the whole run directory at round 3 and restoring it after the run finished carries
+    a journal that agrees with its checkpoint: only the registry outside the directory knows rounds
+    4–8 were released. A copy of the run directory resumed elsewhere is refused too; in both cases
+    nothing is released."""
     from corrflow.errors import IntegrityError
 
     run = tmp_path / "run"
@@ -319,15 +442,37 @@ def test_a_restored_or_copied_run_directory_is_refused_by_the_release_registry(t
     shutil.rmtree(run)
     shutil.copytree(backup, run)
     journal = (run / JOURNAL).read_bytes()
-    with pytest.raises(IntegrityError, match=r"release_registry\.sqlite: run \w+ released 8 round\(s\).*records 3"):
+    with pytest.raises(
+        IntegrityError, match=r"release_registry\.sqlite: run \w+ released 8 round\(s\).*records 3"
+    ):
         run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     assert (run / JOURNAL).read_bytes() == journal
     with pytest.raises(IntegrityError, match=r"is registered in .*/run, not .*/copy"):
-        run_server(InProcessGrid(HANDLERS, 12), cfg.replace(state_dir=str(copy)), noise_key=KEY, quiet=True)
+        run_server(
+            InProcessGrid(HANDLERS, 12), cfg.replace(state_dir=str(copy)), noise_key=KEY, quiet=True
+        )
     from typer.testing import CliRunner
 
     from corrflow.server.cli import app
 
-    r = CliRunner().invoke(app, ["simulate", "--backend", "inprocess", "--out", str(run), "--users", "12",
-                                 "--rounds", "8", "--epochs", "2", "--noise-multiplier", "0.7", "--model-dim", "6"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--backend",
+            "inprocess",
+            "--out",
+            str(run),
+            "--users",
+            "12",
+            "--rounds",
+            "8",
+            "--epochs",
+            "2",
+            "--noise-multiplier",
+            "0.7",
+            "--model-dim",
+            "6",
+        ],
+    )
     assert r.exit_code == 1 and "release_registry.sqlite" in r.output, r.output

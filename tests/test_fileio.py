@@ -1,4 +1,5 @@
-"""The one atomic-write helper: a failed or killed write leaves the old file whole; secrets are owner-only."""
+"""The one atomic-write helper: a failed or killed write leaves the old file whole; secrets are
+owner-only."""
 
 import json
 import os
@@ -21,7 +22,7 @@ def test_write_replaces_whole_files(tmp_path):
     assert key.read_bytes() == b"\x00secret" and stat.S_IMODE(key.stat().st_mode) == 0o600
     umask = os.umask(0)
     os.umask(umask)
-    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask      # shared files: what open() would give
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask  # shared files: what open() would give
 
 
 def test_an_exception_mid_write_keeps_the_old_file(tmp_path):
@@ -34,12 +35,15 @@ def test_an_exception_mid_write_keeps_the_old_file(tmp_path):
 
 
 def test_sigkill_mid_write_keeps_the_old_file(tmp_path):
-    """A real process killed (SIGKILL) while writing: the target keeps its old bytes; only a temporary is left."""
+    """A real process killed (SIGKILL) while writing: the target keeps its old bytes; only a
+    temporary is left."""
     p = tmp_path / "report.json"
     write_text(p, '{"epsilon": 1.0}')
-    code = (f"import os, signal\nfrom corrflow.fileio import atomic_file\n"
-            f"with atomic_file({str(p)!r}, 'w') as f:\n"
-            f"    f.write('{{\"epsilon\": 9'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        f"import os, signal\nfrom corrflow.fileio import atomic_file\n"
+        f"with atomic_file({str(p)!r}, 'w') as f:\n"
+        f"    f.write('{{\"epsilon\": 9'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert proc.returncode == -9
     assert json.loads(p.read_text()) == {"epsilon": 1.0}

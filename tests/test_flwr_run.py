@@ -1,6 +1,6 @@
-"""`flwr run .` on this repository completes the default app (the docs' command), with its own Flower home,
-ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid afterwards (every process whose
-environment carries this test's Flower home), and none survives."""
+"""`flwr run .` on this repository completes the default app (the docs' command), with its own
+Flower home, ports and corrflow home; the local SuperLink that `flwr` spawns is stopped by pid
+afterwards (every process whose environment carries this test's Flower home), and none survives."""
 
 import contextlib
 import json
@@ -28,8 +28,9 @@ def _free_port() -> int:
 
 
 def _stop_processes_with_home(home: Path) -> list[int]:
-    """SIGKILL every process started with this test's Flower home in its environment (the detached local SuperLink,
-    its SuperExec and their children inherit it), found by pid in /proc; returns their pids."""
+    """SIGKILL every process started with this test's Flower home in its environment (the detached
+    local SuperLink, its SuperExec and their children inherit it), found by pid in /proc; returns
+    their pids."""
     mark = f"FLWR_HOME={home}".encode()
     pids = []
     for proc in Path("/proc").iterdir():
@@ -53,21 +54,26 @@ def _wait_for_completion(report: Path, rounds: int, timeout: float) -> None:
 
 
 def test_loading_the_server_app_imports_every_client_app_the_pyprojects_name():
-    """Flower's simulation loads the ServerApp and the ClientApp in two threads (one lock around each load) and
-    takes a module already in sys.modules as it is: the ServerApp must finish importing corrflow's ClientApp
-    modules when it is loaded, not lazily in its main, or the ClientApp loader can get a half-initialised module
-    (`flwr run .` then failed at random with "partially initialized module … has no attribute 'app'")."""
+    """Flower's simulation loads the ServerApp and the ClientApp in two threads (one lock around
+    each load) and takes a module already in sys.modules as it is: the ServerApp must finish
+    importing corrflow's ClientApp modules when it is loaded, not lazily in its main, or the
+    ClientApp loader can get a half-initialised module (`flwr run .` then failed at random with
+    "partially initialized module … has no attribute 'app'")."""
     import tomllib
 
-    refs = {tomllib.loads(p.read_text())["tool"]["flwr"]["app"]["components"]["clientapp"]
-            for p in (ROOT / "pyproject.toml", ROOT / "deploy" / "app" / "pyproject.toml")}
+    refs = {
+        tomllib.loads(p.read_text())["tool"]["flwr"]["app"]["components"]["clientapp"]
+        for p in (ROOT / "pyproject.toml", ROOT / "deploy" / "app" / "pyproject.toml")
+    }
     code = "import sys, corrflow.server.app; print(' '.join(sorted(sys.modules)))"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = set(r.stdout.split())
     assert refs and all(ref.split(":")[0] in loaded for ref in refs), refs
     assert {"corrflow.clients.nextword_client", "corrflow.clients.keras_client"} <= loaded
-    assert "tensorflow" not in loaded            # the Keras client imports TensorFlow only when it trains
+    assert "tensorflow" not in loaded  # the Keras client imports TensorFlow only when it trains
 
 
 def test_flwr_run_completes_the_default_app(tmp_path):
@@ -75,28 +81,51 @@ def test_flwr_run_completes_the_default_app(tmp_path):
     assert flwr, "flwr is installed with corrflow (flwr[simulation])"
     home, corrflow_home = tmp_path / "flwr-home", tmp_path / "corrflow-home"
     home.mkdir()
-    env = dict(os.environ, FLWR_HOME=str(home), CORRFLOW_HOME=str(corrflow_home), FLWR_TELEMETRY_ENABLED="0",
-               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = dict(
+        os.environ,
+        FLWR_HOME=str(home),
+        CORRFLOW_HOME=str(corrflow_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()),
+        FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    )
     run_dir = corrflow_home / "flwr-run"
     try:
-        r = subprocess.run([flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=10"], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=600)
-        _wait_for_completion(run_dir / "privacy_report.json", rounds=10, timeout=300)   # `--stream` can end early
+        r = subprocess.run(
+            [flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=10"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        _wait_for_completion(
+            run_dir / "privacy_report.json", rounds=10, timeout=300
+        )  # `--stream` can end early
     finally:
         _stop_processes_with_home(home)
         deadline = time.monotonic() + 30
-        while _stop_processes_with_home(home) and time.monotonic() < deadline:   # until none is alive
+        while (
+            _stop_processes_with_home(home) and time.monotonic() < deadline
+        ):  # until none is alive
             time.sleep(0.5)
     assert not _stop_processes_with_home(home), "a Flower process of this test survived"
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
-    assert f"run directory {run_dir}" in log, log[-3000:]         # the absolute state path is logged
+    assert f"run directory {run_dir}" in log, log[-3000:]  # the absolute state path is logged
     assert (run_dir / "privacy_report.json").exists(), log[-3000:]
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 10 and report["stopped_reason"] is None
     assert len(report["realized"]["participation"]["users"]) == 10
     users = report["realized"]["participation"]["users"]
-    independent = independent_epsilon(Factorization.load(run_dir / "factorization.npz"), users,
-                                      report["noise_multiplier"], report["delta"])
-    assert report["realized"]["epsilon"] == pytest.approx(independent, rel=1e-6) and independent <= 8.0 + 1e-6
+    independent = independent_epsilon(
+        Factorization.load(run_dir / "factorization.npz"),
+        users,
+        report["noise_multiplier"],
+        report["delta"],
+    )
+    assert (
+        report["realized"]["epsilon"] == pytest.approx(independent, rel=1e-6)
+        and independent <= 8.0 + 1e-6
+    )

@@ -30,55 +30,87 @@ def test_synthetic_text_shape_and_determinism():
 
 
 def test_local_training_learns_word_order_and_returns_new_weights():
-    """125 SGD steps (40 users' sentences, 5 epochs) take the LSTM below the unigram cross-entropy: the residual
-    path from the embedding lets SGD leave the unigram plateau within the steps federated training has (the plain
-    embedding → LSTM → dense stack stays above it for thousands)."""
+    """125 SGD steps (40 users' sentences, 5 epochs) take the LSTM below the unigram cross-entropy:
+    the residual path from the embedding lets SGD leave the unigram plateau within the steps
+    federated training has (the plain embedding → LSTM → dense stack stays above it for
+    thousands)."""
     model = build_model()
     w = model.get_weights()
     s = np.concatenate([user_sentences(KERAS_TASK, u) for u in range(40)])
     new, _ = local_train(w, s, lr=2.0, epochs=5)
-    assert [d.shape for d in new] == [x.shape for x in w] and all(d.dtype == np.float32 for d in new)
+    assert [d.shape for d in new] == [x.shape for x in w] and all(
+        d.dtype == np.float32 for d in new
+    )
     task = get_task("keras")
     _, y_train = xy(s)
     counts = np.bincount(y_train[y_train != PAD], minlength=KERAS_TASK.num_tokens) + 0.5
     _, y_held = xy(SYNTHETIC.held_out(100))
     unigram = float(-np.log((counts / counts.sum())[y_held[y_held != PAD]]).mean())
     before, after = task.evaluate(w), task.evaluate(new)
-    assert before["test_loss"] == pytest.approx(np.log(KERAS_TASK.num_tokens), abs=0.01)  # zero output kernel
+    assert before["test_loss"] == pytest.approx(
+        np.log(KERAS_TASK.num_tokens), abs=0.01
+    )  # zero output kernel
     assert after["test_loss"] < unigram - 0.2 and after["test_accuracy"] > 0.02
 
 
 def test_keras_strategy_round_trip(tmp_path):
-    cfg = RunConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
-                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path))
+    cfg = RunConfig(
+        num_users=6,
+        num_rounds=2,
+        epochs=1,
+        noise_multiplier=0.5,
+        client="keras",
+        local_lr=0.5,
+        local_steps=1,
+        state_dir=str(tmp_path),
+    )
     task = get_task("keras")
     s = run_server(InProcessGrid(task.handlers, 6), cfg, quiet=True)
     assert s.next_round == 2 and "test_accuracy" in s.metrics_history[-1]
-    assert any(np.abs(p - q).max() > 0 for p, q in zip(s.params, task.initial_weights(), strict=True))
+    assert any(
+        np.abs(p - q).max() > 0 for p, q in zip(s.params, task.initial_weights(), strict=True)
+    )
 
 
 def test_keras_on_a_tff_sqlite_file(tmp_path):
-    """The same client and evaluation path on a real-format file (generated here) and its vocabulary."""
-    from corrflow.data.stackoverflow import StackOverflowSpec, StackOverflowSQLite, generate_stackoverflow
+    """The same client and evaluation path on a real-format file (generated here) and its
+    vocabulary."""
+    from corrflow.data.stackoverflow import (
+        StackOverflowSpec,
+        StackOverflowSQLite,
+        generate_stackoverflow,
+    )
     from corrflow.data.vocab import build_vocabulary, count_words
 
     path = tmp_path / "so.sqlite"
     generate_stackoverflow(path, StackOverflowSpec(users=40, seed=4))
     with StackOverflowSQLite(path) as db:
-        build_vocabulary(count_words(p.tokens for _, p in db.iter_posts("train")), 300).save(tmp_path / "v.txt")
-    cfg = RunConfig(num_users=6, num_rounds=2, epochs=1, noise_multiplier=0.5, client="keras",
-                         local_lr=0.5, local_steps=1, state_dir=str(tmp_path), data_path=str(path),
-                         vocab_path=str(tmp_path / "v.txt"), seq_len=10)
+        build_vocabulary(count_words(p.tokens for _, p in db.iter_posts("train")), 300).save(
+            tmp_path / "v.txt"
+        )
+    cfg = RunConfig(
+        num_users=6,
+        num_rounds=2,
+        epochs=1,
+        noise_multiplier=0.5,
+        client="keras",
+        local_lr=0.5,
+        local_steps=1,
+        state_dir=str(tmp_path),
+        data_path=str(path),
+        vocab_path=str(tmp_path / "v.txt"),
+        seq_len=10,
+    )
     task = get_task("keras", data_path=str(path), vocab_path=str(tmp_path / "v.txt"), seq_len=10)
-    assert task.initial_weights()[0].shape[0] == 304                # embedding rows = specials + OOV + words
+    assert task.initial_weights()[0].shape[0] == 304  # embedding rows = specials + OOV + words
     s = run_server(InProcessGrid(task.handlers, 6), cfg, quiet=True)
     assert s.next_round == 2 and s.metrics_history[-1]["rejected"] == 0
     assert np.isfinite(s.metrics_history[-1]["test_loss"])
 
 
 def test_keras_evaluation_streams_and_skips_oov_buckets():
-    """Batched evaluation equals one pass; a constant predictor of an OOV bucket scores 0 with 8 buckets (it
-    scored ~2% when accuracy counted every id ≥ 4)."""
+    """Batched evaluation equals one pass; a constant predictor of an OOV bucket scores 0 with 8
+    buckets (it scored ~2% when accuracy counted every id ≥ 4)."""
     from corrflow.clients.keras_client import evaluate_weights
     from corrflow.data.vocab import Vocabulary
 
@@ -88,9 +120,10 @@ def test_keras_evaluation_streams_and_skips_oov_buckets():
     rng = np.random.default_rng(0)
     w = [x + rng.normal(0, 0.2, x.shape).astype(np.float32) for x in w]
     assert evaluate_weights(w, sents, v.first_word, batch=5) == pytest.approx(
-        evaluate_weights(w, sents, v.first_word, batch=1000), rel=1e-6)
+        evaluate_weights(w, sents, v.first_word, batch=1000), rel=1e-6
+    )
     bucket = v.lookup("zz")
-    w[-2][:] = 0                              # output kernel 0, bias one-hot: always predict the bucket
+    w[-2][:] = 0  # output kernel 0, bias one-hot: always predict the bucket
     w[-1][:] = 0
     w[-1][bucket] = 10.0
     assert (sents[:, 1:] == bucket).any() and evaluate_weights(w, sents, v.first_word)[1] == 0.0

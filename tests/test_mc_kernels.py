@@ -1,5 +1,6 @@
-"""The compiled b-min-sep Monte Carlo kernels against their definitions: the log-space recursion of 004 Eq. 1, the
-explicit outputs y = σz + Cx, the b-min-sep chain's exact marginals, and the standard normal."""
+"""The compiled b-min-sep Monte Carlo kernels against their definitions: the log-space recursion of
+004 Eq. 1, the explicit outputs y = σz + Cx, the b-min-sep chain's exact marginals, and the standard
+normal."""
 
 from __future__ import annotations
 
@@ -24,14 +25,17 @@ CASES = [  # (n, epochs, min_sep, bands, p, warm, sigma)
     (48, 4, 12, 4, 0.06, True, 1.0),
     (48, 4, 12, 4, 0.06, False, 0.5),
     (64, 4, 16, 8, 0.3, True, 0.3),
-    (40, 4, 10, 10, 1.0, True, 1.0),      # P/B = b: every available round joins
-    (30, 3, 10, 1, 0.2, False, 0.8),      # one band (DP-SGD under b-min-sep)
+    (40, 4, 10, 10, 1.0, True, 1.0),  # P/B = b: every available round joins
+    (30, 3, 10, 1, 0.2, False, 0.8),  # one band (DP-SGD under b-min-sep)
 ]
 
 
 def _band(n, epochs, min_sep, bands):
-    return truncate_band(factorize("toeplitz", participation_for(n, epochs, min_sep, kind="min-sep"),
-                                   bands=bands).encoder.band_array())
+    return truncate_band(
+        factorize(
+            "toeplitz", participation_for(n, epochs, min_sep, kind="min-sep"), bands=bands
+        ).encoder.band_array()
+    )
 
 
 def _draw(band, sigma, min_sep, p, warm, S, dtype=np.float64, seed=(9, 8, 7, 6)):
@@ -42,7 +46,9 @@ def _draw(band, sigma, min_sep, p, warm, S, dtype=np.float64, seed=(9, 8, 7, 6))
     band_v, offset = _exponent_terms(band, sigma, p, dtype)
     kernels.sample_noise(st, sigma, z)
     kernels.exponents(z, band_v, offset, a_q)
-    kernels.participation_exponents(st, participation_window(band, sigma).astype(dtype), min_sep, p, warm, a_q, a_p, x)
+    kernels.participation_exponents(
+        st, participation_window(band, sigma).astype(dtype), min_sep, p, warm, a_q, a_p, x
+    )
     return z, a_q, a_p, x
 
 
@@ -50,7 +56,7 @@ def _with_means(z, x, band):
     """y = z + Cx, written out: x's participations (n × S indicators) through the banded encoder."""
     n, y = z.shape[0], z.copy()
     for d in range(band.shape[1]):
-        y[d:] += x[: n - d] * band[: n - d, d:d + 1]
+        y[d:] += x[: n - d] * band[: n - d, d : d + 1]
     return y
 
 
@@ -68,7 +74,8 @@ def test_linear_recursion_equals_the_log_space_recursion(case):
 
 
 def test_tiny_sigma_falls_back_to_the_log_space_recursion():
-    """Exponents beyond e^88 (σ = 0.02) and a vanished chain at p = 1 are recomputed in log space, not lost."""
+    """Exponents beyond e^88 (σ = 0.02) and a vanished chain at p = 1 are recomputed in log space,
+    not lost."""
     band = _band(40, 4, 10, 10)
     for sigma, p in ((0.02, 0.5), (0.05, 1.0)):
         z, _, _, x = _draw(band, sigma, 10, p, True, 64)
@@ -89,13 +96,14 @@ def test_participation_exponents_equal_those_of_the_explicit_outputs(case):
     direct = np.empty_like(y)
     kernels.exponents(y, band_v, offset, direct)
     np.testing.assert_allclose(a_p, direct, rtol=0, atol=1e-12)
-    for s in range(x.shape[1]):            # the b-min-sep property
+    for s in range(x.shape[1]):  # the b-min-sep property
         rounds = np.flatnonzero(x[:, s])
         assert np.all(np.diff(rounds) >= b)
 
 
 def _exact_marginals(n, b, p, warm):
-    """P(participation in round i) by the b-state Markov chain of 004 §1.5 (state 0 available, s > 0 barred)."""
+    """P(participation in round i) by the b-state Markov chain of 004 §1.5 (state 0 available, s > 0
+    barred)."""
     pi = np.zeros(b)
     if warm:
         pi[0] = 1 / (1 + (b - 1) * p)
@@ -109,14 +117,16 @@ def _exact_marginals(n, b, p, warm):
         nxt[0] = pi[0] * (1 - p) + (pi[1] if b > 1 else 0.0)
         if b > 1:
             nxt[b - 1] += pi[0] * p
-            nxt[1:b - 1] += pi[2:]
+            nxt[1 : b - 1] += pi[2:]
         else:
             nxt[0] += pi[0] * p
         pi = nxt
     return out
 
 
-@pytest.mark.parametrize("b,p,warm", [(5, 0.3, False), (5, 0.3, True), (4, 1.0, True), (1, 0.2, False)])
+@pytest.mark.parametrize(
+    "b,p,warm", [(5, 0.3, False), (5, 0.3, True), (4, 1.0, True), (1, 0.2, False)]
+)
 def test_participations_follow_the_b_min_sep_chain(b, p, warm):
     n, S = 24, 40_000
     band = np.ones((n, 1))
@@ -127,16 +137,22 @@ def test_participations_follow_the_b_min_sep_chain(b, p, warm):
 
 
 def test_ziggurat_tables_are_numpys():
-    """Our tables equal numpy's (numba ships a copy): float64 to 1e-12; the float32 variant's widths and densities
-    to float32 rounding (ours are kept in float64)."""
+    """Our tables equal numpy's (numba ships a copy): float64 to 1e-12; the float32 variant's widths
+    and densities to float32 rounding (ours are kept in float64)."""
     constants = pytest.importorskip("numba.np.random._constants")
     numpy64 = (constants.ki_double, constants.wi_double, constants.fi_double)
-    for ours, theirs, tol in ((kernels.ZIG64[:3], numpy64, 1e-12),
-                              (kernels.ZIG32[1:3], (constants.wi_float, constants.fi_float), 1e-7)):
+    for ours, theirs, tol in (
+        (kernels.ZIG64[:3], numpy64, 1e-12),
+        (kernels.ZIG32[1:3], (constants.wi_float, constants.fi_float), 1e-7),
+    ):
         for a, b in zip(ours, theirs, strict=True):
             b = np.asarray(b, dtype=np.float64)
-            assert np.max(np.abs(np.asarray(a, dtype=np.float64) - b) / np.maximum(np.abs(b), 1e-300)) < tol
-    # acceptance bounds: ours are rounded down (a rectangle-accepted proposal is inside the density), at most 1 below
+            assert (
+                np.max(np.abs(np.asarray(a, dtype=np.float64) - b) / np.maximum(np.abs(b), 1e-300))
+                < tol
+            )
+    # acceptance bounds: ours are rounded down (a rectangle-accepted proposal is inside the
+    # density), at most 1 below
     ki32 = np.asarray(constants.ki_float, dtype=np.int64)
     assert np.all((kernels.ZIG32[0] <= ki32) & (kernels.ZIG32[0] >= ki32 - 1))
     assert kernels.ZIG64[3] == pytest.approx(constants.ziggurat_nor_r, rel=1e-15)
@@ -163,7 +179,8 @@ def test_monte_carlo_losses_are_deterministic_per_seed_and_independent_across_se
     np.testing.assert_array_equal(a.add, b.add)
     np.testing.assert_array_equal(a.remove, b.remove)
     assert not np.any(a.add == c.add)
-    # E_Q[P/Q] = 1 and E_P[Q/P] = 1: both directions' likelihood ratios average to one (a check of the whole draw)
+    # E_Q[P/Q] = 1 and E_P[Q/P] = 1: both directions' likelihood ratios average to one (a check of
+    # the whole draw)
     big = mc.sample_losses(1.0, 200_000, seed=5, workers=1)
     for losses in (big.remove, big.add):
         w = np.exp(-losses)
@@ -171,14 +188,16 @@ def test_monte_carlo_losses_are_deterministic_per_seed_and_independent_across_se
 
 
 def test_tiny_sigma_batches_equal_the_small_noise_limit():
-    """At σ → 0 the likelihood ratio of pure noise is the probability that the example never participates:
-    ln P/Q(z) → ln P(x = 0), for every z (the other terms are e^{−‖Cx‖²/(2σ²)} smaller). At σ = 0.02 every exponent
-    of the differing example's outputs overflows e^88, so the batch takes the log-space fallback on outputs it
-    rebuilds from the drawn participations."""
+    """At σ → 0 the likelihood ratio of pure noise is the probability that the example never
+    participates: ln P/Q(z) → ln P(x = 0), for every z (the other terms are e^{−‖Cx‖²/(2σ²)}
+    smaller). At σ = 0.02 every exponent of the differing example's outputs overflows e^88, so the
+    batch takes the log-space fallback on outputs it rebuilds from the drawn participations."""
     n, b, p = 40, 10, 0.5
     mc = MonteCarloAccountant(_band(n, 4, b, 10), b, p, warm=True)
     est = mc.sample_losses(0.02, 300, seed=1, workers=1)
-    stay = 1 / (1 + (b - 1) * p)   # warm start: available, else barred for s = 1..b−1 more rounds
+    stay = 1 / (1 + (b - 1) * p)  # warm start: available, else barred for s = 1..b−1 more rounds
     never = stay * (1 - p) ** n + sum(p * stay * (1 - p) ** (n - s) for s in range(1, b))
     np.testing.assert_allclose(est.remove, -math.log(never), rtol=1e-9)
-    assert np.all(np.isfinite(est.add)) and est.add.min() > 100   # ‖Cx‖²/(2σ²) dominates with x drawn from P
+    assert (
+        np.all(np.isfinite(est.add)) and est.add.min() > 100
+    )  # ‖Cx‖²/(2σ²) dominates with x drawn from P

@@ -22,18 +22,26 @@ def _rows(gen, rounds):
 def facs():
     part = participation_for(16, 4)
     return {
-        "banded": factorize("toeplitz", part),                  # banded C (column-normalised Toeplitz)
-        "banded-general": factorize("banded", part, bands=3),   # general banded C
-        "banded-inverse": factorize("bifr", part, bands=4),     # banded C⁻¹
-        "dense": factorize("dense", part),                      # dense C
+        "banded": factorize("toeplitz", part),  # banded C (column-normalised Toeplitz)
+        "banded-general": factorize("banded", part, bands=3),  # general banded C
+        "banded-inverse": factorize("bifr", part, bands=4),  # banded C⁻¹
+        "dense": factorize("dense", part),  # dense C
         "identity": factorize("dpsgd", part),
-        "blt": factorize("blt", part, buffers=2),                # BLT: 2 buffers, one draw per round
+        "blt": factorize("blt", part, buffers=2),  # BLT: 2 buffers, one draw per round
     }
 
 
-@pytest.mark.parametrize("name, mode", [("banded", "banded"), ("banded-general", "banded"),
-                                        ("banded-inverse", "banded-inverse"), ("dense", "dense"),
-                                        ("identity", "identity"), ("blt", "blt")])
+@pytest.mark.parametrize(
+    "name, mode",
+    [
+        ("banded", "banded"),
+        ("banded-general", "banded"),
+        ("banded-inverse", "banded-inverse"),
+        ("dense", "dense"),
+        ("identity", "identity"),
+        ("blt", "blt"),
+    ],
+)
 def test_empirical_covariance(facs, name, mode):
     fac = facs[name]
     sigma = 1.7
@@ -45,13 +53,15 @@ def test_empirical_covariance(facs, name, mode):
     Cinv = np.linalg.inv(fac.encoder.matrix())
     target = sigma**2 * Cinv @ Cinv.T
     emp = rows @ rows.T / d
-    # Each entry is a mean of d i.i.d. products with variance Σ_ii Σ_jj + Σ_ij²; allow 5 standard errors,
-    # a union bound over 136 entries at ~3e-7 each.
+    # Each entry is a mean of d i.i.d. products with variance Σ_ii Σ_jj + Σ_ij²; allow 5 standard
+    # errors, a union bound over 136 entries at ~3e-7 each.
     se = np.sqrt((np.outer(np.diag(target), np.diag(target)) + target**2) / d)
     assert np.all(np.abs(emp - target) <= 5 * se), np.max(np.abs(emp - target) / se)
 
 
-@pytest.mark.parametrize("name", ["banded", "banded-general", "banded-inverse", "dense", "identity", "blt"])
+@pytest.mark.parametrize(
+    "name", ["banded", "banded-general", "banded-inverse", "dense", "identity", "blt"]
+)
 def test_restore_continues_bit_for_bit(facs, name, tmp_path):
     fac = facs[name]
     full = CorrelatedNoise(fac, SHAPES, stddev=0.3, key=KEY)
@@ -64,17 +74,22 @@ def test_restore_continues_bit_for_bit(facs, name, tmp_path):
     tail = _rows(resumed, range(7, 16))
     np.testing.assert_array_equal(np.vstack([head, tail]), expected)
     # Replay of an identical release regenerates the same bits; a repeat without replay is refused.
-    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in resumed.next(3, replay=True)]), expected[3])
-    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in resumed.next(15, replay=True)]), expected[15])
+    np.testing.assert_array_equal(
+        np.concatenate([a.ravel() for a in resumed.next(3, replay=True)]), expected[3]
+    )
+    np.testing.assert_array_equal(
+        np.concatenate([a.ravel() for a in resumed.next(15, replay=True)]), expected[15]
+    )
     with pytest.raises(InvalidArgumentError, match="round_index"):
         resumed.next(15)
 
 
 @pytest.mark.parametrize("name", ["banded", "banded-general"])
 def test_ring_writes_one_row_per_round_and_every_saved_state_resumes(facs, name, tmp_path):
-    """A banded buffer saved with a ring: each save writes only the new round's row in place (the ring has p
-    slots for p − 1 rows), and every state saved so far that the ring still serves — the published one and the
-    one before it, which a kill mid-write falls back to — resumes bit for bit."""
+    """A banded buffer saved with a ring: each save writes only the new round's row in place (the
+    ring has p slots for p − 1 rows), and every state saved so far that the ring still serves — the
+    published one and the one before it, which a kill mid-write falls back to — resumes bit for
+    bit."""
     fac = facs[name]
     full = CorrelatedNoise(fac, SHAPES, stddev=0.3, key=KEY)
     expected = _rows(full, range(16))
@@ -85,19 +100,28 @@ def test_ring_writes_one_row_per_round_and_every_saved_state_resumes(facs, name,
         before = ring.read_bytes() if ring.exists() else b""
         save_state(gen, tmp_path / f"s{t}", ring=ring)
         after = ring.read_bytes()
-        assert len(after) <= fac.bands * gen.dim * 4 and not (tmp_path / f"s{t}" / "noise_buffer.npy").exists()
-        changed = {i // (gen.dim * 4) for i in range(len(after)) if i >= len(before) or after[i] != before[i]}
-        assert changed <= {t % fac.bands}   # one row rewritten: this round's slot
-    for t in (10, 11):                      # the last state, and the one a torn write of round 12 would leave
+        assert (
+            len(after) <= fac.bands * gen.dim * 4
+            and not (tmp_path / f"s{t}" / "noise_buffer.npy").exists()
+        )
+        changed = {
+            i // (gen.dim * 4)
+            for i in range(len(after))
+            if i >= len(before) or after[i] != before[i]
+        }
+        assert changed <= {t % fac.bands}  # one row rewritten: this round's slot
+    for t in (10, 11):  # the last state, and the one a torn write of round 12 would leave
         back = restore_state(tmp_path / f"s{t}", fac, ring=ring)
-        np.testing.assert_array_equal(_rows(back, range(t + 1, 16)), expected[t + 1:])
-    old = tmp_path / f"s{11 - kept}"        # its oldest row has been overwritten since: refused, never used
+        np.testing.assert_array_equal(_rows(back, range(t + 1, 16)), expected[t + 1 :])
+    old = (
+        tmp_path / f"s{11 - kept}"
+    )  # its oldest row has been overwritten since: refused, never used
     with pytest.raises(IntegrityError, match="MAC"):
         restore_state(old, fac, ring=ring)
     with pytest.raises(IntegrityError, match="ring file"):
         restore_state(tmp_path / "s11", fac)
     raw = bytearray(ring.read_bytes())
-    raw[(11 % fac.bands) * gen.dim * 4 + 7] ^= 1    # a torn or edited row
+    raw[(11 % fac.bands) * gen.dim * 4 + 7] ^= 1  # a torn or edited row
     ring.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError, match="slot .* does not match its MAC"):
         restore_state(tmp_path / "s11", fac, ring=ring)
@@ -109,12 +133,22 @@ def test_chunked_equals_unchunked_and_start(facs, name):
     a = _rows(CorrelatedNoise(fac, [(20000,)], key=KEY, chunk_size=1 << 20), range(16))
     b = _rows(CorrelatedNoise(fac, [(20000,)], key=KEY, chunk_size=20000), range(16))
     np.testing.assert_array_equal(a, b)  # same chunk grid → same bits
-    # A different chunk grid draws different z but must keep the same law: compare with the exact recursion.
+    # A different chunk grid draws different z but must keep the same law: compare with the exact
+    # recursion.
     c = CorrelatedNoise(fac, [(20000,)], key=KEY, chunk_size=999)
     rows_c = _rows(c, range(16))
     src = PhiloxSource(KEY)
-    Z = np.stack([np.concatenate([src.normal(t, i, min(999, 20000 - lo)) for i, lo in
-                                  enumerate(range(0, 20000, 999))]) for t in range(16)]).astype(np.float64)
+    Z = np.stack(
+        [
+            np.concatenate(
+                [
+                    src.normal(t, i, min(999, 20000 - lo))
+                    for i, lo in enumerate(range(0, 20000, 999))
+                ]
+            )
+            for t in range(16)
+        ]
+    ).astype(np.float64)
     exact = np.linalg.solve(fac.encoder.matrix(), Z)
     np.testing.assert_allclose(rows_c, exact, rtol=2e-4, atol=2e-4)
     late = CorrelatedNoise(fac, [(20000,)], key=KEY)
@@ -195,17 +229,58 @@ def test_cli_sample_matches_engine(facs, tmp_path):
     fac = facs["banded"]
     path = fac.save(tmp_path / "f.npz")
     out = tmp_path / "rows.npy"
-    r = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "noise", "sample", "--factorization", str(path),
-                        "--dim", "3000", "--seed", "7", "--start", "5", "--rounds", "4", "--out", str(out), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corrflow.server.cli",
+            "noise",
+            "sample",
+            "--factorization",
+            str(path),
+            "--dim",
+            "3000",
+            "--seed",
+            "7",
+            "--start",
+            "5",
+            "--rounds",
+            "4",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["mode"] == "banded"
     gen = CorrelatedNoise(fac, [(3000,)], key=key_from_seed(7))
     expected = _rows(gen, range(9))[5:]
     np.testing.assert_array_equal(np.load(out), expected)
-    bad = subprocess.run([sys.executable, "-m", "corrflow.server.cli", "noise", "sample", "--factorization",
-                          str(path), "--dim", "10", "--seed", "7", "--rounds", "17", "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corrflow.server.cli",
+            "noise",
+            "sample",
+            "--factorization",
+            str(path),
+            "--dim",
+            "10",
+            "--seed",
+            "7",
+            "--rounds",
+            "17",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--rounds" in bad.stderr
 
 
@@ -223,7 +298,9 @@ def test_tensorflow_backend(facs, tmp_path):
         target = Cinv @ Cinv.T
         se = np.sqrt((np.outer(np.diag(target), np.diag(target)) + target**2) / 20000)
         assert np.all(np.abs(rows @ rows.T / 20000 - target) <= 5 * se)
-        np.testing.assert_array_equal(np.concatenate(gen.next(4, replay=True)), rows[4].astype(np.float32))
+        np.testing.assert_array_equal(
+            np.concatenate(gen.next(4, replay=True)), rows[4].astype(np.float32)
+        )
 
 
 def test_tensorflow_backend_restore(facs, tmp_path):

@@ -33,4 +33,6 @@ def test_fixed_epoch_sensitivity_agrees(rng):
 
     C = np.tril(rng.uniform(0, 1, (24, 24))) + np.eye(24)
     peer = float(sensitivity.fixed_epoch_sensitivity(C, 4))
-    assert sensitivity_from_gram(C.T @ C, Participation.fixed_epoch(24, 4)).value == pytest.approx(peer, rel=1e-9)
+    assert sensitivity_from_gram(C.T @ C, Participation.fixed_epoch(24, 4)).value == pytest.approx(
+        peer, rel=1e-9
+    )

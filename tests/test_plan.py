@@ -1,5 +1,5 @@
-"""corrflow plan: candidates ranked by the RMSE they report, budgets, the recipe in simulate --plan, plots, cache;
-and the registry of factorization kinds agrees with the noise engine and the CLI."""
+"""corrflow plan: candidates ranked by the RMSE they report, budgets, the recipe in simulate --plan,
+plots, cache; and the registry of factorization kinds agrees with the noise engine and the CLI."""
 
 import json
 import subprocess
@@ -16,14 +16,34 @@ from corrflow.noise.engine import default_mode
 from corrflow.planning.cache import PlanCache
 from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
 
-SMALL = ["--rounds", "24", "--population", "60", "--cohort-size", "10", "--target-epsilon", "4", "--delta", "1e-5",
-         "--model-params", "1000", "--kinds", "dpsgd,toeplitz,bifr,dense", "--accountants",
-         "unamplified,cyclic-poisson", "--quiet"]
+SMALL = [
+    "--rounds",
+    "24",
+    "--population",
+    "60",
+    "--cohort-size",
+    "10",
+    "--target-epsilon",
+    "4",
+    "--delta",
+    "1e-5",
+    "--model-params",
+    "1000",
+    "--kinds",
+    "dpsgd,toeplitz,bifr,dense",
+    "--accountants",
+    "unamplified,cyclic-poisson",
+    "--quiet",
+]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +63,28 @@ def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
     fitting = [c for c in cands if c["fits"]]
     assert [c["rank"] for c in fitting] == list(range(1, len(fitting) + 1))
     assert [c["rmse"] for c in fitting] == sorted(c["rmse"] for c in fitting)
-    assert doc["participation"] == {**doc["participation"], "min_sep": 6, "epochs": 4, "fixed_epoch": True}
-    # b = 6 → powers of two 1, 2, 4, b itself, and the rule of thumb ε√n/k = 4.9 → 5, 8 → 6 (capped at b)
+    assert doc["participation"] == {
+        **doc["participation"],
+        "min_sep": 6,
+        "epochs": 4,
+        "fixed_epoch": True,
+    }
+    # b = 6 → powers of two 1, 2, 4, b itself, and the rule of thumb ε√n/k = 4.9 → 5, 8 → 6 (capped
+    # at b)
     assert doc["participation"]["band_grid"] == [1, 2, 4, 5, 6]
     rec = doc["recommended"]
     assert rec["kind"] == fitting[0]["kind"] and rec["rmse"] == fitting[0]["rmse"]
     fac = Factorization.load(out / "factorization.npz")
     assert fac.sha256() == rec["factorization_sha256"]
     # RMSE at the target: σ × √(Σ‖B_i‖²/n) from the written file; ε at that σ within the target
-    assert rec["rmse"] == pytest.approx(rec["noise_multiplier"] * np.sqrt(fac.per_query_error().mean()), rel=1e-9)
-    assert account(fac, delta=1e-5, noise_multiplier=rec["noise_multiplier"])["epsilon"] <= 4.0 + 1e-9
-    # the dense optimum beats DP-SGD, and every DP-SGD ratio is relative to the best DP-SGD candidate
+    assert rec["rmse"] == pytest.approx(
+        rec["noise_multiplier"] * np.sqrt(fac.per_query_error().mean()), rel=1e-9
+    )
+    assert (
+        account(fac, delta=1e-5, noise_multiplier=rec["noise_multiplier"])["epsilon"] <= 4.0 + 1e-9
+    )
+    # the dense optimum beats DP-SGD, and every DP-SGD ratio is relative to the best DP-SGD
+    # candidate
     dp = min(c["rmse"] for c in cands if c["kind"] == "dpsgd")
     assert all(c["rmse_ratio_vs_dpsgd"] == pytest.approx(c["rmse"] / dp) for c in cands)
     assert rec["rmse"] < dp
@@ -63,7 +94,9 @@ def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
 def test_repeated_plan_is_cached(planned):
     _, doc, (first, second) = planned
     assert doc["cache"]["misses"] == 0 and doc["cache"]["hits"] > 0
-    assert second < 0.1 * first   # the plan's own time (building, calibrating, plotting), not interpreter start-up
+    assert (
+        second < 0.1 * first
+    )  # the plan's own time (building, calibrating, plotting), not interpreter start-up
 
 
 def test_plots_are_pngs(planned):
@@ -79,8 +112,16 @@ def test_plots_are_pngs(planned):
 
 def test_plan_runs_in_simulate(planned, tmp_path):
     out, doc, _ = planned
-    r = run("simulate", "--plan", str(out / "recipe.json"), "--backend", "inprocess", "--out", str(tmp_path / "run"),
-            "--json")
+    r = run(
+        "simulate",
+        "--plan",
+        str(out / "recipe.json"),
+        "--backend",
+        "inprocess",
+        "--out",
+        str(tmp_path / "run"),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
     rec = doc["recommended"]
@@ -89,25 +130,50 @@ def test_plan_runs_in_simulate(planned, tmp_path):
     reloaded = Factorization.load(tmp_path / "run" / "factorization.npz")
     assert reloaded.sha256() == rec["factorization_sha256"]
     assert json.dumps(report).count(rec["factorization_sha256"]) >= 1
-    bad = run("simulate", "--plan", str(out / "recipe.json"), "--backend", "inprocess", "--out",
-              str(tmp_path / "run2"), "--accountant", "mmcc", "--rounds", "30")
+    bad = run(
+        "simulate",
+        "--plan",
+        str(out / "recipe.json"),
+        "--backend",
+        "inprocess",
+        "--out",
+        str(tmp_path / "run2"),
+        "--accountant",
+        "mmcc",
+        "--rounds",
+        "30",
+    )
     assert bad.returncode == 2 and "--accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
     assert "--rounds: plan 24, run 30" in bad.stderr
 
 
 def test_budgets(tmp_path):
     cache = PlanCache(tmp_path / "cache")
-    base = dict(rounds=24, population=70, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
-                kinds=("dpsgd", "toeplitz", "bifr", "dense"), accountants=("unamplified", "cyclic-poisson"))
+    base = dict(
+        rounds=24,
+        population=70,
+        cohort_size=10,
+        target_epsilon=4.0,
+        delta=1e-5,
+        model_params=1000,
+        kinds=("dpsgd", "toeplitz", "bifr", "dense"),
+        accountants=("unamplified", "cyclic-poisson"),
+    )
     # b = 7, k = 4: b·k ≠ n, so min-sep participation and no dense candidate (it needs fixed-epoch)
     res = make_plan(PlanRequest(**base, memory_budget=0), cache, quiet=True)
     assert any(s.get("kind") == "dense" and "fixed-epoch" in s["reason"] for s in res.skipped)
     best = res.recommended
-    assert best.noise_state_bytes == 0 and REGISTRY[best.kind].noise_mode in ("identity", "banded-inverse")
+    assert best.noise_state_bytes == 0 and REGISTRY[best.kind].noise_mode in (
+        "identity",
+        "banded-inverse",
+    )
     fac = res.factorizations[best.key()]
     assert CorrelatedNoise(fac, [(1000,)]).buffer_bytes == 0
-    assert any(not c.fits and c.kind == "toeplitz" for c in res.candidates)   # the better banded C is excluded
-    # room for 2 buffers of d floats: a banded C with at most 3 bands, whose engine buffer is what the plan says
+    assert any(
+        not c.fits and c.kind == "toeplitz" for c in res.candidates
+    )  # the better banded C is excluded
+    # room for 2 buffers of d floats: a banded C with at most 3 bands, whose engine buffer is what
+    # the plan says
     res = make_plan(PlanRequest(**base, memory_budget=2 * 4 * 1000), cache, quiet=True)
     for c in res.candidates:
         f = res.factorizations[c.key()]
@@ -115,7 +181,8 @@ def test_budgets(tmp_path):
         assert c.fits == (c.noise_state_bytes <= 8000)
     assert res.recommended.noise_state_bytes <= 8000
     assert res.recommended.rmse == min(c.rmse for c in res.candidates if c.fits)
-    # a noise-time budget below one draw per round excludes everything: no recipe, and write_plan says so
+    # a noise-time budget below one draw per round excludes everything: no recipe, and write_plan
+    # says so
     res = make_plan(PlanRequest(**base, noise_time_budget=0.0), cache, quiet=True)
     assert res.recommended is None
     doc = write_plan(res, tmp_path / "none", plots=False)
@@ -123,58 +190,106 @@ def test_budgets(tmp_path):
 
 
 def test_cyclic_poisson_recipe_matches_run_accounting(tmp_path):
-    """A cyclic-Poisson candidate's σ gives the same ε through the strategy's own accounting path."""
+    """A cyclic-Poisson candidate's σ gives the same ε through the strategy's own accounting
+    path."""
     cache = PlanCache(tmp_path / "cache")
-    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
-                      kinds=("toeplitz",), accountants=("cyclic-poisson",))
+    req = PlanRequest(
+        rounds=16,
+        population=110,
+        cohort_size=20,
+        target_epsilon=2.0,
+        delta=1e-5,
+        model_params=10,
+        kinds=("toeplitz",),
+        accountants=("cyclic-poisson",),
+    )
     res = make_plan(req, cache, quiet=True)
-    c = next(c for c in res.candidates if c.min_sep == 5)   # the best with the cyclic sampler at b = ⌊P/B⌋
+    c = next(
+        c for c in res.candidates if c.min_sep == 5
+    )  # the best with the cyclic sampler at b = ⌊P/B⌋
     assert c.participation == "cyclic-poisson" and c.participation_rate == pytest.approx(20 / 110)
     fac = res.factorizations[c.key()]
-    assert fac.participation == participation_for(16, 4, 5, kind="min-sep")   # what the strategy builds
-    # b = ⌊110/20⌋ = 5: each round samples its fifth of the users with q = 5·20/110 (the strategy's CohortPlanner)
-    spec = SamplingSpec("cyclic-poisson", 110, 20.0, sampling_probability=5 * 20 / 110, accountant="cyclic-poisson")
+    assert fac.participation == participation_for(
+        16, 4, 5, kind="min-sep"
+    )  # what the strategy builds
+    # b = ⌊110/20⌋ = 5: each round samples its fifth of the users with q = 5·20/110 (the strategy's
+    # CohortPlanner)
+    spec = SamplingSpec(
+        "cyclic-poisson", 110, 20.0, sampling_probability=5 * 20 / 110, accountant="cyclic-poisson"
+    )
     eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)["epsilon"]
     assert eps == pytest.approx(c.epsilon) and eps <= 2.0
-    assert c.rmse < account(fac, delta=1e-5, target_epsilon=2.0)["noise_multiplier"] * c.rmse_unit_sigma  # q < 1
+    assert (
+        c.rmse
+        < account(fac, delta=1e-5, target_epsilon=2.0)["noise_multiplier"] * c.rmse_unit_sigma
+    )  # q < 1
 
 
 def test_banded_kinds_are_also_planned_with_their_own_sampler_separation(tmp_path):
-    """A p-banded Toeplitz C with p < ⌊P/B⌋ is also planned under the cyclic Poisson sampler with b = p bands apart
-    (q = p·B/P < 1, so the sampling amplifies; at b = ⌊P/B⌋, q ≈ 1): the strategy's accounting path gives the
-    candidate's ε, within the target, and the best of them beats the unamplified σ's error at b = ⌊P/B⌋."""
-    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
-                      kinds=("toeplitz",), accountants=("cyclic-poisson",))
+    """A p-banded Toeplitz C with p < ⌊P/B⌋ is also planned under the cyclic Poisson sampler with b
+    = p bands apart (q = p·B/P < 1, so the sampling amplifies; at b = ⌊P/B⌋, q ≈ 1): the strategy's
+    accounting path gives the candidate's ε, within the target, and the best of them beats the
+    unamplified σ's error at b = ⌊P/B⌋."""
+    req = PlanRequest(
+        rounds=16,
+        population=110,
+        cohort_size=20,
+        target_epsilon=2.0,
+        delta=1e-5,
+        model_params=10,
+        kinds=("toeplitz",),
+        accountants=("cyclic-poisson",),
+    )
     res = make_plan(req, PlanCache(tmp_path / "cache"), quiet=True)
     own = [c for c in res.candidates if c.min_sep < req.min_sep]
     assert sorted(c.min_sep for c in own) == [1, 2, 3, 4] and all(c.bands == c.min_sep for c in own)
     for c in own:
         b = c.min_sep
         fac = res.factorizations[c.key()]
-        assert fac.participation == participation_for(16, -(-16 // b), b, kind="min-sep")   # what the run builds
-        spec = SamplingSpec("cyclic-poisson", 110, 20.0, sampling_probability=b * 20 / 110,
-                            accountant="cyclic-poisson")
-        eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)["epsilon"]
+        assert fac.participation == participation_for(
+            16, -(-16 // b), b, kind="min-sep"
+        )  # what the run builds
+        spec = SamplingSpec(
+            "cyclic-poisson",
+            110,
+            20.0,
+            sampling_probability=b * 20 / 110,
+            accountant="cyclic-poisson",
+        )
+        eps = account(fac, delta=1e-5, noise_multiplier=c.noise_multiplier, sampling=spec)[
+            "epsilon"
+        ]
         assert eps == pytest.approx(c.epsilon) and eps <= 2.0
     at_p_over_b = min(c.rmse for c in res.candidates if c.min_sep == req.min_sep)
     assert min(c.rmse for c in own) < at_p_over_b
 
 
 def test_dpsgd_is_also_planned_with_poisson_sampling(tmp_path):
-    """DP-SGD under Poisson sampling in every round (b = 1, q = B/P): n compositions of the subsampled Gaussian."""
+    """DP-SGD under Poisson sampling in every round (b = 1, q = B/P): n compositions of the
+    subsampled Gaussian."""
     import dp_accounting as dpa
 
-    req = PlanRequest(rounds=16, population=110, cohort_size=20, target_epsilon=2.0, delta=1e-5, model_params=10,
-                      kinds=("dpsgd",), accountants=("unamplified", "cyclic-poisson"))
+    req = PlanRequest(
+        rounds=16,
+        population=110,
+        cohort_size=20,
+        target_epsilon=2.0,
+        delta=1e-5,
+        model_params=10,
+        kinds=("dpsgd",),
+        accountants=("unamplified", "cyclic-poisson"),
+    )
     res = make_plan(req, PlanCache(tmp_path / "cache"), quiet=True)
     pois = next(c for c in res.candidates if c.min_sep == 1)
     assert pois.participation == "cyclic-poisson" and pois.label().endswith("(Poisson, b=1)")
     assert res.recommended is pois
-    # the normalised C = I/√n (sensitivity 1 over n rounds): each round adds σ·√n·z for a clip-1 update
+    # the normalised C = I/√n (sensitivity 1 over n rounds): each round adds σ·√n·z for a clip-1
+    # update
     fac = res.factorizations[pois.key()]
     assert np.allclose(fac.encoder.column_norms(), 1 / 4)
-    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(20 / 110, dpa.GaussianDpEvent(4 * pois.noise_multiplier)),
-                                    16)
+    event = dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(20 / 110, dpa.GaussianDpEvent(4 * pois.noise_multiplier)), 16
+    )
     acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
     assert acc.compose(event).get_epsilon(1e-5) == pytest.approx(pois.epsilon, rel=2e-3)
 
@@ -188,12 +303,28 @@ def test_registry_matches_engine(kind):
     mode = default_mode(fac)
     assert mode == spec.noise_mode
     gen = CorrelatedNoise(fac, [(50,)])
-    assert gen.buffer_bytes == spec.noise_state_bytes(spec.size_of(fac.encoder), 50, 12) or spec.noise_mode == "dense"
+    assert (
+        gen.buffer_bytes == spec.noise_state_bytes(spec.size_of(fac.encoder), 50, 12)
+        or spec.noise_mode == "dense"
+    )
 
 
 def test_plan_bad_arguments(tmp_path):
-    r = run("plan", "--rounds", "24", "--population", "5", "--cohort-size", "10", "--target-epsilon", "4",
-            "--delta", "1e-5", "--out", str(tmp_path))
+    r = run(
+        "plan",
+        "--rounds",
+        "24",
+        "--population",
+        "5",
+        "--cohort-size",
+        "10",
+        "--target-epsilon",
+        "4",
+        "--delta",
+        "1e-5",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 2 and "--population" in r.stderr
     r = run("plan", *SMALL[:10], "--kinds", "toeplitz,nope", "--out", str(tmp_path))
     assert r.returncode == 2 and "--kinds" in r.stderr and "nope" in r.stderr
@@ -212,25 +343,42 @@ def test_wrapper_loads_the_plan(planned, tmp_path):
 
     out, doc, _ = planned
     rec = doc["recommended"]
-    with pytest.raises(InvalidArgumentError, match="participation: plan 'fixed-epoch', run 'cyclic-poisson'"):
-        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, plan=out / "recipe.json",
-                                           participation="cyclic-poisson", state_dir=tmp_path / "x")
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
-                                                  plan=out / "recipe.json", state_dir=tmp_path / "w")
+    with pytest.raises(
+        InvalidArgumentError, match="participation: plan 'fixed-epoch', run 'cyclic-poisson'"
+    ):
+        DifferentialPrivacyCorrelatedNoise(
+            FedAvg(),
+            clipping_norm=1.0,
+            plan=out / "recipe.json",
+            participation="cyclic-poisson",
+            state_dir=tmp_path / "x",
+        )
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        plan=out / "recipe.json",
+        state_dir=tmp_path / "w",
+    )
     with pytest.raises(InvalidArgumentError, match="num_rounds"):
         strategy.config(num_rounds=30)
     task = get_task("numpy", 20)
-    strategy.start(grid=InProcessGrid(task.handlers, 60), initial_arrays=ArrayRecord(task.initial_weights()),
-                   num_rounds=24)
+    strategy.start(
+        grid=InProcessGrid(task.handlers, 60),
+        initial_arrays=ArrayRecord(task.initial_weights()),
+        num_rounds=24,
+    )
     report = json.loads((tmp_path / "w" / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 24
     assert report["noise_multiplier"] == pytest.approx(rec["noise_multiplier"])
-    assert Factorization.load(tmp_path / "w" / "factorization.npz").sha256() == rec["factorization_sha256"]
+    assert (
+        Factorization.load(tmp_path / "w" / "factorization.npz").sha256()
+        == rec["factorization_sha256"]
+    )
 
 
 def test_an_edited_calibration_is_recomputed_not_printed(tmp_path):
-    """A cached σ/ε that fails the calibration's own checks (here: ε above the target, as an edit could make it)
-    is recomputed; a valid entry is served."""
+    """A cached σ/ε that fails the calibration's own checks (here: ε above the target, as an edit
+    could make it) is recomputed; a valid entry is served."""
     cache = PlanCache(tmp_path)
     calls = []
 
@@ -242,31 +390,58 @@ def test_an_edited_calibration_is_recomputed_not_printed(tmp_path):
         return r["noise_multiplier"] > 0 and r["epsilon"] <= 8.0
 
     params = {"accountant": "pld", "target_epsilon": 8.0}
-    assert cache.calibration(params, compute, valid) == ({"noise_multiplier": 0.9, "epsilon": 7.9}, False)
+    assert cache.calibration(params, compute, valid) == (
+        {"noise_multiplier": 0.9, "epsilon": 7.9},
+        False,
+    )
     (path,) = tmp_path.glob("cal-*.json")
     stored = json.loads(path.read_text())
     stored["result"]["epsilon"] = 80.0
     path.write_text(json.dumps(stored))
     assert cache.calibration(params, compute, valid)[0]["epsilon"] == 7.9 and len(calls) == 2
-    assert cache.calibration(params, compute, valid)[1] is True and len(calls) == 2   # the rewritten entry is served
+    assert (
+        cache.calibration(params, compute, valid)[1] is True and len(calls) == 2
+    )  # the rewritten entry is served
 
 
 def test_same_inputs_same_recipe_and_the_time_budget_only_aborts(tmp_path):
     from corrflow.planning.candidates import PlanStoppedError, dense_iterations
 
-    req = PlanRequest(rounds=24, population=60, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
-                      kinds=("dpsgd", "toeplitz", "dense"), accountants=("unamplified", "cyclic-poisson"))
-    runs = [make_plan(req, PlanCache(tmp_path / f"cache{i}"), quiet=True) for i in range(2)]   # both cold
+    req = PlanRequest(
+        rounds=24,
+        population=60,
+        cohort_size=10,
+        target_epsilon=4.0,
+        delta=1e-5,
+        model_params=1000,
+        kinds=("dpsgd", "toeplitz", "dense"),
+        accountants=("unamplified", "cyclic-poisson"),
+    )
+    runs = [
+        make_plan(req, PlanCache(tmp_path / f"cache{i}"), quiet=True) for i in range(2)
+    ]  # both cold
 
     def table(res):
-        return [(c.key(), c.noise_multiplier, c.rmse, c.factorization_sha256) for c in res.candidates]
-    assert table(runs[0]) == table(runs[1]) and runs[0].recommended.key() == runs[1].recommended.key()
+        return [
+            (c.key(), c.noise_multiplier, c.rmse, c.factorization_sha256) for c in res.candidates
+        ]
+
+    assert (
+        table(runs[0]) == table(runs[1]) and runs[0].recommended.key() == runs[1].recommended.key()
+    )
     dense = next(c for c in runs[0].candidates if c.kind == "dense")
-    assert dense.notes["max_iterations"] == dense_iterations(24) == 10_000 and np.isfinite(dense.notes["relative_gap"])
+    assert dense.notes["max_iterations"] == dense_iterations(24) == 10_000 and np.isfinite(
+        dense.notes["relative_gap"]
+    )
     assert dense_iterations(2052) == 116
-    # a wall-clock budget that runs out stops the plan instead of changing it: an error, and no recipe written
+    # a wall-clock budget that runs out stops the plan instead of changing it: an error, and no
+    # recipe written
     with pytest.raises(PlanStoppedError, match="no recipe written"):
-        make_plan(PlanRequest(**{**req.__dict__, "time_budget": 1e-9}), PlanCache(tmp_path / "cache2"), quiet=True)
+        make_plan(
+            PlanRequest(**{**req.__dict__, "time_budget": 1e-9}),
+            PlanCache(tmp_path / "cache2"),
+            quiet=True,
+        )
     out = tmp_path / "stopped"
     r = run("plan", *SMALL, "--out", str(out), "--time-budget", "0.000001", "--no-plots")
     assert r.returncode == 1 and "--time-budget" in r.stderr and "no recipe written" in r.stderr
@@ -276,9 +451,18 @@ def test_same_inputs_same_recipe_and_the_time_budget_only_aborts(tmp_path):
 
 
 def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
-    # an edit that lowers the cached σ but keeps the ε it claims is caught: the exact ε of the cached σ is recomputed
-    req = PlanRequest(rounds=12, population=40, cohort_size=10, target_epsilon=4.0, delta=1e-5, model_params=1000,
-                      kinds=("toeplitz",), accountants=("unamplified",))
+    # an edit that lowers the cached σ but keeps the ε it claims is caught: the exact ε of the
+    # cached σ is recomputed
+    req = PlanRequest(
+        rounds=12,
+        population=40,
+        cohort_size=10,
+        target_epsilon=4.0,
+        delta=1e-5,
+        model_params=1000,
+        kinds=("toeplitz",),
+        accountants=("unamplified",),
+    )
     first = make_plan(req, PlanCache(tmp_path), quiet=True)
     edited = 0
     for path in tmp_path.glob("cal-*.json"):
@@ -289,4 +473,6 @@ def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
             edited += 1
     assert edited >= 1
     again = make_plan(req, PlanCache(tmp_path), quiet=True)
-    assert [c.noise_multiplier for c in again.candidates] == [c.noise_multiplier for c in first.candidates]
+    assert [c.noise_multiplier for c in again.candidates] == [
+        c.noise_multiplier for c in first.candidates
+    ]

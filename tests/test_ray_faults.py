@@ -1,7 +1,8 @@
-"""Faults on Flower's simulation engine (Ray), with real processes: Ctrl-C (SIGINT to the process group, as a
-terminal sends it), then SIGKILL of the whole group, then a clean finish — one scenario, so the module pays for
-three short Ray starts. Each run starts in its own session (setsid) and every pid of it is killed at the end
-(Ray's agents ignore SIGTERM; never `ray stop`, which would stop other Ray processes by name)."""
+"""Faults on Flower's simulation engine (Ray), with real processes: Ctrl-C (SIGINT to the process
+group, as a terminal sends it), then SIGKILL of the whole group, then a clean finish — one scenario,
+so the module pays for three short Ray starts. Each run starts in its own session (setsid) and every
+pid of it is killed at the end (Ray's agents ignore SIGTERM; never `ray stop`, which would stop
+other Ray processes by name)."""
 
 import contextlib
 import json
@@ -20,7 +21,9 @@ from corrflow.factorization import Factorization
 from corrflow.strategies.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), RAY_DEDUP_LOGS="0")
+ENV = dict(
+    os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), RAY_DEDUP_LOGS="0"
+)
 sys.path.insert(0, str(TESTS))
 from ray_fault_run import KEY, config  # noqa: E402
 
@@ -44,14 +47,21 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def _start(out: Path, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TESTS / "ray_fault_run.py"), str(out)], env=ENV, stdout=log,
-                            stderr=log, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "ray_fault_run.py"), str(out)],
+        env=ENV,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
 
 
 def _wait_for_releases(proc, out: Path, count: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while _released(out) < count:
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {count} releases"
+        assert proc.poll() is None, (
+            f"the run ended (code {proc.returncode}) before {count} releases"
+        )
         assert time.monotonic() < deadline, f"no {count} releases within {timeout} s"
         time.sleep(0.02)
 
@@ -64,8 +74,9 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
     try:
         _wait_for_releases(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)
-        # Ray's shutdown takes seconds on an idle machine and much longer on a loaded one: a generous bound that
-        # only catches a hang (timings are benchmarks' business, not the suite's).
+        # Ray's shutdown takes seconds on an idle machine and much longer on a loaded one: a
+        # generous bound that only catches a hang (timings are benchmarks' business, not the
+        # suite's).
         assert proc.wait(timeout=180) == 130
     finally:
         _kill_session(proc)
@@ -91,10 +102,16 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
         _kill_session(proc)
     log.close()
 
-    # Bit-identical to an uninterrupted run with the same key (in-process engine: same clients, same order).
+    # Bit-identical to an uninterrupted run with the same key (in-process engine: same clients, same
+    # order).
     ref = tmp_path / "ref"
-    r = subprocess.run([sys.executable, str(TESTS / "ray_fault_run.py"), str(ref), "inprocess"], env=ENV,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, str(TESTS / "ray_fault_run.py"), str(ref), "inprocess"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     np.testing.assert_array_equal(np.load(out / "final.npy"), np.load(ref / "final.npy"))
 
@@ -104,11 +121,14 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
     users = report["realized"]["participation"]["users"]
     assert report["rounds_completed"] == 24 and report["stopped_reason"] is None
     assert len(users) == cfg.num_users
-    assert all(len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 12 for u in users.values())
+    assert all(
+        len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 12 for u in users.values()
+    )
     assert [e.round for e in ReleaseJournal(out / JOURNAL).read()] == list(range(24))
     fac = Factorization.load(out / "factorization.npz")
     sens, _ = realized_sensitivity(fac.encoder, {u: v["rounds"] for u, v in users.items()})
     assert sens.value == pytest.approx(1.0)
-    assert report["realized"]["epsilon"] == pytest.approx(epsilon_of(unamplified_event(0.7, sens.value), 1e-5),
-                                                          rel=1e-12)
+    assert report["realized"]["epsilon"] == pytest.approx(
+        epsilon_of(unamplified_event(0.7, sens.value), 1e-5), rel=1e-12
+    )
     assert report["rounds_completed"] == 24 and KEY.hex() not in json.dumps(report)

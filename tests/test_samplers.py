@@ -4,7 +4,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corrflow.errors import InvalidArgumentError
-from corrflow.participation import BallsInBinsSampler, BMinSepSampler, CyclicPoissonSampler, MultiAttributionSampler
+from corrflow.participation import (
+    BallsInBinsSampler,
+    BMinSepSampler,
+    CyclicPoissonSampler,
+    MultiAttributionSampler,
+)
 
 
 def _history(sampler, rounds, available=None):
@@ -18,7 +23,7 @@ def test_bminsep_never_within_b_minus_1_rounds(seed, b, p, warm):
     last = {}
     for t, chosen in enumerate(_history(s, 60)):
         for i in chosen.tolist():
-            assert t - last.get(i, -10**9) >= b
+            assert t - last.get(i, -(10**9)) >= b
             last[i] = t
 
 
@@ -58,15 +63,19 @@ def test_unavailable_items_are_skipped_not_substituted():
 def test_multi_attribution_blocks_every_shared_user(seed, b):
     rng = np.random.default_rng(seed)
     users = 40
-    item_users = [sorted(set(rng.integers(0, users, size=rng.integers(1, 4)).tolist())) for _ in range(150)]
+    item_users = [
+        sorted(set(rng.integers(0, users, size=rng.integers(1, 4)).tolist())) for _ in range(150)
+    ]
     s = MultiAttributionSampler(item_users, users, b, 0.1, seed)
     user_last: dict[int, int] = {}
     for t in range(40):
         chosen = s.sample()
         for i in chosen.tolist():
             for u in item_users[i]:
-                assert t - user_last.get(u, -10**9) >= b
-        for i in chosen.tolist():  # a user may contribute several items in one round, never in two within b
+                assert t - user_last.get(u, -(10**9)) >= b
+        for i in (
+            chosen.tolist()
+        ):  # a user may contribute several items in one round, never in two within b
             for u in item_users[i]:
                 user_last[u] = t
 
@@ -82,10 +91,16 @@ def test_balls_in_bins_and_cyclic_poisson():
     assert parts[0].isdisjoint(parts[1]) and all(cp.part[i] == 0 for i in parts[4])
 
 
-@pytest.mark.parametrize("make", [lambda: BMinSepSampler(10, 0, 0.5, 0), lambda: BMinSepSampler(10, 2, 0.0, 0),
-                                  lambda: MultiAttributionSampler([[0], []], 2, 2, 0.5, 0),
-                                  lambda: MultiAttributionSampler([[0], [5]], 2, 2, 0.5, 0),
-                                  lambda: BMinSepSampler.probability_for_rate(0.5, 4)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BMinSepSampler(10, 0, 0.5, 0),
+        lambda: BMinSepSampler(10, 2, 0.0, 0),
+        lambda: MultiAttributionSampler([[0], []], 2, 2, 0.5, 0),
+        lambda: MultiAttributionSampler([[0], [5]], 2, 2, 0.5, 0),
+        lambda: BMinSepSampler.probability_for_rate(0.5, 4),
+    ],
+)
 def test_bad_sampler_input(make):
     with pytest.raises(InvalidArgumentError):
         make()

@@ -1,7 +1,8 @@
-"""Amplified ε holds only while nobody learns who was sampled: two amplified runs that differ only in their secret
-cohort key publish the same console output, privacy_report.json and metrics.json (apart from the model's loss and
-accuracy, the learning verdict, paths and the run id), and no public file or console line carries a hashed user id
-or a per-round reply count. Those go to the owner-only operator files."""
+"""Amplified ε holds only while nobody learns who was sampled: two amplified runs that differ only
+in their secret cohort key publish the same console output, privacy_report.json and metrics.json
+(apart from the model's loss and accuracy, the learning verdict, paths and the run id), and no
+public file or console line carries a hashed user id or a per-round reply count. Those go to the
+owner-only operator files."""
 
 import json
 import logging
@@ -17,12 +18,22 @@ from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
 AMPLIFIED = {
-    "poisson": dict(participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", kind="dpsgd"),
-    "bminsep": dict(participation="bminsep", min_sep=3, participation_rate=0.2, accountant="monte-carlo",
-                    mc_samples=2000, delta=1e-3),
-    # No accountant named: the tightest verified bound (Monte Carlo or unamplified), its selection public.
-    "bminsep-tightest": dict(participation="bminsep", min_sep=3, participation_rate=0.2, mc_samples=2000,
-                             delta=1e-3),
+    "poisson": dict(
+        participation="poisson", min_sep=1, participation_rate=0.25, accountant="mmcc", kind="dpsgd"
+    ),
+    "bminsep": dict(
+        participation="bminsep",
+        min_sep=3,
+        participation_rate=0.2,
+        accountant="monte-carlo",
+        mc_samples=2000,
+        delta=1e-3,
+    ),
+    # No accountant named: the tightest verified bound (Monte Carlo or unamplified), its selection
+    # public.
+    "bminsep-tightest": dict(
+        participation="bminsep", min_sep=3, participation_rate=0.2, mc_samples=2000, delta=1e-3
+    ),
 }
 MODEL = re.compile(r"(test-loss|accuracy) -?[0-9.]+(e-?\d+)?|\d+(\.\d+)?\s*s\b")
 
@@ -33,14 +44,19 @@ def _corrupt_first(replies):
     if out and not out[0].has_error():
         arrays = out[0].content["arrays"].to_numpy_ndarrays()
         arrays[0][0] = float("nan")
-        out[0] = Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": out[0].content["metrics"]}),
-                         reply_to=request_for(out[0]))
+        out[0] = Message(
+            RecordDict({"arrays": ArrayRecord(arrays), "metrics": out[0].content["metrics"]}),
+            reply_to=request_for(out[0]),
+        )
     return out
 
 
 def _run(tmp_path, name, settings, capsys, caplog):
-    # σ small enough that both runs learn: the console then differs in loss and accuracy figures only.
-    cfg = _cfg(tmp_path / name, num_users=20, num_rounds=6, epochs=2, noise_multiplier=0.3, **settings)
+    # σ small enough that both runs learn: the console then differs in loss and accuracy figures
+    # only.
+    cfg = _cfg(
+        tmp_path / name, num_users=20, num_rounds=6, epochs=2, noise_multiplier=0.3, **settings
+    )
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="corrflow"):
         s = run_server(InProcessGrid(HANDLERS, 20, tamper=_corrupt_first), cfg, noise_key=KEY)
@@ -67,20 +83,31 @@ def _mask(text, run_dir):
 def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, caplog, sampling):
     a, console_a, dir_a = _run(tmp_path, "a", AMPLIFIED[sampling], capsys, caplog)
     b, console_b, dir_b = _run(tmp_path, "b", AMPLIFIED[sampling], capsys, caplog)
-    assert a.ledger.selected != b.ledger.selected                     # the two runs sampled other cohorts
-    assert a.ledger.rejections and b.ledger.rejections                 # and rejected replies
+    assert a.ledger.selected != b.ledger.selected  # the two runs sampled other cohorts
+    assert a.ledger.rejections and b.ledger.rejections  # and rejected replies
     assert _public(dir_a) == _public(dir_b)
-    if "accountant" not in AMPLIFIED[sampling]:    # the selection and every bound are public, and cohort-free
+    if (
+        "accountant" not in AMPLIFIED[sampling]
+    ):  # the selection and every bound are public, and cohort-free
         acc = json.loads((dir_a / "privacy_report.json").read_text())["accountant"]
-        assert acc["selected"] and {b["accountant"] for b in acc["bounds"]} == {"monte-carlo", "unamplified"}
+        assert acc["selected"] and {b["accountant"] for b in acc["bounds"]} == {
+            "monte-carlo",
+            "unamplified",
+        }
     assert _mask(console_a, dir_a) == _mask(console_b, dir_b)
 
     for run, console, run_dir in ((a, console_a, dir_a), (b, console_b, dir_b)):
         operator = run_dir / "operator"
-        participation = json.loads((operator / "participation.json").read_text())["realized"]["participation"]
+        participation = json.loads((operator / "participation.json").read_text())["realized"][
+            "participation"
+        ]
         hashed = set(participation["users"])
         assert len(hashed) == len(run.ledger.selected) > 0
-        public = [(run_dir / "privacy_report.json").read_text(), (run_dir / "metrics.json").read_text(), console]
+        public = [
+            (run_dir / "privacy_report.json").read_text(),
+            (run_dir / "metrics.json").read_text(),
+            console,
+        ]
         for text in public:
             assert not any(h in text for h in hashed)
             assert not re.search(r'"(accepted|rejected|replies|kept|clipped|zeroed)"', text)
@@ -88,16 +115,22 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
         assert stat.S_IMODE(operator.stat().st_mode) == 0o700
         for name in ("participation.json", "rounds.jsonl", "operator.log"):
             assert stat.S_IMODE((operator / name).stat().st_mode) == 0o600
-        assert "rejected reply" in (operator / "operator.log").read_text()   # the sender, for the operator
+        assert (
+            "rejected reply" in (operator / "operator.log").read_text()
+        )  # the sender, for the operator
         rounds = [json.loads(line) for line in (operator / "rounds.jsonl").read_text().splitlines()]
-        assert [r["rejected"] for r in rounds] == [sum(x["round"] == t for x in run.ledger.rejections)
-                                                   for t in range(6)]
+        assert [r["rejected"] for r in rounds] == [
+            sum(x["round"] == t for x in run.ledger.rejections) for t in range(6)
+        ]
 
 
 def test_a_run_with_a_public_schedule_says_what_it_publishes_outside_the_guarantee(tmp_path):
     s = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path), noise_key=KEY, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
-    assert "accepted" in report["outside_guarantee"]["metrics"] and len(report["realized"]["participation"]["users"])
+    assert "accepted" in report["outside_guarantee"]["metrics"] and len(
+        report["realized"]["participation"]["users"]
+    )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert [m["accepted"] for m in metrics[1:]] == [sum(t in rs for rs in s.ledger.replied.values())
-                                                    for t in range(6)]
+    assert [m["accepted"] for m in metrics[1:]] == [
+        sum(t in rs for rs in s.ledger.replied.values()) for t in range(6)
+    ]

@@ -33,8 +33,12 @@ def test_eq3_equals_brute_force_for_nonnegative_gram(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_bounds_never_below_brute_force(seed):
     rng = np.random.default_rng(100 + seed)
-    for part in (Participation.fixed_epoch(12, 4), Participation.fixed_epoch(10, 2),
-                 Participation.min_separation(10, 2, 3), Participation.min_separation(11, 3)):
+    for part in (
+        Participation.fixed_epoch(12, 4),
+        Participation.fixed_epoch(10, 2),
+        Participation.min_separation(10, 2, 3),
+        Participation.min_separation(11, 3),
+    ):
         C = _random_lower(rng, part.rounds, nonneg=False)
         s = sensitivity_from_gram(C.T @ C, part)
         assert not s.exact
@@ -42,7 +46,8 @@ def test_bounds_never_below_brute_force(seed):
 
 
 def test_counterexample_h2():
-    # 000 App. H.2: scalar sensitivity 1 but ‖CG‖_F = √1.1 for unit-norm rows G: vectors need the bound.
+    # 000 App. H.2: scalar sensitivity 1 but ‖CG‖_F = √1.1 for unit-norm rows G: vectors need the
+    # bound.
     C = np.array([[2, 1, 1], [1, 2, -1], [1, -1, 2]]) / np.sqrt(24)
     G = np.array([[2, 1], [2, -1], [1, 2]]) / np.sqrt(5)
     part = Participation.fixed_epoch(3, 3)
@@ -52,17 +57,23 @@ def test_counterexample_h2():
     assert not s.exact and s.value >= np.sqrt(1.1)
 
 
-@pytest.mark.parametrize("s, k, expected", [(6, 2, 3.405), (4, 2, 3.925), (3, 3, 6.9675), (2, 3, 8.6275),
-                                            (6, 3, 4.765)])
+@pytest.mark.parametrize(
+    "s, k, expected", [(6, 2, 3.405), (4, 2, 3.925), (3, 3, 6.9675), (2, 3, 8.6275), (6, 3, 4.765)]
+)
 def test_toeplitz_min_sep_formula(s, k, expected):
     # 001 digest §9.6 (verified there by brute force; re-checked here).
     theta = np.array([1, 0.6, 0.45, 0.3, 0.2, 0.1])
     n = 14
     assert toeplitz_min_sep_sensitivity(theta, n, s, k) ** 2 == pytest.approx(expected, rel=1e-12)
     idx = np.arange(n)
-    C = np.where(idx[:, None] >= idx[None, :], np.concatenate([theta, np.zeros(n)])[np.clip(
-        idx[:, None] - idx[None, :], 0, None)], 0.0)
-    assert brute_force_sensitivity(C, Participation.min_separation(n, s, k)) ** 2 == pytest.approx(expected)
+    C = np.where(
+        idx[:, None] >= idx[None, :],
+        np.concatenate([theta, np.zeros(n)])[np.clip(idx[:, None] - idx[None, :], 0, None)],
+        0.0,
+    )
+    assert brute_force_sensitivity(C, Participation.min_separation(n, s, k)) ** 2 == pytest.approx(
+        expected
+    )
 
 
 def test_vec_sens_matches_enumeration(rng):

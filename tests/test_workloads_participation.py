@@ -19,7 +19,7 @@ def test_cooldown_schedule_matches_reference_code():
     w = Workload.sgd_momentum(0.95, 0.25)
     eta = w.learning_rates(2052)
     assert w.cooldown_rounds(2052) == 513  # n // 4 in the reference code (000 digest §1.2)
-    assert np.all(eta[:2052 - 513] == 1.0)
+    assert np.all(eta[: 2052 - 513] == 1.0)
     assert eta[-513] == 1.0 and eta[-1] == pytest.approx(0.05)
     n = 12
     A = w.matrix(n)
@@ -34,13 +34,16 @@ def test_apply_equals_matrix(rng):
     np.testing.assert_allclose(w.apply(x), w.matrix(20) @ x, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(kind="prefix", momentum=0.5), "momentum"),
-    (dict(kind="momentum", momentum=1.0), "momentum"),
-    (dict(kind="momentum", momentum=float("nan")), "momentum"),
-    (dict(kind="nope"), "workload"),
-    (dict(kind="prefix", cooldown_fraction=1.5), "cooldown_fraction"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(kind="prefix", momentum=0.5), "momentum"),
+        (dict(kind="momentum", momentum=1.0), "momentum"),
+        (dict(kind="momentum", momentum=float("nan")), "momentum"),
+        (dict(kind="nope"), "workload"),
+        (dict(kind="prefix", cooldown_fraction=1.5), "cooldown_fraction"),
+    ],
+)
 def test_bad_workloads(kwargs, field):
     with pytest.raises(InvalidArgumentError) as e:
         Workload(**kwargs)
@@ -49,20 +52,25 @@ def test_bad_workloads(kwargs, field):
 
 def test_fixed_epoch_patterns():
     p = Participation.fixed_epoch(6, 3)
-    np.testing.assert_array_equal(p.patterns(), [[0, 2, 4], [1, 3, 5]])  # 000 §2: {{1,3,5},{2,4,6}} 1-based
+    np.testing.assert_array_equal(
+        p.patterns(), [[0, 2, 4], [1, 3, 5]]
+    )  # 000 §2: {{1,3,5},{2,4,6}} 1-based
     H = p.contribution_matrix()
     assert H.shape == (6, 2) and H.sum() == 6
     m = p.same_pattern_mask()
     assert m[0, 2] and m[1, 5] and not m[0, 1] and not m[0, 0]
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: Participation.fixed_epoch(10, 3), "epochs"),
-    (lambda: Participation.min_separation(10, 0), "min-sep"),
-    (lambda: Participation.min_separation(10, 4, epochs=4), "epochs"),  # at most ⌈10/4⌉ = 3 fit
-    (lambda: Participation.min_separation(10, 11), "min-sep"),
-    (lambda: Participation.fixed_epoch(0, 1), "rounds"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: Participation.fixed_epoch(10, 3), "epochs"),
+        (lambda: Participation.min_separation(10, 0), "min-sep"),
+        (lambda: Participation.min_separation(10, 4, epochs=4), "epochs"),  # at most ⌈10/4⌉ = 3 fit
+        (lambda: Participation.min_separation(10, 11), "min-sep"),
+        (lambda: Participation.fixed_epoch(0, 1), "rounds"),
+    ],
+)
 def test_impossible_participation(make, field):
     with pytest.raises(InvalidArgumentError) as e:
         make()

@@ -1,6 +1,6 @@
-"""The drop-in wrapper around FedAvg / FedProx with ClientApps written as Flower's quickstarts are (full float64
-weights, a named state dict with an integer buffer, a Keras model), on Flower's simulation engine — one Ray start
-for all three runs."""
+"""The drop-in wrapper around FedAvg / FedProx with ClientApps written as Flower's quickstarts are
+(full float64 weights, a named state dict with an integer buffer, a Keras model), on Flower's
+simulation engine — one Ray start for all three runs."""
 
 import json
 import sys
@@ -36,14 +36,25 @@ def _loss(arrays: ArrayRecord) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("wrapper")
-    torch_init = ArrayRecord({"fc.weight": Array(np.zeros((1, qs.DIM), np.float32)),
-                              "fc.bias": Array(np.zeros(1, np.float32)),
-                              "bn.num_batches_tracked": Array(np.array(7, np.int64))})
+    torch_init = ArrayRecord(
+        {
+            "fc.weight": Array(np.zeros((1, qs.DIM), np.float32)),
+            "fc.bias": Array(np.zeros(1, np.float32)),
+            "bn.num_batches_tracked": Array(np.array(7, np.int64)),
+        }
+    )
     keras_init = ArrayRecord(qs.keras_model().get_weights())
     plans = {
-        "numpy": (FedAvg(fraction_evaluate=0.0), ArrayRecord([np.zeros(qs.DIM), np.zeros(1)]),
-                  {"app": "numpy", "lr": 0.05}),
-        "torch": (FedProx(proximal_mu=0.1, fraction_evaluate=0.0), torch_init, {"app": "torch", "lr": 0.05}),
+        "numpy": (
+            FedAvg(fraction_evaluate=0.0),
+            ArrayRecord([np.zeros(qs.DIM), np.zeros(1)]),
+            {"app": "numpy", "lr": 0.05},
+        ),
+        "torch": (
+            FedProx(proximal_mu=0.1, fraction_evaluate=0.0),
+            torch_init,
+            {"app": "torch", "lr": 0.05},
+        ),
         "keras": (FedAvg(fraction_evaluate=0.0), keras_init, {"app": "keras", "local-epochs": 2}),
     }
     out = {}
@@ -52,21 +63,42 @@ def runs(tmp_path_factory):
     @server.main()
     def main(grid, context):
         for name, (inner, init, config) in plans.items():
-            strategy = DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
-                                                          epochs=2, num_users=USERS, state_dir=root / name / "state")
-            result = strategy.start(grid=grid, initial_arrays=init, num_rounds=ROUNDS,
-                                    train_config=ConfigRecord(config))
+            strategy = DifferentialPrivacyCorrelatedNoise(
+                inner,
+                clipping_norm=0.5,
+                target_epsilon=8.0,
+                delta=1e-5,
+                epochs=2,
+                num_users=USERS,
+                state_dir=root / name / "state",
+            )
+            result = strategy.start(
+                grid=grid, initial_arrays=init, num_rounds=ROUNDS, train_config=ConfigRecord(config)
+            )
             out[name] = (strategy, result, init)
-        # The population taken from the nodes present, then the same run started again: it resumes (nothing left).
+        # The population taken from the nodes present, then the same run started again: it resumes
+        # (nothing left).
         inner, init, config = FedAvg(fraction_evaluate=0.0), plans["numpy"][1], plans["numpy"][2]
         for attempt in ("first", "again"):
-            strategy = DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
-                                                          epochs=2, state_dir=root / "present" / "state")
-            strategy.start(grid=grid, initial_arrays=init, num_rounds=4, train_config=ConfigRecord(config))
+            strategy = DifferentialPrivacyCorrelatedNoise(
+                inner,
+                clipping_norm=0.5,
+                target_epsilon=8.0,
+                delta=1e-5,
+                epochs=2,
+                state_dir=root / "present" / "state",
+            )
+            strategy.start(
+                grid=grid, initial_arrays=init, num_rounds=4, train_config=ConfigRecord(config)
+            )
             out[attempt] = strategy.privacy_report()
 
-    run_simulation(server_app=server, client_app=qs.app, num_supernodes=USERS,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server_app=server,
+        client_app=qs.app,
+        num_supernodes=USERS,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     return out
 
 
@@ -74,11 +106,18 @@ def runs(tmp_path_factory):
 def test_quickstart_apps_train_unchanged_under_the_wrapper(runs, name):
     strategy, result, init = runs[name]
     core = strategy.core
-    assert core.next_round == ROUNDS and not core.ledger.rejections, (core.stopped_reason, core.ledger.rejections[:2])
-    assert list(result.arrays.keys()) == list(init.keys())               # names and order round-trip
-    assert [a.dtype for a in result.arrays.to_numpy_ndarrays()] == [a.dtype for a in init.to_numpy_ndarrays()]
-    assert _loss(result.arrays) < 0.5 * _loss(init)                      # the model learns
-    assert "train_loss" in result.train_metrics_clientapp[ROUNDS]         # the inner metric aggregation is kept
+    assert core.next_round == ROUNDS and not core.ledger.rejections, (
+        core.stopped_reason,
+        core.ledger.rejections[:2],
+    )
+    assert list(result.arrays.keys()) == list(init.keys())  # names and order round-trip
+    assert [a.dtype for a in result.arrays.to_numpy_ndarrays()] == [
+        a.dtype for a in init.to_numpy_ndarrays()
+    ]
+    assert _loss(result.arrays) < 0.5 * _loss(init)  # the model learns
+    assert (
+        "train_loss" in result.train_metrics_clientapp[ROUNDS]
+    )  # the inner metric aggregation is kept
     report = json.loads(strategy.report_path.read_text())
     users = report["realized"]["participation"]["users"]
     assert len(users) == USERS and report["rounds_completed"] == ROUNDS
@@ -90,7 +129,10 @@ def test_quickstart_apps_train_unchanged_under_the_wrapper(runs, name):
 
 def test_population_of_the_nodes_present_resumes_as_the_same_run(runs):
     first, again = runs["first"], runs["again"]
-    assert first["rounds_completed"] == again["rounds_completed"] == 4 and first["run_id"] == again["run_id"]
+    assert (
+        first["rounds_completed"] == again["rounds_completed"] == 4
+        and first["run_id"] == again["run_id"]
+    )
     assert again["realized"]["participation"] == first["realized"]["participation"]
     assert again["realized"]["epsilon"] == pytest.approx(first["realized"]["epsilon"], rel=1e-12)
     assert len(first["realized"]["participation"]["users"]) == USERS
@@ -104,20 +146,29 @@ def test_integer_buffers_keep_the_servers_value(runs):
 def test_stateful_or_robust_inner_strategies_are_refused(tmp_path):
     for inner, why in [(FedAdam(), "server-optimizer state"), (Krum(), "FedAvg's")]:
         with pytest.raises(InvalidArgumentError, match=why):
-            DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
-                                               state_dir=tmp_path)
-    default = DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, state_dir=tmp_path).config(4)
-    assert (default.target_epsilon, default.noise_multiplier, default.delta) == (8.0, None, 1e-5)  # the one default
+            DifferentialPrivacyCorrelatedNoise(
+                inner, clipping_norm=1.0, target_epsilon=8.0, delta=1e-5, state_dir=tmp_path
+            )
+    default = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(), clipping_norm=1.0, state_dir=tmp_path
+    ).config(4)
+    assert (default.target_epsilon, default.noise_multiplier, default.delta) == (
+        8.0,
+        None,
+        1e-5,
+    )  # the one default
     with pytest.raises(InvalidArgumentError, match="clipping_norm"):
-        DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=float("inf"), target_epsilon=1.0, delta=1e-5,
-                                           state_dir=tmp_path)
+        DifferentialPrivacyCorrelatedNoise(
+            FedAvg(), clipping_norm=float("inf"), target_epsilon=1.0, delta=1e-5, state_dir=tmp_path
+        )
 
 
 def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_hang(tmp_path):
-    """FedAvg(min_available_nodes=50) around 6 users: Flower's sample_nodes would wait forever (logging only at
-    INFO). Without federated evaluation the run finishes — corrflow asks the inner strategy for its train config
-    on a padded grid, and the config reaches the clients (FedAvg's own ``server-round``, the user's ``lr``); with
-    it, the wrapper refuses before anything is written, naming the setting."""
+    """FedAvg(min_available_nodes=50) around 6 users: Flower's sample_nodes would wait forever
+    (logging only at INFO). Without federated evaluation the run finishes — corrflow asks the inner
+    strategy for its train config on a padded grid, and the config reaches the clients (FedAvg's own
+    ``server-round``, the user's ``lr``); with it, the wrapper refuses before anything is written,
+    naming the setting."""
     import threading
 
     from corrflow.clients.tasks import get_task
@@ -131,36 +182,70 @@ def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_ha
         return task.handlers["train"](msg, context)
 
     def wrap(inner, state_dir):
-        return DifferentialPrivacyCorrelatedNoise(inner, clipping_norm=1.0, noise_multiplier=1.0, delta=1e-5, epochs=1,
-                                                  num_users=6, replies="delta", state_dir=state_dir)
+        return DifferentialPrivacyCorrelatedNoise(
+            inner,
+            clipping_norm=1.0,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            epochs=1,
+            num_users=6,
+            replies="delta",
+            state_dir=state_dir,
+        )
 
     evaluating = wrap(FedAvg(min_available_nodes=50), tmp_path / "evaluating" / "state")
-    with pytest.raises(InvalidArgumentError, match="min_available_nodes.*at most the run's 6 users"):
-        evaluating.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=ArrayRecord(task.initial_weights()),
-                         num_rounds=2, timeout=30)
+    with pytest.raises(
+        InvalidArgumentError, match="min_available_nodes.*at most the run's 6 users"
+    ):
+        evaluating.start(
+            grid=InProcessGrid(task.handlers, 6),
+            initial_arrays=ArrayRecord(task.initial_weights()),
+            num_rounds=2,
+            timeout=30,
+        )
     assert not (tmp_path / "evaluating").exists()
-    strategy = wrap(FedAvg(min_available_nodes=50, min_train_nodes=40, fraction_evaluate=0.0), tmp_path / "state")
+    strategy = wrap(
+        FedAvg(min_available_nodes=50, min_train_nodes=40, fraction_evaluate=0.0),
+        tmp_path / "state",
+    )
     done = []
-    worker = threading.Thread(target=lambda: done.append(strategy.start(
-        grid=InProcessGrid({**task.handlers, "train": spy}, 6), initial_arrays=ArrayRecord(task.initial_weights()),
-        num_rounds=2, timeout=30, train_config=ConfigRecord({"lr": 0.07}))), daemon=True)
+    worker = threading.Thread(
+        target=lambda: done.append(
+            strategy.start(
+                grid=InProcessGrid({**task.handlers, "train": spy}, 6),
+                initial_arrays=ArrayRecord(task.initial_weights()),
+                num_rounds=2,
+                timeout=30,
+                train_config=ConfigRecord({"lr": 0.07}),
+            )
+        ),
+        daemon=True,
+    )
     worker.start()
     worker.join(120)
     assert done, "the run hung in the inner strategy's configure_train"
     assert strategy.privacy_report()["rounds_completed"] == 2
     final = done[0].arrays.to_numpy_ndarrays()
-    again = strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=ArrayRecord(task.initial_weights()),
-                           num_rounds=2, timeout=30)      # a finished run, started again, returns its model
-    assert len(final) == 2 and all(np.array_equal(a, b) for a, b in zip(again.arrays.to_numpy_ndarrays(), final,
-                                                                        strict=True))
+    again = strategy.start(
+        grid=InProcessGrid(task.handlers, 6),
+        initial_arrays=ArrayRecord(task.initial_weights()),
+        num_rounds=2,
+        timeout=30,
+    )  # a finished run, started again, returns its model
+    assert len(final) == 2 and all(
+        np.array_equal(a, b) for a, b in zip(again.arrays.to_numpy_ndarrays(), final, strict=True)
+    )
     assert {(c["server-round"], c["lr"]) for c in seen} == {(1, 0.07), (2, 0.07)}
 
 
-def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedavg(tmp_path, monkeypatch):
-    """A 2-round run with a relative state_dir inside a fresh git checkout: the directory is resolved against the
-    working directory, everything the run writes (lock, checkpoints, journal, report, metrics, factorization, its
-    .gitignore) is inside it, and git sees nothing else. evaluate_fn gets the starting model (round 0) and each
-    round, as Flower's FedAvg calls it; a resumed start with other initial arrays is refused."""
+def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedavg(
+    tmp_path, monkeypatch
+):
+    """A 2-round run with a relative state_dir inside a fresh git checkout: the directory is
+    resolved against the working directory, everything the run writes (lock, checkpoints, journal,
+    report, metrics, factorization, its .gitignore) is inside it, and git sees nothing else.
+    evaluate_fn gets the starting model (round 0) and each round, as Flower's FedAvg calls it; a
+    resumed start with other initial arrays is refused."""
     import subprocess
 
     from corrflow.clients.tasks import get_task
@@ -173,16 +258,30 @@ def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedav
     monkeypatch.chdir(repo)
     task = get_task("numpy", 8)
     seen = []
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(fraction_evaluate=0.0), clipping_norm=1.0,
-                                                  noise_multiplier=1.0, num_users=6, replies="delta",
-                                                  state_dir="corrflow_state")
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        num_users=6,
+        replies="delta",
+        state_dir="corrflow_state",
+    )
     init = ArrayRecord(task.initial_weights())
-    result = strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=init, num_rounds=2,
-                            evaluate_fn=lambda rnd, arrays: seen.append(rnd) or None)
+    result = strategy.start(
+        grid=InProcessGrid(task.handlers, 6),
+        initial_arrays=init,
+        num_rounds=2,
+        evaluate_fn=lambda rnd, arrays: seen.append(rnd) or None,
+    )
     assert seen == [0, 1, 2] and strategy.privacy_report()["rounds_completed"] == 2
     assert strategy.run_dir == repo / "corrflow_state"
-    status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=repo, capture_output=True, text=True,
-                            check=True).stdout.splitlines()
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert sorted(status) == ["!! corrflow_state/", "?? train.py"], status
     other = ArrayRecord([np.ones_like(a) for a in task.initial_weights()])
     with pytest.raises(InvalidArgumentError, match="initial_arrays"):

@@ -1,23 +1,27 @@
 """One accountant interface: ε for a σ, or σ for an ε, under a sampling description.
 
-Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multiplier``) and returns an
-:class:`AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees. :func:`accountant_for` maps a
-:class:`SamplingSpec` (sampling kind, plus an optional ``accountant`` choice) to the implementation:
+Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multiplier``) and returns
+an :class:`AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees.
+:func:`accountant_for` maps a :class:`SamplingSpec` (sampling kind, plus an optional ``accountant``
+choice) to the implementation:
 
-* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — its exact (ε, δ)
-  curve (Balle & Wang 2018, arXiv 1805.06530);
-* ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians, b-banded C) or,
-  with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D: any non-negative C);
-* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1) or, for banded non-negative
-  encoders with ≤ 12 bands, :class:`MonteCarloEVRAccountant` over the exact likelihood (forward algorithm);
-* ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → :class:`MonteCarloEVRAccountant` (004 Eq. 1, Thm 6.1,
-  Estimate-Verify-Release, Alg. 5).
+* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — its
+  exact (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530);
+* ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians,
+  b-banded C) or, with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D:
+  any non-negative C);
+* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1) or, for banded
+  non-negative encoders with ≤ 12 bands, :class:`MonteCarloEVRAccountant` over the exact likelihood
+  (forward algorithm);
+* ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → :class:`MonteCarloEVRAccountant` (004
+  Eq. 1, Thm 6.1, Estimate-Verify-Release, Alg. 5).
 
-With no accountant named (``SamplingSpec.accountant=None``) an amplified sampling gets :class:`TightestAccountant`:
-every accountant that applies is computed and the tightest bound verified at the target δ is used; the result
-names it and lists the others with their values.
+With no accountant named (``SamplingSpec.accountant=None``) an amplified sampling gets
+:class:`TightestAccountant`: every accountant that applies is computed and the tightest bound
+verified at the target δ is used; the result names it and lists the others with their values.
 
-:func:`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity fields).
+:func:`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity
+fields).
 """
 
 from __future__ import annotations
@@ -59,11 +63,13 @@ from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzE
 
 #: The sampling kinds a :class:`SamplingSpec` accepts (:class:`corrflow.choices.Sampling`).
 SAMPLINGS = choices.values(choices.Sampling)
-#: Accountants valid for each sampling kind; the first is the default (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
+#: Accountants valid for each sampling kind; the first is the default
+# (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
 ACCOUNTANTS_FOR = {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
 ACCOUNTANT_NAMES = choices.values(choices.Accountant)
-#: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh verification passes
-#: almost always (at 1.96 about one run in ten fell back to the unamplified bound).
+#: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh
+# verification passes : almost always (at 1.96 about one run in ten fell back to the unamplified
+# bound).
 RELEASE_Z = 3.0
 #: The report's accountant name for the exact Gaussian curve (unamplified accounting).
 GAUSSIAN_NAME = "analytic-gaussian"
@@ -73,43 +79,68 @@ GAUSSIAN_NAME = "analytic-gaussian"
 class SamplingSpec:
     """How the users of each round are chosen, as the accountants read it.
 
-    Attributes:
-        kind: one of :data:`SAMPLINGS` (``none``: deterministic participation, accounted unamplified).
-        dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
-        expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is ``none``).
-        items_per_user: k_u, items a user may hold (multi-attribution only).
-        sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
-        accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of every
-            accountant that applies (:class:`TightestAccountant`), for ``none`` the unamplified one.
+    Attributes: kind: one of :data:`SAMPLINGS` (``none``: deterministic participation, accounted
+    unamplified). dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
+    expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
+    ``none``). items_per_user: k_u, items a user may hold (multi-attribution only).
+    sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
+    accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of
+    every accountant that applies (:class:`TightestAccountant`), for ``none`` the unamplified one.
 
-    Raises:
-        InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error names it).
+    Raises: InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error
+    names it).
     """
 
     kind: str = "none"
     dataset_size: int | None = None
     expected_batch_size: float | None = None
-    items_per_user: int = 1                    # k_u (multi-attribution)
-    sampling_probability: float | None = None  # the sampler's Poisson p, when known (else derived from B/N)
-    accountant: str | None = None              # one of ACCOUNTANTS_FOR[kind]; None: the default
+    items_per_user: int = 1  # k_u (multi-attribution)
+    sampling_probability: float | None = (
+        None  # the sampler's Poisson p, when known (else derived from B/N)
+    )
+    accountant: str | None = None  # one of ACCOUNTANTS_FOR[kind]; None: the default
 
     def __post_init__(self) -> None:
         require(self.kind in SAMPLINGS, "sampling", f"one of {SAMPLINGS}", self.kind)
-        require(isinstance(self.items_per_user, int) and self.items_per_user >= 1, "items_per_user",
-                "a positive integer", self.items_per_user)
-        require(self.items_per_user == 1 or self.kind == "multi-attribution", "items_per_user",
-                "1 unless sampling=multi-attribution", self.items_per_user)
-        require(self.sampling_probability is None or (np.isfinite(self.sampling_probability)
-                                                      and 0 < self.sampling_probability <= 1),
-                "sampling_probability", "a probability in (0, 1]", self.sampling_probability)
-        require(self.accountant is None or self.accountant in ACCOUNTANTS_FOR[self.kind], "accountant",
-                f"one of {ACCOUNTANTS_FOR[self.kind]} for sampling={self.kind}", self.accountant)
+        require(
+            isinstance(self.items_per_user, int) and self.items_per_user >= 1,
+            "items_per_user",
+            "a positive integer",
+            self.items_per_user,
+        )
+        require(
+            self.items_per_user == 1 or self.kind == "multi-attribution",
+            "items_per_user",
+            "1 unless sampling=multi-attribution",
+            self.items_per_user,
+        )
+        require(
+            self.sampling_probability is None
+            or (np.isfinite(self.sampling_probability) and 0 < self.sampling_probability <= 1),
+            "sampling_probability",
+            "a probability in (0, 1]",
+            self.sampling_probability,
+        )
+        require(
+            self.accountant is None or self.accountant in ACCOUNTANTS_FOR[self.kind],
+            "accountant",
+            f"one of {ACCOUNTANTS_FOR[self.kind]} for sampling={self.kind}",
+            self.accountant,
+        )
         if self.kind != "none":
-            require(self.dataset_size is not None and self.dataset_size >= 1, "dataset_size",
-                    f"a positive integer for sampling={self.kind}", self.dataset_size)
-            require(self.expected_batch_size is not None and 0 < self.expected_batch_size <= self.dataset_size,
-                    "expected_batch_size", f"in (0, dataset_size] for sampling={self.kind}",
-                    self.expected_batch_size)
+            require(
+                self.dataset_size is not None and self.dataset_size >= 1,
+                "dataset_size",
+                f"a positive integer for sampling={self.kind}",
+                self.dataset_size,
+            )
+            require(
+                self.expected_batch_size is not None
+                and 0 < self.expected_batch_size <= self.dataset_size,
+                "expected_batch_size",
+                f"in (0, dataset_size] for sampling={self.kind}",
+                self.expected_batch_size,
+            )
 
     @property
     def method(self) -> str:
@@ -121,28 +152,29 @@ class SamplingSpec:
 class AccountingOptions:
     """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own.
 
-    Attributes:
-        mc_samples: Monte Carlo: the first batch per direction (None: what the target δ needs).
-        seed: the Monte Carlo seed.
-        grid_ratio: Monte Carlo σ search: each candidate is the previous one divided by this.
-        max_candidates: Monte Carlo σ search: at most this many candidates.
-        verify_target: σ calibration (Monte Carlo): draw the samples per candidate the target δ needs.
-        max_samples: Monte Carlo: the sample budget per direction, all batches together.
-        time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
-        mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256).
-        delta_split: MMCC: the share of δ spent on tail bounds.
-        progress: progress lines on stderr for long runs.
+    Attributes: mc_samples: Monte Carlo: the first batch per direction (None: what the target δ
+    needs). seed: the Monte Carlo seed. grid_ratio: Monte Carlo σ search: each candidate is the
+    previous one divided by this. max_candidates: Monte Carlo σ search: at most this many
+    candidates. verify_target: σ calibration (Monte Carlo): draw the samples per candidate the
+    target δ needs. max_samples: Monte Carlo: the sample budget per direction, all batches together.
+    time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
+    mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256). delta_split: MMCC: the
+    share of δ spent on tail bounds. progress: progress lines on stderr for long runs.
     """
 
-    mc_samples: int | None = None    # Monte Carlo: first batch per direction (None: what the target δ needs)
+    mc_samples: int | None = (
+        None  # Monte Carlo: first batch per direction (None: what the target δ needs)
+    )
     seed: int = 0
     grid_ratio: float = 1.02
     max_candidates: int = 40
-    verify_target: bool = False      # σ calibration (Monte Carlo): draw the samples the target δ needs
-    max_samples: int = DEFAULT_MAX_SAMPLES   # Monte Carlo: sample budget per direction, all batches
-    time_limit: float | None = None  # Monte Carlo: seconds after which the search aborts (nothing released)
-    mmcc_grid: float | None = None   # Δ2; None: the largest sensitivity entry / 256
-    delta_split: float = 0.5         # MMCC: share of δ spent on tail bounds
+    verify_target: bool = False  # σ calibration (Monte Carlo): draw the samples the target δ needs
+    max_samples: int = DEFAULT_MAX_SAMPLES  # Monte Carlo: sample budget per direction, all batches
+    time_limit: float | None = (
+        None  # Monte Carlo: seconds after which the search aborts (nothing released)
+    )
+    mmcc_grid: float | None = None  # Δ2; None: the largest sensitivity entry / 256
+    delta_split: float = 0.5  # MMCC: share of δ spent on tail bounds
     progress: bool = False
 
 
@@ -150,10 +182,10 @@ class AccountingOptions:
 class AccountingResult:
     """A guaranteed (epsilon, delta) pair at ``noise_multiplier`` and how it was obtained.
 
-    ``delta`` is the δ actually guaranteed with ``epsilon`` (for Monte Carlo: the δ Estimate-Verify-Release verified
-    with the samples drawn, which may exceed ``target_delta``); ``guarantee`` says whether it meets the target.
-    ``slack``: the part of δ not spent on the privacy-loss distribution itself (EVR's failure term, MMCC's tail
-    bounds), or 0."""
+    ``delta`` is the δ actually guaranteed with ``epsilon`` (for Monte Carlo: the δ
+    Estimate-Verify-Release verified with the samples drawn, which may exceed ``target_delta``);
+    ``guarantee`` says whether it meets the target. ``slack``: the part of δ not spent on the
+    privacy-loss distribution itself (EVR's failure term, MMCC's tail bounds), or 0."""
 
     accountant: str
     epsilon: float
@@ -172,14 +204,24 @@ class AccountingResult:
     def to_dict(self) -> dict:
         """The result in the privacy report's shape.
 
-        Returns:
-            ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee", "accountant": {"name", ...
-            parameters, "slack", "delta", "guarantee"}}``, plus ``target_epsilon`` when one was given.
+        Returns: ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee",
+        "accountant": {"name", ... parameters, "slack", "delta", "guarantee"}}``, plus
+        ``target_epsilon`` when one was given.
         """
-        out = {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
-               "target_delta": self.target_delta, "guarantee": self.guarantee,
-               "accountant": {"name": self.accountant, **self.parameters, "slack": self.slack,
-                              "delta": self.delta, "guarantee": self.guarantee}}
+        out = {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "target_delta": self.target_delta,
+            "guarantee": self.guarantee,
+            "accountant": {
+                "name": self.accountant,
+                **self.parameters,
+                "slack": self.slack,
+                "delta": self.delta,
+                "guarantee": self.guarantee,
+            },
+        }
         if self.target_epsilon is not None:
             out["target_epsilon"] = self.target_epsilon
         return out
@@ -187,33 +229,34 @@ class AccountingResult:
 
 @runtime_checkable
 class Accountant(Protocol):
-    """ε for σ, or the smallest σ (to the accountant's precision, rounded up) for a target ε, of a factorization
-    under one sampling scheme."""
+    """ε for σ, or the smallest σ (to the accountant's precision, rounded up) for a target ε, of a
+    factorization under one sampling scheme."""
 
     name: str
 
-    def epsilon(self, fac: Factorization, noise_multiplier: float, delta: float, *,
-                coarse: bool = False) -> AccountingResult:
+    def epsilon(
+        self, fac: Factorization, noise_multiplier: float, delta: float, *, coarse: bool = False
+    ) -> AccountingResult:
         """ε at σ.
 
-        Args:
-            fac: the factorization, normalised to sensitivity 1 under its participation.
-            noise_multiplier: σ (the noise's standard deviation per unit clip norm).
-            delta: δ in (0, 1).
-            coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ searches and
-                plots.
+        Args: fac: the factorization, normalised to sensitivity 1 under its participation.
+        noise_multiplier: σ (the noise's standard deviation per unit clip norm). delta: δ in (0, 1).
+        coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
+        searches and plots.
 
         Returns:
             The guaranteed (ε, δ) at σ and how it was obtained.
 
-        Raises:
-            InvalidArgumentError: δ or σ out of range, or a factorization or sampling this accountant cannot
-                analyse.
+        Raises: InvalidArgumentError: δ or σ out of range, or a factorization or sampling this
+        accountant cannot analyse.
         """
         ...
 
-    def noise_multiplier(self, fac: Factorization, target_epsilon: float, delta: float) -> AccountingResult:
-        """The smallest σ (to the accountant's precision, rounded up) whose ε is at most ``target_epsilon``.
+    def noise_multiplier(
+        self, fac: Factorization, target_epsilon: float, delta: float
+    ) -> AccountingResult:
+        """The smallest σ (to the accountant's precision, rounded up) whose ε is at most
+        ``target_epsilon``.
 
         Args:
             fac: the factorization, normalised to sensitivity 1 under its participation.
@@ -223,9 +266,8 @@ class Accountant(Protocol):
         Returns:
             The guaranteed (ε, δ) at the calibrated σ, with the target ε.
 
-        Raises:
-            InvalidArgumentError: ε or δ out of range, or a factorization or sampling this accountant cannot
-                analyse.
+        Raises: InvalidArgumentError: ε or δ out of range, or a factorization or sampling this
+        accountant cannot analyse.
         """
         ...
 
@@ -236,14 +278,18 @@ def _band(fac: Factorization) -> np.ndarray:
         return enc.band_array()
     if isinstance(enc, BandedEncoder):
         return enc.band
-    raise InvalidArgumentError("factorization", "a banded encoder (banded, toeplitz, dpsgd) for this accountant "
-                               "(MMCC, --accountant mmcc, takes any non-negative encoder)",
-                               f"{fac.kind} ({enc.structure})")
+    raise InvalidArgumentError(
+        "factorization",
+        "a banded encoder (banded, toeplitz, dpsgd) for this accountant "
+        "(MMCC, --accountant mmcc, takes any non-negative encoder)",
+        f"{fac.kind} ({enc.structure})",
+    )
 
 
 class _Calibrating:
-    """σ for a target ε by :func:`calibrate_log_sigma` over ``_epsilon`` (ε must decrease in σ): probes with
-    ``coarse=True`` (a coarser PLD where the accountant has one), the answer verified at full precision."""
+    """σ for a target ε by :func:`calibrate_log_sigma` over ``_epsilon`` (ε must decrease in σ):
+    probes with ``coarse=True`` (a coarser PLD where the accountant has one), the answer verified at
+    full precision."""
 
     #: relative precision of the σ search (the old grid's ratio was 1.001)
     rtol = 1e-4
@@ -267,30 +313,60 @@ class _Calibrating:
             if self.probe_discretization is None:
                 return verify(s)
             return self._epsilon(fac, s, delta, coarse=True).epsilon
+
         cal = calibrate_log_sigma(probe, verify, target_epsilon, guess=guess, rtol=self.rtol)
         res = fine[cal.noise_multiplier]
-        return AccountingResult(res.accountant, res.epsilon, res.delta, cal.noise_multiplier, delta, target_epsilon,
-                                res.slack, {**res.parameters, "calibration": {
-                                    "method": "Brent search on log σ, verified at full precision",
-                                    "rtol": self.rtol, "probes": cal.probes, "verifications": cal.verifications,
-                                    "probe_discretization": self.probe_discretization}})
+        return AccountingResult(
+            res.accountant,
+            res.epsilon,
+            res.delta,
+            cal.noise_multiplier,
+            delta,
+            target_epsilon,
+            res.slack,
+            {
+                **res.parameters,
+                "calibration": {
+                    "method": "Brent search on log σ, verified at full precision",
+                    "rtol": self.rtol,
+                    "probes": cal.probes,
+                    "verifications": cal.verifications,
+                    "probe_discretization": self.probe_discretization,
+                },
+            },
+        )
 
 
 class UnamplifiedAccountant:
-    """One Gaussian mechanism with noise multiplier σ/sensitivity (000 App. D.2), through its exact (ε, δ) curve
-    (Balle & Wang 2018, "Improving the Gaussian Mechanism for Differential Privacy", arXiv 1805.06530, Thm. 8):
-    ε and σ by root-finding in double precision, rounded to the safe side."""
+    """One Gaussian mechanism with noise multiplier σ/sensitivity (000 App. D.2), through its exact
+    (ε, δ) curve (Balle & Wang 2018, "Improving the Gaussian Mechanism for Differential Privacy",
+    arXiv 1805.06530, Thm. 8): ε and σ by root-finding in double precision, rounded to the safe
+    side."""
 
     name = "unamplified"
 
     def _result(self, fac, sigma, eps, delta, target_epsilon=None):
-        return AccountingResult(GAUSSIAN_NAME, eps, delta, sigma, delta, target_epsilon, parameters={
-            "sampling": "none", "method": "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, "
-            "Thm. 8)", "normalisation": "sensitivity 1 under the factorization's participation "
-            f"({fac.participation.describe()})"})
+        return AccountingResult(
+            GAUSSIAN_NAME,
+            eps,
+            delta,
+            sigma,
+            delta,
+            target_epsilon,
+            parameters={
+                "sampling": "none",
+                "method": "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, "
+                "Thm. 8)",
+                "normalisation": "sensitivity 1 under the factorization's participation "
+                f"({fac.participation.describe()})",
+            },
+        )
 
-    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # exact: nothing coarser is cheaper
-        """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see :meth:`Accountant.epsilon`).
+    def epsilon(
+        self, fac, noise_multiplier, delta, *, coarse=False
+    ):  # exact: nothing coarser is cheaper
+        """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see
+        :meth:`Accountant.epsilon`).
 
         Args:
             fac: the factorization, normalised to sensitivity 1 under its participation.
@@ -302,10 +378,15 @@ class UnamplifiedAccountant:
             The :class:`AccountingResult`.
         """
         check_delta(delta)
-        # The same floor as every other accountant (ε would be in the thousands): one answer to a σ that small.
+        # The same floor as every other accountant (ε would be in the thousands): one answer to a σ
+        # that small.
         check_pld_size(noise_multiplier, fac.sensitivity.value)
-        return self._result(fac, noise_multiplier,
-                            gaussian_epsilon(noise_multiplier, fac.sensitivity.value, delta), delta)
+        return self._result(
+            fac,
+            noise_multiplier,
+            gaussian_epsilon(noise_multiplier, fac.sensitivity.value, delta),
+            delta,
+        )
 
     def noise_multiplier(self, fac, target_epsilon, delta):
         """The smallest σ, rounded up, whose exact Gaussian ε is at most ``target_epsilon``.
@@ -325,11 +406,12 @@ class UnamplifiedAccountant:
 
 @dataclass
 class CyclicPoissonAccountant(_Calibrating):
-    """Cyclic Poisson sampling of a b-banded encoder (001: McKenna, "Scaling up the Banded Matrix Factorization
-    Mechanism for Differentially Private ML", arXiv 2405.15913, Prop. 2.1): the mechanism is ⌈n/b⌉ compositions
-    of a Poisson-subsampled Gaussian with probability q = b·B/N and noise multiplier σ / max column norm of C,
-    accounted by dp-accounting's PLD; at q = 1, one Gaussian through its exact curve (Balle & Wang, arXiv
-    1805.06530, Thm. 8). σ for a target ε by a Brent search on log σ.
+    """Cyclic Poisson sampling of a b-banded encoder (001: McKenna, "Scaling up the Banded Matrix
+    Factorization Mechanism for Differentially Private ML", arXiv 2405.15913, Prop. 2.1): the
+    mechanism is ⌈n/b⌉ compositions of a Poisson-subsampled Gaussian with probability q = b·B/N and
+    noise multiplier σ / max column norm of C, accounted by dp-accounting's PLD; at q = 1, one
+    Gaussian through its exact curve (Balle & Wang, arXiv 1805.06530, Thm. 8). σ for a target ε by a
+    Brent search on log σ.
 
     Args:
         sampling: a ``cyclic-poisson`` :class:`SamplingSpec`.
@@ -340,26 +422,51 @@ class CyclicPoissonAccountant(_Calibrating):
 
     def _reduction(self, fac) -> tuple[CyclicPoisson, float]:
         _band(fac)
-        cp = CyclicPoisson(fac.rounds, fac.participation.min_sep, self.sampling.dataset_size,
-                           self.sampling.expected_batch_size)
-        require(fac.bands <= cp.cycle, "factorization", f"at most min_sep = {cp.cycle} bands for the cyclic Poisson "
-                "reduction (use --accountant mmcc for more bands)", fac.bands)
+        cp = CyclicPoisson(
+            fac.rounds,
+            fac.participation.min_sep,
+            self.sampling.dataset_size,
+            self.sampling.expected_batch_size,
+        )
+        require(
+            fac.bands <= cp.cycle,
+            "factorization",
+            f"at most min_sep = {cp.cycle} bands for the cyclic Poisson "
+            "reduction (use --accountant mmcc for more bands)",
+            fac.bands,
+        )
         return cp, float(fac.encoder.column_norms().max())
 
     def _result(self, cp, col, sigma, eps, delta, target_epsilon=None, exact=False):
-        params = {"sampling": "cyclic-poisson", "cycle": cp.cycle, "compositions": cp.compositions,
-                  "sampling_probability": cp.sampling_probability, "normalisation": "max column norm = 1 "
-                  f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"}
+        params = {
+            "sampling": "cyclic-poisson",
+            "cycle": cp.cycle,
+            "compositions": cp.compositions,
+            "sampling_probability": cp.sampling_probability,
+            "normalisation": "max column norm = 1 "
+            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)",
+        }
         if exact:
-            params["method"] = ("q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
-                                "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & Wang "
-                                "2018, arXiv 1805.06530, Thm. 8)")
-        return AccountingResult(GAUSSIAN_NAME if exact else "pld", eps, delta, sigma, delta, target_epsilon,
-                                parameters=params)
+            params["method"] = (
+                "q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
+                "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & "
+                "Wang "
+                "2018, arXiv 1805.06530, Thm. 8)"
+            )
+        return AccountingResult(
+            GAUSSIAN_NAME if exact else "pld",
+            eps,
+            delta,
+            sigma,
+            delta,
+            target_epsilon,
+            parameters=params,
+        )
 
     @staticmethod
     def _unamplified(cp: CyclicPoisson) -> bool:
-        # q = 1 (up to rounding: a q below 1 only lowers ε, so treating it as 1 stays an upper bound)
+        # q = 1 (up to rounding: a q below 1 only lowers ε, so treating it as 1 stays an upper
+        # bound)
         return cp.sampling_probability >= 1.0 - 1e-12
 
     def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
@@ -369,13 +476,16 @@ class CyclicPoissonAccountant(_Calibrating):
             check_pld_size(noise_multiplier, col * math.sqrt(cp.compositions))
             e = gaussian_epsilon(noise_multiplier, col * math.sqrt(cp.compositions), delta)
             return self._result(cp, col, noise_multiplier, e, delta, exact=True)
-        e = epsilon_of(cp.event(noise_multiplier, col), delta,
-                       discretization=self.probe_discretization if coarse else PLD_DISCRETIZATION)
+        e = epsilon_of(
+            cp.event(noise_multiplier, col),
+            delta,
+            discretization=self.probe_discretization if coarse else PLD_DISCRETIZATION,
+        )
         return self._result(cp, col, noise_multiplier, e, delta)
 
     def noise_multiplier(self, fac, target_epsilon, delta):
-        """The smallest σ (to ``rtol``, rounded up) whose ε is at most ``target_epsilon``: a Brent search on
-        log σ over the PLD (exact when q = 1).
+        """The smallest σ (to ``rtol``, rounded up) whose ε is at most ``target_epsilon``: a Brent
+        search on log σ over the PLD (exact when q = 1).
 
         Args:
             fac: a banded factorization with at most b bands.
@@ -392,15 +502,18 @@ class CyclicPoissonAccountant(_Calibrating):
             return super().noise_multiplier(fac, target_epsilon, delta)
         sens = col * math.sqrt(cp.compositions)
         sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
-        return self._result(cp, col, sigma, gaussian_epsilon(sigma, sens, delta), delta, target_epsilon, exact=True)
+        return self._result(
+            cp, col, sigma, gaussian_epsilon(sigma, sens, delta), delta, target_epsilon, exact=True
+        )
 
 
 @dataclass
 class MMCCAccountant(_Calibrating):
-    """MMCC (002 Alg. 1) for Poisson sampling in every round; Generalized-MMCC (002 Alg. 3) for cyclic Poisson.
+    """MMCC (002 Alg. 1) for Poisson sampling in every round; Generalized-MMCC (002 Alg. 3) for
+    cyclic Poisson.
 
-    002: Choquette-Choo, Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix Mechanisms", arXiv
-    2310.15526. Any non-negative encoder C; σ for a target ε by a Brent search on log σ.
+    002: Choquette-Choo, Ganesh, Steinke, Thakurta, "Privacy Amplification for Matrix Mechanisms",
+    arXiv 2310.15526. Any non-negative encoder C; σ for a target ε by a Brent search on log σ.
 
     Args:
         sampling: a ``poisson`` or ``cyclic-poisson`` :class:`SamplingSpec`.
@@ -410,7 +523,7 @@ class MMCCAccountant(_Calibrating):
     sampling: SamplingSpec
     options: AccountingOptions = field(default_factory=AccountingOptions)
     name = "mmcc"
-    rtol = 1e-3                      # each probe is a full Generalized-MMCC run
+    rtol = 1e-3  # each probe is a full Generalized-MMCC run
     probe_discretization = 4 * MMCC_DISCRETIZATION
 
     def _setting(self, fac) -> tuple[int, float, list[int] | None]:
@@ -420,11 +533,19 @@ class MMCCAccountant(_Calibrating):
             return 1, p, None
         cycle = fac.participation.min_sep
         q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
-        q = 1.0 if 1.0 < q <= 1.0 + 1e-9 else q      # N/B = cycle exactly: rounding must not leave [0, 1]
-        require(q <= 1, "expected_batch_size", f"at most dataset_size/cycle = {s.dataset_size / cycle:g} "
-                "(q = cycle·B/N must be ≤ 1)", s.expected_batch_size)
+        q = (
+            1.0 if 1.0 < q <= 1.0 + 1e-9 else q
+        )  # N/B = cycle exactly: rounding must not leave [0, 1]
+        require(
+            q <= 1,
+            "expected_batch_size",
+            f"at most dataset_size/cycle = {s.dataset_size / cycle:g} (q = cycle·B/N must be ≤ 1)",
+            s.expected_batch_size,
+        )
         enc = fac.encoder
-        toeplitz = isinstance(enc, BLTEncoder) or (isinstance(enc, ToeplitzEncoder) and not enc.column_normalize)
+        toeplitz = isinstance(enc, BLTEncoder) or (
+            isinstance(enc, ToeplitzEncoder) and not enc.column_normalize
+        )
         return cycle, q, [0] if toeplitz else None
 
     def _epsilon(self, fac, noise_multiplier, delta, coarse=False):
@@ -433,37 +554,69 @@ class MMCCAccountant(_Calibrating):
         cycle, q, groups = self._setting(fac)
         o = self.options
         vdi = self.probe_discretization if coarse else MMCC_DISCRETIZATION
-        run = mmcc_epsilon(fac.encoder.matrix(), q, noise_multiplier, delta, cycle=cycle, groups=groups,
-                           delta_split=o.delta_split, grid=o.mmcc_grid, discretization=vdi, progress=o.progress)
+        run = mmcc_epsilon(
+            fac.encoder.matrix(),
+            q,
+            noise_multiplier,
+            delta,
+            cycle=cycle,
+            groups=groups,
+            delta_split=o.delta_split,
+            grid=o.mmcc_grid,
+            discretization=vdi,
+            progress=o.progress,
+        )
         variant = "MMCC (002 Alg. 1)" if cycle == 1 else "Generalized-MMCC (002 Alg. 3)"
-        return AccountingResult("mmcc", run.epsilon, delta, noise_multiplier, delta, slack=run.delta1, parameters={
-            "sampling": self.sampling.kind, "variant": variant, "cycle": cycle, "sampling_probability": q,
-            "delta_tail_bounds": run.delta1, "delta_pld": run.delta2, "grid": run.grid,
-            "pld_discretization": vdi, "rows": run.rows, "distinct_rows": run.distinct_rows,
-            "tail_bound_pairs": run.tail_bound_pairs, "max_p_tilde": run.max_p_tilde,
-            "groups_analysed": run.groups_analysed,
-            "normalisation": "σ multiplies the clip norm; C's entries are the per-round sensitivities"})
+        return AccountingResult(
+            "mmcc",
+            run.epsilon,
+            delta,
+            noise_multiplier,
+            delta,
+            slack=run.delta1,
+            parameters={
+                "sampling": self.sampling.kind,
+                "variant": variant,
+                "cycle": cycle,
+                "sampling_probability": q,
+                "delta_tail_bounds": run.delta1,
+                "delta_pld": run.delta2,
+                "grid": run.grid,
+                "pld_discretization": vdi,
+                "rows": run.rows,
+                "distinct_rows": run.distinct_rows,
+                "tail_bound_pairs": run.tail_bound_pairs,
+                "max_p_tilde": run.max_p_tilde,
+                "groups_analysed": run.groups_analysed,
+                "normalisation": (
+                    "σ multiplies the clip norm; C's entries are the per-round sensitivities"
+                ),
+            },
+        )
 
 
 @dataclass
 class MonteCarloEVRAccountant:
-    """Monte Carlo accounting over the exact likelihood, released by Estimate-Verify-Release (004 App. A, Thm A.1).
+    """Monte Carlo accounting over the exact likelihood, released by Estimate-Verify-Release (004
+    App. A, Thm A.1).
 
-    Schemes: b-min-sep (004 Eq. 1, warm start) and multi-attribution (Thm 6.1, cold start) with bands ≤ b; Poisson
-    sampling in every round of a banded encoder with ≤ 12 bands (a forward algorithm over the last bands − 1
-    participation bits); balls-in-bins (the N/B phases enumerated, any bands). Both adjacency directions.
+    Schemes: b-min-sep (004 Eq. 1, warm start) and multi-attribution (Thm 6.1, cold start) with
+    bands ≤ b; Poisson sampling in every round of a banded encoder with ≤ 12 bands (a forward
+    algorithm over the last bands − 1 participation bits); balls-in-bins (the N/B phases enumerated,
+    any bands). Both adjacency directions.
 
-    ``epsilon``: :func:`~corrflow.accounting.montecarlo.adaptive_evr` — batches of samples, deterministic given the
-    seed, until verification at the target δ passes (the verifier's failure probability is part of that δ) or the
-    ``max_samples`` budget is spent; then the scheme's other verified bound is released (unamplified ⌈n/b⌉
-    participations, or MMCC for Poisson) and both numbers are named on stderr and in the result.
+    ``epsilon``: :func:`~corrflow.accounting.montecarlo.adaptive_evr` — batches of samples,
+    deterministic given the seed, until verification at the target δ passes (the verifier's failure
+    probability is part of that δ) or the ``max_samples`` budget is spent; then the scheme's other
+    verified bound is released (unamplified ⌈n/b⌉ participations, or MMCC for Poisson) and both
+    numbers are named on stderr and in the result.
 
-    004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338.
+    004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv
+    2602.09338.
 
-    Args:
-        sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson`` :class:`SamplingSpec`.
-        options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit`` and ``progress`` (ε), and
-            ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
+    Args: sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
+    :class:`SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``
+    and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
     """
 
     sampling: SamplingSpec
@@ -477,29 +630,67 @@ class MonteCarloEVRAccountant:
         k_u = sampling.items_per_user
         if sampling.kind == "balls-in-bins":
             bins = round(1 / p0)
-            require(abs(bins * p0 - 1) < 1e-9, "expected_batch_size", "a divisor of dataset_size (N/B bins)",
-                    sampling.expected_batch_size)
-            params = {"sampling": "balls-in-bins", "bins": bins, "min_sep": bins, "sampling_probability": 1.0,
-                      "participation_rate": p0, "items_per_user": 1, "likelihood": "exact: the N/B phases "
-                      "enumerated (004 §1.4)"}
+            require(
+                abs(bins * p0 - 1) < 1e-9,
+                "expected_batch_size",
+                "a divisor of dataset_size (N/B bins)",
+                sampling.expected_batch_size,
+            )
+            params = {
+                "sampling": "balls-in-bins",
+                "bins": bins,
+                "min_sep": bins,
+                "sampling_probability": 1.0,
+                "participation_rate": p0,
+                "items_per_user": 1,
+                "likelihood": "exact: the N/B phases enumerated (004 §1.4)",
+            }
             return MonteCarloAccountant(band, bins, 1.0, scheme="balls-in-bins"), params
         if sampling.kind == "poisson":
             p = sampling.sampling_probability or p0
-            require(band.shape[1] <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for "
-                    "the Monte Carlo accountant under Poisson sampling (2^(bands−1) states; use mmcc)", band.shape[1])
-            params = {"sampling": "poisson", "min_sep": 1, "sampling_probability": p, "participation_rate": p,
-                      "items_per_user": 1, "likelihood": f"exact: forward algorithm over the last "
-                      f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)"}
+            require(
+                band.shape[1] <= MAX_FORWARD_BANDS,
+                "factorization",
+                f"at most {MAX_FORWARD_BANDS} bands for "
+                "the Monte Carlo accountant under Poisson sampling (2^(bands−1) states; use mmcc)",
+                band.shape[1],
+            )
+            params = {
+                "sampling": "poisson",
+                "min_sep": 1,
+                "sampling_probability": p,
+                "participation_rate": p,
+                "items_per_user": 1,
+                "likelihood": f"exact: forward algorithm over the last "
+                f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)",
+            }
             return MonteCarloAccountant(band, 1, p, scheme="poisson"), params
         b = fac.participation.min_sep
-        require(p0 <= (1.0 / b) * (1 + 1e-9), "expected_batch_size", f"at most dataset_size/min_sep = "
-                f"{sampling.dataset_size / b:g} for b-min-sep sampling", sampling.expected_batch_size)
-        p = sampling.sampling_probability or min(1.0, 1.0 / (1.0 / p0 - (b - 1)))  # 004 §1.5: 1/p0 = 1/p + b − 1
-        require(band.shape[1] <= b, "factorization", f"at most {b} bands (the sampler's separation) for the "
-                "banded recursion", band.shape[1])
-        warm = sampling.kind != "multi-attribution"     # Thm 6.1 is a cold-start analysis (004 §6.2)
-        params = {"sampling": sampling.kind, "min_sep": b, "sampling_probability": p, "participation_rate": p0,
-                  "warm_start": warm, "items_per_user": k_u, "likelihood": "exact: 004 Eq. 1 recursion"}
+        require(
+            p0 <= (1.0 / b) * (1 + 1e-9),
+            "expected_batch_size",
+            f"at most dataset_size/min_sep = {sampling.dataset_size / b:g} for b-min-sep sampling",
+            sampling.expected_batch_size,
+        )
+        p = sampling.sampling_probability or min(
+            1.0, 1.0 / (1.0 / p0 - (b - 1))
+        )  # 004 §1.5: 1/p0 = 1/p + b − 1
+        require(
+            band.shape[1] <= b,
+            "factorization",
+            f"at most {b} bands (the sampler's separation) for the banded recursion",
+            band.shape[1],
+        )
+        warm = sampling.kind != "multi-attribution"  # Thm 6.1 is a cold-start analysis (004 §6.2)
+        params = {
+            "sampling": sampling.kind,
+            "min_sep": b,
+            "sampling_probability": p,
+            "participation_rate": p0,
+            "warm_start": warm,
+            "items_per_user": k_u,
+            "likelihood": "exact: 004 Eq. 1 recursion",
+        }
         return MonteCarloAccountant(band, b, p, warm=warm, k_u=k_u), params
 
     def _verify_samples(self, delta_prime: float, delta: float) -> tuple[int, int]:
@@ -508,18 +699,27 @@ class MonteCarloEVRAccountant:
         base = o.mc_samples or 100_000
         if not o.verify_target:
             return base, needed
-        require(isinstance(o.max_samples, int) and o.max_samples >= 2, "max_samples", "an integer ≥ 2",
-                o.max_samples)
+        require(
+            isinstance(o.max_samples, int) and o.max_samples >= 2,
+            "max_samples",
+            "an integer ≥ 2",
+            o.max_samples,
+        )
         if needed > o.max_samples:
-            print(f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, above "
-                  f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is what they "
-                  "verify)", file=sys.stderr)
+            print(
+                f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, "
+                "above "
+                f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is "
+                "what they "
+                "verify)",
+                file=sys.stderr,
+            )
         return max(base, min(needed, o.max_samples)), needed
 
     def fallback(self, fac, noise_multiplier: float, delta: float) -> AccountingResult:
-        """The scheme's other bound, needing no Monte Carlo: MMCC (002) for Poisson; else one Gaussian of the
-        sensitivity of ⌈n/b⌉ participations b apart (k_u items each), which every run of the sampler obeys
-        (000 App. D.2).
+        """The scheme's other bound, needing no Monte Carlo: MMCC (002) for Poisson; else one
+        Gaussian of the sensitivity of ⌈n/b⌉ participations b apart (k_u items each), which every
+        run of the sampler obeys (000 App. D.2).
 
         Args:
             fac: the factorization.
@@ -530,17 +730,31 @@ class MonteCarloEVRAccountant:
             The MMCC or exact-Gaussian (``analytic-gaussian``) :class:`AccountingResult`.
         """
         if self.sampling.kind == "poisson":
-            spec = SamplingSpec("poisson", self.sampling.dataset_size, self.sampling.expected_batch_size,
-                                sampling_probability=self.sampling.sampling_probability, accountant="mmcc")
+            spec = SamplingSpec(
+                "poisson",
+                self.sampling.dataset_size,
+                self.sampling.expected_batch_size,
+                sampling_probability=self.sampling.sampling_probability,
+                accountant="mmcc",
+            )
             return MMCCAccountant(spec, self.options).epsilon(fac, noise_multiplier, delta)
         sens, k, sep = self.fallback_sensitivity(fac)
         e = gaussian_epsilon(noise_multiplier, sens, delta)
-        return AccountingResult("analytic-gaussian", e, delta, noise_multiplier, delta,
-                                parameters=self._fallback_parameters(sens, k, sep))
+        return AccountingResult(
+            "analytic-gaussian",
+            e,
+            delta,
+            noise_multiplier,
+            delta,
+            parameters=self._fallback_parameters(sens, k, sep),
+        )
 
-    def fallback_noise_multiplier(self, fac, target_epsilon: float, delta: float) -> AccountingResult:
-        """σ for ``target_epsilon`` under the scheme's unamplified bound (:meth:`fallback`'s sensitivity), exact
-        (Balle & Wang 2018, arXiv 1805.06530): what every run of the sampler obeys, with no Monte Carlo.
+    def fallback_noise_multiplier(
+        self, fac, target_epsilon: float, delta: float
+    ) -> AccountingResult:
+        """σ for ``target_epsilon`` under the scheme's unamplified bound (:meth:`fallback`'s
+        sensitivity), exact (Balle & Wang 2018, arXiv 1805.06530): what every run of the sampler
+        obeys, with no Monte Carlo.
 
         Args:
             fac: the factorization.
@@ -552,23 +766,37 @@ class MonteCarloEVRAccountant:
         """
         sens, k, sep = self.fallback_sensitivity(fac)
         sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
-        return AccountingResult("analytic-gaussian", gaussian_epsilon(sigma, sens, delta), delta, sigma, delta,
-                                target_epsilon, parameters=self._fallback_parameters(sens, k, sep))
+        return AccountingResult(
+            "analytic-gaussian",
+            gaussian_epsilon(sigma, sens, delta),
+            delta,
+            sigma,
+            delta,
+            target_epsilon,
+            parameters=self._fallback_parameters(sens, k, sep),
+        )
 
     def fallback_sensitivity(self, fac) -> tuple[float, int, int]:
-        """(sensitivity, k, b) of the sampler's worst pattern: at most k = ⌈n/b⌉ participations b rounds apart, k_u
-        items each; √k per item when the bands fit between participations (disjoint supports), else k (the triangle
-        inequality), times the largest column norm of C."""
+        """(sensitivity, k, b) of the sampler's worst pattern: at most k = ⌈n/b⌉ participations b
+        rounds apart, k_u items each; √k per item when the bands fit between participations
+        (disjoint supports), else k (the triangle inequality), times the largest column norm of
+        C."""
         sep = self._separation(fac)
         k = math.ceil(fac.rounds / sep)
         per = math.sqrt(k) if (fac.bands or fac.rounds) <= sep else k
         return self.sampling.items_per_user * per * float(fac.encoder.column_norms().max()), k, sep
 
     def _fallback_parameters(self, sens: float, k: int, sep: int) -> dict:
-        return {"sampling": f"none ({self.sampling.kind}: at most {k} participations {sep} rounds apart, "
-                            "unamplified)",
-                "sensitivity": sens,
-                "normalisation": "one Gaussian of the sensitivity of the sampler's worst pattern (000 App. D.2)"}
+        return {
+            "sampling": (
+                f"none ({self.sampling.kind}: at most {k} participations {sep} rounds apart, "
+                "unamplified)"
+            ),
+            "sensitivity": sens,
+            "normalisation": (
+                "one Gaussian of the sensitivity of the sampler's worst pattern (000 App. D.2)"
+            ),
+        }
 
     def _separation(self, fac) -> int:
         if self.sampling.kind == "balls-in-bins":
@@ -584,41 +812,82 @@ class MonteCarloEVRAccountant:
             noise_multiplier: σ.
             delta: the target δ in (0, 1).
 
-        Returns:
-            The verified :class:`AccountingResult`; when the sample budget was spent before a verification passed,
-            ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point estimate (never a released pair).
+        Returns: The verified :class:`AccountingResult`; when the sample budget was spent before a
+        verification passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point
+        estimate (never a released pair).
 
-        Raises:
-            InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the scheme cannot
-                analyse.
+        Raises: InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the
+        scheme cannot analyse.
         """
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
         o = self.options
-        if self.sampling.kind != "poisson":   # the fallback is a PLD: refuse a σ it cannot represent first
+        if (
+            self.sampling.kind != "poisson"
+        ):  # the fallback is a PLD: refuse a σ it cannot represent first
             k = math.ceil(fac.rounds / self._separation(fac))
-            check_pld_size(noise_multiplier, params["items_per_user"] * k
-                           * float(fac.encoder.column_norms().max()))
-        require(isinstance(o.max_samples, int) and o.max_samples >= 4, "max_samples", "an integer ≥ 4",
-                o.max_samples)
-        run = adaptive_evr(mc, noise_multiplier, delta, o.seed, max_samples=o.max_samples,
-                           first_samples=o.mc_samples, release_z=RELEASE_Z, time_limit=o.time_limit,
-                           progress=o.progress)
-        acc = {**params, **run.to_dict(), "directions": "add and remove", "release_z": RELEASE_Z, "seed": o.seed,
-               "verify_rule": "attempt i: fresh samples, threshold δ' with wrong-pass probability ≤ β/2^(i+1); "
-               "released δ = δ_mechanism + β",
-               "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
+            check_pld_size(
+                noise_multiplier,
+                params["items_per_user"] * k * float(fac.encoder.column_norms().max()),
+            )
+        require(
+            isinstance(o.max_samples, int) and o.max_samples >= 4,
+            "max_samples",
+            "an integer ≥ 4",
+            o.max_samples,
+        )
+        run = adaptive_evr(
+            mc,
+            noise_multiplier,
+            delta,
+            o.seed,
+            max_samples=o.max_samples,
+            first_samples=o.mc_samples,
+            release_z=RELEASE_Z,
+            time_limit=o.time_limit,
+            progress=o.progress,
+        )
+        acc = {
+            **params,
+            **run.to_dict(),
+            "directions": "add and remove",
+            "release_z": RELEASE_Z,
+            "seed": o.seed,
+            "verify_rule": (
+                "attempt i: fresh samples, threshold δ' with wrong-pass probability ≤ β/2^(i+1); "
+                "released δ = δ_mechanism + β"
+            ),
+            "normalisation": (
+                "σ multiplies the clip norm; per-participation sensitivity = column norm of C"
+            ),
+        }
         if run.passed:
-            return AccountingResult("monte-carlo", run.epsilon, delta, noise_multiplier, delta,
-                                    slack=run.failure_budget, parameters=acc)
+            return AccountingResult(
+                "monte-carlo",
+                run.epsilon,
+                delta,
+                noise_multiplier,
+                delta,
+                slack=run.failure_budget,
+                parameters=acc,
+            )
         # Not a guarantee: the estimate with δ = 1 marks it unverified (never released as a pair).
-        return AccountingResult("monte-carlo", run.estimate, 1.0, noise_multiplier, delta, parameters={
-            **acc, "released": "nothing: the sample budget was spent before a verification passed"})
+        return AccountingResult(
+            "monte-carlo",
+            run.estimate,
+            1.0,
+            noise_multiplier,
+            delta,
+            parameters={
+                **acc,
+                "released": "nothing: the sample budget was spent before a verification passed",
+            },
+        )
 
-    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):   # nothing coarser is cheaper
-        """ε at σ: :meth:`verified_epsilon`, or :meth:`fallback` (named on stderr and in the result) when no
-        verification passed within the sample budget.
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):  # nothing coarser is cheaper
+        """ε at σ: :meth:`verified_epsilon`, or :meth:`fallback` (named on stderr and in the result)
+        when no verification passed within the sample budget.
 
         Args:
             fac: a banded, entrywise non-negative factorization the scheme can analyse.
@@ -626,47 +895,67 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns:
-            The :class:`AccountingResult` (the fallback's carries the Monte Carlo attempt under ``monte_carlo``).
+        Returns: The :class:`AccountingResult` (the fallback's carries the Monte Carlo attempt under
+        ``monte_carlo``).
         """
         res = self.verified_epsilon(fac, noise_multiplier, delta)
         if res.guarantee:
             return res
         fb = self.fallback(fac, noise_multiplier, delta)
-        note = (f"monte carlo: no verification passed within --max-samples {self.options.max_samples} per direction "
-                f"(estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); releasing the {fb.accountant} "
-                f"bound ε = {fb.epsilon:.4g} — raise --max-samples for the Monte Carlo bound")
+        note = (
+            f"monte carlo: no verification passed within --max-samples {self.options.max_samples} "
+            "per direction "
+            f"(estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); releasing the "
+            f"{fb.accountant} "
+            f"bound ε = {fb.epsilon:.4g} — raise --max-samples for the Monte Carlo bound"
+        )
         print(note, file=sys.stderr)
-        return replace(fb, parameters={**fb.parameters, "released": "fallback", "fallback_reason": note,
-                                       "monte_carlo": res.parameters})
+        return replace(
+            fb,
+            parameters={
+                **fb.parameters,
+                "released": "fallback",
+                "fallback_reason": note,
+                "monte_carlo": res.parameters,
+            },
+        )
 
     def noise_multiplier(self, fac, target_epsilon, delta):
-        """The smallest verified σ for ``target_epsilon``: candidates from the unamplified fallback σ down by
-        ``grid_ratio``, each verified by Monte Carlo on fresh samples (004 Alg. 5), until one fails.
+        """The smallest verified σ for ``target_epsilon``: candidates from the unamplified fallback
+        σ down by ``grid_ratio``, each verified by Monte Carlo on fresh samples (004 Alg. 5), until
+        one fails.
 
         Args:
             fac: a banded factorization with at most b bands.
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns:
-            The :class:`AccountingResult` at the last verified σ; the unamplified fallback σ (named on stderr and
-            in the result) when none passed, or when the samples per candidate verify only a δ above the target.
+        Returns: The :class:`AccountingResult` at the last verified σ; the unamplified fallback σ
+        (named on stderr and in the result) when none passed, or when the samples per candidate
+        verify only a δ above the target.
 
-        Raises:
-            InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out of range.
+        Raises: InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out
+        of range.
         """
-        # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the fallback (the
-        # unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without Monte Carlo) is always valid.
+        # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the
+        # fallback (the unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without
+        # Monte Carlo) is always valid.
         check_delta(delta)
         check_epsilon(target_epsilon)
-        require(self.sampling.kind != "poisson", "accountant", "mmcc to calibrate σ under Poisson sampling (the "
-                "Monte Carlo accountant gives ε for a σ there)", "monte-carlo")
+        require(
+            self.sampling.kind != "poisson",
+            "accountant",
+            "mmcc to calibrate σ under Poisson sampling (the "
+            "Monte Carlo accountant gives ε for a σ there)",
+            "monte-carlo",
+        )
         mc, params = self._mc(fac)
         o = self.options
         delta_prime = delta / 2
         verify_n, needed = self._verify_samples(delta_prime, delta)
-        sens_fb = self.fallback_sensitivity(fac)[0]   # the same rule as fallback(): √k only where bands ≤ b
+        sens_fb = self.fallback_sensitivity(fac)[
+            0
+        ]  # the same rule as fallback(): √k only where bands ≤ b
         fallback = gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
         chosen, tried = fallback, []
         for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
@@ -677,27 +966,64 @@ class MonteCarloEVRAccountant:
                 break
             chosen = cand
         d_overall = overall_delta(verify_n, delta_prime)
-        acc = {**params, "samples": verify_n, "verify_delta": delta_prime,
-               "samples_needed_for_target_delta": needed, "directions": "add and remove",
-               "fallback_noise_multiplier": fallback, "candidates": tried, "grid_ratio": o.grid_ratio,
-               "overall_delta": d_overall,
-               "normalisation": "σ multiplies the clip norm; per-participation sensitivity = column norm of C"}
-        if chosen == fallback:   # no candidate below the fallback verified: release the bound that holds without one
+        acc = {
+            **params,
+            "samples": verify_n,
+            "verify_delta": delta_prime,
+            "samples_needed_for_target_delta": needed,
+            "directions": "add and remove",
+            "fallback_noise_multiplier": fallback,
+            "candidates": tried,
+            "grid_ratio": o.grid_ratio,
+            "overall_delta": d_overall,
+            "normalisation": (
+                "σ multiplies the clip norm; per-participation sensitivity = column norm of C"
+            ),
+        }
+        if (
+            chosen == fallback
+        ):  # no candidate below the fallback verified: release the bound that holds without one
             res = self.fallback_noise_multiplier(fac, target_epsilon, delta)
-            return replace(res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc})
+            return replace(
+                res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc}
+            )
         if d_overall > delta * (1 + 1e-12):
-            # The samples per candidate verify only a larger δ: release the fallback σ, which holds at the target,
-            # and name both (never an unverified pair).
-            note = (f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ = "
-                    f"{d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} (--verify-target "
-                    f"draws the {needed} samples per candidate the target needs)")
+            # The samples per candidate verify only a larger δ: release the fallback σ, which holds
+            # at the target, and name both (never an unverified pair).
+            note = (
+                f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
+                "= "
+                f"{d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
+                "(--verify-target "
+                f"draws the {needed} samples per candidate the target needs)"
+            )
             print(note, file=sys.stderr)
             fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
-            return AccountingResult("analytic-gaussian", fb_eps, delta, fallback, delta, target_epsilon, parameters={
-                **acc, "released": "fallback", "fallback_reason": note, "monte_carlo_noise_multiplier": chosen,
-                "sensitivity": sens_fb})
-        return AccountingResult("monte-carlo", target_epsilon, delta, chosen, delta, target_epsilon,
-                                slack=d_overall - delta_prime, parameters=acc)
+            return AccountingResult(
+                "analytic-gaussian",
+                fb_eps,
+                delta,
+                fallback,
+                delta,
+                target_epsilon,
+                parameters={
+                    **acc,
+                    "released": "fallback",
+                    "fallback_reason": note,
+                    "monte_carlo_noise_multiplier": chosen,
+                    "sensitivity": sens_fb,
+                },
+            )
+        return AccountingResult(
+            "monte-carlo",
+            target_epsilon,
+            delta,
+            chosen,
+            delta,
+            target_epsilon,
+            slack=d_overall - delta_prime,
+            parameters=acc,
+        )
 
 
 def _monte_carlo_applies(fac: Factorization, sampling: SamplingSpec) -> str | None:
@@ -709,38 +1035,44 @@ def _monte_carlo_applies(fac: Factorization, sampling: SamplingSpec) -> str | No
         return "the encoder has negative entries"
     if sampling.kind == "poisson" and (fac.bands or fac.rounds) > MAX_FORWARD_BANDS:
         return f"{fac.bands} bands > {MAX_FORWARD_BANDS} (2^(bands−1) forward states)"
-    if sampling.kind in ("bminsep", "multi-attribution") and (fac.bands or fac.rounds) > fac.participation.min_sep:
+    if (
+        sampling.kind in ("bminsep", "multi-attribution")
+        and (fac.bands or fac.rounds) > fac.participation.min_sep
+    ):
         return f"{fac.bands} bands > min_sep {fac.participation.min_sep}"
     return None
 
 
-#: Poisson sampling: the Monte Carlo accountant joins the default selection when its first attempt costs at most this
-#: many forward-algorithm state updates (samples × rounds × 2^(bands−1), both directions; ~ a minute on 2 cores).
+#: Poisson sampling: the Monte Carlo accountant joins the default selection when its first attempt
+# costs at most this : many forward-algorithm state updates (samples × rounds × 2^(bands−1), both
+# directions; ~ a minute on 2 cores).
 MC_AFFORDABLE_WORK = 2e10
 
 
 def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
-    """The cost of a first Monte Carlo attempt under Poisson sampling, in forward-algorithm state updates.
+    """The cost of a first Monte Carlo attempt under Poisson sampling, in forward-algorithm state
+    updates.
 
     Args:
         fac: a banded factorization.
         delta: the target δ.
 
-    Returns:
-        2 directions × samples × n × 2^(bands−1), with the samples of the first verification at ``delta``.
+    Returns: 2 directions × samples × n × 2^(bands−1), with the samples of the first verification at
+    ``delta``.
     """
     samples = 2 * first_verification_size(delta)
     return 2.0 * samples * fac.rounds * (1 << ((fac.bands or fac.rounds) - 1))
 
 
-def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: float
-                          ) -> tuple[list[str], list[dict]]:
+def candidate_accountants(
+    fac: Factorization, sampling: SamplingSpec, delta: float
+) -> tuple[list[str], list[dict]]:
     """The accountants :class:`TightestAccountant` computes for ``sampling`` when none is named.
 
-    Poisson: MMCC (002) and, for banded non-negative encoders with ≤ 12 bands, Monte Carlo over the exact
-    likelihood (where affordable, see :data:`MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins, multi-attribution:
-    Monte Carlo and its unamplified bound; cyclic Poisson:
-    001 Prop. 2.1 when bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC.
+    Poisson: MMCC (002) and, for banded non-negative encoders with ≤ 12 bands, Monte Carlo over the
+    exact likelihood (where affordable, see :data:`MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins,
+    multi-attribution: Monte Carlo and its unamplified bound; cyclic Poisson: 001 Prop. 2.1 when
+    bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC.
 
     Args:
         fac: the factorization.
@@ -755,20 +1087,35 @@ def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: flo
         return ["unamplified"], []
     if kind == "cyclic-poisson":
         if (fac.bands or fac.rounds) <= fac.participation.min_sep and isinstance(
-                fac.encoder, ToeplitzEncoder | BandedEncoder):
-            return ["cyclic-poisson"], [{"accountant": "mmcc", "reason": "equals cyclic-poisson for encoders with "
-                                         "≤ cycle bands (002 App. D)"}]
+            fac.encoder, ToeplitzEncoder | BandedEncoder
+        ):
+            return ["cyclic-poisson"], [
+                {
+                    "accountant": "mmcc",
+                    "reason": "equals cyclic-poisson for encoders with ≤ cycle bands (002 App. D)",
+                }
+            ]
         return ["mmcc"], [{"accountant": "cyclic-poisson", "reason": "more bands than the cycle"}]
     why = _monte_carlo_applies(fac, sampling)
     if kind == "poisson":
         if not why and (fac.bands or fac.rounds) == 1:
-            why = "MMCC is exact for a one-band (diagonal) encoder: no tail bounds, the rows are independent"
+            why = (
+                "MMCC is exact for a one-band (diagonal) encoder: no tail bounds, the rows are "
+                "independent"
+            )
         if not why:
             work = poisson_monte_carlo_work(fac, delta)
             if work > MC_AFFORDABLE_WORK:
-                why = (f"too costly by default (~{work:.2g} state updates for δ = {delta:g}; name --accountant "
-                       "monte-carlo to run it)")
-        return (["mmcc"], [{"accountant": "monte-carlo", "reason": why}]) if why else (["monte-carlo", "mmcc"], [])
+                why = (
+                    f"too costly by default (~{work:.2g} state updates for δ = {delta:g}; name "
+                    "--accountant "
+                    "monte-carlo to run it)"
+                )
+        return (
+            (["mmcc"], [{"accountant": "monte-carlo", "reason": why}])
+            if why
+            else (["monte-carlo", "mmcc"], [])
+        )
     if why:
         return ["unamplified"], [{"accountant": "monte-carlo", "reason": why}]
     return ["monte-carlo", "unamplified"], []
@@ -776,9 +1123,10 @@ def candidate_accountants(fac: Factorization, sampling: SamplingSpec, delta: flo
 
 @dataclass
 class TightestAccountant:
-    """Every accountant that applies to the sampling (:func:`candidate_accountants`), and the tightest bound
-    verified at the target δ: each is a valid (ε, δ) for the same mechanism, so their minimum is too. The result
-    names the one used and lists every bound with its value (``parameters["bounds"]``).
+    """Every accountant that applies to the sampling (:func:`candidate_accountants`), and the
+    tightest bound verified at the target δ: each is a valid (ε, δ) for the same mechanism, so their
+    minimum is too. The result names the one used and lists every bound with its value
+    (``parameters["bounds"]``).
 
     Args:
         sampling: an amplified :class:`SamplingSpec` with no accountant named.
@@ -791,7 +1139,9 @@ class TightestAccountant:
 
     def _one(self, name: str, fac, sigma: float, delta: float) -> AccountingResult:
         if name == "monte-carlo":
-            return MonteCarloEVRAccountant(self.sampling, self.options).verified_epsilon(fac, sigma, delta)
+            return MonteCarloEVRAccountant(self.sampling, self.options).verified_epsilon(
+                fac, sigma, delta
+            )
         if name == "unamplified" and self.sampling.kind != "none":
             return MonteCarloEVRAccountant(self.sampling, self.options).fallback(fac, sigma, delta)
         spec = replace(self.sampling, accountant=name)
@@ -806,9 +1156,8 @@ class TightestAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns:
-            The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
-            parameters.
+        Returns: The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and
+        ``skipped`` in its parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -820,17 +1169,16 @@ class TightestAccountant:
         return _pick(results, skipped, delta, "epsilon")
 
     def noise_multiplier(self, fac, target_epsilon, delta):
-        """The smallest σ calibrated for ``target_epsilon`` among the accountants that apply (Monte Carlo under
-        Poisson sampling gives ε for a σ only, and is skipped here).
+        """The smallest σ calibrated for ``target_epsilon`` among the accountants that apply (Monte
+        Carlo under Poisson sampling gives ε for a σ only, and is skipped here).
 
         Args:
             fac: the factorization.
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns:
-            The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
-            parameters.
+        Returns: The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and
+        ``skipped`` in its parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -840,49 +1188,94 @@ class TightestAccountant:
         names, skipped = candidate_accountants(fac, self.sampling, delta)
         if self.sampling.kind == "poisson" and "monte-carlo" in names:
             names = [n for n in names if n != "monte-carlo"]
-            skipped = [*skipped, {"accountant": "monte-carlo", "reason": "gives ε for a σ, not σ for an ε"}]
+            skipped = [
+                *skipped,
+                {"accountant": "monte-carlo", "reason": "gives ε for a σ, not σ for an ε"},
+            ]
         results = []
         for n in names:
             if n == "unamplified" and self.sampling.kind != "none":
-                if "monte-carlo" not in names:   # else the Monte Carlo calibration starts from and falls back to it
-                    results.append((n, MonteCarloEVRAccountant(self.sampling, self.options)
-                                    .fallback_noise_multiplier(fac, target_epsilon, delta)))
+                if (
+                    "monte-carlo" not in names
+                ):  # else the Monte Carlo calibration starts from and falls back to it
+                    results.append(
+                        (
+                            n,
+                            MonteCarloEVRAccountant(
+                                self.sampling, self.options
+                            ).fallback_noise_multiplier(fac, target_epsilon, delta),
+                        )
+                    )
                 continue
             spec = replace(self.sampling, accountant=n)
-            results.append((n, accountant_for(spec, self.options).noise_multiplier(fac, target_epsilon, delta)))
+            results.append(
+                (n, accountant_for(spec, self.options).noise_multiplier(fac, target_epsilon, delta))
+            )
         return _pick(results, skipped, delta, "noise_multiplier")
 
 
-def _pick(results: list[tuple[str, AccountingResult]], skipped: list[dict], delta: float, key: str
-          ) -> AccountingResult:
+def _pick(
+    results: list[tuple[str, AccountingResult]], skipped: list[dict], delta: float, key: str
+) -> AccountingResult:
     """The verified result with the smallest ``key`` (ε, or σ), with every bound listed."""
-    bounds = [{"accountant": n, "method": r.accountant, "epsilon": r.epsilon, "noise_multiplier": r.noise_multiplier,
-               "delta": r.delta, "verified": r.guarantee,
-               **({"note": "Monte Carlo estimate only: the sample budget was spent before a verification passed"}
-                  if not r.guarantee else {})} for n, r in results]
+    bounds = [
+        {
+            "accountant": n,
+            "method": r.accountant,
+            "epsilon": r.epsilon,
+            "noise_multiplier": r.noise_multiplier,
+            "delta": r.delta,
+            "verified": r.guarantee,
+            **(
+                {
+                    "note": (
+                        "Monte Carlo estimate only: the sample budget was spent before a "
+                        "verification passed"
+                    )
+                }
+                if not r.guarantee
+                else {}
+            ),
+        }
+        for n, r in results
+    ]
     verified = [(n, r) for n, r in results if r.guarantee]
-    require(bool(verified), "accountant", "an accountant that verifies the target δ", [b["accountant"] for b in bounds])
+    require(
+        bool(verified),
+        "accountant",
+        "an accountant that verifies the target δ",
+        [b["accountant"] for b in bounds],
+    )
     name, best = min(verified, key=lambda nr: getattr(nr[1], key))
     unverified = [b for b in bounds if not b["verified"]]
     for b in unverified:
-        print(f"accounting: {b['accountant']} did not verify δ = {delta:g} within its sample budget (estimate "
-              f"ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}", file=sys.stderr)
-    return replace(best, parameters={**best.parameters, "selected": name,
-                                     "selection": "the tightest bound verified at the target δ", "bounds": bounds,
-                                     "skipped": skipped})
+        print(
+            f"accounting: {b['accountant']} did not verify δ = {delta:g} within its sample budget "
+            "(estimate "
+            f"ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}",
+            file=sys.stderr,
+        )
+    return replace(
+        best,
+        parameters={
+            **best.parameters,
+            "selected": name,
+            "selection": "the tightest bound verified at the target δ",
+            "bounds": bounds,
+            "skipped": skipped,
+        },
+    )
 
 
 def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
     """The accountant for a sampling description (module docstring).
 
-    Args:
-        sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the tightest for an
-            amplified sampling, unamplified for ``none``).
-        options: the accountants' knobs (default :class:`AccountingOptions`).
+    Args: sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
+    tightest for an amplified sampling, unamplified for ``none``). options: the accountants' knobs
+    (default :class:`AccountingOptions`).
 
-    Returns:
-        An :class:`Accountant`: :class:`TightestAccountant`, :class:`UnamplifiedAccountant`,
-        :class:`CyclicPoissonAccountant`, :class:`MMCCAccountant` or :class:`MonteCarloEVRAccountant`.
+    Returns: An :class:`Accountant`: :class:`TightestAccountant`, :class:`UnamplifiedAccountant`,
+    :class:`CyclicPoissonAccountant`, :class:`MMCCAccountant` or :class:`MonteCarloEVRAccountant`.
     """
     options = options or AccountingOptions()
     if sampling.accountant is None and sampling.kind != "none":
@@ -897,11 +1290,21 @@ def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = N
     return MonteCarloEVRAccountant(sampling, options)
 
 
-def account(fac: Factorization, *, delta: float, noise_multiplier: float | None = None,
-            target_epsilon: float | None = None, sampling: SamplingSpec = SamplingSpec(),
-            mc_samples: int | None = None, seed: int = 0, grid_ratio: float = 1.02,
-            max_candidates: int = 40, **options) -> dict:
-    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as the CLI and the strategy read it.
+def account(
+    fac: Factorization,
+    *,
+    delta: float,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    sampling: SamplingSpec = SamplingSpec(),
+    mc_samples: int | None = None,
+    seed: int = 0,
+    grid_ratio: float = 1.02,
+    max_candidates: int = 40,
+    **options,
+) -> dict:
+    """ε for ``noise_multiplier`` or σ for ``target_epsilon`` (exactly one), as the CLI and the
+    strategy read it.
 
     Args:
         fac: the factorization, normalised to sensitivity 1 under its participation.
@@ -915,21 +1318,31 @@ def account(fac: Factorization, *, delta: float, noise_multiplier: float | None 
         max_candidates: the Monte Carlo σ search's length.
         **options: further :class:`AccountingOptions` fields.
 
-    Returns:
-        :meth:`AccountingResult.to_dict` plus ``sampling``, ``sensitivity``, ``sensitivity_exact`` and
-        ``factorization_sha256``.
+    Returns: :meth:`AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
+    ``sensitivity_exact`` and ``factorization_sha256``.
 
-    Raises:
-        InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or a value out of
-            range (the error names it).
+    Raises: InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or
+    a value out of range (the error names it).
     """
     check_delta(delta)
-    require((noise_multiplier is None) != (target_epsilon is None), "noise_multiplier",
-            "exactly one of noise_multiplier and target_epsilon")
-    require(mc_samples is None or (isinstance(mc_samples, int) and mc_samples >= 2), "mc_samples", "an integer ≥ 2",
-            mc_samples)
-    opts = AccountingOptions(mc_samples=mc_samples, seed=seed, grid_ratio=grid_ratio, max_candidates=max_candidates,
-                             **options)
+    require(
+        (noise_multiplier is None) != (target_epsilon is None),
+        "noise_multiplier",
+        "exactly one of noise_multiplier and target_epsilon",
+    )
+    require(
+        mc_samples is None or (isinstance(mc_samples, int) and mc_samples >= 2),
+        "mc_samples",
+        "an integer ≥ 2",
+        mc_samples,
+    )
+    opts = AccountingOptions(
+        mc_samples=mc_samples,
+        seed=seed,
+        grid_ratio=grid_ratio,
+        max_candidates=max_candidates,
+        **options,
+    )
     acc = accountant_for(sampling, opts)
     if noise_multiplier is not None:
         check_sigma(noise_multiplier)
@@ -937,11 +1350,30 @@ def account(fac: Factorization, *, delta: float, noise_multiplier: float | None 
     else:
         check_epsilon(target_epsilon)
         res = acc.noise_multiplier(fac, target_epsilon, delta)
-    return {"sampling": sampling.kind, "sensitivity": fac.sensitivity.value,
-            "sensitivity_exact": fac.sensitivity.exact, "factorization_sha256": fac.sha256(), **res.to_dict()}
+    return {
+        "sampling": sampling.kind,
+        "sensitivity": fac.sensitivity.value,
+        "sensitivity_exact": fac.sensitivity.exact,
+        "factorization_sha256": fac.sha256(),
+        **res.to_dict(),
+    }
 
 
-__all__ = ["ACCOUNTANTS_FOR", "ACCOUNTANT_NAMES", "SAMPLINGS", "Accountant", "AccountingOptions", "AccountingResult",
-           "CyclicPoissonAccountant", "MMCCAccountant", "MonteCarloEVRAccountant", "SamplingSpec",
-           "TightestAccountant", "UnamplifiedAccountant", "accountant_for", "account", "candidate_accountants",
-           "check_pld_size"]
+__all__ = [
+    "ACCOUNTANTS_FOR",
+    "ACCOUNTANT_NAMES",
+    "SAMPLINGS",
+    "Accountant",
+    "AccountingOptions",
+    "AccountingResult",
+    "CyclicPoissonAccountant",
+    "MMCCAccountant",
+    "MonteCarloEVRAccountant",
+    "SamplingSpec",
+    "TightestAccountant",
+    "UnamplifiedAccountant",
+    "accountant_for",
+    "account",
+    "candidate_accountants",
+    "check_pld_size",
+]

@@ -1,44 +1,50 @@
 """Empirical privacy auditing with canaries: the statistics (Flower-free; numpy and scipy).
 
-Two estimators from the literature, and a test statistic that keeps them valid under correlated noise:
+Two estimators from the literature, and a test statistic that keeps them valid under correlated
+noise:
 
-* **One-shot estimate ε̂** — Andrew, Kairouz, Oh, Oprea, McMahan, Suriyakumar, "One-shot Empirical Privacy
-  Estimation for Federated Learning" (ICLR 2024, arXiv 2302.03098): canaries with fixed random unit directions,
-  a Gaussian fitted to the inserted canaries' scores, and ε̂ = ε_G(μ̂/σ̂; δ), the ε of the Gaussian mechanism whose
-  sensitivity/σ is μ̂/σ̂ (:func:`gaussian_epsilon`, Balle & Wang, "Improving the Gaussian Mechanism for
-  Differential Privacy", arXiv 1805.06530, Thm. 8).
-* **95% lower bound ε_lo** — Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS 2023,
-  arXiv 2305.08846), Thm. 3.1 with its (ε, δ) extension (Prop. 5.4): each of m candidate canaries is inserted by an
-  independent fair coin; the auditor guesses "in" for the k₊ highest scores and "out" for the k₋ lowest; if the
-  run is (ε, δ)-DP for every canary, the number W of correct guesses among r = k₊ + k₋ obeys
-  P[W ≥ v] ≤ β + 2mδ·α with β = P[Bin(r, q) ≥ v], q = e^ε/(1 + e^ε), α = max_{1≤i≤v} (P[Bin(r, q) ≥ v − i] − β)/i
-  (:func:`one_run_p_value`). The guess counts are fixed before the scores are seen (:data:`GUESS_FRACTIONS`,
-  Bonferroni-corrected over them).
+* **One-shot estimate ε̂** — Andrew, Kairouz, Oh, Oprea, McMahan, Suriyakumar, "One-shot Empirical
+  Privacy Estimation for Federated Learning" (ICLR 2024, arXiv 2302.03098): canaries with fixed
+  random unit directions, a Gaussian fitted to the inserted canaries' scores, and ε̂ = ε_G(μ̂/σ̂;
+  δ), the ε of the Gaussian mechanism whose sensitivity/σ is μ̂/σ̂ (:func:`gaussian_epsilon`, Balle
+  & Wang, "Improving the Gaussian Mechanism for Differential Privacy", arXiv 1805.06530, Thm. 8).
+* **95% lower bound ε_lo** — Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training Run"
+  (NeurIPS 2023, arXiv 2305.08846), Thm. 3.1 with its (ε, δ) extension (Prop. 5.4): each of m
+  candidate canaries is inserted by an independent fair coin; the auditor guesses "in" for the k₊
+  highest scores and "out" for the k₋ lowest; if the run is (ε, δ)-DP for every canary, the number W
+  of correct guesses among r = k₊ + k₋ obeys P[W ≥ v] ≤ β + 2mδ·α with β = P[Bin(r, q) ≥ v], q =
+  e^ε/(1 + e^ε), α = max_{1≤i≤v} (P[Bin(r, q) ≥ v − i] − β)/i (:func:`one_run_p_value`). The guess
+  counts are fixed before the scores are seen (:data:`GUESS_FRACTIONS`, Bonferroni-corrected over
+  them).
 
-**Why the statistic holds for the matrix mechanism** (the derivation behind :func:`whitened_scores`). The server
-releases x̃_t = (Σ clipped updates + σ·ζ·(C⁻¹Z)_t)/cohort in round t (ζ the clip norm, Z i.i.d. N(0, 1) of shape
-n × d), and the model moves by D = M·x̃ with M the public, lower-triangular linear server optimizer (momentum β and
-the learning-rate schedule; D_t = θ_{t+1} − θ_t). A canary with unit direction c (independent of Z and of the
-users' data) that takes part in the rounds of the 0/1 vector u adds ζ·u ⊗ c. Its projections p = D·c ∈ ℝⁿ are
+**Why the statistic holds for the matrix mechanism** (the derivation behind
+:func:`whitened_scores`). The server releases x̃_t = (Σ clipped updates + σ·ζ·(C⁻¹Z)_t)/cohort in
+round t (ζ the clip norm, Z i.i.d. N(0, 1) of shape n × d), and the model moves by D = M·x̃ with M
+the public, lower-triangular linear server optimizer (momentum β and the learning-rate schedule; D_t
+= θ_{t+1} − θ_t). A canary with unit direction c (independent of Z and of the users' data) that
+takes part in the rounds of the 0/1 vector u adds ζ·u ⊗ c. Its projections p = D·c ∈ ℝⁿ are
 
-    p = ζ·M u + (σζ/cohort)·M C⁻¹ (Z c) + (real users' updates)·c,      Z c ~ N(0, Iₙ) exactly (c is a unit vector),
+    p = ζ·M u + (σζ/cohort)·M C⁻¹ (Z c) + (real users' updates)·c,      Z c ~ N(0, Iₙ) exactly (c is
+    a unit vector),
 
-so the correlated noise, projected on any fixed direction, is an n-dimensional Gaussian with covariance
-Σ = (σζ/cohort)²·M C⁻¹C⁻ᵀMᵀ — the cross-round correlation is the only structure, and it is the same for every
-direction. The likelihood-ratio test of "canary in rounds u" against "not in" for a Gaussian with known Σ is the
-generalised-least-squares matched filter s = aᵀΣ⁻¹p / √(aᵀΣ⁻¹a) with a = M u: N(0, 1) for a held-out canary and
-N(ζ·√(aᵀΣ⁻¹a), 1) = N(‖C u‖/σ, 1) for an inserted one. The Gaussian-fit estimate therefore targets
-ε_G(‖Cu‖/σ; δ), and since a factorization is normalised to sensitivity max_u ‖Cu‖ = 1 over its participation
-pattern, ε_G(1/σ; δ) = the unamplified ε the accountant claims: a run with the claimed noise audits *at* its claim
-for a worst-case pattern (fixed-epoch participation realises it) and below it otherwise.
+so the correlated noise, projected on any fixed direction, is an n-dimensional Gaussian with
+covariance Σ = (σζ/cohort)²·M C⁻¹C⁻ᵀMᵀ — the cross-round correlation is the only structure, and it
+is the same for every direction. The likelihood-ratio test of "canary in rounds u" against "not in"
+for a Gaussian with known Σ is the generalised-least-squares matched filter s = aᵀΣ⁻¹p / √(aᵀΣ⁻¹a)
+with a = M u: N(0, 1) for a held-out canary and N(ζ·√(aᵀΣ⁻¹a), 1) = N(‖C u‖/σ, 1) for an inserted
+one. The Gaussian-fit estimate therefore targets ε_G(‖Cu‖/σ; δ), and since a factorization is
+normalised to sensitivity max_u ‖Cu‖ = 1 over its participation pattern, ε_G(1/σ; δ) = the
+unamplified ε the accountant claims: a run with the claimed noise audits *at* its claim for a
+worst-case pattern (fixed-epoch participation realises it) and below it otherwise.
 
-Σ is not taken from the claim: it is estimated from the release itself, Σ̂ = D Dᵀ/d. For a direction uniform on the
-sphere E[c cᵀ] = I/d, so E[p pᵀ] = Σ̂ *exactly* for any D: the held-out canaries' scores have unit variance
-whatever the run did, and the test adapts to the noise actually added. Noise scaled down makes Σ̂ small; noise
-omitted leaves only the users' updates in Σ̂; noise reused in rounds t and t+1 makes D_t − D_{t+1} almost free of
-noise, so a canary in one of them stands out. The final-model threat model of Andrew et al. is the special case
-a = 1 with the cosine ⟨c, θ_T − θ_0⟩/‖θ_T − θ_0‖ (:func:`final_model_cosines`); it cannot see noise that cancels or
-repeats across rounds and is reported alongside.
+Σ is not taken from the claim: it is estimated from the release itself, Σ̂ = D Dᵀ/d. For a direction
+uniform on the sphere E[c cᵀ] = I/d, so E[p pᵀ] = Σ̂ *exactly* for any D: the held-out canaries'
+scores have unit variance whatever the run did, and the test adapts to the noise actually added.
+Noise scaled down makes Σ̂ small; noise omitted leaves only the users' updates in Σ̂; noise reused
+in rounds t and t+1 makes D_t − D_{t+1} almost free of noise, so a canary in one of them stands out.
+The final-model threat model of Andrew et al. is the special case a = 1 with the cosine ⟨c, θ_T −
+θ_0⟩/‖θ_T − θ_0‖ (:func:`final_model_cosines`); it cannot see noise that cancels or repeats across
+rounds and is reported alongside.
 """
 
 from __future__ import annotations
@@ -53,14 +59,15 @@ from scipy import optimize, stats
 from corrflow.accounting import gaussian, mechanisms
 from corrflow.errors import require
 
-#: Fractions of the m candidates the one-run bound guesses on (half "in" from the top, half "out" from the
-#: bottom), fixed before any score is seen; ε_lo is Bonferroni-corrected over them.
+#: Fractions of the m candidates the one-run bound guesses on (half "in" from the top, half "out"
+# from the : bottom), fixed before any score is seen; ε_lo is Bonferroni-corrected over them.
 GUESS_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
 
 
-# -- canaries -------------------------------------------------------------------------------------------------------
+# -- canaries --------------------------------------------------------------------------------------
 def canary_direction(seed: int, index: int, dim: int) -> np.ndarray:
-    """Canary ``index``'s unit direction, uniform on the sphere (Andrew et al., arXiv 2302.03098, §3).
+    """Canary ``index``'s unit direction, uniform on the sphere (Andrew et al., arXiv 2302.03098,
+    §3).
 
     Args:
         seed: the audit seed.
@@ -75,8 +82,8 @@ def canary_direction(seed: int, index: int, dim: int) -> np.ndarray:
 
 
 def canary_coins(seed: int, count: int) -> np.ndarray:
-    """Which candidate canaries are inserted: independent fair coins (the randomisation Steinke, Nasr, Jagielski,
-    arXiv 2305.08846, Thm. 3.1 needs); the others are the held-out null.
+    """Which candidate canaries are inserted: independent fair coins (the randomisation Steinke,
+    Nasr, Jagielski, arXiv 2305.08846, Thm. 3.1 needs); the others are the held-out null.
 
     Args:
         seed: the audit seed (the coins are a function of it alone).
@@ -88,10 +95,10 @@ def canary_coins(seed: int, count: int) -> np.ndarray:
     return np.random.default_rng([int(seed), 2305_08846]).random(int(count)) < 0.5
 
 
-# -- the Gaussian mechanism's exact ε ---------------------------------------------------------------------------------
+# -- the Gaussian mechanism's exact ε --------------------------------------------------------------
 def gaussian_delta(epsilon: float, mu: float) -> float:
-    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang, arXiv 1805.06530, Thm. 8; the one
-    implementation is :mod:`corrflow.accounting.gaussian`).
+    """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang, arXiv 1805.06530, Thm.
+    8; the one implementation is :mod:`corrflow.accounting.gaussian`).
 
     Args:
         epsilon: ε ≥ 0.
@@ -104,8 +111,8 @@ def gaussian_delta(epsilon: float, mu: float) -> float:
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
-    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ (Balle &
-    Wang, arXiv 1805.06530, Thm. 8) — the accountants' own exact curve
+    """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ
+    (Balle & Wang, arXiv 1805.06530, Thm. 8) — the accountants' own exact curve
     (:func:`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ.
 
     Args:
@@ -126,18 +133,18 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return mechanisms.gaussian_epsilon(1.0, float(mu), delta)
 
 
-# -- test statistics ----------------------------------------------------------------------------------------------
-def whitened_scores(deltas: np.ndarray, projections: np.ndarray, patterns: np.ndarray) -> np.ndarray:
+# -- test statistics -------------------------------------------------------------------------------
+def whitened_scores(
+    deltas: np.ndarray, projections: np.ndarray, patterns: np.ndarray
+) -> np.ndarray:
     """GLS matched-filter scores s_j = a_jᵀΣ̂⁻¹p_j / √(a_jᵀΣ̂⁻¹a_j) (module docstring).
 
-    Σ̂ = D Dᵀ/d; eigenvalues below 1e-12 of the largest are floored (noise omitted: Σ̂ is the users' updates alone
-    and may be singular).
+    Σ̂ = D Dᵀ/d; eigenvalues below 1e-12 of the largest are floored (noise omitted: Σ̂ is the users'
+    updates alone and may be singular).
 
-    Args:
-        deltas: D, shape (n', d): the model changes of the n' released rounds.
-        projections: p_j = D c_j, shape (m, n'), one row per candidate canary.
-        patterns: a_j = M u_j, shape (m, n'): each canary's (possibly hypothetical) rounds mapped through the
-            server optimizer.
+    Args: deltas: D, shape (n', d): the model changes of the n' released rounds. projections: p_j =
+    D c_j, shape (m, n'), one row per candidate canary. patterns: a_j = M u_j, shape (m, n'): each
+    canary's (possibly hypothetical) rounds mapped through the server optimizer.
 
     Returns:
         s, shape (m,): N(0, 1) for a held-out canary, N(‖C u_j‖/σ, 1) for an inserted one.
@@ -166,11 +173,11 @@ def final_model_cosines(total_delta: np.ndarray, projections_total: np.ndarray) 
     return projections_total / norm if norm > 0 else np.zeros_like(projections_total)
 
 
-# -- estimators -----------------------------------------------------------------------------------------------------
+# -- estimators ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Estimate:
-    """The one-shot Gaussian-fit estimate from the inserted canaries' scores, with a bootstrap interval
-    (Andrew et al., arXiv 2302.03098).
+    """The one-shot Gaussian-fit estimate from the inserted canaries' scores, with a bootstrap
+    interval (Andrew et al., arXiv 2302.03098).
 
     Attributes:
         epsilon: ε̂ = ε_G(mean/std; δ).
@@ -180,6 +187,7 @@ class Estimate:
         null_mean: mean of the held-out scores (≈ 0 when the test is calibrated).
         null_std: their standard deviation (≈ 1; NaN for fewer than two).
     """
+
     epsilon: float
     interval: tuple[float, float]
     mean: float
@@ -189,7 +197,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         """Returns:
-            The fields as a JSON-serialisable dict (the interval as a list).
+        The fields as a JSON-serialisable dict (the interval as a list).
         """
         return {**asdict(self), "interval": list(self.interval)}
 
@@ -201,11 +209,11 @@ def gaussian_fit_epsilon(inserted: np.ndarray, delta: float) -> float:
         inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
         delta: δ in (0, 1).
 
-    Returns:
-        ε̂ with μ̂, σ̂ the mean and standard deviation (ddof 1) of the scores; 0 when μ̂ ≤ 0, inf when σ̂ = 0 < μ̂.
+    Returns: ε̂ with μ̂, σ̂ the mean and standard deviation (ddof 1) of the scores; 0 when μ̂ ≤ 0,
+    inf when σ̂ = 0 < μ̂.
 
-    Raises:
-        InvalidArgumentError: fewer than two inserted scores, or ``delta`` not in (0, 1) when σ̂ > 0.
+    Raises: InvalidArgumentError: fewer than two inserted scores, or ``delta`` not in (0, 1) when σ̂
+    > 0.
 
     """
     s = np.asarray(inserted, dtype=np.float64)
@@ -216,36 +224,51 @@ def gaussian_fit_epsilon(inserted: np.ndarray, delta: float) -> float:
     return gaussian_epsilon(mu / sd, delta)
 
 
-def one_shot_estimate(inserted: np.ndarray, held_out: np.ndarray, delta: float, confidence: float = 0.95,
-                      resamples: int = 1000, seed: int = 0) -> Estimate:
-    """ε̂ (:func:`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted scores
-    (``scipy.stats.bootstrap``; Andrew et al., arXiv 2302.03098).
+def one_shot_estimate(
+    inserted: np.ndarray,
+    held_out: np.ndarray,
+    delta: float,
+    confidence: float = 0.95,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> Estimate:
+    """ε̂ (:func:`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted
+    scores (``scipy.stats.bootstrap``; Andrew et al., arXiv 2302.03098).
 
-    Args:
-        inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
-        held_out: the held-out canaries' scores, shape (m₋,) (reported as the null's mean and spread).
-        delta: δ in (0, 1).
-        confidence: the bootstrap interval's level.
-        resamples: bootstrap resamples.
-        seed: the bootstrap's seed.
+    Args: inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2. held_out: the held-out
+    canaries' scores, shape (m₋,) (reported as the null's mean and spread). delta: δ in (0, 1).
+    confidence: the bootstrap interval's level. resamples: bootstrap resamples. seed: the
+    bootstrap's seed.
 
     Returns:
         The :class:`Estimate`.
     """
     s = np.asarray(inserted, dtype=np.float64)
     eps = gaussian_fit_epsilon(s, delta)
-    res = stats.bootstrap((s,), lambda x: gaussian_fit_epsilon(x, delta), n_resamples=resamples,
-                          confidence_level=confidence, method="percentile", vectorized=False,
-                          random_state=np.random.default_rng([int(seed), 1000]))
+    res = stats.bootstrap(
+        (s,),
+        lambda x: gaussian_fit_epsilon(x, delta),
+        n_resamples=resamples,
+        confidence_level=confidence,
+        method="percentile",
+        vectorized=False,
+        random_state=np.random.default_rng([int(seed), 1000]),
+    )
     lo, hi = res.confidence_interval
     out = np.asarray(held_out, dtype=np.float64)
-    return Estimate(eps, (float(lo), float(hi)), float(s.mean()), float(s.std(ddof=1)), float(out.mean()),
-                    float(out.std(ddof=1)) if out.size > 1 else math.nan)
+    return Estimate(
+        eps,
+        (float(lo), float(hi)),
+        float(s.mean()),
+        float(s.std(ddof=1)),
+        float(out.mean()),
+        float(out.std(ddof=1)) if out.size > 1 else math.nan,
+    )
 
 
 def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
-    """An upper bound on P[W ≥ correct] for an (ε, δ)-DP run (Steinke, Nasr, Jagielski, arXiv 2305.08846,
-    Thm. 3.1 and Prop. 5.4; module docstring).
+    """An upper bound on P[W ≥ correct] for an (ε, δ)-DP run (Steinke, Nasr, Jagielski, arXiv
+    2305.08846, Thm. 3.1 and Prop. 5.4; module docstring).
 
     Args:
         m: the number of candidate canaries.
@@ -266,9 +289,11 @@ def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: f
     return min(1.0, beta + 2 * m * delta * alpha)
 
 
-def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significance: float = 0.05) -> float:
-    """The largest ε whose p-value (:func:`one_run_p_value`) is ≤ ``significance`` (Steinke et al., arXiv
-    2305.08846).
+def one_run_epsilon(
+    m: int, guesses: int, correct: int, delta: float, significance: float = 0.05
+) -> float:
+    """The largest ε whose p-value (:func:`one_run_p_value`) is ≤ ``significance`` (Steinke et al.,
+    arXiv 2305.08846).
 
     Args:
         m: the number of candidate canaries.
@@ -277,9 +302,8 @@ def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significan
         delta: the run's δ.
         significance: the test's level.
 
-    Returns:
-        A lower bound on the run's ε at confidence 1 − significance (to 1e-7; 0 when even ε = 0 is not rejected,
-        inf above 1000).
+    Returns: A lower bound on the run's ε at confidence 1 − significance (to 1e-7; 0 when even ε = 0
+    is not rejected, inf above 1000).
     """
     if guesses == 0 or one_run_p_value(m, guesses, correct, 0.0, delta) > significance:
         return 0.0
@@ -288,8 +312,14 @@ def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significan
         hi *= 2
         if hi > 1e3:
             return math.inf
-    return float(optimize.brentq(lambda e: one_run_p_value(m, guesses, correct, e, delta) - significance,
-                                 0.0, hi, xtol=1e-7))
+    return float(
+        optimize.brentq(
+            lambda e: one_run_p_value(m, guesses, correct, e, delta) - significance,
+            0.0,
+            hi,
+            xtol=1e-7,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -306,6 +336,7 @@ class LowerBound:
         fractions: the guess fractions tried (Bonferroni-corrected over them).
         method: the bound's name and source.
     """
+
     epsilon: float
     confidence: float
     candidates: int
@@ -313,22 +344,30 @@ class LowerBound:
     guesses_out: int
     correct: int
     fractions: tuple[float, ...]
-    method: str = ("Steinke, Nasr, Jagielski 2023 one-run bound (arXiv 2305.08846), (ε, δ) version, guess "
-                   "counts fixed in advance, Bonferroni over them")
+    method: str = (
+        "Steinke, Nasr, Jagielski 2023 one-run bound (arXiv 2305.08846), (ε, δ) version, guess "
+        "counts fixed in advance, Bonferroni over them"
+    )
 
     def to_dict(self) -> dict:
         """Returns:
-            The fields as a JSON-serialisable dict (the fractions as a list).
+        The fields as a JSON-serialisable dict (the fractions as a list).
         """
         return {**asdict(self), "fractions": list(self.fractions)}
 
 
-def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, confidence: float = 0.95,
-                        fractions: Sequence[float] = GUESS_FRACTIONS) -> LowerBound:
-    """The one-run lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846, Thm. 3.1, (ε, δ) version).
+def one_run_lower_bound(
+    scores: np.ndarray,
+    inserted: np.ndarray,
+    delta: float,
+    confidence: float = 0.95,
+    fractions: Sequence[float] = GUESS_FRACTIONS,
+) -> LowerBound:
+    """The one-run lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846, Thm. 3.1, (ε, δ)
+    version).
 
-    For each fraction f, guess "in" for the ⌊f·m/2⌋ highest scores and "out" for as many of the lowest; the best
-    bound at significance (1 − confidence)/len(fractions) (Bonferroni).
+    For each fraction f, guess "in" for the ⌊f·m/2⌋ highest scores and "out" for as many of the
+    lowest; the best bound at significance (1 − confidence)/len(fractions) (Bonferroni).
 
     Args:
         scores: one score per candidate canary, shape (m,), m ≥ 2.
@@ -340,13 +379,15 @@ def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, 
     Returns:
         The :class:`LowerBound`.
 
-    Raises:
-        InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of another shape.
+    Raises: InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of
+    another shape.
     """
     scores = np.asarray(scores, dtype=np.float64)
     inserted = np.asarray(inserted, dtype=bool)
     m = scores.size
-    require(m >= 2 and inserted.shape == scores.shape, "scores", "one score per candidate canary", m)
+    require(
+        m >= 2 and inserted.shape == scores.shape, "scores", "one score per candidate canary", m
+    )
     order = np.argsort(-scores, kind="stable")
     sig = (1 - confidence) / len(fractions)
     best = LowerBound(0.0, confidence, m, 0, 0, 0, tuple(fractions))
@@ -354,7 +395,7 @@ def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, 
         k = int(f * m) // 2
         if k == 0:
             continue
-        top, bottom = order[:k], order[m - k:]
+        top, bottom = order[:k], order[m - k :]
         correct = int(inserted[top].sum() + (~inserted[bottom]).sum())
         eps = one_run_epsilon(m, 2 * k, correct, delta, sig)
         if eps > best.epsilon or best.guesses_in == 0:
@@ -362,9 +403,14 @@ def one_run_lower_bound(scores: np.ndarray, inserted: np.ndarray, delta: float, 
     return best
 
 
-def lower_bound_ceiling(candidates: int, confidence: float = 0.95, fractions: Sequence[float] = GUESS_FRACTIONS,
-                        delta: float = 0.0) -> float:
-    """The largest ε_lo an audit of this size can show: every guess correct at the largest guess count.
+def lower_bound_ceiling(
+    candidates: int,
+    confidence: float = 0.95,
+    fractions: Sequence[float] = GUESS_FRACTIONS,
+    delta: float = 0.0,
+) -> float:
+    """The largest ε_lo an audit of this size can show: every guess correct at the largest guess
+    count.
 
     Args:
         candidates: m, the number of candidate canaries.
@@ -379,6 +425,20 @@ def lower_bound_ceiling(candidates: int, confidence: float = 0.95, fractions: Se
     return one_run_epsilon(candidates, 2 * k, 2 * k, delta, (1 - confidence) / len(fractions))
 
 
-__all__ = ["GUESS_FRACTIONS", "Estimate", "LowerBound", "canary_coins", "canary_direction", "final_model_cosines",
-           "gaussian_delta", "gaussian_epsilon", "gaussian_fit_epsilon", "lower_bound_ceiling", "one_run_epsilon",
-           "one_run_lower_bound", "one_run_p_value", "one_shot_estimate", "whitened_scores"]
+__all__ = [
+    "GUESS_FRACTIONS",
+    "Estimate",
+    "LowerBound",
+    "canary_coins",
+    "canary_direction",
+    "final_model_cosines",
+    "gaussian_delta",
+    "gaussian_epsilon",
+    "gaussian_fit_epsilon",
+    "lower_bound_ceiling",
+    "one_run_epsilon",
+    "one_run_lower_bound",
+    "one_run_p_value",
+    "one_shot_estimate",
+    "whitened_scores",
+]

@@ -1,24 +1,28 @@
-"""Compiled kernels for the b-min-sep Monte Carlo accountant (004 Eq. 1), the hot path of a verified ε at small δ.
+"""Compiled kernels for the b-min-sep Monte Carlo accountant (004 Eq. 1), the hot path of a verified
+ε at small δ.
 
-A verified δ = 1e-5 needs ~15 M privacy-loss samples per direction; at n = 2048 rounds that is 3·10¹⁰ Gaussian draws
-and twice as many recursion steps. The numpy formulation spent its time in the generator (numpy's float32 ziggurat
-costs ~8.5 ns a draw on the reference machine) and in the dozen passes over memory the log-space recursion takes per
-round. Here (numba, installed from wheels; no C toolchain), per chunk of runs laid out round-major (n × S):
+A verified δ = 1e-5 needs ~15 M privacy-loss samples per direction; at n = 2048 rounds that is
+3·10¹⁰ Gaussian draws and twice as many recursion steps. The numpy formulation spent its time in the
+generator (numpy's float32 ziggurat costs ~8.5 ns a draw on the reference machine) and in the dozen
+passes over memory the log-space recursion takes per round. Here (numba, installed from wheels; no C
+toolchain), per chunk of runs laid out round-major (n × S):
 
-- :func:`sample_noise` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over xoshiro256++ bits,
-  seeded per batch from the run's numpy ``Generator`` (~1.9 ns a draw);
-- :func:`exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p of y = σz for every round,
-  vectorised over runs;
-- :func:`participation_exponents` draws the differing example's b-min-sep participations (004 Alg. 1/2) and derives
-  the exponents of y = σz + Cx from those of σz: only the 2·bands − 1 rounds around each participation change;
-- numpy's SIMD ``exp`` turns the exponents into e^{a_i}, and :func:`linear_recursion` runs 004 Eq. 1 in linear
-  space, f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b}, in float64 with exact power-of-two rescaling (no exp or log per
-  step).
+- :func:`sample_noise` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over
+  xoshiro256++ bits, seeded per batch from the run's numpy ``Generator`` (~1.9 ns a draw);
+- :func:`exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p of y = σz for every
+  round, vectorised over runs;
+- :func:`participation_exponents` draws the differing example's b-min-sep participations (004 Alg.
+  1/2) and derives the exponents of y = σz + Cx from those of σz: only the 2·bands − 1 rounds around
+  each participation change;
+- numpy's SIMD ``exp`` turns the exponents into e^{a_i}, and :func:`linear_recursion` runs 004 Eq. 1
+  in linear space, f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b}, in float64 with exact power-of-two
+  rescaling (no exp or log per step).
 
-:func:`corrflow.accounting.montecarlo.log_likelihood_ratio` (log space, numpy) remains the definition; the tests
-hold these kernels to it. Where e^{a_i} would overflow (a_i > :data:`MAX_EXPONENT`, only at tiny σ) or a run's
-result is not finite (an overflow between checks, or a chain that vanished, possible at p = 1 where
-f_i = e^{a_i}·f_{i+b}), the caller recomputes it in log space.
+:func:`corrflow.accounting.montecarlo.log_likelihood_ratio` (log space, numpy) remains the
+definition; the tests hold these kernels to it. Where e^{a_i} would overflow (a_i >
+:data:`MAX_EXPONENT`, only at tiny σ) or a run's result is not finite (an overflow between checks,
+or a chain that vanished, possible at p = 1 where f_i = e^{a_i}·f_{i+b}), the caller recomputes it
+in log space.
 """
 
 from __future__ import annotations
@@ -28,34 +32,35 @@ import math
 import numba
 import numpy as np
 
-#: The linear recursion keeps each new value within [2^−SCALE_BITS, 2^SCALE_BITS] by exact power-of-two rescaling,
-#: checked every CHECK_EVERY rounds.
+#: The linear recursion keeps each new value within [2^−SCALE_BITS, 2^SCALE_BITS] by exact
+# power-of-two rescaling, : checked every CHECK_EVERY rounds.
 SCALE_BITS = 200
 CHECK_EVERY = 4
-#: Largest a_i the linear recursion takes: e^{a_i} must be finite in float32. Typical exponents are a few units
-#: (a_i ≈ ‖c_i‖²/(2σ²) ± ‖c_i‖/σ at a participation); the recursion's finiteness check catches the rest.
+#: Largest a_i the linear recursion takes: e^{a_i} must be finite in float32. Typical exponents are
+# a few units : (a_i ≈ ‖c_i‖²/(2σ²) ± ‖c_i‖/σ at a participation); the recursion's finiteness check
+# catches the rest.
 MAX_EXPONENT = 88.0
 
 
 def ziggurat_tables(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """The 256-layer ziggurat of the standard normal (Marsaglia & Tsang, "The Ziggurat Method for Generating Random
-    Variables", J. Stat. Softw. 5(8), 2000) as numpy's ``standard_normal`` uses it: the same base r, v (the area of
-    each layer) from r in closed form, v = r·φ̃(r) + √(π/2)·erfc(r/√2) with φ̃(x) = e^{−x²/2}, and magnitudes of
-    ``bits`` bits (52 for float64 draws, 23 for float32). The acceptance bounds are rounded down, so a proposal the
-    rectangle test accepts lies inside the density.
+    """The 256-layer ziggurat of the standard normal (Marsaglia & Tsang, "The Ziggurat Method for
+    Generating Random Variables", J. Stat. Softw. 5(8), 2000) as numpy's ``standard_normal`` uses
+    it: the same base r, v (the area of each layer) from r in closed form, v = r·φ̃(r) +
+    √(π/2)·erfc(r/√2) with φ̃(x) = e^{−x²/2}, and magnitudes of ``bits`` bits (52 for float64 draws,
+    23 for float32). The acceptance bounds are rounded down, so a proposal the rectangle test
+    accepts lies inside the density.
 
     Args:
         bits: 52 or 23.
 
-    Returns:
-        (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit magnitude and
-        densities, and the base r.
+    Returns: (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit
+    magnitude and densities, and the base r.
     """
     from scipy.special import erfc
 
     r = 3.6541528853610087963519472518
     v = r * math.exp(-0.5 * r * r) + math.sqrt(math.pi / 2) * erfc(r / math.sqrt(2))
-    m1 = 2.0 ** bits
+    m1 = 2.0**bits
     ki, wi, fi = np.zeros(256, dtype=np.int64), np.zeros(256), np.zeros(256)
     dn = tn = r
     q = v / math.exp(-0.5 * dn * dn)
@@ -71,13 +76,15 @@ def ziggurat_tables(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, floa
     return ki, wi, fi, r
 
 
-#: The tables for float64 draws (52-bit magnitudes) and for float32 draws (23-bit, two draws per 64 random bits).
+#: The tables for float64 draws (52-bit magnitudes) and for float32 draws (23-bit, two draws per 64
+# random bits).
 ZIG64 = ziggurat_tables(52)
 ZIG32 = ziggurat_tables(23)
 
 
-# The generator's state travels as four uint64 scalars, not an array: numba reference-counts every array passed to
-# or bound in an inlined function, which costs more than the draw itself.
+# The generator's state travels as four uint64 scalars, not an array: numba reference-counts every
+# array passed to or bound in an inlined function, which costs more than the draw itself.
+
 
 @numba.njit
 def _rotl(x, k):  # pragma: no cover - compiled
@@ -86,7 +93,8 @@ def _rotl(x, k):  # pragma: no cover - compiled
 
 @numba.njit
 def _next_u64(s0, s1, s2, s3):  # pragma: no cover - compiled
-    """xoshiro256++ (Blackman & Vigna, "Scrambled Linear Pseudorandom Number Generators", arXiv 1805.01407).
+    """xoshiro256++ (Blackman & Vigna, "Scrambled Linear Pseudorandom Number Generators", arXiv
+    1805.01407).
 
     Returns:
         (64 random bits, the next state s0, s1, s2, s3).
@@ -108,7 +116,8 @@ def _next_double(s0, s1, s2, s3):  # pragma: no cover - compiled
     return np.int64(bits >> np.uint64(11)) * (1.0 / 9007199254740992.0), s0, s1, s2, s3
 
 
-# Module-level arrays are compile-time constants in numba: no reference counting when the hot loop reads them.
+# Module-level arrays are compile-time constants in numba: no reference counting when the hot loop
+# reads them.
 _KI64, _WI64, _FI64, _R = ZIG64
 _KI32, _WI32, _FI32, _ = ZIG32
 _MASK52 = np.uint64((1 << 52) - 1)
@@ -118,8 +127,9 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 
 @numba.njit
 def _proposal(bits, half):  # pragma: no cover - compiled
-    """A ziggurat proposal from random bits: layer (bits 0–7), sign (bit 8), magnitude (the 52 bits above, or 23 of a
-    32-bit half when ``half``), x = ±magnitude·w_layer; and whether the rectangle test accepts it."""
+    """A ziggurat proposal from random bits: layer (bits 0–7), sign (bit 8), magnitude (the 52 bits
+    above, or 23 of a 32-bit half when ``half``), x = ±magnitude·w_layer; and whether the rectangle
+    test accepts it."""
     idx = np.int64(bits & np.uint64(0xFF))
     sign = 1.0 - 2.0 * np.float64((bits >> np.uint64(8)) & np.uint64(1))
     if half:
@@ -131,8 +141,9 @@ def _proposal(bits, half):  # pragma: no cover - compiled
 
 @numba.njit
 def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
-    """The ziggurat's base strip (the tail beyond r, Marsaglia 1964) and wedges for a proposal the rectangle test
-    rejected, then new proposals (from 64 fresh bits each) until one is accepted (numpy's ``random_standard_normal``).
+    """The ziggurat's base strip (the tail beyond r, Marsaglia 1964) and wedges for a proposal the
+    rectangle test rejected, then new proposals (from 64 fresh bits each) until one is accepted
+    (numpy's ``random_standard_normal``).
 
     Returns:
         (an N(0, 1) draw, the next state).
@@ -146,7 +157,13 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
                 xx = -math.log1p(-u) / _R
                 yy = -math.log1p(-v)
                 if yy + yy > xx * xx:
-                    return math.copysign(_R + xx, x), s0, s1, s2, s3    # the proposal's sign (also for ±0)
+                    return (
+                        math.copysign(_R + xx, x),
+                        s0,
+                        s1,
+                        s2,
+                        s3,
+                    )  # the proposal's sign (also for ±0)
         u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
         if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
             return x, s0, s1, s2, s3
@@ -158,9 +175,10 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True)
 def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
-    """Fill ``z_out`` with σ·N(0, 1) draws by the 256-layer ziggurat of numpy's ``random_standard_normal`` (Marsaglia &
-    Tsang 2000) over xoshiro256++ bits: 52-bit magnitudes (:data:`ZIG64`) for float64 outputs, two draws with 23-bit
-    magnitudes (:data:`ZIG32`, numpy's float32 variant) per 64 bits for float32 outputs.
+    """Fill ``z_out`` with σ·N(0, 1) draws by the 256-layer ziggurat of numpy's
+    ``random_standard_normal`` (Marsaglia & Tsang 2000) over xoshiro256++ bits: 52-bit magnitudes
+    (:data:`ZIG64`) for float64 outputs, two draws with 23-bit magnitudes (:data:`ZIG32`, numpy's
+    float32 variant) per 64 bits for float32 outputs.
 
     Args:
         st: the xoshiro256++ state, shape (4,), uint64, not all zero (advanced in place).
@@ -168,7 +186,7 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
         z_out: shape (n, S), C-contiguous, float32 or float64, written.
     """
     n, S = z_out.shape
-    flat = z_out.reshape(n * S)            # the caller's arrays are C-contiguous: a view
+    flat = z_out.reshape(n * S)  # the caller's arrays are C-contiguous: a view
     size = n * S
     half = z_out.itemsize == 4
     s0, s1, s2, s3 = st[0], st[1], st[2], st[3]
@@ -180,7 +198,7 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
             if not accept:
                 x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, True, idx, x)
             flat[t] = sigma * x
-            if t + 1 < size:   # the high half of the same 64 bits
+            if t + 1 < size:  # the high half of the same 64 bits
                 idx, x, accept = _proposal(bits >> np.uint64(32), True)
                 if not accept:
                     x, s0, s1, s2, s3 = _normal_rare(s0, s1, s2, s3, True, idx, x)
@@ -196,32 +214,32 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # pragma: no cover - compiled
-    """The exponents of the mechanism with the differing example (y = σz + Cx) from those without it (y = σz).
+def participation_exponents(
+    st, window, min_sep, p, warm, a_q, a_p, x_out
+):  # pragma: no cover - compiled
+    """The exponents of the mechanism with the differing example (y = σz + Cx) from those without it
+    (y = σz).
 
-    x is one example's b-min-sep participations (004 Alg. 1; warm start Alg. 2), drawn per run. Since
-    ⟨c_i, σz + Cx⟩ = ⟨c_i, σz⟩ + Σ_j x_j⟨c_i, c_j⟩ and a banded C has ⟨c_i, c_j⟩ = 0 for |i − j| ≥ bands, a
-    participation in round j changes only rounds j − bands + 1 … j + bands − 1. The participations of all runs are
-    sorted by round (counting sort) and applied in that order, so the rows being changed stay in cache.
+    x is one example's b-min-sep participations (004 Alg. 1; warm start Alg. 2), drawn per run.
+    Since ⟨c_i, σz + Cx⟩ = ⟨c_i, σz⟩ + Σ_j x_j⟨c_i, c_j⟩ and a banded C has ⟨c_i, c_j⟩ = 0 for |i −
+    j| ≥ bands, a participation in round j changes only rounds j − bands + 1 … j + bands − 1. The
+    participations of all runs are sorted by round (counting sort) and applied in that order, so the
+    rows being changed stay in cache.
 
-    Args:
-        st: the xoshiro256++ state, shape (4,), uint64 (advanced in place).
-        window: shape (n, 2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0 outside 0..n − 1), the
-            exponents' dtype.
-        min_sep: b.
-        p: the Poisson probability among eligible rounds.
-        warm: start from the chain's stationary distribution.
-        a_q: shape (n, S), the exponents of y = σz.
-        a_p: shape (n, S), written: the exponents of y = σz + Cx.
-        x_out: shape (n, S), uint8, zeroed by the caller; set to 1 where the example participates.
+    Args: st: the xoshiro256++ state, shape (4,), uint64 (advanced in place). window: shape (n,
+    2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0 outside 0..n − 1), the
+    exponents' dtype. min_sep: b. p: the Poisson probability among eligible rounds. warm: start from
+    the chain's stationary distribution. a_q: shape (n, S), the exponents of y = σz. a_p: shape (n,
+    S), written: the exponents of y = σz + Cx. x_out: shape (n, S), uint8, zeroed by the caller; set
+    to 1 where the example participates.
     """
     n, S = a_q.shape
-    half = (window.shape[1] - 1) // 2     # bands − 1
+    half = (window.shape[1] - 1) // 2  # bands − 1
     b = min_sep
     s0, s1, s2, s3 = st[0], st[1], st[2], st[3]
     stay = 1.0 / (1.0 + (b - 1) * p)
     per_log = 1.0 / math.log1p(-p) if p < 1.0 else 0.0
-    cap = S * (n // b + 1)                 # participations are ≥ b apart
+    cap = S * (n // b + 1)  # participations are ≥ b apart
     run_of = np.empty(cap, dtype=np.int64)
     round_of = np.empty(cap, dtype=np.int64)
     start = np.zeros(n + 1, dtype=np.int64)
@@ -232,9 +250,10 @@ def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # p
             u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
             if u >= stay:
                 u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
-                last = 1 + np.int64(u * (b - 1)) - b          # barred for U{1..b−1} more rounds
+                last = 1 + np.int64(u * (b - 1)) - b  # barred for U{1..b−1} more rounds
         while True:
-            # gap = (b − 1) + Geom(p) on {1, 2, …}, by inversion: P(Geom ≥ g) = (1 − p)^(g−1); 1 − u is exact
+            # gap = (b − 1) + Geom(p) on {1, 2, …}, by inversion: P(Geom ≥ g) = (1 − p)^(g−1); 1 − u
+            # is exact
             g = 1
             if p < 1.0:
                 u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
@@ -259,7 +278,7 @@ def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # p
     copied = 0
     for j in range(n):
         top = min(j + half + 1, n)
-        while copied < top:              # rows reach a_p in order, just before the first change to them
+        while copied < top:  # rows reach a_p in order, just before the first change to them
             for s in range(S):
                 a_p[copied, s] = a_q[copied, s]
             copied += 1
@@ -272,9 +291,11 @@ def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):  # p
 
 @numba.njit(cache=True, nogil=True)
 def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
-    """out[i, s] = Σ_k ``band_over_var[i, k]``·y[i + k, s] + ``offset[i]`` (rows past n contribute nothing).
+    """out[i, s] = Σ_k ``band_over_var[i, k]``·y[i + k, s] + ``offset[i]`` (rows past n contribute
+    nothing).
 
-    With ``band_over_var`` = band/σ² and ``offset`` = ln p − ‖c_i‖²/(2σ²) this is the exponent a_i of 004 Eq. 1.
+    With ``band_over_var`` = band/σ² and ``offset`` = ln p − ‖c_i‖²/(2σ²) this is the exponent a_i
+    of 004 Eq. 1.
 
     Args:
         y: shape (n, S).
@@ -290,11 +311,15 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
         for s in range(S):
             out[i, s] = o
         k = 0
-        while k + 4 <= top:   # four bands per pass over the row: a quarter of the loads and stores of out
+        while (
+            k + 4 <= top
+        ):  # four bands per pass over the row: a quarter of the loads and stores of out
             c0, c1 = band_over_var[i, k], band_over_var[i, k + 1]
             c2, c3 = band_over_var[i, k + 2], band_over_var[i, k + 3]
             for s in range(S):
-                out[i, s] += (c0 * y[i + k, s] + c1 * y[i + k + 1, s]) + (c2 * y[i + k + 2, s] + c3 * y[i + k + 3, s])
+                out[i, s] += (c0 * y[i + k, s] + c1 * y[i + k + 1, s]) + (
+                    c2 * y[i + k + 2, s] + c3 * y[i + k + 3, s]
+                )
             k += 4
         while k < top:
             c = band_over_var[i, k]
@@ -307,12 +332,13 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
 def linear_recursion(E, min_sep, p, warm):  # pragma: no cover - compiled
     """ln f_0 (cold start) or the warm-start mixture (004 Alg. 2) of 004 Eq. 1 in linear space.
 
-    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. Every :data:`CHECK_EVERY` rounds, a run
-    whose new value left [2^−:data:`SCALE_BITS`, 2^:data:`SCALE_BITS`] has its ring of the last b values multiplied by
-    2^∓SCALE_BITS (exact) and the exponent counted. One round multiplies a value by at most 1 + e^{a_i}, so with
-    a_i ≤ :data:`MAX_EXPONENT` a value stays finite between checks in all but extreme cases; values that underflow
-    are below 2^−(1074 − SCALE_BITS) of the ring's largest and negligible. A run whose result is not finite (an
-    overflow, or a chain that vanished) returns ±∞ or NaN, and the caller recomputes it in log space.
+    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. Every :data:`CHECK_EVERY`
+    rounds, a run whose new value left [2^−:data:`SCALE_BITS`, 2^:data:`SCALE_BITS`] has its ring of
+    the last b values multiplied by 2^∓SCALE_BITS (exact) and the exponent counted. One round
+    multiplies a value by at most 1 + e^{a_i}, so with a_i ≤ :data:`MAX_EXPONENT` a value stays
+    finite between checks in all but extreme cases; values that underflow are below 2^−(1074 −
+    SCALE_BITS) of the ring's largest and negligible. A run whose result is not finite (an overflow,
+    or a chain that vanished) returns ±∞ or NaN, and the caller recomputes it in log space.
 
     Args:
         E: shape (n, S), e^{a_i}.
@@ -326,7 +352,7 @@ def linear_recursion(E, min_sep, p, warm):  # pragma: no cover - compiled
     n, S = E.shape
     b = min_sep
     q = 1.0 - p
-    hi = 2.0 ** SCALE_BITS
+    hi = 2.0**SCALE_BITS
     lo = 1.0 / hi
     ring = np.ones((b, S))
     scale = np.zeros(S, dtype=np.int64)

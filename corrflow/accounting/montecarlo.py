@@ -1,29 +1,32 @@
-"""Monte Carlo accounting of banded MF under b-min-sep sampling, balls-in-bins and multi-attribution (004).
+"""Monte Carlo accounting of banded MF under b-min-sep sampling, balls-in-bins and multi-attribution
+(004).
 
-004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338, §5
-(Thm 5.1, Eq. 1): for a b-banded, entrywise non-negative lower-triangular C under b-min-sep Poisson sampling with
-probability p (Alg. 1), the privacy-loss ratio of P = N(Cx, σ²I) (x the differing example's participations) against
-Q = N(0, σ²I) is f_0(y) with
+004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338,
+§5 (Thm 5.1, Eq. 1): for a b-banded, entrywise non-negative lower-triangular C under b-min-sep
+Poisson sampling with probability p (Alg. 1), the privacy-loss ratio of P = N(Cx, σ²I) (x the
+differing example's participations) against Q = N(0, σ²I) is f_0(y) with
 
     f_i = (1 − p)·f_{i+1} + p·exp((2⟨c_i, y_{i:i+b}⟩ − ‖c_i‖²)/(2σ²))·f_{i+b},   f_i = 1 for i ≥ n,
 
-computed in log space, vectorised over samples, O(n·bands) per sample (:func:`log_likelihood_ratio`, the
-definition); the sampler itself runs on compiled kernels (:mod:`corrflow.accounting.mc_kernels`: the same recursion
-in linear space, the differing example's exponents only where its participations reach, numpy's ziggurat over
-xoshiro256++ bits), which the tests hold to it. Warm start (Alg. 2):
-(f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004 §4).
-Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items (cold start only).
+computed in log space, vectorised over samples, O(n·bands) per sample (:func:`log_likelihood_ratio`,
+the definition); the sampler itself runs on compiled kernels (:mod:`corrflow.accounting.mc_kernels`:
+the same recursion in linear space, the differing example's exponents only where its participations
+reach, numpy's ziggurat over xoshiro256++ bits), which the tests hold to it. Warm start (Alg. 2):
+(f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004
+§4). Multi-attribution (§6, Thm 6.1): each available step draws Binom(k_u, p) of the user's items
+(cold start only).
 
-Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward algorithm over
-the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins: the N/B phases enumerated
-(:func:`balls_in_bins_llr`, any encoder).
+Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward
+algorithm over the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins:
+the N/B phases enumerated (:func:`balls_in_bins_llr`, any encoder).
 
-δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln P/Q, and
-y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release (004 Alg. 5, Thm A.1):
-a verifier at threshold δ' with s samples fails to catch a mechanism that is not (ε, δ)-DP with probability at most
-exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2), giving (ε, δ + q(1 − δ))-DP overall.
-:func:`adaptive_evr` verifies ε at a target δ in doubling, deterministically seeded batches, attempt i spending
-β/2^(i+1) of the failure budget β inside that δ.
+δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln
+P/Q, and y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release
+(004 Alg. 5, Thm A.1): a verifier at threshold δ' with s samples fails to catch a mechanism that is
+not (ε, δ)-DP with probability at most exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2),
+giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
+deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that
+δ.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from corrflow.errors import InvalidArgumentError, require
 def truncate_band(band: np.ndarray) -> np.ndarray:
     """``band`` (n × bands, ``band[i, k] = C[i + k, i]``) with the entries past round n set to 0.
 
-    A Toeplitz encoder's band layout repeats its coefficients in every column, also where row i + k ≥ n does not
-    exist; counting those entries in ‖c_i‖² would over-state the squared column norms of the last bands − 1 columns
-    and understate the privacy loss of late participations.
+    A Toeplitz encoder's band layout repeats its coefficients in every column, also where row i + k
+    ≥ n does not exist; counting those entries in ‖c_i‖² would over-state the squared column norms
+    of the last bands − 1 columns and understate the privacy loss of late participations.
 
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
@@ -61,25 +64,29 @@ def truncate_band(band: np.ndarray) -> np.ndarray:
     return band
 
 
-def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
-                         warm: bool = False, k_u: int = 1) -> np.ndarray:
-    """ln P(y)/Q(y) for every column of y by the recursion of 004 Eq. 1 (Thm 5.1; Thm 6.1 for k_u > 1).
+def log_likelihood_ratio(
+    y: np.ndarray,
+    band: np.ndarray,
+    sigma: float,
+    min_sep: int,
+    p: float,
+    warm: bool = False,
+    k_u: int = 1,
+) -> np.ndarray:
+    """ln P(y)/Q(y) for every column of y by the recursion of 004 Eq. 1 (Thm 5.1; Thm 6.1 for k_u >
+    1).
 
-    Args:
-        y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its dtype).
-        band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored), bands ≤ min_sep,
-            entries ≥ 0.
-        sigma: the noise multiplier σ.
-        min_sep: b.
-        p: the Poisson probability among eligible rounds (1: balls-in-bins).
-        warm: the warm-start mixture of 004 Alg. 2 (else cold start, Alg. 1).
-        k_u: items per user (multi-attribution, 004 §6; cold start only).
+    Args: y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its
+    dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored),
+    bands ≤ min_sep, entries ≥ 0. sigma: the noise multiplier σ. min_sep: b. p: the Poisson
+    probability among eligible rounds (1: balls-in-bins). warm: the warm-start mixture of 004 Alg. 2
+    (else cold start, Alg. 1). k_u: items per user (multi-attribution, 004 §6; cold start only).
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
 
-    Raises:
-        InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u > 1.
+    Raises: InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with
+    k_u > 1.
     """
     y = np.asarray(y)
     n, S = y.shape
@@ -87,14 +94,16 @@ def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep:
     dtype = y.dtype
     band = truncate_band(band)
     require(band.shape[0] == n, "band", f"{n} columns (one per round of y)", band.shape[0])
-    sq = np.sum(band ** 2, axis=1)
+    sq = np.sum(band**2, axis=1)
     inv2s2 = 1.0 / (2.0 * sigma * sigma)
     log_skip = dtype.type(k_u * math.log1p(-p) if p < 1 else -np.inf)
     js = np.arange(1, k_u + 1)
     rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
     log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
     log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
-    band32 = (band * (2.0 * inv2s2)).astype(dtype)  # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
+    band32 = (band * (2.0 * inv2s2)).astype(
+        dtype
+    )  # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
     offset = (log_pmf[0] - sq * inv2s2).astype(dtype)
     block = 64  # rows of ⟨c_i, y_{i:i+L}⟩ computed at a time, so the L passes stay in cache
     dots = np.empty((block, S), dtype=dtype)
@@ -121,27 +130,32 @@ def log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep:
                 buf[i % b] = join
     if not warm:
         return buf[0].astype(np.float64)
-    require(k_u == 1, "k_u", "1 for warm start (multi-attribution is accounted as a cold start, 004 §6.2)", k_u)
+    require(
+        k_u == 1,
+        "k_u",
+        "1 for warm start (multi-attribution is accounted as a cold start, 004 §6.2)",
+        k_u,
+    )
     if b > 1:
         buf[1:b] += dtype.type(math.log(p))
     top = buf.max(axis=0)
-    return (top + np.log(np.exp(buf - top).sum(axis=0))).astype(np.float64) - math.log1p((b - 1) * p)
+    return (top + np.log(np.exp(buf - top).sum(axis=0))).astype(np.float64) - math.log1p(
+        (b - 1) * p
+    )
 
 
-def linear_log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float,
-                                warm: bool = False) -> np.ndarray:
+def linear_log_likelihood_ratio(
+    y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float, warm: bool = False
+) -> np.ndarray:
     """:func:`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
-    :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1 as
-    f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls back to the log-space
-    recursion where e^{a_i} would overflow or a run's result is not finite.
+    :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1
+    as f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls
+    back to the log-space recursion where e^{a_i} would overflow or a run's result is not finite.
 
-    Args:
-        y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are in its dtype).
-        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥ 0.
-        sigma: σ.
-        min_sep: b.
-        p: the Poisson probability among eligible rounds.
-        warm: the warm-start mixture of 004 Alg. 2.
+    Args: y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are
+    in its dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥
+    0. sigma: σ. min_sep: b. p: the Poisson probability among eligible rounds. warm: the warm-start
+    mixture of 004 Alg. 2.
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
@@ -150,25 +164,36 @@ def linear_log_likelihood_ratio(y: np.ndarray, band: np.ndarray, sigma: float, m
 
     y = np.ascontiguousarray(y)
     band = truncate_band(band)
-    require(band.shape[0] == y.shape[0], "band", f"{y.shape[0]} columns (one per round of y)", band.shape[0])
+    require(
+        band.shape[0] == y.shape[0],
+        "band",
+        f"{y.shape[0]} columns (one per round of y)",
+        band.shape[0],
+    )
     band_v, offset = _exponent_terms(band, sigma, p, y.dtype)
     a = np.empty_like(y)
     kernels.exponents(y, band_v, offset, a)
     return _llr_from_exponents(a, lambda: y, band, sigma, min_sep, p, warm)
 
 
-def _exponent_terms(band: np.ndarray, sigma: float, p: float, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(band/σ², ln p − ‖c_i‖²/(2σ²)) in ``dtype``: the exponent a_i = ⟨c_i, y⟩/σ² − ‖c_i‖²/(2σ²) + ln p of 004 Eq. 1
-    is ⟨band_i/σ², y_{i:i+bands}⟩ + offset_i."""
+def _exponent_terms(
+    band: np.ndarray, sigma: float, p: float, dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """(band/σ², ln p − ‖c_i‖²/(2σ²)) in ``dtype``: the exponent a_i = ⟨c_i, y⟩/σ² − ‖c_i‖²/(2σ²) +
+    ln p of 004 Eq. 1 is ⟨band_i/σ², y_{i:i+bands}⟩ + offset_i."""
     inv = 1.0 / (sigma * sigma)
-    return (np.ascontiguousarray(band * inv, dtype=dtype),
-            (math.log(p) - 0.5 * inv * np.sum(band ** 2, axis=1)).astype(dtype))
+    return (
+        np.ascontiguousarray(band * inv, dtype=dtype),
+        (math.log(p) - 0.5 * inv * np.sum(band**2, axis=1)).astype(dtype),
+    )
 
 
-def _llr_from_exponents(a: np.ndarray, outputs, band: np.ndarray, sigma: float, min_sep: int, p: float,
-                        warm: bool) -> np.ndarray:
-    """ln P(y)/Q(y) from the exponents ``a`` (n × S, overwritten by e^a) by the linear recursion; the log-space
-    recursion on ``outputs()`` (y, built only then) where e^a would overflow or a run's result is not finite."""
+def _llr_from_exponents(
+    a: np.ndarray, outputs, band: np.ndarray, sigma: float, min_sep: int, p: float, warm: bool
+) -> np.ndarray:
+    """ln P(y)/Q(y) from the exponents ``a`` (n × S, overwritten by e^a) by the linear recursion;
+    the log-space recursion on ``outputs()`` (y, built only then) where e^a would overflow or a
+    run's result is not finite."""
     from corrflow.accounting import mc_kernels as kernels
 
     if a.max() > kernels.MAX_EXPONENT:
@@ -181,8 +206,11 @@ def _llr_from_exponents(a: np.ndarray, outputs, band: np.ndarray, sigma: float, 
     return out
 
 
-def _block_dots(y: np.ndarray, band: np.ndarray, lo: int, hi: int, out: np.ndarray, prod: np.ndarray) -> None:
-    """out[j − lo] = Σ_k band[j, k]·y[j + k] for rows j in [lo, hi) (entries past row n contribute nothing)."""
+def _block_dots(
+    y: np.ndarray, band: np.ndarray, lo: int, hi: int, out: np.ndarray, prod: np.ndarray
+) -> None:
+    """out[j − lo] = Σ_k band[j, k]·y[j + k] for rows j in [lo, hi) (entries past row n contribute
+    nothing)."""
     n = y.shape[0]
     m = hi - lo
     np.multiply(y[lo:hi], band[lo:hi, :1], out=out[:m])
@@ -191,13 +219,14 @@ def _block_dots(y: np.ndarray, band: np.ndarray, lo: int, hi: int, out: np.ndarr
         if top <= lo:
             break
         r = top - lo
-        np.multiply(y[lo + k:top + k], band[lo:top, k:k + 1], out=prod[:r])
+        np.multiply(y[lo + k : top + k], band[lo:top, k : k + 1], out=prod[:r])
         out[:r] += prod[:r]
 
 
 def _logaddexp(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
-    """out = log(e^a + e^b) as max + log(1 + e^{−|a−b|}): ~4× faster than np.logaddexp in float32 (whose log1p
-    is not vectorised); the rounding of 1 + x loses only terms below float32 resolution. Inputs are finite."""
+    """out = log(e^a + e^b) as max + log(1 + e^{−|a−b|}): ~4× faster than np.logaddexp in float32
+    (whose log1p is not vectorised); the rounding of 1 + x loses only terms below float32
+    resolution. Inputs are finite."""
     np.subtract(a, b, out=tmp)
     np.abs(tmp, out=tmp)
     np.negative(tmp, out=tmp)
@@ -208,9 +237,17 @@ def _logaddexp(a: np.ndarray, b: np.ndarray, out: np.ndarray, tmp: np.ndarray) -
     out += tmp
 
 
-def sample_participations(S: int, n: int, min_sep: int, p: float, rng: np.random.Generator, warm: bool = False,
-                          k_u: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One example's (or user's) participations under b-min-sep sampling (004 Alg. 1–3), for S independent runs.
+def sample_participations(
+    S: int,
+    n: int,
+    min_sep: int,
+    p: float,
+    rng: np.random.Generator,
+    warm: bool = False,
+    k_u: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One example's (or user's) participations under b-min-sep sampling (004 Alg. 1–3), for S
+    independent runs.
 
     Args:
         S: the number of independent runs.
@@ -227,7 +264,8 @@ def sample_participations(S: int, n: int, min_sep: int, p: float, rng: np.random
     b = min_sep
     p_any = 1.0 - (1.0 - p) ** k_u  # an available step takes part when Binom(k_u, p) ≥ 1
     if warm:
-        # Stationary chain (004 Alg. 2): available w.p. 1/(1+(b−1)p), else barred for s ~ U{1..b−1} more rounds.
+        # Stationary chain (004 Alg. 2): available w.p. 1/(1+(b−1)p), else barred for s ~ U{1..b−1}
+        # more rounds.
         barred = rng.random(S) >= 1.0 / (1.0 + (b - 1) * p)
         s = np.where(barred, rng.integers(1, max(b, 2), size=S), 0)
         last = s - b
@@ -249,11 +287,15 @@ def sample_participations(S: int, n: int, min_sep: int, p: float, rng: np.random
 
 def _binomial_at_least_one(k: int, p: float, size: int, rng: np.random.Generator) -> np.ndarray:
     js = np.arange(1, k + 1)
-    pmf = np.exp(gammaln(k + 1) - gammaln(js + 1) - gammaln(k - js + 1)) * p**js * (1 - p) ** (k - js)
+    pmf = (
+        np.exp(gammaln(k + 1) - gammaln(js + 1) - gammaln(k - js + 1)) * p**js * (1 - p) ** (k - js)
+    )
     return rng.choice(js, size=size, p=pmf / pmf.sum()).astype(np.float64)
 
 
-def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray, counts: np.ndarray) -> None:
+def add_means(
+    y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray, counts: np.ndarray
+) -> None:
     """Add each participation's mean: y[:, s] += count·C[:, pos] (in place).
 
     Participations of one run are ≥ bands apart, so the scattered entries never collide.
@@ -266,8 +308,9 @@ def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray
         counts: its multiplicity.
     """
     n, S = y.shape
-    # Scatter in memory order (round-major flat index, each (round, run) hit once per band offset): several times
-    # faster than unsorted fancy indexing at n = 2048; entries past round n are a suffix (sorted by round).
+    # Scatter in memory order (round-major flat index, each (round, run) hit once per band offset):
+    # several times faster than unsorted fancy indexing at n = 2048; entries past round n are a
+    # suffix (sorted by round).
     base = pos.astype(np.int64) * S + rows
     if np.all(counts == 1):
         base = np.sort(base)
@@ -283,9 +326,10 @@ def add_means(y: np.ndarray, band: np.ndarray, rows: np.ndarray, pos: np.ndarray
         flat[base[:m] + k * S] += vals[:m, k]
 
 
-# -- Poisson and balls-in-bins sampling of a banded encoder: exact likelihood ------------------------------------
+# -- Poisson and balls-in-bins sampling of a banded encoder: exact likelihood ----------------------
 
-#: Most bands the Poisson forward algorithm takes (2^(bands−1) states per sample); above it MMCC is the bound.
+#: Most bands the Poisson forward algorithm takes (2^(bands−1) states per sample); above it MMCC is
+# the bound.
 MAX_FORWARD_BANDS = 12
 
 
@@ -295,48 +339,52 @@ def column_gram_bands(band: np.ndarray) -> np.ndarray:
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
 
-    Returns:
-        G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns truncated at row n.
+    Returns: G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns
+    truncated at row n.
     """
     band = truncate_band(band)
     n, L = band.shape
     G = np.zeros((n, max(L - 1, 0)))
     for d in range(1, L):
-        # c_j has rows j..j+L−1 (band[j, k] at row j+k); c_{j+d} has band[j+d, k'] at row j+d+k'; overlap k = d+k'.
+        # c_j has rows j..j+L−1 (band[j, k] at row j+k); c_{j+d} has band[j+d, k'] at row j+d+k';
+        # overlap k = d+k'.
         for kp in range(L - d):
             G[: n - d, d - 1] += band[: n - d, d + kp] * band[d:, kp]
     return G
 
 
 def participation_window(band: np.ndarray, sigma: float) -> np.ndarray:
-    """Inner products of each column of a banded encoder with its neighbours, over σ², laid out per column.
+    """Inner products of each column of a banded encoder with its neighbours, over σ², laid out per
+    column.
 
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
         sigma: σ.
 
-    Returns:
-        W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where i is outside 0..n − 1);
-        W[j, bands − 1] = ‖c_j‖²/σ².
+    Returns: W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where
+    i is outside 0..n − 1); W[j, bands − 1] = ‖c_j‖²/σ².
     """
     band = truncate_band(band)
     n, L = band.shape
-    G = np.concatenate([np.sum(band ** 2, axis=1)[:, None], column_gram_bands(band)], axis=1)  # ⟨c_j, c_{j+d}⟩
+    G = np.concatenate(
+        [np.sum(band**2, axis=1)[:, None], column_gram_bands(band)], axis=1
+    )  # ⟨c_j, c_{j+d}⟩
     W = np.zeros((n, 2 * L - 1))
-    W[:, L - 1:] = G                                     # i = j + d ≥ j
-    for d in range(1, L):                               # i = j − d: ⟨c_{j−d}, c_j⟩ = G[j − d, d]
+    W[:, L - 1 :] = G  # i = j + d ≥ j
+    for d in range(1, L):  # i = j − d: ⟨c_{j−d}, c_j⟩ = G[j − d, d]
         W[d:, L - 1 - d] = G[: n - d, d]
     return W / (sigma * sigma)
 
 
 def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) -> np.ndarray:
-    """ln P(y)/Q(y) for Poisson sampling with probability p in every round of a banded encoder, exactly.
+    """ln P(y)/Q(y) for Poisson sampling with probability p in every round of a banded encoder,
+    exactly.
 
-    P = Σ_x Π_j p^{x_j}(1−p)^{1−x_j} · N(Cx, σ²I), Q = N(0, σ²I) (004 §1.3 / 002 Lemma 4.5 reduction). With
-    c_j = C[:, j] (``band[j, k] = C[j + k, j]``), ln N(Cx)/N(0)(y) = Σ_j x_j a_j − Σ_{j<k<j+L} x_j x_k G_jk/σ² with
-    a_j = (⟨c_j, y⟩ − ‖c_j‖²/2)/σ²: a chain whose interactions reach L − 1 rounds back, summed over x by a forward
-    algorithm on the last L − 1 participation bits (2^(L−1) states; rescaled every round, linear space).
-    Cost O(n·2^(L−1)) per sample.
+    P = Σ_x Π_j p^{x_j}(1−p)^{1−x_j} · N(Cx, σ²I), Q = N(0, σ²I) (004 §1.3 / 002 Lemma 4.5
+    reduction). With c_j = C[:, j] (``band[j, k] = C[j + k, j]``), ln N(Cx)/N(0)(y) = Σ_j x_j a_j −
+    Σ_{j<k<j+L} x_j x_k G_jk/σ² with a_j = (⟨c_j, y⟩ − ‖c_j‖²/2)/σ²: a chain whose interactions
+    reach L − 1 rounds back, summed over x by a forward algorithm on the last L − 1 participation
+    bits (2^(L−1) states; rescaled every round, linear space). Cost O(n·2^(L−1)) per sample.
 
     Args:
         y: outputs, shape (n, S), round-major.
@@ -354,14 +402,21 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
     band = truncate_band(band)
     n, S = y.shape
     L = band.shape[1]
-    require(L <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for the exact Poisson "
-            "likelihood (2^(bands−1) states); MMCC covers more", L)
+    require(
+        L <= MAX_FORWARD_BANDS,
+        "factorization",
+        f"at most {MAX_FORWARD_BANDS} bands for the exact Poisson "
+        "likelihood (2^(bands−1) states); MMCC covers more",
+        L,
+    )
     require(0 < p < 1, "sampling_probability", "a probability in (0, 1) for Poisson sampling", p)
     inv = 1.0 / (sigma * sigma)
-    sq = np.sum(band ** 2, axis=1)
+    sq = np.sum(band**2, axis=1)
     dots = np.zeros((n, S))
     _block_dots(y, band, 0, n, dots, np.empty((n, S)))
-    a = (dots - 0.5 * sq[:, None]) * inv + math.log(p / (1 - p))   # log-odds of joining, before interactions
+    a = (dots - 0.5 * sq[:, None]) * inv + math.log(
+        p / (1 - p)
+    )  # log-odds of joining, before interactions
     G = column_gram_bands(band) * inv
     K = 1 << (L - 1)
     bits = (np.arange(K)[:, None] >> np.arange(L - 1)[None, :]) & 1  # bit d−1 of state s: x_{j−d}
@@ -376,9 +431,9 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
         for d in range(1, min(L - 1, j) + 1):
             inter += bits[:, d - 1] * G[j - d, d - 1]
         m = np.maximum(a[j], 0.0)
-        join = np.exp(a[j] - m)                                  # (S,)
+        join = np.exp(a[j] - m)  # (S,)
         stay = np.exp(-m)
-        w1 = np.exp(-inter)[:, None] * alpha                     # joining weight per predecessor state (K, S)
+        w1 = np.exp(-inter)[:, None] * alpha  # joining weight per predecessor state (K, S)
         if K == 1:
             new[0] = alpha[0] * stay + w1[0] * join
         else:
@@ -394,9 +449,10 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
 
 
 def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> np.ndarray:
-    """ln P(y)/Q(y) for balls-in-bins with ``bins`` bins: the example takes a uniform phase φ and trains in rounds
-    φ, φ + T, φ + 2T, … (004 §1.4; Choquette-Choo et al., "Near Exact Privacy Amplification for Matrix Mechanisms",
-    arXiv 2410.06266). Exact for any encoder: L = logsumexp_φ(⟨Cx_φ, y⟩/σ² − ‖Cx_φ‖²/(2σ²)) − ln T.
+    """ln P(y)/Q(y) for balls-in-bins with ``bins`` bins: the example takes a uniform phase φ and
+    trains in rounds φ, φ + T, φ + 2T, … (004 §1.4; Choquette-Choo et al., "Near Exact Privacy
+    Amplification for Matrix Mechanisms", arXiv 2410.06266). Exact for any encoder: L =
+    logsumexp_φ(⟨Cx_φ, y⟩/σ² − ‖Cx_φ‖²/(2σ²)) − ln T.
 
     Args:
         y: outputs, shape (n, S), round-major.
@@ -410,12 +466,13 @@ def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> 
     y = np.asarray(y, dtype=np.float64)
     n = y.shape[0]
     X = (np.arange(n)[:, None] % bins == np.arange(bins)[None, :]).astype(np.float64)
-    M = np.asarray(C, dtype=np.float64) @ X                       # n × T: the mean under each phase
+    M = np.asarray(C, dtype=np.float64) @ X  # n × T: the mean under each phase
     w = (M.T @ y - 0.5 * np.sum(M * M, axis=0)[:, None]) / (sigma * sigma)
     return logsumexp(w, axis=0) - math.log(bins)
 
 
-# -- δ estimation and EVR ---------------------------------------------------------------------------------------
+# -- δ estimation and EVR --------------------------------------------------------------------------
+
 
 def delta_terms(losses: np.ndarray, epsilon: float) -> np.ndarray:
     """Unbiased terms of δ(ε) (004 §2.5).
@@ -463,8 +520,10 @@ def overall_delta(samples: int, delta_prime: float) -> float:
     def f(log_tau):
         d = min(delta_prime * math.exp(log_tau), 1 - 1e-16)
         return d + math.exp(-samples * bernoulli_kl(delta_prime, d)) * (1 - d)
-    res = minimize_scalar(f, bounds=(0.0, math.log(1.0 / delta_prime)), method="bounded",
-                          options={"xatol": 1e-10})
+
+    res = minimize_scalar(
+        f, bounds=(0.0, math.log(1.0 / delta_prime)), method="bounded", options={"xatol": 1e-10}
+    )
     return float(min(res.fun, f(0.0), 1.0))
 
 
@@ -478,15 +537,22 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
     Returns:
         The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; :func:`overall_delta`).
 
-    Raises:
-        InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than 2^50 samples needed.
+    Raises: InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than
+    2^50 samples needed.
     """
-    require(0 < delta_prime < delta_target < 1, "delta", "δ' < δ_target in (0, 1)", (delta_prime, delta_target))
+    require(
+        0 < delta_prime < delta_target < 1,
+        "delta",
+        "δ' < δ_target in (0, 1)",
+        (delta_prime, delta_target),
+    )
     lo, hi = 1, 2
     while overall_delta(hi, delta_prime) > delta_target:
         hi *= 2
         if hi > 1 << 50:
-            raise InvalidArgumentError("delta", "a target reachable with fewer than 2^50 samples", delta_target)
+            raise InvalidArgumentError(
+                "delta", "a target reachable with fewer than 2^50 samples", delta_target
+            )
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if overall_delta(mid, delta_prime) <= delta_target:
@@ -500,8 +566,8 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
 class MonteCarloEstimate:
     """Privacy-loss samples for both adjacency directions at one σ (004 §2.5).
 
-    ``count`` samples were drawn per direction; when ``floor`` is set only the losses above it are stored (the
-    others add 0 to δ(ε) for every ε ≥ floor).
+    ``count`` samples were drawn per direction; when ``floor`` is set only the losses above it are
+    stored (the others add 0 to δ(ε) for every ε ≥ floor).
 
     Attributes:
         sigma: σ.
@@ -513,8 +579,8 @@ class MonteCarloEstimate:
     """
 
     sigma: float
-    add: np.ndarray        # L = ln P/Q, y ∼ P   (the differing example present)
-    remove: np.ndarray     # L = ln Q/P, y ∼ Q
+    add: np.ndarray  # L = ln P/Q, y ∼ P   (the differing example present)
+    remove: np.ndarray  # L = ln Q/P, y ∼ Q
     count: int | None = None
     floor: float | None = None
     samples: int = field(init=False)
@@ -530,15 +596,21 @@ class MonteCarloEstimate:
         Args:
             other: another estimate at the same σ.
 
-        Returns:
-            The pooled :class:`MonteCarloEstimate`: counts added, losses stored above the higher floor.
+        Returns: The pooled :class:`MonteCarloEstimate`: counts added, losses stored above the
+        higher floor.
         """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
+
         def cut(a):
             return a if floor is None else a[a > floor]
-        return MonteCarloEstimate(self.sigma, np.concatenate([cut(self.add), cut(other.add)]),
-                                  np.concatenate([cut(self.remove), cut(other.remove)]),
-                                  count=self.samples + other.samples, floor=floor)
+
+        return MonteCarloEstimate(
+            self.sigma,
+            np.concatenate([cut(self.add), cut(other.add)]),
+            np.concatenate([cut(self.remove), cut(other.remove)]),
+            count=self.samples + other.samples,
+            floor=floor,
+        )
 
     def delta(self, epsilon: float) -> tuple[float, float]:
         """The estimated δ(ε), for the worse direction.
@@ -552,8 +624,12 @@ class MonteCarloEstimate:
         Raises:
             InvalidArgumentError: ε below the stored ``floor`` (the dropped samples would matter).
         """
-        require(self.floor is None or epsilon >= self.floor - 1e-12, "epsilon",
-                f"at least the stored floor {self.floor}", epsilon)
+        require(
+            self.floor is None or epsilon >= self.floor - 1e-12,
+            "epsilon",
+            f"at least the stored floor {self.floor}",
+            epsilon,
+        )
         best = (0.0, 0.0)
         N = self.samples
         for losses in (self.add, self.remove):
@@ -566,19 +642,18 @@ class MonteCarloEstimate:
     def epsilon(self, delta: float, z: float = 0.0) -> float:
         """The ε at which the estimated δ meets ``delta``.
 
-        Args:
-            delta: δ.
-            z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper confidence end of ε).
+        Args: delta: δ. z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper
+        confidence end of ε).
 
-        Returns:
-            ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is returned when it
-            already meets δ.
+        Returns: ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is
+        returned when it already meets δ.
         """
         from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
         def g(eps):
             d, se = self.delta(eps)
             return d + z * se - delta
+
         lo = 0.0 if self.floor is None else max(self.floor, 0.0)
         top = max([float(a.max()) for a in (self.add, self.remove) if a.size] + [lo])
         if g(lo) <= 0:
@@ -587,8 +662,8 @@ class MonteCarloEstimate:
 
 
 def _collect(parts, sizes: list[int], progress: bool) -> list:
-    """Batches in order, with progress on stderr when asked: one line rewritten in place on a terminal, else a line
-    per tenth (a log file gets ten lines, not one per batch)."""
+    """Batches in order, with progress on stderr when asked: one line rewritten in place on a
+    terminal, else a line per tenth (a log file gets ten lines, not one per batch)."""
     out, done, total, shown = [], 0, sum(sizes), 0
     live = sys.stderr.isatty()
     for part, size in zip(parts, sizes, strict=True):
@@ -596,71 +671,113 @@ def _collect(parts, sizes: list[int], progress: bool) -> list:
         done += size
         if progress and (live or done * 10 // total > shown):
             shown = done * 10 // total
-            print(f"\rmonte carlo samples {done}/{total} per direction" if live else
-                  f"monte carlo samples {done}/{total} per direction", end="\n" if done == total or not live else "",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\rmonte carlo samples {done}/{total} per direction"
+                if live
+                else f"monte carlo samples {done}/{total} per direction",
+                end="\n" if done == total or not live else "",
+                file=sys.stderr,
+                flush=True,
+            )
     return out
 
 
-#: Outputs per chunk of the compiled b-min-sep path (runs × rounds): its few n × runs arrays stay in cache; at least
-#: 64 runs per chunk, and more for short n, so that the per-chunk calls do not dominate.
+#: Outputs per chunk of the compiled b-min-sep path (runs × rounds): its few n × runs arrays stay in
+# cache; at least : 64 runs per chunk, and more for short n, so that the per-chunk calls do not
+# dominate.
 KERNEL_CHUNK = 64 * 2048
 
-#: Sampling schemes the Monte Carlo accountant draws from: 004's b-min-sep chain (Eq. 1; warm start, or
-#: multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
+#: Sampling schemes the Monte Carlo accountant draws from: 004's b-min-sep chain (Eq. 1; warm start,
+# or : multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
 SCHEMES = ("bminsep", "poisson", "balls-in-bins")
 
 
 class MonteCarloAccountant:
-    """Samples privacy losses of banded MF under b-min-sep (or multi-attribution) sampling (004 Eq. 1), Poisson
-    sampling in every round (forward algorithm, ≤ 12 bands) or balls-in-bins (phase enumeration, any encoder).
+    """Samples privacy losses of banded MF under b-min-sep (or multi-attribution) sampling (004 Eq.
+    1), Poisson sampling in every round (forward algorithm, ≤ 12 bands) or balls-in-bins (phase
+    enumeration, any encoder).
 
-    ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1). ``scheme="balls-in-bins"``:
-    ``min_sep`` is the number of bins T (``p`` = 1).
+    ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1).
+    ``scheme="balls-in-bins"``: ``min_sep`` is the number of bins T (``p`` = 1).
 
-    Args:
-        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤ min_sep for
-            b-min-sep; ≤ :data:`MAX_FORWARD_BANDS` for Poisson).
-        min_sep: b (b-min-sep), or the number of bins T (balls-in-bins).
-        p: the Poisson probability among eligible rounds (b-min-sep), or per round (Poisson).
-        warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
-        k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only).
-        dtype: the dtype of the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in
-            float64).
-        batch: samples per batch (a batch's draws depend only on its child seed).
-        scheme: one of :data:`SCHEMES`.
+    Args: band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
+    min_sep for b-min-sep; ≤ :data:`MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
+    number of bins T (balls-in-bins). p: the Poisson probability among eligible rounds (b-min-sep),
+    or per round (Poisson). warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
+    k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only). dtype: the dtype of
+    the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in float64).
+    batch: samples per batch (a batch's draws depend only on its child seed). scheme: one of
+    :data:`SCHEMES`.
 
-    Raises:
-        InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than the scheme allows,
-            p out of range, or k_u > 1 outside cold-start b-min-sep.
+    Raises: InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than
+    the scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
     """
 
-    def __init__(self, band: np.ndarray, min_sep: int, p: float, *, warm: bool = True, k_u: int = 1,
-                 dtype=np.float32, batch: int = 16384, scheme: str = "bminsep"):
+    def __init__(
+        self,
+        band: np.ndarray,
+        min_sep: int,
+        p: float,
+        *,
+        warm: bool = True,
+        k_u: int = 1,
+        dtype=np.float32,
+        batch: int = 16384,
+        scheme: str = "bminsep",
+    ):
         band = np.asarray(band, dtype=np.float64)
         require(scheme in SCHEMES, "scheme", f"one of {SCHEMES}", scheme)
-        require(band.ndim == 2 and band.shape[1] >= 1, "factorization", "a banded encoder (n × bands)", band.shape)
+        require(
+            band.ndim == 2 and band.shape[1] >= 1,
+            "factorization",
+            "a banded encoder (n × bands)",
+            band.shape,
+        )
         band = truncate_band(band)
-        require(bool(np.all(band >= 0)), "factorization", "an entrywise non-negative banded C for Monte Carlo "
-                "accounting (004 §2.2)")
+        require(
+            bool(np.all(band >= 0)),
+            "factorization",
+            "an entrywise non-negative banded C for Monte Carlo accounting (004 §2.2)",
+        )
         if scheme == "bminsep":
-            require(band.shape[1] <= min_sep, "factorization", f"at most min_sep = {min_sep} bands for the banded "
-                    "recursion (004 Eq. 1)", band.shape[1])
+            require(
+                band.shape[1] <= min_sep,
+                "factorization",
+                f"at most min_sep = {min_sep} bands for the banded recursion (004 Eq. 1)",
+                band.shape[1],
+            )
         if scheme == "poisson":
-            require(band.shape[1] <= MAX_FORWARD_BANDS, "factorization", f"at most {MAX_FORWARD_BANDS} bands for "
-                    "the exact Poisson likelihood (use the MMCC accountant above)", band.shape[1])
-            require(0 < p < 1, "sampling_probability", "a probability in (0, 1) for Poisson sampling", p)
+            require(
+                band.shape[1] <= MAX_FORWARD_BANDS,
+                "factorization",
+                f"at most {MAX_FORWARD_BANDS} bands for "
+                "the exact Poisson likelihood (use the MMCC accountant above)",
+                band.shape[1],
+            )
+            require(
+                0 < p < 1, "sampling_probability", "a probability in (0, 1) for Poisson sampling", p
+            )
             min_sep, warm = 1, False
         if scheme == "balls-in-bins":
             p, warm = 1.0, True
         require(0 < p <= 1, "sampling_probability", "a probability in (0, 1]", p)
         require(isinstance(k_u, int) and k_u >= 1, "k_u", "a positive integer", k_u)
-        self.band, self.min_sep, self.p, self.warm, self.k_u = band, int(min_sep), float(p), bool(warm), k_u
+        self.band, self.min_sep, self.p, self.warm, self.k_u = (
+            band,
+            int(min_sep),
+            float(p),
+            bool(warm),
+            k_u,
+        )
         self.scheme = scheme
         self.dtype, self.batch = dtype, int(batch)
         if k_u > 1:
-            require(scheme == "bminsep" and not warm, "warm", "cold-start b-min-sep for multi-attribution "
-                    "(004 §6.2)", warm)
+            require(
+                scheme == "bminsep" and not warm,
+                "warm",
+                "cold-start b-min-sep for multi-attribution (004 §6.2)",
+                warm,
+            )
         if scheme == "balls-in-bins":
             n = band.shape[0]
             C = np.zeros((n, n))
@@ -668,30 +785,35 @@ class MonteCarloAccountant:
                 idx = np.arange(n - k)
                 C[idx + k, idx] = band[: n - k, k]
             self._C = C
-            X = (np.arange(n)[:, None] % self.min_sep == np.arange(self.min_sep)[None, :]).astype(np.float64)
-            self._phase_means = C @ X                                # n × T
+            X = (np.arange(n)[:, None] % self.min_sep == np.arange(self.min_sep)[None, :]).astype(
+                np.float64
+            )
+            self._phase_means = C @ X  # n × T
 
     @property
     def rounds(self) -> int:
         """n."""
         return self.band.shape[0]
 
-    def sample_losses(self, sigma: float, samples: int, seed: int | np.random.SeedSequence,
-                      workers: int | None = None, progress: bool = False,
-                      keep_above: float | None = None) -> MonteCarloEstimate:
-        """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per seed).
+    def sample_losses(
+        self,
+        sigma: float,
+        samples: int,
+        seed: int | np.random.SeedSequence,
+        workers: int | None = None,
+        progress: bool = False,
+        keep_above: float | None = None,
+    ) -> MonteCarloEstimate:
+        """``samples`` losses in each direction at noise multiplier σ (fresh, independent draws per
+        seed).
 
-        Batches get child seeds and are spread over ``workers`` processes (default: the CPU count for large
-        runs); the result depends only on (seed, samples, batch size).
+        Batches get child seeds and are spread over ``workers`` processes (default: the CPU count
+        for large runs); the result depends only on (seed, samples, batch size).
 
-        Args:
-            sigma: σ > 0.
-            samples: per direction, ≥ 2.
-            seed: an integer or a ``SeedSequence``.
-            workers: processes (None: up to the CPU count, one per 50,000 samples).
-            progress: a progress line on stderr.
-            keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no others; the count of all
-                samples is kept), to bound memory.
+        Args: sigma: σ > 0. samples: per direction, ≥ 2. seed: an integer or a ``SeedSequence``.
+        workers: processes (None: up to the CPU count, one per 50,000 samples). progress: a progress
+        line on stderr. keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no
+        others; the count of all samples is kept), to bound memory.
 
         Returns:
             The :class:`MonteCarloEstimate`.
@@ -700,7 +822,10 @@ class MonteCarloAccountant:
         require(isinstance(samples, int) and samples >= 2, "mc_samples", "an integer ≥ 2", samples)
         ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         sizes = [min(self.batch, samples - s0) for s0 in range(0, samples, self.batch)]
-        jobs = [(sigma, size, child, keep_above) for size, child in zip(sizes, ss.spawn(len(sizes)), strict=True)]
+        jobs = [
+            (sigma, size, child, keep_above)
+            for size, child in zip(sizes, ss.spawn(len(sizes)), strict=True)
+        ]
         if workers is None:
             workers = min(os.cpu_count() or 1, max(1, samples // 50_000))
         if workers > 1 and len(jobs) > 1:
@@ -712,8 +837,13 @@ class MonteCarloAccountant:
                 parts = _collect(pool.map(self._job, jobs, chunksize=4), sizes, progress)
         else:
             parts = _collect((self._job(job) for job in jobs), sizes, progress)
-        return MonteCarloEstimate(sigma, np.concatenate([a for a, _ in parts]),
-                                  np.concatenate([r for _, r in parts]), count=samples, floor=keep_above)
+        return MonteCarloEstimate(
+            sigma,
+            np.concatenate([a for a, _ in parts]),
+            np.concatenate([r for _, r in parts]),
+            count=samples,
+            floor=keep_above,
+        )
 
     def _job(self, job) -> tuple[np.ndarray, np.ndarray]:
         sigma, size, child, keep_above = job
@@ -728,8 +858,9 @@ class MonteCarloAccountant:
         n = self.rounds
         if self.scheme == "bminsep" and self.k_u == 1:
             return self._bminsep_batch(sigma, S, rng)
-        # One Gaussian draw serves both directions: each direction's estimate is still a mean of i.i.d. terms, and
-        # the EVR failure bound is applied to the failing direction alone, so their correlation does not matter.
+        # One Gaussian draw serves both directions: each direction's estimate is still a mean of
+        # i.i.d. terms, and the EVR failure bound is applied to the failing direction alone, so
+        # their correlation does not matter.
         z = rng.standard_normal((n, S), dtype=self.dtype)
         z *= self.dtype(sigma)
         remove = -self._llr(z, sigma)
@@ -737,43 +868,63 @@ class MonteCarloAccountant:
             z += self._phase_means[:, rng.integers(0, self.min_sep, size=S)].astype(z.dtype)
         elif self.scheme == "poisson":
             rows, pos, counts = sample_participations(S, n, 1, self.p, rng)
-            for k in range(self.band.shape[1]):   # participations may be closer than the bands: accumulate
+            for k in range(
+                self.band.shape[1]
+            ):  # participations may be closer than the bands: accumulate
                 ok = pos + k < n
                 np.add.at(z, (pos[ok] + k, rows[ok]), self.band[pos[ok], k].astype(z.dtype))
         else:
-            add_means(z, self.band, *sample_participations(S, n, self.min_sep, self.p, rng, self.warm, self.k_u))
+            add_means(
+                z,
+                self.band,
+                *sample_participations(S, n, self.min_sep, self.p, rng, self.warm, self.k_u),
+            )
         return self._llr(z, sigma), remove
 
-    def _bminsep_batch(self, sigma: float, S: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Both directions' losses for S runs of b-min-sep sampling (k_u = 1) by the compiled kernels, in chunks of
-        about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z, the exponents of y = σz, those of
-        y = σz + Cx from them (only rounds near a participation change), then the linear recursion for each."""
+    def _bminsep_batch(
+        self, sigma: float, S: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Both directions' losses for S runs of b-min-sep sampling (k_u = 1) by the compiled
+        kernels, in chunks of about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z,
+        the exponents of y = σz, those of y = σz + Cx from them (only rounds near a participation
+        change), then the linear recursion for each."""
         from corrflow.accounting import mc_kernels as kernels
 
         n, dtype, band = self.rounds, self.dtype, self.band
         band_v, offset = _exponent_terms(band, sigma, self.p, dtype)
         window = participation_window(band, sigma).astype(dtype)
         add, remove = np.empty(S), np.empty(S)
-        state = rng.integers(1, 2**63, size=4, dtype=np.uint64)   # xoshiro256++'s state: never all zero
+        state = rng.integers(
+            1, 2**63, size=4, dtype=np.uint64
+        )  # xoshiro256++'s state: never all zero
         runs = max(64, KERNEL_CHUNK // n)
-        buffers: dict[int, tuple] = {}          # per chunk width (all chunks but the last share one set)
+        buffers: dict[int, tuple] = {}  # per chunk width (all chunks but the last share one set)
         for lo in range(0, S, runs):
             m = min(runs, S - lo)
             if m not in buffers:
-                buffers[m] = (*(np.empty((n, m), dtype=dtype) for _ in range(3)), np.empty((n, m), dtype=np.uint8))
+                buffers[m] = (
+                    *(np.empty((n, m), dtype=dtype) for _ in range(3)),
+                    np.empty((n, m), dtype=np.uint8),
+                )
             z, a_q, a_p, x = buffers[m]
             x.fill(0)
             kernels.sample_noise(state, float(sigma), z)
             kernels.exponents(z, band_v, offset, a_q)
-            kernels.participation_exponents(state, window, self.min_sep, self.p, self.warm, a_q, a_p, x)
+            kernels.participation_exponents(
+                state, window, self.min_sep, self.p, self.warm, a_q, a_p, x
+            )
 
             def with_means(z=z, x=x):
                 y, (pos, rows) = z.copy(), np.nonzero(x)
                 add_means(y, band, rows, pos, np.ones(rows.size))
                 return y
-            remove[lo:lo + m] = -_llr_from_exponents(a_q, lambda z=z: z, band, sigma, self.min_sep, self.p,
-                                                     self.warm)
-            add[lo:lo + m] = _llr_from_exponents(a_p, with_means, band, sigma, self.min_sep, self.p, self.warm)
+
+            remove[lo : lo + m] = -_llr_from_exponents(
+                a_q, lambda z=z: z, band, sigma, self.min_sep, self.p, self.warm
+            )
+            add[lo : lo + m] = _llr_from_exponents(
+                a_p, with_means, band, sigma, self.min_sep, self.p, self.warm
+            )
         return add, remove
 
     def _llr(self, y: np.ndarray, sigma: float) -> np.ndarray:
@@ -783,7 +934,9 @@ class MonteCarloAccountant:
             return balls_in_bins_llr(y, self._C, sigma, self.min_sep)
         return log_likelihood_ratio(y, self.band, sigma, self.min_sep, self.p, self.warm, self.k_u)
 
-    def verify(self, sigma: float, epsilon: float, delta_prime: float, samples: int, seed) -> tuple[bool, float]:
+    def verify(
+        self, sigma: float, epsilon: float, delta_prime: float, samples: int, seed
+    ) -> tuple[bool, float]:
         """The EVR verifier (004 Alg. 5): pass iff δ̂(ε) ≤ δ' in both directions, on fresh samples.
 
         Args:
@@ -800,22 +953,22 @@ class MonteCarloAccountant:
         return d <= delta_prime, d
 
 
-# -- adaptive, deterministic Estimate-Verify-Release at the target δ ---------------------------------------------
+# -- adaptive, deterministic Estimate-Verify-Release at the target δ -------------------------------
 
-#: Share of the target δ spent on the verifier's failure probability β (attempt i gets β/2^(i+1)); the rest, δ_v,
-#: is the δ the mechanism itself must have at the released ε.
+#: Share of the target δ spent on the verifier's failure probability β (attempt i gets β/2^(i+1));
+# the rest, δ_v, : is the δ the mechanism itself must have at the released ε.
 EVR_FAILURE_SHARE = 0.05
 #: The first verification is sized so that its threshold δ' reaches this fraction of the target δ.
 EVR_FIRST_THRESHOLD = 0.4
-#: Default sample budget per direction: a first attempt at δ = 1e-5 draws ~ 7.5 M estimation + 7.5 M verification
-#: samples; this leaves room for a second (15 M) and third (30 M) attempt.
+#: Default sample budget per direction: a first attempt at δ = 1e-5 draws ~ 7.5 M estimation + 7.5 M
+# verification : samples; this leaves room for a second (15 M) and third (30 M) attempt.
 DEFAULT_MAX_SAMPLES = 60_000_000
 
 
 def verify_threshold(samples: int, share: float, delta_v: float) -> float:
-    """The largest threshold δ' with exp(−s·KL(δ'‖δ_v)) ≤ share: a verifier passing iff δ̂ ≤ δ' wrongly passes a
-    mechanism whose δ exceeds δ_v with probability ≤ share (Chernoff, 004 Thm A.1 / Chua et al., arXiv
-    2412.16802, Fact 4.2).
+    """The largest threshold δ' with exp(−s·KL(δ'‖δ_v)) ≤ share: a verifier passing iff δ̂ ≤ δ'
+    wrongly passes a mechanism whose δ exceeds δ_v with probability ≤ share (Chernoff, 004 Thm A.1 /
+    Chua et al., arXiv 2412.16802, Fact 4.2).
 
     Args:
         samples: s, the verifier's samples.
@@ -832,13 +985,18 @@ def verify_threshold(samples: int, share: float, delta_v: float) -> float:
         return 0.0
     d = brentq(lambda x: bernoulli_kl(x, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9)
     step = delta_v * 1e-9
-    while d > 0 and bernoulli_kl(d, delta_v) < need:   # brentq may land just above the root: step to its safe side
+    while (
+        d > 0 and bernoulli_kl(d, delta_v) < need
+    ):  # brentq may land just above the root: step to its safe side
         d, step = max(0.0, d - step), 2 * step
     return float(d)
 
 
-def first_verification_size(delta_target: float, share_of_failure: float = EVR_FAILURE_SHARE,
-                            ratio: float = EVR_FIRST_THRESHOLD) -> int:
+def first_verification_size(
+    delta_target: float,
+    share_of_failure: float = EVR_FAILURE_SHARE,
+    ratio: float = EVR_FIRST_THRESHOLD,
+) -> int:
     """The first verification's sample count for :func:`adaptive_evr`.
 
     Args:
@@ -846,8 +1004,8 @@ def first_verification_size(delta_target: float, share_of_failure: float = EVR_F
         share_of_failure: the share β/δ of the target spent on the verifier's failure probability.
         ratio: the first attempt's threshold δ' must reach this fraction of the target.
 
-    Returns:
-        The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches ``ratio``·δ_target.
+    Returns: The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches
+    ``ratio``·δ_target.
     """
     beta = share_of_failure * delta_target
     delta_v = delta_target - beta
@@ -871,51 +1029,68 @@ class EVRAttempt:
     """
 
     samples: int
-    threshold: float          # δ'
-    failure_share: float      # β_i
-    epsilon: float            # ε chosen on the earlier samples (upper confidence end)
-    delta_hat: float          # δ̂(ε) on the attempt's fresh samples
+    threshold: float  # δ'
+    failure_share: float  # β_i
+    epsilon: float  # ε chosen on the earlier samples (upper confidence end)
+    delta_hat: float  # δ̂(ε) on the attempt's fresh samples
     passed: bool
 
 
 @dataclass
 class EVRRun:
-    """Outcome of :func:`adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the verifier's failure
-    probability counted in δ; else the budget was spent (``estimate`` is the point estimate at δ_v, not a bound)."""
+    """Outcome of :func:`adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the
+    verifier's failure probability counted in δ; else the budget was spent (``estimate`` is the
+    point estimate at δ_v, not a bound)."""
 
     passed: bool
     epsilon: float | None
     delta_target: float
-    delta_verified: float     # δ_v
-    failure_budget: float     # β
+    delta_verified: float  # δ_v
+    failure_budget: float  # β
     estimate: float
     samples_drawn: int
     max_samples: int
     attempts: list[EVRAttempt]
 
     def to_dict(self) -> dict:
-        """Returns:
-            The run's fields for the report's ``accountant`` section (``verification_passed``,
-            ``delta_mechanism``, ``verifier_failure_budget``, ``epsilon_estimate``, samples and attempts).
+        """Returns: The run's fields for the report's ``accountant`` section
+        (``verification_passed``, ``delta_mechanism``, ``verifier_failure_budget``,
+        ``epsilon_estimate``, samples and attempts).
         """
-        return {"verification_passed": self.passed, "delta_mechanism": self.delta_verified,
-                "verifier_failure_budget": self.failure_budget, "epsilon_estimate": self.estimate,
-                "samples_drawn": self.samples_drawn, "max_samples": self.max_samples,
-                "attempts": [vars(a) for a in self.attempts]}
+        return {
+            "verification_passed": self.passed,
+            "delta_mechanism": self.delta_verified,
+            "verifier_failure_budget": self.failure_budget,
+            "epsilon_estimate": self.estimate,
+            "samples_drawn": self.samples_drawn,
+            "max_samples": self.max_samples,
+            "attempts": [vars(a) for a in self.attempts],
+        }
 
 
-def adaptive_evr(mc: MonteCarloAccountant, sigma: float, delta_target: float, seed: int, *,
-                 max_samples: int = DEFAULT_MAX_SAMPLES, first_samples: int | None = None,
-                 release_z: float = 3.0, time_limit: float | None = None, progress: bool = False,
-                 clock=None) -> EVRRun:
-    """ε verified at ``delta_target`` by Estimate-Verify-Release in doubling batches (004 App. A, Alg. 5 for one σ).
+def adaptive_evr(
+    mc: MonteCarloAccountant,
+    sigma: float,
+    delta_target: float,
+    seed: int,
+    *,
+    max_samples: int = DEFAULT_MAX_SAMPLES,
+    first_samples: int | None = None,
+    release_z: float = 3.0,
+    time_limit: float | None = None,
+    progress: bool = False,
+    clock=None,
+) -> EVRRun:
+    """ε verified at ``delta_target`` by Estimate-Verify-Release in doubling batches (004 App. A,
+    Alg. 5 for one σ).
 
-    Deterministic given ``seed``: batch k (k = 0 the estimation batch, then the verification batches of s·2^(k−1)
-    samples) has its own child seed. Attempt i chooses ε on every sample drawn before it (the upper ``release_z``
-    confidence end of δ̂ at its threshold) and verifies it on its fresh batch at threshold δ'_i, the largest whose
-    wrong-pass probability against δ_v = (1 − 0.05)·δ is ≤ β/2^(i+1), β = 0.05·δ. The attempts' failure probabilities
-    sum to ≤ β, so a pass releases (ε, δ_v + β = δ). The budget ``max_samples`` (per direction, all batches) ends the
-    search without a release; ``time_limit`` (seconds) aborts it with an error (nothing released).
+    Deterministic given ``seed``: batch k (k = 0 the estimation batch, then the verification batches
+    of s·2^(k−1) samples) has its own child seed. Attempt i chooses ε on every sample drawn before
+    it (the upper ``release_z`` confidence end of δ̂ at its threshold) and verifies it on its fresh
+    batch at threshold δ'_i, the largest whose wrong-pass probability against δ_v = (1 − 0.05)·δ is
+    ≤ β/2^(i+1), β = 0.05·δ. The attempts' failure probabilities sum to ≤ β, so a pass releases (ε,
+    δ_v + β = δ). The budget ``max_samples`` (per direction, all batches) ends the search without a
+    release; ``time_limit`` (seconds) aborts it with an error (nothing released).
 
     Args:
         mc: the Monte Carlo accountant of the scheme.
@@ -943,33 +1118,44 @@ def adaptive_evr(mc: MonteCarloAccountant, sigma: float, delta_target: float, se
     start = clock()
     beta = EVR_FAILURE_SHARE * delta_target
     delta_v = delta_target - beta
-    # --mc-samples (first_samples) sizes the first batch; batches too small to verify anything at the target δ
-    # only add to the estimation pool (no attempt, no share of β spent), doubling until one can.
+    # --mc-samples (first_samples) sizes the first batch; batches too small to verify anything at
+    # the target δ only add to the estimation pool (no attempt, no share of β spent), doubling until
+    # one can.
     s_ver = first_verification_size(delta_target) if first_samples is None else int(first_samples)
     s_ver = max(2, min(s_ver, max_samples // 2))
     est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
     est_seeds, children = est_root.spawn(64), ver_root.spawn(64)
     pool = mc.sample_losses(sigma, s_ver, est_seeds[0], progress=progress)
-    # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing contributes to
-    # δ̂ at the thresholds used; a floor set too high only makes ε larger, never invalid.
+    # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing
+    # contributes to δ̂ at the thresholds used; a floor set too high only makes ε larger, never
+    # invalid.
     level = max(100 * delta_target, 50 / pool.samples)
     floor = pool.epsilon(level) if level < 0.5 else None
     if floor is not None:
-        pool = MonteCarloEstimate(sigma, pool.add[pool.add > floor], pool.remove[pool.remove > floor],
-                                  count=pool.samples, floor=floor)
+        pool = MonteCarloEstimate(
+            sigma,
+            pool.add[pool.add > floor],
+            pool.remove[pool.remove > floor],
+            count=pool.samples,
+            floor=floor,
+        )
     drawn = s_ver
     attempts: list[EVRAttempt] = []
     i, j = 0, 1
     while True:
         if time_limit is not None and clock() - start > time_limit:
-            raise CorrflowError(f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
-                                f"{time_limit:g} s) with {drawn} samples per direction; nothing is released")
+            raise CorrflowError(
+                f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
+                f"{time_limit:g} s) with {drawn} samples per direction; nothing is released"
+            )
         size = min(s_ver * 2**i, max_samples - drawn)
         share = beta / 2 ** (i + 1)
         threshold = verify_threshold(size, share, delta_v) if size >= 2 else 0.0
         if threshold < EVR_FIRST_THRESHOLD * delta_target and size < max_samples - drawn:
             # Too small to verify a useful threshold: estimation only, then a batch twice the pool.
-            pool = pool.merged(mc.sample_losses(sigma, size, est_seeds[j], progress=progress, keep_above=floor))
+            pool = pool.merged(
+                mc.sample_losses(sigma, size, est_seeds[j], progress=progress, keep_above=floor)
+            )
             drawn, j = drawn + size, j + 1
             s_ver = drawn
             continue
@@ -981,13 +1167,35 @@ def adaptive_evr(mc: MonteCarloAccountant, sigma: float, delta_target: float, se
         d_hat, _ = ver.delta(eps)
         attempts.append(EVRAttempt(size, threshold, share, eps, d_hat, bool(d_hat <= threshold)))
         if progress:
-            print(f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
-                  f"({'passed' if d_hat <= threshold else 'failed'}, {size} samples)", file=sys.stderr)
+            print(
+                f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
+                f"({'passed' if d_hat <= threshold else 'failed'}, {size} samples)",
+                file=sys.stderr,
+            )
         if d_hat <= threshold:
-            return EVRRun(True, eps, delta_target, delta_v, beta, pool.merged(ver).epsilon(delta_v), drawn,
-                          max_samples, attempts)
+            return EVRRun(
+                True,
+                eps,
+                delta_target,
+                delta_v,
+                beta,
+                pool.merged(ver).epsilon(delta_v),
+                drawn,
+                max_samples,
+                attempts,
+            )
         pool = pool.merged(ver)
         i += 1
         if i >= len(children) or j >= len(est_seeds):
             break
-    return EVRRun(False, None, delta_target, delta_v, beta, pool.epsilon(delta_v), drawn, max_samples, attempts)
+    return EVRRun(
+        False,
+        None,
+        delta_target,
+        delta_v,
+        beta,
+        pool.epsilon(delta_v),
+        drawn,
+        max_samples,
+        attempts,
+    )

@@ -1,11 +1,12 @@
-"""Which bound holds for a run as it happens, and whether a round may still happen: the accounting policy the
-strategy applies without knowing how ε is computed.
+"""Which bound holds for a run as it happens, and whether a round may still happen: the accounting
+policy the strategy applies without knowing how ε is computed.
 
-* The plan's ε holds while an amplified plan's pattern is followed: participation came from the sampler's
-  randomness alone. An accepted separation violation, or an operator forcing an item in, leaves that pattern
-  (amplification assumes nobody chose who trains), and from then on the run is accounted post hoc on its realised
-  participation (one Gaussian of the realised sensitivity, 000 App. D.2: Choquette-Choo et al., "Multi-Epoch
-  Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
+* The plan's ε holds while an amplified plan's pattern is followed: participation came from the
+  sampler's randomness alone. An accepted separation violation, or an operator forcing an item in,
+  leaves that pattern (amplification assumes nobody chose who trains), and from then on the run is
+  accounted post hoc on its realised participation (one Gaussian of the realised sensitivity, 000
+  App. D.2: Choquette-Choo et al., "Multi-Epoch Matrix Factorization Mechanisms for Private Machine
+  Learning", arXiv 2211.06530).
 * The budget guard refuses a round whose participation would take the realised ε above the target.
 """
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from corrflow.accounting.tracking import PrivacyPlan, RealizedPrivacy, RunPrivacy
 from corrflow.factorization.base import Factorization
 
-#: Relative tolerance of the budget guard (ε computed twice from the same inputs may differ in the last bits).
+#: Relative tolerance of the budget guard (ε computed twice from the same inputs may differ in the
+# last bits).
 BUDGET_TOLERANCE = 1e-9
 
 
@@ -27,15 +29,19 @@ def pattern_followed(overrides: Iterable[Mapping]) -> bool:
     Args:
         overrides: the run's override records, each with ``"action"`` and ``"source"``.
 
-    Returns:
-        False once the pattern was left: a min-sep break was accepted and accounted, or an operator forced an item
-        in (an override that was not rejected); else True.
+    Returns: False once the pattern was left: a min-sep break was accepted and accounted, or an
+    operator forced an item in (an override that was not rejected); else True.
     """
-    return not any(o["action"] == "accepted-and-accounted" or (o["source"] == "override" and o["action"] != "rejected")
-                   for o in overrides)
+    return not any(
+        o["action"] == "accepted-and-accounted"
+        or (o["source"] == "override" and o["action"] != "rejected")
+        for o in overrides
+    )
 
 
-def with_round(selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]) -> dict[str, list[int]]:
+def with_round(
+    selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]
+) -> dict[str, list[int]]:
     """The participation after a prospective round.
 
     Args:
@@ -65,15 +71,18 @@ class RunAccounting:
     target_epsilon: float | None
 
     @classmethod
-    def of(cls, factorization: Factorization, plan: PrivacyPlan, delta: float,
-           target_epsilon: float | None) -> RunAccounting:
+    def of(
+        cls,
+        factorization: Factorization,
+        plan: PrivacyPlan,
+        delta: float,
+        target_epsilon: float | None,
+    ) -> RunAccounting:
         """The accounting of one run.
 
-        Args:
-            factorization: the run's normalised factorization (its encoder C gives realised sensitivities).
-            plan: σ, the planned ε and whether it is amplified.
-            delta: the training's δ.
-            target_epsilon: the budget guard's limit (None: no guard).
+        Args: factorization: the run's normalised factorization (its encoder C gives realised
+        sensitivities). plan: σ, the planned ε and whether it is amplified. delta: the training's δ.
+        target_epsilon: the budget guard's limit (None: no guard).
 
         Returns:
             The :class:`RunAccounting`.
@@ -85,21 +94,28 @@ class RunAccounting:
         """The run's privacy plan."""
         return self.privacy.plan
 
-    def realized(self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping]) -> RealizedPrivacy:
-        """ε of the participation so far: the plan's while an amplified plan's pattern is followed, else post hoc.
+    def realized(
+        self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping]
+    ) -> RealizedPrivacy:
+        """ε of the participation so far: the plan's while an amplified plan's pattern is followed,
+        else post hoc.
 
         Args:
             selected: user → rounds contributed to (with multiplicity).
             overrides: the run's override records (see :func:`pattern_followed`).
 
-        Returns:
-            The :class:`~corrflow.accounting.tracking.RealizedPrivacy`: sensitivity, whether it is exact, ε (None
-            for a non-private run) and how ε was obtained.
+        Returns: The :class:`~corrflow.accounting.tracking.RealizedPrivacy`: sensitivity, whether it
+        is exact, ε (None for a non-private run) and how ε was obtained.
         """
         return self.privacy.realized(selected, pattern_followed=pattern_followed(overrides))
 
-    def budget_exceeded(self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping],
-                        round_index: int, users: Iterable[str]) -> float | None:
+    def budget_exceeded(
+        self,
+        selected: Mapping[str, Sequence[int]],
+        overrides: Iterable[Mapping],
+        round_index: int,
+        users: Iterable[str],
+    ) -> float | None:
         """The budget guard: would this round take the realised ε above the target?
 
         Args:
@@ -108,9 +124,8 @@ class RunAccounting:
             round_index: the prospective round, 0-based.
             users: its cohort.
 
-        Returns:
-            The ε after the round when it exceeds the target (to a relative :data:`BUDGET_TOLERANCE`), else None
-            (also without a target).
+        Returns: The ε after the round when it exceeds the target (to a relative
+        :data:`BUDGET_TOLERANCE`), else None (also without a target).
         """
         if not self.target_epsilon:
             return None

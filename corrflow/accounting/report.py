@@ -1,5 +1,6 @@
-"""The privacy report (``privacy_report.json``; its fields: docs/explanation/conventions.md, "Privacy report", and
-the JSON Schema that ``corrflow schema privacy-report`` prints), with user ids hashed by salted SHA-256."""
+"""The privacy report (``privacy_report.json``; its fields: docs/explanation/conventions.md,
+"Privacy report", and the JSON Schema that ``corrflow schema privacy-report`` prints), with user ids
+hashed by salted SHA-256."""
 
 from __future__ import annotations
 
@@ -32,17 +33,27 @@ def mechanism_section(factorization: Factorization) -> dict:
     Args:
         factorization: the run's factorization.
 
-    Returns:
-        ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload", "factorization_sha256"}``.
+    Returns: ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload",
+    "factorization_sha256"}``.
     """
-    return {"kind": factorization.kind, "rounds": factorization.rounds, "epochs": factorization.participation.epochs,
-            "min_sep": factorization.participation.min_sep, "bands": factorization.bands,
-            "participation": factorization.participation.kind, "workload": factorization.workload.to_dict(),
-            "factorization_sha256": factorization.sha256()}
+    return {
+        "kind": factorization.kind,
+        "rounds": factorization.rounds,
+        "epochs": factorization.participation.epochs,
+        "min_sep": factorization.participation.min_sep,
+        "bands": factorization.bands,
+        "participation": factorization.participation.kind,
+        "workload": factorization.workload.to_dict(),
+        "factorization_sha256": factorization.sha256(),
+    }
 
 
-def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes, policy: str | None = None,
-                          overrides: Sequence[dict] = ()) -> dict:
+def participation_section(
+    user_rounds: Mapping[str, Sequence[int]],
+    salt: bytes,
+    policy: str | None = None,
+    overrides: Sequence[dict] = (),
+) -> dict:
     """The report's participation section, with user ids hashed.
 
     Args:
@@ -51,27 +62,43 @@ def participation_section(user_rounds: Mapping[str, Sequence[int]], salt: bytes,
         policy: the separation policy, or None.
         overrides: the override records.
 
-    Returns:
-        ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id: {"rounds", "min_gap"}}}``.
+    Returns: ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id:
+    {"rounds", "min_gap"}}}``.
     """
-    users = {hash_user_id(u, salt): {"rounds": sorted(int(r) for r in rs), "min_gap": min_gap(rs)}
-             for u, rs in user_rounds.items()}
+    users = {
+        hash_user_id(u, salt): {"rounds": sorted(int(r) for r in rs), "min_gap": min_gap(rs)}
+        for u, rs in user_rounds.items()
+    }
     gaps = [u["min_gap"] for u in users.values() if u["min_gap"] is not None]
-    return {"min_gap": min(gaps) if gaps else None,
-            "max_participations": max((len(u["rounds"]) for u in users.values()), default=0),
-            "policy": policy, "overrides": list(overrides), "users": users}
+    return {
+        "min_gap": min(gaps) if gaps else None,
+        "max_participations": max((len(u["rounds"]) for u in users.values()), default=0),
+        "policy": policy,
+        "overrides": list(overrides),
+        "users": users,
+    }
 
 
-def privacy_report(*, factorization: Factorization, noise_multiplier: float, clip_norm: float, delta: float,
-                   target_epsilon: float | None, accountant: dict, planned: dict, realized: dict,
-                   rounds_completed: int, **extra) -> dict:
+def privacy_report(
+    *,
+    factorization: Factorization,
+    noise_multiplier: float,
+    clip_norm: float,
+    delta: float,
+    target_epsilon: float | None,
+    accountant: dict,
+    planned: dict,
+    realized: dict,
+    rounds_completed: int,
+    **extra,
+) -> dict:
     """Assemble the privacy report.
 
-    The report's ``delta`` is the δ that goes with the reported ε's: the target, or the larger δ the accountant
-    actually verified (``accountant["delta"]``, Monte Carlo with too few samples) — never a target that was not
-    verified; when ``realized`` carries the δ its ε holds at (``realized["delta"]``: the run's δ after post-hoc
-    accounting), that one is used. A pair valid at the target δ stays valid at any larger δ, so one δ serves the
-    planned and the realised ε.
+    The report's ``delta`` is the δ that goes with the reported ε's: the target, or the larger δ the
+    accountant actually verified (``accountant["delta"]``, Monte Carlo with too few samples) — never
+    a target that was not verified; when ``realized`` carries the δ its ε holds at
+    (``realized["delta"]``: the run's δ after post-hoc accounting), that one is used. A pair valid
+    at the target δ stays valid at any larger δ, so one δ serves the planned and the realised ε.
 
     Args:
         factorization: the run's factorization (the ``mechanism`` section).
@@ -90,13 +117,23 @@ def privacy_report(*, factorization: Factorization, noise_multiplier: float, cli
     """
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
-        # The run's ε is the realised one; after post-hoc accounting (an override) it holds at the run's δ,
-        # whatever δ the plan's Monte Carlo verified (issue 21 item 6).
+        # The run's ε is the realised one; after post-hoc accounting (an override) it holds at the
+        # run's δ, whatever δ the plan's Monte Carlo verified (issue 21 item 6).
         verified = float(realized["delta"])
-    return {"mechanism": mechanism_section(factorization), "noise_multiplier": noise_multiplier,
-            "clip_norm": clip_norm, "delta": max(delta, verified), "target_delta": delta,
-            "guarantee": verified <= delta, "target_epsilon": target_epsilon, "accountant": accountant,
-            "planned": planned, "realized": realized, "rounds_completed": rounds_completed, **extra}
+    return {
+        "mechanism": mechanism_section(factorization),
+        "noise_multiplier": noise_multiplier,
+        "clip_norm": clip_norm,
+        "delta": max(delta, verified),
+        "target_delta": delta,
+        "guarantee": verified <= delta,
+        "target_epsilon": target_epsilon,
+        "accountant": accountant,
+        "planned": planned,
+        "realized": realized,
+        "rounds_completed": rounds_completed,
+        **extra,
+    }
 
 
 def write_report(report: dict, path: str | os.PathLike) -> Path:

@@ -1,8 +1,9 @@
-"""One ClientApp for every corrflow task, the one ``flwr run .`` and ``deploy/app`` bind: each TRAIN message is
-handled by the client the server's run config selects (``corrflow.client``, sent as the message's ``client`` key:
-``numpy``, ``nextword`` or ``keras``; ``numpy`` when absent). The next-word clients read their user's data from the
-SuperNode's own node config when it names a file (``data-path``, ``vocab-path``, as ``corrflow data partition``
-prints them), else from the paths the server sends. Answers the identity probe like every corrflow ClientApp."""
+"""One ClientApp for every corrflow task, the one ``flwr run .`` and ``deploy/app`` bind: each TRAIN
+message is handled by the client the server's run config selects (``corrflow.client``, sent as the
+message's ``client`` key: ``numpy``, ``nextword`` or ``keras``; ``numpy`` when absent). The
+next-word clients read their user's data from the SuperNode's own node config when it names a file
+(``data-path``, ``vocab-path``, as ``corrflow data partition`` prints them), else from the paths the
+server sends. Answers the identity probe like every corrflow ClientApp."""
 
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ _CLIENTS = {"numpy": numpy_client, "nextword": nextword_client, "keras": keras_c
 def train(msg: Message, context: Context) -> Message:
     name = str(msg.content["config"].get("client", "numpy"))
     if name not in _CLIENTS:
-        raise ValueError(f"client: expected one of {', '.join(_CLIENTS)} (corrflow.client), got {name!r}")
+        raise ValueError(
+            f"client: expected one of {', '.join(_CLIENTS)} (corrflow.client), got {name!r}"
+        )
     return _CLIENTS[name].train(msg, context)

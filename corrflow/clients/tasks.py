@@ -1,7 +1,8 @@
-"""The client tasks behind one interface: initial weights, server-side evaluation, and the ClientApp.
+"""The client tasks behind one interface: initial weights, server-side evaluation, and the
+ClientApp.
 
-``seed`` fixes the task's data and the model's initialisation (never the noise key): two runs with one seed train
-on the same users from the same start."""
+``seed`` fixes the task's data and the model's initialisation (never the noise key): two runs with
+one seed train on the same users from the same start."""
 
 from __future__ import annotations
 
@@ -14,17 +15,37 @@ from corrflow.errors import require
 
 CLIENTS = ("numpy", "nextword", "keras")
 
-# Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short sweeps; the server
-# step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far one round can move the model).
+# Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short
+# sweeps; the server step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far
+# one round can move the model).
 TRAINING_DEFAULTS = {
-    "numpy": {"server_lr": 0.5, "momentum": 0.5, "local_lr": 0.1, "local_steps": 5, "clip_norm": 1.0},
-    "nextword": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 2.0, "local_steps": 2, "clip_norm": 1.0},
-    "keras": {"server_lr": 3.0, "momentum": 0.9, "local_lr": 2.0, "local_steps": 2, "clip_norm": 1.0},
+    "numpy": {
+        "server_lr": 0.5,
+        "momentum": 0.5,
+        "local_lr": 0.1,
+        "local_steps": 5,
+        "clip_norm": 1.0,
+    },
+    "nextword": {
+        "server_lr": 3.0,
+        "momentum": 0.9,
+        "local_lr": 2.0,
+        "local_steps": 2,
+        "clip_norm": 1.0,
+    },
+    "keras": {
+        "server_lr": 3.0,
+        "momentum": 0.9,
+        "local_lr": 2.0,
+        "local_steps": 2,
+        "clip_norm": 1.0,
+    },
 }
 
 
 def training_defaults(client: str, **overrides) -> dict:
-    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (StrategyConfig keyword arguments)."""
+    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (StrategyConfig keyword
+    arguments)."""
     require(client in CLIENTS, "client", " or ".join(CLIENTS), client)
     return {**TRAINING_DEFAULTS[client], **{k: v for k, v in overrides.items() if v is not None}}
 
@@ -34,13 +55,22 @@ class Task:
     name: str
     client_app: Any
     handlers: dict
-    initial_weights: Any      # () -> list[np.ndarray]
-    evaluate: Any             # (weights) -> dict of metrics
-    user_data: Any = None     # (partition) -> the arrays that user trains on (fingerprints in comparisons)
+    initial_weights: Any  # () -> list[np.ndarray]
+    evaluate: Any  # (weights) -> dict of metrics
+    user_data: Any = (
+        None  # (partition) -> the arrays that user trains on (fingerprints in comparisons)
+    )
 
 
-def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: str = "", seq_len: int = 20,
-             seed: int = 0, eval_sequences: int = 0) -> Task:
+def get_task(
+    name: str,
+    model_dim: int = 20,
+    data_path: str = "",
+    vocab_path: str = "",
+    seq_len: int = 20,
+    seed: int = 0,
+    eval_sequences: int = 0,
+) -> Task:
     require(name in CLIENTS, "client", " or ".join(CLIENTS), name)
     if name == "numpy":
         from corrflow.clients import numpy_client as c
@@ -49,24 +79,33 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
         X, y = regression_test_set(model_dim, seed=seed)
         from corrflow.data.synthetic import regression_partition
 
-        return Task("numpy", c.app, {"train": c.train},
-                    lambda: [np.zeros(model_dim, np.float32), np.zeros(1, np.float32)],
-                    lambda w: {"test_loss": regression_loss(w, X, y)},
-                    lambda u: regression_partition(u, model_dim, seed=seed))
+        return Task(
+            "numpy",
+            c.app,
+            {"train": c.train},
+            lambda: [np.zeros(model_dim, np.float32), np.zeros(1, np.float32)],
+            lambda w: {"test_loss": regression_loss(w, X, y)},
+            lambda u: regression_partition(u, model_dim, seed=seed),
+        )
     if name == "nextword":
         from corrflow.clients import nextword_client as nw
         from corrflow.data.text_synth import SPECIAL, user_sentences
 
-        if data_path:   # a real-format dataset file and its vocabulary
+        if data_path:  # a real-format dataset file and its vocabulary
             from corrflow.data.federated import text_source
 
             source = text_source(data_path, vocab_path, seq_len, seed)
-            held, first_word, tokens = source.held_out(max_sequences=eval_sequences), source.first_word, \
-                source.num_tokens
+            held, first_word, tokens = (
+                source.held_out(max_sequences=eval_sequences),
+                source.first_word,
+                source.num_tokens,
+            )
             data = lambda u: (source.user_sentences(u),)  # noqa: E731
         else:
             text = nw.task_for(seed)
-            held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])  # never trained on
+            held = np.concatenate(
+                [user_sentences(text, 1_000_000 + i) for i in range(200)]
+            )  # never trained on
             first_word, tokens = SPECIAL, text.num_tokens
             data = lambda u: (user_sentences(text, u),)  # noqa: E731
 
@@ -74,21 +113,32 @@ def get_task(name: str, model_dim: int = 20, data_path: str = "", vocab_path: st
             loss, acc = nw.evaluate_weights(w, held, first_word)
             return {"test_loss": loss, "test_accuracy": acc}
 
-        return Task("nextword", nw.app, {"train": nw.train}, lambda: nw.initial_weights(tokens, seed), evaluate_nw,
-                    data)
+        return Task(
+            "nextword",
+            nw.app,
+            {"train": nw.train},
+            lambda: nw.initial_weights(tokens, seed),
+            evaluate_nw,
+            data,
+        )
     from corrflow.clients import keras_client as k
     from corrflow.data.federated import text_source
 
     source = text_source(data_path, vocab_path, seq_len, seed)
-    held_out = source.held_out(max_sequences=eval_sequences)  # synthetic: 100 unseen users; a file: its held-out split
+    held_out = source.held_out(
+        max_sequences=eval_sequences
+    )  # synthetic: 100 unseen users; a file: its held-out split
 
     def evaluate(w):
         loss, acc = k.evaluate_weights(w, held_out, source.first_word)
         return {"test_loss": loss, "test_accuracy": acc}
 
     def initial():
-        return [w.astype(np.float32) for w in k.build_model(source.num_tokens, source.input_len, seed=seed)
-                .get_weights()]
+        return [
+            w.astype(np.float32)
+            for w in k.build_model(source.num_tokens, source.input_len, seed=seed).get_weights()
+        ]
 
-    return Task("keras", k.app, {"train": k.train}, initial, evaluate,
-                lambda u: (source.user_sentences(u),))
+    return Task(
+        "keras", k.app, {"train": k.train}, initial, evaluate, lambda u: (source.user_sentences(u),)
+    )

@@ -1,16 +1,18 @@
-"""arXiv-style multi-author data (004 §6–7.3: one paper belongs to all its authors): the arXiv metadata snapshot's
-JSON-lines format, author normalisation to stable user ids, the example → users attribution graph, and a seeded
-generator writing the same format.
+"""arXiv-style multi-author data (004 §6–7.3: one paper belongs to all its authors): the arXiv
+metadata snapshot's JSON-lines format, author normalisation to stable user ids, the example → users
+attribution graph, and a seeded generator writing the same format.
 
 One line per paper, as in the public metadata snapshot::
 
-    {"id": "0704.0001", "authors": "C. Balázs, E. L. Berger and C.-P. Yuan", "title": "...", "abstract": "...",
-     "categories": "hep-ph hep-ex", "authors_parsed": [["Balázs", "C.", ""], ["Berger", "E. L.", ""], ...], ...}
+    {"id": "0704.0001", "authors": "C. Balázs, E. L. Berger and C.-P. Yuan", "title": "...",
+    "abstract": "...", "categories": "hep-ph hep-ex", "authors_parsed": [["Balázs", "C.", ""],
+    ["Berger", "E. L.", ""], ...], ...}
 
-Author ids come from ``authors_parsed`` when present (else from splitting ``authors``): accents and LaTeX accent
-macros removed, lower case, punctuation dropped, ``last|first``. Merging two people under one id only makes the
-per-user bound cover both (safe); splitting one person under two ids would weaken it, which is why ``key="initial"``
-(last name + first initial, more merging) is offered for messy sources.
+Author ids come from ``authors_parsed`` when present (else from splitting ``authors``): accents and
+LaTeX accent macros removed, lower case, punctuation dropped, ``last|first``. Merging two people
+under one id only makes the per-user bound cover both (safe); splitting one person under two ids
+would weaken it, which is why ``key="initial"`` (last name + first initial, more merging) is offered
+for messy sources.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _NOT_WORD = re.compile(r"[^a-z0-9 ]+")
 @dataclass(frozen=True)
 class Paper:
     id: str
-    authors: tuple[str, ...]          # normalised author ids (distinct, in paper order)
+    authors: tuple[str, ...]  # normalised author ids (distinct, in paper order)
     title: str
     abstract: str
     categories: tuple[str, ...]
@@ -53,12 +55,18 @@ class Paper:
 def _clean(name: str) -> str:
     name = _LATEX_ACCENT.sub(lambda m: m.group(1) or "", name)
     name = unicodedata.normalize("NFKD", name)
-    name = "".join(c for c in name if not unicodedata.combining(c)).lower().replace("-", " ").replace(".", " ")
+    name = (
+        "".join(c for c in name if not unicodedata.combining(c))
+        .lower()
+        .replace("-", " ")
+        .replace(".", " ")
+    )
     return " ".join(_NOT_WORD.sub("", name).split())
 
 
 def normalize_author(last: str, first: str = "", suffix: str = "", key: str = "full") -> str:
-    """Stable author id ``last|first`` (``key="initial"``: ``last|f``); suffixes like Jr are kept in the last name."""
+    """Stable author id ``last|first`` (``key="initial"``: ``last|f``); suffixes like Jr are kept in
+    the last name."""
     require(key in ("full", "initial"), "key", "'full' or 'initial'", key)
     last_c = " ".join(p for p in (_clean(last), _clean(suffix)) if p)
     first_c = _clean(first)
@@ -68,8 +76,9 @@ def normalize_author(last: str, first: str = "", suffix: str = "", key: str = "f
 
 
 def split_authors(authors: str) -> list[tuple[str, str]]:
-    """(last, first) pairs from the free-text ``authors`` field ("A. B. Smith, C. Jones and D. Lee")."""
-    text = re.sub(r"\([^)]*\)", " ", authors)            # affiliations in parentheses
+    """(last, first) pairs from the free-text ``authors`` field ("A. B. Smith, C. Jones and D.
+    Lee")."""
+    text = re.sub(r"\([^)]*\)", " ", authors)  # affiliations in parentheses
     parts = [p.strip() for p in re.split(r",|\band\b|;", text) if p.strip()]
     out = []
     for p in parts:
@@ -79,11 +88,18 @@ def split_authors(authors: str) -> list[tuple[str, str]]:
 
 
 class ArxivReader:
-    """Stream papers from a JSON-lines file. ``on_error="raise"`` (default) stops at the first bad line naming file
-    and line; ``"skip"`` drops it, counts it in ``skipped`` and logs one warning. ``min_authors`` filters (and counts
-    in ``filtered``) papers with fewer authors — 004 §7.3 drops single-author papers."""
+    """Stream papers from a JSON-lines file. ``on_error="raise"`` (default) stops at the first bad
+    line naming file and line; ``"skip"`` drops it, counts it in ``skipped`` and logs one warning.
+    ``min_authors`` filters (and counts in ``filtered``) papers with fewer authors — 004 §7.3 drops
+    single-author papers."""
 
-    def __init__(self, path: str | os.PathLike, on_error: str = "raise", min_authors: int = 1, key: str = "full"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        on_error: str = "raise",
+        min_authors: int = 1,
+        key: str = "full",
+    ):
         self.path = Path(path)
         require(on_error in ("raise", "skip"), "on_error", "'raise' or 'skip'", on_error)
         require(min_authors >= 1, "min_authors", "at least 1", min_authors)
@@ -96,8 +112,12 @@ class ArxivReader:
         if self.on_error == "raise":
             raise DataFormatError(self.path, line, expected, got)
         if not self.skipped:
-            log.warning("%s:%d: skipping a malformed line (expected %s); the count is in 'skipped'", self.path,
-                        line, expected)
+            log.warning(
+                "%s:%d: skipping a malformed line (expected %s); the count is in 'skipped'",
+                self.path,
+                line,
+                expected,
+            )
         self.skipped += 1
 
     def _paper(self, obj: dict, line: int) -> Paper | None:
@@ -106,13 +126,20 @@ class ArxivReader:
             return self._bad(line, "a non-empty string 'id'", obj.get("id"))
         parsed = obj.get("authors_parsed")
         if parsed is not None:
-            if not isinstance(parsed, list) or not all(isinstance(a, list) and a and all(isinstance(x, str)
-                                                                                       for x in a) for a in parsed):
-                return self._bad(line, "'authors_parsed' as a list of [last, first, suffix] string lists",
-                                 str(parsed)[:60])
+            if not isinstance(parsed, list) or not all(
+                isinstance(a, list) and a and all(isinstance(x, str) for x in a) for a in parsed
+            ):
+                return self._bad(
+                    line,
+                    "'authors_parsed' as a list of [last, first, suffix] string lists",
+                    str(parsed)[:60],
+                )
             names = [normalize_author(*(a + ["", ""])[:3], key=self.key) for a in parsed]
         elif isinstance(obj.get("authors"), str):
-            names = [normalize_author(last, first, key=self.key) for last, first in split_authors(obj["authors"])]
+            names = [
+                normalize_author(last, first, key=self.key)
+                for last, first in split_authors(obj["authors"])
+            ]
         else:
             return self._bad(line, "'authors_parsed' or a string 'authors'", None)
         authors = tuple(dict.fromkeys(n for n in names if n.split("|")[0]))
@@ -124,8 +151,13 @@ class ArxivReader:
         if len(authors) < self.min_authors:
             self.filtered += 1
             return None
-        return Paper(pid.strip(), authors, " ".join(obj.get("title", "").split()),
-                     " ".join(obj.get("abstract", "").split()), tuple(obj.get("categories", "").split()))
+        return Paper(
+            pid.strip(),
+            authors,
+            " ".join(obj.get("title", "").split()),
+            " ".join(obj.get("abstract", "").split()),
+            tuple(obj.get("categories", "").split()),
+        )
 
     def __iter__(self) -> Iterator[Paper]:
         with open(self.path, encoding="utf-8") as f:
@@ -150,31 +182,104 @@ def arxiv_attribution(papers) -> AttributionGraph:
     return AttributionGraph.from_pairs((p.id, a) for p in papers for a in p.authors)
 
 
-# ---------------------------------------------------------------------------------------------------- generator
+# --------------------------------------------------------------------------------------------------
+# generator
 
 _FIRST = (
-    "Ada", "Alan", "Ana", "Bo", "Carla", "Chen", "David", "Elena", "Emma", "Farid", "Grace", "Hana", "Igor", "Ines",
-    "Jan", "Jia", "Karl", "Kenji", "Lara", "Lei", "Maria", "Mei", "Nadia", "Noah", "Olga", "Omar", "Pablo", "Priya",
-    "Quinn", "Rosa", "Ravi", "Sara", "Sven", "Tariq", "Uma", "Vera", "Wei", "Xin", "Yara", "Yusuf", "Zoe", "Aiko",
-    "Bruno", "Dana", "Erik", "Fatima", "Gustav", "Helena", "Ivan", "Julia", "Kofi", "Lina", "Marco", "Nina",
-    "Oscar", "Paula", "Rui", "Sofia", "Tomas"
+    "Ada",
+    "Alan",
+    "Ana",
+    "Bo",
+    "Carla",
+    "Chen",
+    "David",
+    "Elena",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hana",
+    "Igor",
+    "Ines",
+    "Jan",
+    "Jia",
+    "Karl",
+    "Kenji",
+    "Lara",
+    "Lei",
+    "Maria",
+    "Mei",
+    "Nadia",
+    "Noah",
+    "Olga",
+    "Omar",
+    "Pablo",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Ravi",
+    "Sara",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Vera",
+    "Wei",
+    "Xin",
+    "Yara",
+    "Yusuf",
+    "Zoe",
+    "Aiko",
+    "Bruno",
+    "Dana",
+    "Erik",
+    "Fatima",
+    "Gustav",
+    "Helena",
+    "Ivan",
+    "Julia",
+    "Kofi",
+    "Lina",
+    "Marco",
+    "Nina",
+    "Oscar",
+    "Paula",
+    "Rui",
+    "Sofia",
+    "Tomas",
 )
 _CATEGORIES = (
-    "cs.LG", "cs.CL", "cs.CV", "cs.CR", "stat.ML", "math.OC", "math.PR", "quant-ph", "hep-th", "hep-ph",
-    "astro-ph.GA", "cond-mat.str-el", "physics.optics", "q-bio.NC", "econ.EM", "math.ST", "cs.DS", "cs.IT",
-    "eess.SP", "gr-qc",
+    "cs.LG",
+    "cs.CL",
+    "cs.CV",
+    "cs.CR",
+    "stat.ML",
+    "math.OC",
+    "math.PR",
+    "quant-ph",
+    "hep-th",
+    "hep-ph",
+    "astro-ph.GA",
+    "cond-mat.str-el",
+    "physics.optics",
+    "q-bio.NC",
+    "econ.EM",
+    "math.ST",
+    "cs.DS",
+    "cs.IT",
+    "eess.SP",
+    "gr-qc",
 )
 
 
 @dataclass(frozen=True)
 class ArxivSpec:
-    """Parameters of the arXiv-style generator. A paper has 1 + Poisson(authors_mean − 1) authors, or with
-    probability ``big_collab_p`` a Pareto(big_collab_alpha)-tailed collaboration of ``big_collab_min`` or more
-    (capped at ``authors_max``). Each author slot is, with probability ``repeat_p``, one of the lead author's recent
-    collaborators (repeat co-authorship); otherwise, while some of the ``users`` authors have not published yet, a
-    newcomer with probability ``newcomer_p``; otherwise an author drawn by Pareto(productivity_alpha) productivity
-    (the long tail of prolific authors). Generation stops once every author has a paper, so the data have exactly
-    ``users`` users."""
+    """Parameters of the arXiv-style generator. A paper has 1 + Poisson(authors_mean − 1) authors,
+    or with probability ``big_collab_p`` a Pareto(big_collab_alpha)-tailed collaboration of
+    ``big_collab_min`` or more (capped at ``authors_max``). Each author slot is, with probability
+    ``repeat_p``, one of the lead author's recent collaborators (repeat co-authorship); otherwise,
+    while some of the ``users`` authors have not published yet, a newcomer with probability
+    ``newcomer_p``; otherwise an author drawn by Pareto(productivity_alpha) productivity (the long
+    tail of prolific authors). Generation stops once every author has a paper, so the data have
+    exactly ``users`` users."""
 
     users: int = 1000
     seed: int = 0
@@ -186,7 +291,7 @@ class ArxivSpec:
     big_collab_alpha: float = 1.2
     authors_max: int = 200
     repeat_p: float = 0.4
-    memory: int = 8                   # recent collaborators remembered per author
+    memory: int = 8  # recent collaborators remembered per author
     abstract_words: tuple[int, int] = (60, 160)
     lexicon: Lexicon = field(default_factory=Lexicon)
 
@@ -195,20 +300,26 @@ class ArxivSpec:
         require(self.authors_mean >= 1, "authors_mean", "≥ 1", self.authors_mean)
         require(0 <= self.repeat_p < 1, "repeat_p", "a probability below 1", self.repeat_p)
         require(0 < self.newcomer_p <= 1, "newcomer_p", "a probability above 0", self.newcomer_p)
-        require(self.big_collab_alpha > 0 and self.big_collab_min >= 1, "big_collab_alpha",
-                "alpha > 0 and big_collab_min ≥ 1")
+        require(
+            self.big_collab_alpha > 0 and self.big_collab_min >= 1,
+            "big_collab_alpha",
+            "alpha > 0 and big_collab_min ≥ 1",
+        )
 
     def team_size_pmf(self, cap: int | None = None) -> np.ndarray:
-        """P(team = j) for j = 0..cap before de-duplication (index 0 unused): the mixture the generator draws."""
+        """P(team = j) for j = 0..cap before de-duplication (index 0 unused): the mixture the
+        generator draws."""
         from scipy.stats import poisson
 
         cap = min(self.authors_max, cap or self.authors_max)
         j = np.arange(cap + 1)
         body = np.where(j >= 1, poisson.pmf(j - 1, self.authors_mean - 1), 0.0)
         body[cap] += poisson.sf(cap - 1, self.authors_mean - 1)
-        surv = np.minimum(1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha)  # P(X ≥ j)
+        surv = np.minimum(
+            1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha
+        )  # P(X ≥ j)
         tail = np.zeros(cap + 1)
-        tail[1:cap] = surv[1:cap] - surv[2:cap + 1]
+        tail[1:cap] = surv[1:cap] - surv[2 : cap + 1]
         tail[cap] = surv[cap]
         return (1 - self.big_collab_p) * body + self.big_collab_p * tail
 
@@ -219,13 +330,15 @@ class ArxivSpec:
 
 
 def author_name(index: int) -> tuple[str, str]:
-    """(last, first) of synthetic author ``index``: the last name is unique per index, so ids never collide."""
+    """(last, first) of synthetic author ``index``: the last name is unique per index, so ids never
+    collide."""
     return synthetic_word(1000 + index).capitalize(), _FIRST[index % len(_FIRST)]
 
 
 def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> dict:
-    """Write arXiv metadata JSON lines until all ``spec.users`` authors have published (temp file renamed into
-    place). Memory is O(users · memory) for the productivity CDF and collaborator rings, never O(papers)."""
+    """Write arXiv metadata JSON lines until all ``spec.users`` authors have published (temp file
+    renamed into place). Memory is O(users · memory) for the productivity CDF and collaborator
+    rings, never O(papers)."""
     rng = np.random.default_rng([spec.seed, 21])
     n = spec.users
     productivity = (1.0 - rng.random(n)) ** (-1.0 / spec.productivity_alpha)
@@ -234,7 +347,7 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
     ring = np.full((n, spec.memory), -1, dtype=np.int32)
     ring_pos = np.zeros(n, dtype=np.int16)
     seen = np.zeros(n, dtype=bool)
-    unseen_next = 0                    # newcomers join in index order (productivity is random per index)
+    unseen_next = 0  # newcomers join in index order (productivity is random per index)
     lex = spec.lexicon
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +371,9 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
     with atomic_file(path, "w") as f:
         while newcomer() is not None:
             if rng.random() < spec.big_collab_p:
-                k = int(spec.big_collab_min * (1.0 - rng.random()) ** (-1.0 / spec.big_collab_alpha))
+                k = int(
+                    spec.big_collab_min * (1.0 - rng.random()) ** (-1.0 / spec.big_collab_alpha)
+                )
             else:
                 k = 1 + int(rng.poisson(spec.authors_mean - 1))
             k = min(k, spec.authors_max, n)
@@ -273,8 +388,8 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
                     members.add(a)
                     team.append(a)
             seen[team] = True
-            for a in team:                 # everyone remembers (up to `memory` of) the others
-                for b in team[:spec.memory + 1]:
+            for a in team:  # everyone remembers (up to `memory` of) the others
+                for b in team[: spec.memory + 1]:
                     if b != a:
                         ring[a, ring_pos[a]] = b
                         ring_pos[a] = (ring_pos[a] + 1) % spec.memory
@@ -282,17 +397,21 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
             topic = lead % lex.topics
             n_abstract = int(rng.integers(*spec.abstract_words))
             draws = lex.sample(rng, topic, 10 + n_abstract)
-            words = lex.word_array[lex.chain(rng, draws, np.array([topic, topic]), np.array([10, n_abstract]))]
+            words = lex.word_array[
+                lex.chain(rng, draws, np.array([topic, topic]), np.array([10, n_abstract]))
+            ]
             names = [author_name(a) for a in team]
             cats = [_CATEGORIES[topic % len(_CATEGORIES)]]
             if rng.random() < 0.3:
                 cats.append(_CATEGORIES[int(rng.integers(len(_CATEGORIES)))])
             p = papers
             record = {
-                "id": f"{(7 + p // 99_999 // 12) % 100:02d}{p // 99_999 % 12 + 1:02d}.{p % 99_999 + 1:05d}",
+                "id": f"{(7 + p // 99_999 // 12) % 100:02d}{p // 99_999 % 12 + 1:02d}"
+                f".{p % 99_999 + 1:05d}",
                 "submitter": " ".join(reversed(names[0])),
                 "authors": ", ".join(f"{first} {last}" for last, first in names[:-1])
-                + (" and " if len(names) > 1 else "") + f"{names[-1][1]} {names[-1][0]}",
+                + (" and " if len(names) > 1 else "")
+                + f"{names[-1][1]} {names[-1][0]}",
                 "title": " ".join(words[:10]).capitalize(),
                 "categories": " ".join(dict.fromkeys(cats)),
                 "abstract": " ".join(words[10:]).capitalize() + ".",

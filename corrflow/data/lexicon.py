@@ -1,5 +1,6 @@
-"""Synthetic vocabulary shared by the on-disk generators: deterministic word strings, a Zipfian rank distribution
-and per-topic skew, sampled through precomputed CDFs so one user's text costs O(tokens · log V), not O(V)."""
+"""Synthetic vocabulary shared by the on-disk generators: deterministic word strings, a Zipfian rank
+distribution and per-topic skew, sampled through precomputed CDFs so one user's text costs O(tokens
+· log V), not O(V)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,115 @@ import numpy as np
 
 # Frequent English function words first, so generated text has a realistic head; then made-up words.
 _COMMON = (
-    "the", "to", "i", "a", "is", "and", "of", "it", "in", "you", "that", "this", "for", "be", "have", "on", "with",
-    "not", "can", "are", "if", "but", "as", "or", "do", "my", "what", "so", "an", "at", "from", "use", "which",
-    "there", "get", "how", "would", "will", "your", "was", "when", "just", "code", "like", "one", "all", "need",
-    "any", "should", "there's", "it's", "don't", "i'm", "has", "using", "then", "file", "by", "value", "way",
-    "also", "here"
+    "the",
+    "to",
+    "i",
+    "a",
+    "is",
+    "and",
+    "of",
+    "it",
+    "in",
+    "you",
+    "that",
+    "this",
+    "for",
+    "be",
+    "have",
+    "on",
+    "with",
+    "not",
+    "can",
+    "are",
+    "if",
+    "but",
+    "as",
+    "or",
+    "do",
+    "my",
+    "what",
+    "so",
+    "an",
+    "at",
+    "from",
+    "use",
+    "which",
+    "there",
+    "get",
+    "how",
+    "would",
+    "will",
+    "your",
+    "was",
+    "when",
+    "just",
+    "code",
+    "like",
+    "one",
+    "all",
+    "need",
+    "any",
+    "should",
+    "there's",
+    "it's",
+    "don't",
+    "i'm",
+    "has",
+    "using",
+    "then",
+    "file",
+    "by",
+    "value",
+    "way",
+    "also",
+    "here",
 )
 _SYLLABLES = (
-    "ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "we", "xa", "yo", "zi", "be", "da", "fe", "go", "hu",
-    "jo", "ke", "la", "mo", "ne", "po", "qu", "re", "sa", "ti", "ul", "va", "wi", "ze", "bo", "ci", "du", "ga",
-    "he", "ja", "ki"
+    "ka",
+    "lo",
+    "mi",
+    "nu",
+    "pe",
+    "ra",
+    "si",
+    "to",
+    "vu",
+    "we",
+    "xa",
+    "yo",
+    "zi",
+    "be",
+    "da",
+    "fe",
+    "go",
+    "hu",
+    "jo",
+    "ke",
+    "la",
+    "mo",
+    "ne",
+    "po",
+    "qu",
+    "re",
+    "sa",
+    "ti",
+    "ul",
+    "va",
+    "wi",
+    "ze",
+    "bo",
+    "ci",
+    "du",
+    "ga",
+    "he",
+    "ja",
+    "ki",
 )
 
 
 def synthetic_word(index: int) -> str:
-    """The index-th word: a common word, else a bijective base-40 string of syllables (unique, lower case)."""
+    """The index-th word: a common word, else a bijective base-40 string of syllables (unique, lower
+    case)."""
     if index < len(_COMMON):
         return _COMMON[index]
     n = index - len(_COMMON) + 1
@@ -37,8 +132,9 @@ def synthetic_word(index: int) -> str:
 
 @dataclass(frozen=True)
 class Lexicon:
-    """``size`` word types with global Zipf(``zipf``) frequencies; topic t multiplies ``boost`` onto a seeded
-    ``topic_share`` fraction of the words (per-user topic skew comes from each user's topic mixture)."""
+    """``size`` word types with global Zipf(``zipf``) frequencies; topic t multiplies ``boost`` onto
+    a seeded ``topic_share`` fraction of the words (per-user topic skew comes from each user's topic
+    mixture)."""
 
     size: int = 20_000
     topics: int = 20
@@ -47,10 +143,12 @@ class Lexicon:
     topic_share: float = 0.02
     seed: int = 0
     # Word order: a sparse first-order Markov chain per topic (see :meth:`chain`).
-    follow: float = 0.6           # P(a word is a successor of the previous word rather than a fresh draw)
-    successors: int = 3           # successors per word, Zipf(successor_zipf)-weighted
+    follow: float = 0.6  # P(a word is a successor of the previous word rather than a fresh draw)
+    successors: int = 3  # successors per word, Zipf(successor_zipf)-weighted
     successor_zipf: float = 1.5
-    topic_specific: float = 0.25  # fraction of successor rows each topic redraws from its own distribution
+    topic_specific: float = (
+        0.25  # fraction of successor rows each topic redraws from its own distribution
+    )
 
     @property
     def successor_weights(self) -> np.ndarray:
@@ -58,9 +156,9 @@ class Lexicon:
         return w / w.sum()
 
     def bigram_ceiling(self) -> float:
-        """Expected accuracy of predicting the top successor of the previous word, on a topic-blind predictor's
-        rows (the shared ones): follow · w₁ · (1 − topic_specific). A lower bound on what bigram counts reach with
-        enough data (fresh draws that hit the successor only add)."""
+        """Expected accuracy of predicting the top successor of the previous word, on a topic-blind
+        predictor's rows (the shared ones): follow · w₁ · (1 − topic_specific). A lower bound on
+        what bigram counts reach with enough data (fresh draws that hit the successor only add)."""
         return self.follow * float(self.successor_weights[0]) * (1 - self.topic_specific)
 
     @cached_property
@@ -73,11 +171,17 @@ class Lexicon:
 
     @cached_property
     def topic_words(self) -> list[np.ndarray]:
-        """Word indices boosted in each topic. The head (function words) stays shared; topic words come from
-        the rest."""
+        """Word indices boosted in each topic. The head (function words) stays shared; topic words
+        come from the rest."""
         rng = np.random.default_rng([self.seed, 7])
-        return [np.sort(rng.choice(np.arange(len(_COMMON), self.size), int(self.topic_share * self.size), False))
-                for _ in range(self.topics)]
+        return [
+            np.sort(
+                rng.choice(
+                    np.arange(len(_COMMON), self.size), int(self.topic_share * self.size), False
+                )
+            )
+            for _ in range(self.topics)
+        ]
 
     @cached_property
     def _cdf(self) -> np.ndarray:
@@ -96,26 +200,34 @@ class Lexicon:
 
     @cached_property
     def successor_table(self) -> np.ndarray:
-        """int32 (topics, size, successors), shared by all topics: successors of a topic's own words come from that
-        topic's distribution, of the other words from the global Zipf distribution; then each topic redraws a
-        ``topic_specific`` fraction of rows from its own distribution."""
+        """int32 (topics, size, successors), shared by all topics: successors of a topic's own words
+        come from that topic's distribution, of the other words from the global Zipf distribution;
+        then each topic redraws a ``topic_specific`` fraction of rows from its own distribution."""
         rng = np.random.default_rng([self.seed, 8])
         base = np.cumsum(1.0 / np.arange(1, self.size + 1) ** self.zipf)
         base /= base[-1]
         shared = np.searchsorted(base, rng.random((self.size, self.successors)), side="right")
-        for t, own in enumerate(self.topic_words):  # a topic word leads on to its topic: chains keep the skew
-            shared[own] = self.sample(rng, t, own.size * self.successors).reshape(own.size, self.successors)
+        for t, own in enumerate(
+            self.topic_words
+        ):  # a topic word leads on to its topic: chains keep the skew
+            shared[own] = self.sample(rng, t, own.size * self.successors).reshape(
+                own.size, self.successors
+            )
         table = np.repeat(shared[None].astype(np.int32), self.topics, axis=0)
         for t in range(self.topics):
             rows = np.flatnonzero(rng.random(self.size) < self.topic_specific)
-            table[t, rows] = self.sample(rng, t, rows.size * self.successors).reshape(rows.size, self.successors)
+            table[t, rows] = self.sample(rng, t, rows.size * self.successors).reshape(
+                rows.size, self.successors
+            )
         return np.minimum(table, self.size - 1)
 
-    def chain(self, rng: np.random.Generator, fresh: np.ndarray, topics: np.ndarray, lengths: np.ndarray
-              ) -> np.ndarray:
-        """Impose the Markov order on ``fresh`` topic draws: ``fresh`` is the concatenation of segments (posts) of
-        ``lengths`` words with topics ``topics``; within a segment, word i is, with probability ``follow``, a
-        successor of word i − 1 (weights ``successor_weights``), else its fresh draw. Vectorised over segments."""
+    def chain(
+        self, rng: np.random.Generator, fresh: np.ndarray, topics: np.ndarray, lengths: np.ndarray
+    ) -> np.ndarray:
+        """Impose the Markov order on ``fresh`` topic draws: ``fresh`` is the concatenation of
+        segments (posts) of ``lengths`` words with topics ``topics``; within a segment, word i is,
+        with probability ``follow``, a successor of word i − 1 (weights ``successor_weights``), else
+        its fresh draw. Vectorised over segments."""
         out = fresh.copy()
         if len(lengths) == 0 or self.follow <= 0:
             return out
@@ -126,7 +238,9 @@ class Lexicon:
             live = np.flatnonzero(lengths > i)
             pos = starts[live] + i
             follow = rng.random(live.size) < self.follow
-            pick = np.minimum(np.searchsorted(cdf, rng.random(live.size), side="right"), self.successors - 1)
+            pick = np.minimum(
+                np.searchsorted(cdf, rng.random(live.size), side="right"), self.successors - 1
+            )
             chained = table[topics[live], out[pos - 1], pick]
             out[pos] = np.where(follow, chained, out[pos])
         return out

@@ -1,12 +1,15 @@
-"""StackOverflow-style federated text generated on the fly (seeded; no downloads), for next-word prediction.
+"""StackOverflow-style federated text generated on the fly (seeded; no downloads), for next-word
+prediction.
 
-Shape of the data (000 §5.3, scaled to the machine): a Zipfian vocabulary, per-user topic skew (Dirichlet topic
-mixtures), a power-law number of sentences per user, fixed-length sequences with BOS/EOS/PAD and an OOV bucket.
-Word order follows a sparse first-order Markov chain per topic: after word w, with probability ``follow`` the next
-word is one of w's ``successors`` (Zipf-weighted), otherwise a fresh draw from the topic's unigram distribution.
-The successor table is shared by all topics except for a ``topic_specific`` fraction of rows each topic redraws, so
-the previous word predicts most of the next one and the context (the topic) the rest: a bigram model learns well
-above the unigram baseline, an LSTM a little more. :func:`bigram_ceiling` gives the structure's expected accuracy.
+Shape of the data (000 §5.3, scaled to the machine): a Zipfian vocabulary, per-user topic skew
+(Dirichlet topic mixtures), a power-law number of sentences per user, fixed-length sequences with
+BOS/EOS/PAD and an OOV bucket. Word order follows a sparse first-order Markov chain per topic: after
+word w, with probability ``follow`` the next word is one of w's ``successors`` (Zipf-weighted),
+otherwise a fresh draw from the topic's unigram distribution. The successor table is shared by all
+topics except for a ``topic_specific`` fraction of rows each topic redraws, so the previous word
+predicts most of the next one and the context (the topic) the rest: a bigram model learns well above
+the unigram baseline, an LSTM a little more. :func:`bigram_ceiling` gives the structure's expected
+accuracy.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ SPECIAL = 4
 
 @dataclass(frozen=True)
 class TextTask:
-    vocab: int = 500          # in-vocabulary words (ids SPECIAL .. SPECIAL+vocab−1)
+    vocab: int = 500  # in-vocabulary words (ids SPECIAL .. SPECIAL+vocab−1)
     seq_len: int = 12
     topics: int = 8
     seed: int = 0
-    follow: float = 0.7       # P(next word comes from the successor table)
-    successors: int = 2       # successors per word (sparse Markov rows)
-    successor_zipf: float = 1.5   # weights of the successors: 1/rank^s
+    follow: float = 0.7  # P(next word comes from the successor table)
+    successors: int = 2  # successors per word (sparse Markov rows)
+    successor_zipf: float = 1.5  # weights of the successors: 1/rank^s
     topic_specific: float = 0.25  # fraction of successor rows each topic redraws
     oov_rate: float = 0.05
 
@@ -44,7 +47,8 @@ class TextTask:
 
 @lru_cache(maxsize=8)
 def _topic_tables(task: TextTask) -> tuple[np.ndarray, np.ndarray]:
-    """(unigram (topics, vocab), successor (topics, vocab, successors)) word indices, seeded by ``task.seed``."""
+    """(unigram (topics, vocab), successor (topics, vocab, successors)) word indices, seeded by
+    ``task.seed``."""
     rng = np.random.default_rng([task.seed, 100])
     zipf = 1.0 / np.arange(1, task.vocab + 1) ** 1.1
     unigram = np.stack([zipf[rng.permutation(task.vocab)] for _ in range(task.topics)])
@@ -58,7 +62,8 @@ def _topic_tables(task: TextTask) -> tuple[np.ndarray, np.ndarray]:
 
 
 def user_sentences(task: TextTask, user: int, max_sentences: int = 48) -> np.ndarray:
-    """int32 array (sentences, seq_len + 1): BOS, words…, EOS, PAD…; ``oov_rate`` of words replaced by OOV."""
+    """int32 array (sentences, seq_len + 1): BOS, words…, EOS, PAD…; ``oov_rate`` of words replaced
+    by OOV."""
     unigram, successor = _topic_tables(task)
     rng = np.random.default_rng([task.seed, 200, int(user)])
     count = int(min(max_sentences, max(2, rng.pareto(1.5) * 6 + 2)))  # power-law posts per user
@@ -67,12 +72,18 @@ def user_sentences(task: TextTask, user: int, max_sentences: int = 48) -> np.nda
     lengths = rng.integers(task.seq_len // 2, task.seq_len, size=count)
     cdf = np.cumsum(unigram, axis=1)
     cdf[:, -1] = 1.0
-    fresh = np.stack([np.searchsorted(cdf[t], rng.random(task.seq_len), side="right") for t in topics])
+    fresh = np.stack(
+        [np.searchsorted(cdf[t], rng.random(task.seq_len), side="right") for t in topics]
+    )
     follow = rng.random((count, task.seq_len)) < task.follow
-    pick = np.searchsorted(np.cumsum(task.successor_weights), rng.random((count, task.seq_len)), side="right")
+    pick = np.searchsorted(
+        np.cumsum(task.successor_weights), rng.random((count, task.seq_len)), side="right"
+    )
     pick = np.minimum(pick, task.successors - 1)
     words = fresh.copy()
-    for i in range(1, task.seq_len):  # the chain is sequential in position, vectorised over sentences
+    for i in range(
+        1, task.seq_len
+    ):  # the chain is sequential in position, vectorised over sentences
         chained = successor[topics, words[:, i - 1], pick[:, i]]
         words[:, i] = np.where(follow[:, i], chained, fresh[:, i])
     tokens = np.where(rng.random((count, task.seq_len)) < task.oov_rate, OOV, words + SPECIAL)
@@ -80,15 +91,16 @@ def user_sentences(task: TextTask, user: int, max_sentences: int = 48) -> np.nda
     out[:, 0] = BOS
     for s in range(count):
         n = int(lengths[s])
-        out[s, 1:n] = tokens[s, :n - 1]
+        out[s, 1:n] = tokens[s, : n - 1]
         out[s, n] = EOS
     return out
 
 
 def bigram_ceiling(task: TextTask) -> float:
-    """Expected next-word accuracy (on words following a word) of a predictor that knows the previous word and the
-    topic, from the generator's parameters: follow · w₁ · (1 − oov) — the chained top successor — ignoring the
-    small chance that a fresh draw also hits it. A topic-blind bigram model loses part of the topic-specific rows."""
+    """Expected next-word accuracy (on words following a word) of a predictor that knows the
+    previous word and the topic, from the generator's parameters: follow · w₁ · (1 − oov) — the
+    chained top successor — ignoring the small chance that a fresh draw also hits it. A topic-blind
+    bigram model loses part of the topic-specific rows."""
     return task.follow * float(task.successor_weights[0]) * (1 - task.oov_rate)
 
 
@@ -98,7 +110,7 @@ def xy(sentences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def accuracy_mask(targets: np.ndarray, first_word: int = SPECIAL) -> np.ndarray:
-    """Accuracy counts real words only: no PAD, BOS, EOS or OOV bucket (000 §5.3's 'without OOV or EOS' variant).
-    ``first_word``: the first real word's id — 3 + the OOV buckets (:attr:`corrflow.data.vocab.Vocabulary.first_word`;
-    here one bucket, id 3)."""
+    """Accuracy counts real words only: no PAD, BOS, EOS or OOV bucket (000 §5.3's 'without OOV or
+    EOS' variant). ``first_word``: the first real word's id — 3 + the OOV buckets
+    (:attr:`corrflow.data.vocab.Vocabulary.first_word`; here one bucket, id 3)."""
     return targets >= first_word

@@ -1,9 +1,11 @@
-"""A dependency-free codec for ``tf.train.Example`` protocol buffers (the rows of TFF's SQLite datasets).
+"""A dependency-free codec for ``tf.train.Example`` protocol buffers (the rows of TFF's SQLite
+datasets).
 
-Only the wire format of ``tensorflow/core/example/{example,feature}.proto`` is needed: Example{1: Features},
-Features{1: map<string, Feature>}, Feature{oneof 1: BytesList, 2: FloatList, 3: Int64List}, each list field 1
-(floats and int64s packed, unpacked also accepted). Reading the real files therefore needs neither TensorFlow nor
-TensorFlow Federated; the tests check byte equality with TensorFlow's own serializer when it is installed.
+Only the wire format of ``tensorflow/core/example/{example,feature}.proto`` is needed: Example{1:
+Features}, Features{1: map<string, Feature>}, Feature{oneof 1: BytesList, 2: FloatList, 3:
+Int64List}, each list field 1 (floats and int64s packed, unpacked also accepted). Reading the real
+files therefore needs neither TensorFlow nor TensorFlow Federated; the tests check byte equality
+with TensorFlow's own serializer when it is installed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _SMALL = [bytes([i]) for i in range(128)]
 def _varint(value: int) -> bytes:
     if 0 <= value < 128:
         return _SMALL[value]
-    value &= (1 << 64) - 1          # int64 negatives are 10-byte two's complement varints
+    value &= (1 << 64) - 1  # int64 negatives are 10-byte two's complement varints
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -68,9 +70,13 @@ def _feature(value) -> bytes:
 
 
 def encode_example(features: dict) -> bytes:
-    """Serialize ``{name: bytes | str | [bytes|str] | float ndarray | int ndarray}`` as a tf.train.Example.
-    Map entries are written in sorted key order (as TensorFlow's deterministic serializer does)."""
-    entries = b"".join(_field(1, _field(1, k.encode()) + _field(2, _feature(features[k]))) for k in sorted(features))
+    """Serialize ``{name: bytes | str | [bytes|str] | float ndarray | int ndarray}`` as a
+    tf.train.Example. Map entries are written in sorted key order (as TensorFlow's deterministic
+    serializer does)."""
+    entries = b"".join(
+        _field(1, _field(1, k.encode()) + _field(2, _feature(features[k])))
+        for k in sorted(features)
+    )
     return _field(1, entries)
 
 
@@ -87,17 +93,17 @@ def _messages(buf: bytes):
             size, pos = _read_varint(buf, pos)
             if pos + size > len(buf):
                 raise ProtoError("truncated length-delimited field")
-            yield number, wire, buf[pos:pos + size]
+            yield number, wire, buf[pos : pos + size]
             pos += size
         elif wire == 5:
             if pos + 4 > len(buf):
                 raise ProtoError("truncated fixed32")
-            yield number, wire, buf[pos:pos + 4]
+            yield number, wire, buf[pos : pos + 4]
             pos += 4
         elif wire == 1:
             if pos + 8 > len(buf):
                 raise ProtoError("truncated fixed64")
-            yield number, wire, buf[pos:pos + 8]
+            yield number, wire, buf[pos : pos + 8]
             pos += 8
         else:
             raise ProtoError(f"unsupported wire type {wire}")
@@ -111,7 +117,9 @@ def _decode_list(kind: int, payload: bytes) -> Value:
         if n != 1:
             continue
         if kind == 2:
-            values.extend(struct.unpack(f"<{len(v) // 4}f", v) if w == 2 else struct.unpack("<f", v))
+            values.extend(
+                struct.unpack(f"<{len(v) // 4}f", v) if w == 2 else struct.unpack("<f", v)
+            )
         elif w == 2:
             pos = 0
             while pos < len(v):
@@ -123,7 +131,8 @@ def _decode_list(kind: int, payload: bytes) -> Value:
 
 
 def decode_example(data: bytes) -> dict[str, Value]:
-    """Parse a serialized tf.train.Example into ``{name: [bytes] | float32 array | int64 array}``."""
+    """Parse a serialized tf.train.Example into ``{name: [bytes] | float32 array | int64
+    array}``."""
     out: dict[str, Value] = {}
     for n, w, features in _messages(bytes(data)):
         if n != 1 or w != 2:

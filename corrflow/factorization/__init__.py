@@ -1,7 +1,9 @@
-"""Workloads A, participation schemas, encoders C (and decoders B = A C⁻¹), sensitivity and error metrics.
+"""Workloads A, participation schemas, encoders C (and decoders B = A C⁻¹), sensitivity and error
+metrics.
 
-Pure numpy/scipy, float64. Entry point: :func:`factorize` builds a normalised :class:`Factorization` of any kind;
-the optimizers (dense, banded, Toeplitz) and closed forms (BISR, γ-BIFR, BSR, DP-λCGD, FFT, tree) live beside it.
+Pure numpy/scipy, float64. Entry point: :func:`factorize` builds a normalised :class:`Factorization`
+of any kind; the optimizers (dense, banded, Toeplitz) and closed forms (BISR, γ-BIFR, BSR, DP-λCGD,
+FFT, tree) live beside it.
 """
 
 from corrflow.factorization.base import Factorization
@@ -10,4 +12,12 @@ from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import Sensitivity
 from corrflow.factorization.workloads import Workload
 
-__all__ = ["KINDS", "Factorization", "Participation", "Sensitivity", "Workload", "factorize", "participation_for"]
+__all__ = [
+    "KINDS",
+    "Factorization",
+    "Participation",
+    "Sensitivity",
+    "Workload",
+    "factorize",
+    "participation_for",
+]

@@ -2,9 +2,10 @@
 Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913).
 
 C(Θ)[j + r, j] = Θ[j, r] / ‖Θ[j, :]‖ (in-range entries only), so every column has unit norm and, for
-``bands ≤ min_sep``, the sensitivity is exactly √k. Objective ‖A C(Θ)⁻¹‖²_F (001 Alg. 3) with gradient
-∇_C = −2 Bᵀ W, B = A C⁻¹, W = A C⁻¹ C⁻ᵀ, evaluated on the band only and blockwise over columns: O(n²·bands) time
-and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz start (001 Example B.1 is reproduced this way).
+``bands ≤ min_sep``, the sensitivity is exactly √k. Objective ‖A C(Θ)⁻¹‖²_F (001 Alg. 3) with
+gradient ∇_C = −2 Bᵀ W, B = A C⁻¹, W = A C⁻¹ C⁻ᵀ, evaluated on the band only and blockwise over
+columns: O(n²·bands) time and O(n·(bands + block)) memory. L-BFGS from the optimal banded Toeplitz
+start (001 Example B.1 is reproduced this way).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def normalize_columns(theta: np.ndarray) -> np.ndarray:
     return theta / np.linalg.norm(theta, axis=1, keepdims=True)
 
 
-def banded_loss_and_grad(band: np.ndarray, workload: Workload, block_bytes: int = 1 << 26
-                         ) -> tuple[float, np.ndarray]:
+def banded_loss_and_grad(
+    band: np.ndarray, workload: Workload, block_bytes: int = 1 << 26
+) -> tuple[float, np.ndarray]:
     """The BandMF objective and its gradient (001 Alg. 3, arXiv 2405.15913).
 
     Args:
@@ -63,31 +65,43 @@ def banded_loss_and_grad(band: np.ndarray, workload: Workload, block_bytes: int 
         hi = min(n, j1 + p - 1)
         E = np.zeros((n, hi - j0))
         E[np.arange(j0, hi), np.arange(hi - j0)] = 1.0
-        B = workload.apply(solve_banded((p - 1, 0), ab, E, check_finite=False))  # columns j0..hi−1 of B
+        B = workload.apply(
+            solve_banded((p - 1, 0), ab, E, check_finite=False)
+        )  # columns j0..hi−1 of B
         loss += float(np.sum(B[:, : j1 - j0] ** 2))
         V = solve_banded((0, p - 1), ab_upper, E[:, : j1 - j0], check_finite=False)  # C⁻ᵀ e_j
-        W = workload.apply(solve_banded((p - 1, 0), ab, V, check_finite=False))  # columns j0..j1−1 of W
+        W = workload.apply(
+            solve_banded((p - 1, 0), ab, V, check_finite=False)
+        )  # columns j0..j1−1 of W
         for r in range(p):
             cols = min(j1, n - r) - j0
             if cols <= 0:
                 break
-            grad[j0:j0 + cols, r] = -2.0 * np.einsum("ij,ij->j", B[:, r:r + cols], W[:, :cols])
+            grad[j0 : j0 + cols, r] = -2.0 * np.einsum("ij,ij->j", B[:, r : r + cols], W[:, :cols])
     return loss, grad
 
 
 @dataclass(frozen=True)
 class BandedResult:
-    """An optimised column-normalised banded encoder: ``band`` (shape (n, bands)), ``loss`` ‖A C⁻¹‖²_F and the
-    optimizer's ``iterations``."""
+    """An optimised column-normalised banded encoder: ``band`` (shape (n, bands)), ``loss`` ‖A
+    C⁻¹‖²_F and the optimizer's ``iterations``."""
 
-    band: np.ndarray     # column-normalised band of C
-    loss: float          # ‖A C⁻¹‖²_F (unit column norms)
+    band: np.ndarray  # column-normalised band of C
+    loss: float  # ‖A C⁻¹‖²_F (unit column norms)
     iterations: int
 
 
-def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray | None = None,
-                    max_iterations: int = 2000, callback: ProgressCallback | None = None) -> BandedResult:
-    """Optimal column-normalised ``bands``-banded C for ``workload`` (001 Problem 2.1, arXiv 2405.15913).
+def optimize_banded(
+    workload: Workload,
+    n: int,
+    bands: int,
+    *,
+    init: np.ndarray | None = None,
+    max_iterations: int = 2000,
+    callback: ProgressCallback | None = None,
+) -> BandedResult:
+    """Optimal column-normalised ``bands``-banded C for ``workload`` (001 Problem 2.1, arXiv
+    2405.15913).
 
     Args:
         workload: A.
@@ -104,6 +118,7 @@ def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray 
     valid = _valid_mask(n, bands)
     if init is None:
         from corrflow.factorization.toeplitz import optimize_toeplitz
+
         coef = optimize_toeplitz(workload.toeplitz_part(), n, bands).coef
         init = ToeplitzEncoder(coef, n).band_array()
     theta0 = normalize_columns(np.asarray(init, dtype=np.float64))
@@ -119,7 +134,8 @@ def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray 
             return np.inf, None
         if not need_grad:
             return np.log(loss), None
-        # Chain rule through the column normalisation: project out the radial component, divide by the norm.
+        # Chain rule through the column normalisation: project out the radial component, divide by
+        # the norm.
         g = np.where(valid, g, 0.0)
         g = (g - band * np.sum(g * band, axis=1, keepdims=True)) / norms
         return np.log(loss), g / loss
@@ -129,8 +145,14 @@ def optimize_banded(workload: Workload, n: int, bands: int, *, init: np.ndarray 
             callback(it, float(np.exp(logval)))
         return False
 
-    res = lbfgs(fun, theta0, max_iterations=max_iterations, memory=20, rel_improvement=1e-12, window=10,
-                on_iteration=report)
+    res = lbfgs(
+        fun,
+        theta0,
+        max_iterations=max_iterations,
+        memory=20,
+        rel_improvement=1e-12,
+        window=10,
+        on_iteration=report,
+    )
     band = normalize_columns(res.x)
     return BandedResult(band, float(np.exp(fun(band, False)[0])), res.iterations)
-

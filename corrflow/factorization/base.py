@@ -1,8 +1,10 @@
-"""The :class:`Factorization` object: workload, encoder (sensitivity 1), participation, metadata; one .npz file.
+"""The :class:`Factorization` object: workload, encoder (sensitivity 1), participation, metadata;
+one .npz file.
 
-File format (docs "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the encoder and whose
-``__meta__`` entry holds JSON metadata, including ``arrays_sha256`` — a SHA-256 over every array's name,
-dtype, shape and bytes. Loading recomputes the hash and checks shapes; a mismatch is an :class:`IntegrityError`.
+File format (docs "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the
+encoder and whose ``__meta__`` entry holds JSON metadata, including ``arrays_sha256`` — a SHA-256
+over every array's name, dtype, shape and bytes. Loading recomputes the hash and checks shapes; a
+mismatch is an :class:`IntegrityError`.
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ FORMAT = "corrflow.factorization/1"
 
 @dataclass(frozen=True)
 class Factorization:
-    """A normalised factorization A = B·C of a workload: ``encoder`` C has sensitivity 1 under ``participation``.
+    """A normalised factorization A = B·C of a workload: ``encoder`` C has sensitivity 1 under
+    ``participation``.
 
-    The decoder is B = A C⁻¹ (never stored); the error of the mechanism is sens²·‖B‖²_F (000 Eq. 4, arXiv
-    2211.06530) and the noise the server adds in round t is σ·clip·(C⁻¹Z)_t.
+    The decoder is B = A C⁻¹ (never stored); the error of the mechanism is sens²·‖B‖²_F (000 Eq. 4,
+    arXiv 2211.06530) and the noise the server adds in round t is σ·clip·(C⁻¹Z)_t.
 
-    Attributes:
-        kind: the registry kind that built it (``dpsgd``, ``toeplitz``, ``dense``, …).
-        workload: the workload A (n × n, lower-triangular; streamed, never stored).
-        participation: the (k, b) pattern the sensitivity is computed for.
-        encoder: C, n × n lower-triangular, in one of the structured forms (Toeplitz, banded, banded-inverse, BLT,
-            dense), scaled so that its sensitivity is 1.
-        sensitivity: the sensitivity after normalisation (value 1) and whether it is exact or an upper bound.
-        raw_sensitivity: the sensitivity before normalisation (informative only).
-        metadata: the construction's parameters (γ, stamps, solver statistics, dual lower bound, …).
+    Attributes: kind: the registry kind that built it (``dpsgd``, ``toeplitz``, ``dense``, …).
+    workload: the workload A (n × n, lower-triangular; streamed, never stored). participation: the
+    (k, b) pattern the sensitivity is computed for. encoder: C, n × n lower-triangular, in one of
+    the structured forms (Toeplitz, banded, banded-inverse, BLT, dense), scaled so that its
+    sensitivity is 1. sensitivity: the sensitivity after normalisation (value 1) and whether it is
+    exact or an upper bound. raw_sensitivity: the sensitivity before normalisation (informative
+    only). metadata: the construction's parameters (γ, stamps, solver statistics, dual lower bound,
+    …).
     """
 
     kind: str
@@ -61,7 +63,8 @@ class Factorization:
         return self.encoder.bands
 
     def per_query_error(self) -> np.ndarray:
-        """Squared row norms of the decoder B = A C⁻¹: the per-iterate noise variance at unit σ and sensitivity 1.
+        """Squared row norms of the decoder B = A C⁻¹: the per-iterate noise variance at unit σ and
+        sensitivity 1.
 
         Returns:
             float64 array of shape (n,); its sum is ‖B‖²_F, the total squared error of 000 Eq. 4.
@@ -71,18 +74,17 @@ class Factorization:
     def errors(self) -> ErrorReport:
         """The mechanism's errors at unit σ (000 Eq. 4).
 
-        Returns:
-            :class:`~corrflow.factorization.metrics.ErrorReport` with the total squared error sens²·‖B‖²_F,
-            RMSE = √(total/n) and max error sens·maxᵢ‖Bᵢ‖.
+        Returns: :class:`~corrflow.factorization.metrics.ErrorReport` with the total squared error
+        sens²·‖B‖²_F, RMSE = √(total/n) and max error sens·maxᵢ‖Bᵢ‖.
         """
         return error_report(self.per_query_error(), self.sensitivity.value)
 
     def summary(self) -> dict:
         """The JSON summary printed by ``corrflow factorize --json``.
 
-        Returns:
-            A JSON-serialisable dict: kind, rounds, epochs, min_sep, participation, bands, structure, workload, the
-            errors, the sensitivity (value, exact, method), raw_sensitivity, lower_bound, sha256 and the metadata.
+        Returns: A JSON-serialisable dict: kind, rounds, epochs, min_sep, participation, bands,
+        structure, workload, the errors, the sensitivity (value, exact, method), raw_sensitivity,
+        lower_bound, sha256 and the metadata.
         """
         err = self.errors()
         out = {
@@ -106,10 +108,14 @@ class Factorization:
         return out
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {f"encoder.{k}": np.ascontiguousarray(v, dtype=np.float64) for k, v in self.encoder.arrays().items()}
+        return {
+            f"encoder.{k}": np.ascontiguousarray(v, dtype=np.float64)
+            for k, v in self.encoder.arrays().items()
+        }
 
     def sha256(self) -> str:
-        """The factorization's identity, checked on load and recorded in privacy reports and recipes.
+        """The factorization's identity, checked on load and recorded in privacy reports and
+        recipes.
 
         Returns:
             SHA-256 (64 hex digits) of the encoder's arrays.
@@ -134,9 +140,8 @@ class Factorization:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file + rename) to exactly ``path``.
 
-        Args:
-            path: the file to write: an ``.npz`` archive (no pickles) whatever its suffix, with the JSON metadata and
-                the SHA-256 of the arrays inside.
+        Args: path: the file to write: an ``.npz`` archive (no pickles) whatever its suffix, with
+        the JSON metadata and the SHA-256 of the arrays inside.
 
         Returns:
             ``path`` as a :class:`~pathlib.Path`.
@@ -155,8 +160,8 @@ class Factorization:
         Args:
             path: a factorization ``.npz`` file.
 
-        Returns:
-            The factorization, after checking its format, the SHA-256 of its arrays and their shapes.
+        Returns: The factorization, after checking its format, the SHA-256 of its arrays and their
+        shapes.
 
         Raises:
             InvalidArgumentError: ``path`` does not exist.
@@ -170,7 +175,8 @@ class Factorization:
                 if not hasattr(data, "files"):
                     raise ValueError("a single array, not an archive")
                 arrays = {k: np.array(data[k]) for k in data.files}
-        except Exception as exc:  # zip/npy decoding errors of many kinds; numpy's own advice (pickles) is wrong here
+        # zip/npy decoding errors of many kinds; numpy's own advice (pickles) is wrong here
+        except Exception as exc:
             reason = "not an .npz archive" if "pickle" in str(exc) else str(exc)
             raise IntegrityError(f"{path}: not a readable factorization file ({reason})") from None
         if "__meta__" not in arrays:
@@ -183,18 +189,30 @@ class Factorization:
             raise IntegrityError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
         digest = arrays_sha256(arrays)
         if digest != meta.get("arrays_sha256"):
-            raise IntegrityError(f"{path}: array hash {digest[:16]}… does not match the recorded "
-                                 f"{str(meta.get('arrays_sha256'))[:16]}…; the file is corrupted or was edited")
-        enc_arrays = {k.removeprefix("encoder."): v for k, v in arrays.items() if k.startswith("encoder.")}
+            raise IntegrityError(
+                f"{path}: array hash {digest[:16]}… does not match the recorded "
+                f"{str(meta.get('arrays_sha256'))[:16]}…; the file is corrupted or was edited"
+            )
+        enc_arrays = {
+            k.removeprefix("encoder."): v for k, v in arrays.items() if k.startswith("encoder.")
+        }
         try:
-            encoder = encoder_from_arrays(meta["structure"], enc_arrays, meta.get("encoder_params", {}))
+            encoder = encoder_from_arrays(
+                meta["structure"], enc_arrays, meta.get("encoder_params", {})
+            )
         except (KeyError, InvalidArgumentError) as exc:
-            raise IntegrityError(f"{path}: encoder arrays do not form a valid encoder ({exc})") from exc
+            raise IntegrityError(
+                f"{path}: encoder arrays do not form a valid encoder ({exc})"
+            ) from exc
         if encoder.n != meta["rounds"]:
-            raise IntegrityError(f"{path}: encoder has {encoder.n} rounds, metadata says {meta['rounds']}")
+            raise IntegrityError(
+                f"{path}: encoder has {encoder.n} rounds, metadata says {meta['rounds']}"
+            )
         participation = Participation.from_dict(meta["participation"])
         if participation.rounds != encoder.n:
-            raise IntegrityError(f"{path}: participation covers {participation.rounds} rounds, encoder {encoder.n}")
+            raise IntegrityError(
+                f"{path}: participation covers {participation.rounds} rounds, encoder {encoder.n}"
+            )
         return cls(
             kind=meta["kind"],
             workload=Workload.from_dict(meta["workload"]),
@@ -219,12 +237,25 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def normalized(kind: str, workload: Workload, participation: Participation, encoder: Encoder,
-               metadata: dict | None = None) -> Factorization:
-    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (docs "Conventions")."""
+def normalized(
+    kind: str,
+    workload: Workload,
+    participation: Participation,
+    encoder: Encoder,
+    metadata: dict | None = None,
+) -> Factorization:
+    """Scale ``encoder`` so its sensitivity under ``participation`` is 1 and wrap it (docs
+    "Conventions")."""
     sens = encoder.sensitivity(participation)
     if not (np.isfinite(sens.value) and sens.value > 0):
         raise InvalidArgumentError("encoder", "a finite, positive sensitivity", sens.value)
     enc = encoder.scaled(1.0 / sens.value)
-    return Factorization(kind, workload, participation, enc, Sensitivity(1.0, sens.exact, sens.method),
-                         raw_sensitivity=sens.value, metadata=dict(metadata or {}))
+    return Factorization(
+        kind,
+        workload,
+        participation,
+        enc,
+        Sensitivity(1.0, sens.exact, sens.method),
+        raw_sensitivity=sens.value,
+        metadata=dict(metadata or {}),
+    )

@@ -1,15 +1,18 @@
-"""Baselines and classical mechanisms (000 §4–5, App. D, J, K: Choquette-Choo, McMahan,
-Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv 2211.06530).
+"""Baselines and classical mechanisms (000 §4–5, App. D, J, K: Choquette-Choo, McMahan, Rush,
+Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", arXiv
+2211.06530).
 
 * binary tree (Honaker) with tree completion and the zeroed virtual-node noise of 000 App. D.3;
-* the FFT mechanism in its real-valued form (000 App. K): C_F = circulant(y)[:, :n], y = ifft(√fft(v));
+* the FFT mechanism in its real-valued form (000 App. K): C_F = circulant(y)[:, :n], y =
+  ifft(√fft(v));
 * stamping (000 App. D.4): I_s ⊗ C;
-* the decoders of 000 Table 1 — online Honaker (estimate from below, restarts) and FFT Mechanism 1 — for
-  reproducing that table; the product uses the optimal decoder A C⁻¹, realised in gradient space.
+* the decoders of 000 Table 1 — online Honaker (estimate from below, restarts) and FFT Mechanism 1 —
+  for reproducing that table; the product uses the optimal decoder A C⁻¹, realised in gradient
+  space.
 
-Encoders with more rows than rounds (tree: nodes, FFT: 2n) are replaced by the square lower-triangular C̃ with
-C̃ᵀC̃ = CᵀC (reversed Cholesky): the same sensitivity and the same optimal-decoder error (both depend on CᵀC only),
-streamable round by round.
+Encoders with more rows than rounds (tree: nodes, FFT: 2n) are replaced by the square
+lower-triangular C̃ with C̃ᵀC̃ = CᵀC (reversed Cholesky): the same sensitivity and the same
+optimal-decoder error (both depend on CᵀC only), streamable round by round.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def tree_gram(n: int) -> np.ndarray:
 
 
 def honaker_variances(levels: int) -> np.ndarray:
-    """V_h: variance of the estimate-from-below of a height-h node with unit node noise (000 App. D.3)."""
+    """V_h: variance of the estimate-from-below of a height-h node with unit node noise (000 App.
+    D.3)."""
     V = np.ones(levels + 1)
     for h in range(1, levels + 1):
         V[h] = 1.0 / (1.0 + 1.0 / (2.0 * V[h - 1]))
@@ -54,18 +58,22 @@ def honaker_variances(levels: int) -> np.ndarray:
 def online_honaker_per_query(n: int) -> np.ndarray:
     """Per-query error of the online Honaker decoder with tree completion and virtual-noise zeroing.
 
-    Query t (< n−1) sums the estimates of the dyadic subtrees of t+1 (disjoint supports, so variances add);
-    the last query uses the root estimate over 2^L leaves, with the noise of virtual-only nodes removed.
+    Query t (< n−1) sums the estimates of the dyadic subtrees of t+1 (disjoint supports, so
+    variances add); the last query uses the root estimate over 2^L leaves, with the noise of
+    virtual-only nodes removed.
     """
     L = tree_levels(n)
     V = honaker_variances(L)
-    err = np.array([sum(V[h] for h in range(L + 1) if (t + 1) >> h & 1) for t in range(n)], dtype=np.float64)
+    err = np.array(
+        [sum(V[h] for h in range(L + 1) if (t + 1) >> h & 1) for t in range(n)], dtype=np.float64
+    )
     err[n - 1] = _restricted_root_variance(n, L, V)
     return err
 
 
 def _restricted_root_variance(n: int, L: int, V: np.ndarray) -> float:
     """‖root estimate‖² keeping only nodes that cover at least one real leaf."""
+
     def rec(h: int, start: int) -> float:
         if start >= n:
             return 0.0
@@ -74,6 +82,7 @@ def _restricted_root_variance(n: int, L: int, V: np.ndarray) -> float:
         w = V[h]
         half = 1 << (h - 1)
         return w * w + (1 - w) ** 2 * (rec(h - 1, start) + rec(h - 1, start + half))
+
     return rec(L, 0)
 
 
@@ -91,7 +100,8 @@ def fft_encoder_matrix(n: int) -> np.ndarray:
 
 
 def fft_gram(n: int) -> np.ndarray:
-    """C_FᵀC_F: the symmetric Toeplitz top-left block of the circulant with eigenvalues |v̂| (000 App. K)."""
+    """C_FᵀC_F: the symmetric Toeplitz top-left block of the circulant with eigenvalues |v̂| (000
+    App. K)."""
     v = np.concatenate([np.ones(n), np.zeros(n)])
     col = np.real(np.fft.ifft(np.abs(np.fft.fft(v))))[:n]
     idx = np.arange(n)
@@ -163,7 +173,8 @@ def stamp_gram(X: np.ndarray, stamps: int) -> np.ndarray:
 
 
 def stamp_encoder(encoder: Encoder, stamps: int) -> Encoder:
-    """I_s ⊗ C (000 App. D.4): banded structures stay banded (restarting every block), others become dense.
+    """I_s ⊗ C (000 App. D.4): banded structures stay banded (restarting every block), others become
+    dense.
 
     Args:
         encoder: C (m × m).
@@ -172,14 +183,22 @@ def stamp_encoder(encoder: Encoder, stamps: int) -> Encoder:
     Returns:
         The (s·m × s·m) encoder.
     """
-    require(isinstance(stamps, int | np.integer) and stamps >= 1, "stamps", "a positive integer", stamps)
+    require(
+        isinstance(stamps, int | np.integer) and stamps >= 1, "stamps", "a positive integer", stamps
+    )
     if stamps == 1:
         return encoder
     if isinstance(encoder, BandedEncoder | ToeplitzEncoder):
         band = encoder.band if isinstance(encoder, BandedEncoder) else encoder.band_array()
-        return BandedEncoder(np.tile(band, (stamps, 1)) * _block_valid(encoder.n, band.shape[1], stamps))
-    require(encoder.n * stamps <= DENSE_LIMIT, "stamps", f"rounds·stamps ≤ {DENSE_LIMIT} for a dense stamped "
-            "encoder", encoder.n * stamps)
+        return BandedEncoder(
+            np.tile(band, (stamps, 1)) * _block_valid(encoder.n, band.shape[1], stamps)
+        )
+    require(
+        encoder.n * stamps <= DENSE_LIMIT,
+        "stamps",
+        f"rounds·stamps ≤ {DENSE_LIMIT} for a dense stamped encoder",
+        encoder.n * stamps,
+    )
     return DenseEncoder(np.kron(np.eye(stamps), encoder.matrix()))
 
 

@@ -1,17 +1,20 @@
 """Optimal multi-epoch dense factorizations under (k, b) fixed-epoch participation.
 
-000 §3 (Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private
-Machine Learning", arXiv 2211.06530): minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
+000 §3 (Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for
+Private Machine Learning", arXiv 2211.06530): minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π
+1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
 
-* :func:`optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one user can share
-  (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2) — and every pattern's diagonal
-  summing to 1. The sensitivity is then exact for vector contributions (000 Cor. 2.1 and App. I.3, Eq. 36 with
-  X = 0 ≥ 0 on Π̂). Solved by L-BFGS in that affine subspace (Cholesky-based, 3.3 n³ flops an iteration), stopping
-  on the relative duality gap against the Lagrange dual bound of 000 Thm. 3.1 evaluated at the KKT multipliers
-  read off the primal (U = G = X⁻¹AᵀAX⁻¹ on the pattern blocks; Λ ≥ 0 on Π̂).
-* :func:`solve_dual` (small n): maximise the dual g(v, Λ) = 2 tr((U^½ T U^½)^½) − Σ v (000 Eq. 7, with
-  non-negativity multipliers) by L-BFGS-B, for the constraint sets of 000 App. I.3: ``"sign"`` (Eq. 34, all
-  sign vectors), ``"pattern-nonneg"`` (Eq. 36) and ``"nonneg"`` (Eq. 35). Reproduces 000 Table 6.
+* :func:`optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one
+  user can share (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2) — and every pattern's
+  diagonal summing to 1. The sensitivity is then exact for vector contributions (000 Cor. 2.1 and
+  App. I.3, Eq. 36 with X = 0 ≥ 0 on Π̂). Solved by L-BFGS in that affine subspace (Cholesky-based,
+  3.3 n³ flops an iteration), stopping on the relative duality gap against the Lagrange dual bound
+  of 000 Thm. 3.1 evaluated at the KKT multipliers read off the primal (U = G = X⁻¹AᵀAX⁻¹ on the
+  pattern blocks; Λ ≥ 0 on Π̂).
+* :func:`solve_dual` (small n): maximise the dual g(v, Λ) = 2 tr((U^½ T U^½)^½) − Σ v (000 Eq. 7,
+  with non-negativity multipliers) by L-BFGS-B, for the constraint sets of 000 App. I.3: ``"sign"``
+  (Eq. 34, all sign vectors), ``"pattern-nonneg"`` (Eq. 36) and ``"nonneg"`` (Eq. 35). Reproduces
+  000 Table 6.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from corrflow.progress import ProgressCallback
 
 @dataclass(frozen=True)
 class DenseResult:
-    """The optimal multi-epoch Gram matrix X (n × n, sensitivity 1), its loss tr(AᵀA X⁻¹), the dual lower bound
-    (000 Thm. 3.1), the iterations and whether the gap tolerance was met."""
+    """The optimal multi-epoch Gram matrix X (n × n, sensitivity 1), its loss tr(AᵀA X⁻¹), the dual
+    lower bound (000 Thm. 3.1), the iterations and whether the gap tolerance was met."""
 
-    X: np.ndarray              # optimal Gram matrix, sensitivity 1 under the participation
-    loss: float                # tr(AᵀA X⁻¹) = total squared error at sensitivity 1
-    lower_bound: float         # dual lower bound (valid for every X ≥ 0 on Π̂ with sensitivity ≤ 1)
+    X: np.ndarray  # optimal Gram matrix, sensitivity 1 under the participation
+    loss: float  # tr(AᵀA X⁻¹) = total squared error at sensitivity 1
+    lower_bound: float  # dual lower bound (valid for every X ≥ 0 on Π̂ with sensitivity ≤ 1)
     iterations: int
     converged: bool
 
@@ -80,20 +83,23 @@ def _pattern_index(participation: Participation) -> np.ndarray:
 
 
 def _dual_bound_from_primal(G: np.ndarray, A: np.ndarray, participation: Participation) -> float:
-    """Dual value (000 Thm. 3.1) at multipliers read off the primal gradient G = X⁻¹TX⁻¹ (KKT: U = HvHᵀ − Λ ≈ G).
+    """Dual value (000 Thm. 3.1) at multipliers read off the primal gradient G = X⁻¹TX⁻¹ (KKT: U =
+    HvHᵀ − Λ ≈ G).
 
-    Any v > 0 and Λ ≥ 0 on the same-pattern pairs with U ⪰ 0 bound the optimum from below. Λ = max(0, v_p − G_ij)
-    is tried first; when that U is not positive definite (early iterates), Λ moves toward v_p on every same-pattern
-    pair (U = diag(v_p), always positive definite) by the first of a fixed set of mixing weights that is. The
-    bound is then maximised over the scale c of (v, Λ): g(cv, cΛ) = 2√c·S − c·Σv with S = Σ svd(A U^½) gives
-    S²/Σv at c = (S/Σv)². Always finite."""
+    Any v > 0 and Λ ≥ 0 on the same-pattern pairs with U ⪰ 0 bound the optimum from below. Λ =
+    max(0, v_p − G_ij) is tried first; when that U is not positive definite (early iterates), Λ
+    moves toward v_p on every same-pattern pair (U = diag(v_p), always positive definite) by the
+    first of a fixed set of mixing weights that is. The bound is then maximised over the scale c of
+    (v, Λ): g(cv, cΛ) = 2√c·S − c·Σv with S = Σ svd(A U^½) gives S²/Σv at c = (S/Σv)². Always
+    finite."""
     pid = _pattern_index(participation)
     b = participation.min_sep
     v = np.bincount(pid, weights=np.diag(G), minlength=b) / participation.epochs
     v = np.maximum(v, 1e-12 * max(float(v.max()), 1e-300))
     same = pid[:, None] == pid[None, :]
     vp = v[pid]
-    # Λ = max(0, v_p − G_ij) on same-pattern off-diagonal pairs; U = v_p − Λ there, v_p on the diagonal.
+    # Λ = max(0, v_p − G_ij) on same-pattern off-diagonal pairs; U = v_p − Λ there, v_p on the
+    # diagonal.
     U = np.where(same, np.minimum(vp[:, None], G), 0.0)
     np.fill_diagonal(U, vp)
     LU = None
@@ -103,15 +109,16 @@ def _dual_bound_from_primal(G: np.ndarray, A: np.ndarray, participation: Partici
             break
         except LinAlgError:
             continue
-    if LU is None:      # diag(v_p) with v_p > 0 failed only through overflow
+    if LU is None:  # diag(v_p) with v_p > 0 failed only through overflow
         return -np.inf
     S = float(np.sum(svdvals(A @ LU, check_finite=False)))
     return S * S / float(v.sum())
 
 
 def _warm_start(workload: Workload, participation: Participation) -> np.ndarray:
-    """Gram of the column-normalised banded Toeplitz optimum with bands = b, divided by k: feasible (zero on Π̂,
-    every pattern's diagonal sums to 1) and within a few percent of the optimum (001 §9.3)."""
+    """Gram of the column-normalised banded Toeplitz optimum with bands = b, divided by k: feasible
+    (zero on Π̂, every pattern's diagonal sums to 1) and within a few percent of the optimum (001
+    §9.3)."""
     from corrflow.factorization.encoders import ToeplitzEncoder
     from corrflow.factorization.toeplitz import optimize_toeplitz
 
@@ -123,33 +130,41 @@ def _warm_start(workload: Workload, participation: Participation) -> np.ndarray:
     return enc.gram() / k
 
 
-def optimize_dense(workload: Workload, participation: Participation, *, tol: float = 5e-4,
-                   max_iterations: int = 10_000, memory: int = 8, X0: np.ndarray | None = None,
-                   callback: ProgressCallback | None = None, time_budget: float | None = None) -> DenseResult:
-    """Optimal multi-epoch X for ``workload`` under fixed-epoch ``participation`` (see module docstring).
+def optimize_dense(
+    workload: Workload,
+    participation: Participation,
+    *,
+    tol: float = 5e-4,
+    max_iterations: int = 10_000,
+    memory: int = 8,
+    X0: np.ndarray | None = None,
+    callback: ProgressCallback | None = None,
+    time_budget: float | None = None,
+) -> DenseResult:
+    """Optimal multi-epoch X for ``workload`` under fixed-epoch ``participation`` (see module
+    docstring).
 
-    Stops when (loss − dual bound)/loss ≤ ``tol``, when the loss stops improving, after ``max_iterations`` (the
-    deterministic budget: the same inputs give the same X on any machine) or after ``time_budget`` seconds (a
-    wall-clock stop, load-dependent; every iterate is feasible, so a stopped X is a valid factorization). The lower
-    bound is the best dual value over the iterates whose dual point is positive definite (the start included), so
-    the gap stays finite when the optimizer stops early.
+    Stops when (loss − dual bound)/loss ≤ ``tol``, when the loss stops improving, after
+    ``max_iterations`` (the deterministic budget: the same inputs give the same X on any machine) or
+    after ``time_budget`` seconds (a wall-clock stop, load-dependent; every iterate is feasible, so
+    a stopped X is a valid factorization). The lower bound is the best dual value over the iterates
+    whose dual point is positive definite (the start included), so the gap stays finite when the
+    optimizer stops early.
 
-    Args:
-        workload: A.
-        participation: fixed-epoch (k, b).
-        tol: the relative duality-gap tolerance.
-        max_iterations: L-BFGS iterations (the deterministic budget).
-        memory: L-BFGS history.
-        X0: a starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided by k).
-        callback: progress callback.
-        time_budget: seconds, or None.
+    Args: workload: A. participation: fixed-epoch (k, b). tol: the relative duality-gap tolerance.
+    max_iterations: L-BFGS iterations (the deterministic budget). memory: L-BFGS history. X0: a
+    starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided
+    by k). callback: progress callback. time_budget: seconds, or None.
 
-    Returns:
-        X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and the iterations.
+    Returns: X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and
+    the iterations.
     """
-    require(participation.kind == "fixed-epoch", "participation",
-            "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
-            participation.kind)
+    require(
+        participation.kind == "fixed-epoch",
+        "participation",
+        "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
+        participation.kind,
+    )
     n, k = participation.rounds, participation.epochs
     A = workload.matrix(n)
     At = np.ascontiguousarray(A.T)
@@ -182,10 +197,11 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
         state["G"] = G
         return f, project(-G)
 
-    # A dual bound costs about as much as a few iterations at small n and ~25 at n = 2000 (an SVD): checks every
-    # ``every`` iterations, a function of n alone, keep them near 20% of the time and the result a function of the
-    # inputs (no clock). Until one iterate gives a positive-definite dual point (a finite bound), every iterate is
-    # tried, so a stopped run still reports a finite gap from the best such iterate.
+    # A dual bound costs about as much as a few iterations at small n and ~25 at n = 2000 (an SVD):
+    # checks every ``every`` iterations, a function of n alone, keep them near 20% of the time and
+    # the result a function of the inputs (no clock). Until one iterate gives a positive-definite
+    # dual point (a finite bound), every iterate is tried, so a stopped run still reports a finite
+    # gap from the best such iterate.
     every = max(10, min(125, n // 16))
     state: dict = {"bound": -np.inf, "next_check": every}
     deadline = None if time_budget is None else time.perf_counter() + time_budget
@@ -207,18 +223,26 @@ def optimize_dense(workload: Workload, participation: Participation, *, tol: flo
     X = _warm_start(workload, participation) if X0 is None else np.array(X0, dtype=np.float64)
     f0, G0 = evaluate(X, True)
     require(np.isfinite(f0), "X0", "a positive definite starting point")
-    # Small matrices: BLAS thread wake-ups cost more than they save (measured 3× at n = 256 on 2 cores).
+    # Small matrices: BLAS thread wake-ups cost more than they save (measured 3× at n = 256 on 2
+    # cores).
     with threadpool_limits(limits=1 if n < 768 else None):
-        check(G0)      # the starting point's dual point: a finite gap however early the optimizer stops
-        res = lbfgs(fun, X, max_iterations=max_iterations, memory=memory, rel_improvement=1e-9,
-                    window=25, on_iteration=on_iteration)
+        check(G0)  # the starting point's dual point: a finite gap however early the optimizer stops
+        res = lbfgs(
+            fun,
+            X,
+            max_iterations=max_iterations,
+            memory=memory,
+            rel_improvement=1e-9,
+            window=25,
+            on_iteration=on_iteration,
+        )
         f, G = evaluate(res.x, True)
         check(G)
     bound = state["bound"]
     return DenseResult(res.x, f, bound, res.iterations, (f - bound) / f <= tol)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Exact small-n solver for the constraint variants of 000 App. I.3.
 
 CONSTRAINTS = ("sign", "pattern-nonneg", "nonneg")
@@ -226,9 +250,10 @@ CONSTRAINTS = ("sign", "pattern-nonneg", "nonneg")
 
 @dataclass(frozen=True)
 class ConstrainedResult:
-    """The optimum of 000 Eq. 6 under one constraint set: its ``loss``, ``X`` (n × n) and ``constraints``."""
+    """The optimum of 000 Eq. 6 under one constraint set: its ``loss``, ``X`` (n × n) and
+    ``constraints``."""
 
-    loss: float           # optimal tr(AᵀA X⁻¹) under the constraint set (to ~1e-9 relative)
+    loss: float  # optimal tr(AᵀA X⁻¹) under the constraint set (to ~1e-9 relative)
     X: np.ndarray
     constraints: str
 
@@ -237,8 +262,11 @@ def _constraint_vectors(participation: Participation, constraints: str) -> np.nd
     n = participation.rounds
     vecs = []
     for pat in participation.patterns():
-        sign_sets = itertools.product((1.0, -1.0), repeat=len(pat) - 1) if constraints == "sign" else [
-            (1.0,) * (len(pat) - 1)]
+        sign_sets = (
+            itertools.product((1.0, -1.0), repeat=len(pat) - 1)
+            if constraints == "sign"
+            else [(1.0,) * (len(pat) - 1)]
+        )
         for signs in sign_sets:
             u = np.zeros(n)
             u[pat] = (1.0, *signs)
@@ -246,13 +274,16 @@ def _constraint_vectors(participation: Participation, constraints: str) -> np.nd
     return np.array(vecs)
 
 
-def solve_constrained(workload: Workload, participation: Participation, constraints: str = "pattern-nonneg",
-                      ) -> ConstrainedResult:
+def solve_constrained(
+    workload: Workload,
+    participation: Participation,
+    constraints: str = "pattern-nonneg",
+) -> ConstrainedResult:
     """Optimal X of 000 Eq. 6 under ``constraints`` by a primal log-barrier Newton method (n ≤ 16).
 
-    ``"sign"``: uᵀXu ≤ 1 for all sign vectors on every pattern (Eq. 34; exact only for d = 1 when X has negative
-    entries); ``"pattern-nonneg"``: all-ones pattern vectors plus X ≥ 0 on Π̂ (Eq. 36); ``"nonneg"``: pattern
-    vectors plus X ≥ 0 everywhere (Eq. 35). Reproduces 000 Table 6.
+    ``"sign"``: uᵀXu ≤ 1 for all sign vectors on every pattern (Eq. 34; exact only for d = 1 when X
+    has negative entries); ``"pattern-nonneg"``: all-ones pattern vectors plus X ≥ 0 on Π̂ (Eq. 36);
+    ``"nonneg"``: pattern vectors plus X ≥ 0 everywhere (Eq. 35). Reproduces 000 Table 6.
 
     Args:
         workload: A.
@@ -265,7 +296,9 @@ def solve_constrained(workload: Workload, participation: Participation, constrai
     require(constraints in CONSTRAINTS, "constraints", f"one of {CONSTRAINTS}", constraints)
     require(participation.kind == "fixed-epoch", "participation", "fixed-epoch", participation.kind)
     n = participation.rounds
-    require(n <= 16, "rounds", "at most 16 for the exact constrained solver (use optimize_dense)", n)
+    require(
+        n <= 16, "rounds", "at most 16 for the exact constrained solver (use optimize_dense)", n
+    )
     A = workload.matrix(n)
     T = A.T @ A
     U = _constraint_vectors(participation, constraints)
@@ -299,11 +332,15 @@ def solve_constrained(workload: Workload, participation: Participation, constrai
         except LinAlgError:
             return np.inf, None, None
         Xi = solve_triangular(R, solve_triangular(R, np.eye(n), lower=True), lower=True, trans="T")
-        f = np.trace(T @ Xi) - mu * (np.log(slack).sum() + np.log(x[nonneg]).sum() + 2 * np.log(np.diag(R)).sum())
+        f = np.trace(T @ Xi) - mu * (
+            np.log(slack).sum() + np.log(x[nonneg]).sum() + 2 * np.log(np.diag(R)).sum()
+        )
         if not need:
             return f, None, None
         P = Xi @ T @ Xi
-        g = -np.einsum("ij,aji->a", P, basis) + mu * (cu.T @ (1.0 / slack) - np.einsum("ij,aji->a", Xi, basis))
+        g = -np.einsum("ij,aji->a", P, basis) + mu * (
+            cu.T @ (1.0 / slack) - np.einsum("ij,aji->a", Xi, basis)
+        )
         g[nonneg] -= mu / x[nonneg]
         PE, XE = P @ basis, Xi @ basis
         H = np.einsum("aij,bji->ab", PE, XE)
@@ -311,7 +348,9 @@ def solve_constrained(workload: Workload, participation: Participation, constrai
         H[nonneg, nonneg] += mu / x[nonneg] ** 2
         return f, g, H
 
-    X0 = np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n  # strictly feasible: slack ≥ 1/2, entries > 0
+    X0 = (
+        np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n
+    )  # strictly feasible: slack ≥ 1/2, entries > 0
     x = X0[li, lj]
     mu = 1.0
     for _ in range(60):

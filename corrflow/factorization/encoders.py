@@ -5,12 +5,13 @@ Every encoder is lower-triangular and invertible, acts on the round axis (axis 0
 ``column_norms`` and, where the structure allows it, an O(n·bands) sensitivity and error:
 
 * :class:`DenseEncoder`          any lower-triangular C (optimal multi-epoch, tree, FFT, stamped);
-* :class:`BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column layout;
+* :class:`BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column
+  layout;
 * :class:`ToeplitzEncoder`       banded Toeplitz C, optionally column-normalised (001 §3.1–3.2);
-* :class:`InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003: BISR, γ-BIFR,
-  DP-λCGD);
-* :class:`BLTEncoder`            buffered linear Toeplitz C (arXiv 2404.16706, 2408.08868): C and C⁻¹ are both
-  sums of B geometric sequences, applied in O(n·B) with B buffers.
+* :class:`InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003:
+  BISR, γ-BIFR, DP-λCGD);
+* :class:`BLTEncoder`            buffered linear Toeplitz C (arXiv 2404.16706, 2408.08868): C and
+  C⁻¹ are both sums of B geometric sequences, applied in O(n·B) with B buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import numpy as np
 from scipy.linalg import solve_banded, solve_triangular
 
 from corrflow.errors import InvalidArgumentError, require
-from corrflow.factorization.blt import blt_coefs, inverse_decays, pole_weights, validate_blt, workload_row_errors
+from corrflow.factorization.blt import (
+    blt_coefs,
+    inverse_decays,
+    pole_weights,
+    validate_blt,
+    workload_row_errors,
+)
 from corrflow.factorization.filters import lfilter
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.sensitivity import (
@@ -34,7 +41,8 @@ from corrflow.factorization.sensitivity import (
 )
 from corrflow.factorization.workloads import Workload
 
-#: Above this many rounds the O(n²)-memory fallbacks (Gram matrix, dense C) are refused with a clear error.
+#: Above this many rounds the O(n²)-memory fallbacks (Gram matrix, dense C) are refused with a clear
+# error.
 DENSE_LIMIT = 8192
 
 
@@ -82,38 +90,57 @@ class Encoder(ABC):
         return self.matrix()[:, list(idx)]
 
     def _columns_from_band(self, band_rows: np.ndarray, idx) -> np.ndarray:
-        """Columns whose non-zeros start on the diagonal: column j = band_rows[c] placed at rows j, j+1, …"""
+        """Columns whose non-zeros start on the diagonal: column j = band_rows[c] placed at rows j,
+        j+1, …"""
         idx = list(idx)
         out = np.zeros((self.n, len(idx)))
         for c, j in enumerate(idx):
             m = min(band_rows.shape[1], self.n - j)
-            out[j:j + m, c] = band_rows[c, :m]
+            out[j : j + m, c] = band_rows[c, :m]
         return out
 
     def gram(self) -> np.ndarray:
-        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense Gram matrix", self.n)
+        require(
+            self.n <= DENSE_LIMIT,
+            "rounds",
+            f"at most {DENSE_LIMIT} for a dense Gram matrix",
+            self.n,
+        )
         C = self.matrix()
         return C.T @ C
 
     def sensitivity(self, participation: Participation) -> Sensitivity:
-        """Sensitivity under ``participation``: structural exact formula when one applies, else via X = CᵀC."""
-        require(participation.rounds == self.n, "rounds", f"{self.n} (the encoder's size)", participation.rounds)
+        """Sensitivity under ``participation``: structural exact formula when one applies, else via
+        X = CᵀC."""
+        require(
+            participation.rounds == self.n,
+            "rounds",
+            f"{self.n} (the encoder's size)",
+            participation.rounds,
+        )
         fast = self._structured_sensitivity(participation)
         if fast is not None:
             return fast
-        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the general sensitivity computation "
-                f"of a {self.structure} encoder with this participation", self.n)
+        require(
+            self.n <= DENSE_LIMIT,
+            "rounds",
+            f"at most {DENSE_LIMIT} for the general sensitivity computation "
+            f"of a {self.structure} encoder with this participation",
+            self.n,
+        )
         return sensitivity_from_gram(self.gram(), participation)
 
     def _structured_sensitivity(self, participation: Participation) -> Sensitivity | None:
         return None
 
     def per_query_error(self, workload: Workload) -> np.ndarray:
-        """Squared row norms of B = A C⁻¹ (unit noise, unit sensitivity factor). Blockwise, O(n²) per block."""
+        """Squared row norms of B = A C⁻¹ (unit noise, unit sensitivity factor). Blockwise, O(n²)
+        per block."""
         return _per_query_generic(self, workload)
 
     def _disjoint_sensitivity(self, participation: Participation) -> Sensitivity:
-        """Exact when X has bandwidth ≤ min_sep: contributions of one user hit disjoint rows (001 §1.3)."""
+        """Exact when X has bandwidth ≤ min_sep: contributions of one user hit disjoint rows (001
+        §1.3)."""
         d = self.column_norms() ** 2
         if participation.kind == "fixed-epoch":
             k, b = participation.epochs, participation.min_sep
@@ -123,7 +150,9 @@ class Encoder(ABC):
         return Sensitivity(float(np.sqrt(s2)), True, "banded-disjoint-columns")
 
 
-def _per_query_generic(encoder: Encoder, workload: Workload, block_bytes: int = 1 << 26) -> np.ndarray:
+def _per_query_generic(
+    encoder: Encoder, workload: Workload, block_bytes: int = 1 << 26
+) -> np.ndarray:
     n = encoder.n
     m = int(max(1, min(n, block_bytes // (8 * n))))
     acc = np.zeros(n)
@@ -136,7 +165,8 @@ def _per_query_generic(encoder: Encoder, workload: Workload, block_bytes: int = 
 
 
 class DenseEncoder(Encoder):
-    """Any lower-triangular n × n encoder C, stored in full (float64); the noise engine's ``dense`` mode.
+    """Any lower-triangular n × n encoder C, stored in full (float64); the noise engine's ``dense``
+    mode.
 
     Args:
         C: the square encoder matrix (lower-triangular, invertible), shape (n, n).
@@ -149,17 +179,26 @@ class DenseEncoder(Encoder):
         require(C.ndim == 2 and C.shape[0] == C.shape[1], "encoder", "a square matrix", C.shape)
         _check_matrix_values(C, "encoder")
         scale = max(float(np.abs(C).max()), 1e-300)
-        require(bool(np.all(np.abs(np.triu(C, 1)) <= 1e-12 * scale)), "encoder",
-                "a lower-triangular matrix (the noise must be streamable round by round)")
+        require(
+            bool(np.all(np.abs(np.triu(C, 1)) <= 1e-12 * scale)),
+            "encoder",
+            "a lower-triangular matrix (the noise must be streamable round by round)",
+        )
         C = np.tril(C)
         diag = np.abs(np.diag(C))
-        require(bool(diag.min() > 1e-12 * scale), "encoder", "a non-singular matrix (non-zero diagonal)",
-                float(diag.min()))
+        require(
+            bool(diag.min() > 1e-12 * scale),
+            "encoder",
+            "a non-singular matrix (non-zero diagonal)",
+            float(diag.min()),
+        )
         self.C = C
         self.n = C.shape[0]
 
     def solve(self, z):
-        return solve_triangular(self.C, np.asarray(z, dtype=np.float64), lower=True, check_finite=False)
+        return solve_triangular(
+            self.C, np.asarray(z, dtype=np.float64), lower=True, check_finite=False
+        )
 
     def matrix(self):
         return self.C.copy()
@@ -180,9 +219,13 @@ class DenseEncoder(Encoder):
         return {"C": self.C}
 
     def per_query_error(self, workload):
-        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense encoder", self.n)
+        require(
+            self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for a dense encoder", self.n
+        )
         # B = A C⁻¹, i.e. Bᵀ = C⁻ᵀ Aᵀ: one triangular solve with all of Aᵀ.
-        Bt = solve_triangular(self.C, workload.matrix(self.n).T, lower=True, trans="T", check_finite=False)
+        Bt = solve_triangular(
+            self.C, workload.matrix(self.n).T, lower=True, trans="T", check_finite=False
+        )
         return np.sum(Bt**2, axis=0)
 
 
@@ -193,15 +236,21 @@ class BandedEncoder(Encoder):
 
     def __init__(self, band: np.ndarray):
         band = np.array(band, dtype=np.float64)
-        require(band.ndim == 2 and band.shape[1] >= 1, "encoder", "an (n, bands) band array", band.shape)
+        require(
+            band.ndim == 2 and band.shape[1] >= 1, "encoder", "an (n, bands) band array", band.shape
+        )
         _check_matrix_values(band, "encoder")
         n, p = band.shape
         require(p <= n, "bands", f"at most rounds={n}", p)
         out_of_range = np.arange(n)[:, None] + np.arange(p)[None, :] >= n
         band[out_of_range] = 0.0
         scale = max(float(np.abs(band).max()), 1e-300)
-        require(bool(np.abs(band[:, 0]).min() > 1e-12 * scale), "encoder", "a non-singular matrix (non-zero "
-                "diagonal)", float(np.abs(band[:, 0]).min()))
+        require(
+            bool(np.abs(band[:, 0]).min() > 1e-12 * scale),
+            "encoder",
+            "a non-singular matrix (non-zero diagonal)",
+            float(np.abs(band[:, 0]).min()),
+        )
         self.band = band
         self.n = n
 
@@ -214,7 +263,8 @@ class BandedEncoder(Encoder):
         return solve_banded((self.bands - 1, 0), self.band.T, z, check_finite=False)
 
     def row_band(self, t: int) -> np.ndarray:
-        """C[t, t − r] for r = 0..bands−1 (0 where t − r < 0): the coefficients of 001 Alg. 1 at round t."""
+        """C[t, t − r] for r = 0..bands−1 (0 where t − r < 0): the coefficients of 001 Alg. 1 at
+        round t."""
         r = np.arange(self.bands)
         j = t - r
         return np.where(j >= 0, self.band[np.clip(j, 0, None), r], 0.0)
@@ -262,7 +312,8 @@ def toeplitz_column_scale(coef: np.ndarray, n: int) -> np.ndarray:
 
 
 class ToeplitzEncoder(Encoder):
-    """Banded Toeplitz C = T(θ)·diag(s): θ = first column (``bands`` entries); s = 1 or column normalisation."""
+    """Banded Toeplitz C = T(θ)·diag(s): θ = first column (``bands`` entries); s = 1 or column
+    normalisation."""
 
     structure = "toeplitz"
 
@@ -271,12 +322,18 @@ class ToeplitzEncoder(Encoder):
         require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
         require(1 <= len(coef) <= n, "bands", f"between 1 and rounds={n}", len(coef))
         _check_matrix_values(coef, "encoder")
-        require(abs(coef[0]) > 1e-12 * max(float(np.abs(coef).max()), 1e-300), "encoder",
-                "a non-zero leading Toeplitz coefficient (non-singular C)", float(coef[0]))
+        require(
+            abs(coef[0]) > 1e-12 * max(float(np.abs(coef).max()), 1e-300),
+            "encoder",
+            "a non-zero leading Toeplitz coefficient (non-singular C)",
+            float(coef[0]),
+        )
         self.coef = coef
         self.n = int(n)
         self.column_normalize = bool(column_normalize)
-        self.col_scale = toeplitz_column_scale(coef, self.n) if column_normalize else np.ones(self.n)
+        self.col_scale = (
+            toeplitz_column_scale(coef, self.n) if column_normalize else np.ones(self.n)
+        )
 
     @property
     def bands(self):
@@ -338,8 +395,11 @@ class ToeplitzEncoder(Encoder):
         formula = toeplitz_min_sep_sensitivity(self.coef, self.n, participation.min_sep, k)
         if not self.column_normalize:
             return Sensitivity(formula, True, "toeplitz-min-sep-closed-form")
-        # Column normalisation only enlarges the last bands−1 columns, each by at most max(s): entrywise bound.
-        return Sensitivity(formula * float(self.col_scale.max()), False, "toeplitz-min-sep-scaled-bound")
+        # Column normalisation only enlarges the last bands−1 columns, each by at most max(s):
+        # entrywise bound.
+        return Sensitivity(
+            formula * float(self.col_scale.max()), False, "toeplitz-min-sep-scaled-bound"
+        )
 
     def per_query_error(self, workload):
         if not workload.is_toeplitz:
@@ -358,7 +418,8 @@ class ToeplitzEncoder(Encoder):
 
 
 class InverseToeplitzEncoder(Encoder):
-    """C with banded Toeplitz inverse: C⁻¹ = T(r), r = noising coefficients (``bands`` entries) (003 Def. 2)."""
+    """C with banded Toeplitz inverse: C⁻¹ = T(r), r = noising coefficients (``bands`` entries) (003
+    Def. 2)."""
 
     structure = "banded-inverse"
 
@@ -367,8 +428,12 @@ class InverseToeplitzEncoder(Encoder):
         require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
         require(1 <= len(r) <= n, "bands", f"between 1 and rounds={n}", len(r))
         _check_matrix_values(r, "encoder")
-        require(abs(r[0]) > 1e-12 * max(float(np.abs(r).max()), 1e-300), "encoder",
-                "a non-zero leading noising coefficient (non-singular C)", float(r[0]))
+        require(
+            abs(r[0]) > 1e-12 * max(float(np.abs(r).max()), 1e-300),
+            "encoder",
+            "a non-zero leading noising coefficient (non-singular C)",
+            float(r[0]),
+        )
         self.noising = r
         self.n = int(n)
 
@@ -377,7 +442,8 @@ class InverseToeplitzEncoder(Encoder):
         return len(self.noising)
 
     def strategy_coefs(self) -> np.ndarray:
-        """First column c of C = T(r)⁻¹ (length n): the impulse response of 1/r(x) (003 recursion (41))."""
+        """First column c of C = T(r)⁻¹ (length n): the impulse response of 1/r(x) (003 recursion
+        (41))."""
         e0 = np.zeros(self.n)
         e0[0] = 1.0
         return lfilter([1.0], self.noising, e0)
@@ -413,7 +479,9 @@ class InverseToeplitzEncoder(Encoder):
         c = self.strategy_coefs()
         if not is_nonneg_nonincreasing(c):
             return None
-        value = toeplitz_min_sep_sensitivity(c, self.n, participation.min_sep, participation.max_participations)
+        value = toeplitz_min_sep_sensitivity(
+            c, self.n, participation.min_sep, participation.max_participations
+        )
         return Sensitivity(value, True, "toeplitz-min-sep-closed-form")
 
     def per_query_error(self, workload):
@@ -424,21 +492,33 @@ class InverseToeplitzEncoder(Encoder):
 
 
 class BLTEncoder(Encoder):
-    """C = s·T(c) with c₀ = 1, c_k = Σ_j ω_j θ_j^(k−1): a buffered linear Toeplitz (BLT) encoder with B buffers
-    (Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024, arXiv 2404.16706, Def. 4.1; corrflow.factorization.blt).
+    """C = s·T(c) with c₀ = 1, c_k = Σ_j ω_j θ_j^(k−1): a buffered linear Toeplitz (BLT) encoder
+    with B buffers (Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024, arXiv 2404.16706, Def.
+    4.1; corrflow.factorization.blt).
 
-    ``buf_decay`` θ and ``output_scale`` ω (B each) must satisfy 0 < θ < 1, ω > 0 and Σω/θ < 1, so that C is
-    positive and non-increasing along its columns and C⁻¹ = T(ĉ)/s is the BLT with decays θ̂ ∈ (0, 1) and scales
-    ω̂ < 0 (DMPST24 Lemma 5.2). ``scale`` s > 0 carries the sensitivity normalisation. ``inverse_decay`` θ̂, when
-    given (the optimiser's pole pairs, the saved file), must interlace θ and reproduce ω by Lemma 5.2; otherwise it
-    is found as the roots of the secular equation."""
+    ``buf_decay`` θ and ``output_scale`` ω (B each) must satisfy 0 < θ < 1, ω > 0 and Σω/θ < 1, so
+    that C is positive and non-increasing along its columns and C⁻¹ = T(ĉ)/s is the BLT with decays
+    θ̂ ∈ (0, 1) and scales ω̂ < 0 (DMPST24 Lemma 5.2). ``scale`` s > 0 carries the sensitivity
+    normalisation. ``inverse_decay`` θ̂, when given (the optimiser's pole pairs, the saved file),
+    must interlace θ and reproduce ω by Lemma 5.2; otherwise it is found as the roots of the secular
+    equation."""
 
     structure = "blt"
 
-    def __init__(self, buf_decay: np.ndarray, output_scale: np.ndarray, n: int, scale: float = 1.0,
-                 inverse_decay: np.ndarray | None = None):
+    def __init__(
+        self,
+        buf_decay: np.ndarray,
+        output_scale: np.ndarray,
+        n: int,
+        scale: float = 1.0,
+        inverse_decay: np.ndarray | None = None,
+    ):
         require(isinstance(n, int | np.integer) and n >= 1, "rounds", "a positive integer", n)
-        scale = float(np.asarray(scale, dtype=np.float64).ravel()[0]) if np.ndim(scale) else float(scale)
+        scale = (
+            float(np.asarray(scale, dtype=np.float64).ravel()[0])
+            if np.ndim(scale)
+            else float(scale)
+        )
         require(np.isfinite(scale) and scale > 0, "encoder", "a positive, finite BLT scale", scale)
         theta, omega = validate_blt(buf_decay, output_scale)
         order = np.argsort(-theta)
@@ -447,14 +527,29 @@ class BLTEncoder(Encoder):
             self.inverse_decay = inverse_decays(self.buf_decay, self.output_scale)
         else:
             th = np.sort(np.array(inverse_decay, dtype=np.float64).ravel())[::-1]
-            require(th.shape == theta.shape and bool(np.all(np.isfinite(th))), "encoder",
-                    f"{theta.size} finite inverse decays", th.tolist())
+            require(
+                th.shape == theta.shape and bool(np.all(np.isfinite(th))),
+                "encoder",
+                f"{theta.size} finite inverse decays",
+                th.tolist(),
+            )
             points = np.empty(2 * th.size)
             points[0::2], points[1::2] = self.buf_decay, th
-            require(bool(points[-1] > 0 and np.all(np.diff(points) < 0)), "encoder",
-                    "inverse decays interlacing the decays: 1 > θ₁ > θ̂₁ > … > θ_B > θ̂_B > 0", th.tolist())
-            require(bool(np.allclose(pole_weights(self.buf_decay, th), self.output_scale, rtol=1e-9, atol=0)),
-                    "encoder", "inverse decays consistent with the output scales (Lemma 5.2 of 2404.16706)")
+            require(
+                bool(points[-1] > 0 and np.all(np.diff(points) < 0)),
+                "encoder",
+                "inverse decays interlacing the decays: 1 > θ₁ > θ̂₁ > … > θ_B > θ̂_B > 0",
+                th.tolist(),
+            )
+            require(
+                bool(
+                    np.allclose(
+                        pole_weights(self.buf_decay, th), self.output_scale, rtol=1e-9, atol=0
+                    )
+                ),
+                "encoder",
+                "inverse decays consistent with the output scales (Lemma 5.2 of 2404.16706)",
+            )
             self.inverse_decay = th
         self.inverse_scale = pole_weights(self.inverse_decay, self.buf_decay)
         self.scale = scale
@@ -474,8 +569,8 @@ class BLTEncoder(Encoder):
         return blt_coefs(self.inverse_decay, self.inverse_scale, self.n) / self.scale
 
     def _apply(self, decay: np.ndarray, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """x + Σ_j w_j·S_j with S_j(t) = Σ_{s<t} d_j^(t−1−s) x_s: the BLT as B first-order recursions (MXZ24 Alg. 2),
-        the parallel form, which stays accurate for decays near 1."""
+        """x + Σ_j w_j·S_j with S_j(t) = Σ_{s<t} d_j^(t−1−s) x_s: the BLT as B first-order
+        recursions (MXZ24 Alg. 2), the parallel form, which stays accurate for decays near 1."""
         y = x.copy()
         for d, w in zip(decay, weights, strict=True):
             y += w * lfilter([0.0, 1.0], [1.0, -d], x, axis=0)
@@ -506,21 +601,35 @@ class BLTEncoder(Encoder):
         return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
 
     def scaled(self, factor):
-        return BLTEncoder(self.buf_decay, self.output_scale, self.n, self.scale * float(factor), self.inverse_decay)
+        return BLTEncoder(
+            self.buf_decay,
+            self.output_scale,
+            self.n,
+            self.scale * float(factor),
+            self.inverse_decay,
+        )
 
     def arrays(self):
         # The scale is an array so that the factorization's SHA-256 covers it.
-        return {"buf_decay": self.buf_decay, "output_scale": self.output_scale, "inverse_decay": self.inverse_decay,
-                "scale": np.array([self.scale])}
+        return {
+            "buf_decay": self.buf_decay,
+            "output_scale": self.output_scale,
+            "inverse_decay": self.inverse_decay,
+            "scale": np.array([self.scale]),
+        }
 
     def params(self):
         return {"n": self.n}
 
     def _structured_sensitivity(self, participation):
         c = self.strategy_coefs()
-        if not is_nonneg_nonincreasing(c):   # cannot happen for a validated BLT; the general bound then applies
+        if not is_nonneg_nonincreasing(
+            c
+        ):  # cannot happen for a validated BLT; the general bound then applies
             return None
-        value = toeplitz_min_sep_sensitivity(c, self.n, participation.min_sep, participation.max_participations)
+        value = toeplitz_min_sep_sensitivity(
+            c, self.n, participation.min_sep, participation.max_participations
+        )
         return Sensitivity(value, True, "toeplitz-min-sep-closed-form")
 
     def per_query_error(self, workload):
@@ -528,7 +637,8 @@ class BLTEncoder(Encoder):
 
 
 ENCODER_TYPES: dict[str, type[Encoder]] = {
-    cls.structure: cls for cls in (DenseEncoder, BandedEncoder, ToeplitzEncoder, InverseToeplitzEncoder, BLTEncoder)
+    cls.structure: cls
+    for cls in (DenseEncoder, BandedEncoder, ToeplitzEncoder, InverseToeplitzEncoder, BLTEncoder)
 }
 
 
@@ -552,8 +662,17 @@ def encoder_from_arrays(structure: str, arrays: dict[str, np.ndarray], params: d
     if structure == "banded-inverse":
         return InverseToeplitzEncoder(arrays["noising"], int(params["n"]))
     if structure == "blt":
-        require(np.shape(arrays["scale"]) == (1,), "encoder", "a BLT scale array of shape (1,)",
-                np.shape(arrays["scale"]))
-        return BLTEncoder(arrays["buf_decay"], arrays["output_scale"], int(params["n"]), arrays["scale"],
-                          arrays["inverse_decay"])
+        require(
+            np.shape(arrays["scale"]) == (1,),
+            "encoder",
+            "a BLT scale array of shape (1,)",
+            np.shape(arrays["scale"]),
+        )
+        return BLTEncoder(
+            arrays["buf_decay"],
+            arrays["output_scale"],
+            int(params["n"]),
+            arrays["scale"],
+            arrays["inverse_decay"],
+        )
     raise InvalidArgumentError("encoder", f"a structure in {sorted(ENCODER_TYPES)}", structure)

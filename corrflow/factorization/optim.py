@@ -1,6 +1,7 @@
-"""A small L-BFGS (Nocedal & Wright Alg. 7.4/7.5) whose backtracking line search treats an infinite loss as
-"step too long": the factorization losses are finite only inside a domain (X ≻ 0, a stable recursion), which
-SciPy's L-BFGS-B handles poorly (it stops at the first non-finite trial). Works on arrays of any shape.
+"""A small L-BFGS (Nocedal & Wright Alg. 7.4/7.5) whose backtracking line search treats an infinite
+loss as "step too long": the factorization losses are finite only inside a domain (X ≻ 0, a stable
+recursion), which SciPy's L-BFGS-B handles poorly (it stops at the first non-finite trial). Works on
+arrays of any shape.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ Objective = Callable[[np.ndarray, bool], tuple[float, np.ndarray | None]]
 
 @dataclass
 class LbfgsResult:
-    """The minimiser ``x``, its value ``f`` and gradient ``grad``, the ``iterations`` and why it stopped."""
+    """The minimiser ``x``, its value ``f`` and gradient ``grad``, the ``iterations`` and why it
+    stopped."""
 
     x: np.ndarray
     f: float
@@ -25,13 +27,21 @@ class LbfgsResult:
     stopped_by: str
 
 
-def lbfgs(fun: Objective, x0: np.ndarray, *, max_iterations: int = 1000, memory: int = 10,
-          rel_improvement: float = 1e-12, window: int = 10, grad_tol: float = 0.0,
-          on_iteration: Callable[[int, np.ndarray, float, np.ndarray], bool] | None = None) -> LbfgsResult:
+def lbfgs(
+    fun: Objective,
+    x0: np.ndarray,
+    *,
+    max_iterations: int = 1000,
+    memory: int = 10,
+    rel_improvement: float = 1e-12,
+    window: int = 10,
+    grad_tol: float = 0.0,
+    on_iteration: Callable[[int, np.ndarray, float, np.ndarray], bool] | None = None,
+) -> LbfgsResult:
     """Minimise ``fun`` from ``x0``. ``on_iteration(it, x, f, g)`` may return True to stop.
 
-    Stops when f improved by less than ``rel_improvement`` (relative) over ``window`` iterations, when the
-    gradient norm is ≤ ``grad_tol``, or when no step along the direction decreases f.
+    Stops when f improved by less than ``rel_improvement`` (relative) over ``window`` iterations,
+    when the gradient norm is ≤ ``grad_tol``, or when no step along the direction decreases f.
 
     Args:
         fun: (x, need_gradient) → (f, ∇f or None), float64.

@@ -21,14 +21,12 @@ PARTICIPATION_KINDS = ("fixed-epoch", "min-sep")
 
 @dataclass(frozen=True)
 class Participation:
-    """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b) apart.
+    """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b)
+    apart.
 
-    Attributes:
-        kind: ``"fixed-epoch"`` (000 §2: b = n/k, the same order every epoch) or ``"min-sep"`` (b-min-separation
-            with at most k participations, 004).
-        rounds: n.
-        epochs: k.
-        min_sep: b.
+    Attributes: kind: ``"fixed-epoch"`` (000 §2: b = n/k, the same order every epoch) or
+    ``"min-sep"`` (b-min-separation with at most k participations, 004). rounds: n. epochs: k.
+    min_sep: b.
     """
 
     kind: str
@@ -37,19 +35,38 @@ class Participation:
     min_sep: int
 
     def __post_init__(self) -> None:
-        require(self.kind in PARTICIPATION_KINDS, "participation", f"one of {PARTICIPATION_KINDS}", self.kind)
+        require(
+            self.kind in PARTICIPATION_KINDS,
+            "participation",
+            f"one of {PARTICIPATION_KINDS}",
+            self.kind,
+        )
         for name in ("rounds", "epochs", "min_sep"):
             v = getattr(self, name)
-            require(isinstance(v, int | np.integer) and v >= 1, name.replace("_", "-"), "a positive integer", v)
+            require(
+                isinstance(v, int | np.integer) and v >= 1,
+                name.replace("_", "-"),
+                "a positive integer",
+                v,
+            )
         n, k, b = self.rounds, self.epochs, self.min_sep
         require(b <= n, "min-sep", f"at most rounds={n}", b)
         if self.kind == "fixed-epoch":
-            require(n == k * b, "epochs", f"a divisor of rounds={n} with min_sep = rounds/epochs (got min_sep={b})",
-                    k)
+            require(
+                n == k * b,
+                "epochs",
+                f"a divisor of rounds={n} with min_sep = rounds/epochs (got min_sep={b})",
+                k,
+            )
         else:
             most = -(-n // b)
-            require(k <= most, "epochs", f"at most ceil(rounds/min_sep) = {most}: more participations cannot be "
-                    f"{b} rounds apart within {n} rounds", k)
+            require(
+                k <= most,
+                "epochs",
+                f"at most ceil(rounds/min_sep) = {most}: more participations cannot be "
+                f"{b} rounds apart within {n} rounds",
+                k,
+            )
 
     @classmethod
     def fixed_epoch(cls, rounds: int, epochs: int) -> Participation:
@@ -62,10 +79,24 @@ class Participation:
         Returns:
             The fixed-epoch schema; user group p trains in rounds p, p + b, …, p + (k − 1)b.
         """
-        require(isinstance(epochs, int | np.integer) and epochs >= 1, "epochs", "a positive integer", epochs)
-        require(isinstance(rounds, int | np.integer) and rounds >= 1, "rounds", "a positive integer", rounds)
-        require(rounds % epochs == 0, "epochs", f"a divisor of rounds={rounds} for fixed-epoch participation",
-                epochs)
+        require(
+            isinstance(epochs, int | np.integer) and epochs >= 1,
+            "epochs",
+            "a positive integer",
+            epochs,
+        )
+        require(
+            isinstance(rounds, int | np.integer) and rounds >= 1,
+            "rounds",
+            "a positive integer",
+            rounds,
+        )
+        require(
+            rounds % epochs == 0,
+            "epochs",
+            f"a divisor of rounds={rounds} for fixed-epoch participation",
+            epochs,
+        )
         return cls("fixed-epoch", int(rounds), int(epochs), int(rounds // epochs))
 
     @classmethod
@@ -80,7 +111,12 @@ class Participation:
         Returns:
             The min-sep schema.
         """
-        require(isinstance(min_sep, int | np.integer) and min_sep >= 1, "min-sep", "a positive integer", min_sep)
+        require(
+            isinstance(min_sep, int | np.integer) and min_sep >= 1,
+            "min-sep",
+            "a positive integer",
+            min_sep,
+        )
         k = -(-rounds // min_sep) if epochs is None else epochs
         return cls("min-sep", int(rounds), int(k), int(min_sep))
 
@@ -106,7 +142,12 @@ class Participation:
         Returns:
             int array of shape (b, k): row p lists the rounds p, p + b, …, p + (k − 1)b.
         """
-        require(self.kind == "fixed-epoch", "participation", "fixed-epoch for an explicit pattern list", self.kind)
+        require(
+            self.kind == "fixed-epoch",
+            "participation",
+            "fixed-epoch for an explicit pattern list",
+            self.kind,
+        )
         return np.arange(self.rounds).reshape(self.epochs, self.min_sep).T.copy()
 
     def contribution_matrix(self) -> np.ndarray:
@@ -123,8 +164,8 @@ class Participation:
     def same_pattern_mask(self) -> np.ndarray:
         """The pairs of rounds one user can both contribute to (Π̂ of 000 Eq. 36).
 
-        Returns:
-            bool array of shape (n, n), True at (i, j), i ≠ j, when one user can train in both rounds.
+        Returns: bool array of shape (n, n), True at (i, j), i ≠ j, when one user can train in both
+        rounds.
         """
         idx = np.arange(self.rounds)
         if self.kind == "fixed-epoch":
@@ -136,13 +177,13 @@ class Participation:
 
     def describe(self) -> str:
         """Returns:
-            A one-line description, e.g. ``fixed-epoch (rounds=12, epochs=3, min_sep=4)``.
+        A one-line description, e.g. ``fixed-epoch (rounds=12, epochs=3, min_sep=4)``.
         """
         return f"{self.kind} (rounds={self.rounds}, epochs={self.epochs}, min_sep={self.min_sep})"
 
     def to_dict(self) -> dict:
         """Returns:
-            ``{"kind", "rounds", "epochs", "min_sep"}``, as stored in factorization files.
+        ``{"kind", "rounds", "epochs", "min_sep"}``, as stored in factorization files.
         """
         return asdict(self)
 

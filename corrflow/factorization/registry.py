@@ -1,12 +1,14 @@
-"""The one registry of factorization kinds: how each family builds, its encoder structure, the noise engine's mode
-for it, its cost per round for d model parameters, and the accountants that apply to it.
+"""The one registry of factorization kinds: how each family builds, its encoder structure, the noise
+engine's mode for it, its cost per round for d model parameters, and the accountants that apply to
+it.
 
-``factorize`` (build.py), the noise engine's default mode, the planner (``corrflow plan``) and the CLI help read
-this table instead of branching on kind names. Costs follow the engine's modes (001 §4.3, 003 §8): a ``banded``
-C with p bands keeps a float32 ring buffer of p − 1 model-sized vectors and draws one fresh vector per round; a
-banded inverse (003) keeps no buffer and regenerates p draws per round; ``dense`` keeps none and regenerates all
-t + 1 draws in round t (O(t·d) work); a BLT with B buffers (arXiv 2404.16706, 2408.08868) keeps B·d float32 and
-draws one vector per round; DP-SGD draws one.
+``factorize`` (build.py), the noise engine's default mode, the planner (``corrflow plan``) and the
+CLI help read this table instead of branching on kind names. Costs follow the engine's modes (001
+§4.3, 003 §8): a ``banded`` C with p bands keeps a float32 ring buffer of p − 1 model-sized vectors
+and draws one fresh vector per round; a banded inverse (003) keeps no buffer and regenerates p draws
+per round; ``dense`` keeps none and regenerates all t + 1 draws in round t (O(t·d) work); a BLT with
+B buffers (arXiv 2404.16706, 2408.08868) keeps B·d float32 and draws one vector per round; DP-SGD
+draws one.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ from corrflow.progress import ProgressCallback
 
 @dataclass(frozen=True)
 class BuildRequest:
-    """What a family's builder receives: the (inner, unstamped) participation, workload and its parameters."""
+    """What a family's builder receives: the (inner, unstamped) participation, workload and its
+    parameters."""
 
     workload: Workload
     participation: Participation
-    bands: int                       # p (the default min(min_sep, rounds) when not given)
-    buffers: int | None = None       # B for a BLT (None: chosen by the optimiser)
+    bands: int  # p (the default min(min_sep, rounds) when not given)
+    buffers: int | None = None  # B for a BLT (None: chosen by the optimiser)
     gamma: float | None = None
     search_gamma: bool = False
     taper: int | None = None
     tol: float = 5e-4
-    time_budget: float | None = None  # dense: stop the optimizer after this many seconds (gap reported)
-    max_iterations: int | None = None  # dense: stop the optimizer after this many iterations (deterministic)
+    time_budget: float | None = (
+        None  # dense: stop the optimizer after this many seconds (gap reported)
+    )
+    max_iterations: int | None = (
+        None  # dense: stop the optimizer after this many iterations (deterministic)
+    )
     callback: ProgressCallback | None = None
 
 
@@ -49,12 +56,12 @@ Builder = Callable[[BuildRequest], tuple[Encoder, dict]]
 class KindSpec:
     """One factorization family.
 
-    ``structure``: the encoder class it produces (toeplitz, banded, banded-inverse, blt, dense); ``noise_mode``: the
-    engine's default mode for it; ``takes_bands`` / ``takes_gamma`` / ``takes_buffers``: which parameters are
-    meaningful;
-    ``accountants``: those that can analyse it (cyclic-poisson and monte-carlo need a banded C with at most
-    min-sep bands; mmcc needs a non-negative C and is fast only for Toeplitz C, whose rows share privacy-loss
-    distributions); ``fixed_epoch_only``: the builder needs (k, n/k) fixed-epoch participation."""
+    ``structure``: the encoder class it produces (toeplitz, banded, banded-inverse, blt, dense);
+    ``noise_mode``: the engine's default mode for it; ``takes_bands`` / ``takes_gamma`` /
+    ``takes_buffers``: which parameters are meaningful; ``accountants``: those that can analyse it
+    (cyclic-poisson and monte-carlo need a banded C with at most min-sep bands; mmcc needs a
+    non-negative C and is fast only for Toeplitz C, whose rows share privacy-loss distributions);
+    ``fixed_epoch_only``: the builder needs (k, n/k) fixed-epoch participation."""
 
     name: str
     description: str
@@ -68,13 +75,14 @@ class KindSpec:
     takes_buffers: bool = False
 
     def size_of(self, encoder: Encoder) -> int | None:
-        """The size the cost methods take for a built encoder: its bands, or its buffers for a BLT."""
+        """The size the cost methods take for a built encoder: its bands, or its buffers for a
+        BLT."""
         return encoder.buffers if isinstance(encoder, BLTEncoder) else encoder.bands
 
     def noise_state_bytes(self, bands: int | None, dim: int, rounds: int) -> int:
-        """Memory the noise engine keeps for ``dim`` parameters: the banded ring buffer of (p − 1)·d float32
-        (``CorrelatedNoise.buffer_bytes``), a BLT's B·d float32 buffers (``bands`` = B, see :meth:`size_of`), or
-        dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
+        """Memory the noise engine keeps for ``dim`` parameters: the banded ring buffer of (p − 1)·d
+        float32 (``CorrelatedNoise.buffer_bytes``), a BLT's B·d float32 buffers (``bands`` = B, see
+        :meth:`size_of`), or dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
         if self.noise_mode == "banded":
             return 4 * dim * max((bands or 1) - 1, 0)
         if self.noise_mode == "blt":
@@ -93,8 +101,8 @@ class KindSpec:
         return 1.0
 
     def multiply_adds_per_round(self, bands: int | None, rounds: int) -> float:
-        """Mean model-sized multiply-adds per round beyond the draws (the banded recursion's p − 1 terms; a BLT's
-        B to combine its buffers and B to update them)."""
+        """Mean model-sized multiply-adds per round beyond the draws (the banded recursion's p − 1
+        terms; a BLT's B to combine its buffers and B to update them)."""
         if self.noise_mode == "banded":
             return float(max((bands or 1) - 1, 0))
         if self.noise_mode == "blt":
@@ -118,24 +126,44 @@ def _dense(req: BuildRequest):
     from corrflow.factorization.dense import optimize_dense
 
     extra = {} if req.max_iterations is None else {"max_iterations": req.max_iterations}
-    res = optimize_dense(req.workload, req.participation, tol=req.tol, callback=req.callback,
-                         time_budget=req.time_budget, **extra)
-    return encoder_from_gram(res.X), {"iterations": res.iterations, "converged": res.converged,
-                                      "lower_bound": res.lower_bound, "relative_gap": res.relative_gap}
+    res = optimize_dense(
+        req.workload,
+        req.participation,
+        tol=req.tol,
+        callback=req.callback,
+        time_budget=req.time_budget,
+        **extra,
+    )
+    return encoder_from_gram(res.X), {
+        "iterations": res.iterations,
+        "converged": res.converged,
+        "lower_bound": res.lower_bound,
+        "relative_gap": res.relative_gap,
+    }
 
 
 def _toeplitz(req: BuildRequest):
     from corrflow.factorization.toeplitz import optimize_toeplitz, taper_coefficients
 
     inner, p, wl = req.participation, req.bands, req.workload
-    # A learning-rate schedule is not Toeplitz: optimise θ for the Toeplitz part (001 Prop. E.1 covers it).
-    res = optimize_toeplitz(wl.toeplitz_part(), inner.rounds, p, inner.min_sep, inner.max_participations,
-                            callback=req.callback)
+    # A learning-rate schedule is not Toeplitz: optimise θ for the Toeplitz part (001 Prop. E.1
+    # covers it).
+    res = optimize_toeplitz(
+        wl.toeplitz_part(),
+        inner.rounds,
+        p,
+        inner.min_sep,
+        inner.max_participations,
+        callback=req.callback,
+    )
     # Column normalisation (001 §3.2) keeps the exact √k sensitivity only when bands ≤ min_sep.
     normalize = p <= inner.min_sep and req.taper is None
     coef = res.coef if req.taper is None else taper_coefficients(res.coef, req.taper)
-    meta = {"iterations": res.iterations, "column_normalized": normalize,
-            "optimized_for": wl.toeplitz_part().to_dict()}
+    meta = {
+        "iterations": res.iterations,
+        "column_normalized": normalize,
+        "optimized_for": wl.toeplitz_part().to_dict(),
+    }
     if req.taper is not None:
         meta["taper_lower_min_sep"] = int(req.taper)
     return ToeplitzEncoder(coef, inner.rounds, column_normalize=normalize), meta
@@ -159,6 +187,7 @@ def _inverse_banded(kind: str) -> Builder:
         else:
             g = best_gamma(lambda x: bifr_encoder(wl, m, p, x), wl, req.participation)[0]
         return bifr_encoder(wl, m, p, g), {"gamma": g, "noising_bands": p}
+
     return build
 
 
@@ -178,40 +207,117 @@ def _blt(req: BuildRequest):
     from corrflow.factorization.blt import optimize_blt
 
     res = optimize_blt(req.workload, req.participation, req.buffers, callback=req.callback)
-    enc = BLTEncoder(res.buf_decay, res.output_scale, req.participation.rounds, inverse_decay=res.inverse_decay)
-    # buffers_requested: a given B above the optimum's live buffers yields fewer (the others would be dead).
-    return enc, {"buffers": enc.buffers, "buffers_requested": req.buffers,
-                 "iterations": res.iterations, "optimized_for": res.optimized_for.to_dict(),
-                 "loss_by_buffers": {str(b): v for b, v in res.losses_by_buffers.items()},
-                 "buf_decay": enc.buf_decay.tolist(), "output_scale": enc.output_scale.tolist(),
-                 "pillutla_score": float(np.sum(enc.output_scale / enc.buf_decay))}
+    enc = BLTEncoder(
+        res.buf_decay, res.output_scale, req.participation.rounds, inverse_decay=res.inverse_decay
+    )
+    # buffers_requested: a given B above the optimum's live buffers yields fewer (the others would
+    # be dead).
+    return enc, {
+        "buffers": enc.buffers,
+        "buffers_requested": req.buffers,
+        "iterations": res.iterations,
+        "optimized_for": res.optimized_for.to_dict(),
+        "loss_by_buffers": {str(b): v for b, v in res.losses_by_buffers.items()},
+        "buf_decay": enc.buf_decay.tolist(),
+        "output_scale": enc.output_scale.tolist(),
+        "pillutla_score": float(np.sum(enc.output_scale / enc.buf_decay)),
+    }
 
 
 _BANDED_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
 
-REGISTRY: dict[str, KindSpec] = {s.name: s for s in (
-    KindSpec("dpsgd", "DP-SGD: independent noise each round (C = I)", "toeplitz", "identity", _dpsgd,
-             accountants=_BANDED_ACCOUNTANTS),
-    KindSpec("tree", "binary-tree aggregation with the optimal decoder", "dense", "dense", _tree),
-    KindSpec("dense", "optimal multi-epoch dense factorization (000)", "dense", "dense", _dense,
-             fixed_epoch_only=True),
-    KindSpec("banded", "optimal p-banded C (001, BandMF)", "banded", "banded", _banded, takes_bands=True,
-             accountants=_BANDED_ACCOUNTANTS),
-    KindSpec("toeplitz", "optimal p-banded Toeplitz C (001 App. E)", "toeplitz", "banded", _toeplitz,
-             takes_bands=True, accountants=_BANDED_ACCOUNTANTS),
-    KindSpec("bisr", "banded inverse square root (003, γ = 1/2)", "banded-inverse", "banded-inverse",
-             _inverse_banded("bisr"), takes_bands=True),
-    KindSpec("bifr", "γ-BIFR: banded inverse, γ searched (003)", "banded-inverse", "banded-inverse",
-             _inverse_banded("bifr"), takes_bands=True, takes_gamma=True),
-    KindSpec("bsr", "banded square root (BSR; γ-BFR with --search-gamma)", "toeplitz", "banded", _bsr,
-             takes_bands=True, takes_gamma=True, accountants=_BANDED_ACCOUNTANTS),
-    KindSpec("lambda-cgd", "λ-CGD: 2-banded inverse, γ searched (003)", "banded-inverse", "banded-inverse",
-             _inverse_banded("lambda-cgd"), takes_gamma=True),
-    KindSpec("fft", "FFT (circulant) mechanism with the optimal decoder", "dense", "dense", _fft),
-    # A BLT's C is Toeplitz, positive and non-increasing but not banded: MMCC applies, the banded reductions do not.
-    KindSpec("blt", "buffered linear Toeplitz (BLT): B buffers, one draw per round (2404.16706, 2408.08868)", "blt",
-             "blt", _blt, takes_buffers=True, accountants=("unamplified", "mmcc")),
-)}
+REGISTRY: dict[str, KindSpec] = {
+    s.name: s
+    for s in (
+        KindSpec(
+            "dpsgd",
+            "DP-SGD: independent noise each round (C = I)",
+            "toeplitz",
+            "identity",
+            _dpsgd,
+            accountants=_BANDED_ACCOUNTANTS,
+        ),
+        KindSpec(
+            "tree", "binary-tree aggregation with the optimal decoder", "dense", "dense", _tree
+        ),
+        KindSpec(
+            "dense",
+            "optimal multi-epoch dense factorization (000)",
+            "dense",
+            "dense",
+            _dense,
+            fixed_epoch_only=True,
+        ),
+        KindSpec(
+            "banded",
+            "optimal p-banded C (001, BandMF)",
+            "banded",
+            "banded",
+            _banded,
+            takes_bands=True,
+            accountants=_BANDED_ACCOUNTANTS,
+        ),
+        KindSpec(
+            "toeplitz",
+            "optimal p-banded Toeplitz C (001 App. E)",
+            "toeplitz",
+            "banded",
+            _toeplitz,
+            takes_bands=True,
+            accountants=_BANDED_ACCOUNTANTS,
+        ),
+        KindSpec(
+            "bisr",
+            "banded inverse square root (003, γ = 1/2)",
+            "banded-inverse",
+            "banded-inverse",
+            _inverse_banded("bisr"),
+            takes_bands=True,
+        ),
+        KindSpec(
+            "bifr",
+            "γ-BIFR: banded inverse, γ searched (003)",
+            "banded-inverse",
+            "banded-inverse",
+            _inverse_banded("bifr"),
+            takes_bands=True,
+            takes_gamma=True,
+        ),
+        KindSpec(
+            "bsr",
+            "banded square root (BSR; γ-BFR with --search-gamma)",
+            "toeplitz",
+            "banded",
+            _bsr,
+            takes_bands=True,
+            takes_gamma=True,
+            accountants=_BANDED_ACCOUNTANTS,
+        ),
+        KindSpec(
+            "lambda-cgd",
+            "λ-CGD: 2-banded inverse, γ searched (003)",
+            "banded-inverse",
+            "banded-inverse",
+            _inverse_banded("lambda-cgd"),
+            takes_gamma=True,
+        ),
+        KindSpec(
+            "fft", "FFT (circulant) mechanism with the optimal decoder", "dense", "dense", _fft
+        ),
+        # A BLT's C is Toeplitz, positive and non-increasing but not banded: MMCC applies, the
+        # banded reductions do not.
+        KindSpec(
+            "blt",
+            "buffered linear Toeplitz (BLT): B buffers, one draw per round (2404.16706, "
+            "2408.08868)",
+            "blt",
+            "blt",
+            _blt,
+            takes_buffers=True,
+            accountants=("unamplified", "mmcc"),
+        ),
+    )
+}
 
 KINDS = tuple(REGISTRY)
 #: Kinds whose ``bands`` parameter is meaningful.
@@ -237,19 +343,34 @@ def kind_spec(kind: str) -> KindSpec:
 
 
 def noise_mode_for(structure: str) -> str:
-    """The noise engine's mode for an encoder structure: the mode the registry's families of that structure
-    declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated draws; dense → dense).
+    """The noise engine's mode for an encoder structure: the mode the registry's families of that
+    structure declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated
+    draws; dense → dense).
 
-    Args:
-        structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``, ``dense``).
+    Args: structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``,
+    ``dense``).
 
     Returns:
         The mode of :class:`corrflow.noise.CorrelatedNoise`.
     """
     modes = {s.noise_mode for s in REGISTRY.values() if s.structure == structure} - {"identity"}
-    require(len(modes) == 1, "structure", f"one of {sorted({s.structure for s in REGISTRY.values()})}", structure)
+    require(
+        len(modes) == 1,
+        "structure",
+        f"one of {sorted({s.structure for s in REGISTRY.values()})}",
+        structure,
+    )
     return modes.pop()
 
 
-__all__ = ["BANDED_KINDS", "BUFFER_KINDS", "GAMMA_KINDS", "KINDS", "REGISTRY", "BuildRequest", "KindSpec", "kind_spec",
-           "noise_mode_for"]
+__all__ = [
+    "BANDED_KINDS",
+    "BUFFER_KINDS",
+    "GAMMA_KINDS",
+    "KINDS",
+    "REGISTRY",
+    "BuildRequest",
+    "KindSpec",
+    "kind_spec",
+    "noise_mode_for",
+]

@@ -1,10 +1,10 @@
 """Workload matrices A: what the server's optimizer computes from the stream of noisy gradient sums.
 
-000 §5.3 (arXiv 2211.06530) and the reference code's optimizer:
-``A = tri(n) · diag(η) · M_β`` with ``M_β[i, j] = β^(i-j)``, i.e. ``A[i, j] = Σ_{t=j..i} η_t β^(t-j)``:
-the iterates of ``m_t = β m_{t-1} + g_t; θ_{t+1} = θ_t − η_t m_t`` (θ_0 = 0, unit base learning rate).
-The prefix sum is β = 0, η = 1. The linear cooldown decays η from 1 to ``cooldown_final`` over the last
-``int(n · cooldown_fraction)`` rounds (reference code: ``n // 4`` for the StackOverflow runs).
+000 §5.3 (arXiv 2211.06530) and the reference code's optimizer: ``A = tri(n) · diag(η) · M_β`` with
+``M_β[i, j] = β^(i-j)``, i.e. ``A[i, j] = Σ_{t=j..i} η_t β^(t-j)``: the iterates of ``m_t = β
+m_{t-1} + g_t; θ_{t+1} = θ_t − η_t m_t`` (θ_0 = 0, unit base learning rate). The prefix sum is β =
+0, η = 1. The linear cooldown decays η from 1 to ``cooldown_final`` over the last ``int(n ·
+cooldown_fraction)`` rounds (reference code: ``n // 4`` for the StackOverflow runs).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ WORKLOAD_KINDS = ("prefix", "momentum")
 
 @dataclass(frozen=True)
 class Workload:
-    """SGD with momentum and a learning-rate schedule, as a lower-triangular n×n matrix (streamed, never stored).
+    """SGD with momentum and a learning-rate schedule, as a lower-triangular n×n matrix (streamed,
+    never stored).
 
     A = tri(n)·diag(η)·M_β (000 §5.3): ``A[i, j] = Σ_{t=j..i} η_t β^(t−j)``.
 
@@ -39,26 +40,43 @@ class Workload:
 
     def __post_init__(self) -> None:
         require(self.kind in WORKLOAD_KINDS, "workload", f"one of {WORKLOAD_KINDS}", self.kind)
-        require(np.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0, "momentum", "a number in [0, 1)",
-                self.momentum)
+        require(
+            np.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0,
+            "momentum",
+            "a number in [0, 1)",
+            self.momentum,
+        )
         if self.kind == "prefix":
-            require(self.momentum == 0.0, "momentum", "0 for the prefix workload (use --workload momentum)",
-                    self.momentum)
-        require(np.isfinite(self.cooldown_fraction) and 0.0 <= self.cooldown_fraction <= 1.0,
-                "cooldown_fraction", "a number in [0, 1]", self.cooldown_fraction)
-        require(np.isfinite(self.cooldown_final) and 0.0 < self.cooldown_final <= 1.0, "cooldown_final",
-                "a number in (0, 1]", self.cooldown_final)
+            require(
+                self.momentum == 0.0,
+                "momentum",
+                "0 for the prefix workload (use --workload momentum)",
+                self.momentum,
+            )
+        require(
+            np.isfinite(self.cooldown_fraction) and 0.0 <= self.cooldown_fraction <= 1.0,
+            "cooldown_fraction",
+            "a number in [0, 1]",
+            self.cooldown_fraction,
+        )
+        require(
+            np.isfinite(self.cooldown_final) and 0.0 < self.cooldown_final <= 1.0,
+            "cooldown_final",
+            "a number in (0, 1]",
+            self.cooldown_final,
+        )
 
     @classmethod
     def prefix(cls) -> Workload:
         """Returns:
-            The prefix-sum workload (A = all-ones lower triangle; plain SGD with learning rate 1).
+        The prefix-sum workload (A = all-ones lower triangle; plain SGD with learning rate 1).
         """
         return cls("prefix")
 
     @classmethod
-    def sgd_momentum(cls, momentum: float = 0.95, cooldown_fraction: float = 0.25,
-                     cooldown_final: float = 0.05) -> Workload:
+    def sgd_momentum(
+        cls, momentum: float = 0.95, cooldown_fraction: float = 0.25, cooldown_final: float = 0.05
+    ) -> Workload:
         """SGD with momentum and a linear learning-rate cooldown.
 
         Args:
@@ -73,12 +91,13 @@ class Workload:
 
     @property
     def is_toeplitz(self) -> bool:
-        """True when A is Toeplitz (no learning-rate schedule), enabling O(n·bands) error formulas (001 Prop. D.1)."""
+        """True when A is Toeplitz (no learning-rate schedule), enabling O(n·bands) error formulas
+        (001 Prop. D.1)."""
         return self.cooldown_fraction == 0.0
 
     def toeplitz_part(self) -> Workload:
         """Returns:
-            The same workload without its learning-rate schedule (Toeplitz).
+        The same workload without its learning-rate schedule (Toeplitz).
         """
         return Workload(self.kind, self.momentum) if not self.is_toeplitz else self
 
@@ -99,14 +118,14 @@ class Workload:
         Args:
             n: rounds.
 
-        Returns:
-            η, float64 of shape (n,): ones, then a linear decay to ``cooldown_final`` over the cooldown rounds.
+        Returns: η, float64 of shape (n,): ones, then a linear decay to ``cooldown_final`` over the
+        cooldown rounds.
         """
         _check_rounds(n)
         eta = np.ones(n)
         m = self.cooldown_rounds(n)
         if m > 0:
-            eta[n - m:] = np.linspace(1.0, self.cooldown_final, m)
+            eta[n - m :] = np.linspace(1.0, self.cooldown_final, m)
         return eta
 
     def toeplitz_coefs(self, n: int) -> np.ndarray:
@@ -122,8 +141,9 @@ class Workload:
             InvalidArgumentError: the workload has a learning-rate schedule (not Toeplitz).
         """
         if not self.is_toeplitz:
-            raise InvalidArgumentError("workload", "a workload without learning-rate cooldown (Toeplitz)",
-                                       self.to_dict())
+            raise InvalidArgumentError(
+                "workload", "a workload without learning-rate cooldown (Toeplitz)", self.to_dict()
+            )
         return self.apply(_unit(n))
 
     def apply(self, x: np.ndarray) -> np.ndarray:
@@ -156,7 +176,7 @@ class Workload:
 
     def to_dict(self) -> dict:
         """Returns:
-            ``{"kind", "momentum", "cooldown_fraction", "cooldown_final"}``.
+        ``{"kind", "momentum", "cooldown_fraction", "cooldown_final"}``.
         """
         return asdict(self)
 
@@ -171,7 +191,12 @@ class Workload:
             The validated workload.
         """
         unknown = set(d) - {"kind", "momentum", "cooldown_fraction", "cooldown_final"}
-        require(not unknown, "workload", "keys kind, momentum, cooldown_fraction, cooldown_final", sorted(unknown))
+        require(
+            not unknown,
+            "workload",
+            "keys kind, momentum, cooldown_fraction, cooldown_final",
+            sorted(unknown),
+        )
         return cls(**d)
 
 

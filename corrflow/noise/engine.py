@@ -1,23 +1,28 @@
-"""Streaming correlated noise w_t = σ·(C⁻¹Z)_t for model-sized updates (float32), regenerated from a secret key.
+"""Streaming correlated noise w_t = σ·(C⁻¹Z)_t for model-sized updates (float32), regenerated from a
+secret key.
 
 Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §1.2, §4.3; 003 §3):
 
-* ``banded``: C has ``p`` bands → the recursion of 001 Alg. 1, y_t = (z_t − Σ_{r=1}^{p−1} C[t,t−r] y_{t−r})/C[t,t],
-  with a float32 ring buffer of the last p−1 outputs ((p−1)·d·4 bytes, the only large state);
-* ``banded-inverse``: C⁻¹ has ``p`` bands → y_t = Σ_{j<p} (C⁻¹)[t,t−j] z_{t−j}: the p fresh draws are regenerated
-  from the key, O(d) memory (003 §8 pitfall 1; 001 §4.3);
-* ``dense``: any lower-triangular C → y_t = Σ_{j≤t} (C⁻¹)[t,j] z_j, every z_j regenerated: O(t·d) work, O(d) memory;
+* ``banded``: C has ``p`` bands → the recursion of 001 Alg. 1, y_t = (z_t − Σ_{r=1}^{p−1} C[t,t−r]
+  y_{t−r})/C[t,t], with a float32 ring buffer of the last p−1 outputs ((p−1)·d·4 bytes, the only
+  large state);
+* ``banded-inverse``: C⁻¹ has ``p`` bands → y_t = Σ_{j<p} (C⁻¹)[t,t−j] z_{t−j}: the p fresh draws
+  are regenerated from the key, O(d) memory (003 §8 pitfall 1; 001 §4.3);
+* ``dense``: any lower-triangular C → y_t = Σ_{j≤t} (C⁻¹)[t,j] z_j, every z_j regenerated: O(t·d)
+  work, O(d) memory;
 * ``identity``: y_t = z_t / C[0,0] (DP-SGD);
-* ``blt``: a buffered linear Toeplitz C = s·T(c) with B buffers (McMahan, Xu, Zhang 2024, arXiv 2408.08868,
-  Alg. 3): y_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + y_t, emitting σ·y_t/s — one draw per round and B·d float32
-  of state. The arithmetic runs in float64 on cache-sized blocks (θ near 1 must not be rounded to float32: its
-  powers would change C), and only the state is stored in float32.
+* ``blt``: a buffered linear Toeplitz C = s·T(c) with B buffers (McMahan, Xu, Zhang 2024, arXiv
+  2408.08868, Alg. 3): y_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + y_t, emitting σ·y_t/s — one
+  draw per round and B·d float32 of state. The arithmetic runs in float64 on cache-sized blocks (θ
+  near 1 must not be rounded to float32: its powers would change C), and only the state is stored in
+  float32.
 
-The regenerating modes combine their draws with one fused pass each (the first draw scaled into the output, the
-others multiplied and added block by block while in cache), with σ folded into the coefficients.
-Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the buffer is a few chunks.
-Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk): restoring a saved state
-continues bit for bit, and any released round can be replayed exactly.
+The regenerating modes combine their draws with one fused pass each (the first draw scaled into the
+output, the others multiplied and added block by block while in cache), with σ folded into the
+coefficients. Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the
+buffer is a few chunks. Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of
+(key, j, chunk): restoring a saved state continues bit for bit, and any released round can be
+replayed exactly.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from corrflow.fileio import atomic_file, write_bytes, write_json
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
 
 MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
-#: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the checkpoint).
+#: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the
+# checkpoint).
 STATEFUL_MODES = ("banded", "blt")
 DEFAULT_CHUNK = 1 << 20
 #: Coordinates per block of the in-cache arithmetic (float64 temporaries of 256 KiB).
@@ -60,10 +66,9 @@ def default_mode(factorization: Factorization) -> str:
     Args:
         factorization: a normalised factorization.
 
-    Returns:
-        One of :data:`MODES`: the registry's mode for the encoder's structure
-        (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is DP-SGD's
-        ``identity``.
+    Returns: One of :data:`MODES`: the registry's mode for the encoder's structure
+    (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
+    DP-SGD's ``identity``.
     """
     from corrflow.factorization.registry import noise_mode_for
 
@@ -78,36 +83,58 @@ def _normalize_shapes(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...],
     try:
         out = tuple(tuple(int(s) for s in shape) for shape in shapes)
     except TypeError as exc:
-        raise InvalidArgumentError("shapes", "a list of array shapes (tuples of ints)", shapes) from exc
-    require(len(out) > 0 and all(all(s >= 0 for s in shape) for shape in out), "shapes",
-            "at least one shape with non-negative sizes", shapes)
+        raise InvalidArgumentError(
+            "shapes", "a list of array shapes (tuples of ints)", shapes
+        ) from exc
+    require(
+        len(out) > 0 and all(all(s >= 0 for s in shape) for shape in out),
+        "shapes",
+        "at least one shape with non-negative sizes",
+        shapes,
+    )
     return out
 
 
 class CorrelatedNoise:
-    """Generator of σ·(C⁻¹Z)_t, one round at a time: ``next(t) -> list[np.ndarray]`` shaped like ``shapes``.
+    """Generator of σ·(C⁻¹Z)_t, one round at a time: ``next(t) -> list[np.ndarray]`` shaped like
+    ``shapes``.
 
-    Z is n × d standard Gaussian noise (d = the model's size), drawn counter-based from (key, round, chunk), so any
-    round can be regenerated from the key alone; the mode (module doc; 001 Alg. 1 for banded C, 003 for banded C⁻¹,
-    arXiv 2408.08868 Alg. 3 for BLTs) decides what state is kept between rounds.
+    Z is n × d standard Gaussian noise (d = the model's size), drawn counter-based from (key, round,
+    chunk), so any round can be regenerated from the key alone; the mode (module doc; 001 Alg. 1 for
+    banded C, 003 for banded C⁻¹, arXiv 2408.08868 Alg. 3 for BLTs) decides what state is kept
+    between rounds.
 
-    Args:
-        factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number of rounds n.
-        shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise comes back in them.
-        stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
-        key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for audits and
-            restores.
-        prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure`` extra).
-        mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up to a size limit).
-        chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few chunks of float64.
+    Args: factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number
+    of rounds n. shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise
+    comes back in them. stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
+    key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for
+    audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
+    extra). mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up
+    to a size limit). chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few
+    chunks of float64.
     """
 
-    def __init__(self, factorization: Factorization, shapes: Sequence[Sequence[int]], stddev: float = 1.0, *,
-                 key: bytes | None = None, prng: str = "philox", mode: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK):
+    def __init__(
+        self,
+        factorization: Factorization,
+        shapes: Sequence[Sequence[int]],
+        stddev: float = 1.0,
+        *,
+        key: bytes | None = None,
+        prng: str = "philox",
+        mode: str | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ):
         require(isinstance(factorization, Factorization), "factorization", "a Factorization")
-        require(np.isfinite(stddev) and stddev >= 0, "stddev", "a finite, non-negative number", stddev)
-        require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", "a positive integer", chunk_size)
+        require(
+            np.isfinite(stddev) and stddev >= 0, "stddev", "a finite, non-negative number", stddev
+        )
+        require(
+            isinstance(chunk_size, int) and chunk_size >= 1,
+            "chunk_size",
+            "a positive integer",
+            chunk_size,
+        )
         self.factorization = factorization
         self.shapes = _normalize_shapes(shapes)
         self.sizes = [math.prod(s) for s in self.shapes]
@@ -124,35 +151,56 @@ class CorrelatedNoise:
         enc = factorization.encoder
         self._buffer: np.ndarray | None = None
         if self.mode == "banded":
-            require(isinstance(enc, ToeplitzEncoder | BandedEncoder), "mode",
-                    "banded only for a banded encoder (use dense)", self.mode)
+            require(
+                isinstance(enc, ToeplitzEncoder | BandedEncoder),
+                "mode",
+                "banded only for a banded encoder (use dense)",
+                self.mode,
+            )
             self._buffer = np.zeros((max(enc.bands - 1, 0), self.dim), dtype=np.float32)
         elif self.mode == "banded-inverse":
-            require(isinstance(enc, InverseToeplitzEncoder), "mode",
-                    "banded-inverse only for an encoder with a banded inverse", self.mode)
+            require(
+                isinstance(enc, InverseToeplitzEncoder),
+                "mode",
+                "banded-inverse only for an encoder with a banded inverse",
+                self.mode,
+            )
             self._noising = enc.noising
         elif self.mode == "blt":
             require(isinstance(enc, BLTEncoder), "mode", "blt only for a BLT encoder", self.mode)
             self._buffer = np.zeros((enc.buffers, self.dim), dtype=np.float32)
         elif self.mode == "identity":
-            require(enc.bands == 1 and isinstance(enc, ToeplitzEncoder | BandedEncoder), "mode",
-                    "identity only for a diagonal encoder", self.mode)
+            require(
+                enc.bands == 1 and isinstance(enc, ToeplitzEncoder | BandedEncoder),
+                "mode",
+                "identity only for a diagonal encoder",
+                self.mode,
+            )
         else:
             require(enc.n <= DENSE_LIMIT, "mode", f"dense only up to {DENSE_LIMIT} rounds", enc.n)
             self._inverse = solve_triangular(enc.matrix(), np.eye(enc.n), lower=True)
 
     def __repr__(self) -> str:  # the key stays out of logs
-        return (f"CorrelatedNoise(mode={self.mode!r}, prng={self.prng!r}, dim={self.dim}, rounds={self.rounds}, "
-                f"next_round={self.next_round})")
+        return (
+            f"CorrelatedNoise(mode={self.mode!r}, prng={self.prng!r}, dim={self.dim}, "
+            f"rounds={self.rounds}, "
+            f"next_round={self.next_round})"
+        )
 
-    # -- public API -------------------------------------------------------------------------------------------
+    # -- public API --------------------------------------------------------------------------------
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of noise state kept between rounds: (bands − 1)·d·4 (banded), B·d·4 (BLT), else 0."""
+        """Bytes of noise state kept between rounds: (bands − 1)·d·4 (banded), B·d·4 (BLT), else
+        0."""
         return 0 if self._buffer is None else self._buffer.nbytes
 
-    def next(self, round_index: int, *, replay: bool = False,
-             shapes: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
+    def next(
+        self,
+        round_index: int,
+        *,
+        replay: bool = False,
+        shapes: Sequence[Sequence[int]] | None = None,
+    ) -> list[np.ndarray]:
         """The noise of one round.
 
         Args:
@@ -163,46 +211,69 @@ class CorrelatedNoise:
         Returns:
             σ·(C⁻¹Z)_t as float32 arrays, one per shape.
 
-        Raises:
-            InvalidArgumentError: a round out of order (without ``replay``) or past the factorization's n.
+        Raises: InvalidArgumentError: a round out of order (without ``replay``) or past the
+        factorization's n.
         """
         if shapes is not None and _normalize_shapes(shapes) != self.shapes:
-            raise InvalidArgumentError("shapes", f"the model shapes fixed at start {list(self.shapes)}",
-                                       [tuple(s) for s in shapes])
-        require(isinstance(round_index, int | np.integer) and round_index >= 0, "round_index",
-                "a non-negative integer", round_index)
-        require(round_index < self.rounds, "round_index", f"< {self.rounds}: the factorization has only "
-                f"{self.rounds} rounds", round_index)
+            raise InvalidArgumentError(
+                "shapes",
+                f"the model shapes fixed at start {list(self.shapes)}",
+                [tuple(s) for s in shapes],
+            )
+        require(
+            isinstance(round_index, int | np.integer) and round_index >= 0,
+            "round_index",
+            "a non-negative integer",
+            round_index,
+        )
+        require(
+            round_index < self.rounds,
+            "round_index",
+            f"< {self.rounds}: the factorization has only {self.rounds} rounds",
+            round_index,
+        )
         if round_index == self.next_round:
             flat = self._advance(round_index)
             self.next_round += 1
         elif replay and round_index < self.next_round:
             flat = self._replay(round_index)
         else:
-            what = "an earlier round needs replay=True (an identical re-release)" if round_index < self.next_round \
+            what = (
+                "an earlier round needs replay=True (an identical re-release)"
+                if round_index < self.next_round
                 else "rounds are released in order"
-            raise InvalidArgumentError("round_index", f"{self.next_round}, the next round ({what})", round_index)
+            )
+            raise InvalidArgumentError(
+                "round_index", f"{self.next_round}, the next round ({what})", round_index
+            )
         return self._split(flat)
 
     def skip_round(self) -> None:
-        """Advance past the next round without releasing noise (non-private baselines keep rounds aligned)."""
+        """Advance past the next round without releasing noise (non-private baselines keep rounds
+        aligned)."""
         self.next_round += 1
 
     def skip_to(self, round_index: int) -> None:
         """Fast-forward a fresh generator so that ``round_index`` is the next round.
 
-        Args:
-            round_index: the next round to release, in [0, n]; the banded or BLT buffer is recomputed from the key
-                (O(round_index · d) work), the regenerating modes need none.
+        Args: round_index: the next round to release, in [0, n]; the banded or BLT buffer is
+        recomputed from the key (O(round_index · d) work), the regenerating modes need none.
         """
-        require(self.next_round == 0, "round_index", "skip_to only on a fresh generator", self.next_round)
-        require(0 <= round_index <= self.rounds, "start", f"between 0 and {self.rounds}", round_index)
+        require(
+            self.next_round == 0,
+            "round_index",
+            "skip_to only on a fresh generator",
+            self.next_round,
+        )
+        require(
+            0 <= round_index <= self.rounds, "start", f"between 0 and {self.rounds}", round_index
+        )
         if self.mode in STATEFUL_MODES:
             for t in range(round_index):
                 self._advance(t)
         self.next_round = round_index
 
-    # -- modes --------------------------------------------------------------------------------------------------
+    # -- modes -------------------------------------------------------------------------------------
     def _chunks(self):
         for c, lo in enumerate(range(0, self.dim, self.chunk_size)):
             yield c, lo, min(self.dim, lo + self.chunk_size)
@@ -218,8 +289,9 @@ class CorrelatedNoise:
         return out
 
     def _blt_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
-        """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j S_j + y;
-        out = σ·y/s. Float64 arithmetic on cache-sized blocks; the state ``buf`` (B × d) is float32."""
+        """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j
+        S_j + y; out = σ·y/s. Float64 arithmetic on cache-sized blocks; the state ``buf`` (B × d) is
+        float32."""
         enc = self.factorization.encoder
         decay = [float(v) for v in enc.buf_decay]
         weight = [float(v) for v in enc.output_scale]
@@ -232,7 +304,7 @@ class CorrelatedNoise:
                 b = min(hi - lo, a + _BLOCK)
                 yv, tv = y[: b - a], tmp[: b - a]
                 yv[...] = z[a:b]
-                state = buf[:, lo + a:lo + b]
+                state = buf[:, lo + a : lo + b]
                 for j, w in enumerate(weight):
                     np.multiply(state[j], w, out=tv, dtype=np.float64)
                     yv -= tv
@@ -240,13 +312,15 @@ class CorrelatedNoise:
                     np.multiply(state[j], d, out=tv, dtype=np.float64)
                     tv += yv
                     state[j] = tv
-                np.multiply(yv, gain, out=out[lo + a:lo + b])
+                np.multiply(yv, gain, out=out[lo + a : lo + b])
 
     def _banded_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
         coefs = self.factorization.encoder.row_band(t)
         p = len(coefs)
         diag = np.float32(coefs[0])
-        weights = np.zeros(max(p - 1, 0), dtype=np.float32)  # ring-buffer order: slot of round t − r
+        weights = np.zeros(
+            max(p - 1, 0), dtype=np.float32
+        )  # ring-buffer order: slot of round t − r
         for r in range(1, p):
             if t - r >= 0:
                 weights[(t - r) % (p - 1)] = coefs[r]
@@ -267,14 +341,16 @@ class CorrelatedNoise:
         if self.mode == "identity":
             return [(t, 1.0 / float(self.factorization.encoder.row_band(t)[0]))]
         if self.mode == "banded-inverse":
-            return [(t - j, float(self._noising[j])) for j in range(len(self._noising)) if t - j >= 0]
+            return [
+                (t - j, float(self._noising[j])) for j in range(len(self._noising)) if t - j >= 0
+            ]
         row = self._inverse[t, : t + 1]
         return [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
 
     def _stateless(self, t: int, out: np.ndarray) -> None:
-        """out = σ·Σ_j coef_j·z_j: the first draw scaled straight into ``out`` (one pass), each further draw
-        multiplied and added block by block while the block is in cache — no model-sized temporary beyond the
-        draw itself, and no separate pass for σ."""
+        """out = σ·Σ_j coef_j·z_j: the first draw scaled straight into ``out`` (one pass), each
+        further draw multiplied and added block by block while the block is in cache — no
+        model-sized temporary beyond the draw itself, and no separate pass for σ."""
         terms = self._terms(t)
         for c, lo, hi in self._chunks():
             dst = out[lo:hi]
@@ -285,12 +361,14 @@ class CorrelatedNoise:
                     np.multiply(z, a, out=dst)
                     continue
                 for s in range(0, hi - lo, _BLOCK):
-                    zs = z[s:s + _BLOCK]
+                    zs = z[s : s + _BLOCK]
                     zs *= a
-                    dst[s:s + _BLOCK] += zs
+                    dst[s : s + _BLOCK] += zs
 
     def _replay(self, t: int) -> np.ndarray:
-        if self.mode == "blt":   # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+        if (
+            self.mode == "blt"
+        ):  # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
             buf = np.zeros_like(self._buffer)
             out = np.empty(self.dim, dtype=np.float32)
             for s in range(t + 1):
@@ -315,21 +393,23 @@ class CorrelatedNoise:
     def _split(self, flat: np.ndarray) -> list[np.ndarray]:
         parts, lo = [], 0
         for shape, size in zip(self.shapes, self.sizes, strict=True):
-            parts.append(flat[lo:lo + size].reshape(shape))
+            parts.append(flat[lo : lo + size].reshape(shape))
             lo += size
         return parts
 
 
-# -- checkpoints ------------------------------------------------------------------------------------------------
+# -- checkpoints -----------------------------------------------------------------------------------
 STATE_FORMAT = "corrflow.noise-state/1"
 PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
-#: The banded ring buffer's rows on disk, overwritten in place (beside the checkpoints, outside them).
+#: The banded ring buffer's rows on disk, overwritten in place (beside the checkpoints, outside
+# them).
 RING_FILE = "noise_ring.bin"
 _RING_MAC = b"corrflow.noise-ring/1"
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through (np.save writes the buffer once, no copy)."""
+    """A write-only file wrapper that hashes what passes through (np.save writes the buffer once, no
+    copy)."""
 
     def __init__(self, f):
         self.f, self.sha = f, hashlib.sha256()
@@ -340,8 +420,9 @@ class _HashingWriter:
 
 
 def _row_mac(gen: CorrelatedNoise, fac_sha256: str, round_index: int, row: np.ndarray) -> str:
-    """HMAC-SHA256 of one ring row under a key derived from the noise key, bound to the factorization, the round
-    whose output it holds and the model size: a row cannot be edited, swapped with another round's, or moved."""
+    """HMAC-SHA256 of one ring row under a key derived from the noise key, bound to the
+    factorization, the round whose output it holds and the model size: a row cannot be edited,
+    swapped with another round's, or moved."""
     key = hashlib.sha256(_RING_MAC + gen._key).digest()
     mac = hmac.new(key, f"{fac_sha256}:{round_index}:{gen.dim}:".encode(), hashlib.sha256)
     mac.update(memoryview(np.ascontiguousarray(row)).cast("B"))
@@ -349,18 +430,21 @@ def _row_mac(gen: CorrelatedNoise, fac_sha256: str, round_index: int, row: np.nd
 
 
 def _ring_rows(gen: CorrelatedNoise) -> list[int]:
-    """The rounds whose outputs the banded recursion still needs (the last p−1, none before round 0)."""
+    """The rounds whose outputs the banded recursion still needs (the last p−1, none before round
+    0)."""
     kept = gen._buffer.shape[0]
     return list(range(max(0, gen.next_round - kept), gen.next_round))
 
 
 def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
-    """Write the banded buffer's rows into ``ring`` in place: only rows this generator has not yet written there
-    (one per round in a running server), each fsync-ed before the caller publishes the state that names it.
+    """Write the banded buffer's rows into ``ring`` in place: only rows this generator has not yet
+    written there (one per round in a running server), each fsync-ed before the caller publishes the
+    state that names it.
 
-    The ring has one slot more than the buffer has rows (round s in slot s mod p), so a round's write never touches
-    a row the published checkpoint still needs: a kill mid-write leaves that checkpoint whole, and a row that does not
-    match its MAC can only be corruption, which :func:`restore_state` refuses."""
+    The ring has one slot more than the buffer has rows (round s in slot s mod p), so a round's
+    write never touches a row the published checkpoint still needs: a kill mid-write leaves that
+    checkpoint whole, and a row that does not match its MAC can only be corruption, which
+    :func:`restore_state` refuses."""
     kept = gen._buffer.shape[0]
     slots, row_bytes = kept + 1, gen.dim * 4
     known = gen.__dict__.setdefault("_ring_known", {})
@@ -389,29 +473,36 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
     return {"file": ring.name, "slots": slots, "row_bytes": row_bytes, "rows": rows}
 
 
-def save_state(gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None) -> Path:
-    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the model-sized buffer,
-    both owner-only (0600).
+def save_state(
+    gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None
+) -> Path:
+    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the
+    model-sized buffer, both owner-only (0600).
 
-    Args:
-        gen: the generator.
-        directory: created if missing.
-        ring: a banded generator in a server's state directory: the buffer's rows go into that file in place, one
-            new row per round instead of the whole (p−1)·d buffer, each with its own MAC in the public JSON (see
-            :func:`_save_ring`). A BLT's B·d state changes in full every round and is written in full.
+    Args: gen: the generator. directory: created if missing. ring: a banded generator in a server's
+    state directory: the buffer's rows go into that file in place, one new row per round instead of
+    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see :func:`_save_ring`). A
+    BLT's B·d state changes in full every round and is written in full.
 
     Returns:
         ``directory`` as a :class:`~pathlib.Path`.
 
-    Each file goes through a temp file + rename; the public JSON, written last, holds the hashes that tie them
-    together, so a torn write is detected on restore, never used."""
+    Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
+    that tie them together, so a torn write is detected on restore, never used."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     public = {
-        "format": STATE_FORMAT, "mode": gen.mode, "prng": gen.prng, "next_round": gen.next_round,
-        "rounds": gen.rounds, "shapes": [list(s) for s in gen.shapes], "stddev": gen.stddev,
-        "chunk_size": gen.chunk_size, "dtype": "float32",
-        "factorization_sha256": gen.factorization.sha256(), "key_fingerprint": fingerprint(gen._key),
+        "format": STATE_FORMAT,
+        "mode": gen.mode,
+        "prng": gen.prng,
+        "next_round": gen.next_round,
+        "rounds": gen.rounds,
+        "shapes": [list(s) for s in gen.shapes],
+        "stddev": gen.stddev,
+        "chunk_size": gen.chunk_size,
+        "dtype": "float32",
+        "factorization_sha256": gen.factorization.sha256(),
+        "key_fingerprint": fingerprint(gen._key),
         "buffer_sha256": None,
     }
     write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
@@ -429,18 +520,28 @@ def save_state(gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str 
 def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) -> None:
     """Fill the banded buffer from the ring rows the state names, each checked against its MAC."""
     if ring is None:
-        raise IntegrityError(f"{d}: the noise buffer's rows are in a ring file ({info.get('file')}), and none was "
-                             "given to restore from")
+        raise IntegrityError(
+            f"{d}: the noise buffer's rows are in a ring file ({info.get('file')}), and none was "
+            "given to restore from"
+        )
     kept = gen._buffer.shape[0]
     slots, row_bytes = kept + 1, gen.dim * 4
-    if info.get("slots") != slots or info.get("row_bytes") != row_bytes or info.get("file") != ring.name:
-        raise IntegrityError(f"{d}: the ring layout {info.get('file')} × {info.get('slots')} slots of "
-                             f"{info.get('row_bytes')} bytes does not fit this generator ({ring.name}, {slots} × "
-                             f"{row_bytes})")
+    if (
+        info.get("slots") != slots
+        or info.get("row_bytes") != row_bytes
+        or info.get("file") != ring.name
+    ):
+        raise IntegrityError(
+            f"{d}: the ring layout {info.get('file')} × {info.get('slots')} slots of "
+            f"{info.get('row_bytes')} bytes does not fit this generator ({ring.name}, {slots} × "
+            f"{row_bytes})"
+        )
     rows = info.get("rows", [])
     if sorted(int(r["round"]) for r in rows) != _ring_rows(gen):
-        raise IntegrityError(f"{d}: the ring rows listed ({[r.get('round') for r in rows]}) are not the rounds the "
-                             f"state at round {gen.next_round} needs")
+        raise IntegrityError(
+            f"{d}: the ring rows listed ({[r.get('round') for r in rows]}) are not the rounds the "
+            f"state at round {gen.next_round} needs"
+        )
     known, fac_sha256 = {"path": str(ring)}, gen.factorization.sha256()
     try:
         fd = os.open(ring, os.O_RDONLY)
@@ -450,14 +551,20 @@ def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) 
         for r in rows:
             s, slot = int(r["round"]), int(r["slot"])
             if slot != s % slots:
-                raise IntegrityError(f"{ring}: round {s} listed in slot {slot}, expected {s % slots}")
+                raise IntegrityError(
+                    f"{ring}: round {s} listed in slot {slot}, expected {s % slots}"
+                )
             data = os.pread(fd, row_bytes, slot * row_bytes)
             if len(data) != row_bytes:
-                raise IntegrityError(f"{ring}: slot {slot} (round {s}) is short: {len(data)} of {row_bytes} bytes")
+                raise IntegrityError(
+                    f"{ring}: slot {slot} (round {s}) is short: {len(data)} of {row_bytes} bytes"
+                )
             row = np.frombuffer(data, dtype=np.float32)
             if not hmac.compare_digest(_row_mac(gen, fac_sha256, s, row), str(r["mac"])):
-                raise IntegrityError(f"{ring}: slot {slot} (round {s}) does not match its MAC (torn or edited); "
-                                     "the state refuses to resume from it")
+                raise IntegrityError(
+                    f"{ring}: slot {slot} (round {s}) does not match its MAC (torn or edited); "
+                    "the state refuses to resume from it"
+                )
             gen._buffer[s % kept] = row
             known[slot] = (s, str(r["mac"]))
     finally:
@@ -465,9 +572,13 @@ def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) 
     gen._ring_known = known
 
 
-def restore_state(directory: str | os.PathLike, factorization: Factorization,
-                  cls: type[CorrelatedNoise] = CorrelatedNoise, *, ring: str | os.PathLike | None = None
-                  ) -> CorrelatedNoise:
+def restore_state(
+    directory: str | os.PathLike,
+    factorization: Factorization,
+    cls: type[CorrelatedNoise] = CorrelatedNoise,
+    *,
+    ring: str | os.PathLike | None = None,
+) -> CorrelatedNoise:
     """Rebuild a generator saved by :func:`save_state`; it continues bit for bit.
 
     Args:
@@ -479,9 +590,8 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
     Returns:
         The generator, positioned at the saved next round.
 
-    Raises:
-        IntegrityError: a missing, corrupted, torn or foreign file (a ring row that fails its MAC included), or
-            another factorization.
+    Raises: IntegrityError: a missing, corrupted, torn or foreign file (a ring row that fails its
+    MAC included), or another factorization.
     """
     d = Path(directory)
     try:
@@ -498,13 +608,24 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
     except ValueError as exc:
         raise IntegrityError(f"{d}: the secret key file is corrupted") from exc
     if fingerprint(key) != public.get("key_fingerprint"):
-        raise IntegrityError(f"{d}: the secret key does not belong to this state (foreign or corrupted file)")
+        raise IntegrityError(
+            f"{d}: the secret key does not belong to this state (foreign or corrupted file)"
+        )
     if public.get("factorization_sha256") != factorization.sha256():
         recorded = str(public.get("factorization_sha256"))[:16]
-        raise IntegrityError(f"{d}: the state was made for factorization {recorded}…, "
-                             f"not {factorization.sha256()[:16]}…")
-    gen = cls(factorization, public["shapes"], public["stddev"], key=key, prng=public["prng"],
-              mode=public["mode"], chunk_size=int(public["chunk_size"]))
+        raise IntegrityError(
+            f"{d}: the state was made for factorization {recorded}…, "
+            f"not {factorization.sha256()[:16]}…"
+        )
+    gen = cls(
+        factorization,
+        public["shapes"],
+        public["stddev"],
+        key=key,
+        prng=public["prng"],
+        mode=public["mode"],
+        chunk_size=int(public["chunk_size"]),
+    )
     gen.next_round = int(public["next_round"])
     if gen._buffer is not None and "ring" in public:
         if gen.mode != "banded":
@@ -516,11 +637,15 @@ def restore_state(directory: str | os.PathLike, factorization: Factorization,
         except FileNotFoundError as exc:
             raise IntegrityError(f"{d}: the noise buffer is missing") from exc
         if hashlib.sha256(data).hexdigest() != public.get("buffer_sha256"):
-            raise IntegrityError(f"{d}: the noise buffer does not match its recorded hash (torn or edited)")
+            raise IntegrityError(
+                f"{d}: the noise buffer does not match its recorded hash (torn or edited)"
+            )
         buf = np.load(io.BytesIO(data), allow_pickle=False)
         if buf.shape != gen._buffer.shape or buf.dtype != np.float32:
-            raise IntegrityError(f"{d}: noise buffer has shape {buf.shape} {buf.dtype}, expected "
-                                 f"{gen._buffer.shape} float32")
+            raise IntegrityError(
+                f"{d}: noise buffer has shape {buf.shape} {buf.dtype}, expected "
+                f"{gen._buffer.shape} float32"
+            )
         gen._buffer[...] = buf
     if gen._buffer is not None and hasattr(gen, "load_buffer"):
         gen.load_buffer()

@@ -1,13 +1,15 @@
-"""Counter-based Gaussian sources: z for (round j, coordinate chunk c) is a pure function of (secret key, j, c).
+"""Counter-based Gaussian sources: z for (round j, coordinate chunk c) is a pure function of (secret
+key, j, c).
 
-docs "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any row can be
-regenerated in any order, exactly. Two sources:
+docs "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any
+row can be regenerated in any order, exactly. Two sources:
 
-* ``philox`` (default): NumPy's Philox-4×64 with the 128-bit secret as its key and (0, 0, c, j) as the starting
-  counter. Each (j, c) stream owns 2¹²⁸ counter values, so streams never overlap. Fast; statistically strong, not
-  cryptographically secure.
-* ``chacha``: ChaCha20 from the maintained ``randomgen`` package (``pip install corrflow[secure]``), 256-bit key,
-  (j, c) placed in the counter's high words — a cryptographically secure counter-based generator.
+* ``philox`` (default): NumPy's Philox-4×64 with the 128-bit secret as its key and (0, 0, c, j) as
+  the starting counter. Each (j, c) stream owns 2¹²⁸ counter values, so streams never overlap. Fast;
+  statistically strong, not cryptographically secure.
+* ``chacha``: ChaCha20 from the maintained ``randomgen`` package (``pip install corrflow[secure]``),
+  256-bit key, (j, c) placed in the counter's high words — a cryptographically secure counter-based
+  generator.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ class GaussianSource(Protocol):
     name: str
 
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
-        """Standard normal float32 vector of ``size`` for (round, chunk); identical on every call."""
+        """Standard normal float32 vector of ``size`` for (round, chunk); identical on every
+        call."""
 
 
 class PhiloxSource:
-    """NumPy's Philox counter-based generator keyed by the secret key; (round, chunk) select the counter.
+    """NumPy's Philox counter-based generator keyed by the secret key; (round, chunk) select the
+    counter.
 
     Args:
         key: the secret key.
@@ -51,7 +55,8 @@ class PhiloxSource:
 
 
 class ChaChaSource:
-    """ChaCha20 (``randomgen``, the ``secure`` extra), a cryptographically secure counter-based source.
+    """ChaCha20 (``randomgen``, the ``secure`` extra), a cryptographically secure counter-based
+    source.
 
     Args:
         key: the 32-byte secret key.
@@ -64,13 +69,15 @@ class ChaChaSource:
         try:
             from randomgen import ChaCha
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
-            raise InvalidArgumentError("prng", "the randomgen package for chacha (pip install corrflow[secure])") \
-                from exc
+            raise InvalidArgumentError(
+                "prng", "the randomgen package for chacha (pip install corrflow[secure])"
+            ) from exc
         self._chacha = ChaCha
         self._key = int.from_bytes(key, "little")
 
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
-        # 128-bit block counter: high 64 bits = round, next 32 = chunk; a chunk uses far fewer than 2³² blocks.
+        # 128-bit block counter: high 64 bits = round, next 32 = chunk; a chunk uses far fewer than
+        # 2³² blocks.
         counter = (round_index << 64) | (chunk << 32)
         gen = np.random.Generator(self._chacha(key=self._key, counter=counter, rounds=20))
         return gen.standard_normal(size, dtype=np.float32)
@@ -82,8 +89,8 @@ def new_secret(prng: str = "philox") -> bytes:
     Args:
         prng: ``"philox"`` or ``"chacha"``; fixes the key length.
 
-    Returns:
-        The key bytes (never logged; stored owner-only by :func:`~corrflow.noise.engine.save_state`).
+    Returns: The key bytes (never logged; stored owner-only by
+    :func:`~corrflow.noise.engine.save_state`).
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])
@@ -106,10 +113,8 @@ def make_source(prng: str, key: bytes) -> GaussianSource:
 def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
     """An audit key from a user-given seed (``corrflow noise sample --seed``).
 
-    Args:
-        seed: bytes of the key's length, hex of the key's length (taken as the key), or any other text or integer
-            (hashed with SHA-256).
-        prng: ``"philox"`` or ``"chacha"``.
+    Args: seed: bytes of the key's length, hex of the key's length (taken as the key), or any other
+    text or integer (hashed with SHA-256). prng: ``"philox"`` or ``"chacha"``.
 
     Returns:
         The key bytes.
@@ -128,7 +133,8 @@ def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
 
 
 def fingerprint(key: bytes) -> str:
-    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign secret).
+    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign
+    secret).
 
     Args:
         key: the secret key.

@@ -1,9 +1,10 @@
-"""TensorFlow backend of :class:`~corrflow.noise.engine.CorrelatedNoise`: the same modes and state, computed with
-TensorFlow ops on the default device (a GPU when TensorFlow sees one).
+"""TensorFlow backend of :class:`~corrflow.noise.engine.CorrelatedNoise`: the same modes and state,
+computed with TensorFlow ops on the default device (a GPU when TensorFlow sees one).
 
-Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk), so each
-(round, chunk) draw is a pure function of the secret key — deterministic for a key on a given device, but not
-bit-identical to the NumPy backend (the issue asks for the same distribution, not the same bits).
+Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk),
+so each (round, chunk) draw is a pure function of the secret key — deterministic for a key on a
+given device, but not bit-identical to the NumPy backend (the issue asks for the same distribution,
+not the same bits).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def _tf():
     try:
         import tensorflow as tf
     except ImportError as exc:  # pragma: no cover - depends on the optional dependency
-        raise InvalidArgumentError("backend", "TensorFlow installed for the tensorflow backend") from exc
+        raise InvalidArgumentError(
+            "backend", "TensorFlow installed for the tensorflow backend"
+        ) from exc
     return tf
 
 
@@ -34,24 +37,30 @@ class TFGaussianSource:
         self._tf = _tf()
 
     def seed(self, round_index: int, chunk: int) -> np.ndarray:
-        h = hashlib.sha256(self._key + round_index.to_bytes(8, "little") + chunk.to_bytes(8, "little")).digest()
+        h = hashlib.sha256(
+            self._key + round_index.to_bytes(8, "little") + chunk.to_bytes(8, "little")
+        ).digest()
         return np.frombuffer(h[:16], dtype="<i8").copy()
 
     def normal(self, round_index: int, chunk: int, size: int):
         tf = self._tf
-        return tf.random.stateless_normal([size], seed=self.seed(round_index, chunk), dtype=tf.float32,
-                                          alg="philox")
+        return tf.random.stateless_normal(
+            [size], seed=self.seed(round_index, chunk), dtype=tf.float32, alg="philox"
+        )
 
 
 class TFCorrelatedNoise(CorrelatedNoise):
-    """:class:`CorrelatedNoise` whose draws and recursions run in TensorFlow; ``next`` returns NumPy arrays."""
+    """:class:`CorrelatedNoise` whose draws and recursions run in TensorFlow; ``next`` returns NumPy
+    arrays."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._source = TFGaussianSource(self._key)
         tf = self._tf = _tf()
         if self._buffer is not None:
-            self._tf_buffer = tf.Variable(tf.zeros(self._buffer.shape, dtype=tf.float32), trainable=False)
+            self._tf_buffer = tf.Variable(
+                tf.zeros(self._buffer.shape, dtype=tf.float32), trainable=False
+            )
 
     def _advance(self, t: int) -> np.ndarray:
         stateful = self.mode in STATEFUL_MODES
@@ -79,7 +88,9 @@ class TFCorrelatedNoise(CorrelatedNoise):
                 if p > 1:
                     buf[t % (p - 1), lo:hi].assign(acc)
                 parts.append(acc)
-        elif self.mode == "blt":   # the engine's recursion, in float64 with a float32 state (engine docstring)
+        elif (
+            self.mode == "blt"
+        ):  # the engine's recursion, in float64 with a float32 state (engine docstring)
             enc = self.factorization.encoder
             for c, lo, hi in self._chunks():
                 y = tf.cast(self._source.normal(t, c, hi - lo), tf.float64)

@@ -1,11 +1,14 @@
-"""Attribution graphs (items → the users they belong to) and user-level contribution bounding (004 §6).
+"""Attribution graphs (items → the users they belong to) and user-level contribution bounding (004
+§6).
 
-An item is a SuperNode (cross-device) or an example (cross-silo); a user is a person: an arXiv paper belongs to
-all its authors. The graph is public (004 §3.1: fixed-graph adjacency), so bounding it costs no privacy.
+An item is a SuperNode (cross-device) or an example (cross-silo); a user is a person: an arXiv paper
+belongs to all its authors. The graph is public (004 §3.1: fixed-graph adjacency), so bounding it
+costs no privacy.
 
-Contribution bounding keeps at most ``k_u`` items per user by the greedy rule of the multi-attribution setting
-(004 §6, following "It's my data too"): visit items in a seeded random order and keep an item iff every one of its
-users still has room; report how many items were dropped and why.
+Contribution bounding keeps at most ``k_u`` items per user by the greedy rule of the
+multi-attribution setting (004 §6, following "It's my data too"): visit items in a seeded random
+order and keep an item iff every one of its users still has room; report how many items were dropped
+and why.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from corrflow.fileio import read_jsonl
 
 @dataclass
 class AttributionGraph:
-    """Items (devices, examples, papers) → the users behind them, for user-level accounting (004 §6).
+    """Items (devices, examples, papers) → the users behind them, for user-level accounting (004
+    §6).
 
     Attributes:
         item_ids: the items' ids, in index order.
@@ -34,13 +38,15 @@ class AttributionGraph:
 
     item_ids: list[str]
     user_ids: list[str]
-    item_users: list[list[int]]          # item index -> user indices (sorted, unique)
+    item_users: list[list[int]]  # item index -> user indices (sorted, unique)
 
     def __post_init__(self) -> None:
         require(len(self.item_ids) == len(self.item_users), "item_users", "one user list per item")
         for i, users in enumerate(self.item_users):
             if not users:
-                raise InvalidArgumentError("item_users", f"at least one user for item {self.item_ids[i]!r}")
+                raise InvalidArgumentError(
+                    "item_users", f"at least one user for item {self.item_ids[i]!r}"
+                )
 
     @property
     def num_items(self) -> int:
@@ -52,7 +58,7 @@ class AttributionGraph:
 
     def items_per_user(self) -> np.ndarray:
         """Returns:
-            How many items each user is behind: int64 of shape (num_users,).
+        How many items each user is behind: int64 of shape (num_users,).
         """
         counts = np.zeros(self.num_users, dtype=np.int64)
         for users in self.item_users:
@@ -63,8 +69,8 @@ class AttributionGraph:
     def from_pairs(cls, pairs: Iterable[tuple[object, object]]) -> AttributionGraph:
         """Build a graph from links.
 
-        Args:
-            pairs: iterable of (item id, user id); ids are converted to strings and repeated pairs merged.
+        Args: pairs: iterable of (item id, user id); ids are converted to strings and repeated pairs
+        merged.
 
         Returns:
             The graph, items and users indexed in order of first appearance.
@@ -82,15 +88,14 @@ class AttributionGraph:
 def load_attribution(path: str | os.PathLike) -> AttributionGraph:
     """Read an attribution file (``--attribution``).
 
-    Args:
-        path: ``.csv`` with header ``item,user`` (one row per link), or ``.jsonl`` with ``{"item": id, "users":
-            [ids]}`` per line.
+    Args: path: ``.csv`` with header ``item,user`` (one row per link), or ``.jsonl`` with ``{"item":
+    id, "users": [ids]}`` per line.
 
     Returns:
         The attribution graph.
 
-    Raises:
-        InvalidArgumentError: a missing file, another format, or a malformed row (naming the file and line).
+    Raises: InvalidArgumentError: a missing file, another format, or a malformed row (naming the
+    file and line).
     """
     path = Path(path)
     require(path.is_file(), "attribution", "an existing .csv or .jsonl file", str(path))
@@ -99,23 +104,36 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             if reader.fieldnames is None or not {"item", "user"} <= set(reader.fieldnames):
-                raise InvalidArgumentError("attribution", f"{path}: a header with columns item,user",
-                                           reader.fieldnames)
+                raise InvalidArgumentError(
+                    "attribution", f"{path}: a header with columns item,user", reader.fieldnames
+                )
             for line, row in enumerate(reader, start=2):
                 item, user = (row.get("item") or "").strip(), (row.get("user") or "").strip()
                 if not item or not user:
-                    raise InvalidArgumentError("attribution", f"{path}:{line}: non-empty item and user", row)
+                    raise InvalidArgumentError(
+                        "attribution", f"{path}:{line}: non-empty item and user", row
+                    )
                 pairs.append((item, user))
     elif path.suffix == ".jsonl":
         try:
             for line, obj in read_jsonl(path):
                 users = obj.get("users") if isinstance(obj, dict) else None
-                if not isinstance(obj, dict) or "item" not in obj or not isinstance(users, list) or not users:
-                    raise InvalidArgumentError("attribution", f"{path}:{line}: {{\"item\": id, \"users\": "
-                                               "[at least one id]}", obj)
+                if (
+                    not isinstance(obj, dict)
+                    or "item" not in obj
+                    or not isinstance(users, list)
+                    or not users
+                ):
+                    raise InvalidArgumentError(
+                        "attribution",
+                        f'{path}:{line}: {{"item": id, "users": [at least one id]}}',
+                        obj,
+                    )
                 pairs.extend((obj["item"], u) for u in users)
         except DataFormatError as exc:
-            raise InvalidArgumentError("attribution", f"{exc.path}:{exc.where}: {exc.expected}") from None
+            raise InvalidArgumentError(
+                "attribution", f"{exc.path}:{exc.where}: {exc.expected}"
+            ) from None
     else:
         raise InvalidArgumentError("attribution", "a .csv or .jsonl file", str(path))
     require(pairs, "attribution", f"{path}: at least one item")
@@ -124,33 +142,42 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
 
 @dataclass
 class BoundingReport:
-    """What :func:`bound_contributions` kept: item indices kept, how many dropped, and per user at the cap the items
-    refused for it."""
+    """What :func:`bound_contributions` kept: item indices kept, how many dropped, and per user at
+    the cap the items refused for it."""
 
-    kept: list[int]                                  # item indices kept
+    kept: list[int]  # item indices kept
     dropped: int
-    dropped_by_full_user: dict[str, int] = field(default_factory=dict)  # user id -> items refused for it
+    dropped_by_full_user: dict[str, int] = field(
+        default_factory=dict
+    )  # user id -> items refused for it
 
     def to_dict(self) -> dict:
-        return {"kept": len(self.kept), "dropped": self.dropped,
-                "users_at_cap": len(self.dropped_by_full_user)}
+        return {
+            "kept": len(self.kept),
+            "dropped": self.dropped,
+            "users_at_cap": len(self.dropped_by_full_user),
+        }
 
 
-def bound_contributions(graph: AttributionGraph, max_items_per_user: int, seed: int = 0) -> BoundingReport:
-    """Greedy contribution bounding (004 §6, arXiv 2602.09338): visit items in a seeded random order and keep an
-    item iff all its users hold fewer than ``max_items_per_user`` kept items.
+def bound_contributions(
+    graph: AttributionGraph, max_items_per_user: int, seed: int = 0
+) -> BoundingReport:
+    """Greedy contribution bounding (004 §6, arXiv 2602.09338): visit items in a seeded random order
+    and keep an item iff all its users hold fewer than ``max_items_per_user`` kept items.
 
-    Args:
-        graph: items → users.
-        max_items_per_user: k_u ≥ 1; after bounding each user is behind at most k_u kept items, which is the
-            planned sensitivity of a multi-attribution run.
-        seed: seeds the visiting order (public).
+    Args: graph: items → users. max_items_per_user: k_u ≥ 1; after bounding each user is behind at
+    most k_u kept items, which is the planned sensitivity of a multi-attribution run. seed: seeds
+    the visiting order (public).
 
-    Returns:
-        The kept item indices (sorted), the number dropped, and per user at the cap the items refused for it.
+    Returns: The kept item indices (sorted), the number dropped, and per user at the cap the items
+    refused for it.
     """
-    require(isinstance(max_items_per_user, int) and max_items_per_user >= 1, "k_u", "a positive integer",
-            max_items_per_user)
+    require(
+        isinstance(max_items_per_user, int) and max_items_per_user >= 1,
+        "k_u",
+        "a positive integer",
+        max_items_per_user,
+    )
     counts = np.zeros(graph.num_users, dtype=np.int64)
     kept, refused = [], {}
     for i in np.random.default_rng([seed, 7]).permutation(graph.num_items):

@@ -1,17 +1,20 @@
 """Participation samplers (004: Dong, Ganesh, "Privacy Amplification for BandMF via b-Min-Sep
 Subsampling", arXiv 2602.09338): who trains in round t.
 
-Every sampler draws round t's randomness from ``np.random.default_rng([seed, 0, t])``, so a run is a pure function of
-(seed, rounds so far, availability): replaying from round 0 — or restoring the small ``state()`` — reproduces it
-exactly for an audit. Items are 0..N−1 (a SuperNode, or an example in cross-silo training).
+Every sampler draws round t's randomness from ``np.random.default_rng([seed, 0, t])``, so a run is a
+pure function of (seed, rounds so far, availability): replaying from round 0 — or restoring the
+small ``state()`` — reproduces it exactly for an audit. Items are 0..N−1 (a SuperNode, or an example
+in cross-silo training).
 
-* :class:`BMinSepSampler`: 004 Alg. 1 (cold) / Alg. 2 (warm start): Poisson with probability p among items not
-  selected in the last b−1 rounds; per-round participation rate p0 with 1/p0 = 1/p + (b − 1).
-* :class:`MultiAttributionSampler`: 004 Alg. 3: an interim Poisson sample S_t from all items; an item is blocked if
-  any item sharing a user with it was *sampled* (in S_j, not only in B_j) in the last b−1 rounds.
+* :class:`BMinSepSampler`: 004 Alg. 1 (cold) / Alg. 2 (warm start): Poisson with probability p among
+  items not selected in the last b−1 rounds; per-round participation rate p0 with 1/p0 = 1/p + (b −
+  1).
+* :class:`MultiAttributionSampler`: 004 Alg. 3: an interim Poisson sample S_t from all items; an
+  item is blocked if any item sharing a user with it was *sampled* (in S_j, not only in B_j) in the
+  last b−1 rounds.
 * :class:`BallsInBinsSampler`: each item gets one of T bins once; bin t mod T trains in round t.
-* :class:`CyclicPoissonSampler`: items split into b parts; part t mod b is Poisson-sampled with probability q
-  (001 Alg. 2).
+* :class:`CyclicPoissonSampler`: items split into b parts; part t mod b is Poisson-sampled with
+  probability q (001 Alg. 2).
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ def _round_rng(seed: int, t: int) -> np.random.Generator:
 
 
 def _setup_rng(seed: int) -> np.random.Generator:
-    """Randomness drawn once (warm-start states, bins, parts): a stream separate from every round's."""
+    """Randomness drawn once (warm-start states, bins, parts): a stream separate from every
+    round's."""
     return np.random.default_rng([int(seed), 1])
 
 
 def _poisson_subset(rng: np.random.Generator, candidates: np.ndarray, p: float) -> np.ndarray:
-    """Each candidate independently with probability p (drawn as Binomial count + uniform subset)."""
+    """Each candidate independently with probability p (drawn as Binomial count + uniform
+    subset)."""
     if p >= 1.0 or candidates.size == 0:
         return candidates.copy()
     k = rng.binomial(candidates.size, p)
@@ -50,7 +55,8 @@ def _check_available(available, n: int) -> np.ndarray | None:
     return mask
 
 
-#: Relative rounding a probability may carry where the algebra makes it exactly 1 (population/cohort = b).
+#: Relative rounding a probability may carry where the algebra makes it exactly 1 (population/cohort
+# = b).
 PROBABILITY_ROUNDING = 1e-9
 
 
@@ -60,32 +66,37 @@ def clamp_probability(x: float) -> float:
 
 
 def rate_limit(min_sep: int) -> float:
-    """The largest participation rate p0 a sampler with separation b can realise: 1/b, plus rounding."""
+    """The largest participation rate p0 a sampler with separation b can realise: 1/b, plus
+    rounding."""
     return (1.0 / min_sep) * (1.0 + PROBABILITY_ROUNDING)
 
 
 class BMinSepSampler:
-    """b-min-sep Poisson sampling (004 Alg. 1/2, arXiv 2602.09338): each item not selected in the last b − 1
-    rounds is selected with probability p.
+    """b-min-sep Poisson sampling (004 Alg. 1/2, arXiv 2602.09338): each item not selected in the
+    last b − 1 rounds is selected with probability p.
 
-    Args:
-        num_items: N.
-        min_sep: b.
-        p: the Poisson probability among eligible items (:meth:`probability_for_rate` from a rate p0).
-        seed: round t draws from ``default_rng([seed, 0, t])``.
-        warm: start from the stationary distribution (004 Alg. 2) so that every round has rate p0; else cold
-            (Alg. 1: every item eligible at round 0).
+    Args: num_items: N. min_sep: b. p: the Poisson probability among eligible items
+    (:meth:`probability_for_rate` from a rate p0). seed: round t draws from ``default_rng([seed, 0,
+    t])``. warm: start from the stationary distribution (004 Alg. 2) so that every round has rate
+    p0; else cold (Alg. 1: every item eligible at round 0).
     """
 
     def __init__(self, num_items: int, min_sep: int, p: float, seed: int, warm: bool = True):
         require(num_items >= 1, "num_items", "a positive integer", num_items)
         require(min_sep >= 1, "min_sep", "a positive integer", min_sep)
         require(0 < p <= 1, "sampling_probability", "a probability in (0, 1]", p)
-        self.n, self.b, self.p, self.seed, self.warm = int(num_items), int(min_sep), float(p), int(seed), warm
+        self.n, self.b, self.p, self.seed, self.warm = (
+            int(num_items),
+            int(min_sep),
+            float(p),
+            int(seed),
+            warm,
+        )
         self.last = np.full(self.n, NEVER, dtype=np.int64)
         self.next_round = 0
         if warm and self.b > 1:
-            # Stationary start (004 Alg. 2): barred for s ~ U{1..b−1} more rounds w.p. (b−1)p/(1+(b−1)p).
+            # Stationary start (004 Alg. 2): barred for s ~ U{1..b−1} more rounds w.p.
+            # (b−1)p/(1+(b−1)p).
             rng = _setup_rng(self.seed)
             barred = rng.random(self.n) >= 1.0 / (1.0 + (self.b - 1) * self.p)
             s = rng.integers(1, self.b, size=self.n)
@@ -99,19 +110,22 @@ class BMinSepSampler:
             p0: the per-round participation rate, in (0, 1/b].
             min_sep: b.
 
-        Returns:
-            p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1). At p0 = 1/b (population/cohort = b exactly) the
-            algebra gives p = 1, returned exactly (rounding never leaves [0, 1]).
+        Returns: p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1). At p0 = 1/b (population/cohort =
+        b exactly) the algebra gives p = 1, returned exactly (rounding never leaves [0, 1]).
         """
-        require(0 < p0 <= rate_limit(min_sep), "participation_rate", f"in (0, 1/min_sep = {1 / min_sep:g}]", p0)
+        require(
+            0 < p0 <= rate_limit(min_sep),
+            "participation_rate",
+            f"in (0, 1/min_sep = {1 / min_sep:g}]",
+            p0,
+        )
         return clamp_probability(1.0 / (1.0 / p0 - (min_sep - 1)))
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """Draw the next round's cohort.
 
-        Args:
-            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
-                not selected).
+        Args: available: optional bool mask of shape (num_items,): the items reachable this round
+        (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -127,8 +141,8 @@ class BMinSepSampler:
         return chosen
 
     def state(self) -> dict:
-        """Returns:
-            The sampler's small state: the next round and each item's last selected round (int64, (num_items,)).
+        """Returns: The sampler's small state: the next round and each item's last selected round
+        (int64, (num_items,)).
         """
         return {"next_round": self.next_round, "last": self.last.copy()}
 
@@ -154,15 +168,24 @@ class MultiAttributionSampler:
         seed: round t draws from ``default_rng([seed, 0, t])``.
     """
 
-    def __init__(self, item_users: Sequence[Sequence[int]], num_users: int, min_sep: int, p: float, seed: int):
+    def __init__(
+        self, item_users: Sequence[Sequence[int]], num_users: int, min_sep: int, p: float, seed: int
+    ):
         require(min_sep >= 1, "min_sep", "a positive integer", min_sep)
         require(0 < p <= 1, "sampling_probability", "a probability in (0, 1]", p)
         lengths = np.array([len(u) for u in item_users], dtype=np.int64)
-        require(lengths.size >= 1 and lengths.min() >= 1, "item_users", "every item attributed to ≥ 1 user")
+        require(
+            lengths.size >= 1 and lengths.min() >= 1,
+            "item_users",
+            "every item attributed to ≥ 1 user",
+        )
         self.indptr = np.concatenate([[0], np.cumsum(lengths)])
         self.users = np.concatenate([np.asarray(u, dtype=np.int64) for u in item_users])
-        require(self.users.min() >= 0 and self.users.max() < num_users, "item_users",
-                f"user ids in [0, {num_users})")
+        require(
+            self.users.min() >= 0 and self.users.max() < num_users,
+            "item_users",
+            f"user ids in [0, {num_users})",
+        )
         self.n, self.b, self.p, self.seed = len(item_users), int(min_sep), float(p), int(seed)
         self.user_last = np.full(int(num_users), NEVER, dtype=np.int64)
         self.next_round = 0
@@ -176,11 +199,11 @@ class MultiAttributionSampler:
         return pos, self.users[np.repeat(starts, counts) + offsets]
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
-        """Draw the next round's cohort: the interim Poisson sample minus items with a user in cooldown.
+        """Draw the next round's cohort: the interim Poisson sample minus items with a user in
+        cooldown.
 
-        Args:
-            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
-                not selected).
+        Args: available: optional bool mask of shape (num_items,): the items reachable this round
+        (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -196,13 +219,15 @@ class MultiAttributionSampler:
         mask = _check_available(available, self.n)
         if mask is not None:
             chosen = chosen[mask[chosen]]
-        self.user_last[users] = t  # every user of every sampled item starts a cooldown, selected or not
+        self.user_last[users] = (
+            t  # every user of every sampled item starts a cooldown, selected or not
+        )
         self.next_round += 1
         return chosen
 
     def state(self) -> dict:
         """Returns:
-            The next round and each user's last blocking round (int64, (num_users,)).
+        The next round and each user's last blocking round (int64, (num_users,)).
         """
         return {"next_round": self.next_round, "user_last": self.user_last.copy()}
 
@@ -224,9 +249,8 @@ class BallsInBinsSampler:
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """The next round's bin.
 
-        Args:
-            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
-                not selected).
+        Args: available: optional bool mask of shape (num_items,): the items reachable this round
+        (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -238,8 +262,8 @@ class BallsInBinsSampler:
 
 
 class CyclicPoissonSampler:
-    """Cyclic Poisson (001 Alg. 2, arXiv 2405.15913): items in ``cycle`` parts; part t mod cycle is sampled with
-    probability q.
+    """Cyclic Poisson (001 Alg. 2, arXiv 2405.15913): items in ``cycle`` parts; part t mod cycle is
+    sampled with probability q.
 
     Args:
         num_items: N.
@@ -252,14 +276,19 @@ class CyclicPoissonSampler:
         require(cycle >= 1, "cycle", "a positive integer", cycle)
         require(0 < q <= 1, "sampling_probability", "a probability in (0, 1]", q)
         self.part = _setup_rng(seed).permutation(num_items) % cycle
-        self.cycle, self.q, self.seed, self.n, self.next_round = int(cycle), float(q), int(seed), int(num_items), 0
+        self.cycle, self.q, self.seed, self.n, self.next_round = (
+            int(cycle),
+            float(q),
+            int(seed),
+            int(num_items),
+            0,
+        )
 
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """Draw the next round's cohort from part t mod cycle.
 
-        Args:
-            available: optional bool mask of shape (num_items,): the items reachable this round (offline items are
-                not selected).
+        Args: available: optional bool mask of shape (num_items,): the items reachable this round
+        (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).

@@ -1,10 +1,17 @@
-"""Planning a training run without Flower: factorization, participation (cohort planner) and noise calibration.
+"""Planning a training run without Flower: factorization, participation (cohort planner) and noise
+calibration.
 
-:func:`plan_privacy` turns a run's settings into its factorization, participation and calibrated σ (what the
-strategy runs); ``corrflow plan`` ranks candidate mechanisms (:mod:`corrflow.planning.candidates`) and writes the
-recommended one as a recipe (:mod:`corrflow.planning.recipe`). How to use it: docs/how-to/plan.md.
+:func:`plan_privacy` turns a run's settings into its factorization, participation and calibrated σ
+(what the strategy runs); ``corrflow plan`` ranks candidate mechanisms
+(:mod:`corrflow.planning.candidates`) and writes the recommended one as a recipe
+(:mod:`corrflow.planning.recipe`). How to use it: docs/how-to/plan.md.
 """
 
-from corrflow.planning.run import build_planner, load_graph, load_or_build_factorization, plan_privacy
+from corrflow.planning.run import (
+    build_planner,
+    load_graph,
+    load_or_build_factorization,
+    plan_privacy,
+)
 
 __all__ = ["build_planner", "load_graph", "load_or_build_factorization", "plan_privacy"]

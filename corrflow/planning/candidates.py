@@ -1,23 +1,25 @@
 """``corrflow plan``: choose the mechanism for a training run (how to use it: docs/how-to/plan.md).
 
-From the population P, the cohort size B and the rounds n the participation follows: b = ⌊P/B⌋ rounds between a
-user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or the sampler an accountant implies
-(cyclic Poisson with q = b·B/P for the cyclic-Poisson reduction of 001 Prop. 2.1 and Generalized-MMCC, 002 App. D —
-and, for a p-banded C with p < ⌊P/B⌋, the cyclic Poisson sampler with its own separation b = p, which amplifies;
-b-min-sep with p0 = B/P for the Monte Carlo accountant, 004). For each kind of the registry and each band count
-(powers of two up to b and the neighbourhood of the rule of thumb ε√n/k, whose optimum sits near twice it, 001
-Fig. 2b: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
-2405.15913) the factorization is built (cached), σ is calibrated with every applicable accountant (cached), and the
-candidate is scored by its RMSE at the target ε (σ · RMSE at unit σ), its max error, the noise engine's state
-memory and time per round for d parameters. The best candidate within the memory and noise-time budgets is the
-recommendation.
+From the population P, the cohort size B and the rounds n the participation follows: b = ⌊P/B⌋
+rounds between a user's turns and k = ⌈n/b⌉ participations (fixed-epoch when b·k = n), or the
+sampler an accountant implies (cyclic Poisson with q = b·B/P for the cyclic-Poisson reduction of 001
+Prop. 2.1 and Generalized-MMCC, 002 App. D — and, for a p-banded C with p < ⌊P/B⌋, the cyclic
+Poisson sampler with its own separation b = p, which amplifies; b-min-sep with p0 = B/P for the
+Monte Carlo accountant, 004). For each kind of the registry and each band count (powers of two up to
+b and the neighbourhood of the rule of thumb ε√n/k, whose optimum sits near twice it, 001 Fig. 2b:
+McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
+2405.15913) the factorization is built (cached), σ is calibrated with every applicable accountant
+(cached), and the candidate is scored by its RMSE at the target ε (σ · RMSE at unit σ), its max
+error, the noise engine's state memory and time per round for d parameters. The best candidate
+within the memory and noise-time budgets is the recommendation.
 
-The dense candidate (000) is built last, warm-started from the Toeplitz optimum with b bands (its optimizer's own
-start), with a budget in iterations (:func:`dense_iterations`, a function of n alone), never in seconds: the same
-request gives the same recipe on any machine and under any load. A stopped optimizer still yields a valid
-factorization whose (finite) duality gap is reported. It is skipped without building when its noise state or its
-O(t·d) noise time per round breaks a budget. The wall-clock ``time_budget`` (``--time-budget``) can only abort a
-plan — :class:`PlanStoppedError`, and no recipe is written — never change what it recommends.
+The dense candidate (000) is built last, warm-started from the Toeplitz optimum with b bands (its
+optimizer's own start), with a budget in iterations (:func:`dense_iterations`, a function of n
+alone), never in seconds: the same request gives the same recipe on any machine and under any load.
+A stopped optimizer still yields a valid factorization whose (finite) duality gap is reported. It is
+skipped without building when its noise state or its O(t·d) noise time per round breaks a budget.
+The wall-clock ``time_budget`` (``--time-budget``) can only abort a plan —
+:class:`PlanStoppedError`, and no recipe is written — never change what it recommends.
 """
 
 from __future__ import annotations
@@ -42,15 +44,18 @@ from corrflow.fileio import write_text
 from corrflow.planning.cache import PlanCache
 from corrflow.progress import Progress
 
-#: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum are opt-in).
+#: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
+# are opt-in).
 DEFAULT_KINDS = ("dpsgd", "toeplitz", "bifr", "dense")
 PLAN_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
-#: MMCC runs by default only up to this many rounds: every probe of its σ search is a full run (minutes at
-#: n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``) and listed as skipped.
+#: MMCC runs by default only up to this many rounds: every probe of its σ search is a full run
+# (minutes at : n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``)
+# and listed as skipped.
 MMCC_DEFAULT_MAX_ROUNDS = 512
-#: The dense optimizer's work budget in units of n³ flops-per-iteration: ⌈DENSE_WORK / n³⌉ iterations (at most
-#: :data:`DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052 (minutes on 2 cores), thousands at
-#: n ≤ 512 (where it converges first). A count, not seconds, so that the plan does not depend on the machine.
+#: The dense optimizer's work budget in units of n³ flops-per-iteration: ⌈DENSE_WORK / n³⌉
+# iterations (at most : :data:`DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052
+# (minutes on 2 cores), thousands at : n ≤ 512 (where it converges first). A count, not seconds, so
+# that the plan does not depend on the machine.
 DENSE_WORK = 1e12
 DENSE_MAX_ITERATIONS = 10_000
 
@@ -68,31 +73,24 @@ def dense_iterations(rounds: int) -> int:
 
 
 class PlanStoppedError(CorrflowError):
-    """The plan ran past its wall-clock ``--time-budget``: it stops and writes no recipe (a recipe must depend on
-    the request alone, never on how fast this machine was)."""
+    """The plan ran past its wall-clock ``--time-budget``: it stops and writes no recipe (a recipe
+    must depend on the request alone, never on how fast this machine was)."""
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What ``corrflow plan`` is asked: the run's size, its privacy target and the budgets a recipe must fit.
+    """What ``corrflow plan`` is asked: the run's size, its privacy target and the budgets a recipe
+    must fit.
 
-    Attributes:
-        rounds: n.
-        population: P, the users (≥ cohort_size).
-        cohort_size: B, the users per round.
-        target_epsilon: ε > 0.
-        delta: δ in (0, 1).
-        memory_budget: bytes of noise state (inf: none).
-        noise_time_budget: seconds of noise generation per round (inf: none).
-        model_params: d.
-        kinds: the factorization kinds to plan (:data:`DEFAULT_KINDS`).
-        accountants: the accountants (None: the cheap defaults, :meth:`accountant_list`).
-        momentum: the server optimizer's momentum β.
-        cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown.
-        tol: the dense optimizer's duality-gap tolerance.
-        time_budget: wall-clock seconds after which the plan aborts with no recipe (None: none).
-        mc_samples: Monte Carlo samples per direction.
-        dense_iterations: the dense optimizer's iteration budget (None: :func:`dense_iterations` of n).
+    Attributes: rounds: n. population: P, the users (≥ cohort_size). cohort_size: B, the users per
+    round. target_epsilon: ε > 0. delta: δ in (0, 1). memory_budget: bytes of noise state (inf:
+    none). noise_time_budget: seconds of noise generation per round (inf: none). model_params: d.
+    kinds: the factorization kinds to plan (:data:`DEFAULT_KINDS`). accountants: the accountants
+    (None: the cheap defaults, :meth:`accountant_list`). momentum: the server optimizer's momentum
+    β. cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown. tol: the
+    dense optimizer's duality-gap tolerance. time_budget: wall-clock seconds after which the plan
+    aborts with no recipe (None: none). mc_samples: Monte Carlo samples per direction.
+    dense_iterations: the dense optimizer's iteration budget (None: :func:`dense_iterations` of n).
 
     Raises:
         InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
@@ -103,42 +101,81 @@ class PlanRequest:
     cohort_size: int
     target_epsilon: float
     delta: float
-    memory_budget: float = math.inf        # bytes of noise state
-    noise_time_budget: float = math.inf    # seconds of noise generation per round
+    memory_budget: float = math.inf  # bytes of noise state
+    noise_time_budget: float = math.inf  # seconds of noise generation per round
     model_params: int = 1_000_000
     kinds: tuple[str, ...] = DEFAULT_KINDS
-    accountants: tuple[str, ...] | None = None   # None: the cheap defaults
+    accountants: tuple[str, ...] | None = None  # None: the cheap defaults
     momentum: float = 0.9
     cooldown_fraction: float = 0.25
     tol: float = 5e-4
-    time_budget: float | None = None       # wall-clock seconds after which the plan aborts (no recipe); None: none
+    time_budget: float | None = (
+        None  # wall-clock seconds after which the plan aborts (no recipe); None: none
+    )
     mc_samples: int = 100_000
-    dense_iterations: int | None = None    # the dense optimizer's iteration budget; None: dense_iterations(n)
+    dense_iterations: int | None = (
+        None  # the dense optimizer's iteration budget; None: dense_iterations(n)
+    )
 
     def __post_init__(self) -> None:
-        require(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "a positive integer", self.rounds)
-        require(isinstance(self.cohort_size, int) and self.cohort_size >= 1, "cohort-size", "a positive integer",
-                self.cohort_size)
-        require(isinstance(self.population, int) and self.population >= self.cohort_size, "population",
-                f"an integer ≥ cohort-size = {self.cohort_size}", self.population)
-        require(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "target-epsilon", "a positive number",
-                self.target_epsilon)
+        require(
+            isinstance(self.rounds, int) and self.rounds >= 1,
+            "rounds",
+            "a positive integer",
+            self.rounds,
+        )
+        require(
+            isinstance(self.cohort_size, int) and self.cohort_size >= 1,
+            "cohort-size",
+            "a positive integer",
+            self.cohort_size,
+        )
+        require(
+            isinstance(self.population, int) and self.population >= self.cohort_size,
+            "population",
+            f"an integer ≥ cohort-size = {self.cohort_size}",
+            self.population,
+        )
+        require(
+            math.isfinite(self.target_epsilon) and self.target_epsilon > 0,
+            "target-epsilon",
+            "a positive number",
+            self.target_epsilon,
+        )
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.memory_budget >= 0, "memory-budget", "bytes ≥ 0", self.memory_budget)
-        require(self.noise_time_budget >= 0, "noise-time-budget", "seconds ≥ 0", self.noise_time_budget)
-        require(isinstance(self.model_params, int) and self.model_params >= 1, "model-params", "a positive integer",
-                self.model_params)
+        require(
+            self.noise_time_budget >= 0, "noise-time-budget", "seconds ≥ 0", self.noise_time_budget
+        )
+        require(
+            isinstance(self.model_params, int) and self.model_params >= 1,
+            "model-params",
+            "a positive integer",
+            self.model_params,
+        )
         bad = [k for k in self.kinds if k not in KINDS]
         require(self.kinds and not bad, "kinds", f"kinds from {KINDS}", bad or self.kinds)
         bad = [a for a in (self.accountants or ()) if a not in PLAN_ACCOUNTANTS]
-        require(self.accountants is None or (self.accountants and not bad), "accountants",
-                f"accountants from {PLAN_ACCOUNTANTS}", bad or self.accountants)
+        require(
+            self.accountants is None or (self.accountants and not bad),
+            "accountants",
+            f"accountants from {PLAN_ACCOUNTANTS}",
+            bad or self.accountants,
+        )
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
-        require(self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
-                "time-budget", "a positive number of seconds", self.time_budget)
-        require(self.dense_iterations is None or (isinstance(self.dense_iterations, int)
-                                                  and self.dense_iterations >= 1),
-                "dense-iterations", "a positive integer", self.dense_iterations)
+        require(
+            self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
+            "time-budget",
+            "a positive number of seconds",
+            self.time_budget,
+        )
+        require(
+            self.dense_iterations is None
+            or (isinstance(self.dense_iterations, int) and self.dense_iterations >= 1),
+            "dense-iterations",
+            "a positive integer",
+            self.dense_iterations,
+        )
 
     @property
     def dense_iteration_budget(self) -> int:
@@ -162,7 +199,8 @@ class PlanRequest:
 
     @property
     def workload(self) -> Workload:
-        """The server optimizer's workload, exactly as the strategy builds it (planning.run.workload_for)."""
+        """The server optimizer's workload, exactly as the strategy builds it
+        (planning.run.workload_for)."""
         from corrflow.planning.run import workload_for
 
         return workload_for(self.momentum, self.cooldown_fraction)
@@ -170,27 +208,41 @@ class PlanRequest:
     def accountant_list(self) -> tuple[list[str], list[dict]]:
         """The accountants the plan runs.
 
-        Returns:
-            (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the requested ones, or
-            unamplified, cyclic-poisson and MMCC up to :data:`MMCC_DEFAULT_MAX_ROUNDS` rounds.
+        Returns: (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the
+        requested ones, or unamplified, cyclic-poisson and MMCC up to
+        :data:`MMCC_DEFAULT_MAX_ROUNDS` rounds.
         """
         if self.accountants is not None:
-            return list(self.accountants), [{"accountant": a, "reason": "not requested (--accountants)"}
-                                            for a in PLAN_ACCOUNTANTS if a not in self.accountants]
+            return list(self.accountants), [
+                {"accountant": a, "reason": "not requested (--accountants)"}
+                for a in PLAN_ACCOUNTANTS
+                if a not in self.accountants
+            ]
         run = ["unamplified", "cyclic-poisson"]
-        skipped = [{"accountant": "monte-carlo", "reason": "opt-in (--accountants monte-carlo): Monte Carlo "
-                    "verification draws ~10⁵ samples per candidate σ"}]
+        skipped = [
+            {
+                "accountant": "monte-carlo",
+                "reason": "opt-in (--accountants monte-carlo): Monte Carlo "
+                "verification draws ~10⁵ samples per candidate σ",
+            }
+        ]
         if self.rounds <= MMCC_DEFAULT_MAX_ROUNDS:
             run.append("mmcc")
         else:
-            skipped.append({"accountant": "mmcc", "reason": f"opt-in above {MMCC_DEFAULT_MAX_ROUNDS} rounds "
-                            "(--accountants mmcc): each probe of its σ search is a full Generalized-MMCC run"})
+            skipped.append(
+                {
+                    "accountant": "mmcc",
+                    "reason": f"opt-in above {MMCC_DEFAULT_MAX_ROUNDS} rounds "
+                    "(--accountants mmcc): each probe of its σ search is a full Generalized-MMCC "
+                    "run",
+                }
+            )
         return run, skipped
 
     def rule_of_thumb(self) -> float:
-        """The rule of thumb for the number of bands, b* ≈ ε√n/k (001 §4.2, Fig. 2b: McKenna, "Scaling up the Banded
-        Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913; the optimum sits near
-        twice it).
+        """The rule of thumb for the number of bands, b* ≈ ε√n/k (001 §4.2, Fig. 2b: McKenna,
+        "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
+        2405.15913; the optimum sits near twice it).
 
         Returns:
             ε√n/k.
@@ -200,9 +252,8 @@ class PlanRequest:
     def band_grid(self) -> list[int]:
         """The band counts the plan tries.
 
-        Returns:
-            Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of thumb r (within
-            [1, b]).
+        Returns: Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule
+        of thumb r (within [1, b]).
         """
         b = self.min_sep
         grid = {2**i for i in range(int(math.log2(b)) + 1)} | {b}
@@ -213,18 +264,19 @@ class PlanRequest:
 
 @dataclass
 class Candidate:
-    """A complete recipe (kind, bands, participation, accountant, σ) with its scores; the fields are those of
-    ``plan.json``'s ``candidates`` (RMSE and max error at the target ε, per unit clip norm and coordinate)."""
+    """A complete recipe (kind, bands, participation, accountant, σ) with its scores; the fields are
+    those of ``plan.json``'s ``candidates`` (RMSE and max error at the target ε, per unit clip norm
+    and coordinate)."""
 
     kind: str
     bands: int | None
     accountant: str
     participation: str
     participation_rate: float
-    min_sep: int                         # the sampler's b (1: Poisson sampling in every round)
+    min_sep: int  # the sampler's b (1: Poisson sampling in every round)
     noise_multiplier: float | None = None
     epsilon: float | None = None
-    rmse: float | None = None            # at the target ε, per unit clip norm and coordinate
+    rmse: float | None = None  # at the target ε, per unit clip norm and coordinate
     max_error: float | None = None
     rmse_unit_sigma: float | None = None
     noise_state_bytes: int = 0
@@ -241,21 +293,27 @@ class Candidate:
 
     def label(self) -> str:
         """Returns:
-            ``kind[bands] / accountant``, with ``(Poisson, b=1)`` for a sampler in every round.
+        ``kind[bands] / accountant``, with ``(Poisson, b=1)`` for a sampler in every round.
         """
-        sampler = " (Poisson, b=1)" if self.min_sep == 1 and self.participation != "fixed-epoch" else ""
-        return f"{self.kind}" + (f"[{self.bands}]" if self.bands is not None else "") + f" / {self.accountant}" + \
-            sampler
+        sampler = (
+            " (Poisson, b=1)" if self.min_sep == 1 and self.participation != "fixed-epoch" else ""
+        )
+        return (
+            f"{self.kind}"
+            + (f"[{self.bands}]" if self.bands is not None else "")
+            + f" / {self.accountant}"
+            + sampler
+        )
 
     def key(self) -> tuple:
-        """Returns:
-            (kind, bands, accountant, min_sep): the candidate's identity in :attr:`PlanResult.factorizations`.
+        """Returns: (kind, bands, accountant, min_sep): the candidate's identity in
+        :attr:`PlanResult.factorizations`.
         """
         return (self.kind, self.bands, self.accountant, self.min_sep)
 
     def to_dict(self) -> dict:
         """Returns:
-            The fields as a JSON-serialisable dict.
+        The fields as a JSON-serialisable dict.
         """
         return asdict(self)
 
@@ -283,12 +341,15 @@ class PlanResult:
     seconds: float
     cache_hits: int
     cache_misses: int
-    factorizations: dict = field(default_factory=dict)    # (kind, bands, participation kind) → Factorization
+    factorizations: dict = field(
+        default_factory=dict
+    )  # (kind, bands, participation kind) → Factorization
     noise_cost: dict = field(default_factory=dict)
 
 
 def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
-    """Seconds per float32 Gaussian draw (the engine's Philox source) and per multiply-add, measured here.
+    """Seconds per float32 Gaussian draw (the engine's Philox source) and per multiply-add, measured
+    here.
 
     Args:
         dim: the vector length timed.
@@ -313,14 +374,13 @@ def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
     return {"seconds_per_draw": t_draw, "seconds_per_multiply_add": t_madd, "measured_dim": dim}
 
 
-def participation_of(req: PlanRequest, accountant: str, min_sep: int | None = None
-                     ) -> tuple[Participation, str, float]:
+def participation_of(
+    req: PlanRequest, accountant: str, min_sep: int | None = None
+) -> tuple[Participation, str, float]:
     """The participation an accountant analyses (module docstring).
 
-    Args:
-        req: the plan request.
-        accountant: one of :data:`PLAN_ACCOUNTANTS`.
-        min_sep: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
+    Args: req: the plan request. accountant: one of :data:`PLAN_ACCOUNTANTS`. min_sep: the sampler's
+    b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
 
     Returns:
         (factorization participation, strategy participation name, participation rate p0 = B/P).
@@ -337,16 +397,16 @@ def participation_of(req: PlanRequest, accountant: str, min_sep: int | None = No
 
 
 def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -> SamplingSpec:
-    """The accountant's sampling description, with the strategy's sampler probability (the cohort planner's p).
+    """The accountant's sampling description, with the strategy's sampler probability (the cohort
+    planner's p).
 
     Args:
         req: the plan request.
         accountant: one of :data:`PLAN_ACCOUNTANTS`.
         min_sep: the sampler's b (default ⌊P/B⌋).
 
-    Returns:
-        The :class:`~corrflow.accounting.accountant.SamplingSpec` (b-min-sep for Monte Carlo, 004 §1.5; cyclic
-        Poisson with q = b·B/P otherwise; none for unamplified).
+    Returns: The :class:`~corrflow.accounting.accountant.SamplingSpec` (b-min-sep for Monte Carlo,
+    004 §1.5; cyclic Poisson with q = b·B/P otherwise; none for unamplified).
     """
     if accountant == "unamplified":
         return SamplingSpec()
@@ -355,12 +415,22 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
     if accountant == "monte-carlo":
         from corrflow.participation.samplers import BMinSepSampler
 
-        return SamplingSpec("bminsep", req.population, req.population * p0,
-                            sampling_probability=BMinSepSampler.probability_for_rate(p0, b), accountant="monte-carlo")
+        return SamplingSpec(
+            "bminsep",
+            req.population,
+            req.population * p0,
+            sampling_probability=BMinSepSampler.probability_for_rate(p0, b),
+            accountant="monte-carlo",
+        )
     from corrflow.participation.samplers import clamp_probability
 
-    return SamplingSpec("cyclic-poisson", req.population, req.population * p0,
-                        sampling_probability=clamp_probability(b * p0), accountant=accountant)
+    return SamplingSpec(
+        "cyclic-poisson",
+        req.population,
+        req.population * p0,
+        sampling_probability=clamp_probability(b * p0),
+        accountant=accountant,
+    )
 
 
 def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | None:
@@ -371,9 +441,8 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
         fac: the candidate's factorization.
         accountant: one of :data:`PLAN_ACCOUNTANTS`.
 
-    Returns:
-        None when it can, else the reason it cannot (the encoder's structure, more than b bands, or negative
-        entries for MMCC).
+    Returns: None when it can, else the reason it cannot (the encoder's structure, more than b
+    bands, or negative entries for MMCC).
     """
     spec = REGISTRY[fac.kind]
     if accountant not in spec.accountants:
@@ -387,18 +456,28 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
 
 
 def _build_params(req: PlanRequest, kind: str, bands: int | None, part: Participation) -> dict:
-    return {"kind": kind, "participation": part.to_dict(), "bands": bands, "workload": req.workload.to_dict(),
-            "gamma": None, "taper": None, "stamps": 1, "tol": req.tol if kind == "dense" else None,
-            "max_iterations": req.dense_iteration_budget if kind == "dense" else None}
+    return {
+        "kind": kind,
+        "participation": part.to_dict(),
+        "bands": bands,
+        "workload": req.workload.to_dict(),
+        "gamma": None,
+        "taper": None,
+        "stamps": 1,
+        "tol": req.tol if kind == "dense" else None,
+        "max_iterations": req.dense_iteration_budget if kind == "dense" else None,
+    }
 
 
 def _for_participation(fac: Factorization, part: Participation, cache: PlanCache) -> Factorization:
-    """The same encoder normalised under another participation (the builder did not depend on its kind); cached,
-    as a min-sep sensitivity can take seconds at n ≈ 2000."""
+    """The same encoder normalised under another participation (the builder did not depend on its
+    kind); cached, as a min-sep sensitivity can take seconds at n ≈ 2000."""
     if fac.participation == part:
         return fac
-    return cache.factorization({"normalized_from": fac.sha256(), "participation": part.to_dict()},
-                               lambda: normalized(fac.kind, fac.workload, part, fac.encoder, fac.metadata))[0]
+    return cache.factorization(
+        {"normalized_from": fac.sha256(), "participation": part.to_dict()},
+        lambda: normalized(fac.kind, fac.workload, part, fac.encoder, fac.metadata),
+    )[0]
 
 
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
@@ -420,10 +499,12 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
     def deadline_check(where: str) -> None:
         spent = time.perf_counter() - start
         if req.time_budget is not None and spent > req.time_budget:
-            raise PlanStoppedError(f"plan stopped by --time-budget {req.time_budget:g} s after {spent:.0f} s, "
-                                   f"{where}; no recipe written (a plan's recipe depends on its inputs only, so it "
-                                   "is never cut short: rerun without --time-budget or with a larger one — the "
-                                   "cache keeps what was built)")
+            raise PlanStoppedError(
+                f"plan stopped by --time-budget {req.time_budget:g} s after {spent:.0f} s, "
+                f"{where}; no recipe written (a plan's recipe depends on its inputs only, so it "
+                "is never cut short: rerun without --time-budget or with a larger one — the "
+                "cache keeps what was built)"
+            )
 
     accountants, skipped = req.accountant_list()
     costs = noise_unit_costs()
@@ -435,7 +516,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             jobs += [(kind, p) for p in req.band_grid()]
         else:
             jobs.append((kind, None))
-    jobs.sort(key=lambda j: j[0] == "dense")   # dense last, with what is left of the time budget
+    jobs.sort(key=lambda j: j[0] == "dense")  # dense last, with what is left of the time budget
     cands: list[Candidate] = []
     facs: dict = {}
 
@@ -443,8 +524,11 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
         spec = REGISTRY[kind]
         d = req.model_params
         mem = spec.noise_state_bytes(bands, d, req.rounds)
-        secs = d * (spec.draws_per_round(bands, req.rounds) * costs["seconds_per_draw"]
-                    + max(spec.multiply_adds_per_round(bands, req.rounds), 0.0) * costs["seconds_per_multiply_add"])
+        secs = d * (
+            spec.draws_per_round(bands, req.rounds) * costs["seconds_per_draw"]
+            + max(spec.multiply_adds_per_round(bands, req.rounds), 0.0)
+            * costs["seconds_per_multiply_add"]
+        )
         return mem, secs
 
     with Progress("plan: candidates", total=len(jobs), quiet=quiet, unit="candidates") as tick:
@@ -454,64 +538,110 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
             mem, secs = cost_of(kind, bands)
             over = _over_budget(req, mem, secs)
             if spec.fixed_epoch_only and not req.fixed_epoch:
-                skipped.append({"kind": kind, "reason": f"needs fixed-epoch participation (b·k = n); here "
-                                f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}"})
+                skipped.append(
+                    {
+                        "kind": kind,
+                        "reason": f"needs fixed-epoch participation (b·k = n); here "
+                        f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}",
+                    }
+                )
                 continue
-            if kind == "dense" and over:     # the one build too slow to make only to report it over budget
+            if (
+                kind == "dense" and over
+            ):  # the one build too slow to make only to report it over budget
                 skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
                 continue
             deadline_check(f"before building {kind}" + (f"[{bands}]" if bands else ""))
             try:
-                with Progress(f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet) as cb:
+                with Progress(
+                    f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet
+                ) as cb:
+
                     def guarded(it, f, cb=cb, kind=kind):
                         deadline_check(f"while building {kind} (iteration {it})")
                         cb(it, f)
+
                     fac, cached = cache.factorization(
                         _build_params(req, kind, bands, base_part),
                         lambda kind=kind, bands=bands, cb=guarded: factorize(
-                            kind, base_part, req.workload, bands=bands, tol=req.tol, callback=cb,
-                            max_iterations=req.dense_iteration_budget if kind == "dense" else None))
+                            kind,
+                            base_part,
+                            req.workload,
+                            bands=bands,
+                            tol=req.tol,
+                            callback=cb,
+                            max_iterations=req.dense_iteration_budget if kind == "dense" else None,
+                        ),
+                    )
             except CorrflowError as exc:
                 skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
                 continue
             eff_bands = fac.bands if spec.takes_bands else None
-            mem, secs = cost_of(kind, spec.size_of(fac.encoder) if spec.noise_mode in ("banded", "banded-inverse",
-                                                                                      "blt") else bands)
-            # With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified, so a p-banded C
-            # (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its own separation b = p, the
-            # largest the reduction allows for p bands (001 Prop. 2.1), q = p·B/P. For p = 1 (DP-SGD) that is
-            # Poisson sampling in every round (b = 1, q = B/P): the amplified DP-SGD baseline.
+            mem, secs = cost_of(
+                kind,
+                spec.size_of(fac.encoder)
+                if spec.noise_mode in ("banded", "banded-inverse", "blt")
+                else bands,
+            )
+            # With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified,
+            # so a p-banded C (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its
+            # own separation b = p, the largest the reduction allows for p bands (001 Prop. 2.1), q
+            # = p·B/P. For p = 1 (DP-SGD) that is Poisson sampling in every round (b = 1, q = B/P):
+            # the amplified DP-SGD baseline.
             variants = [(acc, None) for acc in accountants]
             own_b = fac.bands or 1
-            if "cyclic-poisson" in accountants and "cyclic-poisson" in spec.accountants and own_b < req.min_sep:
+            if (
+                "cyclic-poisson" in accountants
+                and "cyclic-poisson" in spec.accountants
+                and own_b < req.min_sep
+            ):
                 variants.append(("cyclic-poisson", own_b))
             for acc, sampler_b in variants:
                 part, strategy, p0 = participation_of(req, acc, sampler_b)
                 try:
                     fac_a = _for_participation(fac, part, cache)
                 except CorrflowError as exc:
-                    skipped.append({"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)})
+                    skipped.append(
+                        {"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)}
+                    )
                     continue
                 why = applicable(req, fac_a, acc)
                 if why is not None:
                     continue
-                cand = Candidate(kind, eff_bands, acc, strategy, p0 if strategy != "fixed-epoch" else 0.0,
-                                 part.min_sep, noise_state_bytes=mem, noise_seconds_per_round=secs,
-                                 build_seconds=float(fac.metadata.get("seconds", 0.0)), cached=cached,
-                                 factorization_sha256=fac_a.sha256())
+                cand = Candidate(
+                    kind,
+                    eff_bands,
+                    acc,
+                    strategy,
+                    p0 if strategy != "fixed-epoch" else 0.0,
+                    part.min_sep,
+                    noise_state_bytes=mem,
+                    noise_seconds_per_round=secs,
+                    build_seconds=float(fac.metadata.get("seconds", 0.0)),
+                    cached=cached,
+                    factorization_sha256=fac_a.sha256(),
+                )
                 if kind == "dense":
-                    cand.notes = {k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")}
+                    cand.notes = {
+                        k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")
+                    }
                     cand.notes["max_iterations"] = req.dense_iteration_budget
                 if "gamma" in fac.metadata:
                     cand.notes["gamma"] = fac.metadata["gamma"]
-                if "buffers" in fac.metadata:   # blt: B buffers of d float32 (noise_state_bytes)
+                if "buffers" in fac.metadata:  # blt: B buffers of d float32 (noise_state_bytes)
                     cand.notes["buffers"] = fac.metadata["buffers"]
                 deadline_check(f"before calibrating {cand.label()}")
                 try:
                     _calibrate(req, cache, cand, fac_a)
                 except CorrflowError as exc:
-                    skipped.append({"kind": kind, "bands": bands, "accountant": acc,
-                                    "reason": f"calibration failed: {exc}"})
+                    skipped.append(
+                        {
+                            "kind": kind,
+                            "bands": bands,
+                            "accountant": acc,
+                            "reason": f"calibration failed: {exc}",
+                        }
+                    )
                     continue
                 cand.over_budget = _over_budget(req, mem, secs)
                 cand.fits = not cand.over_budget
@@ -520,8 +650,17 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
         tick(len(jobs))
     _rank(cands, req.rounds)
     best = next((c for c in cands if c.fits), None)
-    return PlanResult(req, cands, best, skipped, time.perf_counter() - start, cache.hits, cache.misses, facs,
-                      costs)
+    return PlanResult(
+        req,
+        cands,
+        best,
+        skipped,
+        time.perf_counter() - start,
+        cache.hits,
+        cache.misses,
+        facs,
+        costs,
+    )
 
 
 def _over_budget(req: PlanRequest, mem: int, secs: float) -> list[str]:
@@ -536,28 +675,60 @@ def _over_budget(req: PlanRequest, mem: int, secs: float) -> list[str]:
 def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factorization) -> None:
     spec = sampling_of(req, cand.accountant, cand.min_sep)
     opts = AccountingOptions(mc_samples=req.mc_samples)
-    params = {"accountant": cand.accountant, "sampling": asdict(spec), "target_epsilon": req.target_epsilon,
-              "delta": req.delta, "mc_samples": req.mc_samples if cand.accountant == "monte-carlo" else None,
-              **_accounting_inputs(fac, cand.accountant)}
+    params = {
+        "accountant": cand.accountant,
+        "sampling": asdict(spec),
+        "target_epsilon": req.target_epsilon,
+        "delta": req.delta,
+        "mc_samples": req.mc_samples if cand.accountant == "monte-carlo" else None,
+        **_accounting_inputs(fac, cand.accountant),
+    }
 
     def compute() -> dict:
         t0 = time.perf_counter()
         res = accountant_for(spec, opts).noise_multiplier(fac, req.target_epsilon, req.delta)
-        return {"noise_multiplier": res.noise_multiplier, "epsilon": res.epsilon, "delta": res.delta,
-                "guarantee": res.guarantee, "seconds": time.perf_counter() - t0}
+        return {
+            "noise_multiplier": res.noise_multiplier,
+            "epsilon": res.epsilon,
+            "delta": res.delta,
+            "guarantee": res.guarantee,
+            "seconds": time.perf_counter() - t0,
+        }
 
-    def valid(r: dict) -> bool:   # what a calibration can return: σ > 0, ε within the target, a verified δ
-        ok = (isinstance(r["guarantee"], bool) and math.isfinite(r["noise_multiplier"]) and r["noise_multiplier"] > 0
-              and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9) and 0 < r["delta"] <= 1)
-        if ok and cand.accountant == "unamplified":   # exact and microseconds: re-derive ε from the cached σ
-            ok = r["epsilon"] == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon
+    def valid(
+        r: dict,
+    ) -> bool:  # what a calibration can return: σ > 0, ε within the target, a verified δ
+        ok = (
+            isinstance(r["guarantee"], bool)
+            and math.isfinite(r["noise_multiplier"])
+            and r["noise_multiplier"] > 0
+            and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9)
+            and 0 < r["delta"] <= 1
+        )
+        if (
+            ok and cand.accountant == "unamplified"
+        ):  # exact and microseconds: re-derive ε from the cached σ
+            ok = (
+                r["epsilon"]
+                == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon
+            )
         return ok
 
     res, _ = cache.calibration(params, compute, valid)
-    require(res["guarantee"], "accountants", f"an accountant whose σ meets δ = {req.delta:g} "
-            f"({cand.accountant} verified δ = {res['delta']:.3g}; Monte Carlo needs more samples)", cand.accountant)
-    err = ErrorReport(**cache.calibration({"errors_of": fac.sha256(), "sensitivity": fac.sensitivity.value},
-                                          lambda: fac.errors().to_dict(), _valid_errors)[0])
+    require(
+        res["guarantee"],
+        "accountants",
+        f"an accountant whose σ meets δ = {req.delta:g} "
+        f"({cand.accountant} verified δ = {res['delta']:.3g}; Monte Carlo needs more samples)",
+        cand.accountant,
+    )
+    err = ErrorReport(
+        **cache.calibration(
+            {"errors_of": fac.sha256(), "sensitivity": fac.sensitivity.value},
+            lambda: fac.errors().to_dict(),
+            _valid_errors,
+        )[0]
+    )
     cand.noise_multiplier = float(res["noise_multiplier"])
     cand.epsilon = float(res["epsilon"])
     cand.calibration_seconds = float(res["seconds"])
@@ -571,29 +742,40 @@ def _valid_errors(r: dict) -> bool:
         err = ErrorReport(**r)
     except TypeError:
         return False
-    return all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in asdict(err).values())
+    return all(
+        isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in asdict(err).values()
+    )
 
 
 def _accounting_inputs(fac: Factorization, accountant: str) -> dict:
-    """What the accountant's answer depends on: the unamplified Gaussian sees only the sensitivity (000 App. D.2),
-    the cyclic-Poisson reduction only n, b and the largest column norm (001 Prop. 2.1); MMCC and Monte Carlo see
-    the whole encoder. Keying calibrations by these lets candidates share them."""
+    """What the accountant's answer depends on: the unamplified Gaussian sees only the sensitivity
+    (000 App. D.2), the cyclic-Poisson reduction only n, b and the largest column norm (001 Prop.
+    2.1); MMCC and Monte Carlo see the whole encoder. Keying calibrations by these lets candidates
+    share them."""
     if accountant == "unamplified":
         return {"sensitivity": fac.sensitivity.value}
     if accountant == "cyclic-poisson":
-        return {"rounds": fac.rounds, "min_sep": fac.participation.min_sep, "bands_at_most_min_sep":
-                (fac.bands or 1) <= fac.participation.min_sep,
-                "max_column_norm": float(fac.encoder.column_norms().max())}
+        return {
+            "rounds": fac.rounds,
+            "min_sep": fac.participation.min_sep,
+            "bands_at_most_min_sep": (fac.bands or 1) <= fac.participation.min_sep,
+            "max_column_norm": float(fac.encoder.column_norms().max()),
+        }
     return {"factorization_sha256": fac.sha256(), "participation": fac.participation.to_dict()}
 
 
 def _rank(cands: list[Candidate], rounds: int) -> None:
-    """Sort by RMSE at the target ε (ties: less memory, then less noise work per round — counted in draws and
-    multiply-adds, not timed, so the order is the same on every machine); rank the ones within the budgets."""
+    """Sort by RMSE at the target ε (ties: less memory, then less noise work per round — counted in
+    draws and multiply-adds, not timed, so the order is the same on every machine); rank the ones
+    within the budgets."""
+
     def work(c: Candidate) -> float:
         spec = REGISTRY[c.kind]
         size = c.notes.get("buffers", c.bands) if isinstance(c.notes, dict) else c.bands
-        return spec.draws_per_round(size, rounds) + max(spec.multiply_adds_per_round(size, rounds), 0.0)
+        return spec.draws_per_round(size, rounds) + max(
+            spec.multiply_adds_per_round(size, rounds), 0.0
+        )
+
     cands.sort(key=lambda c: (c.rmse, c.noise_state_bytes, work(c)))
     dpsgd = min((c.rmse for c in cands if c.kind == "dpsgd"), default=None)
     rank = 0
@@ -605,8 +787,14 @@ def _rank(cands: list[Candidate], rounds: int) -> None:
             c.rank = rank
 
 
-def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: PlanCache | None = None,
-               quiet: bool = False) -> dict:
+def write_plan(
+    result: PlanResult,
+    out: Path,
+    *,
+    plots: bool = True,
+    cache: PlanCache | None = None,
+    quiet: bool = False,
+) -> dict:
     """Write a plan to a directory.
 
     Args:
@@ -616,9 +804,8 @@ def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: Plan
         cache: the plan cache, for the plots.
         quiet: no progress bars.
 
-    Returns:
-        ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema recipe``) and
-        ``factorization.npz`` are written when a candidate fits the budgets.
+    Returns: ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
+    recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
     """
     from corrflow.planning.recipe import Recipe
 
@@ -629,16 +816,31 @@ def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: Plan
     if best is not None:
         fac = result.factorizations[best.key()]
         fac.save(out / "factorization.npz")
-        recipe = Recipe(kind=best.kind, bands=best.bands, rounds=req.rounds, epochs=fac.participation.epochs,
-                        min_sep=best.min_sep,
-                        participation=best.participation, participation_rate=best.participation_rate,
-                        accountant=best.accountant, noise_multiplier=best.noise_multiplier, epsilon=best.epsilon,
-                        delta=req.delta, target_epsilon=req.target_epsilon, population=req.population,
-                        cohort_size=req.cohort_size, momentum=req.momentum, cooldown_fraction=req.cooldown_fraction,
-                        factorization="factorization.npz", factorization_sha256=fac.sha256(), rmse=best.rmse,
-                        max_error=best.max_error, model_params=req.model_params,
-                        noise_state_bytes=best.noise_state_bytes,
-                        noise_seconds_per_round=best.noise_seconds_per_round)
+        recipe = Recipe(
+            kind=best.kind,
+            bands=best.bands,
+            rounds=req.rounds,
+            epochs=fac.participation.epochs,
+            min_sep=best.min_sep,
+            participation=best.participation,
+            participation_rate=best.participation_rate,
+            accountant=best.accountant,
+            noise_multiplier=best.noise_multiplier,
+            epsilon=best.epsilon,
+            delta=req.delta,
+            target_epsilon=req.target_epsilon,
+            population=req.population,
+            cohort_size=req.cohort_size,
+            momentum=req.momentum,
+            cooldown_fraction=req.cooldown_fraction,
+            factorization="factorization.npz",
+            factorization_sha256=fac.sha256(),
+            rmse=best.rmse,
+            max_error=best.max_error,
+            model_params=req.model_params,
+            noise_state_bytes=best.noise_state_bytes,
+            noise_seconds_per_round=best.noise_seconds_per_round,
+        )
         recipe.save(out / "recipe.json")
     t0 = time.perf_counter()
     files = {}
@@ -650,18 +852,33 @@ def write_plan(result: PlanResult, out: Path, *, plots: bool = True, cache: Plan
     for key in ("memory_budget", "noise_time_budget"):
         if math.isinf(req_d[key]):
             req_d[key] = None
-    doc = {"format": "corrflow.plan/1", "request": req_d,
-           "participation": {"min_sep": req.min_sep, "epochs": req.epochs, "fixed_epoch": req.fixed_epoch,
-                             "rule_of_thumb_bands": req.rule_of_thumb(), "band_grid": req.band_grid()},
-           "recommended": recipe.to_dict() if recipe else None,
-           "candidates": [c.to_dict() for c in result.candidates], "skipped": result.skipped,
-           "noise_unit_costs": result.noise_cost, "seconds": result.seconds + time.perf_counter() - t0,
-           "cache": {"hits": result.cache_hits, "misses": result.cache_misses},
-           "files": {"recipe": "recipe.json" if recipe else None,
-                     "factorization": "factorization.npz" if recipe else None, **files}}
+    doc = {
+        "format": "corrflow.plan/1",
+        "request": req_d,
+        "participation": {
+            "min_sep": req.min_sep,
+            "epochs": req.epochs,
+            "fixed_epoch": req.fixed_epoch,
+            "rule_of_thumb_bands": req.rule_of_thumb(),
+            "band_grid": req.band_grid(),
+        },
+        "recommended": recipe.to_dict() if recipe else None,
+        "candidates": [c.to_dict() for c in result.candidates],
+        "skipped": result.skipped,
+        "noise_unit_costs": result.noise_cost,
+        "seconds": result.seconds + time.perf_counter() - t0,
+        "cache": {"hits": result.cache_hits, "misses": result.cache_misses},
+        "files": {
+            "recipe": "recipe.json" if recipe else None,
+            "factorization": "factorization.npz" if recipe else None,
+            **files,
+        },
+    }
     if recipe is None:
         doc["error"] = "no candidate fits the memory and noise-time budgets"
-    write_text(out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    write_text(
+        out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n"
+    )
     return doc
 
 

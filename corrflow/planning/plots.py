@@ -1,7 +1,8 @@
-"""PNG plots of a plan: RMSE against bands per accountant, with the rule of thumb bands ≈ ε√n/k (as 001 Fig. 2:
-McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv 2405.15913),
-per-iterate error of the top candidates (as 000 Fig. 4: Choquette-Choo et al., "Multi-Epoch Matrix Factorization
-Mechanisms for Private Machine Learning", arXiv 2211.06530), and ε against σ for the recommended recipe and DP-SGD."""
+"""PNG plots of a plan: RMSE against bands per accountant, with the rule of thumb bands ≈ ε√n/k (as
+001 Fig. 2: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially
+Private ML", arXiv 2405.15913), per-iterate error of the top candidates (as 000 Fig. 4:
+Choquette-Choo et al., "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning",
+arXiv 2211.06530), and ε against σ for the recommended recipe and DP-SGD."""
 
 from __future__ import annotations
 
@@ -13,21 +14,22 @@ from corrflow.fileio import copy_file
 from corrflow.progress import Progress
 
 #: Plot name → the PNG file it is written to.
-NAMES = {"rmse_vs_bands": "rmse_vs_bands.png", "per_iterate_error": "per_iterate_error.png",
-         "epsilon_vs_sigma": "epsilon_vs_sigma.png"}
+NAMES = {
+    "rmse_vs_bands": "rmse_vs_bands.png",
+    "per_iterate_error": "per_iterate_error.png",
+    "epsilon_vs_sigma": "epsilon_vs_sigma.png",
+}
 
 
 def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     """Write the three plots of a plan into ``out``.
 
-    With a cache, plots of identical plan data are copied from it instead of drawn again (atomically, both ways).
+    With a cache, plots of identical plan data are copied from it instead of drawn again
+    (atomically, both ways).
 
-    Args:
-        result: the plan (:class:`corrflow.planning.candidates.PlanResult`: request, ranked candidates, their
-            factorizations and the recommended one).
-        out: an existing directory.
-        cache: a :class:`corrflow.planning.cache.PlanCache`, or None.
-        quiet: no progress bar.
+    Args: result: the plan (:class:`corrflow.planning.candidates.PlanResult`: request, ranked
+    candidates, their factorizations and the recommended one). out: an existing directory. cache: a
+    :class:`corrflow.planning.cache.PlanCache`, or None. quiet: no progress bar.
 
     Returns:
         ``{plot name: file name in out}`` for the names of :data:`NAMES`.
@@ -40,10 +42,23 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
         return _draw(result, out, None, quiet)
     req = asdict(result.request)
     req.pop("time_budget")
-    volatile = {"cached": None, "build_seconds": None, "calibration_seconds": None, "noise_seconds_per_round": None,
-                "fits": None, "rank": None, "over_budget": None}   # what the plots do not show
-    key = cache_key({"version": 2, "plots": [c.to_dict() | volatile for c in result.candidates], "request": req,
-                     "recommended": None if result.recommended is None else result.recommended.label()})
+    volatile = {
+        "cached": None,
+        "build_seconds": None,
+        "calibration_seconds": None,
+        "noise_seconds_per_round": None,
+        "fits": None,
+        "rank": None,
+        "over_budget": None,
+    }  # what the plots do not show
+    key = cache_key(
+        {
+            "version": 2,
+            "plots": [c.to_dict() | volatile for c in result.candidates],
+            "request": req,
+            "recommended": None if result.recommended is None else result.recommended.label(),
+        }
+    )
     stored = cache.root / f"plots-{key}"
     if all((stored / f).is_file() for f in NAMES.values()):
         for f in NAMES.values():
@@ -52,14 +67,14 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     files = _draw(result, out, cache, quiet)
     stored.mkdir(exist_ok=True)
     for f in NAMES.values():
-        copy_file(out / f, stored / f)   # atomic: a torn PNG must never be served from the cache
+        copy_file(out / f, stored / f)  # atomic: a torn PNG must never be served from the cache
     return files
 
 
 def _draw(result, out: Path, cache, quiet: bool) -> dict:
     import matplotlib
 
-    matplotlib.use("Agg")      # files only; never a display
+    matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
     files = {}
@@ -68,7 +83,9 @@ def _draw(result, out: Path, cache, quiet: bool) -> dict:
         tick(1)
         files["per_iterate_error"] = _per_iterate(plt, result, out / NAMES["per_iterate_error"])
         tick(2)
-        files["epsilon_vs_sigma"] = _epsilon_vs_sigma(plt, result, out / NAMES["epsilon_vs_sigma"], cache)
+        files["epsilon_vs_sigma"] = _epsilon_vs_sigma(
+            plt, result, out / NAMES["epsilon_vs_sigma"], cache
+        )
         tick(3)
     return files
 
@@ -80,7 +97,7 @@ def _rmse_vs_bands(plt, result, path: Path) -> str:
     for ax, acc in zip(axes[0], accs, strict=True):
         mine = [c for c in result.candidates if c.accountant == acc]
         for kind in sorted({c.kind for c in mine}):
-            best: dict = {}   # the best sampler for each band count
+            best: dict = {}  # the best sampler for each band count
             for c in mine:
                 if c.kind == kind:
                     best[c.bands] = min(best.get(c.bands, np.inf), c.rmse)
@@ -88,8 +105,12 @@ def _rmse_vs_bands(plt, result, path: Path) -> str:
             if pts and pts[0][0] is not None and len(pts) > 1:
                 ax.plot([p for p, _ in pts], [r for _, r in pts], marker="o", label=kind)
             else:
-                ax.axhline(min(r for _, r in pts), linestyle="--", label=kind,
-                           color={"dpsgd": "black", "dense": "red"}.get(kind))
+                ax.axhline(
+                    min(r for _, r in pts),
+                    linestyle="--",
+                    label=kind,
+                    color={"dpsgd": "black", "dense": "red"}.get(kind),
+                )
         ax.axvline(req.rule_of_thumb(), color="grey", linestyle=":", label="ε√n/k")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bands")
@@ -121,7 +142,11 @@ def _per_iterate(plt, result, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in _top(result):
         fac = result.factorizations[c.key()]
-        ax.plot(np.arange(1, fac.rounds + 1), c.noise_multiplier * np.sqrt(fac.per_query_error()), label=c.label())
+        ax.plot(
+            np.arange(1, fac.rounds + 1),
+            c.noise_multiplier * np.sqrt(fac.per_query_error()),
+            label=c.label(),
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("per-iterate error (std per coordinate)")
     ax.set_title(f"top candidates at ε = {result.request.target_epsilon:g}")
@@ -140,27 +165,47 @@ def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
 
     req = result.request
     fig, ax = plt.subplots(figsize=(6, 4))
-    picks = [c for c in (result.recommended, next((c for c in result.candidates if c.kind == "dpsgd"), None)) if c]
+    picks = [
+        c
+        for c in (
+            result.recommended,
+            next((c for c in result.candidates if c.kind == "dpsgd"), None),
+        )
+        if c
+    ]
     for i, c in enumerate(picks):
         if any(c is other for other in picks[:i]):
             continue
         fac = result.factorizations[c.key()]
         sigmas = [c.noise_multiplier]
-        if c.accountant in ("unamplified", "cyclic-poisson"):   # cheap: a curve; others: the calibrated point
+        if c.accountant in (
+            "unamplified",
+            "cyclic-poisson",
+        ):  # cheap: a curve; others: the calibrated point
             sigmas = list(c.noise_multiplier * np.geomspace(0.5, 2.0, 5))
         spec = sampling_of(req, c.accountant, c.min_sep)
         acc = accountant_for(spec, AccountingOptions(mc_samples=req.mc_samples))
 
         def eps(s, fac=fac, acc=acc, c=c, spec=spec):
-            if s == c.noise_multiplier:          # the calibrated point: the ε the plan table reports
+            if s == c.noise_multiplier:  # the calibrated point: the ε the plan table reports
                 return c.epsilon
-            # the curve's other points: the accountant's coarse bound (still an upper bound, a few times cheaper)
+            # the curve's other points: the accountant's coarse bound (still an upper bound, a few
+            # times cheaper)
             if cache is None:
                 return acc.epsilon(fac, s, req.delta, coarse=True).epsilon
-            params = {"epsilon_of": fac.sha256(), "accountant": c.accountant, "sigma": float(s), "delta": req.delta,
-                      "participation": fac.participation.to_dict(), "sampling": asdict(spec), "coarse": True}
-            return cache.calibration(params, lambda: {"epsilon": acc.epsilon(fac, s, req.delta, coarse=True).epsilon}
-                                     )[0]["epsilon"]
+            params = {
+                "epsilon_of": fac.sha256(),
+                "accountant": c.accountant,
+                "sigma": float(s),
+                "delta": req.delta,
+                "participation": fac.participation.to_dict(),
+                "sampling": asdict(spec),
+                "coarse": True,
+            }
+            return cache.calibration(
+                params, lambda: {"epsilon": acc.epsilon(fac, s, req.delta, coarse=True).epsilon}
+            )[0]["epsilon"]
+
         ax.plot(sigmas, [eps(s) for s in sigmas], marker="o", label=c.label())
     ax.axhline(req.target_epsilon, color="grey", linestyle=":", label="target ε")
     ax.set_xlabel("noise multiplier σ")

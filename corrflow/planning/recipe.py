@@ -1,6 +1,7 @@
-"""The plan file (``plan.json``'s recommended recipe, written as ``recipe.json``): a complete mechanism for a run —
-factorization (file + SHA-256), participation/sampler, accountant and σ — that ``corrflow simulate --plan FILE``
-and ``DifferentialPrivacyCorrelatedNoise(plan=FILE)`` load directly, refusing a run that differs from it."""
+"""The plan file (``plan.json``'s recommended recipe, written as ``recipe.json``): a complete
+mechanism for a run — factorization (file + SHA-256), participation/sampler, accountant and σ — that
+``corrflow simulate --plan FILE`` and ``DifferentialPrivacyCorrelatedNoise(plan=FILE)`` load
+directly, refusing a run that differs from it."""
 
 from __future__ import annotations
 
@@ -19,19 +20,19 @@ RECIPE_FORMAT = "corrflow.recipe/1"
 class Recipe:
     """One candidate mechanism, complete enough to run.
 
-    ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings (``StrategyConfig``);
-    ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error`` are at that σ per unit clip norm and
-    model coordinate (docs/explanation/conventions.md, "Errors"). The JSON Schema of its file is
-    ``corrflow schema recipe``."""
+    ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings
+    (``StrategyConfig``); ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error``
+    are at that σ per unit clip norm and model coordinate (docs/explanation/conventions.md,
+    "Errors"). The JSON Schema of its file is ``corrflow schema recipe``."""
 
     kind: str
     bands: int | None
     rounds: int
-    epochs: int                  # k = ⌈n/b⌉
-    min_sep: int                 # b = ⌊population / cohort⌋
-    participation: str           # fixed-epoch | bminsep | cyclic-poisson
-    participation_rate: float    # p0 per user and round for samplers (0 for fixed-epoch)
-    accountant: str              # unamplified | cyclic-poisson | mmcc | monte-carlo
+    epochs: int  # k = ⌈n/b⌉
+    min_sep: int  # b = ⌊population / cohort⌋
+    participation: str  # fixed-epoch | bminsep | cyclic-poisson
+    participation_rate: float  # p0 per user and round for samplers (0 for fixed-epoch)
+    accountant: str  # unamplified | cyclic-poisson | mmcc | monte-carlo
     noise_multiplier: float
     epsilon: float
     delta: float
@@ -40,7 +41,7 @@ class Recipe:
     cohort_size: int
     momentum: float
     cooldown_fraction: float
-    factorization: str           # file name, relative to the recipe's directory
+    factorization: str  # file name, relative to the recipe's directory
     factorization_sha256: str
     rmse: float
     max_error: float
@@ -51,34 +52,40 @@ class Recipe:
 
     def to_dict(self) -> dict:
         """Returns:
-            The recipe's fields as a JSON-serialisable dict (the content of ``recipe.json``).
+        The recipe's fields as a JSON-serialisable dict (the content of ``recipe.json``).
         """
         return asdict(self)
 
     def strategy_settings(self) -> dict:
         """The run settings this recipe fixes.
 
-        Every setting the ``recipe`` surface declares but the population (a default the run may change) and the
-        target ε (σ is fixed, so the run has none to calibrate for). A fixed-epoch recipe leaves min-sep to
-        rounds/epochs.
+        Every setting the ``recipe`` surface declares but the population (a default the run may
+        change) and the target ε (σ is fixed, so the run has none to calibrate for). A fixed-epoch
+        recipe leaves min-sep to rounds/epochs.
 
-        Returns:
-            :class:`corrflow.config.RunConfig` field → value, with ``target_epsilon`` None, ``min_sep`` 0 for
-            fixed-epoch and ``bands`` 0 for the kind's default.
+        Returns: :class:`corrflow.config.RunConfig` field → value, with ``target_epsilon`` None,
+        ``min_sep`` 0 for fixed-epoch and ``bands`` 0 for the kind's default.
         """
         from corrflow.config import recipe_names
 
-        out = {setting: getattr(self, name) for name, setting in recipe_names().items()
-               if setting not in ("num_users", "target_epsilon")}
-        out.update(min_sep=0 if self.participation == "fixed-epoch" else self.min_sep, bands=int(self.bands or 0),
-                   target_epsilon=None)
+        out = {
+            setting: getattr(self, name)
+            for name, setting in recipe_names().items()
+            if setting not in ("num_users", "target_epsilon")
+        }
+        out.update(
+            min_sep=0 if self.participation == "fixed-epoch" else self.min_sep,
+            bands=int(self.bands or 0),
+            target_epsilon=None,
+        )
         return out
 
     def differences(self, settings: dict, names: dict[str, str] | None = None) -> list[str]:
-        """The run settings that differ from this recipe's (the target ε included: σ was calibrated for it).
+        """The run settings that differ from this recipe's (the target ε included: σ was calibrated
+        for it).
 
-        A min-sep of 0 means rounds/epochs, as in the strategy; floats compare to 1e-12 relative; settings the run
-        does not give are not compared.
+        A min-sep of 0 means rounds/epochs, as in the strategy; floats compare to 1e-12 relative;
+        settings the run does not give are not compared.
 
         Args:
             settings: ``StrategyConfig`` field → value (an enum member counts by its value).
@@ -87,14 +94,22 @@ class Recipe:
         Returns:
             One ``"name: plan X, run Y"`` per difference (empty when the run matches).
         """
-        mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}   # σ was calibrated for it
+        mine = {
+            **self.strategy_settings(),
+            "target_epsilon": self.target_epsilon,
+        }  # σ was calibrated for it
         out = []
         for key, want in mine.items():
             if key not in settings:
                 continue
-            got = getattr(settings[key], "value", settings[key])   # an enum member (a CLI choice) by its value
+            got = getattr(
+                settings[key], "value", settings[key]
+            )  # an enum member (a CLI choice) by its value
             if key == "min_sep":
-                rounds, epochs = settings.get("num_rounds", self.rounds), settings.get("epochs", self.epochs)
+                rounds, epochs = (
+                    settings.get("num_rounds", self.rounds),
+                    settings.get("epochs", self.epochs),
+                )
                 got = got or rounds // max(epochs, 1)
                 want = want or self.rounds // self.epochs
             if isinstance(want, float) and isinstance(got, int | float):
@@ -130,31 +145,42 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
     Returns:
         (recipe, path of its factorization file, verified to exist next to the plan file).
 
-    Raises:
-        InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of :data:`RECIPE_FORMAT`,
-            incomplete, has no recommended recipe, or its factorization file is missing.
+    Raises: InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of
+    :data:`RECIPE_FORMAT`, incomplete, has no recommended recipe, or its factorization file is
+    missing.
     """
     path = Path(path)
     if not path.is_file():
-        raise InvalidArgumentError("plan", "an existing plan file written by `corrflow plan`", str(path))
+        raise InvalidArgumentError(
+            "plan", "an existing plan file written by `corrflow plan`", str(path)
+        )
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError("plan", f"a JSON plan file ({exc})", str(path)) from None
     if isinstance(obj, dict) and "recommended" in obj:
         obj = obj["recommended"]
-        require(isinstance(obj, dict), "plan", "a plan with a recommended recipe (none fitted the budgets)",
-                str(path))
-    require(isinstance(obj, dict) and obj.get("format") == RECIPE_FORMAT, "plan",
-            f"a recipe of format {RECIPE_FORMAT}", str(path))
+        require(
+            isinstance(obj, dict),
+            "plan",
+            "a plan with a recommended recipe (none fitted the budgets)",
+            str(path),
+        )
+    require(
+        isinstance(obj, dict) and obj.get("format") == RECIPE_FORMAT,
+        "plan",
+        f"a recipe of format {RECIPE_FORMAT}",
+        str(path),
+    )
     names = {f.name for f in fields(Recipe)}
     missing = sorted(names - set(obj) - {"format"})
     require(not missing, "plan", "a complete recipe", f"missing {missing}")
     recipe = Recipe(**{k: v for k, v in obj.items() if k in names})
     fac_path = path.parent / recipe.factorization
     if not fac_path.is_file():
-        raise InvalidArgumentError("plan", f"its factorization file next to it ({recipe.factorization})",
-                                   str(fac_path))
+        raise InvalidArgumentError(
+            "plan", f"its factorization file next to it ({recipe.factorization})", str(fac_path)
+        )
     return recipe, fac_path
 
 
@@ -168,53 +194,66 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
     Returns:
         The :class:`~corrflow.factorization.base.Factorization`.
 
-    Raises:
-        IntegrityError: the file is corrupted or its hash is not the recipe's ``factorization_sha256``.
+    Raises: IntegrityError: the file is corrupted or its hash is not the recipe's
+    ``factorization_sha256``.
     """
     from corrflow.factorization.base import Factorization
 
     fac = Factorization.load(fac_path)
     if fac.sha256() != recipe.factorization_sha256:
-        raise IntegrityError(f"{fac_path}: factorization hash {fac.sha256()[:16]}… is not the plan's "
-                             f"{recipe.factorization_sha256[:16]}…")
+        raise IntegrityError(
+            f"{fac_path}: factorization hash {fac.sha256()[:16]}… is not the plan's "
+            f"{recipe.factorization_sha256[:16]}…"
+        )
     return fac
 
 
 def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool) -> str:
-    """Put the plan's factorization where the run looks for it and check that the run will use it as is.
+    """Put the plan's factorization where the run looks for it and check that the run will use it as
+    is.
 
-    The file goes to ``factorization.npz`` in the run directory ``cfg.state_dir``; its kind, workload and
-    participation must be those the strategy builds for ``cfg`` (else the run would rebuild another).
+    The file goes to ``factorization.npz`` in the run directory ``cfg.state_dir``; its kind,
+    workload and participation must be those the strategy builds for ``cfg`` (else the run would
+    rebuild another).
 
-    Args:
-        recipe: the recipe.
-        fac_path: its factorization file (from :func:`load_recipe`).
-        cfg: the run's :class:`corrflow.config.RunConfig`.
-        replace: overwrite a different file there (a new run); otherwise a different file is refused (a resumed
-            run keeps its own).
+    Args: recipe: the recipe. fac_path: its factorization file (from :func:`load_recipe`). cfg: the
+    run's :class:`corrflow.config.RunConfig`. replace: overwrite a different file there (a new run);
+    otherwise a different file is refused (a resumed run keeps its own).
 
     Returns:
         The factorization's SHA-256.
 
-    Raises:
-        InvalidArgumentError: (field ``plan``) the factorization does not match the run's settings, or the run
-            directory holds a different one and ``replace`` is False.
-        IntegrityError: the plan's factorization file fails verification.
+    Raises: InvalidArgumentError: (field ``plan``) the factorization does not match the run's
+    settings, or the run directory holds a different one and ``replace`` is False. IntegrityError:
+    the plan's factorization file fails verification.
     """
     from corrflow.planning.run import participation_of, workload_for
 
     fac = load_recipe_factorization(recipe, fac_path)
     part, wl = participation_of(cfg), workload_for(cfg.momentum, cfg.cooldown_fraction)
-    wrong = [f"{name}: plan {a}, run {b_}" for name, a, b_ in (
-        ("kind", fac.kind, cfg.kind), ("workload", fac.workload.to_dict(), wl.to_dict()),
-        ("participation", fac.participation.describe(), part.describe())) if a != b_]
-    require(not wrong, "plan", "a plan whose factorization matches the run's settings", "; ".join(wrong))
+    wrong = [
+        f"{name}: plan {a}, run {b_}"
+        for name, a, b_ in (
+            ("kind", fac.kind, cfg.kind),
+            ("workload", fac.workload.to_dict(), wl.to_dict()),
+            ("participation", fac.participation.describe(), part.describe()),
+        )
+        if a != b_
+    ]
+    require(
+        not wrong, "plan", "a plan whose factorization matches the run's settings", "; ".join(wrong)
+    )
     out_dir = Path(cfg.state_dir)
     dest = out_dir / "factorization.npz"
     differs = not dest.exists() or _differs(dest, fac)
     if dest.exists() and differs:
-        require(replace, "plan", f"the factorization of the run in {out_dir} (start a new run with --fresh to use "
-                "the plan's)", f"{dest} differs from the plan's")
+        require(
+            replace,
+            "plan",
+            f"the factorization of the run in {out_dir} (start a new run with --fresh to use "
+            "the plan's)",
+            f"{dest} differs from the plan's",
+        )
     if differs:
         copy_file(fac_path, dest)
     return fac.sha256()

@@ -1,6 +1,7 @@
-"""JSON Schemas (draft 2020-12) of the files a corrflow run publishes: ``privacy_report.json`` (``privacy-report``),
-``recipe.json`` (``recipe``, written by ``corrflow plan``) and ``metrics.json`` (``metrics``). ``corrflow schema NAME``
-prints one; :func:`validate` checks a document against one with the ``jsonschema`` library."""
+"""JSON Schemas (draft 2020-12) of the files a corrflow run publishes: ``privacy_report.json``
+(``privacy-report``), ``recipe.json`` (``recipe``, written by ``corrflow plan``) and
+``metrics.json`` (``metrics``). ``corrflow schema NAME`` prints one; :func:`validate` checks a
+document against one with the ``jsonschema`` library."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The corrflow ServerApp: lock the output directory, check it against the release journal, resolve stable user
-ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise strategy, and write
-``privacy_report.json`` and ``metrics.json``.
+"""The corrflow ServerApp: lock the output directory, check it against the release journal, resolve
+stable user ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise strategy,
+and write ``privacy_report.json`` and ``metrics.json``.
 
-``app`` reads Flower's run config (``flwr run``); :func:`make_server_app` binds a config for in-process simulation.
+``app`` reads Flower's run config (``flwr run``); :func:`make_server_app` binds a config for
+in-process simulation.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import threading
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-# The ClientApp modules are imported with the ServerApp, not on first use in main(): Flower's simulation loads the
-# ClientApp in another thread, under its app-loading lock, and takes a module already in sys.modules as it is, so a
-# lazy import running at that moment handed it a half-initialised module ("partially initialized module
-# 'corrflow.clients.numpy_client' has no attribute 'app'") and `flwr run` failed at random.
+# The ClientApp modules are imported with the ServerApp, not on first use in main(): Flower's
+# simulation loads the ClientApp in another thread, under its app-loading lock, and takes a module
+# already in sys.modules as it is, so a lazy import running at that moment handed it a
+# half-initialised module ("partially initialized module 'corrflow.clients.numpy_client' has no
+# attribute 'app'") and `flwr run` failed at random.
 from corrflow.clients import dispatch, keras_client, nextword_client, numpy_client  # noqa: F401
 from corrflow.clients.tasks import get_task
 from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
@@ -30,15 +32,30 @@ from corrflow.strategies.session import RunSpec, run_strategy
 log = logging.getLogger("corrflow")
 
 
-def run_server(grid: Grid, cfg: RunConfig, *, noise_key: bytes | None = None, quiet: bool = False,
-               on_round_end=None, fresh: bool = False, stop_event: threading.Event | None = None,
-               relative_to: str = "cwd") -> CorrelatedNoiseStrategy:
-    """Train corrflow's own task (``cfg.client``) in the run directory ``cfg.state_dir`` (a relative one resolved
-    per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per round on stderr; see
-    :func:`~corrflow.strategies.session.run_strategy`."""
+def run_server(
+    grid: Grid,
+    cfg: RunConfig,
+    *,
+    noise_key: bytes | None = None,
+    quiet: bool = False,
+    on_round_end=None,
+    fresh: bool = False,
+    stop_event: threading.Event | None = None,
+    relative_to: str = "cwd",
+) -> CorrelatedNoiseStrategy:
+    """Train corrflow's own task (``cfg.client``) in the run directory ``cfg.state_dir`` (a relative
+    one resolved per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per
+    round on stderr; see :func:`~corrflow.strategies.session.run_strategy`."""
     cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
-                    cfg.eval_sequences)
+    task = get_task(
+        cfg.client,
+        cfg.model_dim,
+        cfg.data_path,
+        cfg.vocab_path,
+        cfg.seq_len,
+        cfg.seed,
+        cfg.eval_sequences,
+    )
 
     def round_end(strategy, metrics):
         if not quiet:
@@ -46,8 +63,15 @@ def run_server(grid: Grid, cfg: RunConfig, *, noise_key: bytes | None = None, qu
         if on_round_end is not None:
             on_round_end(strategy, metrics)
 
-    spec = RunSpec(cfg, task.initial_weights(), evaluate=task.evaluate, on_round_end=round_end, fresh=fresh,
-                   noise_key=noise_key, stop_event=stop_event)
+    spec = RunSpec(
+        cfg,
+        task.initial_weights(),
+        evaluate=task.evaluate,
+        on_round_end=round_end,
+        fresh=fresh,
+        noise_key=noise_key,
+        stop_event=stop_event,
+    )
     strategy, _ = run_strategy(grid, spec)
     return strategy
 
@@ -67,7 +91,9 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    if not log.handlers:  # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
+    if (
+        not log.handlers
+    ):  # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         log.addHandler(handler)
@@ -80,14 +106,16 @@ def main(grid: Grid, context: Context) -> None:
     except InvalidArgumentError as exc:
         log.error("bad run config: %s", exc)
         raise
-    # `flwr run` starts the ServerApp in the SuperLink's directory: a relative state-dir lives under $CORRFLOW_HOME.
+    # `flwr run` starts the ServerApp in the SuperLink's directory: a relative state-dir lives under
+    # $CORRFLOW_HOME.
     outcome_failure(run_server(grid, cfg, relative_to="home"))
 
 
 class RunOutcomeError(RuntimeError):
-    """A deployed run that stopped before its planned rounds or did not learn: raised from the ServerApp so that
-    Flower marks the run failed (``flwr ls`` shows ``finished:failed``) — the deployment's exit code, as `corrflow
-    simulate` exits 1 or 3. Everything released is already checkpointed and reported."""
+    """A deployed run that stopped before its planned rounds or did not learn: raised from the
+    ServerApp so that Flower marks the run failed (``flwr ls`` shows ``finished:failed``) — the
+    deployment's exit code, as `corrflow simulate` exits 1 or 3. Everything released is already
+    checkpointed and reported."""
 
 
 def outcome_failure(strategy: CorrelatedNoiseStrategy) -> None:

@@ -1,16 +1,19 @@
-"""``corrflow audit``: one training run with canary clients, and what the released models show about its ε.
+"""``corrflow audit``: one training run with canary clients, and what the released models show about
+its ε.
 
-The run is an ordinary in-process simulation (:class:`~corrflow.server.inprocess.InProcessGrid`, the production
-server code path from sampling to release) whose population holds, besides the real users, the *inserted* canaries:
-one SuperNode each, scheduled, clipped, noised and accounted exactly like a real user. A canary's ClientApp does no
-training: it returns the model it was sent plus ζ·c_j, its fixed unit direction c_j scaled to the clip norm ζ, in
-every round it is asked (Andrew et al., arXiv 2302.03098). The *held-out* canaries — the candidates whose coin came up
-"out" (Steinke et al., arXiv 2305.08846) — never take part; their directions are the null.
+The run is an ordinary in-process simulation (:class:`~corrflow.server.inprocess.InProcessGrid`, the
+production server code path from sampling to release) whose population holds, besides the real
+users, the *inserted* canaries: one SuperNode each, scheduled, clipped, noised and accounted exactly
+like a real user. A canary's ClientApp does no training: it returns the model it was sent plus
+ζ·c_j, its fixed unit direction c_j scaled to the clip norm ζ, in every round it is asked (Andrew et
+al., arXiv 2302.03098). The *held-out* canaries — the candidates whose coin came up "out" (Steinke
+et al., arXiv 2305.08846) — never take part; their directions are the null.
 
-After the run, the per-round model changes D_t = θ_{t+1} − θ_t (what an adversary who sees every released model
-sees) are scored per canary with the whitened matched filter of :mod:`corrflow.accounting.audit`, and the report
-gives the run's own claimed ε, the one-shot estimate ε̂ with a bootstrap interval, the one-run 95% lower bound ε_lo,
-the final-model (cosine) estimate of Andrew et al., and a PNG of the score histograms.
+After the run, the per-round model changes D_t = θ_{t+1} − θ_t (what an adversary who sees every
+released model sees) are scored per canary with the whitened matched filter of
+:mod:`corrflow.accounting.audit`, and the report gives the run's own claimed ε, the one-shot
+estimate ε̂ with a bootstrap interval, the one-run 95% lower bound ε_lo, the final-model (cosine)
+estimate of Andrew et al., and a PNG of the score histograms.
 """
 
 from __future__ import annotations
@@ -25,16 +28,32 @@ import numpy as np
 from corrflow.config import RunConfig
 from corrflow.errors import require
 from corrflow.fileio import write_json
-from corrflow.strategies.canaries import CANARY_KEY, CanaryPlan, RoundCapture, analyse, canary_handlers, write_plot
+from corrflow.strategies.canaries import (
+    CANARY_KEY,
+    CanaryPlan,
+    RoundCapture,
+    analyse,
+    canary_handlers,
+    write_plot,
+)
 
 log = logging.getLogger("corrflow")
 
 
-def run_audit(cfg: RunConfig, canaries: int, audit_seed: int | None = None, *, noise_key: bytes | None = None,
-              quiet: bool = False, verbose: bool = False, plot: bool = True) -> dict:
-    """Train ``cfg`` in its run directory (always a fresh run; an earlier one there is moved aside) with
-    ``canaries`` candidate canaries, and return the audit (also written to ``audit.json`` there).
-    ``noise_key``: for tests only (a real audit draws a fresh secret key, like every run)."""
+def run_audit(
+    cfg: RunConfig,
+    canaries: int,
+    audit_seed: int | None = None,
+    *,
+    noise_key: bytes | None = None,
+    quiet: bool = False,
+    verbose: bool = False,
+    plot: bool = True,
+) -> dict:
+    """Train ``cfg`` in its run directory (always a fresh run; an earlier one there is moved aside)
+    with ``canaries`` candidate canaries, and return the audit (also written to ``audit.json``
+    there). ``noise_key``: for tests only (a real audit draws a fresh secret key, like every
+    run)."""
     from corrflow.clients.tasks import get_task
     from corrflow.paths import run_directory
     from corrflow.server.app import run_server
@@ -42,8 +61,11 @@ def run_audit(cfg: RunConfig, canaries: int, audit_seed: int | None = None, *, n
     from corrflow.server.simulation import RunInterruptedError, engine_output, stop_on_signals
 
     require(cfg.mode == "cross-device", "mode", "cross-device (a canary is a SuperNode)", cfg.mode)
-    require(cfg.target_epsilon is not None or cfg.noise_multiplier is not None, "target-epsilon",
-            "a private run (the audit compares against its ε)")
+    require(
+        cfg.target_epsilon is not None or cfg.noise_multiplier is not None,
+        "target-epsilon",
+        "a private run (the audit compares against its ε)",
+    )
     seed = secrets.randbits(32) if audit_seed is None else int(audit_seed)
     plan = CanaryPlan.draw(canaries, seed)
     inserted = plan.inserted_ids
@@ -55,18 +77,34 @@ def run_audit(cfg: RunConfig, canaries: int, audit_seed: int | None = None, *, n
     node_config = {real + r: {CANARY_KEY: j} for r, j in enumerate(inserted)}
     handlers = canary_handlers(task.handlers, plan, float(cfg.clip_norm), cfg.reply_kind)
     grid = InProcessGrid(handlers, cfg.num_users, node_config=lambda p: node_config.get(p, {}))
-    initial = np.concatenate([np.asarray(a, np.float64).ravel() for a in task.initial_weights()
-                              if np.issubdtype(np.asarray(a).dtype, np.floating)])
+    initial = np.concatenate(
+        [
+            np.asarray(a, np.float64).ravel()
+            for a in task.initial_weights()
+            if np.issubdtype(np.asarray(a).dtype, np.floating)
+        ]
+    )
     capture = RoundCapture([initial], [])
     started = time.perf_counter()
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
-        strategy = run_server(grid, cfg, noise_key=noise_key, quiet=quiet, on_round_end=capture, fresh=True,
-                              stop_event=stop)
+        strategy = run_server(
+            grid,
+            cfg,
+            noise_key=noise_key,
+            quiet=quiet,
+            on_round_end=capture,
+            fresh=True,
+            stop_event=stop,
+        )
     report = json.loads((out / "privacy_report.json").read_text())
     if stop.is_set() and report["rounds_completed"] < cfg.num_rounds:
         raise RunInterruptedError(report.get("stopped_reason") or "interrupted")
-    require(report["rounds_completed"] >= 1, "rounds", "a run that released at least one round to audit",
-            report.get("stopped_reason"))
+    require(
+        report["rounds_completed"] >= 1,
+        "rounds",
+        "a run that released at least one round to audit",
+        report.get("stopped_reason"),
+    )
     users = {j: f"partition-{real + r}" for r, j in enumerate(inserted)}
     result = analyse(report, strategy, capture, plan, users, real, cfg)
     result["seconds"] = time.perf_counter() - started

@@ -1,5 +1,6 @@
-"""The ``corrflow`` command (docs "Conventions"): one subcommand per job; ``--json`` prints exactly one JSON object
-as the last stdout line; progress goes to stderr; bad arguments exit with code 2 and name the argument."""
+"""The ``corrflow`` command (docs "Conventions"): one subcommand per job; ``--json`` prints exactly
+one JSON object as the last stdout line; progress goes to stderr; bad arguments exit with code 2 and
+name the argument."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ from corrflow.server.data_cli import data_app
 from corrflow.server.options import with_settings
 from corrflow.server.schema_cli import schema_command
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="corrflow: federated learning with differential privacy through correlated noise.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="corrflow: federated learning with differential privacy through correlated noise.",
+)
 
 
 @app.callback()
@@ -47,20 +52,24 @@ def _jsonable(x):
 
 
 def _load_factorization(path: Path, flag: str):
-    """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming the flag."""
+    """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming
+    the flag."""
     from corrflow.factorization.base import Factorization
 
     try:
         return Factorization.load(path)
     except (IntegrityError, InvalidArgumentError) as exc:
-        raise InvalidArgumentError(flag, f"a factorization file written by `corrflow factorize` ({exc})") from None
-
-
+        raise InvalidArgumentError(
+            flag, f"a factorization file written by `corrflow factorize` ({exc})"
+        ) from None
 
 
 def _fail(exc: Exception) -> None:
-    if isinstance(exc, InvalidArgumentError) and exc.field.replace("_", "-").replace("-", "").isalnum() \
-            and exc.field.islower():   # a setting's name (not a path, not a positional NAME): the flag
+    if (
+        isinstance(exc, InvalidArgumentError)
+        and exc.field.replace("_", "-").replace("-", "").isalnum()
+        and exc.field.islower()
+    ):  # a setting's name (not a path, not a positional NAME): the flag
         exc = _as_flag(exc)
     typer.echo(f"error: {exc}", err=True)
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
@@ -71,26 +80,53 @@ def factorize(
     kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KINDS)}")] = None,
     rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
     epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
-    min_sep: Annotated[int | None, typer.Option(help="b: fewest rounds between two participations "
-                                                     "(default rounds/epochs, fixed-epoch)")] = None,
-    participation: Annotated[str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")] = None,
-    bands: Annotated[int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")]
-    = None,
-    buffers: Annotated[int | None, typer.Option(help="blt: buffers B (default: added while each lowers the "
-                                                     "error by more than 1%)")] = None,
+    min_sep: Annotated[
+        int | None,
+        typer.Option(
+            help="b: fewest rounds between two participations (default rounds/epochs, fixed-epoch)"
+        ),
+    ] = None,
+    participation: Annotated[
+        str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")
+    ] = None,
+    bands: Annotated[
+        int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")
+    ] = None,
+    buffers: Annotated[
+        int | None,
+        typer.Option(
+            help="blt: buffers B (default: added while each lowers the error by more than 1%)"
+        ),
+    ] = None,
     workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
     momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
-    cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate cooldown"
-                                                          " (momentum workload)")] = 0.25,
-    stamps: Annotated[int, typer.Option(help="repeat a rounds/stamps mechanism along the diagonal")] = 1,
-    gamma: Annotated[float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")]
-    = None,
+    cooldown_fraction: Annotated[
+        float,
+        typer.Option(
+            help="fraction of rounds with linear learning-rate cooldown (momentum workload)"
+        ),
+    ] = 0.25,
+    stamps: Annotated[
+        int, typer.Option(help="repeat a rounds/stamps mechanism along the diagonal")
+    ] = 1,
+    gamma: Annotated[
+        float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")
+    ] = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
-    taper: Annotated[int | None, typer.Option(help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
-                                                   "uncertain in \\[b₀, bands])")] = None,
+    taper: Annotated[
+        int | None,
+        typer.Option(
+            help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
+            "uncertain in \\[b₀, bands])"
+        ),
+    ] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
-    out: Annotated[Path | None, typer.Option(help="write the factorization to this .npz file")] = None,
-    describe: Annotated[Path | None, typer.Option(help="describe a saved factorization instead")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="write the factorization to this .npz file")
+    ] = None,
+    describe: Annotated[
+        Path | None, typer.Option(help="describe a saved factorization instead")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
@@ -109,15 +145,19 @@ def factorize(
         if rounds is None:
             raise InvalidArgumentError("--rounds", "the number of rounds")
         if not 0.0 <= cooldown_fraction <= 1.0:
-            raise InvalidArgumentError("--cooldown-fraction", "a fraction of the rounds in [0, 1]", cooldown_fraction)
+            raise InvalidArgumentError(
+                "--cooldown-fraction", "a fraction of the rounds in [0, 1]", cooldown_fraction
+            )
         if not (math.isfinite(tol) and tol > 0):
             raise InvalidArgumentError("--tol", "a positive, finite relative duality gap", tol)
         if out is not None:
             writable_file(out, "--out")
         from corrflow.planning.resources import check_fits, estimate
 
-        check_fits(estimate(0, rounds, kind, bands or 0, 0), {"factorization": "--rounds", "users": "--rounds",
-                                                                "noise": "--rounds"})
+        check_fits(
+            estimate(0, rounds, kind, bands or 0, 0),
+            {"factorization": "--rounds", "users": "--rounds", "noise": "--rounds"},
+        )
         if workload == "momentum":
             wl = Workload.sgd_momentum(momentum, cooldown_fraction)
         elif workload == "prefix":
@@ -126,8 +166,19 @@ def factorize(
             raise InvalidArgumentError("--workload", "prefix or momentum", workload)
         part = participation_for(rounds, epochs, min_sep, participation)
         with Progress(f"factorize {kind}", quiet=quiet) as cb:
-            fac = build(kind, part, wl, bands=bands, stamps=stamps, gamma=gamma, search_gamma=search_gamma,
-                        taper=taper, tol=tol, buffers=buffers, callback=cb)
+            fac = build(
+                kind,
+                part,
+                wl,
+                bands=bands,
+                stamps=stamps,
+                gamma=gamma,
+                search_gamma=search_gamma,
+                taper=taper,
+                tol=tol,
+                buffers=buffers,
+                callback=cb,
+            )
         summary = fac.summary()
         if out is not None:
             summary["path"] = str(fac.save(out))
@@ -142,57 +193,123 @@ def account(
     delta: Annotated[float, typer.Option(help="δ")],
     noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
     target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
-    sampling: Annotated[str, typer.Option(help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or "
-                                               "multi-attribution")] = "none",
-    accountant: Annotated[str | None, typer.Option(help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
-                                                        "every one that applies, and the tightest bound verified "
-                                                        "at --delta)")] = None,
-    items_per_user: Annotated[int, typer.Option(help="k_u: items per user, for multi-attribution")] = 1,
-    dataset_size: Annotated[int | None, typer.Option(help="N (examples or users), for amplified sampling")] = None,
-    expected_batch_size: Annotated[float | None, typer.Option(help="B, for amplified sampling")] = None,
-    mc_samples: Annotated[int | None, typer.Option(help="Monte Carlo: size of the first batch of samples per "
-                                                        "direction (default: what the target δ needs; smaller "
-                                                        "batches only feed the estimate); with --target-epsilon: "
-                                                        "samples per candidate σ (default 100000)")] = None,
-    seed: Annotated[int, typer.Option(help="Monte Carlo seed (the result does not depend on it beyond the stated "
-                                           "confidence)")] = 0,
-    verify_target: Annotated[bool, typer.Option(help="with --target-epsilon and Monte Carlo: draw the samples per "
-                                                     "candidate σ that verify the target δ (ε for a σ always "
-                                                     "verifies the target δ)")] = False,
-    max_samples: Annotated[int | None, typer.Option(help="Monte Carlo: budget of samples per direction, all batches "
-                                                  "together; when spent before a verification passes, the "
-                                                  "sampling's other verified bound is used and both are named; "
-                                                  "default 60000000)")] = None,
-    time_limit: Annotated[float | None, typer.Option(help="Monte Carlo: abort after this many seconds (nothing is "
-                                                          "released, exit 1)")] = None,
-    mmcc_grid: Annotated[float | None, typer.Option(help="MMCC: grid Δ2 the entries of C are rounded up to "
-                                                         "(default: the largest entry / 256)")] = None,
-    delta_split: Annotated[float, typer.Option(help="MMCC: share of δ spent on the tail bounds")] = 0.5,
+    sampling: Annotated[
+        str,
+        typer.Option(
+            help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or multi-attribution"
+        ),
+    ] = "none",
+    accountant: Annotated[
+        str | None,
+        typer.Option(
+            help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
+            "every one that applies, and the tightest bound verified "
+            "at --delta)"
+        ),
+    ] = None,
+    items_per_user: Annotated[
+        int, typer.Option(help="k_u: items per user, for multi-attribution")
+    ] = 1,
+    dataset_size: Annotated[
+        int | None, typer.Option(help="N (examples or users), for amplified sampling")
+    ] = None,
+    expected_batch_size: Annotated[
+        float | None, typer.Option(help="B, for amplified sampling")
+    ] = None,
+    mc_samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Monte Carlo: size of the first batch of samples per "
+            "direction (default: what the target δ needs; smaller "
+            "batches only feed the estimate); with --target-epsilon: "
+            "samples per candidate σ (default 100000)"
+        ),
+    ] = None,
+    seed: Annotated[
+        int,
+        typer.Option(
+            help="Monte Carlo seed (the result does not depend on it beyond the stated confidence)"
+        ),
+    ] = 0,
+    verify_target: Annotated[
+        bool,
+        typer.Option(
+            help="with --target-epsilon and Monte Carlo: draw the samples per "
+            "candidate σ that verify the target δ (ε for a σ always "
+            "verifies the target δ)"
+        ),
+    ] = False,
+    max_samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Monte Carlo: budget of samples per direction, all batches "
+            "together; when spent before a verification passes, the "
+            "sampling's other verified bound is used and both are named; "
+            "default 60000000)"
+        ),
+    ] = None,
+    time_limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Monte Carlo: abort after this many seconds (nothing is released, exit 1)"
+        ),
+    ] = None,
+    mmcc_grid: Annotated[
+        float | None,
+        typer.Option(
+            help="MMCC: grid Δ2 the entries of C are rounded up to "
+            "(default: the largest entry / 256)"
+        ),
+    ] = None,
+    delta_split: Annotated[
+        float, typer.Option(help="MMCC: share of δ spent on the tail bounds")
+    ] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta) printed is
-    a pair the accountant guarantees; with no --accountant, the tightest verified bound of those that apply (all
-    listed). When Monte Carlo cannot verify --delta within its sample budget, the sampler's other verified bound is
-    released and both numbers are named."""
+    """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta)
+    printed is a pair the accountant guarantees; with no --accountant, the tightest verified bound
+    of those that apply (all listed). When Monte Carlo cannot verify --delta within its sample
+    budget, the sampler's other verified bound is released and both numbers are named."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
 
     try:
         if (noise_multiplier is None) == (target_epsilon is None):
-            raise InvalidArgumentError("--noise-multiplier", "exactly one of --noise-multiplier and "
-                                       "--target-epsilon")
+            raise InvalidArgumentError(
+                "--noise-multiplier", "exactly one of --noise-multiplier and --target-epsilon"
+            )
         fac = _load_factorization(factorization, "--factorization")
-        spec = SamplingSpec(sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant)
-        res = run_account(fac, delta=delta, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-                          sampling=spec, mc_samples=mc_samples, seed=seed, verify_target=verify_target,
-                          **({} if max_samples is None else {"max_samples": max_samples}),
-                          time_limit=time_limit, mmcc_grid=mmcc_grid,
-                          delta_split=delta_split, progress=True)
+        spec = SamplingSpec(
+            sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant
+        )
+        res = run_account(
+            fac,
+            delta=delta,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            sampling=spec,
+            mc_samples=mc_samples,
+            seed=seed,
+            verify_target=verify_target,
+            **({} if max_samples is None else {"max_samples": max_samples}),
+            time_limit=time_limit,
+            mmcc_grid=mmcc_grid,
+            delta_split=delta_split,
+            progress=True,
+        )
         if not res["guarantee"]:
             needed = res["accountant"].get("samples_needed_for_target_delta")
-            print(f"warning: the samples drawn verify (ε = {res['epsilon']:.4g}, δ = {res['delta']:.3g}), not "
-                  f"δ = {delta:g}" + (f"; --verify-target draws the {needed} samples per candidate σ the target "
-                                      "needs" if needed else ""), file=sys.stderr)
+            print(
+                f"warning: the samples drawn verify (ε = {res['epsilon']:.4g}, δ = "
+                f"{res['delta']:.3g}), not "
+                f"δ = {delta:g}"
+                + (
+                    f"; --verify-target draws the {needed} samples per candidate σ the target needs"
+                    if needed
+                    else ""
+                ),
+                file=sys.stderr,
+            )
         _describe_bounds(res)
         _emit(res, as_json)
     except InvalidArgumentError as exc:
@@ -202,22 +319,34 @@ def account(
 
 
 #: Library fields an accountant may name that `account` has no flag for: the flag that sets them.
-_ACCOUNT_FIELDS = {"sampling_probability": "--expected-batch-size", "participation_rate": "--expected-batch-size",
-                   "min_sep": "--factorization", "cycle": "--factorization", "band": "--factorization",
-                   "k_u": "--items-per-user", "warm": "--sampling", "scheme": "--sampling", "epsilon": "--delta",
-                   "sensitivity": "--factorization"}
+_ACCOUNT_FIELDS = {
+    "sampling_probability": "--expected-batch-size",
+    "participation_rate": "--expected-batch-size",
+    "min_sep": "--factorization",
+    "cycle": "--factorization",
+    "band": "--factorization",
+    "k_u": "--items-per-user",
+    "warm": "--sampling",
+    "scheme": "--sampling",
+    "epsilon": "--delta",
+    "sensitivity": "--factorization",
+}
 
 
 def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     """The error naming one of `account`'s own flags (never one it does not have)."""
     field = exc.field
     if field in _ACCOUNT_FIELDS:
-        return InvalidArgumentError(_ACCOUNT_FIELDS[field], f"{exc.expected} ({field.replace('_', ' ')})", exc.got)
+        return InvalidArgumentError(
+            _ACCOUNT_FIELDS[field], f"{exc.expected} ({field.replace('_', ' ')})", exc.got
+        )
     import inspect
 
     named = _as_flag(exc)
-    flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {"--json"}
-    if named.field not in flags:   # a field of the factorization file or the sampling it implies
+    flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {
+        "--json"
+    }
+    if named.field not in flags:  # a field of the factorization file or the sampling it implies
         return InvalidArgumentError("--factorization", f"{named.expected} ({field})", named.got)
     return named
 
@@ -226,10 +355,16 @@ def _describe_bounds(res: dict) -> None:
     """Which bound was used and the others with their values, on stderr."""
     acc = res["accountant"]
     for b in acc.get("bounds", []):
-        mark = "used" if b["accountant"] == acc.get("selected") else ("verified" if b["verified"] else
-                                                                        "NOT verified (estimate)")
-        print(f"bound {b['accountant']:>12}: ε = {b['epsilon']:.4g} at δ = {b['delta']:.3g}, σ = "
-              f"{b['noise_multiplier']:.4g} — {mark}", file=sys.stderr)
+        mark = (
+            "used"
+            if b["accountant"] == acc.get("selected")
+            else ("verified" if b["verified"] else "NOT verified (estimate)")
+        )
+        print(
+            f"bound {b['accountant']:>12}: ε = {b['epsilon']:.4g} at δ = {b['delta']:.3g}, σ = "
+            f"{b['noise_multiplier']:.4g} — {mark}",
+            file=sys.stderr,
+        )
     for s in acc.get("skipped", []):
         print(f"bound {s['accountant']:>12}: not computed ({s['reason']})", file=sys.stderr)
 
@@ -247,9 +382,21 @@ def _byte_size(text: str | None, flag: str) -> float:
     try:
         value = float(m.group(1))
     except ValueError:
-        raise InvalidArgumentError(flag, "a size in bytes such as 8e9, 8GB or 512MiB", text) from None
+        raise InvalidArgumentError(
+            flag, "a size in bytes such as 8e9, 8GB or 512MiB", text
+        ) from None
     unit = (m.group(2) or "").lower()
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    scale = {
+        "": 1,
+        "k": 1e3,
+        "m": 1e6,
+        "g": 1e9,
+        "t": 1e12,
+        "ki": 2**10,
+        "mi": 2**20,
+        "gi": 2**30,
+        "ti": 2**40,
+    }
     if not (math.isfinite(value) and value >= 0):
         raise InvalidArgumentError(flag, "a size ≥ 0", text)
     return value * scale[unit]
@@ -259,54 +406,99 @@ def _byte_size(text: str | None, flag: str) -> float:
 def plan(
     rounds: Annotated[int, typer.Option(help="rounds n")],
     population: Annotated[int, typer.Option(help="P: users in the population")],
-    cohort_size: Annotated[int, typer.Option(help="B: users per round (b = ⌊P/B⌋ rounds between a user's turns)")],
+    cohort_size: Annotated[
+        int, typer.Option(help="B: users per round (b = ⌊P/B⌋ rounds between a user's turns)")
+    ],
     target_epsilon: Annotated[float, typer.Option(help="ε to calibrate every candidate to")],
     delta: Annotated[float, typer.Option(help="δ")],
-    memory_budget: Annotated[str | None, typer.Option(help="bytes the noise state may take (8e9, 8GB, 512MiB; "
-                                                           "default: no limit)")] = None,
-    noise_time_budget: Annotated[float | None, typer.Option(help="seconds of noise generation per round "
-                                                                 "(default: no limit)")] = None,
-    model_params: Annotated[int, typer.Option(help="d: model parameters (noise memory and time scale with it)")]
-    = 1_000_000,
-    kinds: Annotated[str, typer.Option(help="comma-separated factorization kinds to consider (from: "
-                                            f"{', '.join(KINDS)})")]
-    = "dpsgd,toeplitz,bifr,dense",
-    accountants: Annotated[str | None, typer.Option(help="comma-separated accountants: unamplified, "
-                                                         "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
-                                                         "ones; the plan lists what it skipped)")] = None,
-    momentum: Annotated[float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")] = 0.9,
-    cooldown_fraction: Annotated[float, typer.Option(help="fraction of rounds with linear learning-rate "
-                                                          "cooldown")] = 0.25,
-    time_budget: Annotated[float | None, typer.Option(help="wall-clock seconds after which the plan aborts with "
-                                                           "exit 1 and writes no recipe (default: no limit; the "
-                                                           "recipe never depends on it)")] = None,
-    dense_iterations: Annotated[int | None, typer.Option(help="iteration budget of the dense optimizer (default: "
-                                                              "⌈1e12/n³⌉, at most 10000: the same on any machine)")]
-    = None,
-    out: Annotated[Path, typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots")]
-    = Path("corrflow_plan"),
-    cache_dir: Annotated[Path | None, typer.Option(help="cache of factorizations and calibrations (default: "
-                                                        "$CORRFLOW_HOME/cache, else OUT/cache)")] = None,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(help="bytes the noise state may take (8e9, 8GB, 512MiB; default: no limit)"),
+    ] = None,
+    noise_time_budget: Annotated[
+        float | None, typer.Option(help="seconds of noise generation per round (default: no limit)")
+    ] = None,
+    model_params: Annotated[
+        int, typer.Option(help="d: model parameters (noise memory and time scale with it)")
+    ] = 1_000_000,
+    kinds: Annotated[
+        str,
+        typer.Option(
+            help=f"comma-separated factorization kinds to consider (from: {', '.join(KINDS)})"
+        ),
+    ] = "dpsgd,toeplitz,bifr,dense",
+    accountants: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated accountants: unamplified, "
+            "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
+            "ones; the plan lists what it skipped)"
+        ),
+    ] = None,
+    momentum: Annotated[
+        float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")
+    ] = 0.9,
+    cooldown_fraction: Annotated[
+        float, typer.Option(help="fraction of rounds with linear learning-rate cooldown")
+    ] = 0.25,
+    time_budget: Annotated[
+        float | None,
+        typer.Option(
+            help="wall-clock seconds after which the plan aborts with "
+            "exit 1 and writes no recipe (default: no limit; the "
+            "recipe never depends on it)"
+        ),
+    ] = None,
+    dense_iterations: Annotated[
+        int | None,
+        typer.Option(
+            help="iteration budget of the dense optimizer (default: "
+            "⌈1e12/n³⌉, at most 10000: the same on any machine)"
+        ),
+    ] = None,
+    out: Annotated[
+        Path,
+        typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots"),
+    ] = Path("corrflow_plan"),
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="cache of factorizations and calibrations (default: "
+            "$CORRFLOW_HOME/cache, else OUT/cache)"
+        ),
+    ] = None,
     plots: Annotated[bool, typer.Option(help="write the PNG plots")] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="print plan.json as one JSON object")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print plan.json as one JSON object")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
 ) -> None:
-    """Choose the mechanism for a training run: build and calibrate every candidate, rank them by RMSE at the
-    target ε within the memory and noise-time budgets, and write the recommended recipe (OUT/recipe.json, for
-    `corrflow simulate --plan`), its factorization, plan.json and plots. Exit 1 when no candidate fits."""
+    """Choose the mechanism for a training run: build and calibrate every candidate, rank them by
+    RMSE at the target ε within the memory and noise-time budgets, and write the recommended recipe
+    (OUT/recipe.json, for `corrflow simulate --plan`), its factorization, plan.json and plots. Exit
+    1 when no candidate fits."""
     from corrflow.planning.cache import PlanCache, default_cache_dir
     from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
 
     try:
-        req = PlanRequest(rounds=rounds, population=population, cohort_size=cohort_size,
-                          target_epsilon=target_epsilon, delta=delta,
-                          memory_budget=_byte_size(memory_budget, "--memory-budget"),
-                          noise_time_budget=float("inf") if noise_time_budget is None else noise_time_budget,
-                          model_params=model_params, kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
-                          accountants=None if accountants is None else
-                          tuple(a.strip() for a in accountants.split(",") if a.strip()),
-                          momentum=momentum, cooldown_fraction=cooldown_fraction, time_budget=time_budget,
-                          dense_iterations=dense_iterations)
+        req = PlanRequest(
+            rounds=rounds,
+            population=population,
+            cohort_size=cohort_size,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            memory_budget=_byte_size(memory_budget, "--memory-budget"),
+            noise_time_budget=float("inf") if noise_time_budget is None else noise_time_budget,
+            model_params=model_params,
+            kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+            accountants=None
+            if accountants is None
+            else tuple(a.strip() for a in accountants.split(",") if a.strip()),
+            momentum=momentum,
+            cooldown_fraction=cooldown_fraction,
+            time_budget=time_budget,
+            dense_iterations=dense_iterations,
+        )
     except InvalidArgumentError as exc:
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
@@ -324,55 +516,92 @@ def plan(
     else:
         typer.echo(_plan_table(doc, out))
     if doc["recommended"] is None:
-        typer.echo("error: no candidate fits the memory and noise-time budgets (plan.json lists every candidate "
-                   "and what it exceeds)", err=True)
+        typer.echo(
+            "error: no candidate fits the memory and noise-time budgets (plan.json lists every "
+            "candidate "
+            "and what it exceeds)",
+            err=True,
+        )
         raise typer.Exit(code=1)
 
 
 def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
     part = doc["participation"]
-    lines = [f"participation  b = {part['min_sep']}, k = {part['epochs']} "
-             f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
-             f"{part['rule_of_thumb_bands']:.1f} bands",
-             f"{'rank':>4} {'candidate':<32} {'σ':>8} {'RMSE':>10} {'max err':>10} {'×DP-SGD':>8} {'noise MB':>10} "
-             f"{'noise s/rd':>10} {'build s':>8}"]
+    lines = [
+        f"participation  b = {part['min_sep']}, k = {part['epochs']} "
+        f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
+        f"{part['rule_of_thumb_bands']:.1f} bands",
+        f"{'rank':>4} {'candidate':<32} {'σ':>8} {'RMSE':>10} {'max err':>10} {'×DP-SGD':>8} "
+        f"{'noise MB':>10} "
+        f"{'noise s/rd':>10} {'build s':>8}",
+    ]
     for c in doc["candidates"][:top]:
-        label = c["kind"] + (f"[{c['bands']}]" if c["bands"] is not None else "") + f" / {c['accountant']}"
+        label = (
+            c["kind"]
+            + (f"[{c['bands']}]" if c["bands"] is not None else "")
+            + f" / {c['accountant']}"
+        )
         ratio = "" if c["rmse_ratio_vs_dpsgd"] is None else f"{c['rmse_ratio_vs_dpsgd']:.3f}"
-        lines.append(f"{c['rank'] or '-':>4} {label:<32} {c['noise_multiplier']:>8.4g} {c['rmse']:>10.4g} "
-                     f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
-                     f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}")
+        lines.append(
+            f"{c['rank'] or '-':>4} {label:<32} {c['noise_multiplier']:>8.4g} {c['rmse']:>10.4g} "
+            f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
+            f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}"
+        )
     for s in doc["skipped"]:
         what = s.get("kind") or s.get("accountant")
         lines.append(f"skipped        {what}: {s['reason']}")
     rec = doc["recommended"]
     if rec is not None:
-        lines.append(f"recommended    {rec['kind']}" + (f" with {rec['bands']} bands" if rec["bands"] else "")
-                     + f", {rec['participation']} participation, accountant {rec['accountant']}, σ = "
-                     f"{rec['noise_multiplier']:.4g} (ε = {rec['epsilon']:.4g}, δ = {rec['delta']:g})")
-        lines.append(f"plan           {out / 'recipe.json'} (corrflow simulate --plan); {out / 'plan.json'}; "
-                     f"{doc['seconds']:.1f} s")
+        lines.append(
+            f"recommended    {rec['kind']}"
+            + (f" with {rec['bands']} bands" if rec["bands"] else "")
+            + f", {rec['participation']} participation, accountant {rec['accountant']}, σ = "
+            f"{rec['noise_multiplier']:.4g} (ε = {rec['epsilon']:.4g}, δ = {rec['delta']:g})"
+        )
+        lines.append(
+            f"plan           {out / 'recipe.json'} (corrflow simulate --plan); "
+            f"{out / 'plan.json'}; "
+            f"{doc['seconds']:.1f} s"
+        )
     return "\n".join(lines)
 
 
 def simulate(
     ctx: typer.Context,
-    backend: Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")] = "flower",
-    fresh: Annotated[bool, typer.Option(help="start a new run: move the previous run in --out aside (never "
-                                             "deleted) instead of resuming it")] = False,
-    verbose: Annotated[bool, typer.Option(help="show Flower's, Ray's and TensorFlow's own output (else it goes to "
-                                               "OUT/engine.log)")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print the privacy report as one JSON object")] = False,
-    plan: Annotated[Path | None, typer.Option(help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
-                                                   "mechanism, participation, accountant and σ; flags that differ "
-                                                   "are refused")] = None,
+    backend: Annotated[
+        str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")
+    ] = "flower",
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            help="start a new run: move the previous run in --out aside (never "
+            "deleted) instead of resuming it"
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            help="show Flower's, Ray's and TensorFlow's own output (else it goes to OUT/engine.log)"
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the privacy report as one JSON object")
+    ] = False,
+    plan: Annotated[
+        Path | None,
+        typer.Option(
+            help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
+            "mechanism, participation, accountant and σ; flags that differ "
+            "are refused"
+        ),
+    ] = None,
     **settings,
 ) -> None:
-    """Run a federated simulation with correlated noise and print its privacy report. Rerunning the same command
-    resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the planned rounds (the report says
-    why) or refused, 2 bad arguments, 3 finished but did not learn (held-out loss not below the initial model's;
-    the report's `learning` has the verdict), 130 interrupted (state and report
-    are complete; rerun to continue)."""
+    """Run a federated simulation with correlated noise and print its privacy report. Rerunning the
+    same command resumes from the checkpoint in --out. Exit codes: 0 done, 1 stopped before the
+    planned rounds (the report says why) or refused, 2 bad arguments, 3 finished but did not learn
+    (held-out loss not below the initial model's; the report's `learning` has the verdict), 130
+    interrupted (state and report are complete; rerun to continue)."""
     try:
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
@@ -387,14 +616,16 @@ def simulate(
 
 
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
-    """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ are refused);
-    errors name the flag."""
+    """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ
+    are refused); errors name the flag."""
     from corrflow.paths import run_directory
     from corrflow.server.options import config_from_cli, given_on_command_line, param_name
 
     out = writable_directory(settings[param_name("state_dir")], "--out")
     overrides: dict = {"state_dir": str(run_directory(out))}
-    if settings.get(param_name("mode")) == "cross-silo":  # one simulated node per silo of the manifest
+    if (
+        settings.get(param_name("mode")) == "cross-silo"
+    ):  # one simulated node per silo of the manifest
         from corrflow.data.partition import load_manifest
 
         manifest = settings.get(param_name("manifest_path"))
@@ -403,43 +634,57 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         try:
             overrides["num_users"] = int(load_manifest(manifest)["num_partitions"])
         except DataFormatError as exc:
-            raise InvalidArgumentError("--manifest", "a partition manifest written by `corrflow data partition`",
-                                       str(exc)) from None
+            raise InvalidArgumentError(
+                "--manifest", "a partition manifest written by `corrflow data partition`", str(exc)
+            ) from None
     if settings.get(param_name("data_path")):
         overrides.update(_data_defaults(settings, given_on_command_line(ctx)))
     if plan is None:
         return _checked_data(_fits(config_from_cli(settings, **overrides)))
     from corrflow.config import recipe_names, surface_name
-    from corrflow.planning.recipe import install_factorization, load_recipe, load_recipe_factorization
+    from corrflow.planning.recipe import (
+        install_factorization,
+        load_recipe,
+        load_recipe_factorization,
+    )
 
     recipe, fac_path = load_recipe(plan)
     try:
         load_recipe_factorization(recipe, fac_path)
-    except IntegrityError as exc:   # a plan the user gave: a bad argument, named
-        raise InvalidArgumentError("--plan", f"a plan whose factorization file is intact ({exc})") from None
+    except IntegrityError as exc:  # a plan the user gave: a bad argument, named
+        raise InvalidArgumentError(
+            "--plan", f"a plan whose factorization file is intact ({exc})"
+        ) from None
     typed = given_on_command_line(ctx)
     given = {name: settings[param_name(name)] for name in recipe_names().values() if name in typed}
     diff = recipe.differences(given, {name: surface_name(name, "cli") for name in given})
     if diff:
-        raise InvalidArgumentError("--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff))
+        raise InvalidArgumentError(
+            "--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff)
+        )
     if "num_users" not in typed and "num_users" not in overrides:
         overrides["num_users"] = recipe.population
     cfg = _checked_data(_fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides)))
-    install_factorization(recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+    install_factorization(
+        recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
+    )
     return cfg
 
 
 def _data_defaults(settings: dict, typed: set[str]) -> dict:
-    """Defaults of a run on a dataset file (--data): every training partition (--users), and for arXiv the author
-    as the privacy unit — multi-attribution participation with k_u = 2 papers per author (004 §7.3) — unless the
-    flags say otherwise."""
+    """Defaults of a run on a dataset file (--data): every training partition (--users), and for
+    arXiv the author as the privacy unit — multi-attribution participation with k_u = 2 papers per
+    author (004 §7.3) — unless the flags say otherwise."""
     from corrflow.data.federated import data_format, train_clients_count
     from corrflow.server.options import param_name
 
     path = settings[param_name("data_path")]
     if not Path(path).is_file():
-        raise InvalidArgumentError("--data", "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
-                                   path)
+        raise InvalidArgumentError(
+            "--data",
+            "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
+            path,
+        )
     out: dict = {}
     if "num_users" not in typed:
         out["num_users"] = train_clients_count(path)
@@ -452,8 +697,8 @@ def _data_defaults(settings: dict, typed: set[str]) -> dict:
 
 
 def _checked_data(cfg):
-    """A run on a dataset file: --users within the file's training partitions, the vocabulary's share of the
-    budget leaves some for training (exit 2 naming the flag)."""
+    """A run on a dataset file: --users within the file's training partitions, the vocabulary's
+    share of the budget leaves some for training (exit 2 naming the flag)."""
     if cfg.data_path:
         from corrflow.planning.run import training_budget
         from corrflow.server.simulation import check_data_population
@@ -467,37 +712,55 @@ def _checked_data(cfg):
 
 
 def _fits(cfg):
-    """The run's configuration, refused (naming the flag) when its estimated memory exceeds what is available."""
+    """The run's configuration, refused (naming the flag) when its estimated memory exceeds what is
+    available."""
     from corrflow.planning.resources import check_fits, estimate
 
-    check_fits(estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
-               {"users": "--users", "factorization": "--rounds", "noise": "--bands"})
+    check_fits(
+        estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
+        {"users": "--users", "factorization": "--rounds", "noise": "--bands"},
+    )
     return cfg
 
 
 def _check_resume(cfg, out: Path, fresh: bool) -> bool:
-    """Refuse a directory holding another run (exit 2, naming what differs) or one that disagrees with its journal
-    (exit 1); say whether the run resumes or is already complete. Returns whether it is complete."""
+    """Refuse a directory holding another run (exit 2, naming what differs) or one that disagrees
+    with its journal (exit 1); say whether the run resumes or is already complete. Returns whether
+    it is complete."""
     from corrflow.strategies.run_state import preflight, settings_conflict
 
     try:
         if not fresh and (diff := settings_conflict(cfg.checkpoint_dir, cfg.run_settings())):
-            raise InvalidArgumentError("--out", f"the directory of a run with the same settings, or --fresh to move "
-                                       f"that run aside and start anew; {out} holds a run with other settings", diff)
+            raise InvalidArgumentError(
+                "--out",
+                f"the directory of a run with the same settings, or --fresh to move "
+                f"that run aside and start anew; {out} holds a run with other settings",
+                diff,
+            )
         resume = None if fresh else preflight(out)
     except CorrflowError as exc:
         _fail(exc)
     if resume is None or resume.checkpoint is None:
         return False
     done = len(resume.journal)
-    typer.echo(f"resuming: {done} of {cfg.num_rounds} rounds already released" if done < cfg.num_rounds else
-               f"already complete: all {cfg.num_rounds} rounds were released; nothing to train (--fresh starts a new "
-               "run)", err=True)
+    typer.echo(
+        f"resuming: {done} of {cfg.num_rounds} rounds already released"
+        if done < cfg.num_rounds
+        else (
+            f"already complete: all {cfg.num_rounds} rounds were released; nothing to train "
+            "(--fresh starts a new "
+            "run)"
+        ),
+        err=True,
+    )
     return done >= cfg.num_rounds
 
 
-def _run_simulation(cfg, out: Path, backend: str, fresh: bool, verbose: bool, as_json: bool, complete: bool) -> None:
-    """Train (unless complete), print the summary or the report, and exit with the code the run earned."""
+def _run_simulation(
+    cfg, out: Path, backend: str, fresh: bool, verbose: bool, as_json: bool, complete: bool
+) -> None:
+    """Train (unless complete), print the summary or the report, and exit with the code the run
+    earned."""
     from corrflow.planning.learnability import held_out_summary
     from corrflow.server.simulation import RunInterruptedError, RunStoppedEarlyError
     from corrflow.server.simulation import simulate as run_sim
@@ -505,8 +768,11 @@ def _run_simulation(cfg, out: Path, backend: str, fresh: bool, verbose: bool, as
     try:
         stopped = None
         try:
-            report = json.loads((out / "privacy_report.json").read_text()) if complete else \
-                run_sim(cfg, backend=backend, fresh=fresh, verbose=verbose)
+            report = (
+                json.loads((out / "privacy_report.json").read_text())
+                if complete
+                else run_sim(cfg, backend=backend, fresh=fresh, verbose=verbose)
+            )
         except RunStoppedEarlyError as exc:
             report, stopped = exc.report, exc
         held_out = held_out_summary(json.loads((out / "metrics.json").read_text()))
@@ -515,55 +781,102 @@ def _run_simulation(cfg, out: Path, backend: str, fresh: bool, verbose: bool, as
         else:
             typer.echo(_summary(report, out, held_out))
         if stopped is not None:
-            typer.echo(f"error: the run stopped after {report['rounds_completed']} of {cfg.num_rounds} rounds: "
-                       f"{stopped}", err=True)
+            typer.echo(
+                f"error: the run stopped after {report['rounds_completed']} of {cfg.num_rounds} "
+                "rounds: "
+                f"{stopped}",
+                err=True,
+            )
             raise typer.Exit(code=1)
         if report.get("learning", {}).get("learned") is False:
-            raise typer.Exit(code=3)  # the session logged the verdict; the summary's held-out line repeats it
+            raise typer.Exit(
+                code=3
+            )  # the session logged the verdict; the summary's held-out line repeats it
     except RunInterruptedError as exc:
-        typer.echo(f"interrupted: {exc}. State and report in {out} are complete; rerun the same command to "
-                   "continue.", err=True)
+        typer.echo(
+            f"interrupted: {exc}. State and report in {out} are complete; rerun the same command "
+            "to "
+            "continue.",
+            err=True,
+        )
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
-    except OSError as exc:   # a full disk, a vanished mount: the last checkpoint and journal are consistent
-        typer.echo(f"error: could not write the run's files in {out}: {exc.strerror or exc} ({exc.filename or out})."
-                   " Everything released so far is checkpointed and journaled; fix the cause and rerun to resume.",
-                   err=True)
+    except (
+        OSError
+    ) as exc:  # a full disk, a vanished mount: the last checkpoint and journal are consistent
+        typer.echo(
+            f"error: could not write the run's files in {out}: {exc.strerror or exc} "
+            f"({exc.filename or out})."
+            " Everything released so far is checkpointed and journaled; fix the cause and rerun to "
+            "resume.",
+            err=True,
+        )
         raise typer.Exit(code=1) from None
 
 
 app.command()(with_settings(simulate))
 
 
-#: compare's preset fields → the settings they fill for ``audit --preset`` (flags typed on the command line win).
-_PRESET_SETTINGS = {"users": "num_users", "rounds": "num_rounds", "epochs": "epochs", "epsilon": "target_epsilon",
-                    "delta": "delta", "client": "client", "clip_norm": "clip_norm", "server_lr": "server_lr",
-                    "momentum": "momentum", "local_lr": "local_lr", "local_steps": "local_steps"}
+#: compare's preset fields → the settings they fill for ``audit --preset`` (flags typed on the
+# command line win).
+_PRESET_SETTINGS = {
+    "users": "num_users",
+    "rounds": "num_rounds",
+    "epochs": "epochs",
+    "epsilon": "target_epsilon",
+    "delta": "delta",
+    "client": "client",
+    "clip_norm": "clip_norm",
+    "server_lr": "server_lr",
+    "momentum": "momentum",
+    "local_lr": "local_lr",
+    "local_steps": "local_steps",
+}
 
 
 def audit(
     ctx: typer.Context,
-    canaries: Annotated[int, typer.Option(help="candidate canary users; each is inserted by a fair coin (about "
-                                               "half), the rest are the held-out null")] = 200,
-    preset: Annotated[str | None, typer.Option(help="a `corrflow compare` preset (quick, tiny) for the task and "
-                                                    "schedule; flags you type override it")] = None,
-    audit_seed: Annotated[int | None, typer.Option(help="seed of the canaries' directions and coins (default: "
-                                                        "fresh; printed)")] = None,
+    canaries: Annotated[
+        int,
+        typer.Option(
+            help="candidate canary users; each is inserted by a fair coin (about "
+            "half), the rest are the held-out null"
+        ),
+    ] = 200,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="a `corrflow compare` preset (quick, tiny) for the task and "
+            "schedule; flags you type override it"
+        ),
+    ] = None,
+    audit_seed: Annotated[
+        int | None,
+        typer.Option(help="seed of the canaries' directions and coins (default: fresh; printed)"),
+    ] = None,
     plot: Annotated[bool, typer.Option(help="write OUT/audit.png (score histograms)")] = True,
-    verbose: Annotated[bool, typer.Option(help="show Flower's own output (else it goes to OUT/engine.log)")]
-    = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print the audit as one JSON object")] = False,
-    plan: Annotated[Path | None, typer.Option(help="a recipe written by `corrflow plan` (OUT/recipe.json), as for "
-                                                   "`corrflow simulate`")] = None,
+    verbose: Annotated[
+        bool, typer.Option(help="show Flower's own output (else it goes to OUT/engine.log)")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the audit as one JSON object")
+    ] = False,
+    plan: Annotated[
+        Path | None,
+        typer.Option(
+            help="a recipe written by `corrflow plan` (OUT/recipe.json), as for `corrflow simulate`"
+        ),
+    ] = None,
     **settings,
 ) -> None:
-    """Empirical privacy audit: train once, in process, with canary users added to the population (scheduled,
-    clipped, noised and accounted like real users; each returns a fixed random direction scaled to the clip norm),
-    then report the run's claimed ε, the one-shot estimate ε̂ (Andrew et al., arXiv 2302.03098) and a 95% lower
-    bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846) from the released models. Always a new run in --out
-    (default corrflow_audit; an earlier run there is moved aside). Exit codes: 0 no violation shown, 1 the run
-    failed, 2 bad arguments, 4 ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
+    """Empirical privacy audit: train once, in process, with canary users added to the population
+    (scheduled, clipped, noised and accounted like real users; each returns a fixed random direction
+    scaled to the clip norm), then report the run's claimed ε, the one-shot estimate ε̂ (Andrew et
+    al., arXiv 2302.03098) and a 95% lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846)
+    from the released models. Always a new run in --out (default corrflow_audit; an earlier run
+    there is moved aside). Exit codes: 0 no violation shown, 1 the run failed, 2 bad arguments, 4
+    ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
     from corrflow.server.options import given_on_command_line, param_name
 
     try:
@@ -574,21 +887,29 @@ def audit(
             if preset not in PRESETS:
                 raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
             if plan is not None:
-                raise InvalidArgumentError("--preset", "no preset with --plan (the plan fixes the mechanism)",
-                                           preset)
+                raise InvalidArgumentError(
+                    "--preset", "no preset with --plan (the plan fixes the mechanism)", preset
+                )
             chosen = PRESETS[preset]
             for field, name in _PRESET_SETTINGS.items():
-                if name not in typed and not (name == "target_epsilon" and "noise_multiplier" in typed):
+                if name not in typed and not (
+                    name == "target_epsilon" and "noise_multiplier" in typed
+                ):
                     settings[param_name(name)] = getattr(chosen, field)
         if "state_dir" not in typed:
             settings[param_name("state_dir")] = Path("corrflow_audit")
         from corrflow.strategies.canaries import MIN_CANARIES
 
         if canaries < MIN_CANARIES:
-            raise InvalidArgumentError("--canaries", f"at least {MIN_CANARIES} candidate canaries", canaries)
+            raise InvalidArgumentError(
+                "--canaries", f"at least {MIN_CANARIES} candidate canaries", canaries
+            )
         if settings.get(param_name("mode")) not in (None, "cross-device"):
-            raise InvalidArgumentError("--mode", "cross-device (a canary is a simulated SuperNode)",
-                                       settings.get(param_name("mode")))
+            raise InvalidArgumentError(
+                "--mode",
+                "cross-device (a canary is a simulated SuperNode)",
+                settings.get(param_name("mode")),
+            )
         cfg = _simulate_config(ctx, settings, plan, fresh=True)
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
@@ -597,7 +918,9 @@ def audit(
     _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
 
 
-def _run_audit(cfg, canaries: int, audit_seed: int | None, plot: bool, verbose: bool, as_json: bool) -> None:
+def _run_audit(
+    cfg, canaries: int, audit_seed: int | None, plot: bool, verbose: bool, as_json: bool
+) -> None:
     from corrflow.server.audit import run_audit
     from corrflow.server.simulation import RunInterruptedError
 
@@ -616,8 +939,12 @@ def _run_audit(cfg, canaries: int, audit_seed: int | None, plot: bool, verbose: 
         typer.echo(_audit_summary(result))
     typer.echo(f"audit: {result['verdict']}", err=True)
     if result["run"]["stopped_reason"]:
-        typer.echo(f"note: the run stopped early ({result['run']['stopped_reason']}); the audit covers the "
-                   f"{result['run']['rounds_completed']} rounds released", err=True)
+        typer.echo(
+            f"note: the run stopped early ({result['run']['stopped_reason']}); the audit covers "
+            "the "
+            f"{result['run']['rounds_completed']} rounds released",
+            err=True,
+        )
     claimed = result["epsilon_claimed"]
     if claimed is not None and result["epsilon_lower"] > claimed:
         raise typer.Exit(code=4)
@@ -627,58 +954,91 @@ def _audit_summary(r: dict) -> str:
     st, c = r["statistics"], r["canaries"]
     lb = st["lower_bound"]
     lo, hi = r["epsilon_estimate_interval"]
-    return "\n".join([
-        f"claimed     ε = {r['epsilon_claimed']:.4g} at δ = {r['delta']:g} ({r['run']['kind']}, "
-        f"{r['run']['participation']}, σ = {r['run']['noise_multiplier']:.4g}, accountant {r['run']['accountant']})",
-        f"estimate    ε̂ = {r['epsilon_estimate']:.4g} (95% bootstrap interval {lo:.3g} – {hi:.3g}); all-iterates "
-        f"whitened scores: inserted mean {st['whitened']['mean']:.3g} ± {st['whitened']['std']:.3g}, held-out "
-        f"{st['whitened']['null_mean']:.3g} ± {st['whitened']['null_std']:.3g}",
-        f"lower bnd   ε_lo = {r['epsilon_lower']:.4g} at {r['confidence']:.0%} confidence "
-        f"({lb['correct']} of {lb['guesses_in'] + lb['guesses_out']} guesses correct; at most "
-        f"{c['lower_bound_ceiling']:.3g} with {c['candidates']} candidates)",
-        f"final model ε̂ = {st['final_model']['epsilon']:.4g} (cosine with θ_T − θ_0, Andrew et al.)",
-        f"canaries    {c['inserted']} inserted, {c['held_out']} held out, audit seed {c['audit_seed']}; "
-        f"{c['population_share']:.1%} of the population",
-        f"verdict     {r['verdict']}",
-        f"files       {r['run']['dir']}/audit.json" + (f", {r['plot']}" if r.get("plot") else ""),
-    ])
+    return "\n".join(
+        [
+            f"claimed     ε = {r['epsilon_claimed']:.4g} at δ = {r['delta']:g} "
+            f"({r['run']['kind']}, "
+            f"{r['run']['participation']}, σ = {r['run']['noise_multiplier']:.4g}, accountant "
+            f"{r['run']['accountant']})",
+            f"estimate    ε̂ = {r['epsilon_estimate']:.4g} (95% bootstrap interval {lo:.3g} – "
+            f"{hi:.3g}); all-iterates "
+            f"whitened scores: inserted mean {st['whitened']['mean']:.3g} ± "
+            f"{st['whitened']['std']:.3g}, held-out "
+            f"{st['whitened']['null_mean']:.3g} ± {st['whitened']['null_std']:.3g}",
+            f"lower bnd   ε_lo = {r['epsilon_lower']:.4g} at {r['confidence']:.0%} confidence "
+            f"({lb['correct']} of {lb['guesses_in'] + lb['guesses_out']} guesses correct; at most "
+            f"{c['lower_bound_ceiling']:.3g} with {c['candidates']} candidates)",
+            f"final model ε̂ = {st['final_model']['epsilon']:.4g} (cosine with θ_T − θ_0, Andrew "
+            "et al.)",
+            f"canaries    {c['inserted']} inserted, {c['held_out']} held out, audit seed "
+            f"{c['audit_seed']}; "
+            f"{c['population_share']:.1%} of the population",
+            f"verdict     {r['verdict']}",
+            f"files       {r['run']['dir']}/audit.json"
+            + (f", {r['plot']}" if r.get("plot") else ""),
+        ]
+    )
 
 
 app.command()(with_settings(audit))
 
 
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
-    """The same error naming the command-line flag rather than the library's field or run-config key."""
+    """The same error naming the command-line flag rather than the library's field or run-config
+    key."""
     from corrflow.config import renamed
 
     if exc.field.startswith("--"):
         return exc
     named = renamed(exc, "cli")
-    return named if named.field.startswith("--") else InvalidArgumentError("--" + exc.field.replace("_", "-"),
-                                                                           exc.expected, exc.got)
+    return (
+        named
+        if named.field.startswith("--")
+        else InvalidArgumentError("--" + exc.field.replace("_", "-"), exc.expected, exc.got)
+    )
 
 
 def _summary(report: dict, out: Path, held_out: dict) -> str:
-    """The run in a few lines: held-out progress and the privacy report (whole: OUT/privacy_report.json)."""
+    """The run in a few lines: held-out progress and the privacy report (whole:
+    OUT/privacy_report.json)."""
     from corrflow.planning.run import selection_line
 
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
     part = planned["participation"]
     eps = realized["epsilon"]
-    acc = (f", accuracy {held_out['initial_test_accuracy']:.4f} → {held_out['final_test_accuracy']:.4f}"
-           if "final_test_accuracy" in held_out else "")
-    failed = " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
+    acc = (
+        f", accuracy {held_out['initial_test_accuracy']:.4f} → "
+        f"{held_out['final_test_accuracy']:.4f}"
+        if "final_test_accuracy" in held_out
+        else ""
+    )
+    failed = (
+        " — did not learn (exit 3)" if report.get("learning", {}).get("learned") is False else ""
+    )
     drift = held_out.get("drift_above_best")
     if drift is not None and drift > report.get("learning", {}).get("drift_tolerance", 0.1):
-        at = "the initial model" if held_out["best_round"] < 0 else f"round {held_out['best_round'] + 1}"
-        failed += f" — drifted: {drift:.0%} above the best loss {held_out['best_test_loss']:.4f} ({at})"
-    change = (f" ({-held_out['loss_improvement']:+.1%})"
-              if math.isfinite(held_out.get("loss_improvement", math.nan)) else "")
-    bands = "" if mech["bands"] is None else f", bands={mech['bands']}"   # None: a dense (unbanded) encoder
+        at = (
+            "the initial model"
+            if held_out["best_round"] < 0
+            else f"round {held_out['best_round'] + 1}"
+        )
+        failed += (
+            f" — drifted: {drift:.0%} above the best loss {held_out['best_test_loss']:.4f} ({at})"
+        )
+    change = (
+        f" ({-held_out['loss_improvement']:+.1%})"
+        if math.isfinite(held_out.get("loss_improvement", math.nan))
+        else ""
+    )
+    bands = (
+        "" if mech["bands"] is None else f", bands={mech['bands']}"
+    )  # None: a dense (unbanded) encoder
     lines = [
-        f"held-out    loss {held_out['initial_test_loss']:.4f} → {held_out['final_test_loss']:.4f}{change}{acc} "
+        f"held-out    loss {held_out['initial_test_loss']:.4f} → "
+        f"{held_out['final_test_loss']:.4f}{change}{acc} "
         f"over {held_out['rounds_evaluated']} rounds{failed}",
-        f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, b={mech['min_sep']}{bands}), "
+        f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
+        f"b={mech['min_sep']}{bands}), "
         f"{mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
         f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
         f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
@@ -686,12 +1046,16 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
-        *([f"accounting  {selection_line(report['accountant'])}"] if "bounds" in report["accountant"] else []),
+        *(
+            [f"accounting  {selection_line(report['accountant'])}"]
+            if "bounds" in report["accountant"]
+            else []
+        ),
         _users_line(realized, out),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
-        f"rounds      {report['rounds_completed']} completed" + (f"; stopped: {report['stopped_reason']}"
-                                                                 if report.get("stopped_reason") else ""),
+        f"rounds      {report['rounds_completed']} completed"
+        + (f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else ""),
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
@@ -702,28 +1066,41 @@ def _vocabulary_lines(report: dict) -> list[str]:
     vocab, total = report.get("vocabulary"), report.get("total")
     if vocab is None:
         return []
-    spent = f" (ε = {vocab['epsilon']:g}, δ = {vocab['delta']:g})" if vocab["source"] == "dp" else ""
+    spent = (
+        f" (ε = {vocab['epsilon']:g}, δ = {vocab['delta']:g})" if vocab["source"] == "dp" else ""
+    )
     lines = [f"vocabulary  {vocab['words']} words, {vocab['source']}{spent}: {vocab['note']}"]
     if total and vocab["source"] == "dp":
         eps = "n/a" if total["epsilon"] is None else f"{total['epsilon']:.4f}"
-        lines.append(f"total       ε = {eps}, δ = {total['delta']:g} (vocabulary + training, basic composition)")
+        lines.append(
+            f"total       ε = {eps}, δ = {total['delta']:g} (vocabulary + training, basic "
+            "composition)"
+        )
     return lines
 
 
 def _users_line(realized: dict, out: Path) -> str:
     users = realized["participation"]
-    if "users" not in users:   # an amplified run: nothing public depends on the secret cohorts
-        return (f"users       secret cohorts (amplified ε): who trained, and the per-round reply counts, are in "
-                f"{out / users['operator_only']} and {out / 'operator'} (owner-only); policy {users['policy']}")
+    if "users" not in users:  # an amplified run: nothing public depends on the secret cohorts
+        return (
+            "users       secret cohorts (amplified ε): who trained, and the per-round reply "
+            "counts, are in "
+            f"{out / users['operator_only']} and {out / 'operator'} (owner-only); policy "
+            f"{users['policy']}"
+        )
     count = users["max_participations"]
-    gap = "no user trained twice" if users["min_gap"] is None else f"smallest gap {users['min_gap']}"
-    return (f"users       {len(users['users'])}, at most {count} round{'' if count == 1 else 's'} each, {gap}; "
-            f"{realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
-            f"policy {users['policy']}")
+    gap = (
+        "no user trained twice" if users["min_gap"] is None else f"smallest gap {users['min_gap']}"
+    )
+    return (
+        f"users       {len(users['users'])}, at most {count} round{'' if count == 1 else 's'} "
+        f"each, {gap}; "
+        f"{realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
+        f"policy {users['policy']}"
+    )
 
 
-noise_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="Correlated-noise audits.")
+noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
 app.command("compare")(compare_command)
@@ -734,18 +1111,25 @@ app.command("schema")(schema_command)
 def noise_sample(
     factorization: Annotated[Path, typer.Option(help="a factorization .npz file")],
     dim: Annotated[int, typer.Option(help="D: coordinates per round")],
-    seed: Annotated[str, typer.Option(help="audit seed: hex key of the PRNG's key length, or any text/integer")],
+    seed: Annotated[
+        str, typer.Option(help="audit seed: hex key of the PRNG's key length, or any text/integer")
+    ],
     out: Annotated[Path, typer.Option(help="output .npy file (float32, rounds × dim)")],
-    start: Annotated[int, typer.Option(help="first round R (the state before it is regenerated from the seed)")]
-    = 0,
-    rounds: Annotated[int | None, typer.Option(help="number of rounds N (default: to the end)")] = None,
+    start: Annotated[
+        int, typer.Option(help="first round R (the state before it is regenerated from the seed)")
+    ] = 0,
+    rounds: Annotated[
+        int | None, typer.Option(help="number of rounds N (default: to the end)")
+    ] = None,
     prng: Annotated[str, typer.Option(help="philox or chacha")] = "philox",
     mode: Annotated[str | None, typer.Option(help="override the generation mode")] = None,
-    chunk_size: Annotated[int, typer.Option(help="coordinates per PRNG chunk (must match the server's)")]
-    = 1 << 20,
+    chunk_size: Annotated[
+        int, typer.Option(help="coordinates per PRNG chunk (must match the server's)")
+    ] = 1 << 20,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Write rows R..R+N−1 of the unit-σ noise stream, exactly as the server computes them for that key."""
+    """Write rows R..R+N−1 of the unit-σ noise stream, exactly as the server computes them for that
+    key."""
     import numpy as np
 
     from corrflow.noise import CorrelatedNoise, key_from_seed
@@ -758,17 +1142,37 @@ def noise_sample(
             raise InvalidArgumentError("--start", f"a round in [0, {fac.rounds})", start)
         count = fac.rounds - start if rounds is None else rounds
         if not 1 <= count <= fac.rounds - start:
-            raise InvalidArgumentError("--rounds", f"between 1 and {fac.rounds - start} (the factorization has "
-                                       f"{fac.rounds} rounds)", rounds)
-        gen = CorrelatedNoise(fac, [(dim,)], 1.0, key=key_from_seed(seed, prng), prng=prng, mode=mode,
-                              chunk_size=chunk_size)
+            raise InvalidArgumentError(
+                "--rounds",
+                f"between 1 and {fac.rounds - start} (the factorization has {fac.rounds} rounds)",
+                rounds,
+            )
+        gen = CorrelatedNoise(
+            fac,
+            [(dim,)],
+            1.0,
+            key=key_from_seed(seed, prng),
+            prng=prng,
+            mode=mode,
+            chunk_size=chunk_size,
+        )
         gen.skip_to(start)
         rows = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(count, dim))
         for i in range(count):
             rows[i] = gen.next(start + i)[0]
         rows.flush()
-        _emit({"path": str(out), "rounds": count, "start": start, "dim": dim, "mode": gen.mode, "prng": prng,
-               "factorization_sha256": fac.sha256()}, as_json)
+        _emit(
+            {
+                "path": str(out),
+                "rounds": count,
+                "start": start,
+                "dim": dim,
+                "mode": gen.mode,
+                "prng": prng,
+                "factorization_sha256": fac.sha256(),
+            },
+            as_json,
+        )
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
 

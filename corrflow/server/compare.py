@@ -1,29 +1,35 @@
-"""``corrflow compare``: the same federated task trained in several arms at each (ε, δ) of a sweep, over several
-seeds. A seed fixes the data, the model initialisation, the evaluation set and the participation order, shared by
-every arm; the noise key is never seeded (each run draws a fresh secret key).
+"""``corrflow compare``: the same federated task trained in several arms at each (ε, δ) of a sweep,
+over several seeds. A seed fixes the data, the model initialisation, the evaluation set and the
+participation order, shared by every arm; the noise key is never seeded (each run draws a fresh
+secret key).
 
 The arms at each ε:
 
 * ``nonprivate`` — no noise (trained once per seed, the same at every ε);
-* ``dpsgd`` — DP-SGD with fixed-epoch participation (each user in k rounds n/k apart), unamplified accounting;
-* ``dpsgd-poisson`` — DP-SGD as Flower, Opacus and TF-Privacy users run it: every user sampled with probability
-  q = cohort/population in every round, accounted with dp-accounting's PLD of the Poisson-subsampled Gaussian (the
-  cyclic-Poisson reduction of "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML"
-  (R. McKenna, arXiv 2405.15913; 001), Prop. 2.1, with separation b = 1);
+* ``dpsgd`` — DP-SGD with fixed-epoch participation (each user in k rounds n/k apart), unamplified
+  accounting;
+* ``dpsgd-poisson`` — DP-SGD as Flower, Opacus and TF-Privacy users run it: every user sampled with
+  probability q = cohort/population in every round, accounted with dp-accounting's PLD of the
+  Poisson-subsampled Gaussian (the cyclic-Poisson reduction of "Scaling up the Banded Matrix
+  Factorization Mechanism for Differentially Private ML" (R. McKenna, arXiv 2405.15913; 001), Prop.
+  2.1, with separation b = 1);
 * one arm per correlated-noise kind asked for, fixed-epoch and unamplified, as before;
-* with ``amplified``, ``<kind>-amplified``: the kind under the cyclic Poisson sampler its registry entry allows, with
-  its own separation b < population/cohort chosen by the planner (at b = population/cohort the sampling probability
-  is 1 and nothing is amplified);
-* ``plan`` — the recipe ``corrflow plan`` recommends for the same population, cohort, rounds, ε and δ, run as is.
+* with ``amplified``, ``<kind>-amplified``: the kind under the cyclic Poisson sampler its registry
+  entry allows, with its own separation b < population/cohort chosen by the planner (at b =
+  population/cohort the sampling probability is 1 and nothing is amplified);
+* ``plan`` — the recipe ``corrflow plan`` recommends for the same population, cohort, rounds, ε and
+  δ, run as is.
 
-Every private arm's ε is the ε its run verified at δ (its privacy report), shown next to the target. Calibrations
-are shared: one plan per ε (cached in ``OUT/cache``, or ``$CORRFLOW_HOME/cache``) gives σ for every arm — the
-unamplified σ depends on ε and δ alone, as every stored factorization has sensitivity 1.
+Every private arm's ε is the ε its run verified at δ (its privacy report), shown next to the target.
+Calibrations are shared: one plan per ε (cached in ``OUT/cache``, or ``$CORRFLOW_HOME/cache``) gives
+σ for every arm — the unamplified σ depends on ε and δ alone, as every stored factorization has
+sensitivity 1.
 
-Reports per ε the final held-out accuracy and loss per arm (means and per seed), the fraction of the gap between
-the best DP-SGD arm and non-private training each arm closes (000 Fig. 3 measures the same on StackOverflow), the
-planner's score (RMSE at the target ε) of the planned arms, per-round curves and plots, and across ε the plots
-accuracy_vs_epsilon.png and loss_vs_epsilon.png (mean and min–max over seeds, as in 001 Fig. 1).
+Reports per ε the final held-out accuracy and loss per arm (means and per seed), the fraction of the
+gap between the best DP-SGD arm and non-private training each arm closes (000 Fig. 3 measures the
+same on StackOverflow), the planner's score (RMSE at the target ε) of the planned arms, per-round
+curves and plots, and across ε the plots accuracy_vs_epsilon.png and loss_vs_epsilon.png (mean and
+min–max over seeds, as in 001 Fig. 1).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ log = logging.getLogger("corrflow")
 
 @dataclass(frozen=True)
 class Preset:
-    """One comparison's task and schedule: ``users`` split into rounds/epochs fixed-epoch groups (the cohort)."""
+    """One comparison's task and schedule: ``users`` split into rounds/epochs fixed-epoch groups
+    (the cohort)."""
 
     name: str
     users: int
@@ -64,7 +71,9 @@ class Preset:
     momentum: float = 0.9
     local_lr: float = 2.0
     local_steps: int = 2
-    data_path: str = ""          # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
+    data_path: str = (
+        ""  # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
+    )
     vocab_path: str = ""
 
     @property
@@ -72,8 +81,9 @@ class Preset:
         return self.users // (self.rounds // self.epochs)
 
 
-# quick: 1000 users, cohort 100, 40 rounds, each user in 4 rounds 10 apart — all arms × 3 seeds in a few minutes on
-# 2 cores. tiny: the same recipe scaled down for the test suite (well under a minute).
+# quick: 1000 users, cohort 100, 40 rounds, each user in 4 rounds 10 apart — all arms × 3 seeds in a
+# few minutes on 2 cores. tiny: the same recipe scaled down for the test suite (well under a
+# minute).
 PRESETS = {
     "quick": Preset("quick", users=1000, rounds=40, epochs=4, seeds=3),
     "tiny": Preset("tiny", users=160, rounds=16, epochs=4, seeds=1, local_steps=1),
@@ -84,10 +94,18 @@ FIXED_ARMS = ("nonprivate", "dpsgd", "dpsgd-poisson", "plan")
 DPSGD_ARMS = ("dpsgd", "dpsgd-poisson")
 AMPLIFIED_SUFFIX = "-amplified"
 
-LABELS = {"nonprivate": "non-private", "dpsgd": "DP-SGD (fixed-epoch, unamplified)",
-          "dpsgd-poisson": "DP-SGD (Poisson sampling, amplified)", "plan": "corrflow plan's recipe",
-          "toeplitz": "banded Toeplitz MF", "dense": "dense (optimal multi-epoch) MF", "banded": "BandMF",
-          "bifr": "γ-BIFR", "bisr": "BISR", "blt": "BLT"}
+LABELS = {
+    "nonprivate": "non-private",
+    "dpsgd": "DP-SGD (fixed-epoch, unamplified)",
+    "dpsgd-poisson": "DP-SGD (Poisson sampling, amplified)",
+    "plan": "corrflow plan's recipe",
+    "toeplitz": "banded Toeplitz MF",
+    "dense": "dense (optimal multi-epoch) MF",
+    "banded": "BandMF",
+    "bifr": "γ-BIFR",
+    "bisr": "BISR",
+    "blt": "BLT",
+}
 
 
 def label(name: str) -> str:
@@ -113,11 +131,13 @@ def epsilon_key(epsilon: float) -> str:
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm at one ε: its run settings beyond the preset's, and the planned recipe it runs (if any).
+    """One arm at one ε: its run settings beyond the preset's, and the planned recipe it runs (if
+    any).
 
-    ``settings``: :class:`corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written by
-    :func:`corrflow.planning.candidates.write_plan` whose factorization is installed in the run's directory;
-    ``rmse``: the planner's score of the arm's mechanism (RMSE at the target ε per unit clip norm)."""
+    ``settings``: :class:`corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written
+    by :func:`corrflow.planning.candidates.write_plan` whose factorization is installed in the run's
+    directory; ``rmse``: the planner's score of the arm's mechanism (RMSE at the target ε per unit
+    clip norm)."""
 
     name: str
     kind: str
@@ -138,161 +158,320 @@ class ArmPlan:
 
 
 def _preset_settings(preset: Preset, seed: int, out: Path) -> dict:
-    return dict(num_users=preset.users, num_rounds=preset.rounds, epochs=preset.epochs, delta=preset.delta,
-                clip_norm=preset.clip_norm, server_lr=preset.server_lr, momentum=preset.momentum,
-                local_lr=preset.local_lr, local_steps=preset.local_steps, client=preset.client, seed=seed,
-                state_dir=str(out))
+    return dict(
+        num_users=preset.users,
+        num_rounds=preset.rounds,
+        epochs=preset.epochs,
+        delta=preset.delta,
+        clip_norm=preset.clip_norm,
+        server_lr=preset.server_lr,
+        momentum=preset.momentum,
+        local_lr=preset.local_lr,
+        local_steps=preset.local_steps,
+        client=preset.client,
+        seed=seed,
+        state_dir=str(out),
+    )
 
 
 def arm_config(preset: Preset, arm: Arm, seed: int, out: Path):
-    """The run settings of ``arm`` for ``seed`` in ``out``: the preset's task and optimizer, the arm's mechanism."""
+    """The run settings of ``arm`` for ``seed`` in ``out``: the preset's task and optimizer, the
+    arm's mechanism."""
     from corrflow.config import RunConfig
 
-    return RunConfig(**{**_preset_settings(preset, seed, out), **data_settings(preset), **arm.settings})
+    return RunConfig(
+        **{**_preset_settings(preset, seed, out), **data_settings(preset), **arm.settings}
+    )
 
 
 def data_settings(preset: Preset) -> dict:
-    """The run settings of a comparison on a dataset file (``--data``): the file and its vocabulary; on arXiv
-    JSON lines the author is the privacy unit (multi-attribution participation, k_u = 2, 004 §7.3)."""
+    """The run settings of a comparison on a dataset file (``--data``): the file and its vocabulary;
+    on arXiv JSON lines the author is the privacy unit (multi-attribution participation, k_u = 2,
+    004 §7.3)."""
     if not preset.data_path:
         return {}
     from corrflow.data.federated import data_format
 
     out = {"data_path": preset.data_path, "vocab_path": preset.vocab_path}
     if data_format(preset.data_path) == "arxiv-jsonl":
-        out.update(participation="multi-attribution", min_sep=preset.rounds // preset.epochs, max_items_per_user=2)
+        out.update(
+            participation="multi-attribution",
+            min_sep=preset.rounds // preset.epochs,
+            max_items_per_user=2,
+        )
     return out
 
 
-NONPRIVATE = Arm("nonprivate", "none", {"kind": "toeplitz", "non_private": True}, description="no noise")
+NONPRIVATE = Arm(
+    "nonprivate", "none", {"kind": "toeplitz", "non_private": True}, description="no noise"
+)
 
 
 def plan_request(preset: Preset, epsilon: float, **kw):
-    """The ``corrflow plan`` request for the preset's population, cohort, rounds and optimizer at ``epsilon``."""
+    """The ``corrflow plan`` request for the preset's population, cohort, rounds and optimizer at
+    ``epsilon``."""
     from corrflow.planning.candidates import PlanRequest
 
-    return PlanRequest(rounds=preset.rounds, population=preset.users, cohort_size=preset.cohort,
-                       target_epsilon=epsilon, delta=preset.delta, momentum=preset.momentum, **kw)
+    return PlanRequest(
+        rounds=preset.rounds,
+        population=preset.users,
+        cohort_size=preset.cohort,
+        target_epsilon=epsilon,
+        delta=preset.delta,
+        momentum=preset.momentum,
+        **kw,
+    )
 
 
 def _recipe_arm(name: str, cand, plan, out: Path, epsilon: float, description: str) -> Arm:
-    """An arm that runs the planner's candidate ``cand`` as is (recipe + factorization written to ``out``)."""
+    """An arm that runs the planner's candidate ``cand`` as is (recipe + factorization written to
+    ``out``)."""
     from corrflow.planning.candidates import write_plan
     from corrflow.planning.recipe import load_recipe
 
     write_plan(replace(plan, recommended=cand), out, plots=False)
     recipe, _ = load_recipe(out / "recipe.json")
-    settings = {**recipe.strategy_settings(), "target_epsilon": epsilon}   # the target: the run's budget guard
-    return Arm(name, cand.kind, settings, recipe=str(out / "recipe.json"), rmse=cand.rmse,
-               description=f"{description}: {cand.label()}")
+    settings = {
+        **recipe.strategy_settings(),
+        "target_epsilon": epsilon,
+    }  # the target: the run's budget guard
+    return Arm(
+        name,
+        cand.kind,
+        settings,
+        recipe=str(out / "recipe.json"),
+        rmse=cand.rmse,
+        description=f"{description}: {cand.label()}",
+    )
 
 
-def plan_arms(preset: Preset, kinds: list[str], epsilon: float, amplified: bool, root: Path, cache,
-              progress=None) -> ArmPlan:
-    """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for an amplified
-    kind the default plan leaves out, a plan of that kind) sharing ``cache``."""
+def plan_arms(
+    preset: Preset,
+    kinds: list[str],
+    epsilon: float,
+    amplified: bool,
+    root: Path,
+    cache,
+    progress=None,
+) -> ArmPlan:
+    """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for
+    an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``."""
     from corrflow.factorization.registry import REGISTRY
     from corrflow.planning.candidates import DEFAULT_KINDS, make_plan
 
     started = time.perf_counter()
     req = plan_request(preset, epsilon)
     plan = make_plan(req, cache, quiet=True)
-    require(plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)")
+    require(
+        plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)"
+    )
     cands = plan.candidates
-    unamplified = next((c for c in cands if c.kind == "dpsgd" and c.accountant == "unamplified"), None)
-    require(unamplified is not None, "plan", "a DP-SGD candidate with unamplified accounting", epsilon)
-    poisson = next((c for c in cands if c.kind == "dpsgd" and c.accountant == "cyclic-poisson" and c.min_sep == 1),
-                   None)
-    require(poisson is not None, "users", f"a population above the cohort ({preset.cohort}) so that users can be "
-            "Poisson-sampled with probability cohort/population < 1", preset.users)
+    unamplified = next(
+        (c for c in cands if c.kind == "dpsgd" and c.accountant == "unamplified"), None
+    )
+    require(
+        unamplified is not None, "plan", "a DP-SGD candidate with unamplified accounting", epsilon
+    )
+    poisson = next(
+        (
+            c
+            for c in cands
+            if c.kind == "dpsgd" and c.accountant == "cyclic-poisson" and c.min_sep == 1
+        ),
+        None,
+    )
+    require(
+        poisson is not None,
+        "users",
+        f"a population above the cohort ({preset.cohort}) so that users can be "
+        "Poisson-sampled with probability cohort/population < 1",
+        preset.users,
+    )
     base = root / "recipes"
-    # One σ for every fixed-epoch unamplified arm: the ε of a sensitivity-1 Gaussian depends on σ and δ alone.
+    # One σ for every fixed-epoch unamplified arm: the ε of a sensitivity-1 Gaussian depends on σ
+    # and δ alone.
     sigma = unamplified.noise_multiplier
     fixed = {"noise_multiplier": sigma, "target_epsilon": epsilon}
-    arms = [Arm("dpsgd", "dpsgd", {"kind": "dpsgd", **fixed}, rmse=unamplified.rmse,
-                description="DP-SGD, fixed-epoch, unamplified"),
-            _recipe_arm("dpsgd-poisson", poisson, plan, base / "dpsgd-poisson", epsilon,
-                        "DP-SGD, Poisson sampling q = cohort/population, PLD")]
+    arms = [
+        Arm(
+            "dpsgd",
+            "dpsgd",
+            {"kind": "dpsgd", **fixed},
+            rmse=unamplified.rmse,
+            description="DP-SGD, fixed-epoch, unamplified",
+        ),
+        _recipe_arm(
+            "dpsgd-poisson",
+            poisson,
+            plan,
+            base / "dpsgd-poisson",
+            epsilon,
+            "DP-SGD, Poisson sampling q = cohort/population, PLD",
+        ),
+    ]
     for kind in kinds:
-        arms.append(Arm(kind, kind, {"kind": kind, **fixed}, description=f"{kind}, fixed-epoch, unamplified"))
+        arms.append(
+            Arm(
+                kind, kind, {"kind": kind, **fixed}, description=f"{kind}, fixed-epoch, unamplified"
+            )
+        )
     skipped = []
     if amplified:
         for kind in kinds:
             if "cyclic-poisson" not in REGISTRY[kind].accountants:
-                skipped.append({"arm": kind + AMPLIFIED_SUFFIX, "reason": f"{kind}'s registry entry allows no "
-                                "cyclic-Poisson accounting (its encoder is not banded): no amplified variant"})
+                skipped.append(
+                    {
+                        "arm": kind + AMPLIFIED_SUFFIX,
+                        "reason": f"{kind}'s registry entry allows no "
+                        "cyclic-Poisson accounting (its encoder is not banded): no amplified "
+                        "variant",
+                    }
+                )
                 continue
-            kplan = plan if kind in DEFAULT_KINDS else make_plan(
-                plan_request(preset, epsilon, kinds=(kind,), accountants=("cyclic-poisson",)), cache, quiet=True)
-            own = [c for c in kplan.candidates if c.kind == kind and c.accountant == "cyclic-poisson"
-                   and c.min_sep < req.min_sep]
+            kplan = (
+                plan
+                if kind in DEFAULT_KINDS
+                else make_plan(
+                    plan_request(preset, epsilon, kinds=(kind,), accountants=("cyclic-poisson",)),
+                    cache,
+                    quiet=True,
+                )
+            )
+            own = [
+                c
+                for c in kplan.candidates
+                if c.kind == kind and c.accountant == "cyclic-poisson" and c.min_sep < req.min_sep
+            ]
             if not own:
-                skipped.append({"arm": kind + AMPLIFIED_SUFFIX, "reason": f"no {kind} candidate with a sampler "
-                                f"separation b < population/cohort = {req.min_sep}"})
+                skipped.append(
+                    {
+                        "arm": kind + AMPLIFIED_SUFFIX,
+                        "reason": f"no {kind} candidate with a sampler "
+                        f"separation b < population/cohort = {req.min_sep}",
+                    }
+                )
                 continue
             best = min(own, key=lambda c: c.rmse)
-            arms.append(_recipe_arm(kind + AMPLIFIED_SUFFIX, best, kplan, base / (kind + AMPLIFIED_SUFFIX),
-                                    epsilon, "amplified, planner's b"))
-    arms.append(_recipe_arm("plan", plan.recommended, plan, base / "plan", epsilon, "corrflow plan's recipe"))
-    planner = {"recommended": plan.recommended.label(), "seconds": time.perf_counter() - started,
-               "rmse": {a.name: a.rmse for a in arms if a.rmse is not None},
-               "cache": {"hits": cache.hits, "misses": cache.misses}}
+            arms.append(
+                _recipe_arm(
+                    kind + AMPLIFIED_SUFFIX,
+                    best,
+                    kplan,
+                    base / (kind + AMPLIFIED_SUFFIX),
+                    epsilon,
+                    "amplified, planner's b",
+                )
+            )
+    arms.append(
+        _recipe_arm(
+            "plan", plan.recommended, plan, base / "plan", epsilon, "corrflow plan's recipe"
+        )
+    )
+    planner = {
+        "recommended": plan.recommended.label(),
+        "seconds": time.perf_counter() - started,
+        "rmse": {a.name: a.rmse for a in arms if a.rmse is not None},
+        "cache": {"hits": cache.hits, "misses": cache.misses},
+    }
     for entry in skipped:
         if progress is not None:
             progress(f"ε = {epsilon:g}: skipped {entry['arm']}: {entry['reason']}")
     return ArmPlan(epsilon, arms, planner, skipped)
 
 
-def run_arm(preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None) -> dict:
-    """Train one arm for one seed in ``out`` (a fresh directory); its final metrics, verified (ε, δ) and curve."""
+def run_arm(
+    preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None
+) -> dict:
+    """Train one arm for one seed in ``out`` (a fresh directory); its final metrics, verified (ε, δ)
+    and curve."""
     from corrflow.clients.tasks import get_task
     from corrflow.planning.recipe import install_factorization, load_recipe
     from corrflow.server.simulation import simulate
 
-    require(not (out / "state").exists(), "out", "a directory without a previous comparison run", str(out))
+    require(
+        not (out / "state").exists(),
+        "out",
+        "a directory without a previous comparison run",
+        str(out),
+    )
     cfg = arm_config(preset, arm, seed, out)
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
         install_factorization(*load_recipe(arm.recipe), cfg, replace=True)
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, seed, cfg.eval_sequences)
+    task = get_task(
+        cfg.client,
+        cfg.model_dim,
+        cfg.data_path,
+        cfg.vocab_path,
+        cfg.seq_len,
+        seed,
+        cfg.eval_sequences,
+    )
     started = time.perf_counter()
     report = simulate(cfg, backend=backend)
     curve = json.loads((out / "metrics.json").read_text())
     last = curve[-1]
-    require(last["round"] == preset.rounds - 1, "rounds", f"all {preset.rounds} rounds completed in arm {arm.name}",
-            report.get("rounds_completed"))
+    require(
+        last["round"] == preset.rounds - 1,
+        "rounds",
+        f"all {preset.rounds} rounds completed in arm {arm.name}",
+        report.get("rounds_completed"),
+    )
     learning = report["learning"]
     acc = report.get("accountant") or {}
     eps, delta = report["realized"]["epsilon"], report.get("delta")
     private = epsilon is not None
-    verified = (not private) or (eps is not None and delta is not None and eps <= epsilon * (1 + 1e-9)
-                                 and delta <= preset.delta * (1 + 1e-12))
+    verified = (not private) or (
+        eps is not None
+        and delta is not None
+        and eps <= epsilon * (1 + 1e-9)
+        and delta <= preset.delta * (1 + 1e-12)
+    )
     rounds = [m for m in curve if m["round"] >= 0]
     rmse = None
-    if private:   # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+    if (
+        private
+    ):  # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
         from corrflow.factorization.base import Factorization
 
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
-    return {"seed": seed, "accuracy": last.get("test_accuracy"), "loss": last["test_loss"],
-            "learned": learning["learned"], "noise_to_signal": learning["noise_to_signal"],
-            "initial_accuracy": curve[0].get("test_accuracy"), "initial_loss": curve[0]["test_loss"],
-            "epsilon": eps, "delta": delta if private else None, "target_epsilon": epsilon, "verified": verified,
-            "accountant": acc.get("name", "none"), "sampling": acc.get("sampling", "none"),
-            "noise_multiplier": report["noise_multiplier"], "rmse": rmse,
-            "participation": cfg.participation, "min_sep": cfg.b, "bands": report["mechanism"].get("bands"),
-            "cohort": last.get("cohort"), "mean_cohort": _mean(m.get("accepted") for m in rounds),
-            "rejected": sum(int(m.get("rejected", 0)) for m in rounds),
-            "init_sha256": fingerprint(task.initial_weights()),
-            "data_sha256": fingerprint([a for u in range(3) for a in task.user_data(u)]),
-            "seconds": time.perf_counter() - started,
-            "curve": [{"round": m["round"], "loss": m["test_loss"], "accuracy": m.get("test_accuracy")}
-                      for m in curve]}
+    return {
+        "seed": seed,
+        "accuracy": last.get("test_accuracy"),
+        "loss": last["test_loss"],
+        "learned": learning["learned"],
+        "noise_to_signal": learning["noise_to_signal"],
+        "initial_accuracy": curve[0].get("test_accuracy"),
+        "initial_loss": curve[0]["test_loss"],
+        "epsilon": eps,
+        "delta": delta if private else None,
+        "target_epsilon": epsilon,
+        "verified": verified,
+        "accountant": acc.get("name", "none"),
+        "sampling": acc.get("sampling", "none"),
+        "noise_multiplier": report["noise_multiplier"],
+        "rmse": rmse,
+        "participation": cfg.participation,
+        "min_sep": cfg.b,
+        "bands": report["mechanism"].get("bands"),
+        "cohort": last.get("cohort"),
+        "mean_cohort": _mean(m.get("accepted") for m in rounds),
+        "rejected": sum(int(m.get("rejected", 0)) for m in rounds),
+        "init_sha256": fingerprint(task.initial_weights()),
+        "data_sha256": fingerprint([a for u in range(3) for a in task.user_data(u)]),
+        "seconds": time.perf_counter() - started,
+        "curve": [
+            {"round": m["round"], "loss": m["test_loss"], "accuracy": m.get("test_accuracy")}
+            for m in curve
+        ],
+    }
 
 
 def gap_closed(value: float | None, dpsgd: float | None, nonprivate: float | None) -> float | None:
-    """(arm − DP-SGD) / (non-private − DP-SGD): 1 when the arm matches non-private training, 0 when it is no
-    better than DP-SGD; null when the two reference arms tie (no gap to close) or a value is missing."""
+    """(arm − DP-SGD) / (non-private − DP-SGD): 1 when the arm matches non-private training, 0 when
+    it is no better than DP-SGD; null when the two reference arms tie (no gap to close) or a value
+    is missing."""
     if value is None or dpsgd is None or nonprivate is None or abs(nonprivate - dpsgd) < 1e-12:
         return None
     return (value - dpsgd) / (nonprivate - dpsgd)
@@ -304,7 +483,10 @@ def _mean(values):
 
 
 def _cpu_seconds() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
@@ -314,69 +496,124 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
-    require(bool(values) and all(math.isfinite(v) and v > 0 for v in values), "epsilons",
-            "comma-separated finite ε > 0 (e.g. 1,2,4,8,16)", text)
+    require(
+        bool(values) and all(math.isfinite(v) and v > 0 for v in values),
+        "epsilons",
+        "comma-separated finite ε > 0 (e.g. 1,2,4,8,16)",
+        text,
+    )
     return tuple(sorted(set(values)))
 
 
-def compare(preset: Preset, kinds: list[str], out_dir: str | Path, backend: str = "inprocess",
-            progress=None, *, epsilons: tuple[float, ...] | None = None, amplified: bool = False) -> dict:
-    """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds 0..preset.seeds−1; write
-    ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the plots against ε."""
+def compare(
+    preset: Preset,
+    kinds: list[str],
+    out_dir: str | Path,
+    backend: str = "inprocess",
+    progress=None,
+    *,
+    epsilons: tuple[float, ...] | None = None,
+    amplified: bool = False,
+) -> dict:
+    """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
+    0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
+    plots against ε."""
     from corrflow.factorization.registry import KINDS
     from corrflow.planning.cache import PlanCache, default_cache_dir
 
     require(preset.seeds >= 1, "seeds", "a positive integer", preset.seeds)
     correlated = [k for k in KINDS if k != "dpsgd"]
-    require(all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds), "kinds",
-            f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, dpsgd-poisson and "
-            "plan always run)", kinds)
+    require(
+        all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
+        "kinds",
+        f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, "
+        "dpsgd-poisson and "
+        "plan always run)",
+        kinds,
+    )
     epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
     require(all(math.isfinite(e) and e > 0 for e in epsilons), "epsilons", "finite ε > 0", epsilons)
     out = Path(out_dir)
     # every fixed-epoch arm's settings are valid before anything is planned or trained
-    for arm in (NONPRIVATE, Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
-                *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons)):
+    for arm in (
+        NONPRIVATE,
+        Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
+        *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons),
+    ):
         arm_config(preset, arm, 0, out / "runs" / arm.name)
     started, cpu0 = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
     cache = PlanCache(default_cache_dir(out))
     plans = {}
-    for eps in epsilons:    # every ε's arms are planned (and their settings checked) before any arm trains
+    for (
+        eps
+    ) in epsilons:  # every ε's arms are planned (and their settings checked) before any arm trains
         root = out / f"eps{epsilon_key(eps)}"
         plans[eps] = plan_arms(preset, kinds, eps, amplified, root, cache, progress)
         for arm in plans[eps].arms:
             arm_config(preset, arm, 0, root / "runs" / arm.name)
         if progress is not None:
             planner = plans[eps].planner
-            progress(f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in {planner['seconds']:.1f} s "
-                     f"(recommended: {planner['recommended']})")
+            progress(
+                f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in "
+                f"{planner['seconds']:.1f} s "
+                f"(recommended: {planner['recommended']})"
+            )
     per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
     free: list[dict] = []
     for seed in range(preset.seeds):
-        res = run_arm(preset, NONPRIVATE, seed, out / "runs" / f"nonprivate-seed{seed}", backend, None)
+        res = run_arm(
+            preset, NONPRIVATE, seed, out / "runs" / f"nonprivate-seed{seed}", backend, None
+        )
         free.append(res)
         _progress(progress, seed, None, "nonprivate", res)
         for eps in epsilons:
             key = epsilon_key(eps)
             for arm in plans[eps].arms:
-                res = run_arm(preset, arm, seed, out / f"eps{key}" / "runs" / f"{arm.name}-seed{seed}", backend, eps)
+                res = run_arm(
+                    preset,
+                    arm,
+                    seed,
+                    out / f"eps{key}" / "runs" / f"{arm.name}-seed{seed}",
+                    backend,
+                    eps,
+                )
                 per_seed[key].setdefault(arm.name, []).append(res)
                 _progress(progress, seed, eps, arm.name, res)
-    result = {"preset": preset.name, "delta": preset.delta, "rounds": preset.rounds, "cohort": preset.cohort,
-              "seeds": preset.seeds, "users": preset.users, "epochs": preset.epochs, "client": preset.client,
-              "backend": backend, "config": asdict(preset), "kinds": list(kinds), "amplified": amplified,
-              "epsilons": {}, "skipped": []}
+    result = {
+        "preset": preset.name,
+        "delta": preset.delta,
+        "rounds": preset.rounds,
+        "cohort": preset.cohort,
+        "seeds": preset.seeds,
+        "users": preset.users,
+        "epochs": preset.epochs,
+        "client": preset.client,
+        "backend": backend,
+        "config": asdict(preset),
+        "kinds": list(kinds),
+        "amplified": amplified,
+        "epsilons": {},
+        "skipped": [],
+    }
     for eps in epsilons:
         key = epsilon_key(eps)
         arms = {"nonprivate": _summarise(NONPRIVATE, free)}
         for arm in plans[eps].arms:
             arms[arm.name] = _summarise(arm, per_seed[key][arm.name])
-        result["epsilons"][key] = {"epsilon": eps, "arms": arms, **gaps(arms),
-                                   "planner": plans[eps].planner}
+        result["epsilons"][key] = {
+            "epsilon": eps,
+            "arms": arms,
+            **gaps(arms),
+            "planner": plans[eps].planner,
+        }
         result["skipped"] += [{**s, "epsilon": eps} for s in plans[eps].skipped]
-    result["unverified"] = [f"{name} at ε = {key}" for key, e in result["epsilons"].items()
-                            for name, a in e["arms"].items() if not a["verified"]]
+    result["unverified"] = [
+        f"{name} at ε = {key}"
+        for key, e in result["epsilons"].items()
+        for name, a in e["arms"].items()
+        if not a["verified"]
+    ]
     plots = []
     for key, entry in result["epsilons"].items():
         plots += plot_rounds(result, entry, out, key)
@@ -394,9 +631,14 @@ def _progress(progress, seed: int, eps: float | None, name: str, res: dict) -> N
         return
     acc = "-" if res["accuracy"] is None else f"{res['accuracy']:.4f}"
     at = "" if eps is None else f"ε = {eps:g} "
-    spent = "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
-    progress(f"seed {seed} {at}{name:<18} accuracy {acc}  loss {res['loss']:.4f}  σ {res['noise_multiplier']:.3f}"
-             f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)")
+    spent = (
+        "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
+    )
+    progress(
+        f"seed {seed} {at}{name:<18} accuracy {acc}  loss {res['loss']:.4f}  σ "
+        f"{res['noise_multiplier']:.3f}"
+        f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
+    )
 
 
 def _summarise(arm: Arm, runs: list[dict]) -> dict:
@@ -404,29 +646,49 @@ def _summarise(arm: Arm, runs: list[dict]) -> dict:
     first = runs[0]
     eps = [r["epsilon"] for r in runs if r["epsilon"] is not None]
     deltas = [r["delta"] for r in runs if r["delta"] is not None]
-    return {"accuracy": _mean(r["accuracy"] for r in runs), "loss": _mean(r["loss"] for r in runs),
-            "kind": arm.kind, "description": arm.description, "noise_multiplier": first["noise_multiplier"],
-            "accountant": first["accountant"], "sampling": first["sampling"],
-            "participation": first["participation"], "min_sep": first["min_sep"], "bands": first["bands"],
-            "epsilon": max(eps) if eps else None, "delta": max(deltas) if deltas else None,
-            "target_epsilon": first["target_epsilon"], "verified": all(r["verified"] for r in runs),
-            "rmse": first["rmse"] if arm.rmse is None else arm.rmse, "noise_to_signal": first["noise_to_signal"],
-            "learned_seeds": sum(bool(r["learned"]) for r in runs), "per_seed": runs}
+    return {
+        "accuracy": _mean(r["accuracy"] for r in runs),
+        "loss": _mean(r["loss"] for r in runs),
+        "kind": arm.kind,
+        "description": arm.description,
+        "noise_multiplier": first["noise_multiplier"],
+        "accountant": first["accountant"],
+        "sampling": first["sampling"],
+        "participation": first["participation"],
+        "min_sep": first["min_sep"],
+        "bands": first["bands"],
+        "epsilon": max(eps) if eps else None,
+        "delta": max(deltas) if deltas else None,
+        "target_epsilon": first["target_epsilon"],
+        "verified": all(r["verified"] for r in runs),
+        "rmse": first["rmse"] if arm.rmse is None else arm.rmse,
+        "noise_to_signal": first["noise_to_signal"],
+        "learned_seeds": sum(bool(r["learned"]) for r in runs),
+        "per_seed": runs,
+    }
 
 
 def gaps(arms: dict) -> dict:
-    """The best DP-SGD arm (highest mean accuracy) and the gap each other private arm closes between it and
-    non-private training: in accuracy (``gap_closed``) and in loss against the lowest-loss DP-SGD arm
-    (``gap_closed_loss``)."""
+    """The best DP-SGD arm (highest mean accuracy) and the gap each other private arm closes between
+    it and non-private training: in accuracy (``gap_closed``) and in loss against the lowest-loss
+    DP-SGD arm (``gap_closed_loss``)."""
     acc = {n: arms[n]["accuracy"] for n in DPSGD_ARMS}
     best = max(DPSGD_ARMS, key=lambda n: -math.inf if acc[n] is None else acc[n])
     best_loss = min(DPSGD_ARMS, key=lambda n: arms[n]["loss"])
     names = [n for n in arms if n != "nonprivate"]
-    return {"best_dpsgd": best,
-            "gap_closed": {n: gap_closed(arms[n]["accuracy"], arms[best]["accuracy"], arms["nonprivate"]["accuracy"])
-                           for n in names},
-            "gap_closed_loss": {n: gap_closed(arms[n]["loss"], arms[best_loss]["loss"], arms["nonprivate"]["loss"])
-                                for n in names}}
+    return {
+        "best_dpsgd": best,
+        "gap_closed": {
+            n: gap_closed(
+                arms[n]["accuracy"], arms[best]["accuracy"], arms["nonprivate"]["accuracy"]
+            )
+            for n in names
+        },
+        "gap_closed_loss": {
+            n: gap_closed(arms[n]["loss"], arms[best_loss]["loss"], arms["nonprivate"]["loss"])
+            for n in names
+        },
+    }
 
 
 def write_curves(entry: dict, path: Path) -> None:
@@ -461,12 +723,18 @@ def _finish_plot(plt, fig, ax, path: Path) -> str:
 
 
 def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
-    """accuracy_eps<ε>.png and loss_eps<ε>.png: held-out metric against round (round −1 = the initial model), the
-    mean over seeds as a line and the min–max over seeds as a band, one colour per arm."""
+    """accuracy_eps<ε>.png and loss_eps<ε>.png: held-out metric against round (round −1 = the
+    initial model), the mean over seeds as a line and the min–max over seeds as a band, one colour
+    per arm."""
     plt = _pyplot()
     paths = []
     for metric, ylabel in METRICS:
-        if any(m[metric] is None for arm in entry["arms"].values() for run in arm["per_seed"] for m in run["curve"]):
+        if any(
+            m[metric] is None
+            for arm in entry["arms"].values()
+            for run in arm["per_seed"]
+            for m in run["curve"]
+        ):
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
         for name, arm in entry["arms"].items():
@@ -476,17 +744,20 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
             ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{result['preset']} ({result['client']}): ε = {key}, δ = {result['delta']:g}, "
-                     f"cohort {result['cohort']}, {result['seeds']} seed(s)", fontsize=9)
+        ax.set_title(
+            f"{result['preset']} ({result['client']}): ε = {key}, δ = {result['delta']:g}, "
+            f"cohort {result['cohort']}, {result['seeds']} seed(s)",
+            fontsize=9,
+        )
         ax.grid(alpha=0.3)
         paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png"))
     return paths
 
 
 def plot_sweep(result: dict, out: Path) -> list[str]:
-    """accuracy_vs_epsilon.png and loss_vs_epsilon.png: final held-out metric against ε (log scale), the mean over
-    seeds with the min–max over seeds as error bars and a band, one colour per arm (001 Fig. 1); non-private as a
-    horizontal line."""
+    """accuracy_vs_epsilon.png and loss_vs_epsilon.png: final held-out metric against ε (log scale),
+    the mean over seeds with the min–max over seeds as error bars and a band, one colour per arm
+    (001 Fig. 1); non-private as a horizontal line."""
     from matplotlib.ticker import NullFormatter
 
     plt = _pyplot()
@@ -505,7 +776,9 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
             if name == "nonprivate":
                 ax.axhline(mean[0], color="black", linestyle="--", linewidth=1, label=label(name))
                 continue
-            line = ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], marker="o", capsize=3, label=label(name))
+            line = ax.errorbar(
+                x, mean, yerr=[mean - lo, hi - mean], marker="o", capsize=3, label=label(name)
+            )
             ax.fill_between(x, lo, hi, alpha=0.15, color=line[0].get_color())
         ax.set_xscale("log")
         ax.set_xticks(x)
@@ -513,54 +786,98 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"ε (δ = {result['delta']:g})")
         ax.set_ylabel(f"final {ylabel}")
-        ax.set_title(f"{result['preset']} ({result['client']}): {result['users']} users, cohort {result['cohort']}, "
-                     f"{result['rounds']} rounds, {result['seeds']} seed(s)", fontsize=9)
+        ax.set_title(
+            f"{result['preset']} ({result['client']}): {result['users']} users, cohort "
+            f"{result['cohort']}, "
+            f"{result['rounds']} rounds, {result['seeds']} seed(s)",
+            fontsize=9,
+        )
         ax.grid(alpha=0.3, which="both")
         paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png"))
     return paths
 
 
 def table(result: dict) -> str:
-    """Per ε: each arm's mechanism, σ, verified (ε, δ), final metrics and the gap it closes, as aligned text."""
+    """Per ε: each arm's mechanism, σ, verified (ε, δ), final metrics and the gap it closes, as
+    aligned text."""
+
     def fmt(v, spec=".4f"):
         return "-" if v is None else format(v, spec)
 
     rows = []
     for key, entry in result["epsilons"].items():
-        rows.append(f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner recommends "
-                    f"{entry['planner']['recommended']}")
-        rows.append(f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} {'accuracy':>9} "
-                    f"{'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}")
+        rows.append(
+            f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner "
+            "recommends "
+            f"{entry['planner']['recommended']}"
+        )
+        rows.append(
+            f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "
+            f"{'accuracy':>9} "
+            f"{'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}"
+        )
         for name, arm in entry["arms"].items():
-            acct = "none" if arm["accountant"] == "none" else f"{arm['accountant']} ({arm['sampling']})"
+            acct = (
+                "none"
+                if arm["accountant"] == "none"
+                else f"{arm['accountant']} ({arm['sampling']})"
+            )
             acct = acct.replace("none (fixed-epoch, unamplified)", "unamplified")[:26]
             gap = entry["gap_closed"].get(name)
             mark = "" if arm["verified"] else "  NOT VERIFIED"
-            rows.append(f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
-                        f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
-                        f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} {fmt(arm['rmse'], '.2f'):>7} "
-                        f"{fmt(arm['loss']):>8} "
-                        f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}")
-    rows.append(f"ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's turns (the "
-                f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm may not "
-                "learn); learned: seeds whose final held-out loss is below the initial model's; gap closed: of "
-                "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the planner's score of "
-                "the arm's mechanism at its σ (per unit clip norm and coordinate).")
+            rows.append(
+                f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
+                f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
+                f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} "
+                f"{fmt(arm['rmse'], '.2f'):>7} "
+                f"{fmt(arm['loss']):>8} "
+                f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
+            )
+    rows.append(
+        "ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's "
+        "turns (the "
+        f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm "
+        "may not "
+        "learn); learned: seeds whose final held-out loss is below the initial model's; gap "
+        "closed: of "
+        "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the "
+        "planner's score of "
+        "the arm's mechanism at its σ (per unit clip norm and coordinate)."
+    )
     for s in result["skipped"]:
         rows.append(f"skipped {s['arm']} at ε = {s['epsilon']:g}: {s['reason']}")
     return "\n".join(rows)
 
 
 def json_summary(result: dict) -> dict:
-    """The ``--json`` object: the sweep per ε (arms with per-seed results, gaps, the planner's scores), plots,
-    schedule, time."""
-    keep = ("preset", "delta", "rounds", "cohort", "users", "epochs", "seeds", "client", "kinds", "amplified",
-            "plots", "seconds", "cpu_seconds", "skipped", "unverified")
+    """The ``--json`` object: the sweep per ε (arms with per-seed results, gaps, the planner's
+    scores), plots, schedule, time."""
+    keep = (
+        "preset",
+        "delta",
+        "rounds",
+        "cohort",
+        "users",
+        "epochs",
+        "seeds",
+        "client",
+        "kinds",
+        "amplified",
+        "plots",
+        "seconds",
+        "cpu_seconds",
+        "skipped",
+        "unverified",
+    )
     eps = {}
     for key, entry in result["epsilons"].items():
-        arms = {name: {**{k: v for k, v in a.items() if k != "per_seed"},
-                       "per_seed": [{k: v for k, v in r.items() if k != "curve"} for r in a["per_seed"]]}
-                for name, a in entry["arms"].items()}
+        arms = {
+            name: {
+                **{k: v for k, v in a.items() if k != "per_seed"},
+                "per_seed": [{k: v for k, v in r.items() if k != "curve"} for r in a["per_seed"]],
+            }
+            for name, a in entry["arms"].items()
+        }
         eps[key] = {**{k: v for k, v in entry.items() if k != "arms"}, "arms": arms}
     return {**{k: result[k] for k in keep}, "epsilons": eps}
 

@@ -12,64 +12,123 @@ import typer
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 
 # StrategyConfig's names for the settings compare's flags set.
-_FLAGS = {"num-rounds": "--rounds", "num-users": "--users", "target-epsilon": "--epsilons", "epochs": "--epochs",
-          "delta": "--delta", "seeds": "--seeds", "kinds": "--kinds", "client": "--client", "epsilons": "--epsilons",
-          "users": "--users", "cohort-size": "--users", "population": "--users", "rounds": "--rounds",
-          "data-path": "--data", "vocab-path": "--vocab"}
+_FLAGS = {
+    "num-rounds": "--rounds",
+    "num-users": "--users",
+    "target-epsilon": "--epsilons",
+    "epochs": "--epochs",
+    "delta": "--delta",
+    "seeds": "--seeds",
+    "kinds": "--kinds",
+    "client": "--client",
+    "epsilons": "--epsilons",
+    "users": "--users",
+    "cohort-size": "--users",
+    "population": "--users",
+    "rounds": "--rounds",
+    "data-path": "--data",
+    "vocab-path": "--vocab",
+}
 
 
 def _data_users(data: Path, vocab: Path | None, users: int | None) -> int:
-    """--users for a comparison on a dataset file: default every training partition; more is refused."""
+    """--users for a comparison on a dataset file: default every training partition; more is
+    refused."""
     from corrflow.data.federated import train_clients_count
 
     if not data.is_file():
-        raise InvalidArgumentError("--data", "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
-                                   str(data))
+        raise InvalidArgumentError(
+            "--data",
+            "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
+            str(data),
+        )
     if vocab is None or not vocab.is_file():
-        raise InvalidArgumentError("--vocab", "a vocabulary file (corrflow data vocab) with --data", vocab)
+        raise InvalidArgumentError(
+            "--vocab", "a vocabulary file (corrflow data vocab) with --data", vocab
+        )
     count = train_clients_count(str(data))
     if users is not None and users > count:
-        raise InvalidArgumentError("--users", f"at most the {count} training partitions of {data}", users)
+        raise InvalidArgumentError(
+            "--users", f"at most the {count} training partitions of {data}", users
+        )
     return count if users is None else users
 
 
 def compare_command(
-    preset: Annotated[str, typer.Option(help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds) or tiny "
-                                             "(the test suite's)")] = "quick",
-    kinds: Annotated[str, typer.Option(help="correlated-noise kinds, comma-separated (toeplitz = banded Toeplitz;"
-                                            " dense, bifr, banded, …); nonprivate, dpsgd, dpsgd-poisson and plan "
-                                            "always run")]
-    = "toeplitz",
-    amplified: Annotated[bool, typer.Option("--amplified", help="also run each kind under the cyclic Poisson "
-                                            "sampler its registry entry allows, with its own separation b < "
-                                            "users/cohort chosen by the planner, accounted with amplification")]
-    = False,
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds) or tiny "
+            "(the test suite's)"
+        ),
+    ] = "quick",
+    kinds: Annotated[
+        str,
+        typer.Option(
+            help="correlated-noise kinds, comma-separated (toeplitz = banded Toeplitz;"
+            " dense, bifr, banded, …); nonprivate, dpsgd, dpsgd-poisson and plan "
+            "always run"
+        ),
+    ] = "toeplitz",
+    amplified: Annotated[
+        bool,
+        typer.Option(
+            "--amplified",
+            help="also run each kind under the cyclic Poisson "
+            "sampler its registry entry allows, with its own separation b < "
+            "users/cohort chosen by the planner, accounted with amplification",
+        ),
+    ] = False,
     seeds: Annotated[int | None, typer.Option(help="seeds 0..S−1 (default: the preset's)")] = None,
-    epsilons: Annotated[str | None, typer.Option(help="a sweep: every arm at each ε, comma-separated (e.g. "
-                                                 "1,2,4,8,16); writes accuracy_vs_epsilon.png and "
-                                                 "loss_vs_epsilon.png")] = None,
-    epsilon: Annotated[float | None, typer.Option(help="ε of every private arm, the same as --epsilons E "
-                                                  "(default: the preset's)")] = None,
+    epsilons: Annotated[
+        str | None,
+        typer.Option(
+            help="a sweep: every arm at each ε, comma-separated (e.g. "
+            "1,2,4,8,16); writes accuracy_vs_epsilon.png and "
+            "loss_vs_epsilon.png"
+        ),
+    ] = None,
+    epsilon: Annotated[
+        float | None,
+        typer.Option(
+            help="ε of every private arm, the same as --epsilons E (default: the preset's)"
+        ),
+    ] = None,
     delta: Annotated[float | None, typer.Option(help="δ (default: the preset's)")] = None,
     rounds: Annotated[int | None, typer.Option(help="rounds n (default: the preset's)")] = None,
     users: Annotated[int | None, typer.Option(help="users (default: the preset's)")] = None,
-    epochs: Annotated[int | None, typer.Option(help="participations per user k (default: the preset's)")] = None,
-    client: Annotated[str | None, typer.Option(help="nextword (numpy), keras or numpy (default: nextword)")]
-    = None,
-    data: Annotated[Path | None, typer.Option(help="train on a real-format dataset file (TFF StackOverflow SQLite or "
-                                                   "arXiv JSON lines; default --users: all its train clients)")]
-    = None,
-    vocab: Annotated[Path | None, typer.Option(help="the dataset's vocabulary (corrflow data vocab); needed with "
-                                                    "--data")] = None,
-    out: Annotated[Path, typer.Option(help="output directory (comparison.json, curves_eps<ε>.csv, PNG plots, "
-                                           "runs/, eps<ε>/ with each ε's runs and recipes, cache/)")]
-    = Path("corrflow_compare"),
-    backend: Annotated[str, typer.Option(help="inprocess (deterministic, no Ray) or flower")] = "inprocess",
+    epochs: Annotated[
+        int | None, typer.Option(help="participations per user k (default: the preset's)")
+    ] = None,
+    client: Annotated[
+        str | None, typer.Option(help="nextword (numpy), keras or numpy (default: nextword)")
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="train on a real-format dataset file (TFF StackOverflow SQLite or "
+            "arXiv JSON lines; default --users: all its train clients)"
+        ),
+    ] = None,
+    vocab: Annotated[
+        Path | None,
+        typer.Option(help="the dataset's vocabulary (corrflow data vocab); needed with --data"),
+    ] = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="output directory (comparison.json, curves_eps<ε>.csv, PNG plots, "
+            "runs/, eps<ε>/ with each ε's runs and recipes, cache/)"
+        ),
+    ] = Path("corrflow_compare"),
+    backend: Annotated[
+        str, typer.Option(help="inprocess (deterministic, no Ray) or flower")
+    ] = "inprocess",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Train non-private, DP-SGD (fixed-epoch and Poisson-sampled), correlated-noise and planned arms at the same
-    (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an arm's run did not verify its ε
-    at the target δ."""
+    """Train non-private, DP-SGD (fixed-epoch and Poisson-sampled), correlated-noise and planned
+    arms at the same (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an
+    arm's run did not verify its ε at the target δ."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.factorization.registry import KINDS
     from corrflow.paths import writable_directory
@@ -97,29 +156,62 @@ def compare_command(
         correlated = [k for k in KINDS if k != "dpsgd"]
         bad = [k for k in kind_list if k not in correlated]
         if bad or not kind_list:
-            raise InvalidArgumentError("--kinds", f"correlated-noise kinds from {', '.join(correlated)} (nonprivate, "
-                                                  "dpsgd, dpsgd-poisson and plan always run)", ",".join(bad) or kinds)
+            raise InvalidArgumentError(
+                "--kinds",
+                f"correlated-noise kinds from {', '.join(correlated)} (nonprivate, "
+                "dpsgd, dpsgd-poisson and plan always run)",
+                ",".join(bad) or kinds,
+            )
         if epsilons is not None and epsilon is not None:
-            raise InvalidArgumentError("--epsilon", "either --epsilon E or --epsilons E1,E2,… (--epsilon E means "
-                                       "--epsilons E)", f"--epsilon {epsilon:g} --epsilons {epsilons}")
+            raise InvalidArgumentError(
+                "--epsilon",
+                "either --epsilon E or --epsilons E1,E2,… (--epsilon E means --epsilons E)",
+                f"--epsilon {epsilon:g} --epsilons {epsilons}",
+            )
         if epsilon is not None and not (epsilon > 0 and epsilon < float("inf")):
             raise InvalidArgumentError("--epsilon", "a finite ε > 0", epsilon)
-        sweep = parse_epsilons(epsilons) if epsilons is not None else (epsilon,) if epsilon is not None else None
+        sweep = (
+            parse_epsilons(epsilons)
+            if epsilons is not None
+            else (epsilon,)
+            if epsilon is not None
+            else None
+        )
         writable_directory(out, "--out")
         if (out / "comparison.json").exists() or (out / "runs").exists():
-            raise InvalidArgumentError("--out", "a new or empty directory (it holds a previous comparison)", str(out))
+            raise InvalidArgumentError(
+                "--out", "a new or empty directory (it holds a previous comparison)", str(out)
+            )
         if data is not None:
             users = _data_users(data, vocab, users)
-        chosen = with_overrides(PRESETS[preset], seeds=seeds, delta=delta, rounds=rounds,
-                                users=users, epochs=epochs, client=client,
-                                data_path=None if data is None else str(data),
-                                vocab_path=None if vocab is None else str(vocab))
-        if client is not None and client != PRESETS[preset].client:   # that client's optimizer settings
+        chosen = with_overrides(
+            PRESETS[preset],
+            seeds=seeds,
+            delta=delta,
+            rounds=rounds,
+            users=users,
+            epochs=epochs,
+            client=client,
+            data_path=None if data is None else str(data),
+            vocab_path=None if vocab is None else str(vocab),
+        )
+        if (
+            client is not None and client != PRESETS[preset].client
+        ):  # that client's optimizer settings
             chosen = with_overrides(chosen, **training_defaults(client))
         quiet_native_logs()
-        logging.getLogger("corrflow").setLevel(logging.ERROR)  # the non-private arm's warning is expected here
-        result = compare(chosen, kind_list, out, backend=backend, progress=stderr_progress, epsilons=sweep,
-                         amplified=amplified)
+        logging.getLogger("corrflow").setLevel(
+            logging.ERROR
+        )  # the non-private arm's warning is expected here
+        result = compare(
+            chosen,
+            kind_list,
+            out,
+            backend=backend,
+            progress=stderr_progress,
+            epsilons=sweep,
+            amplified=amplified,
+        )
         text = table(result)
         if as_json:
             typer.echo(text, err=True)
@@ -128,11 +220,18 @@ def compare_command(
             typer.echo(text)
             typer.echo(f"plots: {', '.join(result['plots'])}; details: {out / 'comparison.json'}")
         if result["unverified"]:
-            typer.echo("error: these arms' runs did not verify their ε at the target δ: "
-                       f"{', '.join(result['unverified'])} (see their privacy_report.json)", err=True)
+            typer.echo(
+                "error: these arms' runs did not verify their ε at the target δ: "
+                f"{', '.join(result['unverified'])} (see their privacy_report.json)",
+                err=True,
+            )
             raise typer.Exit(code=1)
     except (CorrflowError, IntegrityError) as exc:
-        if isinstance(exc, InvalidArgumentError) and exc.field in _FLAGS:   # an arm's setting, named as typed
+        if (
+            isinstance(exc, InvalidArgumentError) and exc.field in _FLAGS
+        ):  # an arm's setting, named as typed
             exc = InvalidArgumentError(_FLAGS[exc.field], exc.expected, exc.got)
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1) from exc
+        raise typer.Exit(
+            code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1
+        ) from exc

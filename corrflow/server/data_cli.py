@@ -1,5 +1,6 @@
-"""``corrflow data``: generate federated datasets in the real on-disk formats, summarise, build a vocabulary and
-partition them over Flower nodes (docs "Conventions": ``--json`` prints one object last; exit 2 on bad input)."""
+"""``corrflow data``: generate federated datasets in the real on-disk formats, summarise, build a
+vocabulary and partition them over Flower nodes (docs "Conventions": ``--json`` prints one object
+last; exit 2 on bad input)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import typer
 
 from corrflow.errors import CorrflowError, InvalidArgumentError
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Federated datasets: TFF StackOverflow SQLite and arXiv metadata JSON lines.")
+data_app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Federated datasets: TFF StackOverflow SQLite and arXiv metadata JSON lines.",
+)
 
 
 def _fail(exc: Exception) -> None:
@@ -30,7 +34,7 @@ def _emit(obj: dict, as_json: bool) -> None:
 
 
 def _peak_rss_mib() -> float:
-    unit = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB on Linux
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / (1 << 20)
 
 
@@ -38,13 +42,17 @@ def _peak_rss_mib() -> float:
 def generate(
     kind: Annotated[str, typer.Argument(help="stackoverflow or arxiv")],
     users: Annotated[int, typer.Option(help="users: StackOverflow accounts, or arXiv authors")],
-    out: Annotated[Path, typer.Option(help="output file (.sqlite for stackoverflow, .jsonl for arxiv)")],
-    seed: Annotated[int, typer.Option(help="generator seed (the output is a pure function of it)")] = 0,
+    out: Annotated[
+        Path, typer.Option(help="output file (.sqlite for stackoverflow, .jsonl for arxiv)")
+    ],
+    seed: Annotated[
+        int, typer.Option(help="generator seed (the output is a pure function of it)")
+    ] = 0,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Write a synthetic dataset of KIND (stackoverflow: TFF's SQLite; arxiv: the metadata snapshot's JSON lines)
-    in the real format, streaming to disk in bounded memory."""
+    """Write a synthetic dataset of KIND (stackoverflow: TFF's SQLite; arxiv: the metadata
+    snapshot's JSON lines) in the real format, streaming to disk in bounded memory."""
     from corrflow.progress import Progress
 
     try:
@@ -62,58 +70,110 @@ def generate(
 
                 spec = ArxivSpec(users=users, seed=seed)
                 counts = generate_arxiv(out, spec, progress=bar)
-        _emit({"kind": kind, "path": str(out), "counts": counts, "spec": spec.to_dict(),
-               "seconds": round(time.perf_counter() - started, 2), "peak_rss_mib": round(_peak_rss_mib(), 1),
-               "bytes": out.stat().st_size}, as_json)
+        _emit(
+            {
+                "kind": kind,
+                "path": str(out),
+                "counts": counts,
+                "spec": spec.to_dict(),
+                "seconds": round(time.perf_counter() - started, 2),
+                "peak_rss_mib": round(_peak_rss_mib(), 1),
+                "bytes": out.stat().st_size,
+            },
+            as_json,
+        )
     except CorrflowError as exc:
         _fail(exc)
 
 
 @data_app.command("stats")
 def stats(
-    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
-    skip_malformed: Annotated[bool, typer.Option(help="skip (and count) malformed rows instead of failing")]
-    = False,
-    min_authors: Annotated[int, typer.Option(help="arXiv: drop papers with fewer authors (004 §7.3 uses 2)")] = 1,
+    path: Annotated[
+        Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")
+    ],
+    skip_malformed: Annotated[
+        bool, typer.Option(help="skip (and count) malformed rows instead of failing")
+    ] = False,
+    min_authors: Annotated[
+        int, typer.Option(help="arXiv: drop papers with fewer authors (004 §7.3 uses 2)")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Users, examples, tokens and the quantiles of examples per user and users per example."""
     from corrflow.data.stats import dataset_stats
 
     try:
-        _emit(dataset_stats(path, on_error="skip" if skip_malformed else "raise", min_authors=min_authors),
-              as_json)
+        _emit(
+            dataset_stats(
+                path, on_error="skip" if skip_malformed else "raise", min_authors=min_authors
+            ),
+            as_json,
+        )
     except CorrflowError as exc:
         _fail(exc)
 
 
 @data_app.command("vocab")
 def vocab(
-    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
-    out: Annotated[Path, typer.Option(help="vocabulary file to write (a provenance header, then one word per line)")],
+    path: Annotated[
+        Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(help="vocabulary file to write (a provenance header, then one word per line)"),
+    ],
     size: Annotated[int, typer.Option(help="most frequent words kept (000 §5.3: 10000)")] = 10_000,
-    epsilon: Annotated[float, typer.Option(help="ε of the differentially private vocabulary (the default route); "
-                                                "a run using it takes this ε out of its --target-epsilon")] = 1.0,
-    delta: Annotated[float, typer.Option(help="δ of the private vocabulary (taken out of the run's --delta)")]
-    = 1e-6,
-    max_words_per_user: Annotated[int, typer.Option(help="Δ₀: distinct words one user may contribute (each with "
-                                                        "weight 1/√Δ₀: fewer words, more weight each)")] = 32,
-    max_papers_per_author: Annotated[int, typer.Option(help="arXiv: papers one author may contribute (k_u; each "
-                                                           "author's removal then changes ≤ k_u papers)")] = 2,
-    no_privacy: Annotated[bool, typer.Option("--no-privacy", help="count the private data WITHOUT privacy: the "
-                                             "vocabulary is published with the model outside any guarantee, and "
-                                             "runs say so")] = False,
-    public: Annotated[bool, typer.Option("--public", help="FILE is public data: count it without privacy and mark "
-                                         "the vocabulary public")] = False,
+    epsilon: Annotated[
+        float,
+        typer.Option(
+            help="ε of the differentially private vocabulary (the default route); "
+            "a run using it takes this ε out of its --target-epsilon"
+        ),
+    ] = 1.0,
+    delta: Annotated[
+        float, typer.Option(help="δ of the private vocabulary (taken out of the run's --delta)")
+    ] = 1e-6,
+    max_words_per_user: Annotated[
+        int,
+        typer.Option(
+            help="Δ₀: distinct words one user may contribute (each with "
+            "weight 1/√Δ₀: fewer words, more weight each)"
+        ),
+    ] = 32,
+    max_papers_per_author: Annotated[
+        int,
+        typer.Option(
+            help="arXiv: papers one author may contribute (k_u; each "
+            "author's removal then changes ≤ k_u papers)"
+        ),
+    ] = 2,
+    no_privacy: Annotated[
+        bool,
+        typer.Option(
+            "--no-privacy",
+            help="count the private data WITHOUT privacy: the "
+            "vocabulary is published with the model outside any guarantee, and "
+            "runs say so",
+        ),
+    ] = False,
+    public: Annotated[
+        bool,
+        typer.Option(
+            "--public",
+            help="FILE is public data: count it without privacy and mark the vocabulary public",
+        ),
+    ] = False,
     oov_buckets: Annotated[int, typer.Option(help="out-of-vocabulary buckets")] = 1,
-    split: Annotated[str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")]
-    = "train",
+    split: Annotated[
+        str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")
+    ] = "train",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """Build the vocabulary of FILE's training split. Default: user-level differentially private top words
-    (weighted Gaussian with a threshold; Gopi et al. 2020, "Differentially Private Set Union", arXiv 2002.09745):
-    no word only one user wrote appears, except with probability ≤ δ/2. --no-privacy counts exactly (outside the
-    guarantee); --public marks a public corpus. The file's header records which, and runs report it."""
+    """Build the vocabulary of FILE's training split. Default: user-level differentially private top
+    words (weighted Gaussian with a threshold; Gopi et al. 2020, "Differentially Private Set Union",
+    arXiv 2002.09745): no word only one user wrote appears, except with probability ≤ δ/2.
+    --no-privacy counts exactly (outside the guarantee); --public marks a public corpus. The file's
+    header records which, and runs report it."""
     from corrflow.data.stats import detect_format
     from corrflow.data.vocab import build_vocabulary, count_words
 
@@ -135,12 +195,22 @@ def vocab(
                 from corrflow.data.arxiv import ArxivReader
 
                 counts = count_words(p.text.lower() for p in ArxivReader(path))
-            v = build_vocabulary(counts, size, oov_buckets, source="public" if public else "non-private")
+            v = build_vocabulary(
+                counts, size, oov_buckets, source="public" if public else "non-private"
+            )
             covered, total = sum(counts[w] for w in v.words), sum(counts.values())
-            info = {"distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}
+            info = {
+                "distinct_words_seen": len(counts),
+                "token_coverage": covered / total if total else 0.0,
+            }
             if no_privacy:
-                typer.echo("warning: --no-privacy: this vocabulary is counted from the private data without "
-                           "privacy; it ships with the model outside the run's (ε, δ), and runs report it so", err=True)
+                typer.echo(
+                    "warning: --no-privacy: this vocabulary is counted from the private data "
+                    "without "
+                    "privacy; it ships with the model outside the run's (ε, δ), and runs report it "
+                    "so",
+                    err=True,
+                )
         else:
             if not (epsilon > 0 and epsilon < float("inf")):
                 raise InvalidArgumentError("--epsilon", "a finite ε > 0", epsilon)
@@ -149,34 +219,70 @@ def vocab(
             if max_words_per_user < 1:
                 raise InvalidArgumentError("--max-words-per-user", "at least 1", max_words_per_user)
             if max_papers_per_author < 1:
-                raise InvalidArgumentError("--max-papers-per-author", "at least 1", max_papers_per_author)
+                raise InvalidArgumentError(
+                    "--max-papers-per-author", "at least 1", max_papers_per_author
+                )
             if fmt == "stackoverflow-sqlite" and split != "train":
-                raise InvalidArgumentError("--split", "train for a private vocabulary (the privacy unit is a train "
-                                           "client)", split)
+                raise InvalidArgumentError(
+                    "--split",
+                    "train for a private vocabulary (the privacy unit is a train client)",
+                    split,
+                )
             from corrflow.data.dp_vocab import dataset_user_texts, dp_vocabulary
 
             texts, per_user = dataset_user_texts(path, max_papers_per_author)
-            res = dp_vocabulary(texts, epsilon=epsilon, delta=delta, size=size, oov_buckets=oov_buckets,
-                                max_words_per_user=max_words_per_user, units_per_user=per_user)
+            res = dp_vocabulary(
+                texts,
+                epsilon=epsilon,
+                delta=delta,
+                size=size,
+                oov_buckets=oov_buckets,
+                max_words_per_user=max_words_per_user,
+                units_per_user=per_user,
+            )
             v = res.vocabulary
-            info = {"users": res.users, "candidates": res.candidates, "above_threshold": res.released,
-                    "sigma": res.sigma, "threshold": res.threshold}
+            info = {
+                "users": res.users,
+                "candidates": res.candidates,
+                "above_threshold": res.released,
+                "sigma": res.sigma,
+                "threshold": res.threshold,
+            }
             if len(v.words) < size:
-                typer.echo(f"note: {len(v.words)} of the {size} words requested cleared the privacy threshold "
-                           f"(noisy user count > {res.threshold:.3g}); a larger ε or more users give more", err=True)
+                typer.echo(
+                    f"note: {len(v.words)} of the {size} words requested cleared the privacy "
+                    "threshold "
+                    f"(noisy user count > {res.threshold:.3g}); a larger ε or more users give more",
+                    err=True,
+                )
         v.save(out)
-        _emit({"path": str(out), "words": len(v.words), "oov_buckets": oov_buckets, "num_tokens": v.num_tokens,
-               "provenance": v.provenance, **info}, as_json)
+        _emit(
+            {
+                "path": str(out),
+                "words": len(v.words),
+                "oov_buckets": oov_buckets,
+                "num_tokens": v.num_tokens,
+                "provenance": v.provenance,
+                **info,
+            },
+            as_json,
+        )
     except CorrflowError as exc:
         _fail(exc)
 
 
 @data_app.command("partition")
 def partition(
-    path: Annotated[Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")],
+    path: Annotated[
+        Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")
+    ],
     out: Annotated[Path, typer.Option(help="manifest JSON to write")],
-    partitions: Annotated[int | None, typer.Option(help="nodes (default for StackOverflow: one per user; "
-                                                        "required for arXiv silos)")] = None,
+    partitions: Annotated[
+        int | None,
+        typer.Option(
+            help="nodes (default for StackOverflow: one per user; required for arXiv silos)"
+        ),
+    ] = None,
     split: Annotated[str, typer.Option(help="StackOverflow split")] = "train",
     seed: Annotated[int, typer.Option(help="arXiv: seed of the example → silo hash")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
@@ -190,8 +296,16 @@ def partition(
         parts = manifest["partitions"]
         key = "users" if parts and "users" in parts[0] else "items"
         sizes = [len(p[key]) for p in parts]
-        _emit({"manifest": str(out), "format": manifest["format"], "num_partitions": manifest["num_partitions"],
-               f"{key}_per_partition_min": min(sizes), f"{key}_per_partition_max": max(sizes),
-               "node_config_example": parts[0]["node_config"]}, as_json)
+        _emit(
+            {
+                "manifest": str(out),
+                "format": manifest["format"],
+                "num_partitions": manifest["num_partitions"],
+                f"{key}_per_partition_min": min(sizes),
+                f"{key}_per_partition_max": max(sizes),
+                "node_config_example": parts[0]["node_config"],
+            },
+            as_json,
+        )
     except CorrflowError as exc:
         _fail(exc)

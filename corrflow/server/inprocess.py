@@ -1,11 +1,13 @@
-"""An in-process Flower Grid that delivers messages to ClientApp handler functions directly (no Ray, no network).
+"""An in-process Flower Grid that delivers messages to ClientApp handler functions directly (no Ray,
+no network).
 
-For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults (drop,
-corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through :meth:`restart_node`. Messages are
-routed as a ClientApp routes them (``category`` or ``category.action``); corrflow's identity handler is registered
-as in corrflow's ClientApps (``identity=False`` emulates an app without it).
-Production uses Flower's own engines: ``corrflow simulate`` without ``--backend inprocess`` runs Flower's
-simulation engine (docs/tutorials/first-simulation.md), and deployments run SuperLink and SuperNodes
+For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults
+(drop, corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through
+:meth:`restart_node`. Messages are routed as a ClientApp routes them (``category`` or
+``category.action``); corrflow's identity handler is registered as in corrflow's ClientApps
+(``identity=False`` emulates an app without it). Production uses Flower's own engines: ``corrflow
+simulate`` without ``--backend inprocess`` runs Flower's simulation engine
+(docs/tutorials/first-simulation.md), and deployments run SuperLink and SuperNodes
 (docs/how-to/deploy.md).
 """
 
@@ -23,7 +25,8 @@ from corrflow.protocol import PROBE_ACTION
 
 
 def enable_offline_messages() -> None:
-    """Messages can only be built inside a running app; set the task identity like run_simulation does."""
+    """Messages can only be built inside a running app; set the task identity like run_simulation
+    does."""
     try:
         TaskIdentity.run_id  # noqa: B018 - raises when unset
     except RuntimeError:
@@ -31,14 +34,27 @@ def enable_offline_messages() -> None:
 
 
 class InProcessGrid(Grid):
-    synchronous = True   # every reply exists once push_messages returns (replies may answer no request id)
+    synchronous = (
+        True  # every reply exists once push_messages returns (replies may answer no request id)
+    )
 
-    def __init__(self, handlers: dict[str, Callable[[Message, Context], Message]], num_nodes: int,
-                 tamper: Callable[[list[Message]], list[Message]] | None = None, first_node_id: int = 1 << 62,
-                 identity: bool = True, node_config: Callable[[int], dict] | None = None):
+    def __init__(
+        self,
+        handlers: dict[str, Callable[[Message, Context], Message]],
+        num_nodes: int,
+        tamper: Callable[[list[Message]], list[Message]] | None = None,
+        first_node_id: int = 1 << 62,
+        identity: bool = True,
+        node_config: Callable[[int], dict] | None = None,
+    ):
         enable_offline_messages()
-        self.handlers = {**handlers, **({f"query.{PROBE_ACTION}": answer_probe} if identity else {})}
-        self.nodes = {first_node_id + 7919 * i: i for i in range(num_nodes)}  # large ids, like Flower's uint64s
+        self.handlers = {
+            **handlers,
+            **({f"query.{PROBE_ACTION}": answer_probe} if identity else {}),
+        }
+        self.nodes = {
+            first_node_id + 7919 * i: i for i in range(num_nodes)
+        }  # large ids, like Flower's uint64s
         self.tamper = tamper
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
@@ -54,8 +70,8 @@ class InProcessGrid(Grid):
         return self._run
 
     def restart_node(self, partition: int) -> int:
-        """The node of ``partition`` goes away and comes back with a new node id (an insecure SuperNode's
-        restart); returns the new id."""
+        """The node of ``partition`` goes away and comes back with a new node id (an insecure
+        SuperNode's restart); returns the new id."""
         old = next(n for n, p in self.nodes.items() if p == partition)
         self.online.discard(old)
         del self.nodes[old]
@@ -65,7 +81,9 @@ class InProcessGrid(Grid):
         return new
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
+        return Message(
+            content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id
+        )
 
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self.online)
@@ -76,22 +94,42 @@ class InProcessGrid(Grid):
     def _deliver(self, msg: Message) -> Message:
         node = int(msg.metadata.dst_node_id)
         if node not in self.online:
-            return Message(Error(code=5, reason="Error: Node Unavailable — no heartbeat (in-process grid)"),
-                           reply_to=msg)
+            return Message(
+                Error(code=5, reason="Error: Node Unavailable — no heartbeat (in-process grid)"),
+                reply_to=msg,
+            )
         kind = msg.metadata.message_type
-        handler = self.handlers.get(kind) or (self.handlers.get(kind.split(".")[0]) if "." not in kind else None)
-        if handler is None:   # Flower's ClientApp raises before any user code runs
+        handler = self.handlers.get(kind) or (
+            self.handlers.get(kind.split(".")[0]) if "." not in kind else None
+        )
+        if handler is None:  # Flower's ClientApp raises before any user code runs
             category, _, action = kind.partition(".")
-            return Message(Error(code=2, reason=f"ClientApp exception: ValueError: No {category} function "
-                                 f"registered with name '{action or 'default'}'"), reply_to=msg)
-        ctx = Context(run_id=1, node_id=node, node_config={"partition-id": self.nodes[node],
-                                                           "num-partitions": len(self.nodes),
-                                                           **self.node_config(self.nodes[node])},
-                      state=RecordDict(), run_config={})
+            return Message(
+                Error(
+                    code=2,
+                    reason=f"ClientApp exception: ValueError: No {category} function "
+                    f"registered with name '{action or 'default'}'",
+                ),
+                reply_to=msg,
+            )
+        ctx = Context(
+            run_id=1,
+            node_id=node,
+            node_config={
+                "partition-id": self.nodes[node],
+                "num-partitions": len(self.nodes),
+                **self.node_config(self.nodes[node]),
+            },
+            state=RecordDict(),
+            run_config={},
+        )
         try:
             return handler(msg, ctx)
-        except Exception as exc:   # as Flower does: a ClientApp exception becomes an error reply
-            return Message(Error(code=2, reason=f"ClientApp exception: {type(exc).__name__}: {exc}"), reply_to=msg)
+        except Exception as exc:  # as Flower does: a ClientApp exception becomes an error reply
+            return Message(
+                Error(code=2, reason=f"ClientApp exception: {type(exc).__name__}: {exc}"),
+                reply_to=msg,
+            )
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids, replies, kinds = [], [], set()
@@ -106,11 +144,13 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        # Everything delivered, tampered replies (foreign senders, duplicates) included: they answer no id.
+        # Everything delivered, tampered replies (foreign senders, duplicates) included: they answer
+        # no id.
         out, self._replies = self._replies, []
         return out
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
         self.push_messages(messages)
         return self.pull_messages([])
-

@@ -1,7 +1,8 @@
-"""``corrflow simulate``'s options, generated from the settings model (:mod:`corrflow.config`): one typer option per
-setting the ``cli`` surface exposes, with the model's flag name, type, choices, default and help. A command
-declared with :func:`with_settings` receives them as keyword arguments; :func:`config_from_cli` turns them into a
-validated :class:`~corrflow.config.RunConfig` whose errors name the flag."""
+"""``corrflow simulate``'s options, generated from the settings model (:mod:`corrflow.config`): one
+typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
+default and help. A command declared with :func:`with_settings` receives them as keyword arguments;
+:func:`config_from_cli` turns them into a validated :class:`~corrflow.config.RunConfig` whose errors
+name the flag."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ from typing import Annotated, Any
 import typer
 
 from corrflow.choices import Client
-from corrflow.config import RunConfig, help_text, settings_on, surface_default, surface_name, validated
+from corrflow.config import (
+    RunConfig,
+    help_text,
+    settings_on,
+    surface_default,
+    surface_name,
+    validated,
+)
 from corrflow.factorization.registry import KINDS
 
 
 def _choices(name: str, annotation: Any) -> type[Enum] | None:
-    """The enum the CLI offers for a setting (kinds from the registry; clients without ``app``, the wrapper's)."""
+    """The enum the CLI offers for a setting (kinds from the registry; clients without ``app``, the
+    wrapper's)."""
     if name == "kind":
         return StrEnum("Kind", {k: k for k in KINDS})
     if name == "client":
@@ -33,7 +42,9 @@ def _choices(name: str, annotation: Any) -> type[Enum] | None:
 def _cli_type(name: str, annotation: Any) -> Any:
     enum = _choices(name, annotation)
     optional = type(None) in typing.get_args(annotation)
-    base = enum or next(a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None))
+    base = enum or next(
+        a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)
+    )
     return base | None if optional else base
 
 
@@ -50,18 +61,31 @@ def settings_parameters() -> list[inspect.Parameter]:
         default = surface_default(name, "cli")
         if isinstance(default, Enum):
             default = default.value
-        option = typer.Option(flag, help=help_text(name), case_sensitive=False, show_default=default is not None)
-        params.append(inspect.Parameter(param_name(name), inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=Annotated[_cli_type(name, info.annotation), option]))
+        option = typer.Option(
+            flag, help=help_text(name), case_sensitive=False, show_default=default is not None
+        )
+        params.append(
+            inspect.Parameter(
+                param_name(name),
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=Annotated[_cli_type(name, info.annotation), option],
+            )
+        )
     return params
 
 
 def with_settings(command: Callable) -> Callable:
-    """``command(**kwargs)`` with the settings' options added after its own parameters (its own come first)."""
+    """``command(**kwargs)`` with the settings' options added after its own parameters (its own come
+    first)."""
     own = list(inspect.signature(command).parameters.values())
     own = [p for p in own if p.kind != inspect.Parameter.VAR_KEYWORD]
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
-           and p.name != "ctx" else p for p in own]
+    own = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "ctx"
+        else p
+        for p in own
+    ]
     hints = typing.get_type_hints(command, include_extras=True)
     own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
 
@@ -74,7 +98,8 @@ def with_settings(command: Callable) -> Callable:
 
 
 def cli_values(params: dict[str, Any]) -> dict[str, Any]:
-    """Setting → value for the CLI settings among ``params`` that are not None (enum members as their values)."""
+    """Setting → value for the CLI settings among ``params`` that are not None (enum members as
+    their values)."""
     out = {}
     for name in settings_on("cli"):
         value = params.get(param_name(name))
@@ -84,7 +109,8 @@ def cli_values(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_cli(params: dict[str, Any], **overrides: Any) -> RunConfig:
-    """The validated run configuration of a command's CLI settings (``overrides`` win); errors name the flag."""
+    """The validated run configuration of a command's CLI settings (``overrides`` win); errors name
+    the flag."""
     return validated({**cli_values(params), **overrides}, "cli")
 
 
@@ -92,9 +118,18 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     """The settings the user typed (not defaults)."""
     from click.core import ParameterSource
 
-    return {name for name in settings_on("cli")
-            if ctx.get_parameter_source(param_name(name)) == ParameterSource.COMMANDLINE}
+    return {
+        name
+        for name in settings_on("cli")
+        if ctx.get_parameter_source(param_name(name)) == ParameterSource.COMMANDLINE
+    }
 
 
-__all__ = ["cli_values", "config_from_cli", "given_on_command_line", "param_name", "settings_parameters",
-           "with_settings"]
+__all__ = [
+    "cli_values",
+    "config_from_cli",
+    "given_on_command_line",
+    "param_name",
+    "settings_parameters",
+    "with_settings",
+]

@@ -1,8 +1,10 @@
-"""Run a corrflow simulation: Flower's simulation engine (Ray; ``backend="flower"``) or the in-process grid.
+"""Run a corrflow simulation: Flower's simulation engine (Ray; ``backend="flower"``) or the
+in-process grid.
 
-The first SIGINT or SIGTERM asks the server to stop: the round in flight is abandoned unreleased (or, if it is
-being aggregated, finished), the checkpoint and the report are written, and :class:`RunInterruptedError` is raised
-so the CLI exits with 130. A second signal is ignored while the server winds down (no traceback from Ray's threads).
+The first SIGINT or SIGTERM asks the server to stop: the round in flight is abandoned unreleased
+(or, if it is being aggregated, finished), the checkpoint and the report are written, and
+:class:`RunInterruptedError` is raised so the CLI exits with 130. A second signal is ignored while
+the server winds down (no traceback from Ray's threads).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class RunInterruptedError(Exception):
 
 
 class RunStoppedEarlyError(Exception):
-    """The run stopped before its planned rounds (budget guard, no valid replies); ``report`` says why."""
+    """The run stopped before its planned rounds (budget guard, no valid replies); ``report`` says
+    why."""
 
     def __init__(self, report: dict):
         super().__init__(report.get("stopped_reason"))
@@ -35,7 +38,8 @@ class RunStoppedEarlyError(Exception):
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Yields an Event that the first SIGINT/SIGTERM sets (main thread only; elsewhere signals are untouched)."""
+    """Yields an Event that the first SIGINT/SIGTERM sets (main thread only; elsewhere signals are
+    untouched)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -43,8 +47,11 @@ def stop_on_signals():
 
     def handler(signum, frame):
         if not stop.is_set():
-            log.warning("%s received: finishing the current round's bookkeeping and stopping (state is kept)",
-                        signal.Signals(signum).name)
+            log.warning(
+                "%s received: finishing the current round's bookkeeping and stopping (state is "
+                "kept)",
+                signal.Signals(signum).name,
+            )
         stop.set()
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -56,25 +63,33 @@ def stop_on_signals():
 
 
 def quiet_native_logs() -> None:
-    """TensorFlow's, gRPC's and Ray's start-up chatter off; effective for libraries not yet imported, and inherited
-    by Ray's workers."""
+    """TensorFlow's, gRPC's and Ray's start-up chatter off; effective for libraries not yet
+    imported, and inherited by Ray's workers."""
     import os
 
-    for var, value in (("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR"), ("RAY_DEDUP_LOGS", "1")):
+    for var, value in (
+        ("TF_CPP_MIN_LOG_LEVEL", "3"),
+        ("GRPC_VERBOSITY", "ERROR"),
+        ("RAY_DEDUP_LOGS", "1"),
+    ):
         os.environ.setdefault(var, value)
 
 
 @contextlib.contextmanager
 def engine_output(log_path: Path, verbose: bool):
-    """Unless ``verbose``: Flower's log lines go to ``log_path`` instead of the terminal, and TensorFlow's, gRPC's
-    and Ray's start-up chatter is silenced, so that a run prints its own round lines and summary only."""
+    """Unless ``verbose``: Flower's log lines go to ``log_path`` instead of the terminal, and
+    TensorFlow's, gRPC's and Ray's start-up chatter is silenced, so that a run prints its own round
+    lines and summary only."""
     if verbose:
         yield
         return
     quiet_native_logs()
     flwr_log = logging.getLogger("flwr")
-    console = [h for h in flwr_log.handlers if isinstance(h, logging.StreamHandler)
-               and not isinstance(h, logging.FileHandler)]
+    console = [
+        h
+        for h in flwr_log.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
     to_file = logging.FileHandler(log_path)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for h in console:
@@ -82,7 +97,7 @@ def engine_output(log_path: Path, verbose: bool):
     flwr_log.addHandler(to_file)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)      # Ray's accelerator tip
+            warnings.simplefilter("ignore", FutureWarning)  # Ray's accelerator tip
             warnings.simplefilter("ignore", DeprecationWarning)
             yield
     finally:
@@ -93,26 +108,42 @@ def engine_output(log_path: Path, verbose: bool):
 
 
 def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
-    """A run on a dataset file trains at most the file's training partitions (StackOverflow train clients, arXiv
-    training papers): more simulated users would ask for partitions that do not exist (every round would reject
-    their replies and train on fewer users than planned), so it is refused, naming ``flag`` and the file's count."""
+    """A run on a dataset file trains at most the file's training partitions (StackOverflow train
+    clients, arXiv training papers): more simulated users would ask for partitions that do not exist
+    (every round would reject their replies and train on fewer users than planned), so it is
+    refused, naming ``flag`` and the file's count."""
     if not cfg.data_path or cfg.mode != "cross-device" or cfg.num_users is None:
         return
     from corrflow.data.federated import data_format, train_clients_count
     from corrflow.errors import require
 
     count = train_clients_count(cfg.data_path)
-    what = "train clients" if data_format(cfg.data_path) == "stackoverflow-sqlite" else \
-        "training papers (arXiv: those without a held-out author)"
-    require(cfg.num_users <= count, flag, f"at most the {count} {what} of {cfg.data_path}", cfg.num_users)
+    what = (
+        "train clients"
+        if data_format(cfg.data_path) == "stackoverflow-sqlite"
+        else "training papers (arXiv: those without a held-out author)"
+    )
+    require(
+        cfg.num_users <= count,
+        flag,
+        f"at most the {count} {what} of {cfg.data_path}",
+        cfg.num_users,
+    )
 
 
-def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, noise_key: bytes | None = None,
-             quiet: bool = False, verbose: bool = True) -> dict:
-    """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report (also in
-    ``privacy_report.json`` there). Raises :class:`RunInterruptedError` after a signal and
-    :class:`RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for tests that
-    compare runs bit for bit; a real run draws a fresh secret key."""
+def simulate(
+    cfg: RunConfig,
+    backend: str = "flower",
+    *,
+    fresh: bool = False,
+    noise_key: bytes | None = None,
+    quiet: bool = False,
+    verbose: bool = True,
+) -> dict:
+    """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report
+    (also in ``privacy_report.json`` there). Raises :class:`RunInterruptedError` after a signal and
+    :class:`RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
+    tests that compare runs bit for bit; a real run draws a fresh secret key."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
@@ -120,8 +151,15 @@ def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, no
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
-    task = get_task(cfg.client, cfg.model_dim, cfg.data_path, cfg.vocab_path, cfg.seq_len, cfg.seed,
-                    cfg.eval_sequences)
+    task = get_task(
+        cfg.client,
+        cfg.model_dim,
+        cfg.data_path,
+        cfg.vocab_path,
+        cfg.seq_len,
+        cfg.seed,
+        cfg.eval_sequences,
+    )
     kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
@@ -131,16 +169,23 @@ def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, no
         else:
             from flwr.simulation import run_simulation
 
-            try:   # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
-                run_simulation(server_app=make_server_app(cfg, stop_event=stop, **kwargs),
-                               client_app=task.client_app, num_supernodes=cfg.num_users,
-                               backend_config=_backend_config(cfg, verbose))
+            try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
+                run_simulation(
+                    server_app=make_server_app(cfg, stop_event=stop, **kwargs),
+                    client_app=task.client_app,
+                    num_supernodes=cfg.num_users,
+                    backend_config=_backend_config(cfg, verbose),
+                )
             except RuntimeError:
-                if not stop.is_set():   # Ray's workers die with the terminal's SIGINT; the server did not
+                if (
+                    not stop.is_set()
+                ):  # Ray's workers die with the terminal's SIGINT; the server did not
                     raise
     report_path = out / "privacy_report.json"
     if not report_path.exists():
-        raise RuntimeError(f"the simulation produced no privacy report in {out} (see the log above)")
+        raise RuntimeError(
+            f"the simulation produced no privacy report in {out} (see the log above)"
+        )
     report = json.loads(report_path.read_text())
     if stop.is_set() and report["rounds_completed"] < cfg.num_rounds:
         raise RunInterruptedError(report.get("stopped_reason") or "interrupted")
@@ -150,16 +195,21 @@ def simulate(cfg: RunConfig, backend: str = "flower", *, fresh: bool = False, no
 
 
 def _backend_config(cfg: RunConfig, verbose: bool = True) -> dict:
-    """One CPU per simulated client; with a GPU visible to TensorFlow, Keras clients share it (4 per GPU). Workers'
-    output reaches the terminal only when ``verbose``."""
+    """One CPU per simulated client; with a GPU visible to TensorFlow, Keras clients share it (4 per
+    GPU). Workers' output reaches the terminal only when ``verbose``."""
     gpus = 0.0
     if cfg.client == "keras":
         import tensorflow as tf
 
         if tf.config.list_physical_devices("GPU"):
             gpus = 0.25
-    config = {"client_resources": {"num_cpus": 1, "num_gpus": gpus},
-              "init_args": {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}}
+    config = {
+        "client_resources": {"num_cpus": 1, "num_gpus": gpus},
+        "init_args": {
+            "log_to_driver": verbose,
+            "logging_level": logging.INFO if verbose else logging.ERROR,
+        },
+    }
     if gpus:
         config["init_args"]["num_gpus"] = 1
     return config

@@ -1,13 +1,14 @@
-"""Canary clients for empirical privacy auditing, and the audit of a finished run (Andrew et al., "One-shot
-Empirical Privacy Estimation for Federated Learning", arXiv 2302.03098; Steinke, Nasr, Jagielski, "Privacy Auditing
-with One (1) Training Run", arXiv 2305.08846). Simulation only.
+"""Canary clients for empirical privacy auditing, and the audit of a finished run (Andrew et al.,
+"One-shot Empirical Privacy Estimation for Federated Learning", arXiv 2302.03098; Steinke, Nasr,
+Jagielski, "Privacy Auditing with One (1) Training Run", arXiv 2305.08846). Simulation only.
 
-A canary is a SuperNode whose ClientApp does no training: in every round it is asked, it returns the model it was
-sent plus ζ·c_j, its fixed unit direction scaled to the clip norm ζ. The server treats it as any user — scheduled,
-clipped, noised and accounted on the production code path — so the audit sees the mechanism as it runs. In
-``corrflow audit`` the canaries are nodes of the in-process grid; around a user's strategy
-(``DifferentialPrivacyCorrelatedNoise(..., canaries=N)``) :class:`CanaryGrid` adds them to a simulation's grid.
-The statistics are :mod:`corrflow.accounting.audit`'s; :func:`analyse` applies them to the released models.
+A canary is a SuperNode whose ClientApp does no training: in every round it is asked, it returns the
+model it was sent plus ζ·c_j, its fixed unit direction scaled to the clip norm ζ. The server treats
+it as any user — scheduled, clipped, noised and accounted on the production code path — so the audit
+sees the mechanism as it runs. In ``corrflow audit`` the canaries are nodes of the in-process grid;
+around a user's strategy (``DifferentialPrivacyCorrelatedNoise(..., canaries=N)``)
+:class:`CanaryGrid` adds them to a simulation's grid. The statistics are
+:mod:`corrflow.accounting.audit`'s; :func:`analyse` applies them to the released models.
 """
 
 from __future__ import annotations
@@ -20,14 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 
 from corrflow.accounting import audit as stats
 from corrflow.config import RunConfig
 from corrflow.errors import require
 from corrflow.protocol import PROBE_ACTION, PROBE_KEY, REPLY_KEY, node_identity
 
-#: node-config key that marks a canary SuperNode of the in-process grid (value: the candidate's index).
+#: node-config key that marks a canary SuperNode of the in-process grid (value: the candidate's
+# index).
 CANARY_KEY = "corrflow-canary"
 #: The fewest candidate canaries: fewer cannot fit a Gaussian on each side nor bound anything.
 MIN_CANARIES = 20
@@ -35,17 +46,25 @@ MIN_CANARIES = 20
 
 @dataclass(frozen=True)
 class CanaryPlan:
-    """The audit's public randomness: ``count`` candidates, their coins, and the seed of their directions."""
+    """The audit's public randomness: ``count`` candidates, their coins, and the seed of their
+    directions."""
+
     count: int
     seed: int
-    inserted: np.ndarray        # bool, per candidate
+    inserted: np.ndarray  # bool, per candidate
 
     @classmethod
     def draw(cls, count: int, seed: int) -> CanaryPlan:
-        require(count >= MIN_CANARIES, "canaries", f"at least {MIN_CANARIES} candidate canaries", count)
+        require(
+            count >= MIN_CANARIES, "canaries", f"at least {MIN_CANARIES} candidate canaries", count
+        )
         coins = stats.canary_coins(seed, count)
-        require(2 <= coins.sum() <= count - 2, "canaries", "more candidates (the coins left fewer than two on a "
-                "side)", count)
+        require(
+            2 <= coins.sum() <= count - 2,
+            "canaries",
+            "more candidates (the coins left fewer than two on a side)",
+            count,
+        )
         return cls(int(count), int(seed), coins)
 
     @property
@@ -56,10 +75,12 @@ class CanaryPlan:
         return stats.canary_direction(self.seed, j, dim)
 
 
-def canary_reply(msg: Message, plan: CanaryPlan, j: int, clip_norm: float, replies: str = "weights") -> Message:
-    """Canary ``j``'s answer to a train message: the model sent plus ζ·c_j over its floating-point arrays (or
-    ζ·c_j alone when ``replies`` is "delta"), under the model's own array names. The server clips it to ζ: it is
-    already there (float32 rounding aside)."""
+def canary_reply(
+    msg: Message, plan: CanaryPlan, j: int, clip_norm: float, replies: str = "weights"
+) -> Message:
+    """Canary ``j``'s answer to a train message: the model sent plus ζ·c_j over its floating-point
+    arrays (or ζ·c_j alone when ``replies`` is "delta"), under the model's own array names. The
+    server clips it to ζ: it is already there (float32 rounding aside)."""
     record = msg.content["arrays"]
     keys, arrays = list(record.keys()), record.to_numpy_ndarrays()
     floats = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
@@ -67,18 +88,25 @@ def canary_reply(msg: Message, plan: CanaryPlan, j: int, clip_norm: float, repli
     out, at = list(arrays), 0
     for i in floats:
         a = arrays[i]
-        step = c[at:at + a.size].reshape(a.shape)
+        step = c[at : at + a.size].reshape(a.shape)
         out[i] = (step if replies == "delta" else a.astype(np.float64) + step).astype(a.dtype)
         at += a.size
-    content = ArrayRecord(OrderedDict((k, Array(np.require(a, requirements="C")))
-                                      for k, a in zip(keys, out, strict=True)))
-    return Message(content=RecordDict({"arrays": content, "metrics": MetricRecord({"num-examples": 1})}),
-                   reply_to=msg)
+    content = ArrayRecord(
+        OrderedDict(
+            (k, Array(np.require(a, requirements="C"))) for k, a in zip(keys, out, strict=True)
+        )
+    )
+    return Message(
+        content=RecordDict({"arrays": content, "metrics": MetricRecord({"num-examples": 1})}),
+        reply_to=msg,
+    )
 
 
-def canary_handlers(handlers: dict, plan: CanaryPlan, clip_norm: float, replies: str = "weights") -> dict:
-    """The task's ClientApp handlers, with ``train`` answering for canary nodes (node config :data:`CANARY_KEY`)
-    by :func:`canary_reply`."""
+def canary_handlers(
+    handlers: dict, plan: CanaryPlan, clip_norm: float, replies: str = "weights"
+) -> dict:
+    """The task's ClientApp handlers, with ``train`` answering for canary nodes (node config
+    :data:`CANARY_KEY`) by :func:`canary_reply`."""
     real_train = handlers["train"]
 
     def train(msg: Message, context: Context) -> Message:
@@ -91,18 +119,23 @@ def canary_handlers(handlers: dict, plan: CanaryPlan, clip_norm: float, replies:
 
 
 class CanaryGrid:
-    """A simulation's grid plus one virtual SuperNode per inserted canary, answered here: train messages by
-    :func:`canary_reply`, corrflow's identity probe with ``partition-id`` = ``first_partition + r``. Every other
-    message goes to the real grid, so the server's code path is the production one."""
+    """A simulation's grid plus one virtual SuperNode per inserted canary, answered here: train
+    messages by :func:`canary_reply`, corrflow's identity probe with ``partition-id`` =
+    ``first_partition + r``. Every other message goes to the real grid, so the server's code path is
+    the production one."""
 
     synchronous = False
 
-    def __init__(self, grid, plan: CanaryPlan, clip_norm: float, replies: str, first_partition: int):
+    def __init__(
+        self, grid, plan: CanaryPlan, clip_norm: float, replies: str, first_partition: int
+    ):
         self._grid = grid
         self.synchronous = bool(getattr(grid, "synchronous", False))
         self.plan, self.clip_norm, self.replies = plan, float(clip_norm), replies
         top = (1 << 63) - 1
-        self.canary_nodes = {top - 7919 * r: (j, first_partition + r) for r, j in enumerate(plan.inserted_ids)}
+        self.canary_nodes = {
+            top - 7919 * r: (j, first_partition + r) for r, j in enumerate(plan.inserted_ids)
+        }
         self._replies: list[Message] = []
 
     def canary_users(self) -> dict[int, str]:
@@ -116,12 +149,16 @@ class CanaryGrid:
         j, partition = self.canary_nodes[int(msg.metadata.dst_node_id)]
         kind = msg.metadata.message_type
         if kind == f"query.{PROBE_ACTION}":
-            value, error = node_identity(str(msg.content["config"][PROBE_KEY]), {"partition-id": partition})
+            value, error = node_identity(
+                str(msg.content["config"][PROBE_KEY]), {"partition-id": partition}
+            )
             record = ConfigRecord({"value": value} if value is not None else {"error": error})
             return Message(content=RecordDict({REPLY_KEY: record}), reply_to=msg)
         if kind.split(".")[0] == "train":
             return canary_reply(msg, self.plan, j, self.clip_norm, self.replies)
-        return Message(Error(code=2, reason=f"a canary answers train messages only, not {kind}"), reply_to=msg)
+        return Message(
+            Error(code=2, reason=f"a canary answers train messages only, not {kind}"), reply_to=msg
+        )
 
     def _split(self, messages: Iterable[Message]) -> tuple[list[Message], list[Message]]:
         mine, theirs = [], []
@@ -145,7 +182,9 @@ class CanaryGrid:
         rest = wanted - {r.metadata.reply_to_message_id for r in mine}
         return [*mine, *(self._grid.pull_messages(rest) if rest else [])]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
         mine, theirs = self._split(messages)
         out = list(self._grid.send_and_receive(theirs, timeout=timeout)) if theirs else []
         return [*out, *(self._answer(m) for m in mine)]
@@ -156,11 +195,13 @@ class CanaryGrid:
 
 @dataclass
 class RoundCapture:
-    """The released models, round by round (the all-iterates adversary's view): an ``on_round_end`` callback."""
+    """The released models, round by round (the all-iterates adversary's view): an ``on_round_end``
+    callback."""
+
     models: list[np.ndarray]
     rounds: list[int]
     strategy: object = None
-    scores: dict | None = None      # the scores behind the plot, filled by :func:`analyse`
+    scores: dict | None = None  # the scores behind the plot, filled by :func:`analyse`
 
     def __call__(self, strategy, metrics) -> None:
         self.strategy = strategy
@@ -169,8 +210,8 @@ class RoundCapture:
 
 
 def optimizer_map(optimizer, rounds: int) -> np.ndarray:
-    """M (rounds × rounds): the model change of round t per unit private update of round s, from the run's own
-    server optimizer applied to impulses (D = M·x̃; lower triangular)."""
+    """M (rounds × rounds): the model change of round t per unit private update of round s, from the
+    run's own server optimizer applied to impulses (D = M·x̃; lower triangular)."""
     out = np.zeros((rounds, rounds))
     for s in range(rounds):
         p, m = [np.zeros(1, np.float32)], [np.zeros(1, np.float32)]
@@ -181,38 +222,61 @@ def optimizer_map(optimizer, rounds: int) -> np.ndarray:
     return out
 
 
-def _patterns(strategy, plan: CanaryPlan, users: dict[int, str], rounds: int) -> tuple[np.ndarray, str]:
-    """u_j (candidates × rounds): the public rounds of each candidate. Fixed-epoch: an inserted canary's group
-    from the public schedule, a held-out one's a group drawn uniformly (keyed by the audit seed), so that the
-    pattern does not depend on the coin; random samplers (amplified ε, secret cohorts): every round."""
+def _patterns(
+    strategy, plan: CanaryPlan, users: dict[int, str], rounds: int
+) -> tuple[np.ndarray, str]:
+    """u_j (candidates × rounds): the public rounds of each candidate. Fixed-epoch: an inserted
+    canary's group from the public schedule, a held-out one's a group drawn uniformly (keyed by the
+    audit seed), so that the pattern does not depend on the coin; random samplers (amplified ε,
+    secret cohorts): every round."""
     planner = strategy.planner
     u = np.zeros((plan.count, rounds))
     if planner.kind != "fixed-epoch":
         u[:] = 1.0
-        return u, "every round (the cohorts are secret: the amplified ε assumes the adversary does not know them)"
+        return (
+            u,
+            "every round (the cohorts are secret: the amplified ε assumes the adversary does not "
+            "know them)",
+        )
     b = planner.min_sep
     groups = np.random.default_rng([plan.seed, 3]).integers(0, b, plan.count)
     for j, user in users.items():
         groups[j] = planner.planned_rounds(user)[0]
     for j, g in enumerate(groups):
-        u[j, int(g)::b] = 1.0
-    return u, "the canary's fixed-epoch rounds (public schedule; held-out canaries: a group drawn at random)"
+        u[j, int(g) :: b] = 1.0
+    return (
+        u,
+        "the canary's fixed-epoch rounds (public schedule; held-out canaries: a group drawn at "
+        "random)",
+    )
 
 
-def analyse(report: dict, strategy, capture: RoundCapture, plan: CanaryPlan, users: dict[int, str], real: int,
-            cfg: RunConfig) -> dict:
+def analyse(
+    report: dict,
+    strategy,
+    capture: RoundCapture,
+    plan: CanaryPlan,
+    users: dict[int, str],
+    real: int,
+    cfg: RunConfig,
+) -> dict:
     """The audit's numbers from the released models (see the module docstring)."""
-    models = np.stack(capture.models)                       # (T + 1, d)
+    models = np.stack(capture.models)  # (T + 1, d)
     released = len(capture.rounds)
-    require(capture.rounds == list(range(released)), "rounds", "rounds released in order", capture.rounds)
-    deltas = np.diff(models, axis=0)                         # (T, d)
+    require(
+        capture.rounds == list(range(released)),
+        "rounds",
+        "rounds released in order",
+        capture.rounds,
+    )
+    deltas = np.diff(models, axis=0)  # (T, d)
     dim = deltas.shape[1]
     M = optimizer_map(strategy.run.round.optimizer, cfg.num_rounds)[:released, :released]
-    moving = np.abs(np.diag(M)) > 0                          # rounds at learning rate 0 release nothing new
+    moving = np.abs(np.diag(M)) > 0  # rounds at learning rate 0 release nothing new
     D, M = deltas[moving], M[moving]
     u, pattern_rule = _patterns(strategy, plan, users, cfg.num_rounds)
     a = u[:, :released] @ M.T
-    proj = np.stack([D @ plan.direction(j, dim) for j in range(plan.count)])   # (m, n')
+    proj = np.stack([D @ plan.direction(j, dim) for j in range(plan.count)])  # (m, n')
     scores = stats.whitened_scores(D, proj, a)
     cosines = stats.final_model_cosines(D.sum(axis=0), proj.sum(axis=1))
     ins = plan.inserted
@@ -221,36 +285,74 @@ def analyse(report: dict, strategy, capture: RoundCapture, plan: CanaryPlan, use
     estimate = stats.one_shot_estimate(scores[ins], scores[~ins], delta, seed=plan.seed)
     final = stats.one_shot_estimate(cosines[ins], cosines[~ins], delta, seed=plan.seed)
     lower = stats.one_run_lower_bound(scores, ins, delta)
-    capture.scores = {"whitened": (scores[ins], scores[~ins]), "cosine": (cosines[ins], cosines[~ins]),
-                      "claimed": claimed, "estimate": estimate.epsilon, "lower": lower.epsilon,
-                      "final": final.epsilon, "kind": report["mechanism"]["kind"]}
-    cohorts = [len(strategy.planner.cohort(t)) for t in range(released)] \
-        if strategy.planner.kind == "fixed-epoch" else None
-    canary_share = (len(plan.inserted_ids) / (real + len(plan.inserted_ids)))
+    capture.scores = {
+        "whitened": (scores[ins], scores[~ins]),
+        "cosine": (cosines[ins], cosines[~ins]),
+        "claimed": claimed,
+        "estimate": estimate.epsilon,
+        "lower": lower.epsilon,
+        "final": final.epsilon,
+        "kind": report["mechanism"]["kind"],
+    }
+    cohorts = (
+        [len(strategy.planner.cohort(t)) for t in range(released)]
+        if strategy.planner.kind == "fixed-epoch"
+        else None
+    )
+    canary_share = len(plan.inserted_ids) / (real + len(plan.inserted_ids))
     verdict = _verdict(claimed, estimate, lower)
     return {
-        "epsilon_claimed": claimed, "delta": delta, "epsilon_estimate": estimate.epsilon,
-        "epsilon_estimate_interval": list(estimate.interval), "epsilon_lower": lower.epsilon,
-        "confidence": lower.confidence, "verdict": verdict,
-        "canaries": {"candidates": plan.count, "inserted": int(ins.sum()), "held_out": int((~ins).sum()),
-                     "audit_seed": plan.seed, "real_users": real, "population_share": canary_share,
-                     "lower_bound_ceiling": stats.lower_bound_ceiling(plan.count, delta=delta),
-                     "rounds": pattern_rule},
-        "statistics": {
-            "threat_model": "all iterates: the adversary sees every released model (the claimed ε covers them)",
-            "score": "whitened matched filter a_jᵀΣ̂⁻¹p_j/√(a_jᵀΣ̂⁻¹a_j), Σ̂ = DDᵀ/d from the released model changes",
-            "estimator": "one-shot Gaussian fit ε_G(μ̂/σ̂; δ) (Andrew et al., arXiv 2302.03098), 95% percentile "
-                         "bootstrap interval",
-            "whitened": estimate.to_dict(), "lower_bound": lower.to_dict(),
-            "final_model": {**final.to_dict(), "score": "cosine ⟨c_j, θ_T − θ_0⟩/‖θ_T − θ_0‖ (Andrew et al.), "
-                            "null N(0, 1/d)", "expected_null_std": 1 / math.sqrt(dim)},
-            "model_dim": dim, "rounds_scored": int(moving.sum()),
+        "epsilon_claimed": claimed,
+        "delta": delta,
+        "epsilon_estimate": estimate.epsilon,
+        "epsilon_estimate_interval": list(estimate.interval),
+        "epsilon_lower": lower.epsilon,
+        "confidence": lower.confidence,
+        "verdict": verdict,
+        "canaries": {
+            "candidates": plan.count,
+            "inserted": int(ins.sum()),
+            "held_out": int((~ins).sum()),
+            "audit_seed": plan.seed,
+            "real_users": real,
+            "population_share": canary_share,
+            "lower_bound_ceiling": stats.lower_bound_ceiling(plan.count, delta=delta),
+            "rounds": pattern_rule,
         },
-        "run": {"dir": str(Path(cfg.state_dir)), "kind": report["mechanism"]["kind"],
-                "participation": report["planned"]["participation"].get("kind"),
-                "noise_multiplier": report["noise_multiplier"], "clip_norm": report["clip_norm"],
-                "accountant": report["accountant"]["name"], "rounds_completed": report["rounds_completed"],
-                "stopped_reason": report.get("stopped_reason"), "cohort_sizes": cohorts},
+        "statistics": {
+            "threat_model": (
+                "all iterates: the adversary sees every released model (the claimed ε covers them)"
+            ),
+            "score": (
+                "whitened matched filter a_jᵀΣ̂⁻¹p_j/√(a_jᵀΣ̂⁻¹a_j), Σ̂ = DDᵀ/d from the released "
+                "model changes"
+            ),
+            "estimator": (
+                "one-shot Gaussian fit ε_G(μ̂/σ̂; δ) (Andrew et al., arXiv 2302.03098), 95% "
+                "percentile "
+                "bootstrap interval"
+            ),
+            "whitened": estimate.to_dict(),
+            "lower_bound": lower.to_dict(),
+            "final_model": {
+                **final.to_dict(),
+                "score": "cosine ⟨c_j, θ_T − θ_0⟩/‖θ_T − θ_0‖ (Andrew et al.), null N(0, 1/d)",
+                "expected_null_std": 1 / math.sqrt(dim),
+            },
+            "model_dim": dim,
+            "rounds_scored": int(moving.sum()),
+        },
+        "run": {
+            "dir": str(Path(cfg.state_dir)),
+            "kind": report["mechanism"]["kind"],
+            "participation": report["planned"]["participation"].get("kind"),
+            "noise_multiplier": report["noise_multiplier"],
+            "clip_norm": report["clip_norm"],
+            "accountant": report["accountant"]["name"],
+            "rounds_completed": report["rounds_completed"],
+            "stopped_reason": report.get("stopped_reason"),
+            "cohort_sizes": cohorts,
+        },
     }
 
 
@@ -258,17 +360,27 @@ def _verdict(claimed: float | None, estimate: stats.Estimate, lower: stats.Lower
     if claimed is None:
         return "no claim to audit (non-private run)"
     if lower.epsilon > claimed:
-        return (f"VIOLATION: the {lower.confidence:.0%} lower bound ε_lo = {lower.epsilon:.3g} exceeds the claimed "
-                f"ε = {claimed:.3g}; the run leaks more than it claims")
+        return (
+            f"VIOLATION: the {lower.confidence:.0%} lower bound ε_lo = {lower.epsilon:.3g} exceeds "
+            "the claimed "
+            f"ε = {claimed:.3g}; the run leaks more than it claims"
+        )
     if estimate.interval[0] > claimed:
-        return (f"SUSPECT: the estimate ε̂ = {estimate.epsilon:.3g} (interval from {estimate.interval[0]:.3g}) lies "
-                f"above the claimed ε = {claimed:.3g}; rerun with more canaries to prove or clear it (a correct run "
-                f"whose estimate sits at its claim lands here about 1 time in 40)")
-    return f"consistent: nothing shown above the claimed ε = {claimed:.3g} (an estimate, not a proof)"
+        return (
+            f"SUSPECT: the estimate ε̂ = {estimate.epsilon:.3g} (interval from "
+            f"{estimate.interval[0]:.3g}) lies "
+            f"above the claimed ε = {claimed:.3g}; rerun with more canaries to prove or clear it "
+            "(a correct run "
+            f"whose estimate sits at its claim lands here about 1 time in 40)"
+        )
+    return (
+        f"consistent: nothing shown above the claimed ε = {claimed:.3g} (an estimate, not a proof)"
+    )
 
 
 def write_plot(result: dict, scores: dict, path: Path) -> Path:
-    """Histograms of the inserted and held-out canaries' scores: whitened (left) and final-model cosine (right)."""
+    """Histograms of the inserted and held-out canaries' scores: whitened (left) and final-model
+    cosine (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,8 +389,10 @@ def write_plot(result: dict, scores: dict, path: Path) -> Path:
     from corrflow.fileio import atomic_file
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "whitened", "whitened score (all iterates)"),
-                           (axes[1], "cosine", "cosine with θ_T − θ_0 (final model)")):
+    for ax, key, label in (
+        (axes[0], "whitened", "whitened score (all iterates)"),
+        (axes[1], "cosine", "cosine with θ_T − θ_0 (final model)"),
+    ):
         ins, out = scores[key]
         bins = np.histogram_bin_edges(np.concatenate([ins, out]), bins=30)
         ax.hist(out, bins=bins, alpha=0.6, label=f"held out ({out.size})", color="tab:blue")
@@ -287,8 +401,10 @@ def write_plot(result: dict, scores: dict, path: Path) -> Path:
         ax.set_ylabel("canaries")
         ax.legend()
     est = result["statistics"]["final_model"]["epsilon"]
-    axes[0].set_title(f"ε claimed {_fmt(result['epsilon_claimed'])}, ε̂ {_fmt(result['epsilon_estimate'])}, "
-                      f"ε_lo {_fmt(result['epsilon_lower'])}")
+    axes[0].set_title(
+        f"ε claimed {_fmt(result['epsilon_claimed'])}, ε̂ {_fmt(result['epsilon_estimate'])}, "
+        f"ε_lo {_fmt(result['epsilon_lower'])}"
+    )
     axes[1].set_title(f"final-model ε̂ {_fmt(est)} ({scores['kind']})")
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
@@ -301,5 +417,14 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
-__all__ = ["CANARY_KEY", "MIN_CANARIES", "CanaryGrid", "CanaryPlan", "RoundCapture", "analyse", "canary_handlers",
-           "optimizer_map", "write_plot"]
+__all__ = [
+    "CANARY_KEY",
+    "MIN_CANARIES",
+    "CanaryGrid",
+    "CanaryPlan",
+    "RoundCapture",
+    "analyse",
+    "canary_handlers",
+    "optimizer_map",
+    "write_plot",
+]

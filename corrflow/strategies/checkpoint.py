@@ -1,18 +1,19 @@
-"""Atomic server checkpoints: each round's state goes into a fresh directory that is fsynced and then published
-by atomically replacing the ``CURRENT`` pointer file; older directories are removed afterwards. A crash leaves
-either the old or the new checkpoint, never a mix. Each checkpoint directory is created 0700 (its ledger holds raw
-user ids); the private parts (noise key and buffer, report salt, server secret, and an amplified run's sampler
-key) are also 0600 files.
+"""Atomic server checkpoints: each round's state goes into a fresh directory that is fsynced and
+then published by atomically replacing the ``CURRENT`` pointer file; older directories are removed
+afterwards. A crash leaves either the old or the new checkpoint, never a mix. Each checkpoint
+directory is created 0700 (its ledger holds raw user ids); the private parts (noise key and buffer,
+report salt, server secret, and an amplified run's sampler key) are also 0600 files.
 
-Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC keyed by the
-server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise state or a missing file is
-refused on load, naming the file.
+Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC
+keyed by the server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise
+state or a missing file is refused on load, naming the file.
 
 One file lives beside the checkpoint directories rather than in them: a banded noise buffer's rows
-(``noise_ring.bin``, :func:`corrflow.noise.engine.save_state`), rewritten in place one row per round so that the
-checkpoint's I/O stays O(d) rather than O(bands·d). The ring has a spare slot, so a round never overwrites a row the
-published checkpoint needs; each row the checkpoint needs is named in its ``noise/noise_state.json`` (covered by
-the manifest) with its own HMAC, and a row that does not match is refused on load."""
+(``noise_ring.bin``, :func:`corrflow.noise.engine.save_state`), rewritten in place one row per round
+so that the checkpoint's I/O stays O(d) rather than O(bands·d). The ring has a spare slot, so a
+round never overwrites a row the published checkpoint needs; each row the checkpoint needs is named
+in its ``noise/noise_state.json`` (covered by the manifest) with its own HMAC, and a row that does
+not match is refused on load."""
 
 from __future__ import annotations
 
@@ -32,17 +33,28 @@ from corrflow.hashing import canonical_hmac
 POINTER = "CURRENT"
 MANIFEST = "MANIFEST.json"
 SECRET = "server_secret"
-SAMPLER_KEY = "sampler_secret.key"   # amplified runs only: the private key their cohorts are drawn from
+SAMPLER_KEY = (
+    "sampler_secret.key"  # amplified runs only: the private key their cohorts are drawn from
+)
 
 
-def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, list[np.ndarray]],
-                     public: dict, private: dict[str, bytes], save_extra=None) -> Path:
-    """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` (0600) files into ``state_dir/name``
-    as one atomic directory, publish it through ``CURRENT``, then remove older checkpoints."""
+def write_checkpoint(
+    state_dir: str | os.PathLike,
+    name: str,
+    arrays: dict[str, list[np.ndarray]],
+    public: dict,
+    private: dict[str, bytes],
+    save_extra=None,
+) -> Path:
+    """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` (0600) files into
+    ``state_dir/name`` as one atomic directory, publish it through ``CURRENT``, then remove older
+    checkpoints."""
     root = Path(state_dir)
     with atomic_directory(root / name) as tmp:
         for key, arrs in arrays.items():
-            with open(tmp / f"{key}.npz", "wb") as f:   # inside the atomic directory: no per-file rename needed
+            with open(
+                tmp / f"{key}.npz", "wb"
+            ) as f:  # inside the atomic directory: no per-file rename needed
                 np.savez(f, *arrs)
         write_text(tmp / "state.json", json.dumps(public, sort_keys=True))
         for fname, data in private.items():
@@ -59,7 +71,8 @@ def write_checkpoint(state_dir: str | os.PathLike, name: str, arrays: dict[str, 
 
 
 def current_checkpoint(state_dir: str | os.PathLike) -> Path | None:
-    """The published checkpoint, its manifest and HMAC verified; None when ``CURRENT`` does not exist."""
+    """The published checkpoint, its manifest and HMAC verified; None when ``CURRENT`` does not
+    exist."""
     root = Path(state_dir)
     ptr = root / POINTER
     if not ptr.exists():
@@ -87,7 +100,10 @@ def _manifest_mac(secret: bytes, body: dict) -> str:
 def _write_manifest(directory: Path, name: str) -> None:
     secret = (directory / SECRET).read_bytes()
     body = {"checkpoint": name, "files": _file_digests(directory)}
-    write_text(directory / MANIFEST, json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True))
+    write_text(
+        directory / MANIFEST,
+        json.dumps({**body, "hmac": _manifest_mac(secret, body)}, sort_keys=True),
+    )
 
 
 def manifest_digest(path: Path) -> str:
@@ -96,8 +112,9 @@ def manifest_digest(path: Path) -> str:
 
 
 def verify_checkpoint(path: Path) -> str:
-    """Check every file of a checkpoint against its HMAC-authenticated manifest; returns the manifest's SHA-256.
-    Raises IntegrityError naming the first file that is missing, extra or changed."""
+    """Check every file of a checkpoint against its HMAC-authenticated manifest; returns the
+    manifest's SHA-256. Raises IntegrityError naming the first file that is missing, extra or
+    changed."""
     manifest_path, secret_path = path / MANIFEST, path / SECRET
     for p in (manifest_path, secret_path):
         if not p.is_file():
@@ -113,9 +130,13 @@ def verify_checkpoint(path: Path) -> str:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(f"{manifest_path}: unreadable manifest ({exc})") from None
     if not hmac.compare_digest(mac, _manifest_mac(secret, body)):
-        raise IntegrityError(f"{manifest_path}: the HMAC does not match the server secret (edited manifest)")
+        raise IntegrityError(
+            f"{manifest_path}: the HMAC does not match the server secret (edited manifest)"
+        )
     if body["checkpoint"] != path.name:
-        raise IntegrityError(f"{manifest_path}: the manifest belongs to {body['checkpoint']}, not {path.name}")
+        raise IntegrityError(
+            f"{manifest_path}: the manifest belongs to {body['checkpoint']}, not {path.name}"
+        )
     actual = _file_digests(path)
     for rel in sorted(set(body["files"]) | set(actual)):
         if rel not in actual:
@@ -123,12 +144,15 @@ def verify_checkpoint(path: Path) -> str:
         if rel not in body["files"]:
             raise IntegrityError(f"{path / rel}: not listed in the checkpoint's manifest")
         if actual[rel] != body["files"][rel]:
-            raise IntegrityError(f"{path / rel}: changed since the checkpoint was written (SHA-256 mismatch)")
+            raise IntegrityError(
+                f"{path / rel}: changed since the checkpoint was written (SHA-256 mismatch)"
+            )
     return hashlib.sha256(raw).hexdigest()
 
 
 def remove_stale_temporaries(state_dir: str | os.PathLike) -> list[str]:
-    """Remove the temporary directories and pointer files a killed server left (they may hold key copies)."""
+    """Remove the temporary directories and pointer files a killed server left (they may hold key
+    copies)."""
     root = Path(state_dir)
     removed = []
     if root.is_dir():

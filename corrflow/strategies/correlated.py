@@ -1,15 +1,18 @@
-"""The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the round core.
+"""The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the round
+core.
 
-``configure_train`` plans round t (:func:`~corrflow.strategies.round_core.plan_round`: the cohort planner, the
-separation policy, operator overrides), refuses it when the budget guard says it would exceed the target ε, and
-sends the training messages. ``aggregate_train`` collects the replies, releases the round
-(:func:`~corrflow.strategies.round_core.release`: clip → sum → correlated noise → server optimizer) and hands the
-:class:`~corrflow.strategies.round_core.RoundRecord` to the recorder, the one place where the run's state changes
-(checkpoint → release journal → report → metrics, before the model leaves the server).
+``configure_train`` plans round t (:func:`~corrflow.strategies.round_core.plan_round`: the cohort
+planner, the separation policy, operator overrides), refuses it when the budget guard says it would
+exceed the target ε, and sends the training messages. ``aggregate_train`` collects the replies,
+releases the round (:func:`~corrflow.strategies.round_core.release`: clip → sum → correlated noise →
+server optimizer) and hands the :class:`~corrflow.strategies.round_core.RoundRecord` to the
+recorder, the one place where the run's state changes (checkpoint → release journal → report →
+metrics, before the model leaves the server).
 
-A round interrupted (SIGINT/SIGTERM) while replies are awaited is abandoned: nothing of it is committed or
-released, and a restart redoes it. The run stops — on the record, in ``stopped_reason`` — at the budget guard, on an
-operator interrupt, or after ``max_empty_rounds`` consecutive rounds without an accepted reply.
+A round interrupted (SIGINT/SIGTERM) while replies are awaited is abandoned: nothing of it is
+committed or released, and a restart redoes it. The run stops — on the record, in ``stopped_reason``
+— at the budget guard, on an operator interrupt, or after ``max_empty_rounds`` consecutive rounds
+without an accepted reply.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ INTERRUPTED = "interrupted by the operator (SIGINT/SIGTERM)"
 
 
 class InFlight:
-    """The round between ``configure_train`` and ``aggregate_train`` (Flower's two calls), never persisted: its
-    plan and the messages sent (whose ids the grid fills in when it pushes them)."""
+    """The round between ``configure_train`` and ``aggregate_train`` (Flower's two calls), never
+    persisted: its plan and the messages sent (whose ids the grid fills in when it pushes them)."""
 
     def __init__(self):
         self._round: tuple[RoundPlan, list[Message]] | None = None
@@ -53,19 +56,24 @@ class InFlight:
         if held is None:
             return None, {}
         plan, messages = held
-        return plan, {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
+        return plan, {
+            m.metadata.message_id: int(m.metadata.dst_node_id)
+            for m in messages
+            if m.metadata.message_id
+        }
 
 
 class CorrelatedNoiseStrategy(Strategy):
-    """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring). Built by
-    :func:`corrflow.strategies.session.prepare_run`; its state is the recorder's, read through the properties."""
+    """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring).
+    Built by :func:`corrflow.strategies.session.prepare_run`; its state is the recorder's, read
+    through the properties."""
 
     def __init__(self, run: PreparedRun):
         self.run = run
         self.inflight = InFlight()
-        self._said: set[str] = set()   # one-time warnings
+        self._said: set[str] = set()  # one-time warnings
 
-    # -- read-only views of the run ---------------------------------------------------------------------------
+    # -- read-only views of the run ----------------------------------------------------------------
     cfg = property(lambda self: self.run.round.cfg)
     planner = property(lambda self: self.run.round.planner)
     sigma = property(lambda self: self.run.round.sigma)
@@ -79,64 +87,93 @@ class CorrelatedNoiseStrategy(Strategy):
     def initial_arrays(self) -> ArrayRecord:
         """The current model.
 
-        Returns:
-            The model (the initial one before round 1) in the user's arrays' names, order and dtypes.
+        Returns: The model (the initial one before round 1) in the user's arrays' names, order and
+        dtypes.
         """
         return self.run.round.layout.record(self.params)
 
     def report(self) -> dict:
-        """Returns:
-            The privacy report as the operator holds it (before the amplified-run redactions of the published file).
+        """Returns: The privacy report as the operator holds it (before the amplified-run redactions
+        of the published file).
         """
         return self.run.recorder.report()
 
     def override(self, round_index: int, items: list[str]) -> None:
         """Operator override: add items to a future round's cohort.
 
-        They pass through the separation monitor like sampled items (the ``policy`` setting decides), every override
-        is listed in the privacy report, and an amplified run's report switches to post-hoc accounting.
+        They pass through the separation monitor like sampled items (the ``policy`` setting
+        decides), every override is listed in the privacy report, and an amplified run's report
+        switches to post-hoc accounting.
 
         Args:
             round_index: a future round, 0-based.
             items: item ids known to the planner.
         """
-        require(round_index >= self.next_round, "round", f"a future round (≥ {self.next_round})", round_index)
+        require(
+            round_index >= self.next_round,
+            "round",
+            f"a future round (≥ {self.next_round})",
+            round_index,
+        )
         unknown = [i for i in items if i not in self.planner.index]
         require(not unknown, "items", "item ids known to the planner", unknown)
         self.run.recorder.apply(Override(int(round_index), list(items)))
 
-    # -- Flower Strategy API --------------------------------------------------------------------------------------
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Train until ``num_rounds`` rounds in total are released (default: all planned; a resumed run runs the
-        rest).
+    # -- Flower Strategy API -----------------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Train until ``num_rounds`` rounds in total are released (default: all planned; a resumed
+        run runs the rest).
 
-        Args:
-            grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
-            initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes are kept
-                in every model sent; a resumed run refuses other arrays).
-            num_rounds: n, the run's total rounds (a resumed run trains the rest).
-            timeout: seconds to wait for nodes and replies (default: the ``node_timeout`` setting).
-            train_config: the config sent to the cohort each round (merged with the inner strategy's).
-            evaluate_config: the config of the inner strategy's federated evaluation.
-            evaluate_fn: ``evaluate_fn(server_round, arrays)``, called for the starting model (round 0) and after
-                every round, as Flower's FedAvg does; its metrics go to ``metrics.json``.
+        Args: grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
+        initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes
+        are kept in every model sent; a resumed run refuses other arrays). num_rounds: n, the run's
+        total rounds (a resumed run trains the rest). timeout: seconds to wait for nodes and replies
+        (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
+        round (merged with the inner strategy's). evaluate_config: the config of the inner
+        strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
+        for the starting model (round 0) and after every round, as Flower's FedAvg does; its metrics
+        go to ``metrics.json``.
 
-        Returns:
-            Flower's ``Result`` with the final arrays and the per-round train and evaluation metrics.
+        Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
+        metrics.
         """
-        if initial_arrays is not None and arrays_sha256(initial_arrays) != self.run.recorder.keys.initial_sha256:
-            raise InvalidArgumentError("initial_arrays", "the initial model this run was prepared with")
+        if (
+            initial_arrays is not None
+            and arrays_sha256(initial_arrays) != self.run.recorder.keys.initial_sha256
+        ):
+            raise InvalidArgumentError(
+                "initial_arrays", "the initial model this run was prepared with"
+            )
         last = self.cfg.num_rounds if num_rounds is None else int(num_rounds)
-        require(1 <= last <= self.cfg.num_rounds, "num_rounds", f"between 1 and the {self.cfg.num_rounds} rounds "
-                "the run was planned for (the noise is factorized for them)", num_rounds)
-        return run_rounds(self, grid, last, self.cfg.node_timeout if timeout is None else timeout,
-                          train_config, evaluate_config, evaluate_fn)
+        require(
+            1 <= last <= self.cfg.num_rounds,
+            "num_rounds",
+            f"between 1 and the {self.cfg.num_rounds} rounds "
+            "the run was planned for (the noise is factorized for them)",
+            num_rounds,
+        )
+        return run_rounds(
+            self,
+            grid,
+            last,
+            self.cfg.node_timeout if timeout is None else timeout,
+            train_config,
+            evaluate_config,
+            evaluate_fn,
+        )
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Plan the round's cohort, check the budget guard, and build the train messages.
 
         Args:
@@ -152,46 +189,81 @@ class CorrelatedNoiseStrategy(Strategy):
         if t >= self.cfg.num_rounds or state.stopped_reason:
             return []
         online = self.run.directory.refresh(grid)
-        plan = plan_round(ctx, t, state.ledger.selected, state.pending_overrides.get(t, []), self.run.reply_log.warning)
-        if (reason := budget_reason(ctx, plan, state.ledger.selected, state.ledger.overrides)) is not None:
+        plan = plan_round(
+            ctx,
+            t,
+            state.ledger.selected,
+            state.pending_overrides.get(t, []),
+            self.run.reply_log.warning,
+        )
+        if (
+            reason := budget_reason(ctx, plan, state.ledger.selected, state.ledger.overrides)
+        ) is not None:
             self.run.recorder.apply(Stop(reason))
             return []
         user_config, sent = inner_train_config(self.run.inner, t + 1, arrays, config, grid)
         if not sent and "inner-config" not in self._said:
             self._said.add("inner-config")
-            log.warning("the inner strategy's configure_train sent no message (fraction_train = 0?): corrflow's "
-                        "cohort trains with the train_config alone")
-        messages = train_messages(self.cfg, plan, arrays, user_config, online, self.run.directory, ctx.item_home)
+            log.warning(
+                "the inner strategy's configure_train sent no message (fraction_train = 0?): "
+                "corrflow's "
+                "cohort trains with the train_config alone"
+            )
+        messages = train_messages(
+            self.cfg, plan, arrays, user_config, online, self.run.directory, ctx.item_home
+        )
         self.inflight.put(plan, messages)
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        """Validate and clip the replies, add the correlated noise, step the server optimizer, and commit the round.
+        """Validate and clip the replies, add the correlated noise, step the server optimizer, and
+        commit the round.
 
         Args:
             server_round: Flower's 1-based round number.
             replies: the cohort's reply messages.
 
-        Returns:
-            (the new global model, the round's metrics), or (None, None) for a round that was not planned.
+        Returns: (the new global model, the round's metrics), or (None, None) for a round that was
+        not planned.
         """
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
         started, state, ctx = time.perf_counter(), self.state, self.run.round
-        outcome = collect(ctx, plan, replies, sent, self.run.directory.node_to_user, state.params,
-                          self.run.reply_log.warning)
-        record = release(ctx, plan, outcome, state.params, state.momentum, state.ledger.selected,
-                         state.ledger.overrides, self.run.evaluate, lambda: time.perf_counter() - started)
+        outcome = collect(
+            ctx,
+            plan,
+            replies,
+            sent,
+            self.run.directory.node_to_user,
+            state.params,
+            self.run.reply_log.warning,
+        )
+        record = release(
+            ctx,
+            plan,
+            outcome,
+            state.params,
+            state.momentum,
+            state.ledger.selected,
+            state.ledger.overrides,
+            self.run.evaluate,
+            lambda: time.perf_counter() - started,
+        )
         self.run.recorder.apply(record)
-        metrics = MetricRecord({k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)})
-        if self.run.inner is not None and outcome.contents:   # the user's strategy aggregates the replies' metrics
+        metrics = MetricRecord(
+            {k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)}
+        )
+        if (
+            self.run.inner is not None and outcome.contents
+        ):  # the user's strategy aggregates the replies' metrics
             metrics = inner_metrics(self.run.inner, outcome.contents) or metrics
         return self.initial_arrays(), metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid):
-        """Federated evaluation is the inner strategy's (its metrics are computed on clients' data and are not
-        covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone evaluates server-side.
+        """Federated evaluation is the inner strategy's (its metrics are computed on clients' data
+        and are not covered by the DP guarantee, as with Flower's own DP wrappers); corrflow alone
+        evaluates server-side.
 
         Args:
             server_round: Flower's 1-based round number.
@@ -206,7 +278,8 @@ class CorrelatedNoiseStrategy(Strategy):
         return [] if inner is None else inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
-        """The inner strategy's aggregation of federated-evaluation replies (outside the DP guarantee).
+        """The inner strategy's aggregation of federated-evaluation replies (outside the DP
+        guarantee).
 
         Args:
             server_round: Flower's 1-based round number.
@@ -220,48 +293,74 @@ class CorrelatedNoiseStrategy(Strategy):
 
     def summary(self) -> None:
         eps = self.ledger.epsilon_history[-1] if self.ledger.epsilon_history else None
-        log.info("corrflow: %d rounds completed, realised ε = %s (δ = %g)", self.next_round,
-                 "n/a" if eps is None else f"{eps:.4f}", self.cfg.delta)
+        log.info(
+            "corrflow: %d rounds completed, realised ε = %s (δ = %g)",
+            self.next_round,
+            "n/a" if eps is None else f"{eps:.4f}",
+            self.cfg.delta,
+        )
 
 
-def run_rounds(strategy: CorrelatedNoiseStrategy, grid: Grid, last: int, timeout: float,
-               train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
-               evaluate_fn: Callable | None) -> Result:
-    """Flower's ``Strategy.start`` loop with an interruptible exchange: rounds until ``last`` are released, the run
-    stops or the operator interrupts (then the round in flight is abandoned, unreleased)."""
+def run_rounds(
+    strategy: CorrelatedNoiseStrategy,
+    grid: Grid,
+    last: int,
+    timeout: float,
+    train_config: ConfigRecord | None,
+    evaluate_config: ConfigRecord | None,
+    evaluate_fn: Callable | None,
+) -> Result:
+    """Flower's ``Strategy.start`` loop with an interruptible exchange: rounds until ``last`` are
+    released, the run stops or the operator interrupts (then the round in flight is abandoned,
+    unreleased)."""
     stop = strategy.run.stop_event
     arrays = strategy.initial_arrays()
-    result = Result(arrays=arrays)   # a finished or resumed run returns its current model
+    result = Result(arrays=arrays)  # a finished or resumed run returns its current model
     if evaluate_fn is not None and (res := evaluate_fn(strategy.next_round, arrays)) is not None:
         result.evaluate_metrics_serverapp[strategy.next_round] = res
     while strategy.next_round < last and not strategy.stopped_reason and not stop.is_set():
         server_round = strategy.next_round + 1
-        messages = list(strategy.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
+        messages = list(
+            strategy.configure_train(server_round, arrays, train_config or ConfigRecord(), grid)
+        )
         if strategy.stopped_reason:
             break
         replies = exchange(grid, messages, timeout, stop)
         if replies is None:
-            strategy.inflight.put(None)   # abandoned: nothing of this round is committed or released
+            strategy.inflight.put(None)  # abandoned: nothing of this round is committed or released
             break
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
         result.train_metrics_clientapp[server_round] = metrics
-        evaluation = list(strategy.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
+        evaluation = list(
+            strategy.configure_evaluate(
+                server_round, arrays, evaluate_config or ConfigRecord(), grid
+            )
+        )
         ev = exchange(grid, evaluation, timeout, stop) if evaluation else None
         if ev is not None and (agg := strategy.aggregate_evaluate(server_round, ev)) is not None:
             result.evaluate_metrics_clientapp[server_round] = agg
         if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
             result.evaluate_metrics_serverapp[server_round] = res
-    if stop.is_set() and not strategy.stopped_reason and strategy.next_round < strategy.cfg.num_rounds:
-        strategy.run.recorder.apply(Stop(f"{INTERRUPTED} before round {strategy.next_round + 1} of "
-                                         f"{strategy.cfg.num_rounds}; nothing of that round was released"))
+    if (
+        stop.is_set()
+        and not strategy.stopped_reason
+        and strategy.next_round < strategy.cfg.num_rounds
+    ):
+        strategy.run.recorder.apply(
+            Stop(
+                f"{INTERRUPTED} before round {strategy.next_round + 1} of "
+                f"{strategy.cfg.num_rounds}; nothing of that round was released"
+            )
+        )
     return result
 
 
 def inner_metrics(inner: Strategy, contents: list) -> MetricRecord | None:
-    """The inner strategy's aggregation of the accepted replies' metrics (None when it has none or fails)."""
+    """The inner strategy's aggregation of the accepted replies' metrics (None when it has none or
+    fails)."""
     aggregate = getattr(inner, "train_metrics_aggr_fn", None)
     if aggregate is None:
         return None

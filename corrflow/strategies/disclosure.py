@@ -1,18 +1,21 @@
 """What a run publishes, and what only its operator sees (the threat model's line between the two).
 
-Public: the console, ``privacy_report.json`` and ``metrics.json`` (what a run directory is shared for). Operator-only:
-the ``operator/`` directory of the run (0700; files 0600): ``operator.log`` (each reply rejected or zeroed, with its
-sender), ``rounds.jsonl`` (each round's accepted, clipped, zeroed and rejected counts) and ``participation.json``
-(per hashed user, the rounds it was selected in).
+Public: the console, ``privacy_report.json`` and ``metrics.json`` (what a run directory is shared
+for). Operator-only: the ``operator/`` directory of the run (0700; files 0600): ``operator.log``
+(each reply rejected or zeroed, with its sender), ``rounds.jsonl`` (each round's accepted, clipped,
+zeroed and rejected counts) and ``participation.json`` (per hashed user, the rounds it was selected
+in).
 
-* **Amplified runs** (Poisson, cyclic Poisson, b-min-sep samplers accounted with amplification: 001, 002, 004)
-  promise an ε that holds only while nobody learns who was sampled. Nothing public depends on the secret cohorts:
-  the report keeps ε, δ, accountant, settings and the rounds, and the per-user participation, the per-round counts
-  of replies, the realised sensitivity, the node ids of rejected replies and the reasons a round had no valid
-  reply go to the operator files alone; the console prints per round the held-out metrics and ε only.
-* **Every run**: per-round counts of accepted, clipped, zeroed or rejected replies are statistics of user data that
-  the DP release does not cover. Unamplified runs (whose schedule is public anyway) publish them on the console and
-  in ``metrics.json``, and the report lists them under ``outside_guarantee``.
+* **Amplified runs** (Poisson, cyclic Poisson, b-min-sep samplers accounted with amplification: 001,
+  002, 004) promise an ε that holds only while nobody learns who was sampled. Nothing public depends
+  on the secret cohorts: the report keeps ε, δ, accountant, settings and the rounds, and the
+  per-user participation, the per-round counts of replies, the realised sensitivity, the node ids of
+  rejected replies and the reasons a round had no valid reply go to the operator files alone; the
+  console prints per round the held-out metrics and ε only.
+* **Every run**: per-round counts of accepted, clipped, zeroed or rejected replies are statistics of
+  user data that the DP release does not cover. Unamplified runs (whose schedule is public anyway)
+  publish them on the console and in ``metrics.json``, and the report lists them under
+  ``outside_guarantee``.
 """
 
 from __future__ import annotations
@@ -28,14 +31,23 @@ from corrflow.fileio import write_json
 log = logging.getLogger("corrflow")
 
 #: Round metrics that are statistics of who replied and what they sent (outside the DP release).
-COHORT_METRICS = ("replies", "accepted", "kept", "clipped", "zeroed", "rejected", "top_rejection",
-                  "aggregation_seconds")
+COHORT_METRICS = (
+    "replies",
+    "accepted",
+    "kept",
+    "clipped",
+    "zeroed",
+    "rejected",
+    "top_rejection",
+    "aggregation_seconds",
+)
 OPERATOR_DIR = "operator"
 
 
 @dataclass(frozen=True)
 class Disclosure:
-    """Where each piece of a run's record goes; ``secret``: the run's cohorts are secret (amplified ε)."""
+    """Where each piece of a run's record goes; ``secret``: the run's cohorts are secret (amplified
+    ε)."""
 
     secret: bool
     run_dir: Path
@@ -46,29 +58,61 @@ class Disclosure:
 
     def public_metrics(self, metrics: dict) -> dict:
         """A round's metrics as published (amplified: without the cohort's statistics)."""
-        return {k: v for k, v in metrics.items() if k not in COHORT_METRICS} if self.secret else dict(metrics)
+        return (
+            {k: v for k, v in metrics.items() if k not in COHORT_METRICS}
+            if self.secret
+            else dict(metrics)
+        )
 
     def record_round(self, metrics: dict) -> None:
         """Append a round's cohort statistics to the operator's ``rounds.jsonl``."""
-        line = json.dumps({k: metrics[k] for k in ("round", *COHORT_METRICS) if k in metrics}, sort_keys=True)
+        line = json.dumps(
+            {k: metrics[k] for k in ("round", *COHORT_METRICS) if k in metrics}, sort_keys=True
+        )
         _append_private(self._dir() / "rounds.jsonl", line + "\n")
 
     def public_report(self, report: dict) -> dict:
-        """The report as published: amplified runs keep ε, δ, accountant, settings and rounds, and point to the
-        operator's participation file for the rest; every run lists what it publishes outside the guarantee."""
+        """The report as published: amplified runs keep ε, δ, accountant, settings and rounds, and
+        point to the operator's participation file for the rest; every run lists what it publishes
+        outside the guarantee."""
         if not self.secret:
-            return {**report, "outside_guarantee": {
-                "metrics": list(COHORT_METRICS[:-1]), "realized.rejections": "count of rejected replies",
-                "why": "statistics of the replies, not covered by the DP release (the schedule is public)"}}
+            return {
+                **report,
+                "outside_guarantee": {
+                    "metrics": list(COHORT_METRICS[:-1]),
+                    "realized.rejections": "count of rejected replies",
+                    "why": (
+                        "statistics of the replies, not covered by the DP release (the schedule is "
+                        "public)"
+                    ),
+                },
+            }
         realized = report["realized"]
-        write_json(self._dir() / "participation.json", {"realized": realized}, indent=1, sort_keys=True,
-                   private=True)
+        write_json(
+            self._dir() / "participation.json",
+            {"realized": realized},
+            indent=1,
+            sort_keys=True,
+            private=True,
+        )
         kept = {k: realized[k] for k in ("epsilon", "accounting") if k in realized}
-        kept["participation"] = {"policy": realized["participation"].get("policy"),
-                                 "operator_only": str(Path(OPERATOR_DIR) / "participation.json")}
-        return {**report, "realized": kept, "outside_guarantee": {
-            "metrics": [], "why": "amplified ε: nothing public depends on the secret cohorts; the operator's files "
-            f"in {OPERATOR_DIR}/ hold the per-user participation, the per-round counts and rejections"}}
+        kept["participation"] = {
+            "policy": realized["participation"].get("policy"),
+            "operator_only": str(Path(OPERATOR_DIR) / "participation.json"),
+        }
+        return {
+            **report,
+            "realized": kept,
+            "outside_guarantee": {
+                "metrics": [],
+                "why": (
+                    "amplified ε: nothing public depends on the secret cohorts; the operator's "
+                    "files "
+                    f"in {OPERATOR_DIR}/ hold the per-user participation, the per-round counts and "
+                    "rejections"
+                ),
+            },
+        }
 
     def stop_reason(self, reason: str, public: str) -> str:
         """A cohort-dependent stop reason as published (the details go to the operator log)."""
@@ -90,8 +134,9 @@ def _append_private(path: Path, text: str) -> None:
 
 
 def operator_log(disclosure: Disclosure) -> logging.Logger:
-    """The logger for reply-level events (who was rejected and why): ``corrflow`` in a run whose schedule is
-    public; in an amplified run ``corrflow.operator``, which writes only to the operator's ``operator.log``."""
+    """The logger for reply-level events (who was rejected and why): ``corrflow`` in a run whose
+    schedule is public; in an amplified run ``corrflow.operator``, which writes only to the
+    operator's ``operator.log``."""
     if not disclosure.secret:
         return log
     logger = logging.getLogger("corrflow.operator")
@@ -100,7 +145,9 @@ def operator_log(disclosure: Disclosure) -> logging.Logger:
         for h in list(logger.handlers):
             logger.removeHandler(h)
             h.close()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)   # owner-only before the first line
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )  # owner-only before the first line
         os.close(fd)
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

@@ -1,12 +1,13 @@
 """Stable user identities for SuperNodes, from the source the operator declares (``identity``).
 
-* ``node-key``: the fingerprint of the SuperNode's registered public key (stable only under SuperNode
-  authentication, where the SuperLink admits registered keys alone);
+* ``node-key``: the fingerprint of the SuperNode's registered public key (stable only under
+  SuperNode authentication, where the SuperLink admits registered keys alone);
 * ``user-id``: a node-config value the operator sets per device, reported by corrflow's client mod;
 * ``partition-id``: ``partition-<i>`` from the node config in simulation, reported likewise;
 * ``per-launch``: the node id of this launch — an explicit opt-in: such a run can never resume.
 
-A node that cannot report the declared identity stops the run before any round, naming the node and the fix.
+A node that cannot report the declared identity stops the run before any round, naming the node and
+the fix.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from corrflow.protocol import PROBE_ACTION, PROBE_KEY, REPLY_KEY
 
 log = logging.getLogger("corrflow")
 
-PROBE_FIX = ("register corrflow's identity handler in the ClientApp (`from corrflow import register_identity`; "
-             "`app = register_identity(ClientApp())`), or choose identity = per-launch (a run that can never "
-             "resume)")
+PROBE_FIX = (
+    "register corrflow's identity handler in the ClientApp (`from corrflow import "
+    "register_identity`; "
+    "`app = register_identity(ClientApp())`), or choose identity = per-launch (a run that can "
+    "never "
+    "resume)"
+)
 
 
 NO_ANSWER = "no answer to the identity probe"
@@ -36,40 +41,53 @@ class IdentityError(CorrflowError):
 
 
 def default_identity(grid: Grid) -> str:
-    """``partition-id`` on a simulation engine's grid (Flower's in-memory grid or corrflow's in-process one),
-    ``node-key`` on a deployment's."""
+    """``partition-id`` on a simulation engine's grid (Flower's in-memory grid or corrflow's
+    in-process one), ``node-key`` on a deployment's."""
     name = type(grid).__name__
     return "partition-id" if name in ("InMemoryGrid", "InProcessGrid") else "node-key"
 
 
 def key_fingerprint(public_key: bytes) -> str:
-    """The ``node-key`` user id of a SuperNode public key, as Flower stores it in ``NodeInfo.public_key``."""
+    """The ``node-key`` user id of a SuperNode public key, as Flower stores it in
+    ``NodeInfo.public_key``."""
     return "key-" + hashlib.sha256(bytes(public_key)).hexdigest()[:24]
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
-    """Nodes register asynchronously, also in simulation: wait for ``expected`` of them, saying so."""
+    """Nodes register asynchronously, also in simulation: wait for ``expected`` of them, saying
+    so."""
     start, last = time.monotonic(), -1
     while len(nodes := sorted(int(n) for n in grid.get_node_ids())) < expected:
         if len(nodes) != last:
-            log.info("waiting for %d SuperNodes (%d connected; giving up after %.0f s)", expected, len(nodes),
-                     timeout)
+            log.info(
+                "waiting for %d SuperNodes (%d connected; giving up after %.0f s)",
+                expected,
+                len(nodes),
+                timeout,
+            )
             last = len(nodes)
         if time.monotonic() - start > timeout:
-            raise CorrflowError(f"only {len(nodes)} of {expected} SuperNodes connected within {timeout:.0f} s "
-                                "(num-users sets how many the run waits for; node-timeout how long)")
+            raise CorrflowError(
+                f"only {len(nodes)} of {expected} SuperNodes connected within {timeout:.0f} s "
+                "(num-users sets how many the run waits for; node-timeout how long)"
+            )
         time.sleep(0.2)
     return nodes
 
 
-def resolve(grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0, strict: bool = True
-            ) -> dict[int, str]:
-    """node id → stable user id for ``nodes`` under ``source``. ``strict``: a node that cannot report raises
-    :class:`IdentityError` naming it; otherwise it is left out (a node that joined mid-run stays unscheduled)."""
+def resolve(
+    grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0, strict: bool = True
+) -> dict[int, str]:
+    """node id → stable user id for ``nodes`` under ``source``. ``strict``: a node that cannot
+    report raises :class:`IdentityError` naming it; otherwise it is left out (a node that joined
+    mid-run stays unscheduled)."""
     if source == "per-launch":
         return {n: f"launch-node-{n}" for n in nodes}
     if source == "node-key":
-        keys = {int(info.node_id): bytes(getattr(info, "public_key", b"") or b"") for info in grid.get_nodes() or []}
+        keys = {
+            int(info.node_id): bytes(getattr(info, "public_key", b"") or b"")
+            for info in grid.get_nodes() or []
+        }
         users = {n: key_fingerprint(keys[n]) for n in nodes if keys.get(n)}
         errors = {n: "the SuperLink reports no public key for it" for n in nodes if n not in users}
         fix = "enable SuperNode authentication (see deploy/), or declare another identity source"
@@ -78,36 +96,59 @@ def resolve(grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0
         users, errors = _probe(grid, nodes, source, timeout)
         fix = PROBE_FIX
         if any(why == NO_ANSWER for why in errors.values()):
-            fix = (f"{len(nodes) - sum(why == NO_ANSWER for why in errors.values())} of {len(nodes)} node(s) "
-                   f"answered within {time.monotonic() - started:.0f} s (node-timeout {timeout:g} s); a slow or "
-                   f"loaded engine needs a longer --node-timeout (corrflow.node-timeout). Otherwise: {PROBE_FIX}")
+            fix = (
+                f"{len(nodes) - sum(why == NO_ANSWER for why in errors.values())} of {len(nodes)} "
+                "node(s) "
+                f"answered within {time.monotonic() - started:.0f} s (node-timeout {timeout:g} s); "
+                "a slow or "
+                "loaded engine needs a longer --node-timeout (corrflow.node-timeout). Otherwise: "
+                f"{PROBE_FIX}"
+            )
     if errors and strict:
         shown = "; ".join(f"node {n}: {why}" for n, why in sorted(errors.items())[:5])
-        raise IdentityError(f"{len(errors)} of {len(nodes)} node(s) cannot report identity = {source} ({shown}"
-                            f"{'; …' if len(errors) > 5 else ''}). Fix: {fix}")
+        raise IdentityError(
+            f"{len(errors)} of {len(nodes)} node(s) cannot report identity = {source} ({shown}"
+            f"{'; …' if len(errors) > 5 else ''}). Fix: {fix}"
+        )
     seen: dict[str, int] = {}
     for n, u in sorted(users.items()):
         if u in seen:
-            raise IntegrityError(f"nodes {seen[u]} and {n} both report identity {u!r} ({source}); every device "
-                                 "must have its own")
+            raise IntegrityError(
+                f"nodes {seen[u]} and {n} both report identity {u!r} ({source}); every device "
+                "must have its own"
+            )
         seen[u] = n
     return users
 
 
-def _probe(grid: Grid, nodes: list[int], source: str, timeout: float) -> tuple[dict[int, str], dict[int, str]]:
-    # A QUERY of corrflow's own action: an app without corrflow's handler answers with Flower's "no query function
-    # registered" error before any of its code runs (a TRAIN probe would reach the user's train function).
-    probes = [Message(content=RecordDict({"config": ConfigRecord({PROBE_KEY: source})}),
-                      message_type=f"{MessageType.QUERY}.{PROBE_ACTION}", dst_node_id=n) for n in nodes]
+def _probe(
+    grid: Grid, nodes: list[int], source: str, timeout: float
+) -> tuple[dict[int, str], dict[int, str]]:
+    # A QUERY of corrflow's own action: an app without corrflow's handler answers with Flower's "no
+    # query function registered" error before any of its code runs (a TRAIN probe would reach the
+    # user's train function).
+    probes = [
+        Message(
+            content=RecordDict({"config": ConfigRecord({PROBE_KEY: source})}),
+            message_type=f"{MessageType.QUERY}.{PROBE_ACTION}",
+            dst_node_id=n,
+        )
+        for n in nodes
+    ]
     users, errors = {}, {n: NO_ANSWER for n in nodes}
     for reply in grid.send_and_receive(probes, timeout=timeout):
         node = int(reply.metadata.src_node_id)
         if node not in errors:
             continue
         if reply.has_error():
-            missing = PROBE_ACTION in str(reply.error.reason) and "registered" in str(reply.error.reason)
-            errors[node] = ("the ClientApp has no corrflow identity handler" if missing
-                            else f"the probe failed ({reply.error.reason})")
+            missing = PROBE_ACTION in str(reply.error.reason) and "registered" in str(
+                reply.error.reason
+            )
+            errors[node] = (
+                "the ClientApp has no corrflow identity handler"
+                if missing
+                else f"the probe failed ({reply.error.reason})"
+            )
             continue
         record = reply.content.config_records.get(REPLY_KEY)
         if record is None:

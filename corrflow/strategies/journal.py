@@ -1,14 +1,15 @@
 """The release journal: the authority on which rounds a server has released.
 
-One JSON line per released round, append-only and hash-chained (each entry holds the SHA-256 of the one before and
-an HMAC of its own hash under the server's private secret), written after the round's checkpoint and before its
-model leaves the server. It lives in the run's output directory, outside ``state/``, so that restoring an older
-copy of ``state/`` cannot roll it back: on start, a journal ahead of the checkpoint means the noise of those rounds
-was already released and must never be used again.
+One JSON line per released round, append-only and hash-chained (each entry holds the SHA-256 of the
+one before and an HMAC of its own hash under the server's private secret), written after the round's
+checkpoint and before its model leaves the server. It lives in the run's output directory, outside
+``state/``, so that restoring an older copy of ``state/`` cannot roll it back: on start, a journal
+ahead of the checkpoint means the noise of those rounds was already released and must never be used
+again.
 
-An append killed mid-write (a power cut) leaves a last line without its newline. Its model was never released
-(release follows the fsync-ed append), so :meth:`ReleaseJournal.read` ignores such a tail and the next append cuts
-it off; any complete line that does not verify is refused.
+An append killed mid-write (a power cut) leaves a last line without its newline. Its model was never
+released (release follows the fsync-ed append), so :meth:`ReleaseJournal.read` ignores such a tail
+and the next append cuts it off; any complete line that does not verify is refused.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ GENESIS = "0" * 64
 @dataclass(frozen=True)
 class JournalEntry:
     run_id: str
-    round: int                 # 0-based round whose model was released
-    noise_round: int           # the noise round index it used (each is released at most once, ever)
-    cohort_sha256: str         # hash of the round's hashed cohort
-    checkpoint: str            # the checkpoint directory that holds the released state
-    manifest_sha256: str       # digest of that checkpoint's manifest
+    round: int  # 0-based round whose model was released
+    noise_round: int  # the noise round index it used (each is released at most once, ever)
+    cohort_sha256: str  # hash of the round's hashed cohort
+    checkpoint: str  # the checkpoint directory that holds the released state
+    manifest_sha256: str  # digest of that checkpoint's manifest
     prev: str
     hash: str
     mac: str
@@ -55,13 +56,14 @@ class ReleaseJournal:
         self.path = Path(path)
 
     def read(self, secret: bytes | None = None) -> list[JournalEntry]:
-        """Every entry, the chain checked (and each HMAC, given the secret); IntegrityError names file:line."""
+        """Every entry, the chain checked (and each HMAC, given the secret); IntegrityError names
+        file:line."""
         if not self.path.exists():
             return []
         entries, prev = [], GENESIS
         with open(self.path, encoding="utf-8", errors="replace") as f:
             for line_no, line in enumerate(f, 1):
-                if not line.endswith("\n"):   # a torn append: that round was not released
+                if not line.endswith("\n"):  # a torn append: that round was not released
                     break
                 where = f"{self.path}:{line_no}"
                 try:
@@ -69,9 +71,15 @@ class ReleaseJournal:
                 except (json.JSONDecodeError, TypeError) as exc:
                     raise IntegrityError(f"{where}: not a release-journal entry ({exc})") from None
                 if entry.prev != prev or _digest(entry.body()) != entry.hash:
-                    raise IntegrityError(f"{where}: the hash chain is broken (edited, truncated or reordered)")
-                if secret is not None and not hmac.compare_digest(entry.mac, _mac(secret, entry.hash)):
-                    raise IntegrityError(f"{where}: the entry's HMAC does not match this run's secret")
+                    raise IntegrityError(
+                        f"{where}: the hash chain is broken (edited, truncated or reordered)"
+                    )
+                if secret is not None and not hmac.compare_digest(
+                    entry.mac, _mac(secret, entry.hash)
+                ):
+                    raise IntegrityError(
+                        f"{where}: the entry's HMAC does not match this run's secret"
+                    )
                 if entries and entry.run_id != entries[0].run_id:
                     raise IntegrityError(f"{where}: an entry of another run ({entry.run_id})")
                 if entry.round != len(entries):
@@ -80,10 +88,26 @@ class ReleaseJournal:
                 prev = entry.hash
         return entries
 
-    def append(self, secret: bytes, *, run_id: str, round_index: int, cohort_sha256: str, checkpoint: str,
-               manifest_sha256: str, prev: str) -> JournalEntry:
-        body = {"run_id": run_id, "round": round_index, "noise_round": round_index, "cohort_sha256": cohort_sha256,
-                "checkpoint": checkpoint, "manifest_sha256": manifest_sha256, "prev": prev}
+    def append(
+        self,
+        secret: bytes,
+        *,
+        run_id: str,
+        round_index: int,
+        cohort_sha256: str,
+        checkpoint: str,
+        manifest_sha256: str,
+        prev: str,
+    ) -> JournalEntry:
+        body = {
+            "run_id": run_id,
+            "round": round_index,
+            "noise_round": round_index,
+            "cohort_sha256": cohort_sha256,
+            "checkpoint": checkpoint,
+            "manifest_sha256": manifest_sha256,
+            "prev": prev,
+        }
         digest = _digest(body)
         entry = JournalEntry(**body, hash=digest, mac=_mac(secret, digest))
         self._cut_torn_tail()
@@ -94,15 +118,15 @@ class ReleaseJournal:
             os.fsync(f.fileno())
         return entry
 
-
     def _cut_torn_tail(self) -> None:
-        """Truncate a last line that has no newline (see the module docstring) before appending after it."""
+        """Truncate a last line that has no newline (see the module docstring) before appending
+        after it."""
         if not self.path.exists():
             return
         with open(self.path, "r+b") as f:
             size = f.seek(0, os.SEEK_END)
             if size == 0 or (f.seek(size - 1) is not None and f.read(1) == b"\n"):
-                return                              # the usual case: one byte read per round
+                return  # the usual case: one byte read per round
             f.seek(0)
             f.truncate(f.read().rfind(b"\n") + 1)
             os.fsync(f.fileno())

@@ -1,11 +1,13 @@
-"""The model as the user's app sees it: the names, order and dtypes of its arrays, and which of them train.
+"""The model as the user's app sees it: the names, order and dtypes of its arrays, and which of them
+train.
 
-The server keeps floating-point arrays (the trainable ones) as float32 and sends every model with the initial
-``ArrayRecord``'s keys, order and dtypes, so a PyTorch ``state_dict`` or a Keras weight list round-trips unchanged.
-Non-floating arrays (integer buffers such as BatchNorm's ``num_batches_tracked``) keep the server's values: clients
-cannot change them, and they carry no noise. A reply is full weights (update = reply − model sent, subtracted in the
-wider of the two dtypes — the exact difference rounded once to float32, as a float64 subtraction would give) or,
-with ``replies = "delta"``, the update itself.
+The server keeps floating-point arrays (the trainable ones) as float32 and sends every model with
+the initial ``ArrayRecord``'s keys, order and dtypes, so a PyTorch ``state_dict`` or a Keras weight
+list round-trips unchanged. Non-floating arrays (integer buffers such as BatchNorm's
+``num_batches_tracked``) keep the server's values: clients cannot change them, and they carry no
+noise. A reply is full weights (update = reply − model sent, subtracted in the wider of the two
+dtypes — the exact difference rounded once to float32, as a float64 subtraction would give) or, with
+``replies = "delta"``, the update itself.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class ModelLayout:
     keys: tuple[str, ...]
     dtypes: tuple[np.dtype, ...]
     shapes: tuple[tuple[int, ...], ...]
-    trainable: tuple[int, ...]           # indices of the floating-point arrays
-    frozen: tuple[np.ndarray, ...]       # the non-floating arrays, in order
+    trainable: tuple[int, ...]  # indices of the floating-point arrays
+    frozen: tuple[np.ndarray, ...]  # the non-floating arrays, in order
 
     @classmethod
     def of(cls, initial: ArrayRecord | Sequence[np.ndarray]) -> ModelLayout:
@@ -43,8 +45,13 @@ class ModelLayout:
         require(len(arrays) >= 1, "initial_arrays", "at least one array")
         trainable = tuple(i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating))
         require(bool(trainable), "initial_arrays", "at least one floating-point array to train")
-        return cls(keys, tuple(a.dtype for a in arrays), tuple(tuple(a.shape) for a in arrays), trainable,
-                   tuple(a.copy() for i, a in enumerate(arrays) if i not in trainable))
+        return cls(
+            keys,
+            tuple(a.dtype for a in arrays),
+            tuple(tuple(a.shape) for a in arrays),
+            trainable,
+            tuple(a.copy() for i, a in enumerate(arrays) if i not in trainable),
+        )
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -55,24 +62,33 @@ class ModelLayout:
         return [np.asarray(arrays[i], dtype=np.float32).copy() for i in self.trainable]
 
     def full(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Every array of the model, in order and in its own dtype, from the float32 trainable ``params``."""
+        """Every array of the model, in order and in its own dtype, from the float32 trainable
+        ``params``."""
         out, frozen, trained = [], iter(self.frozen), dict(zip(self.trainable, params, strict=True))
         for i, dtype in enumerate(self.dtypes):
             out.append(trained[i].astype(dtype, copy=False) if i in trained else next(frozen))
         return out
 
     def record(self, params: Sequence[np.ndarray]) -> ArrayRecord:
-        return ArrayRecord(OrderedDict((k, Array(np.require(a, requirements="C")))  # keeps 0-d arrays 0-d
-                                       for k, a in zip(self.keys, self.full(params), strict=True)))
+        return ArrayRecord(
+            OrderedDict(
+                (k, Array(np.require(a, requirements="C")))  # keeps 0-d arrays 0-d
+                for k, a in zip(self.keys, self.full(params), strict=True)
+            )
+        )
 
     def reply_arrays(self, record: ArrayRecord) -> list[np.ndarray]:
-        """Read-only views of the trainable arrays in a reply, checked for names, count, dtype and shape
-        (RejectedReplyError when they cannot be used). The update is formed by
-        :class:`~corrflow.strategies.validation.ClippedSum`: reply − model sent for full weights, the reply itself
-        for deltas."""
+        """Read-only views of the trainable arrays in a reply, checked for names, count, dtype and
+        shape (RejectedReplyError when they cannot be used). The update is formed by
+        :class:`~corrflow.strategies.validation.ClippedSum`: reply − model sent for full weights,
+        the reply itself for deltas."""
         keys = tuple(record.keys())
-        if keys != self.keys and not (all(k.isdigit() for k in keys) and len(keys) == len(self.keys)):
-            raise RejectedReplyError(f"array names {list(keys)[:4]}… differ from the model's {list(self.keys)[:4]}…")
+        if keys != self.keys and not (
+            all(k.isdigit() for k in keys) and len(keys) == len(self.keys)
+        ):
+            raise RejectedReplyError(
+                f"array names {list(keys)[:4]}… differ from the model's {list(self.keys)[:4]}…"
+            )
         if len(keys) != len(self.keys):
             raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(keys)}")
         payloads = list(record.values())
@@ -83,9 +99,13 @@ class ModelLayout:
             except Exception as exc:  # undecodable array payloads of any kind
                 raise RejectedReplyError(f"undecodable arrays ({exc})") from exc
             if not np.issubdtype(a.dtype, np.floating):
-                raise RejectedReplyError(f"array {i} ({self.keys[i]}): dtype {a.dtype}, expected a floating type")
+                raise RejectedReplyError(
+                    f"array {i} ({self.keys[i]}): dtype {a.dtype}, expected a floating type"
+                )
             if a.shape != self.shapes[i]:
-                raise RejectedReplyError(f"array {i} ({self.keys[i]}): shape {a.shape}, expected {self.shapes[i]}")
+                raise RejectedReplyError(
+                    f"array {i} ({self.keys[i]}): shape {a.shape}, expected {self.shapes[i]}"
+                )
             out.append(a)
         return out
 
@@ -96,8 +116,8 @@ class ModelLayout:
 
 
 def array_view(payload: Array) -> np.ndarray:
-    """The NumPy array in a Flower ``Array`` without copying its bytes (a read-only view into the serialized
-    ``np.save`` payload); other serializations go through Flower's own decoder."""
+    """The NumPy array in a Flower ``Array`` without copying its bytes (a read-only view into the
+    serialized ``np.save`` payload); other serializations go through Flower's own decoder."""
     data = payload.data
     if payload.stype != "numpy.ndarray" or not isinstance(data, bytes):
         return payload.numpy()
@@ -114,15 +134,21 @@ def array_view(payload: Array) -> np.ndarray:
     count = math.prod(shape)
     offset = head.tell()
     if len(data) - offset < count * dtype.itemsize:
-        raise ValueError(f"{len(data) - offset} bytes of data for {count} × {dtype.itemsize}-byte values")
+        raise ValueError(
+            f"{len(data) - offset} bytes of data for {count} × {dtype.itemsize}-byte values"
+        )
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
 
 def arrays_sha256(model: ArrayRecord | Sequence[np.ndarray]) -> str:
-    """SHA-256 of a model's arrays in order (dtype, shape and bytes of each; names are not hashed, so a list and
-    the ArrayRecord built from it agree)."""
+    """SHA-256 of a model's arrays in order (dtype, shape and bytes of each; names are not hashed,
+    so a list and the ArrayRecord built from it agree)."""
     from corrflow.factorization.base import arrays_sha256 as digest
 
-    arrays = model.to_numpy_ndarrays() if isinstance(model, ArrayRecord) else [np.asarray(a) for a in model]
+    arrays = (
+        model.to_numpy_ndarrays()
+        if isinstance(model, ArrayRecord)
+        else [np.asarray(a) for a in model]
+    )
     return digest({f"{i:06d}": a for i, a in enumerate(arrays)})

@@ -1,15 +1,15 @@
-"""What a server may do with an output directory before it runs: hold it alone, and resume only from a state that
-agrees with everything already released.
+"""What a server may do with an output directory before it runs: hold it alone, and resume only from
+a state that agrees with everything already released.
 
-* :class:`RunLock`: an OS-level exclusive lock (``filelock``, ``flock`` on POSIX) on the output directory for the
-  whole run; it dies with the process, so SIGKILL leaves no stale lock. A second server exits at once, naming the
-  holder's pid.
-* :func:`check_resume`: compares the published checkpoint with the release journal by round numbers (never file
-  times) and refuses — naming the file, deleting nothing — when they disagree: a journal ahead of the checkpoint
-  (``state/`` restored from an older copy: its noise was already released), a checkpoint more than one round ahead
-  of the journal, a missing ``CURRENT`` after releases, a checkpoint that fails its manifest or HMAC, a short
-  salt. The one allowed gap is a round checkpointed but not yet released (killed between the two writes): it is
-  released on resume.
+* :class:`RunLock`: an OS-level exclusive lock (``filelock``, ``flock`` on POSIX) on the output
+  directory for the whole run; it dies with the process, so SIGKILL leaves no stale lock. A second
+  server exits at once, naming the holder's pid.
+* :func:`check_resume`: compares the published checkpoint with the release journal by round numbers
+  (never file times) and refuses — naming the file, deleting nothing — when they disagree: a journal
+  ahead of the checkpoint (``state/`` restored from an older copy: its noise was already released),
+  a checkpoint more than one round ahead of the journal, a missing ``CURRENT`` after releases, a
+  checkpoint that fails its manifest or HMAC, a short salt. The one allowed gap is a round
+  checkpointed but not yet released (killed between the two writes): it is released on resume.
 * :func:`archive_run`: ``--fresh`` moves the old run aside (never deletes it).
 """
 
@@ -40,7 +40,7 @@ from corrflow.strategies.journal import JOURNAL, JournalEntry, ReleaseJournal
 log = logging.getLogger("corrflow")
 
 LOCK = ".corrflow.lock"
-STATE = "state"   # the checkpoints, inside the run directory
+STATE = "state"  # the checkpoints, inside the run directory
 MIN_SALT_BYTES = 16
 RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json")
 
@@ -70,11 +70,19 @@ class RunLock:
                 who = f"pid {info['pid']} on {info['host']}, since {info['since']}"
             except (OSError, ValueError, KeyError):
                 pass
-            raise RunLockedError(f"{self.out.resolve()} is in use by another corrflow server ({who}); two servers "
-                                 "on one run would release rounds twice. Stop the other one, or use another "
-                                 "--out.") from None
-        write_json(self.holder, {"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            raise RunLockedError(
+                f"{self.out.resolve()} is in use by another corrflow server ({who}); two servers "
+                "on one run would release rounds twice. Stop the other one, or use another "
+                "--out."
+            ) from None
+        write_json(
+            self.holder,
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -84,14 +92,14 @@ class RunLock:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    checkpoint: Path | None           # None: a new run
+    checkpoint: Path | None  # None: a new run
     journal: list[JournalEntry]
-    unreleased_round: int | None      # a round checkpointed but not journaled (released on resume)
+    unreleased_round: int | None  # a round checkpointed but not journaled (released on resume)
 
 
 def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
-    """Decide, from the files alone, whether this run directory starts a run, resumes one, or must be refused
-    (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
+    """Decide, from the files alone, whether this run directory starts a run, resumes one, or must
+    be refused (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
     out = Path(run_dir)
     state = out / STATE
     stale = remove_stale_temporaries(state)
@@ -103,66 +111,91 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
         entries = journal.read()
         rounds = sorted(p.name for p in state.glob("round-*")) if state.is_dir() else []
         if entries:
-            raise IntegrityError(f"{state / POINTER}: missing, but {journal.path} records {len(entries)} released "
-                                 "round(s): starting over would reuse released noise. Restore the state directory, "
-                                 "or start a new run with --fresh (the old one is moved aside).")
+            raise IntegrityError(
+                f"{state / POINTER}: missing, but {journal.path} records {len(entries)} released "
+                "round(s): starting over would reuse released noise. Restore the state directory, "
+                "or start a new run with --fresh (the old one is moved aside)."
+            )
         if rounds:
-            raise IntegrityError(f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: refusing "
-                                 "to guess. Restore CURRENT, or start a new run with --fresh.")
+            raise IntegrityError(
+                f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: "
+                "refusing "
+                "to guess. Restore CURRENT, or start a new run with --fresh."
+            )
         return ResumePoint(None, [], None)
     secret = (ckpt / SECRET).read_bytes()
     entries = journal.read(secret)
     salt = ckpt / "report_salt"
     if len(salt.read_bytes()) < MIN_SALT_BYTES:
-        raise IntegrityError(f"{salt}: the report salt is shorter than {MIN_SALT_BYTES} bytes (hashed user ids "
-                             "would be reversible)")
+        raise IntegrityError(
+            f"{salt}: the report salt is shorter than {MIN_SALT_BYTES} bytes (hashed user ids "
+            "would be reversible)"
+        )
     public = json.loads((ckpt / "state.json").read_text())
     completed = int(public["next_round"])
     released = len(entries)
     if entries and entries[0].run_id != public.get("run_id"):
-        raise IntegrityError(f"{journal.path}: belongs to run {entries[0].run_id}, the checkpoint to "
-                             f"{public.get('run_id')}")
+        raise IntegrityError(
+            f"{journal.path}: belongs to run {entries[0].run_id}, the checkpoint to "
+            f"{public.get('run_id')}"
+        )
     if released > completed:
-        raise IntegrityError(f"{ckpt / 'state.json'}: the checkpoint is at round {completed} but {journal.path} "
-                             f"records {released} released rounds: this state is older than what was released "
-                             "(a restored copy?) and resuming would release noise twice. Restore the newest state, "
-                             "or start a new run with --fresh.")
+        raise IntegrityError(
+            f"{ckpt / 'state.json'}: the checkpoint is at round {completed} but {journal.path} "
+            f"records {released} released rounds: this state is older than what was released "
+            "(a restored copy?) and resuming would release noise twice. Restore the newest state, "
+            "or start a new run with --fresh."
+        )
     if released < completed - 1:
-        raise IntegrityError(f"{journal.path}: records {released} released rounds but the checkpoint is at round "
-                             f"{completed}: the journal was truncated or replaced.")
-    if entries and released == completed and entries[-1].checkpoint == ckpt.name and \
-            entries[-1].manifest_sha256 != manifest_digest(ckpt):
-        raise IntegrityError(f"{ckpt}: differs from the checkpoint recorded in {journal.path} for round "
-                             f"{released - 1}")
+        raise IntegrityError(
+            f"{journal.path}: records {released} released rounds but the checkpoint is at round "
+            f"{completed}: the journal was truncated or replaced."
+        )
+    if (
+        entries
+        and released == completed
+        and entries[-1].checkpoint == ckpt.name
+        and entries[-1].manifest_sha256 != manifest_digest(ckpt)
+    ):
+        raise IntegrityError(
+            f"{ckpt}: differs from the checkpoint recorded in {journal.path} for round "
+            f"{released - 1}"
+        )
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
 
 
 def preflight(run_dir: str | os.PathLike) -> ResumePoint:
-    """What a CLI checks before it starts an engine (Ray takes ~20 s): the directory is not in use and agrees with
-    its release journal. Holds the lock only while checking; the run takes it again."""
+    """What a CLI checks before it starts an engine (Ray takes ~20 s): the directory is not in use
+    and agrees with its release journal. Holds the lock only while checking; the run takes it
+    again."""
     with RunLock(run_dir):
         return check_resume(run_dir)
 
 
 def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | None:
-    """The settings that differ between ``settings`` and the run checkpointed in ``state_dir`` ("name: old → new",
-    …), or None when they match or there is no checkpoint — so a CLI can refuse before starting an engine."""
+    """The settings that differ between ``settings`` and the run checkpointed in ``state_dir``
+    ("name: old → new", …), or None when they match or there is no checkpoint — so a CLI can refuse
+    before starting an engine."""
     try:
         ckpt = current_checkpoint(state_dir)
     except IntegrityError:
-        return None   # the run itself refuses, naming the file
+        return None  # the run itself refuses, naming the file
     if ckpt is None:
         return None
     theirs = json.loads((ckpt / "state.json").read_text()).get("settings", {})
-    diff = [f"{k}: {theirs.get(k)!r} → {settings.get(k)!r}" for k in sorted(set(theirs) | set(settings))
-            if theirs.get(k) != settings.get(k)]
+    diff = [
+        f"{k}: {theirs.get(k)!r} → {settings.get(k)!r}"
+        for k in sorted(set(theirs) | set(settings))
+        if theirs.get(k) != settings.get(k)
+    ]
     return ", ".join(diff) or None
 
 
 def archive_run(run_dir: str | os.PathLike, reason: str = "--fresh") -> Path | None:
     """Move the run's checkpoints and its run files (journal, report, metrics) into
-    ``run_dir/previous-runs/<UTC time>/`` — for ``--fresh``, and before a new run starts where an old one left its
-    report: nothing is overwritten, and journal and checkpoint always leave together."""
+    ``run_dir/previous-runs/<UTC time>/`` — for ``--fresh``, and before a new run starts where an
+    old one left its report: nothing is overwritten, and journal and checkpoint always leave
+    together."""
     out = Path(run_dir)
     state = out / STATE
     present = [name for name in RUN_FILES if (out / name).exists()]

@@ -1,23 +1,27 @@
 """Correlated-noise DP for an existing Flower app, as one line around its strategy:
 
-    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(...), clipping_norm=1.0, target_epsilon=8.0, delta=1e-5,
-                                                  epochs=2, state_dir="corrflow_state")
-    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=20, train_config=ConfigRecord({"lr": 0.1}))
+    strategy = DifferentialPrivacyCorrelatedNoise(FedAvg(...), clipping_norm=1.0,
+    target_epsilon=8.0, delta=1e-5, epochs=2, state_dir="corrflow_state") result =
+    strategy.start(grid=grid, initial_arrays=arrays, num_rounds=20, train_config=ConfigRecord({"lr":
+    0.1}))
 
-like Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg(...), ...)``, but with the noise correlated across
-rounds by a matrix factorization (DP-FTRL / BandMF) and the privacy accounted, checkpointed and journaled.
+like Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg(...), ...)``, but with the noise
+correlated across rounds by a matrix factorization (DP-FTRL / BandMF) and the privacy accounted,
+checkpointed and journaled.
 
-``start`` behaves as Flower's ``Strategy.start``: ``num_rounds`` is the run's total (a resumed run trains the rest),
-``initial_arrays`` the model a new run starts from (a resumed run refuses other arrays), ``evaluate_fn`` is called
-for the starting model and after every round. Everything the run writes goes inside ``state_dir`` (relative: to
-the working directory): lock, checkpoints (``state/``), release journal, privacy report, metrics, factorization.
+``start`` behaves as Flower's ``Strategy.start``: ``num_rounds`` is the run's total (a resumed run
+trains the rest), ``initial_arrays`` the model a new run starts from (a resumed run refuses other
+arrays), ``evaluate_fn`` is called for the starting model and after every round. Everything the run
+writes goes inside ``state_dir`` (relative: to the working directory): lock, checkpoints
+(``state/``), release journal, privacy report, metrics, factorization.
 
-Inside ``start``: the population is the nodes present (``num_users`` of them, or at least the inner strategy's
-``min_available_nodes``), the factorization is built (cached in ``state_dir``), σ calibrated, users resolved by the
-declared ``identity``. Each round the inner strategy's ``configure_train`` runs only for its config (the user's
-``train_config``, FedProx's ``proximal-mu``, …), which goes to corrflow's scheduled cohort; corrflow's
-clip → sum → correlated noise → server optimizer replaces the inner parameter aggregation (equal weights: DP needs
-them, so ``num-examples`` is ignored), and the inner metric aggregation and federated evaluation are kept.
+Inside ``start``: the population is the nodes present (``num_users`` of them, or at least the inner
+strategy's ``min_available_nodes``), the factorization is built (cached in ``state_dir``), σ
+calibrated, users resolved by the declared ``identity``. Each round the inner strategy's
+``configure_train`` runs only for its config (the user's ``train_config``, FedProx's
+``proximal-mu``, …), which goes to corrflow's scheduled cohort; corrflow's clip → sum → correlated
+noise → server optimizer replaces the inner parameter aggregation (equal weights: DP needs them, so
+``num-examples`` is ignored), and the inner metric aggregation and federated evaluation are kept.
 """
 
 from __future__ import annotations
@@ -36,7 +40,14 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
-from corrflow.config import RunConfig, help_text, settings_on, surface_default, surface_name, validated
+from corrflow.config import (
+    RunConfig,
+    help_text,
+    settings_on,
+    surface_default,
+    surface_name,
+    validated,
+)
 from corrflow.config import from_wrapper_keywords as _from_keywords
 from corrflow.errors import CorrflowError, InvalidArgumentError, require
 from corrflow.paths import run_directory
@@ -46,16 +57,18 @@ from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
 
-# Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server optimizer (the
-# factorization is built for it), so composing the two would change the mechanism the noise was calibrated for.
+# Strategies whose aggregation keeps its own optimizer state: corrflow's workload *is* the server
+# optimizer (the factorization is built for it), so composing the two would change the mechanism the
+# noise was calibrated for.
 _STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
-#: partition-id of the first canary SuperNode (``canaries=N``): far above any simulation's real partitions.
+#: partition-id of the first canary SuperNode (``canaries=N``): far above any simulation's real
+# partitions.
 CANARY_PARTITIONS = 1_000_000_000
 
 
 def ensure_console_log() -> None:
-    """corrflow's round lines and summary reach the console in a user's app (corrflow configures its own logger
-    only, and only when neither it nor the root logger has a handler)."""
+    """corrflow's round lines and summary reach the console in a user's app (corrflow configures its
+    own logger only, and only when neither it nor the root logger has a handler)."""
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("corrflow %(levelname)s: %(message)s"))
@@ -67,80 +80,128 @@ def check_composable(strategy: Strategy) -> None:
     """Refuse inner strategies whose aggregation is not plain (weighted) averaging, saying why."""
     name = type(strategy).__name__
     if {c.__name__ for c in type(strategy).__mro__} & _STATEFUL:
-        raise InvalidArgumentError("strategy", "a FedAvg-style strategy (FedAvg, FedProx, …): "
-                                   f"{name} keeps server-optimizer state, but corrflow's server optimizer is the "
-                                   "workload its noise is factorized for — set server_learning_rate/momentum on "
-                                   "the wrapper instead", name)
-    if not isinstance(strategy, FedAvg) or type(strategy).aggregate_train is not FedAvg.aggregate_train:
-        raise InvalidArgumentError("strategy", "a strategy whose train aggregation is FedAvg's (corrflow replaces it "
-                                   "with clip → sum → correlated noise; a robust or custom aggregation would be "
-                                   "silently dropped)", name)
+        raise InvalidArgumentError(
+            "strategy",
+            "a FedAvg-style strategy (FedAvg, FedProx, …): "
+            f"{name} keeps server-optimizer state, but corrflow's server optimizer is the "
+            "workload its noise is factorized for — set server_learning_rate/momentum on "
+            "the wrapper instead",
+            name,
+        )
+    if (
+        not isinstance(strategy, FedAvg)
+        or type(strategy).aggregate_train is not FedAvg.aggregate_train
+    ):
+        raise InvalidArgumentError(
+            "strategy",
+            "a strategy whose train aggregation is FedAvg's (corrflow replaces it "
+            "with clip → sum → correlated noise; a robust or custom aggregation would be "
+            "silently dropped)",
+            name,
+        )
 
 
 def check_inner_population(strategy: Strategy, users: int) -> None:
-    """Federated evaluation stays the inner strategy's, and Flower's ``sample_nodes`` waits (logging only at INFO)
-    until its ``min_available_nodes`` and ``min_evaluate_nodes`` are online: more than the run's population would
-    stall the run after its first round, without a word. (Its train config is asked for on a padded grid.)"""
+    """Federated evaluation stays the inner strategy's, and Flower's ``sample_nodes`` waits (logging
+    only at INFO) until its ``min_available_nodes`` and ``min_evaluate_nodes`` are online: more than
+    the run's population would stall the run after its first round, without a word. (Its train
+    config is asked for on a padded grid.)"""
     if not getattr(strategy, "fraction_evaluate", 0.0):
         return
     for name in ("min_available_nodes", "min_evaluate_nodes"):
         value = int(getattr(strategy, name, 0) or 0)
-        require(value <= users, name, f"at most the run's {users} users (Flower's node sampling for federated "
-                "evaluation would wait for nodes the run does not have): lower it, set fraction_evaluate=0.0, "
-                "or raise num_users", value)
+        require(
+            value <= users,
+            name,
+            f"at most the run's {users} users (Flower's node sampling for federated "
+            "evaluation would wait for nodes the run does not have): lower it, set "
+            "fraction_evaluate=0.0, "
+            "or raise num_users",
+            value,
+        )
 
 
 class DifferentialPrivacyCorrelatedNoise(Strategy):
     """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
 
-    Each round the sum of the cohort's clipped updates gets σ·clip·(C⁻¹Z)_t, the noise of a matrix factorization
-    A = B·C of the server optimizer's workload (Choquette-Choo et al., arXiv 2211.06530; McKenna, arXiv
-    2405.15913), and the run's ε is accounted, checkpointed and journaled.
+    Each round the sum of the cohort's clipped updates gets σ·clip·(C⁻¹Z)_t, the noise of a matrix
+    factorization A = B·C of the server optimizer's workload (Choquette-Choo et al., arXiv
+    2211.06530; McKenna, arXiv 2405.15913), and the run's ε is accounted, checkpointed and
+    journaled.
 
-    Args:
-        strategy: the inner strategy: FedAvg or a subclass whose train aggregation is FedAvg's (FedProx, …);
-            strategies with their own server-optimizer state (FedAdam, FedYogi, FedAdagrad, FedAvgM) or a robust
-            aggregation are refused, saying why.
-        plan: a recipe written by ``corrflow plan`` (``OUT/recipe.json``): its mechanism, participation, accountant
-            and σ; settings given here that differ are refused, each named.
-        fresh: move an earlier run in ``state_dir`` aside (``previous-runs/``) and start anew.
-        canaries: simulation only, an empirical privacy audit (``corrflow audit``'s): that many candidate canary
-            SuperNodes, about half inserted by coin flips; after the run :attr:`audit` (also ``audit.json`` and
-            ``audit.png`` in ``state_dir``) holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo.
-        audit_seed: seeds the canaries' directions and coins (default: fresh).
-        **settings: corrflow's run settings as the wrapper names them (the signature lists each with its default;
-            the run-config reference of the docs has them all), e.g. ``clipping_norm``, ``target_epsilon``,
-            ``delta``, ``epochs``, ``kind``, ``state_dir``.
+    Args: strategy: the inner strategy: FedAvg or a subclass whose train aggregation is FedAvg's
+    (FedProx, …); strategies with their own server-optimizer state (FedAdam, FedYogi, FedAdagrad,
+    FedAvgM) or a robust aggregation are refused, saying why. plan: a recipe written by ``corrflow
+    plan`` (``OUT/recipe.json``): its mechanism, participation, accountant and σ; settings given
+    here that differ are refused, each named. fresh: move an earlier run in ``state_dir`` aside
+    (``previous-runs/``) and start anew. canaries: simulation only, an empirical privacy audit
+    (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin
+    flips; after the run :attr:`audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
+    holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo. audit_seed: seeds the
+    canaries' directions and coins (default: fresh). **settings: corrflow's run settings as the
+    wrapper names them (the signature lists each with its default; the run-config reference of the
+    docs has them all), e.g. ``clipping_norm``, ``target_epsilon``, ``delta``, ``epochs``, ``kind``,
+    ``state_dir``.
 
-    Raises:
-        InvalidArgumentError: an inner strategy that cannot be composed, an unknown keyword or an invalid value
-            (naming the keyword and what was expected), or a plan that differs.
+    Raises: InvalidArgumentError: an inner strategy that cannot be composed, an unknown keyword or
+    an invalid value (naming the keyword and what was expected), or a plan that differs.
     """
 
-    def __init__(self, strategy: Strategy, *, plan: str | Path | None = None, fresh: bool = False,
-                 canaries: int = 0, audit_seed: int | None = None, **settings: Any):
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        plan: str | Path | None = None,
+        fresh: bool = False,
+        canaries: int = 0,
+        audit_seed: int | None = None,
+        **settings: Any,
+    ):
         check_composable(strategy)
         self.inner, self.fresh = strategy, fresh
-        require(isinstance(canaries, int) and not isinstance(canaries, bool) and
-                (canaries == 0 or canaries >= MIN_CANARIES), "canaries",
-                f"0 (no audit) or at least {MIN_CANARIES} candidate canaries", canaries)
+        require(
+            isinstance(canaries, int)
+            and not isinstance(canaries, bool)
+            and (canaries == 0 or canaries >= MIN_CANARIES),
+            "canaries",
+            f"0 (no audit) or at least {MIN_CANARIES} candidate canaries",
+            canaries,
+        )
         self.canaries, self.audit_seed = canaries, audit_seed
-        self._audits: list[dict] = []   # one per start() with canaries
+        self._audits: list[dict] = []  # one per start() with canaries
         self._values = _from_keywords(settings, client="app")
         self.plan = None
         if plan is not None:
             from corrflow.planning.recipe import load_recipe
 
             recipe, fac_path = load_recipe(plan)
-            diff = recipe.differences(self._values, {f: surface_name(f, "wrapper") for f in self._values})
-            require(not diff, "plan", "settings that agree with the plan (or leave them out)", "; ".join(diff))
+            diff = recipe.differences(
+                self._values, {f: surface_name(f, "wrapper") for f in self._values}
+            )
+            require(
+                not diff,
+                "plan",
+                "settings that agree with the plan (or leave them out)",
+                "; ".join(diff),
+            )
             self.plan = (recipe, fac_path)
-            self._values = {"num_users": recipe.population, **self._values, **recipe.strategy_settings()}
+            self._values = {
+                "num_users": recipe.population,
+                **self._values,
+                **recipe.strategy_settings(),
+            }
         self.core = None
         self.stop_event = threading.Event()
-        self.run_dir = run_directory(self._values.get("state_dir", surface_default("state_dir", "wrapper")))
-        epochs, min_sep = int(self._values.get("epochs", 1)), int(self._values.get("min_sep", 0) or 1)
-        self.config(None if self.plan else epochs * min_sep)   # fail fast on bad settings (any fitting rounds)
+        self.run_dir = run_directory(
+            self._values.get("state_dir", surface_default("state_dir", "wrapper"))
+        )
+        epochs, min_sep = (
+            int(self._values.get("epochs", 1)),
+            int(self._values.get("min_sep", 0) or 1),
+        )
+        self.config(
+            None if self.plan else epochs * min_sep
+        )  # fail fast on bad settings (any fitting rounds)
 
     def config(self, num_rounds: int | None = None) -> RunConfig:
         """The run's validated settings.
@@ -152,41 +213,49 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             The :class:`corrflow.config.RunConfig` the run will use.
         """
         if self.plan is not None:
-            require(num_rounds in (None, self.plan[0].rounds), "num_rounds", f"the plan's {self.plan[0].rounds} "
-                    "rounds", num_rounds)
+            require(
+                num_rounds in (None, self.plan[0].rounds),
+                "num_rounds",
+                f"the plan's {self.plan[0].rounds} rounds",
+                num_rounds,
+            )
             num_rounds = self.plan[0].rounds
         values = {**self._values, "state_dir": str(self.run_dir)}
         if num_rounds is not None:
             values["num_rounds"] = num_rounds
         return validated(values, "wrapper")
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when it holds a
-        checkpoint of this run. Logs a line per round and the realised ε on the ``corrflow`` logger; the full report
-        is :meth:`privacy_report`.
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when
+        it holds a checkpoint of this run. Logs a line per round and the realised ε on the
+        ``corrflow`` logger; the full report is :meth:`privacy_report`.
 
-        Args:
-            grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
-            initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes are kept
-                in every model sent; a resumed run refuses other arrays).
-            num_rounds: n, the run's total rounds (a resumed run trains the rest).
-            timeout: seconds to wait for nodes and replies (default: the ``node_timeout`` setting).
-            train_config: the config sent to the cohort each round (merged with the inner strategy's).
-            evaluate_config: the config of the inner strategy's federated evaluation.
-            evaluate_fn: ``evaluate_fn(server_round, arrays)``, called for the starting model (round 0) and after
-                every round, as Flower's FedAvg does; its metrics go to ``metrics.json``.
+        Args: grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
+        initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes
+        are kept in every model sent; a resumed run refuses other arrays). num_rounds: n, the run's
+        total rounds (a resumed run trains the rest). timeout: seconds to wait for nodes and replies
+        (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
+        round (merged with the inner strategy's). evaluate_config: the config of the inner
+        strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
+        for the starting model (round 0) and after every round, as Flower's FedAvg does; its metrics
+        go to ``metrics.json``.
 
-        Returns:
-            Flower's ``Result`` with the final arrays and the per-round train and evaluation metrics.
+        Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
+        metrics.
 
-        Raises:
-            InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner strategy asking
-                for more nodes than the population.
-            CorrflowError: the run cannot start or continue safely (another server on ``state_dir``, state that
-                disagrees with its journal, a node without the declared identity).
+        Raises: InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner
+        strategy asking for more nodes than the population. CorrflowError: the run cannot start or
+        continue safely (another server on ``state_dir``, state that disagrees with its journal, a
+        node without the declared identity).
         """
         ensure_console_log()
         cfg = self.config(num_rounds)
@@ -197,67 +266,117 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         if self.plan is not None:
             from corrflow.planning.recipe import install_factorization
 
-            install_factorization(*self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists())
+            install_factorization(
+                *self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
+            )
         auditing = self._audit_grid(grid, cfg, initial_arrays) if self.canaries else None
         if auditing is not None:
             grid, capture = auditing
             users = None if cfg.num_users is None else cfg.num_users + len(grid.canary_nodes)
-            cfg = validated({**cfg.to_dict(), "num_users": users, "identity": "partition-id"}, "wrapper")
+            cfg = validated(
+                {**cfg.to_dict(), "num_users": users, "identity": "partition-id"}, "wrapper"
+            )
 
         def round_end(core, metrics):
             log.info(round_line(metrics, cfg.num_rounds))
             if auditing is not None:
                 capture(core, metrics)
 
-        spec = RunSpec(cfg, initial_arrays, inner=self.inner, train_config=train_config,
-                       evaluate_config=evaluate_config, evaluate_fn=evaluate_fn, on_round_end=round_end,
-                       min_nodes=max(1, int(getattr(self.inner, "min_available_nodes", 1) or 1)), fresh=self.fresh,
-                       stop_event=self.stop_event, population_check=lambda n: check_inner_population(self.inner, n))
+        spec = RunSpec(
+            cfg,
+            initial_arrays,
+            inner=self.inner,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+            on_round_end=round_end,
+            min_nodes=max(1, int(getattr(self.inner, "min_available_nodes", 1) or 1)),
+            fresh=self.fresh,
+            stop_event=self.stop_event,
+            population_check=lambda n: check_inner_population(self.inner, n),
+        )
         self.core, result = run_strategy(grid, spec)
         report = self.privacy_report()
         if auditing is not None:
             self._audits.append(self._finish_audit(report, grid, capture))
-        log.info("corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s", report["rounds_completed"],
-                 cfg.num_rounds, report["realized"]["epsilon"], report["delta"],
-                 f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "", self.report_path)
+        log.info(
+            "corrflow: %d of %d rounds, realised ε = %s (δ = %g)%s; report %s",
+            report["rounds_completed"],
+            cfg.num_rounds,
+            report["realized"]["epsilon"],
+            report["delta"],
+            f"; stopped: {report['stopped_reason']}" if report.get("stopped_reason") else "",
+            self.report_path,
+        )
         return result
 
     def _audit_grid(self, grid: Grid, cfg: RunConfig, initial_arrays: ArrayRecord):
-        """The grid with one virtual canary SuperNode per inserted canary (simulation only), and the capture of the
-        released models (corrflow.strategies.canaries)."""
+        """The grid with one virtual canary SuperNode per inserted canary (simulation only), and the
+        capture of the released models (corrflow.strategies.canaries)."""
         from corrflow.strategies.canaries import CanaryGrid, CanaryPlan, RoundCapture
         from corrflow.strategies.identity import default_identity
 
-        require(default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"), "canaries",
-                "a simulation (Flower's simulation engine or corrflow's in-process grid, identity partition-id): "
-                "canaries are simulated SuperNodes and cannot join a deployment of real devices", self.canaries)
-        require(cfg.mode == "cross-device", "canaries", "cross-device mode (a canary is a SuperNode)", cfg.mode)
-        plan = CanaryPlan.draw(self.canaries, secrets.randbits(32) if self.audit_seed is None else self.audit_seed)
-        arrays = [a for a in initial_arrays.to_numpy_ndarrays() if np.issubdtype(a.dtype, np.floating)]
+        require(
+            default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"),
+            "canaries",
+            "a simulation (Flower's simulation engine or corrflow's in-process grid, identity "
+            "partition-id): "
+            "canaries are simulated SuperNodes and cannot join a deployment of real devices",
+            self.canaries,
+        )
+        require(
+            cfg.mode == "cross-device",
+            "canaries",
+            "cross-device mode (a canary is a SuperNode)",
+            cfg.mode,
+        )
+        plan = CanaryPlan.draw(
+            self.canaries, secrets.randbits(32) if self.audit_seed is None else self.audit_seed
+        )
+        arrays = [
+            a for a in initial_arrays.to_numpy_ndarrays() if np.issubdtype(a.dtype, np.floating)
+        ]
         initial = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
-        canary_grid = CanaryGrid(grid, plan, float(cfg.clip_norm), cfg.reply_kind, CANARY_PARTITIONS)
+        canary_grid = CanaryGrid(
+            grid, plan, float(cfg.clip_norm), cfg.reply_kind, CANARY_PARTITIONS
+        )
         return canary_grid, RoundCapture([initial], [])
 
     def _finish_audit(self, report: dict, grid, capture) -> dict:
-        """The audit of the run just finished (``audit.json`` and ``audit.png`` in the run directory)."""
+        """The audit of the run just finished (``audit.json`` and ``audit.png`` in the run
+        directory)."""
         from corrflow.fileio import write_json
         from corrflow.strategies.canaries import analyse, write_plot
 
         core = self.core
         inserted = len(grid.canary_nodes)
-        result = analyse(report, core, capture, grid.plan, grid.canary_users(), core.cfg.num_users - inserted,
-                         core.cfg)
+        result = analyse(
+            report,
+            core,
+            capture,
+            grid.plan,
+            grid.canary_users(),
+            core.cfg.num_users - inserted,
+            core.cfg,
+        )
         result["plot"] = str(write_plot(result, capture.scores, self.run_dir / "audit.png"))
         write_json(self.run_dir / "audit.json", result, sort_keys=True)
-        log.info("corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g with %d canaries: "
-                 "%s", report["realized"]["epsilon"], result["epsilon_estimate"], result["epsilon_lower"],
-                 self.canaries, result["verdict"])
+        log.info(
+            "corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g with "
+            "%d canaries: "
+            "%s",
+            report["realized"]["epsilon"],
+            result["epsilon_estimate"],
+            result["epsilon_lower"],
+            self.canaries,
+            result["verdict"],
+        )
         return result
 
     @property
     def audit(self) -> dict | None:
-        """The last run's audit with ``canaries`` (``audit.json``): claimed ε, estimate ε̂, lower bound ε_lo, the
-        statistics; None before one ran."""
+        """The last run's audit with ``canaries`` (``audit.json``): claimed ε, estimate ε̂, lower
+        bound ε_lo, the statistics; None before one ran."""
         return self._audits[-1] if self._audits else None
 
     def privacy_report(self) -> dict:
@@ -276,16 +395,21 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def out_dir(self) -> Path:
         return self.run_dir
 
-    # The Strategy API: corrflow plans the noise for the run's total rounds, so rounds run inside start().
+    # The Strategy API: corrflow plans the noise for the run's total rounds, so rounds run inside
+    # start().
     def _running(self):
         if self.core is None:
-            raise CorrflowError("DifferentialPrivacyCorrelatedNoise factorizes its noise for the run's total number "
-                                "of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as Flower's "
-                                "strategies are driven")
+            raise CorrflowError(
+                "DifferentialPrivacyCorrelatedNoise factorizes its noise for the run's total "
+                "number "
+                "of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as Flower's "
+                "strategies are driven"
+            )
         return self.core
 
     def configure_train(self, server_round, arrays, config, grid):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
+        :meth:`start`).
 
         Args:
             server_round: Flower's 1-based round number.
@@ -299,7 +423,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self._running().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside :meth:`start`).
+        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
+        :meth:`start`).
 
         Args:
             server_round: Flower's 1-based round number.
@@ -338,25 +463,46 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
 
     def summary(self) -> None:
         cfg = self.config()
-        log.info("DifferentialPrivacyCorrelatedNoise around %s: %s, clipping norm %g, δ = %g",
-                 type(self.inner).__name__, cfg.kind, cfg.clip_norm, cfg.delta)
+        log.info(
+            "DifferentialPrivacyCorrelatedNoise around %s: %s, clipping norm %g, δ = %g",
+            type(self.inner).__name__,
+            cfg.kind,
+            cfg.clip_norm,
+            cfg.delta,
+        )
 
 
 def _signature() -> inspect.Signature:
-    """The wrapper's keywords as generated from the settings model (what ``help()`` and IDEs show)."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("strategy", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Strategy)]
+    """The wrapper's keywords as generated from the settings model (what ``help()`` and IDEs
+    show)."""
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("strategy", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Strategy),
+    ]
     for name, info in settings_on("wrapper").items():
         default = surface_default(name, "wrapper")
-        params.append(inspect.Parameter(surface_name(name, "wrapper"), inspect.Parameter.KEYWORD_ONLY,
-                                        default=getattr(default, "value", default), annotation=info.annotation))
-    params += [inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | Path | None),
-               inspect.Parameter("fresh", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
-               inspect.Parameter("canaries", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int),
-               inspect.Parameter("audit_seed", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None)]
+        params.append(
+            inspect.Parameter(
+                surface_name(name, "wrapper"),
+                inspect.Parameter.KEYWORD_ONLY,
+                default=getattr(default, "value", default),
+                annotation=info.annotation,
+            )
+        )
+    params += [
+        inspect.Parameter(
+            "plan", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | Path | None
+        ),
+        inspect.Parameter("fresh", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
+        inspect.Parameter("canaries", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int),
+        inspect.Parameter(
+            "audit_seed", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None
+        ),
+    ]
     return inspect.Signature(params)
 
 
 DifferentialPrivacyCorrelatedNoise.__init__.__signature__ = _signature()
 DifferentialPrivacyCorrelatedNoise.__init__.__doc__ = "Keywords:\n" + "\n".join(
-    f"    {surface_name(n, 'wrapper')}: {help_text(n)}" for n in settings_on("wrapper"))
+    f"    {surface_name(n, 'wrapper')}: {help_text(n)}" for n in settings_on("wrapper")
+)
