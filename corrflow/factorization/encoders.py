@@ -312,6 +312,14 @@ class BandedEncoder(Encoder):
     def arrays(self):
         return {"band": self.band}
 
+    def _noise_row_norms_squared(self):
+        if self.n > 4096:  # a dense C⁻¹ would be too large: blockwise banded solves
+            return super()._noise_row_norms_squared()
+        # one dense triangular solve (BLAS-3) is ten times faster than n banded ones even at 8 bands
+        # (n = 2048: 0.3 against 3 CPU-s)
+        inv = solve_triangular(self.matrix(), np.eye(self.n), lower=True, check_finite=False)
+        return np.sum(inv * inv, axis=1)
+
     def _structured_sensitivity(self, participation):
         if self.bands <= participation.min_sep:
             return self._disjoint_sensitivity(participation)
