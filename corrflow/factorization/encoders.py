@@ -140,9 +140,13 @@ class Encoder(ABC):
 
     def noise_row_norms(self) -> np.ndarray:
         """‖(C⁻¹)_{t,:}‖₂ for t < n: the standard deviation of each coordinate of the noise w_t =
-        (C⁻¹Z)_t of round t at unit σ and clip (Z i.i.d. N(0, 1); DESIGN normalisation), shape
-        (n,). Blockwise solves of identity columns, O(n²) per block; structured encoders override
-        it in O(n). Cached on the encoder (it is immutable)."""
+        (C⁻¹Z)_t of round t at unit σ and clip (Z i.i.d. N(0, 1); the diagonal of the noise
+        covariance C⁻¹C⁻ᵀ). Blockwise solves of identity columns, O(n²) per block; Toeplitz-like
+        encoders override it in O(n). Cached on the encoder (it is immutable).
+
+        Returns:
+            float64 array of shape (n,), read-only.
+        """
         cached = getattr(self, "_noise_row_norms", None)
         if cached is None:
             cached = np.sqrt(self._noise_row_norms_squared())
