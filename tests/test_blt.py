@@ -14,7 +14,9 @@ import pytest
 
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
+from corrflow.factorization.base import normalized
 from corrflow.factorization.blt import (
+    MERGE_RTOL,
     BLTLoss,
     _to_x,
     _workload_error,
@@ -162,6 +164,42 @@ def test_optimizer_reaches_the_peer_optima():
     )
 
 
+# The peer's optima at fixed B: jax-privacy 2.0.0 ``buffered_toeplitz.optimize(n=n, min_sep=n // 4,
+# max_participations=4, error="mean", min_buffers=B, max_buffers=B)``, its BLT scored by corrflow's
+# exact total squared error (= n × the peer's own mean loss, to 1e-12), as `python
+# benchmarks/blt.py` measures them (docs/reference/benchmarks.md). At n = 128 the peer's B = 2 stays
+# in its 1-buffer optimum (3,691.76); the 2-buffer optimum is 3,665.668.
+PEER_FIXED_B = {(64, 2): 1547.2191379, (128, 2): 3665.668, (256, 2): 8580.0133316}
+
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+def test_fixed_buffers_reach_the_peer_optimum(n):
+    # Issue 32: with --buffers 2 the optimiser used to stop in the one-buffer optimum split into two
+    # near-equal poles (n = 256: 8,822.79, 2.8% above the peer). Warm-started from the 1-buffer
+    # optimum it reaches the peer's 2-buffer optimum within 0.1%.
+    res = optimize_blt(Workload.prefix(), Participation.fixed_epoch(n, 4), 2)
+    assert res.loss <= PEER_FIXED_B[n, 2] * 1.001
+    assert set(res.losses_by_buffers) <= {1, 2}
+    best = min(res.losses_by_buffers.values())
+    assert res.loss <= best * (1 + MERGE_RTOL)
+    # n = 64: the peer's two poles coincide (θ = 0.86489, 0.86482) and the 1-buffer optimum is
+    # within 1e-4 of any 2-buffer one: one buffer is returned (the memory of the other saved).
+    assert res.buf_decay.size == (1 if n == 64 else 2)
+
+
+def test_fixed_buffers_merge_duplicate_and_dead_poles():
+    # n = 256, --buffers 3: the third buffer gains < 1e-4 (it used to come back nearly dead, ω =
+    # 0.005); the 2-buffer optimum is returned and the effective count reported next to the request.
+    fac = factorize("blt", participation_for(256, 4), buffers=3)
+    meta, losses = fac.metadata, fac.metadata["loss_by_buffers"]
+    assert meta["buffers"] == fac.encoder.buffers == 2 and meta["buffers_requested"] == 3
+    assert losses["2"] <= min(losses.values()) * (1 + MERGE_RTOL)
+    assert fac.errors().total_squared_error <= 8_589
+    # no two poles closer than 1% of their distance to 1, every buffer carrying weight
+    th = fac.encoder.buf_decay
+    assert np.all(np.diff(-th) > 0.01 * (1 - th[:-1])) and np.all(fac.encoder.output_scale > 0.01)
+
+
 def test_auto_buffers_and_cooldown_workload():
     wl = Workload.sgd_momentum(0.9, 0.25)
     part = participation_for(64, 4)
@@ -227,7 +265,9 @@ def _rows(gen, rounds):
 
 @pytest.fixture(scope="module")
 def blt_fac():
-    return factorize("blt", participation_for(16, 4), buffers=3)
+    # three live buffers, normalised to sensitivity 1 (the optimiser would return one at this n, k)
+    enc = BLTEncoder([0.9, 0.6, 0.3], [0.1, 0.1, 0.05], 16)
+    return normalized("blt", Workload.prefix(), participation_for(16, 4), enc)
 
 
 def test_streamed_noise_equals_dense_inverse_and_resumes_bit_for_bit(blt_fac, tmp_path):
@@ -372,11 +412,11 @@ def test_cli_factorize_blt(tmp_path):
         "--kind",
         "blt",
         "--rounds",
-        "64",
+        "256",
         "--epochs",
         "4",
         "--buffers",
-        "1",
+        "2",
         "--json",
         "--quiet",
         "--out",
@@ -384,11 +424,9 @@ def test_cli_factorize_blt(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (
-        s["kind"] == "blt"
-        and s["buffers"] == 1
-        and s["total_squared_error"] <= 64 * 24.175299 * (1 + 1e-6)
-    )
+    # Issue 32's done-when: the peer's 2-buffer optimum 8,580.01 × 1.001 (see
+    # test_fixed_buffers_reach_the_peer_optimum).
+    assert s["kind"] == "blt" and s["buffers"] == 2 and s["total_squared_error"] <= 8_589
     assert Factorization.load(tmp_path / "f.npz").sha256() == s["sha256"]
     bad = run(
         "factorize", "--kind", "toeplitz", "--rounds", "64", "--epochs", "4", "--buffers", "2"

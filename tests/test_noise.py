@@ -27,7 +27,8 @@ def facs():
         "banded-inverse": factorize("bifr", part, bands=4),  # banded C⁻¹
         "dense": factorize("dense", part),  # dense C
         "identity": factorize("dpsgd", part),
-        "blt": factorize("blt", part, buffers=2),  # BLT: 2 buffers, one draw per round
+        # BLT: 2 buffers, one draw per round (single participation: at k = 4 one buffer is optimal)
+        "blt": factorize("blt", participation_for(16, 1), buffers=2),
     }
 
 

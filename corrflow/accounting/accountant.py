@@ -57,6 +57,7 @@ from corrflow.accounting.montecarlo import (
     minimum_samples,
     overall_delta,
 )
+from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzEncoder
@@ -1319,7 +1320,9 @@ def account(
         **options: further :class:`AccountingOptions` fields.
 
     Returns: :meth:`AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
-    ``sensitivity_exact`` and ``factorization_sha256``.
+    ``sensitivity_exact``, ``factorization_sha256`` and ``noise_std_per_round`` (z_t =
+    σ·‖(C⁻¹)_{t,:}‖, the DP-SGD noise multiplier z of round t; module
+    ``corrflow.accounting.noise_scale``).
 
     Raises: InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or
     a value out of range (the error names it).
@@ -1350,13 +1353,17 @@ def account(
     else:
         check_epsilon(target_epsilon)
         res = acc.noise_multiplier(fac, target_epsilon, delta)
-    return {
+    out = {
         "sampling": sampling.kind,
         "sensitivity": fac.sensitivity.value,
         "sensitivity_exact": fac.sensitivity.exact,
         "factorization_sha256": fac.sha256(),
-        **res.to_dict(),
     }
+    for key, value in res.to_dict().items():
+        out[key] = value
+        if key == "noise_multiplier":  # next to σ where the result is printed in order
+            out["noise_std_per_round"] = noise_std_per_round(fac, value)
+    return out
 
 
 __all__ = [

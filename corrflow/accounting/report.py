@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.accounting.posthoc import min_gap
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
@@ -113,7 +114,9 @@ def privacy_report(
         **extra: further top-level sections, as given.
 
     Returns:
-        The report dict (the shape the ``privacy-report`` JSON Schema describes).
+        The report dict (the shape the ``privacy-report`` JSON Schema describes), with
+        ``noise_std_per_round``: σ·‖(C⁻¹)_{t,:}‖ summarised (the DP-SGD z when it is the same every
+        round; :mod:`corrflow.accounting.noise_scale`).
     """
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
@@ -123,6 +126,7 @@ def privacy_report(
     return {
         "mechanism": mechanism_section(factorization),
         "noise_multiplier": noise_multiplier,
+        "noise_std_per_round": noise_std_per_round(factorization, noise_multiplier),
         "clip_norm": clip_norm,
         "delta": max(delta, verified),
         "target_delta": delta,

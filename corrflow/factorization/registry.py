@@ -210,8 +210,8 @@ def _blt(req: BuildRequest):
     enc = BLTEncoder(
         res.buf_decay, res.output_scale, req.participation.rounds, inverse_decay=res.inverse_decay
     )
-    # buffers_requested: a given B above the optimum's live buffers yields fewer (the others would
-    # be dead).
+    # buffers_requested: a given B is a cap; buffers (the effective count) is fewer when the extra
+    # ones would duplicate a pole or be dead (optimize_blt's MERGE_RTOL).
     return enc, {
         "buffers": enc.buffers,
         "buffers_requested": req.buffers,

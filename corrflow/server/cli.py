@@ -95,7 +95,8 @@ def factorize(
     buffers: Annotated[
         int | None,
         typer.Option(
-            help="blt: buffers B (default: added while each lowers the error by more than 1%)"
+            help="blt: at most B buffers, fewer when the extra ones would lower the error by"
+            " < 0.01% (default: added while each lowers the error by more than 1%)"
         ),
     ] = None,
     workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
@@ -272,6 +273,7 @@ def account(
     budget, the sampler's other verified bound is released and both numbers are named."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
+    from corrflow.accounting.noise_scale import describe as describe_noise
 
     try:
         if (noise_multiplier is None) == (target_epsilon is None):
@@ -311,6 +313,8 @@ def account(
                 file=sys.stderr,
             )
         _describe_bounds(res)
+        if not as_json:  # one line for people; --json keeps the numbers
+            res = {**res, "noise_std_per_round": describe_noise(res.get("noise_std_per_round"))}
         _emit(res, as_json)
     except InvalidArgumentError as exc:
         _fail(_account_flag(exc))
@@ -1001,6 +1005,7 @@ def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
 def _summary(report: dict, out: Path, held_out: dict) -> str:
     """The run in a few lines: held-out progress and the privacy report (whole:
     OUT/privacy_report.json)."""
+    from corrflow.accounting.noise_scale import describe as describe_noise
     from corrflow.planning.run import selection_line
 
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
@@ -1046,6 +1051,11 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
+        *(
+            [f"noise       {describe_noise(report['noise_std_per_round'])}"]
+            if report.get("noise_std_per_round")
+            else []
+        ),
         *(
             [f"accounting  {selection_line(report['accountant'])}"]
             if "bounds" in report["accountant"]
