@@ -287,6 +287,10 @@ class CorrelatedNoise:
             self._stateless(t, out)
         return out
 
+    def _generator(self, round_index: int, chunk: int) -> np.random.Generator:
+        """The draws z of (round, chunk): the one place the engine turns its key into noise."""
+        return self._source.generator(round_index, chunk)
+
     def _blocks(self, lo: int, hi: int):
         """Cache-sized blocks [a, b) of the chunk [lo, hi) (:data:`~corrflow.noise.kernels.BLOCK`
         coordinates)."""
@@ -304,7 +308,7 @@ class CorrelatedNoise:
         gain = self.stddev / enc.scale
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draw = self._source.generator(t, c)
+            draw = self._generator(t, c)
             for a, b in self._blocks(lo, hi):
                 zb = z[: b - a]
                 draw.standard_normal(out=zb, dtype=np.float32)
@@ -325,7 +329,7 @@ class CorrelatedNoise:
         diag, gain = float(coefs[0]), np.float32(self.stddev)
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draw = self._source.generator(t, c)
+            draw = self._generator(t, c)
             for a, b in self._blocks(lo, hi):
                 zb = z[: b - a]
                 draw.standard_normal(out=zb, dtype=np.float32)
@@ -350,7 +354,7 @@ class CorrelatedNoise:
         scales = [np.float32(coef * self.stddev) for _, coef in terms]
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draws = [self._source.generator(j, c) for j, _ in terms]
+            draws = [self._generator(j, c) for j, _ in terms]
             for a, b in self._blocks(lo, hi):
                 dst, zb = out[a:b], z[: b - a]
                 for i, (draw, scale) in enumerate(zip(draws, scales, strict=True)):

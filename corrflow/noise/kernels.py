@@ -17,7 +17,8 @@ import numpy as np
 BLOCK = 1 << 16
 #: Coordinates per sub-block of the float64 accumulator (32 KiB: L1). The inner loops run over
 # slices indexed from 0: with ``row[lo + i]`` numba's negative-index wraparound kept LLVM from
-# vectorising them (2.7× slower, measured).
+# vectorising them (2.7× slower, measured); four ring rows per pass over the accumulator instead of
+# one take a third off the kernel (same operations in the same order, so the same bits).
 _SUB = 4096
 
 
@@ -37,8 +38,17 @@ def banded_block(z, ring, slots, weights, diag, gain, slot, lo, out):  # pragma:
         a, zs = lo + s, z[s : s + n]
         for i in range(n):
             acc[i] = np.float64(zs[i])
-        for r in range(slots.shape[0]):
-            w, row = weights[r], ring[slots[r], a : a + n]
+        r = 0
+        while r + 4 <= slots.shape[0]:  # four rows per pass over acc, subtracted in order
+            w0, w1, w2, w3 = weights[r], weights[r + 1], weights[r + 2], weights[r + 3]
+            r0, r1 = ring[slots[r], a : a + n], ring[slots[r + 1], a : a + n]
+            r2, r3 = ring[slots[r + 2], a : a + n], ring[slots[r + 3], a : a + n]
+            for i in range(n):
+                x = (acc[i] - w0 * np.float64(r0[i])) - w1 * np.float64(r1[i])
+                acc[i] = (x - w2 * np.float64(r2[i])) - w3 * np.float64(r3[i])
+            r += 4
+        for q in range(r, slots.shape[0]):
+            w, row = weights[q], ring[slots[q], a : a + n]
             for i in range(n):
                 acc[i] -= w * np.float64(row[i])
         dst = out[a : a + n]
