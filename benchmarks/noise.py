@@ -42,6 +42,14 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _rss_bytes() -> int | None:
+    """Resident memory now (Linux): after the imports, what the libraries' code takes."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
 def _cpu(fn) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of one call."""
     c0, w0 = time.process_time(), time.perf_counter()
@@ -68,6 +76,7 @@ def child_banded(dim: int, rounds: int) -> dict:
     from corrflow.noise import CorrelatedNoise
     from corrflow.noise.prng import PhiloxSource, new_secret
 
+    imports = _rss_bytes()
     key = new_secret()
     src = PhiloxSource(key)
     fac = _factorization("toeplitz")
@@ -91,6 +100,7 @@ def child_banded(dim: int, rounds: int) -> dict:
         "buffer_ratio_to_(bands-1)*d*4": gen.buffer_bytes / ((BANDS - 1) * dim * 4),
         "peak_traced_bytes_per_round": traced,
         "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_bytes_after_imports": imports,
     }
 
 
@@ -104,6 +114,7 @@ def child_peer(dim: int, rounds: int, coef_path: str, n: int) -> dict | None:
         from jax_privacy.matrix_factorization import toeplitz
     except ImportError:
         return None
+    imports = _rss_bytes()
     coef = np.load(coef_path)
     noising = toeplitz.inverse_as_streaming_matrix(
         jnp.asarray(coef / np.linalg.norm(coef), dtype=jnp.float32), column_normalize_for_n=n
@@ -130,6 +141,7 @@ def child_peer(dim: int, rounds: int, coef_path: str, n: int) -> dict | None:
         "cpu_seconds_per_round": float(np.median([c for c, _ in times])),
         "wall_seconds_per_round": float(np.median([w for _, w in times])),
         "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_bytes_after_imports": imports,
         "jax_privacy": _version("jax-privacy"),
     }
 

@@ -13,16 +13,19 @@ Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §
 * ``identity``: y_t = z_t / C[0,0] (DP-SGD);
 * ``blt``: a buffered linear Toeplitz C = s·T(c) with B buffers (McMahan, Xu, Zhang 2024, arXiv
   2408.08868, Alg. 3): y_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + y_t, emitting σ·y_t/s — one
-  draw per round and B·d float32 of state. The arithmetic runs in float64 on cache-sized blocks (θ
-  near 1 must not be rounded to float32: its powers would change C), and only the state is stored in
-  float32.
+  draw per round and B·d float32 of state. The arithmetic runs in float64 (θ near 1 must not be
+  rounded to float32: its powers would change C), and only the state is stored in float32.
 
-The regenerating modes combine their draws with one fused pass each (the first draw scaled into the
-output, the others multiplied and added block by block while in cache), with σ folded into the
-coefficients. Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the
-buffer is a few chunks. Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of
-(key, j, chunk): restoring a saved state continues bit for bit, and any released round can be
-replayed exactly.
+Every mode draws z one cache-sized block at a time (:data:`~corrflow.noise.kernels.BLOCK`
+coordinates of a chunk's stream, the same bits as a whole-chunk draw) and combines the block while
+it is in cache: the stateful modes with a compiled kernel (:mod:`corrflow.noise.kernels`: the ring
+or the BLT state read once and written once per round, float64 accumulation), the regenerating modes
+by scaling each term's block and adding it to the output, σ folded into the coefficients. Measured
+against the whole-chunk code this replaced (docs "Benchmarks"): faster for the stateful modes, as
+fast (within the machine's noise) for the regenerating modes, whose cost is their draws; no
+model-sized temporaries in any mode. Peak memory beyond the state is the output and a block. Each
+z_j chunk's stream comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk):
+restoring a saved state continues bit for bit, and any released round can be replayed exactly.
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ class CorrelatedNoise:
     key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for
     audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
     extra). mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up
-    to a size limit). chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few
-    chunks of float64.
+    to a size limit). chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream;
+    it is saved with the state).
     """
 
     def __init__(
