@@ -191,7 +191,9 @@ def other_modes(dim: int, rounds: int) -> dict:
             "cpu_seconds_per_round": secs,
             "iid_cpu_seconds": base,
             "ratio_to_iid": secs / base,
-            "draws_per_round": len(gen._terms(start)) if gen.mode not in ("blt",) else 1,
+            "draws_per_round_median": 1
+            if gen.mode == "blt"
+            else len(gen._terms(start + rounds // 2)),
             "buffer_bytes": gen.buffer_bytes,
         }
         if gen.mode == "blt":
