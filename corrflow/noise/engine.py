@@ -13,16 +13,19 @@ Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §
 * ``identity``: y_t = z_t / C[0,0] (DP-SGD);
 * ``blt``: a buffered linear Toeplitz C = s·T(c) with B buffers (McMahan, Xu, Zhang 2024, arXiv
   2408.08868, Alg. 3): y_t = z_t − Σ_j ω_j S_j, then S_j ← θ_j S_j + y_t, emitting σ·y_t/s — one
-  draw per round and B·d float32 of state. The arithmetic runs in float64 on cache-sized blocks (θ
-  near 1 must not be rounded to float32: its powers would change C), and only the state is stored in
-  float32.
+  draw per round and B·d float32 of state. The arithmetic runs in float64 (θ near 1 must not be
+  rounded to float32: its powers would change C), and only the state is stored in float32.
 
-The regenerating modes combine their draws with one fused pass each (the first draw scaled into the
-output, the others multiplied and added block by block while in cache), with σ folded into the
-coefficients. Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the
-buffer is a few chunks. Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of
-(key, j, chunk): restoring a saved state continues bit for bit, and any released round can be
-replayed exactly.
+Every mode draws z one cache-sized block at a time (:data:`~corrflow.noise.kernels.BLOCK`
+coordinates of a chunk's stream, the same bits as a whole-chunk draw) and combines the block while
+it is in cache: the stateful modes with a compiled kernel (:mod:`corrflow.noise.kernels`: the ring
+or the BLT state read once and written once per round, float64 accumulation), the regenerating modes
+by scaling each term's block and adding it to the output, σ folded into the coefficients. Measured
+against the whole-chunk code this replaced (docs "Benchmarks"): faster for the stateful modes, as
+fast (within the machine's noise) for the regenerating modes, whose cost is their draws; no
+model-sized temporaries in any mode. Peak memory beyond the state is the output and a block. Each
+z_j chunk's stream comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk):
+restoring a saved state continues bit for bit, and any released round can be replayed exactly.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from corrflow.factorization.encoders import (
     ToeplitzEncoder,
 )
 from corrflow.fileio import atomic_file, write_bytes, write_json
+from corrflow.noise.kernels import BLOCK, banded_block, blt_block
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
 
 MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
@@ -56,8 +60,6 @@ MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
 # checkpoint).
 STATEFUL_MODES = ("banded", "blt")
 DEFAULT_CHUNK = 1 << 20
-#: Coordinates per block of the in-cache arithmetic (float64 temporaries of 256 KiB).
-_BLOCK = 1 << 15
 
 
 def default_mode(factorization: Factorization) -> str:
@@ -110,8 +112,8 @@ class CorrelatedNoise:
     key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for
     audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
     extra). mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up
-    to a size limit). chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few
-    chunks of float64.
+    to a size limit). chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream;
+    it is saved with the state).
     """
 
     def __init__(
@@ -288,53 +290,53 @@ class CorrelatedNoise:
             self._stateless(t, out)
         return out
 
+    def _generator(self, round_index: int, chunk: int) -> np.random.Generator:
+        """The draws z of (round, chunk): the one place the engine turns its key into noise."""
+        return self._source.generator(round_index, chunk)
+
+    def _blocks(self, lo: int, hi: int):
+        """Cache-sized blocks [a, b) of the chunk [lo, hi) (:data:`~corrflow.noise.kernels.BLOCK`
+        coordinates)."""
+        for a in range(lo, hi, BLOCK):
+            yield a, min(hi, a + BLOCK)
+
     def _blt_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
         """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j
-        S_j + y; out = σ·y/s. Float64 arithmetic on cache-sized blocks; the state ``buf`` (B × d) is
-        float32."""
+        S_j + y; out = σ·y/s. Each block of z is drawn into cache and combined there
+        (:func:`~corrflow.noise.kernels.blt_block`, float64 arithmetic); the state ``buf`` (B × d)
+        is float32."""
         enc = self.factorization.encoder
-        decay = [float(v) for v in enc.buf_decay]
-        weight = [float(v) for v in enc.output_scale]
+        decay = np.asarray(enc.buf_decay, dtype=np.float64)
+        weight = np.asarray(enc.output_scale, dtype=np.float64)
         gain = self.stddev / enc.scale
-        size = min(_BLOCK, self.dim)
-        y, tmp = np.empty(size), np.empty(size)
+        z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            z = self._source.normal(t, c, hi - lo)
-            for a in range(0, hi - lo, _BLOCK):
-                b = min(hi - lo, a + _BLOCK)
-                yv, tv = y[: b - a], tmp[: b - a]
-                yv[...] = z[a:b]
-                state = buf[:, lo + a : lo + b]
-                for j, w in enumerate(weight):
-                    np.multiply(state[j], w, out=tv, dtype=np.float64)
-                    yv -= tv
-                for j, d in enumerate(decay):
-                    np.multiply(state[j], d, out=tv, dtype=np.float64)
-                    tv += yv
-                    state[j] = tv
-                np.multiply(yv, gain, out=out[lo + a : lo + b])
+            draw = self._generator(t, c)
+            for a, b in self._blocks(lo, hi):
+                zb = z[: b - a]
+                draw.standard_normal(out=zb, dtype=np.float32)
+                blt_block(zb, buf, decay, weight, gain, a, out)
 
     def _banded_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
+        """One round of 001 Alg. 1: y_t = (z_t − Σ_{r≥1} C[t,t−r] y_{t−r})/C[t,t] with y_{t−r} in
+        ring slot (t − r) mod (p − 1); y_t replaces the oldest row, out = σ·y_t. Each block of z is
+        drawn into cache and combined there with the ring rows it needs
+        (:func:`~corrflow.noise.kernels.banded_block`): the ring is read once, its new row and the
+        output written once."""
         coefs = self.factorization.encoder.row_band(t)
-        p = len(coefs)
-        diag = np.float32(coefs[0])
-        weights = np.zeros(
-            max(p - 1, 0), dtype=np.float32
-        )  # ring-buffer order: slot of round t − r
-        for r in range(1, p):
-            if t - r >= 0:
-                weights[(t - r) % (p - 1)] = coefs[r]
-        slot = t % (p - 1) if p > 1 else None
+        kept = len(coefs) - 1
+        lags = [r for r in range(1, kept + 1) if t - r >= 0 and coefs[r] != 0.0]
+        slots = np.array([(t - r) % kept for r in lags], dtype=np.int64)
+        weights = np.array([coefs[r] for r in lags], dtype=np.float64)
+        slot = t % kept if kept > 0 else -1
+        diag, gain = float(coefs[0]), np.float32(self.stddev)
+        z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            acc = self._source.normal(t, c, hi - lo)
-            if p > 1 and t > 0:
-                acc -= weights @ buf[:, lo:hi]
-            acc /= diag
-            if slot is not None:
-                buf[slot, lo:hi] = acc
-            out[lo:hi] = acc
-        if self.stddev != 1.0:
-            out *= np.float32(self.stddev)
+            draw = self._generator(t, c)
+            for a, b in self._blocks(lo, hi):
+                zb = z[: b - a]
+                draw.standard_normal(out=zb, dtype=np.float32)
+                banded_block(zb, buf, slots, weights, diag, gain, slot, a, out)
 
     def _terms(self, t: int) -> list[tuple[int, float]]:
         """(j, (C⁻¹)[t, j]) for the fresh draws z_j that round t combines (stateless modes)."""
@@ -348,22 +350,24 @@ class CorrelatedNoise:
         return [(j, float(row[j])) for j in range(t + 1) if row[j] != 0.0]
 
     def _stateless(self, t: int, out: np.ndarray) -> None:
-        """out = σ·Σ_j coef_j·z_j: the first draw scaled straight into ``out`` (one pass), each
-        further draw multiplied and added block by block while the block is in cache — no
-        model-sized temporary beyond the draw itself, and no separate pass for σ."""
+        """out = σ·Σ_j coef_j·z_j, block by block: every term's generator for the chunk is open at
+        once, and each block of each draw is scaled and added while in cache — the first straight
+        into ``out`` — so no draw is ever model-sized and σ costs no pass of its own."""
         terms = self._terms(t)
+        scales = [np.float32(coef * self.stddev) for _, coef in terms]
+        z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            dst = out[lo:hi]
-            for i, (j, coef) in enumerate(terms):
-                z = self._source.normal(j, c, hi - lo)
-                a = np.float32(coef * self.stddev)
-                if i == 0:
-                    np.multiply(z, a, out=dst)
-                    continue
-                for s in range(0, hi - lo, _BLOCK):
-                    zs = z[s : s + _BLOCK]
-                    zs *= a
-                    dst[s : s + _BLOCK] += zs
+            draws = [self._generator(j, c) for j, _ in terms]
+            for a, b in self._blocks(lo, hi):
+                dst, zb = out[a:b], z[: b - a]
+                for i, (draw, scale) in enumerate(zip(draws, scales, strict=True)):
+                    if i == 0:
+                        draw.standard_normal(out=dst, dtype=np.float32)
+                        dst *= scale
+                    else:
+                        draw.standard_normal(out=zb, dtype=np.float32)
+                        zb *= scale
+                        dst += zb
 
     def _replay(self, t: int) -> np.ndarray:
         if (

@@ -33,6 +33,11 @@ class GaussianSource(Protocol):
         """Standard normal float32 vector of ``size`` for (round, chunk); identical on every
         call."""
 
+    def generator(self, round_index: int, chunk: int) -> np.random.Generator:
+        """A fresh generator positioned at the start of the (round, chunk) stream: successive
+        ``standard_normal(out=block, dtype=np.float32)`` calls continue :meth:`normal`'s sequence,
+        so a chunk can be drawn block by block into cache-sized buffers."""
+
 
 class PhiloxSource:
     """NumPy's Philox counter-based generator keyed by the secret key; (round, chunk) select the
@@ -48,10 +53,12 @@ class PhiloxSource:
         require(isinstance(key, bytes) and len(key) == 16, "seed", "16 secret bytes for philox")
         self._key = np.frombuffer(key, dtype="<u8").astype(np.uint64)
 
-    def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
+    def generator(self, round_index: int, chunk: int) -> np.random.Generator:
         counter = np.array([0, 0, chunk, round_index], dtype=np.uint64)
-        gen = np.random.Generator(np.random.Philox(key=self._key, counter=counter))
-        return gen.standard_normal(size, dtype=np.float32)
+        return np.random.Generator(np.random.Philox(key=self._key, counter=counter))
+
+    def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
+        return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
 
 
 class ChaChaSource:
@@ -75,12 +82,14 @@ class ChaChaSource:
         self._chacha = ChaCha
         self._key = int.from_bytes(key, "little")
 
-    def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
+    def generator(self, round_index: int, chunk: int) -> np.random.Generator:
         # 128-bit block counter: high 64 bits = round, next 32 = chunk; a chunk uses far fewer than
         # 2³² blocks.
         counter = (round_index << 64) | (chunk << 32)
-        gen = np.random.Generator(self._chacha(key=self._key, counter=counter, rounds=20))
-        return gen.standard_normal(size, dtype=np.float32)
+        return np.random.Generator(self._chacha(key=self._key, counter=counter, rounds=20))
+
+    def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
+        return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
 
 
 def new_secret(prng: str = "philox") -> bytes:
