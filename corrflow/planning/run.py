@@ -85,16 +85,33 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
             and cfg.buffers in (0, getattr(fac.encoder, "buffers", 0))
         ):
             return fac
-    fac = factorize(
+    fac = build_factorization(cfg)
+    fac.save(path)
+    return fac
+
+
+def build_factorization(cfg: RunConfig, **options) -> Factorization:
+    """The factorization a run with ``cfg`` trains with (``corrflow factorize`` builds the same).
+
+    Args:
+        cfg: the run's settings: kind, bands, taper, buffers; the workload of the server optimizer
+            (momentum, cooldown, :func:`workload_for`) and the participation
+            (:func:`participation_of`).
+        options: :func:`corrflow.factorization.factorize`'s other keywords (stamps, gamma, tol,
+            callback, ...); a run uses their defaults.
+
+    Returns:
+        The factorization (not saved).
+    """
+    return factorize(
         cfg.kind,
-        part,
-        workload,
+        participation_of(cfg),
+        workload_for(cfg.momentum, cfg.cooldown_fraction),
         bands=cfg.bands or None,
         taper=cfg.taper or None,
         buffers=cfg.buffers or None,
+        **options,
     )
-    fac.save(path)
-    return fac
 
 
 def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:

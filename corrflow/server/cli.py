@@ -75,37 +75,8 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
 
-@app.command()
 def factorize(
-    kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KINDS)}")] = None,
-    rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
-    epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
-    min_sep: Annotated[
-        int | None,
-        typer.Option(
-            help="b: fewest rounds between two participations (default rounds/epochs, fixed-epoch)"
-        ),
-    ] = None,
-    participation: Annotated[
-        str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")
-    ] = None,
-    bands: Annotated[
-        int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")
-    ] = None,
-    buffers: Annotated[
-        int | None,
-        typer.Option(
-            help="blt: buffers B (default: added while each lowers the error by more than 1%)"
-        ),
-    ] = None,
-    workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
-    momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
-    cooldown_fraction: Annotated[
-        float,
-        typer.Option(
-            help="fraction of rounds with linear learning-rate cooldown (momentum workload)"
-        ),
-    ] = 0.25,
+    ctx: typer.Context,
     stamps: Annotated[
         int, typer.Option(help="repeat a rounds/stamps mechanism along the diagonal")
     ] = 1,
@@ -113,13 +84,6 @@ def factorize(
         float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")
     ] = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
-    taper: Annotated[
-        int | None,
-        typer.Option(
-            help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
-            "uncertain in \\[b₀, bands])"
-        ),
-    ] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[
         Path | None, typer.Option(help="write the factorization to this .npz file")
@@ -129,55 +93,41 @@ def factorize(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            hidden=True,
+            help="deprecated: prefix is --momentum 0 --cooldown-fraction 0; momentum the default",
+        ),
+    ] = None,
+    **settings,
 ) -> None:
-    """Build a correlated-noise factorization (or describe a saved one) and print its errors."""
-    from corrflow.factorization.build import factorize as build
-    from corrflow.factorization.build import participation_for
-    from corrflow.factorization.workloads import Workload
+    """Build a correlated-noise factorization (or describe a saved one) and print its errors. The
+    settings are simulate's, with its defaults: with the same flags this is the factorization
+    `corrflow simulate` trains with (the workload of its server optimizer: momentum, cooldown)."""
+    from corrflow.planning.resources import check_fits, estimate
+    from corrflow.planning.run import build_factorization
     from corrflow.progress import Progress
+    from corrflow.server.options import config_from_cli, given_on_command_line
 
     try:
         if describe is not None:
             _emit(_load_factorization(describe, "--describe").summary(), as_json)
             return
-        if kind is None:
-            raise InvalidArgumentError("--kind", "a factorization kind (or --describe FILE)")
-        if rounds is None:
-            raise InvalidArgumentError("--rounds", "the number of rounds")
-        if not 0.0 <= cooldown_fraction <= 1.0:
-            raise InvalidArgumentError(
-                "--cooldown-fraction", "a fraction of the rounds in [0, 1]", cooldown_fraction
-            )
+        if workload is not None:
+            _deprecated_workload(workload, settings, given_on_command_line(ctx))
+        cfg = config_from_cli(settings)
         if not (math.isfinite(tol) and tol > 0):
             raise InvalidArgumentError("--tol", "a positive, finite relative duality gap", tol)
         if out is not None:
             writable_file(out, "--out")
-        from corrflow.planning.resources import check_fits, estimate
-
         check_fits(
-            estimate(0, rounds, kind, bands or 0, 0),
+            estimate(0, cfg.num_rounds, cfg.kind, cfg.bands, 0),
             {"factorization": "--rounds", "users": "--rounds", "noise": "--rounds"},
         )
-        if workload == "momentum":
-            wl = Workload.sgd_momentum(momentum, cooldown_fraction)
-        elif workload == "prefix":
-            wl = Workload.prefix()
-        else:
-            raise InvalidArgumentError("--workload", "prefix or momentum", workload)
-        part = participation_for(rounds, epochs, min_sep, participation)
-        with Progress(f"factorize {kind}", quiet=quiet) as cb:
-            fac = build(
-                kind,
-                part,
-                wl,
-                bands=bands,
-                stamps=stamps,
-                gamma=gamma,
-                search_gamma=search_gamma,
-                taper=taper,
-                tol=tol,
-                buffers=buffers,
-                callback=cb,
+        with Progress(f"factorize {cfg.kind}", quiet=quiet) as cb:
+            fac = build_factorization(
+                cfg, stamps=stamps, gamma=gamma, search_gamma=search_gamma, tol=tol, callback=cb
             )
         summary = fac.summary()
         if out is not None:
@@ -187,24 +137,35 @@ def factorize(
         _fail(exc)
 
 
-@app.command()
+def _deprecated_workload(workload: str, settings: dict, typed: set[str]) -> None:
+    """``--workload`` (before the settings model): prefix is momentum 0 without cooldown, momentum
+    the default workload. Warns; fills ``settings`` in place."""
+    from corrflow.server.options import param_name
+
+    if workload not in ("prefix", "momentum"):
+        raise InvalidArgumentError("--workload", "prefix or momentum (deprecated)", workload)
+    if workload == "prefix":
+        settings[param_name("momentum")] = 0.0
+        if "cooldown_fraction" not in typed:
+            settings[param_name("cooldown_fraction")] = 0.0
+    typer.echo(
+        "warning: --workload is deprecated: the workload is the server optimizer's, set by "
+        "--momentum and --cooldown-fraction (--workload prefix is --momentum 0 --cooldown-fraction "
+        "0)",
+        err=True,
+    )
+
+
+app.command()(with_settings(factorize, "factorize"))
+
+
 def account(
     factorization: Annotated[Path, typer.Option(help="a factorization .npz file")],
-    delta: Annotated[float, typer.Option(help="δ")],
-    noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
-    target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
     sampling: Annotated[
-        str,
-        typer.Option(
-            help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or multi-attribution"
-        ),
-    ] = "none",
-    accountant: Annotated[
         str | None,
         typer.Option(
-            help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
-            "every one that applies, and the tightest bound verified "
-            "at --delta)"
+            help="the sampling the accountant assumes when no participation has it: "
+            "balls-in-bins (deprecated for the others: --participation; none is fixed-epoch)"
         ),
     ] = None,
     items_per_user: Annotated[
@@ -265,6 +226,7 @@ def account(
         float, typer.Option(help="MMCC: share of δ spent on the tail bounds")
     ] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    **settings,
 ) -> None:
     """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta)
     printed is a pair the accountant guarantees; with no --accountant, the tightest verified bound
@@ -272,15 +234,25 @@ def account(
     budget, the sampler's other verified bound is released and both numbers are named."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
+    from corrflow.config import validated_fields
+    from corrflow.server.options import cli_values
 
     try:
+        values = validated_fields(cli_values(settings), "cli")
+        noise_multiplier = values.get("noise_multiplier")
+        target_epsilon = values.get("target_epsilon")
+        delta = values["delta"]
         if (noise_multiplier is None) == (target_epsilon is None):
             raise InvalidArgumentError(
                 "--noise-multiplier", "exactly one of --noise-multiplier and --target-epsilon"
             )
         fac = _load_factorization(factorization, "--factorization")
         spec = SamplingSpec(
-            sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant
+            _account_sampling(values["participation"], sampling),
+            dataset_size,
+            expected_batch_size,
+            items_per_user,
+            accountant=values.get("accountant"),
         )
         res = run_account(
             fac,
@@ -318,6 +290,32 @@ def account(
         _fail(exc)
 
 
+app.command()(with_settings(account, "account"))
+
+
+def _account_sampling(participation: str, sampling: str | None) -> str:
+    """The sampling ``account`` assumes: the participation's (simulate's vocabulary), or
+    ``--sampling``, kept for balls-in-bins (no run samples that way) and, deprecated, the rest."""
+    from corrflow.choices import SAMPLING_OF, Participation, Sampling
+
+    if sampling is None:
+        return str(SAMPLING_OF[Participation(participation)])
+    if sampling not in tuple(Sampling):
+        raise InvalidArgumentError("--sampling", "balls-in-bins", sampling)
+    if participation != Participation.FIXED_EPOCH:
+        raise InvalidArgumentError(
+            "--sampling",
+            "no --sampling with --participation (the participation names it)",
+            sampling,
+        )
+    if sampling != Sampling.BALLS_IN_BINS:
+        same = {str(v): str(k) for k, v in SAMPLING_OF.items()}[sampling]
+        typer.echo(
+            f"warning: --sampling {sampling} is deprecated: use --participation {same}", err=True
+        )
+    return sampling
+
+
 #: Library fields an accountant may name that `account` has no flag for: the flag that sets them.
 _ACCOUNT_FIELDS = {
     "sampling_probability": "--expected-batch-size",
@@ -342,9 +340,13 @@ def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
         )
     import inspect
 
+    from corrflow.config import surface_name
+    from corrflow.server.options import COMMAND_SETTINGS
+
     named = _as_flag(exc)
     flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {
-        "--json"
+        "--json",
+        *(surface_name(name, "cli") for name in COMMAND_SETTINGS["account"]),
     }
     if named.field not in flags:  # a field of the factorization file or the sampling it implies
         return InvalidArgumentError("--factorization", f"{named.expected} ({field})", named.got)
@@ -402,15 +404,11 @@ def _byte_size(text: str | None, flag: str) -> float:
     return value * scale[unit]
 
 
-@app.command()
 def plan(
-    rounds: Annotated[int, typer.Option(help="rounds n")],
     population: Annotated[int, typer.Option(help="P: users in the population")],
     cohort_size: Annotated[
         int, typer.Option(help="B: users per round (b = ⌊P/B⌋ rounds between a user's turns)")
     ],
-    target_epsilon: Annotated[float, typer.Option(help="ε to calibrate every candidate to")],
-    delta: Annotated[float, typer.Option(help="δ")],
     memory_budget: Annotated[
         str | None,
         typer.Option(help="bytes the noise state may take (8e9, 8GB, 512MiB; default: no limit)"),
@@ -435,12 +433,6 @@ def plan(
             "ones; the plan lists what it skipped)"
         ),
     ] = None,
-    momentum: Annotated[
-        float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")
-    ] = 0.9,
-    cooldown_fraction: Annotated[
-        float, typer.Option(help="fraction of rounds with linear learning-rate cooldown")
-    ] = 0.25,
     time_budget: Annotated[
         float | None,
         typer.Option(
@@ -472,21 +464,25 @@ def plan(
         bool, typer.Option("--json", help="print plan.json as one JSON object")
     ] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+    **settings,
 ) -> None:
     """Choose the mechanism for a training run: build and calibrate every candidate, rank them by
     RMSE at the target ε within the memory and noise-time budgets, and write the recommended recipe
     (OUT/recipe.json, for `corrflow simulate --plan`), its factorization, plan.json and plots. Exit
-    1 when no candidate fits."""
+    1 when no candidate fits. The workload is the server optimizer's, as in simulate (--momentum:
+    the --client's default)."""
     from corrflow.planning.cache import PlanCache, default_cache_dir
     from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
+    from corrflow.server.options import config_from_cli
 
     try:
+        cfg = config_from_cli(settings)
         req = PlanRequest(
-            rounds=rounds,
+            rounds=cfg.num_rounds,
             population=population,
             cohort_size=cohort_size,
-            target_epsilon=target_epsilon,
-            delta=delta,
+            target_epsilon=cfg.target_epsilon,
+            delta=cfg.delta,
             memory_budget=_byte_size(memory_budget, "--memory-budget"),
             noise_time_budget=float("inf") if noise_time_budget is None else noise_time_budget,
             model_params=model_params,
@@ -494,8 +490,8 @@ def plan(
             accountants=None
             if accountants is None
             else tuple(a.strip() for a in accountants.split(",") if a.strip()),
-            momentum=momentum,
-            cooldown_fraction=cooldown_fraction,
+            momentum=cfg.momentum,
+            cooldown_fraction=cfg.cooldown_fraction,
             time_budget=time_budget,
             dense_iterations=dense_iterations,
         )
@@ -523,6 +519,9 @@ def plan(
             err=True,
         )
         raise typer.Exit(code=1)
+
+
+app.command()(with_settings(plan, "plan"))
 
 
 def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
@@ -1103,7 +1102,7 @@ def _users_line(realized: dict, out: Path) -> str:
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
-app.command("compare")(compare_command)
+app.command("compare")(with_settings(compare_command, "compare"))
 app.command("schema")(schema_command)
 
 
