@@ -377,6 +377,10 @@ def test_cli_factorize_blt(tmp_path):
         "4",
         "--buffers",
         "1",
+        "--momentum",  # the prefix-sum workload the bound is for (default: simulate's momentum)
+        "0",
+        "--cooldown-fraction",
+        "0",
         "--json",
         "--quiet",
         "--out",
