@@ -44,6 +44,7 @@ from corrflow.choices import (
 )
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.blt import MAX_BUFFERS
+from corrflow.factorization.registry import KINDS
 from corrflow.hashing import canonical_sha256
 
 SURFACES = ("cli", "run_config", "wrapper", "recipe")
@@ -509,13 +510,13 @@ class RunConfig(BaseModel):
         if (
             self.noise_multiplier is not None
         ):  # fail before a PLD library call could blow up on a tiny σ
+            # Here: the PLD library doubles `corrflow --help`'s start-up, and config loads with it.
             from corrflow.accounting.mechanisms import check_pld_size, check_sigma
 
             check_sigma(self.noise_multiplier, "noise-multiplier")
             check_pld_size(
                 self.noise_multiplier, 1.0, "noise-multiplier"
             )  # every factorization has sensitivity 1
-        from corrflow.factorization.registry import KINDS
 
         require(self.kind in KINDS, "kind", f"one of {', '.join(KINDS)}", self.kind)
         self._participation_rules()

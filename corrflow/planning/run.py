@@ -14,7 +14,10 @@ from corrflow.accounting import account
 from corrflow.accounting.accountant import GAUSSIAN_NAME, SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.config import RunConfig
+from corrflow.data.arxiv import ArxivReader, arxiv_attribution
 from corrflow.data.federated import TextSource, data_format
+from corrflow.data.partition import load_manifest
+from corrflow.data.vocab import read_provenance
 from corrflow.errors import require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import (
@@ -166,8 +169,6 @@ def load_graph(path: str) -> AttributionGraph:
         except (json.JSONDecodeError, TypeError):
             is_arxiv = False
         if is_arxiv:
-            from corrflow.data.arxiv import ArxivReader, arxiv_attribution
-
             return arxiv_attribution(ArxivReader(p))
     return load_attribution(p)
 
@@ -191,8 +192,6 @@ def build_planner(
     """
     item_home = None
     if cfg.mode == "cross-silo":
-        from corrflow.data.partition import load_manifest
-
         manifest = load_manifest(cfg.manifest_path)
         item_home = {
             str(item): f"partition-{part['partition_id']}"
@@ -277,7 +276,6 @@ def vocabulary_section(vocab_path: str) -> dict:
     Returns: ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus
     the DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
     """
-    from corrflow.data.vocab import read_provenance
 
     prov = read_provenance(vocab_path)
     inside = prov["source"] in ("dp", "public")

@@ -12,13 +12,27 @@ from typing import Annotated
 
 import typer
 
+from corrflow.choices import SAMPLING_OF, Participation, Sampling
+from corrflow.config import recipe_names, renamed, surface_name, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS
-from corrflow.paths import writable_directory, writable_file
+from corrflow.paths import run_directory, writable_directory, writable_file
+from corrflow.progress import Progress
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
-from corrflow.server.options import with_settings
+from corrflow.server.options import (
+    COMMAND_SETTINGS,
+    cli_values,
+    config_from_cli,
+    given_on_command_line,
+    param_name,
+    with_settings,
+)
 from corrflow.server.schema_cli import schema_command
+
+# Planning, accounting, data, noise and the run are imported inside the commands that use them: at
+# module level they would load Flower, the PLD library and numba into every `corrflow --help`.
 
 app = typer.Typer(
     add_completion=False,
@@ -54,7 +68,6 @@ def _jsonable(x):
 def _load_factorization(path: Path, flag: str):
     """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming
     the flag."""
-    from corrflow.factorization.base import Factorization
 
     try:
         return Factorization.load(path)
@@ -107,8 +120,6 @@ def factorize(
     `corrflow simulate` trains with (the workload of its server optimizer: momentum, cooldown)."""
     from corrflow.planning.resources import check_fits, estimate
     from corrflow.planning.run import build_factorization
-    from corrflow.progress import Progress
-    from corrflow.server.options import config_from_cli, given_on_command_line
 
     try:
         if describe is not None:
@@ -140,7 +151,6 @@ def factorize(
 def _deprecated_workload(workload: str, settings: dict, typed: set[str]) -> None:
     """``--workload`` (before the settings model): prefix is momentum 0 without cooldown, momentum
     the default workload. Warns; fills ``settings`` in place."""
-    from corrflow.server.options import param_name
 
     if workload not in ("prefix", "momentum"):
         raise InvalidArgumentError("--workload", "prefix or momentum (deprecated)", workload)
@@ -234,8 +244,6 @@ def account(
     budget, the sampler's other verified bound is released and both numbers are named."""
     from corrflow.accounting import SamplingSpec
     from corrflow.accounting import account as run_account
-    from corrflow.config import validated_fields
-    from corrflow.server.options import cli_values
 
     try:
         values = validated_fields(cli_values(settings), "cli")
@@ -296,7 +304,6 @@ app.command()(with_settings(account, "account"))
 def _account_sampling(participation: str, sampling: str | None) -> str:
     """The sampling ``account`` assumes: the participation's (simulate's vocabulary), or
     ``--sampling``, kept for balls-in-bins (no run samples that way) and, deprecated, the rest."""
-    from corrflow.choices import SAMPLING_OF, Participation, Sampling
 
     if sampling is None:
         return str(SAMPLING_OF[Participation(participation)])
@@ -339,9 +346,6 @@ def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
             _ACCOUNT_FIELDS[field], f"{exc.expected} ({field.replace('_', ' ')})", exc.got
         )
     import inspect
-
-    from corrflow.config import surface_name
-    from corrflow.server.options import COMMAND_SETTINGS
 
     named = _as_flag(exc)
     flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {
@@ -473,7 +477,6 @@ def plan(
     the --client's default)."""
     from corrflow.planning.cache import PlanCache, default_cache_dir
     from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
-    from corrflow.server.options import config_from_cli
 
     try:
         cfg = config_from_cli(settings)
@@ -617,8 +620,6 @@ def simulate(
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
     """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ
     are refused); errors name the flag."""
-    from corrflow.paths import run_directory
-    from corrflow.server.options import config_from_cli, given_on_command_line, param_name
 
     out = writable_directory(settings[param_name("state_dir")], "--out")
     overrides: dict = {"state_dir": str(run_directory(out))}
@@ -640,7 +641,6 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         overrides.update(_data_defaults(settings, given_on_command_line(ctx)))
     if plan is None:
         return _checked_data(_fits(config_from_cli(settings, **overrides)))
-    from corrflow.config import recipe_names, surface_name
     from corrflow.planning.recipe import (
         install_factorization,
         load_recipe,
@@ -675,7 +675,6 @@ def _data_defaults(settings: dict, typed: set[str]) -> dict:
     arXiv the author as the privacy unit — multi-attribution participation with k_u = 2 papers per
     author (004 §7.3) — unless the flags say otherwise."""
     from corrflow.data.federated import data_format, train_clients_count
-    from corrflow.server.options import param_name
 
     path = settings[param_name("data_path")]
     if not Path(path).is_file():
@@ -876,7 +875,6 @@ def audit(
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
     there is moved aside). Exit codes: 0 no violation shown, 1 the run failed, 2 bad arguments, 4
     ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
-    from corrflow.server.options import given_on_command_line, param_name
 
     try:
         typed = given_on_command_line(ctx)
@@ -985,7 +983,6 @@ app.command()(with_settings(audit))
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     """The same error naming the command-line flag rather than the library's field or run-config
     key."""
-    from corrflow.config import renamed
 
     if exc.field.startswith("--"):
         return exc

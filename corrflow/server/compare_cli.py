@@ -9,7 +9,14 @@ from typing import Annotated
 
 import typer
 
+from corrflow.config import validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.registry import KINDS
+from corrflow.paths import writable_directory
+from corrflow.server.options import cli_values
+
+# The comparison and the clients are imported inside the command: at module level they would load
+# Flower, the PLD library and numba into every `corrflow --help`.
 
 # The settings' and the presets' names for the settings compare's flags set.
 _FLAGS = {
@@ -109,9 +116,6 @@ def compare_command(
     arms at the same (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an
     arm's run did not verify its ε at the target δ. --target-epsilon E is --epsilons E."""
     from corrflow.clients.tasks import training_defaults
-    from corrflow.config import validated_fields
-    from corrflow.factorization.registry import KINDS
-    from corrflow.paths import writable_directory
     from corrflow.server.compare import (
         PRESETS,
         compare,
@@ -121,7 +125,6 @@ def compare_command(
         table,
         with_overrides,
     )
-    from corrflow.server.options import cli_values
     from corrflow.server.simulation import quiet_native_logs
 
     try:
