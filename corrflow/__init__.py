@@ -1,8 +1,12 @@
 """corrflow: federated learning with differential privacy through correlated noise.
 
-Layers, bottom up: ``factorization`` (workload, encoder, sensitivity), ``noise`` (streaming
-correlated noise), ``accounting`` (ε, δ), ``participation`` (who trains when),
-``strategies``/``server``/``clients`` (Flower).
+Layers, bottom up (an import never climbs; tests/test_layers.py): ``factorization`` (workload,
+encoder, sensitivity); ``noise`` (streaming correlated noise), ``accounting`` (ε, δ) and
+``participation`` (who trains when); ``data`` (datasets, vocabularies, partitions) and ``config``
+(the settings model); ``planning`` (the run's factorization, cohorts and σ; ``corrflow plan``);
+``run`` (the Flower-free round); ``strategies`` and ``clients`` (Flower); ``server`` (the ServerApp
+and the ``corrflow`` command). Beneath them all, one-job modules: ``errors``, ``fileio``,
+``choices``, ``hashing``, ``paths``, ``progress``, ``protocol``, ``schemas``.
 """
 
 __version__ = "0.1.0"

@@ -25,10 +25,11 @@ come from one table, :data:`TRAINING_DEFAULTS`; a setting left unset takes its c
 from __future__ import annotations
 
 import importlib.util
+from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from corrflow.choices import (
@@ -43,6 +44,7 @@ from corrflow.choices import (
 )
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.blt import MAX_BUFFERS
+from corrflow.factorization.registry import KINDS
 from corrflow.hashing import canonical_sha256
 
 SURFACES = ("cli", "run_config", "wrapper", "recipe")
@@ -95,13 +97,15 @@ def setting(
     surfaces: tuple[str, ...] = ALL,
     names: dict[str, str] | None = None,
     surface_defaults: dict[str, Any] | None = None,
+    command_defaults: dict[str, tuple[Any, str]] | None = None,
     **constraints,
 ) -> Any:
     """Declare one setting: its default, help, the constraint in words (``expected``, for errors),
     its unit, the surfaces exposing it and their names for it (default: ``--kebab`` on the CLI,
-    ``corrflow.kebab`` in the run config, the field name elsewhere), and a surface's own default
-    where it must differ (``simulate`` needs a number of simulated users). ``constraints``:
-    pydantic's (``ge``, ``gt``, ``le``, ``lt``, ``allow_inf_nan``)."""
+    ``corrflow.kebab`` in the run config, the field name elsewhere), a surface's own default where
+    it must differ (``simulate`` needs a number of simulated users), and a CLI command's own default
+    with the reason its ``--help`` gives (``command_defaults={"compare": (None, "the preset's")}``).
+    ``constraints``: pydantic's (``ge``, ``gt``, ``le``, ``lt``, ``allow_inf_nan``)."""
     return Field(
         default,
         description=help,
@@ -111,6 +115,7 @@ def setting(
             "surfaces": list(surfaces),
             "names": dict(names or {}),
             "surface_defaults": dict(surface_defaults or {}),
+            "command_defaults": {k: list(v) for k, v in (command_defaults or {}).items()},
         },
         **constraints,
     )
@@ -135,6 +140,7 @@ class RunConfig(BaseModel):
         ge=1,
         names={"cli": "--users", "recipe": "population"},
         surface_defaults={"cli": 50},
+        command_defaults={"compare": (None, "the preset's; with --data every training partition")},
     )
     num_rounds: int = setting(
         20,
@@ -144,12 +150,14 @@ class RunConfig(BaseModel):
         ge=1,
         names={"cli": "--rounds", "recipe": "rounds"},
         surfaces=("cli", "run_config", "recipe"),
+        command_defaults={"compare": (None, "the preset's")},
     )
     epochs: int = setting(
         1,
         "k: the most rounds one user trains in (fixed-epoch: b = n/k rounds apart)",
         "a positive integer",
         ge=1,
+        command_defaults={"compare": (None, "the preset's")},
     )
     participation: Participation = setting(
         Participation.FIXED_EPOCH,
@@ -190,7 +198,8 @@ class RunConfig(BaseModel):
     )
     buffers: int = setting(
         0,
-        "blt: buffers B (0: added while each lowers the error by more than 1%)",
+        "blt: at most B buffers, fewer when the extra ones lower the error by < 0.01% (0: added "
+        "while each lowers the error by more than 1%)",
         f"0, or with kind blt a number of buffers between 1 and {MAX_BUFFERS}",
         ge=0,
         le=MAX_BUFFERS,
@@ -228,6 +237,11 @@ class RunConfig(BaseModel):
         "a finite ε > 0",
         gt=0,
         allow_inf_nan=False,
+        command_defaults={
+            "plan": (DEFAULT_TARGET_EPSILON, "every candidate is calibrated to it"),
+            "account": (None, "exactly one of --target-epsilon and --noise-multiplier"),
+            "compare": (None, "the preset's"),
+        },
     )
     noise_multiplier: float | None = setting(
         None,
@@ -236,7 +250,14 @@ class RunConfig(BaseModel):
         gt=0,
         allow_inf_nan=False,
     )
-    delta: float = setting(1e-5, "δ", "a number in (0, 1)", gt=0, lt=1)
+    delta: float = setting(
+        1e-5,
+        "δ",
+        "a number in (0, 1)",
+        gt=0,
+        lt=1,
+        command_defaults={"compare": (None, "the preset's")},
+    )
     accountant: Accountant | None = setting(
         None,
         "unamplified, monte-carlo (bminsep, multi-attribution, poisson), mmcc (poisson, "
@@ -314,6 +335,7 @@ class RunConfig(BaseModel):
         "keras (next-word LSTM)",
         "numpy, nextword or keras",
         surfaces=NOT_WRAPPER,
+        command_defaults={"compare": (None, "the preset's, nextword")},
     )
     seed: int = setting(
         0,
@@ -489,13 +511,13 @@ class RunConfig(BaseModel):
         if (
             self.noise_multiplier is not None
         ):  # fail before a PLD library call could blow up on a tiny σ
+            # Here: the PLD library doubles `corrflow --help`'s start-up, and config loads with it.
             from corrflow.accounting.mechanisms import check_pld_size, check_sigma
 
             check_sigma(self.noise_multiplier, "noise-multiplier")
             check_pld_size(
                 self.noise_multiplier, 1.0, "noise-multiplier"
             )  # every factorization has sensitivity 1
-        from corrflow.factorization.registry import KINDS
 
         require(self.kind in KINDS, "kind", f"one of {', '.join(KINDS)}", self.kind)
         self._participation_rules()
@@ -683,18 +705,58 @@ def surface_name(name: str, surface: str) -> str:
     return {"cli": "--" + _kebab(name), "run_config": PREFIX + _kebab(name)}.get(surface, name)
 
 
-def surface_default(name: str, surface: str) -> Any:
+def surface_default(name: str, surface: str, command: str | None = None) -> Any:
     """The default ``surface`` shows for the setting (the model's, unless the declaration gives the
-    surface its own)."""
+    surface, or on the CLI the ``command``, its own)."""
     info = RunConfig.model_fields[name]
+    if surface == "cli" and command in _meta(info).get("command_defaults", {}):
+        return _meta(info)["command_defaults"][command][0]
     own = _meta(info)["surface_defaults"]
     return own.get(surface, info.default)
 
 
-def help_text(name: str) -> str:
+def command_default_reason(name: str, command: str) -> str | None:
+    """Why ``corrflow COMMAND`` has its own default for the setting (None: it has simulate's)."""
+    own = _meta(RunConfig.model_fields[name]).get("command_defaults", {}).get(command)
+    return None if own is None else own[1]
+
+
+def help_text(name: str, command: str | None = None) -> str:
+    """The setting's ``--help`` line (with the unit, and the command's own default and why)."""
     info = RunConfig.model_fields[name]
     unit = _meta(info)["unit"]
-    return info.description + (f" [{unit}]" if unit and unit not in info.description else "")
+    text = info.description + (f" [{unit}]" if unit and unit not in info.description else "")
+    reason = None if command is None else command_default_reason(name, command)
+    if reason is not None:
+        default = surface_default(name, "cli", command)
+        if default is None:
+            text += f"; {command}: {reason}"
+        else:
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            text += f"; {command}: default {shown} ({reason})"
+    return text
+
+
+def validated_fields(values: dict[str, Any], surface: str) -> dict[str, Any]:
+    """Each setting of ``values`` validated on its own (type, range, choices; not the rules that
+    involve several settings), for a command that uses a few settings outside a run; errors name
+    the setting as ``surface`` spells it."""
+    out = {}
+    for name, value in values.items():
+        info = RunConfig.model_fields[name]
+        try:
+            if isinstance(value, bool) and info.annotation is not bool:
+                raise InvalidArgumentError(_kebab(name), f"{_expected(info)}, not a boolean", value)
+            typ = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+            valid = TypeAdapter(typ).validate_python(value)
+            out[name] = valid.value if isinstance(valid, Enum) else valid
+        except ValidationError:
+            raise renamed(
+                InvalidArgumentError(_kebab(name), _expected(info), value), surface
+            ) from None
+        except InvalidArgumentError as exc:
+            raise renamed(exc, surface) from None
+    return out
 
 
 def field_for(label: str) -> str | None:

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from corrflow.errors import DataFormatError
+
 TEMP_PREFIX = ".tmp-"
 # mkstemp creates files 0600; shared files (reports, vocabularies, manifests) get the mode open()
 # would give them.
@@ -110,7 +112,6 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     """(line number, value) of every non-blank line of a JSON-lines file (UTF-8; invalid bytes
     replaced so that the JSON parser names the line). A line that is not JSON raises
     :class:`~corrflow.errors.DataFormatError` naming ``file:line``."""
-    from corrflow.errors import DataFormatError
 
     with open(path, encoding="utf-8", errors="replace") as f:
         for line_no, text in enumerate(f, 1):
@@ -122,3 +123,13 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
                 raise DataFormatError(
                     path, line_no, f"a JSON value ({exc.msg})", text.strip()[:80]
                 ) from None
+
+
+def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure to ``path`` atomically (format from the suffix, PNG by default);
+    ``savefig_kwargs``: ``Figure.savefig``'s (``dpi``)."""
+    path = Path(path)
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    with atomic_file(path, "wb", suffix=path.suffix) as f:
+        fig.savefig(f, format=fmt, **savefig_kwargs)
+    return path

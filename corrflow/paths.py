@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from corrflow.errors import InvalidArgumentError
+
 log = logging.getLogger("corrflow")
 
 #: How a relative run directory is resolved: against the working directory (the Python API and the
@@ -57,7 +59,6 @@ def _probe_writable(directory: Path) -> OSError | None:
 def writable_directory(path: str | os.PathLike, flag: str) -> Path:
     """``path`` as a directory corrflow may write (existing or creatable), checked without creating
     it; else :class:`~corrflow.errors.InvalidArgumentError` naming ``flag``."""
-    from corrflow.errors import InvalidArgumentError
 
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
@@ -75,7 +76,6 @@ def writable_directory(path: str | os.PathLike, flag: str) -> Path:
 def writable_file(path: str | os.PathLike, flag: str) -> Path:
     """``path`` as a file corrflow may write (not a directory; its directory writable or
     creatable)."""
-    from corrflow.errors import InvalidArgumentError
 
     p = Path(path).expanduser()
     if p.is_dir():

@@ -501,7 +501,7 @@ def test_cli_account(tmp_path):
             "1e-6",
             "--noise-multiplier",
             "1",
-            "--sampling",
+            "--participation",
             "bminsep",
         ],
         capture_output=True,

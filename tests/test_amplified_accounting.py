@@ -155,22 +155,19 @@ def test_budget_spent_falls_back_to_mmcc_by_name(capsys):
 
 
 def test_cli_account_names_its_own_flags(tmp_path):
-    import inspect
-
+    import typer
     from typer.testing import CliRunner
 
-    from corrflow.server.cli import account as account_command
     from corrflow.server.cli import app
 
     path = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4).save(
         tmp_path / "f.npz"
     )
-    flags = {"--" + p.replace("_", "-") for p in inspect.signature(account_command).parameters} | {
-        "--json"
-    }
+    command = typer.main.get_command(app).commands["account"]
+    flags = {opt for p in command.params for opt in p.opts}
     for extra in (
         [
-            "--sampling",
+            "--participation",
             "poisson",
             "--accountant",
             "monte-carlo",
@@ -179,7 +176,7 @@ def test_cli_account_names_its_own_flags(tmp_path):
             "--expected-batch-size",
             "10",
         ],  # p = 1: not a Poisson sampler
-        ["--sampling", "bminsep", "--dataset-size", "100", "--expected-batch-size", "50"],
+        ["--participation", "bminsep", "--dataset-size", "100", "--expected-batch-size", "50"],
     ):  # B > N/b
         r = CliRunner().invoke(
             app,

@@ -39,6 +39,10 @@ def test_factorize_json_and_describe(tmp_path):
         "6",
         "--epochs",
         "3",
+        "--momentum",  # the prefix-sum workload of 000's tables (default: simulate's momentum)
+        "0",
+        "--cooldown-fraction",
+        "0",
         "--json",
         "--out",
         str(out),
@@ -69,14 +73,15 @@ def test_factorize_momentum_toeplitz_min_sep():
         "8",
         "--bands",
         "8",
-        "--workload",
-        "momentum",
+        "--participation",
+        "bminsep",
         "--json",
         "--quiet",
     )
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert obj["participation"] == "min-sep" and obj["bands"] == 8 and obj["sensitivity_exact"]
+    assert obj["workload"]["momentum"] == 0.5  # simulate's: the numpy client's server momentum
 
 
 @pytest.mark.parametrize(
@@ -85,15 +90,13 @@ def test_factorize_momentum_toeplitz_min_sep():
         (["--kind", "dense", "--rounds", "10", "--epochs", "3"], "epochs"),
         (["--kind", "banded", "--rounds", "8", "--bands", "9"], "bands"),
         (
-            ["--kind", "toeplitz", "--rounds", "8", "--min-sep", "0", "--participation", "min-sep"],
-            "min-sep",
+            ["--kind", "toeplitz", "--rounds", "8", "--min-sep", "9", "--participation", "bminsep"],
+            "--min-sep",
         ),
-        (
-            ["--kind", "dense", "--rounds", "8", "--workload", "momentum", "--momentum", "nan"],
-            "momentum",
-        ),
+        (["--kind", "toeplitz", "--rounds", "8", "--min-sep", "3"], "--min-sep"),  # fixed-epoch
+        (["--kind", "dense", "--rounds", "8", "--momentum", "nan"], "--momentum"),
         (["--kind", "magic", "--rounds", "8"], "kind"),
-        (["--rounds", "8"], "--kind"),
+        (["--rounds", "8", "--participation", "min-sep"], "--participation"),  # the old spelling
     ],
 )
 def test_bad_arguments_exit_2(args, needle):
@@ -200,8 +203,6 @@ def _bad_input_cases():
                 "8",
                 "--epochs",
                 "2",
-                "--workload",
-                "momentum",
                 "--cooldown-fraction",
                 "2",
             ],

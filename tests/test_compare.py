@@ -313,9 +313,10 @@ def test_gap_closed_and_bad_arguments(tmp_path):
     assert proc.returncode == 2 and "--kinds" in proc.stderr and "foo" in proc.stderr
     assert not (tmp_path / "y").exists()  # refused before anything was written
     for args, flag in (
-        (("--epsilon", "-1"), "--epsilon"),
+        (("--target-epsilon", "-1"), "--target-epsilon"),
         (("--epsilons", "2,-1"), "--epsilons"),
-        (("--epsilons", "2,8", "--epsilon", "8"), "--epsilon"),
+        (("--epsilons", "2,8", "--target-epsilon", "8"), "--target-epsilon"),
+        (("--epsilon", "8", "--target-epsilon", "8"), "--epsilon"),  # the deprecated spelling
     ):
         proc = cli(*args, "--out", str(tmp_path / "w"))
         assert proc.returncode == 2 and flag in proc.stderr and not (tmp_path / "w").exists(), (

@@ -175,3 +175,137 @@ def test_cli_errors_name_the_flag(tmp_path):
         )
         assert r.exit_code == 2 and f"{flag}:" in r.output, (args, r.output)
     assert not (tmp_path / "x").exists()  # nothing written
+
+
+# -- one vocabulary for every command --------------------------------------------------------------
+#: Options a command has under a setting's flag that are not that setting, and why.
+_OWN_FLAGS = {
+    # --out: what the command writes (simulate's is the run's directory): factorize's .npz file,
+    # plan's and compare's output directories
+    "factorize": {"--out"},
+    "plan": {"--out"},
+    "compare": {"--out"},
+    "account": {"--seed", "--mc-samples"},  # the Monte Carlo seed and first batch
+}
+
+
+def _command_params(name: str) -> dict[str, object]:
+    """flag → click parameter of `corrflow NAME`, as click parsed the command."""
+    from corrflow.server.cli import app
+
+    command = typer.main.get_command(app).commands[name]
+    return {opt: p for p in command.params for opt in p.opts if opt.startswith("--")}
+
+
+def _choices(param) -> tuple | None:
+    return tuple(param.type.choices) if hasattr(param.type, "choices") else None
+
+
+@pytest.mark.parametrize("command", ["factorize", "plan", "account", "compare", "audit"])
+def test_every_command_shares_simulates_flags_choices_and_defaults(command):
+    """Every option of a command under a setting's flag is that setting, with simulate's choices
+    and default — or the command's own default, declared by the model and shown by --help."""
+    from corrflow.config import command_default_reason
+
+    simulate = _command_params("simulate")
+    flags = {surface_name(n, "cli"): n for n in settings_on("cli")}
+    params = _command_params(command)
+    shared = sorted(set(params) & set(flags) - _OWN_FLAGS.get(command, set()))
+    assert len(shared) >= 5, shared
+    for flag in shared:
+        mine, theirs = params[flag], simulate[flag]
+        assert _choices(mine) == _choices(theirs), (command, flag)
+        assert mine.type.name == theirs.type.name, (command, flag)
+        reason = command_default_reason(flags[flag], command)
+        if reason is None:
+            assert mine.default == theirs.default, (command, flag)
+            assert mine.help == theirs.help, (command, flag)
+        else:
+            assert mine.default == surface_default(flags[flag], "cli", command), (command, flag)
+            assert reason in mine.help, (command, flag)
+
+
+def test_the_issues_shared_settings_are_in_each_command():
+    """kind, bands, buffers, epochs, min-sep, participation, momentum, cooldown, δ, ε, σ and the
+    accountant, wherever the command has the concept; --client where a default depends on it."""
+    expect = {
+        "factorize": "--kind --bands --buffers --taper --rounds --epochs --min-sep --participation "
+        "--momentum --cooldown-fraction --client",
+        "plan": "--rounds --target-epsilon --delta --momentum --cooldown-fraction --client",
+        "account": "--participation --accountant --noise-multiplier --target-epsilon --delta",
+        "compare": "--rounds --users --epochs --target-epsilon --delta --client",
+    }
+    for command, flags in expect.items():
+        assert set(flags.split()) <= set(_command_params(command)), command
+    simulate = _command_params("simulate")
+    assert _command_params("factorize")["--participation"].default == "fixed-epoch"
+    assert simulate["--client"].default == _command_params("plan")["--client"].default == "numpy"
+    assert simulate["--momentum"].default is None  # the client's, in every command
+
+
+def test_cli_help_shows_a_commands_own_default():
+    from typer.testing import CliRunner
+
+    from corrflow.server.cli import app
+
+    r = CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "compare: the preset's" in r.output
+
+
+def test_factorize_with_defaults_is_the_factorization_simulate_trains_with(tmp_path):
+    """`corrflow factorize` with its defaults (and with momentum-relevant flags) writes the arrays
+    simulate's planning builds for the same settings (same sha256)."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from corrflow.factorization import Factorization
+    from corrflow.planning.run import load_or_build_factorization
+    from corrflow.server.cli import app
+
+    for i, (flags, settings) in enumerate(
+        [
+            ([], {}),
+            (
+                ["--client", "nextword", "--rounds", "12", "--epochs", "3", "--kind", "banded"],
+                {"client": "nextword", "num_rounds": 12, "epochs": 3, "kind": "banded"},
+            ),
+        ]
+    ):
+        path = tmp_path / f"f{i}.npz"
+        r = CliRunner().invoke(app, ["factorize", "--quiet", "--out", str(path), *flags])
+        assert r.exit_code == 0, r.output
+        run_dir = tmp_path / f"run{i}"
+        run_dir.mkdir()
+        cfg = RunConfig(state_dir=str(run_dir), **settings)
+        ours, theirs = Factorization.load(path), load_or_build_factorization(cfg, run_dir)
+        assert ours.sha256() == theirs.sha256()
+        assert ours.workload == theirs.workload and ours.workload.momentum == cfg.momentum
+        np.testing.assert_array_equal(ours.encoder.matrix(), theirs.encoder.matrix())
+    assert Factorization.load(tmp_path / "f0.npz").workload.momentum == 0.5  # numpy's
+    assert Factorization.load(tmp_path / "f1.npz").workload.momentum == 0.9  # nextword's
+
+
+def test_old_spellings_warn_or_are_refused_naming_the_flag(tmp_path):
+    from typer.testing import CliRunner
+
+    from corrflow.factorization import Factorization
+    from corrflow.server.cli import app
+
+    path = tmp_path / "p.npz"
+    r = CliRunner().invoke(
+        app, ["factorize", "--quiet", "--rounds", "4", "--workload", "prefix", "--out", str(path)]
+    )
+    assert r.exit_code == 0 and "--workload is deprecated" in r.output, r.output
+    assert Factorization.load(path).workload == Factorization.load(path).workload.prefix()
+    r = CliRunner().invoke(app, ["factorize", "--participation", "min-sep"])
+    assert r.exit_code == 2 and "--participation" in r.output
+    r = CliRunner().invoke(app, ["factorize", "--kind", "nope"])
+    assert r.exit_code == 2 and "--kind" in r.output
+    common = ["account", "--factorization", str(path), "--noise-multiplier", "1", "--json"]
+    old = CliRunner().invoke(app, [*common, "--sampling", "none"])
+    new = CliRunner().invoke(app, common)
+    assert old.exit_code == new.exit_code == 0, old.output
+    assert "--sampling none is deprecated: use --participation fixed-epoch" in old.output
+    assert old.output.splitlines()[-1] == new.output.splitlines()[-1]
+    r = CliRunner().invoke(app, [*common, "--sampling", "bminsep", "--participation", "bminsep"])
+    assert r.exit_code == 2 and "--sampling" in r.output

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from corrflow.accounting.mechanisms import check_pld_size
 from corrflow.errors import InvalidArgumentError, require
 
 #: Relative grid p̃ is rounded up to (pessimistic), so that rows differing by float noise share a
@@ -325,7 +326,6 @@ def mmcc_epsilon(
         f"entry {top:.4g} in ≥ {MIN_GRID_STEPS} steps; a coarser grid rounds C up too far)",
         grid,
     )
-    from corrflow.accounting.mechanisms import check_pld_size
 
     best = None
     for k, (H, Cb) in zip(groups, problems, strict=True):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.special import gammaln, logsumexp
 
-from corrflow.errors import InvalidArgumentError, require
+from corrflow.errors import CorrflowError, InvalidArgumentError, require
 
 
 def truncate_band(band: np.ndarray) -> np.ndarray:
@@ -160,7 +160,7 @@ def linear_log_likelihood_ratio(
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
     """
-    from corrflow.accounting import mc_kernels as kernels
+    from corrflow.accounting import mc_kernels as kernels  # here: numba loads only when needed
 
     y = np.ascontiguousarray(y)
     band = truncate_band(band)
@@ -194,7 +194,7 @@ def _llr_from_exponents(
     """ln P(y)/Q(y) from the exponents ``a`` (n × S, overwritten by e^a) by the linear recursion;
     the log-space recursion on ``outputs()`` (y, built only then) where e^a would overflow or a
     run's result is not finite."""
-    from corrflow.accounting import mc_kernels as kernels
+    from corrflow.accounting import mc_kernels as kernels  # here: numba loads only when needed
 
     if a.max() > kernels.MAX_EXPONENT:
         return log_likelihood_ratio(outputs(), band, sigma, min_sep, p, warm)
@@ -888,7 +888,7 @@ class MonteCarloAccountant:
         kernels, in chunks of about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z,
         the exponents of y = σz, those of y = σz + Cx from them (only rounds near a participation
         change), then the linear recursion for each."""
-        from corrflow.accounting import mc_kernels as kernels
+        from corrflow.accounting import mc_kernels as kernels  # here: numba loads only when needed
 
         n, dtype, band = self.rounds, self.dtype, self.band
         band_v, offset = _exponent_terms(band, sigma, self.p, dtype)
@@ -1111,8 +1111,6 @@ def adaptive_evr(
         CorrflowError: the time limit was reached (nothing is released).
     """
     import time
-
-    from corrflow.errors import CorrflowError
 
     clock = clock or time.monotonic
     start = clock()

@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from corrflow.data.federated import text_source
+from corrflow.data.synthetic import regression_loss, regression_partition, regression_test_set
+from corrflow.data.text_synth import SPECIAL, user_sentences
 from corrflow.errors import require
 
 CLIENTS = ("numpy", "nextword", "keras")
@@ -44,8 +47,8 @@ TRAINING_DEFAULTS = {
 
 
 def training_defaults(client: str, **overrides) -> dict:
-    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (StrategyConfig keyword
-    arguments)."""
+    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (fields of
+    :class:`~corrflow.config.RunConfig`)."""
     require(client in CLIENTS, "client", " or ".join(CLIENTS), client)
     return {**TRAINING_DEFAULTS[client], **{k: v for k, v in overrides.items() if v is not None}}
 
@@ -73,11 +76,9 @@ def get_task(
 ) -> Task:
     require(name in CLIENTS, "client", " or ".join(CLIENTS), name)
     if name == "numpy":
-        from corrflow.clients import numpy_client as c
-        from corrflow.data.synthetic import regression_loss, regression_test_set
+        from corrflow.clients import numpy_client as c  # here: Flower loads only to train
 
         X, y = regression_test_set(model_dim, seed=seed)
-        from corrflow.data.synthetic import regression_partition
 
         return Task(
             "numpy",
@@ -88,12 +89,9 @@ def get_task(
             lambda u: regression_partition(u, model_dim, seed=seed),
         )
     if name == "nextword":
-        from corrflow.clients import nextword_client as nw
-        from corrflow.data.text_synth import SPECIAL, user_sentences
+        from corrflow.clients import nextword_client as nw  # here: Flower loads only to train
 
         if data_path:  # a real-format dataset file and its vocabulary
-            from corrflow.data.federated import text_source
-
             source = text_source(data_path, vocab_path, seq_len, seed)
             held, first_word, tokens = (
                 source.held_out(max_sequences=eval_sequences),
@@ -121,8 +119,7 @@ def get_task(
             evaluate_nw,
             data,
         )
-    from corrflow.clients import keras_client as k
-    from corrflow.data.federated import text_source
+    from corrflow.clients import keras_client as k  # here: Flower, TensorFlow only to train
 
     source = text_source(data_path, vocab_path, seq_len, seed)
     held_out = source.held_out(

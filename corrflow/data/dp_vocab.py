@@ -43,8 +43,13 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import norm
 
+from corrflow.accounting.mechanisms import gaussian_noise_multiplier
+from corrflow.data.federated import TextSource, _sentences
+from corrflow.data.stackoverflow import StackOverflowSQLite
+from corrflow.data.stats import detect_format
 from corrflow.data.vocab import Vocabulary
 from corrflow.errors import require
+from corrflow.participation.attribution import bound_contributions
 
 #: Δ₀: distinct words one user may contribute (each with weight 1/√t). Larger keeps more of a
 # prolific user's : words but spreads their weight thinner (a word needs about √Δ₀ times more users
@@ -58,7 +63,6 @@ def gaussian_sigma(epsilon: float, delta: float) -> float:
     accountants' certified root, rounded up, so the vocabulary's δ never exceeds what it reports."""
     require(epsilon > 0 and math.isfinite(epsilon), "epsilon", "a finite ε > 0", epsilon)
     require(0 < delta < 1, "delta", "a δ in (0, 1)", delta)
-    from corrflow.accounting.mechanisms import gaussian_noise_multiplier
 
     return gaussian_noise_multiplier(epsilon, delta)
 
@@ -156,12 +160,9 @@ def dataset_user_texts(path, max_papers_per_author: int = 2) -> tuple[Iterable[l
     one unit per user. arXiv: each training paper (held-out authors' papers excluded), after
     bounding every author to ``max_papers_per_author`` papers on the public attribution graph — k
     units per user."""
-    from corrflow.data.federated import TextSource, _sentences
-    from corrflow.data.stats import detect_format
 
     if detect_format(path) == "stackoverflow-sqlite":
         return _sqlite_user_texts(path), 1
-    from corrflow.participation.attribution import bound_contributions
 
     papers = TextSource(str(path), "-").training_papers()
     graph = TextSource(str(path), "-").attribution()
@@ -170,7 +171,6 @@ def dataset_user_texts(path, max_papers_per_author: int = 2) -> tuple[Iterable[l
 
 
 def _sqlite_user_texts(path) -> Iterable[list[str]]:
-    from corrflow.data.stackoverflow import StackOverflowSQLite
 
     with StackOverflowSQLite(path) as db:
         for client in db.client_ids("train"):

@@ -27,7 +27,13 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from corrflow.data.arxiv import ArxivReader
+from corrflow.data.stackoverflow import StackOverflowSQLite
+from corrflow.data.stats import detect_format
+from corrflow.data.text_synth import SPECIAL, TextTask, user_sentences
+from corrflow.data.vocab import Vocabulary
 from corrflow.errors import require
+from corrflow.participation.attribution import AttributionGraph
 
 #: Fraction of arXiv authors held out for evaluation (by hashed id, so the split is fixed by the
 # file alone).
@@ -43,7 +49,6 @@ def held_out_author(author: str) -> bool:
 
 def data_format(path: str) -> str:
     """``stackoverflow-sqlite`` or ``arxiv-jsonl`` (:func:`corrflow.data.stats.detect_format`)."""
-    from corrflow.data.stats import detect_format
 
     return detect_format(path)
 
@@ -72,13 +77,11 @@ class TextSource:
     def synthetic_task(self):
         """The generator behind ``data_path=""``: 200 words (the vocabulary the nextword client uses
         too)."""
-        from corrflow.data.text_synth import TextTask
 
         return TextTask(vocab=200, seed=self.seed)
 
     @cached_property
     def vocab(self):
-        from corrflow.data.vocab import Vocabulary
 
         return Vocabulary.load(self.vocab_path)
 
@@ -88,7 +91,6 @@ class TextSource:
 
     @cached_property
     def _db(self):
-        from corrflow.data.stackoverflow import StackOverflowSQLite
 
         return StackOverflowSQLite(self.data_path)
 
@@ -96,7 +98,6 @@ class TextSource:
     def _arxiv(self) -> tuple[list, list]:
         """(training papers, held-out papers) of an arXiv file (texts kept: a paper is a few hundred
         bytes)."""
-        from corrflow.data.arxiv import ArxivReader
 
         train, held = [], []
         for paper in ArxivReader(self.data_path):
@@ -117,7 +118,6 @@ class TextSource:
     def attribution(self):
         """arXiv: the training papers → authors graph with items named ``partition-<i>`` (the
         simulated nodes)."""
-        from corrflow.participation.attribution import AttributionGraph
 
         require(
             self.format == "arxiv-jsonl",
@@ -140,8 +140,6 @@ class TextSource:
         """The first id of a real word: ids below it are PAD, BOS, EOS and the OOV buckets (accuracy
         skips them)."""
         if not self.data_path:
-            from corrflow.data.text_synth import SPECIAL
-
             return SPECIAL
         return self.vocab.first_word
 
@@ -158,8 +156,6 @@ class TextSource:
         """int32 (sentences, input_len + 1) of the partition's user (arXiv: of the partition's
         paper)."""
         if not self.data_path:
-            from corrflow.data.text_synth import user_sentences
-
             return user_sentences(self.synthetic_task, partition)
         clients = self.train_clients
         require(
@@ -179,8 +175,6 @@ class TextSource:
         ``heldout`` split (else ``test``); arXiv — the papers of held-out authors. ``max_sequences``
         > 0 stops after that many (files only)."""
         if not self.data_path:
-            from corrflow.data.text_synth import user_sentences
-
             return np.concatenate(
                 [
                     user_sentences(self.synthetic_task, 1_000_000 + i)

@@ -16,6 +16,8 @@ import json
 import os
 from pathlib import Path
 
+from corrflow.data.arxiv import ArxivReader
+from corrflow.data.stackoverflow import StackOverflowSQLite
 from corrflow.data.stats import detect_format
 from corrflow.errors import DataFormatError, require
 from corrflow.fileio import write_json
@@ -56,8 +58,6 @@ def make_manifest(
     (StackOverflow) — required for arXiv."""
     fmt = detect_format(path)
     if fmt == "stackoverflow-sqlite":
-        from corrflow.data.stackoverflow import StackOverflowSQLite
-
         with StackOverflowSQLite(path, on_error=on_error) as db:
             users = db.client_ids(split)
         n = partitions or len(users)
@@ -70,8 +70,6 @@ def make_manifest(
         groups: list[list[str]] = [users[i::n] for i in range(n)]
         key = "users"
     else:
-        from corrflow.data.arxiv import ArxivReader
-
         require(
             partitions is not None and partitions >= 1,
             "partitions",

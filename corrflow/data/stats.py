@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from corrflow.data.arxiv import ArxivReader
+from corrflow.data.stackoverflow import StackOverflowSQLite
 from corrflow.errors import DataFormatError
 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -45,7 +47,6 @@ def stackoverflow_stats(path: str | os.PathLike, on_error: str = "raise") -> dic
     """Per split: clients, examples, tokens and examples per client; overall: distinct users (a TFF
     client may appear in several splits — the split is by date — and is one user), examples per user
     summed over splits, and how many users appear in more than one split."""
-    from corrflow.data.stackoverflow import StackOverflowSQLite
 
     with StackOverflowSQLite(path, on_error=on_error) as db:
         splits = {}
@@ -86,7 +87,6 @@ def stackoverflow_stats(path: str | os.PathLike, on_error: str = "raise") -> dic
 def arxiv_stats(
     path: str | os.PathLike, on_error: str = "raise", min_authors: int = 1, key: str = "full"
 ) -> dict:
-    from corrflow.data.arxiv import ArxivReader
 
     reader = ArxivReader(path, on_error=on_error, min_authors=min_authors, key=key)
     per_user: Counter = Counter()

@@ -18,6 +18,7 @@ from scipy.linalg import solve_banded
 from corrflow.errors import require
 from corrflow.factorization.encoders import ToeplitzEncoder
 from corrflow.factorization.optim import lbfgs
+from corrflow.factorization.toeplitz import optimize_toeplitz
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
 
@@ -117,8 +118,6 @@ def optimize_banded(
     require(1 <= bands <= n, "bands", f"between 1 and rounds={n}", bands)
     valid = _valid_mask(n, bands)
     if init is None:
-        from corrflow.factorization.toeplitz import optimize_toeplitz
-
         coef = optimize_toeplitz(workload.toeplitz_part(), n, bands).coef
         init = ToeplitzEncoder(coef, n).band_array()
     theta0 = normalize_columns(np.asarray(init, dtype=np.float64))

@@ -10,6 +10,7 @@ import numpy as np
 from corrflow.errors import require
 from corrflow.factorization.base import Factorization, normalized
 from corrflow.factorization.baselines import stamp_encoder
+from corrflow.factorization.blt import MAX_BUFFERS
 from corrflow.factorization.participation import Participation
 from corrflow.factorization.registry import (
     BANDED_KINDS,
@@ -113,8 +114,6 @@ def factorize(
         taper,
     )
     if buffers is not None:
-        from corrflow.factorization.blt import MAX_BUFFERS
-
         require(kind in BUFFER_KINDS, "buffers", f"only with kinds {BUFFER_KINDS}", buffers)
         require(
             isinstance(buffers, int | np.integer)

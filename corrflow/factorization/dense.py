@@ -28,8 +28,10 @@ from scipy.linalg import LinAlgError, cholesky, solve_triangular, svdvals
 from threadpoolctl import threadpool_limits
 
 from corrflow.errors import require
+from corrflow.factorization.encoders import ToeplitzEncoder
 from corrflow.factorization.optim import lbfgs
 from corrflow.factorization.participation import Participation
+from corrflow.factorization.toeplitz import optimize_toeplitz
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
 
@@ -119,8 +121,6 @@ def _warm_start(workload: Workload, participation: Participation) -> np.ndarray:
     """Gram of the column-normalised banded Toeplitz optimum with bands = b, divided by k: feasible
     (zero on Π̂, every pattern's diagonal sums to 1) and within a few percent of the optimum (001
     §9.3)."""
-    from corrflow.factorization.encoders import ToeplitzEncoder
-    from corrflow.factorization.toeplitz import optimize_toeplitz
 
     n, k, b = participation.rounds, participation.epochs, participation.min_sep
     if b == 1:

@@ -459,7 +459,31 @@ class ToeplitzEncoder(Encoder):
         return err
 
 
-class InverseToeplitzEncoder(Encoder):
+class _ToeplitzByFirstColumn(Encoder):
+    """An encoder C = T(c), lower-triangular Toeplitz, known by its first column c
+    (:meth:`strategy_coefs`) and never stored dense: the banded-inverse and BLT encoders."""
+
+    @abstractmethod
+    def strategy_coefs(self) -> np.ndarray:
+        """First column of C (length n)."""
+
+    def matrix(self):
+        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
+        c = self.strategy_coefs()
+        idx = np.arange(self.n)
+        diff = idx[:, None] - idx[None, :]
+        return np.where(diff >= 0, c[np.clip(diff, 0, None)], 0.0)
+
+    def column_norms(self):
+        c = self.strategy_coefs()
+        return np.sqrt(np.cumsum(c**2)[::-1])
+
+    def columns(self, idx):
+        idx = list(idx)
+        return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
+
+
+class InverseToeplitzEncoder(_ToeplitzByFirstColumn):
     """C with banded Toeplitz inverse: C⁻¹ = T(r), r = noising coefficients (``bands`` entries) (003
     Def. 2)."""
 
@@ -493,21 +517,6 @@ class InverseToeplitzEncoder(Encoder):
     def solve(self, z):
         return lfilter(self.noising, [1.0], np.asarray(z, dtype=np.float64), axis=0)
 
-    def matrix(self):
-        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
-        c = self.strategy_coefs()
-        idx = np.arange(self.n)
-        diff = idx[:, None] - idx[None, :]
-        return np.where(diff >= 0, c[np.clip(diff, 0, None)], 0.0)
-
-    def column_norms(self):
-        c = self.strategy_coefs()
-        return np.sqrt(np.cumsum(c**2)[::-1])
-
-    def columns(self, idx):
-        idx = list(idx)
-        return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
-
     def scaled(self, factor):
         return InverseToeplitzEncoder(self.noising / factor, self.n)
 
@@ -538,7 +547,7 @@ class InverseToeplitzEncoder(Encoder):
         return np.cumsum(w**2)
 
 
-class BLTEncoder(Encoder):
+class BLTEncoder(_ToeplitzByFirstColumn):
     """C = s·T(c) with c₀ = 1, c_k = Σ_j ω_j θ_j^(k−1): a buffered linear Toeplitz (BLT) encoder
     with B buffers (Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024, arXiv 2404.16706, Def.
     4.1; corrflow.factorization.blt).
@@ -631,21 +640,6 @@ class BLTEncoder(Encoder):
         """C x along axis 0."""
         x = np.asarray(x, dtype=np.float64)
         return self.scale * self._apply(self.buf_decay, self.output_scale, x)
-
-    def matrix(self):
-        require(self.n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} to materialise C", self.n)
-        c = self.strategy_coefs()
-        idx = np.arange(self.n)
-        diff = idx[:, None] - idx[None, :]
-        return np.where(diff >= 0, c[np.clip(diff, 0, None)], 0.0)
-
-    def column_norms(self):
-        c = self.strategy_coefs()
-        return np.sqrt(np.cumsum(c**2)[::-1])
-
-    def columns(self, idx):
-        idx = list(idx)
-        return self._columns_from_band(np.tile(self.strategy_coefs(), (len(idx), 1)), idx)
 
     def scaled(self, factor):
         return BLTEncoder(

@@ -19,10 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from corrflow.errors import require
+from corrflow.factorization.banded import optimize_banded
 from corrflow.factorization.baselines import encoder_from_gram, fft_encoder, tree_encoder
+from corrflow.factorization.blt import optimize_blt
 from corrflow.factorization.closed_forms import best_gamma, bifr_encoder, bsr_encoder
+from corrflow.factorization.dense import optimize_dense
 from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, Encoder, ToeplitzEncoder
 from corrflow.factorization.participation import Participation
+from corrflow.factorization.toeplitz import optimize_toeplitz, taper_coefficients
 from corrflow.factorization.workloads import Workload
 from corrflow.progress import ProgressCallback
 
@@ -123,7 +127,6 @@ def _fft(req: BuildRequest):
 
 
 def _dense(req: BuildRequest):
-    from corrflow.factorization.dense import optimize_dense
 
     extra = {} if req.max_iterations is None else {"max_iterations": req.max_iterations}
     res = optimize_dense(
@@ -143,7 +146,6 @@ def _dense(req: BuildRequest):
 
 
 def _toeplitz(req: BuildRequest):
-    from corrflow.factorization.toeplitz import optimize_toeplitz, taper_coefficients
 
     inner, p, wl = req.participation, req.bands, req.workload
     # A learning-rate schedule is not Toeplitz: optimise θ for the Toeplitz part (001 Prop. E.1
@@ -170,7 +172,6 @@ def _toeplitz(req: BuildRequest):
 
 
 def _banded(req: BuildRequest):
-    from corrflow.factorization.banded import optimize_banded
 
     res = optimize_banded(req.workload, req.participation.rounds, req.bands, callback=req.callback)
     return BandedEncoder(res.band), {"iterations": res.iterations}
@@ -204,7 +205,6 @@ def _bsr(req: BuildRequest):
 
 
 def _blt(req: BuildRequest):
-    from corrflow.factorization.blt import optimize_blt
 
     res = optimize_blt(req.workload, req.participation, req.buffers, callback=req.callback)
     enc = BLTEncoder(

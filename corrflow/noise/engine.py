@@ -51,6 +51,7 @@ from corrflow.factorization.encoders import (
     InverseToeplitzEncoder,
     ToeplitzEncoder,
 )
+from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes, write_json
 from corrflow.noise.kernels import BLOCK, banded_block, blt_block
 from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
@@ -72,7 +73,6 @@ def default_mode(factorization: Factorization) -> str:
     (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
     DP-SGD's ``identity``.
     """
-    from corrflow.factorization.registry import noise_mode_for
 
     enc = factorization.encoder
     mode = noise_mode_for(enc.structure)

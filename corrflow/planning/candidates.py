@@ -41,7 +41,11 @@ from corrflow.factorization.participation import Participation
 from corrflow.factorization.registry import KINDS, REGISTRY
 from corrflow.factorization.workloads import Workload
 from corrflow.fileio import write_text
+from corrflow.noise.prng import make_source
+from corrflow.participation.samplers import BMinSepSampler, clamp_probability
 from corrflow.planning.cache import PlanCache
+from corrflow.planning.recipe import Recipe
+from corrflow.planning.run import workload_for
 from corrflow.progress import Progress
 
 #: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
@@ -201,7 +205,6 @@ class PlanRequest:
     def workload(self) -> Workload:
         """The server optimizer's workload, exactly as the strategy builds it
         (planning.run.workload_for)."""
-        from corrflow.planning.run import workload_for
 
         return workload_for(self.momentum, self.cooldown_fraction)
 
@@ -358,7 +361,6 @@ def noise_unit_costs(dim: int = 1 << 20, repeats: int = 3) -> dict:
     Returns:
         ``{"seconds_per_draw", "seconds_per_multiply_add", "measured_dim"}``.
     """
-    from corrflow.noise.prng import make_source
 
     src = make_source("philox", bytes(16))
     x = np.ones(dim, dtype=np.float32)
@@ -413,8 +415,6 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
     p0 = req.cohort_size / req.population
     b = min_sep or req.min_sep
     if accountant == "monte-carlo":
-        from corrflow.participation.samplers import BMinSepSampler
-
         return SamplingSpec(
             "bminsep",
             req.population,
@@ -422,7 +422,6 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
             sampling_probability=BMinSepSampler.probability_for_rate(p0, b),
             accountant="monte-carlo",
         )
-    from corrflow.participation.samplers import clamp_probability
 
     return SamplingSpec(
         "cyclic-poisson",
@@ -807,7 +806,6 @@ def write_plan(
     Returns: ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
     recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
     """
-    from corrflow.planning.recipe import Recipe
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -845,6 +843,7 @@ def write_plan(
     t0 = time.perf_counter()
     files = {}
     if plots and result.candidates:
+        # Here, not at the top: plots imports this module (sampling_of), a cycle at import.
         from corrflow.planning.plots import write_plots
 
         files = write_plots(result, out, cache=cache, quiet=quiet)

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from corrflow.fileio import copy_file
+from corrflow.accounting.accountant import AccountingOptions, accountant_for
+from corrflow.fileio import copy_file, save_figure
+from corrflow.planning.cache import cache_key
+from corrflow.planning.candidates import sampling_of
 from corrflow.progress import Progress
 
 #: Plot name → the PNG file it is written to.
@@ -35,8 +38,6 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
         ``{plot name: file name in out}`` for the names of :data:`NAMES`.
     """
     from dataclasses import asdict
-
-    from corrflow.planning.cache import cache_key
 
     if cache is None:
         return _draw(result, out, None, quiet)
@@ -119,7 +120,7 @@ def _rmse_vs_bands(plt, result, path: Path) -> str:
     axes[0][0].set_ylabel(f"RMSE at ε = {req.target_epsilon:g}")
     fig.suptitle(f"n = {req.rounds}, b = {req.min_sep}, k = {req.epochs}, δ = {req.delta:g}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path.name
 
@@ -152,16 +153,13 @@ def _per_iterate(plt, result, path: Path) -> str:
     ax.set_title(f"top candidates at ε = {result.request.target_epsilon:g}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path.name
 
 
 def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
     from dataclasses import asdict
-
-    from corrflow.accounting.accountant import AccountingOptions, accountant_for
-    from corrflow.planning.candidates import sampling_of
 
     req = result.request
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -213,6 +211,6 @@ def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path.name

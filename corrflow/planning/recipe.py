@@ -9,8 +9,11 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from corrflow.config import recipe_names
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
+from corrflow.factorization.base import Factorization
 from corrflow.fileio import copy_file, write_text
+from corrflow.planning.run import participation_of, workload_for
 
 #: The ``format`` field every recipe carries; a file with another is refused.
 RECIPE_FORMAT = "corrflow.recipe/1"
@@ -20,10 +23,11 @@ RECIPE_FORMAT = "corrflow.recipe/1"
 class Recipe:
     """One candidate mechanism, complete enough to run.
 
-    ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings
-    (``StrategyConfig``); ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error``
-    are at that σ per unit clip norm and model coordinate (docs/explanation/conventions.md,
-    "Errors"). The JSON Schema of its file is ``corrflow schema recipe``."""
+    ``participation`` / ``accountant`` / ``participation_rate`` are the run's settings
+    (:class:`~corrflow.config.RunConfig`); ``noise_multiplier`` σ multiplies the clip norm;
+    ``rmse`` / ``max_error`` are at that σ per unit clip norm and model coordinate
+    (docs/explanation/conventions.md, "Errors"). The JSON Schema of its file is
+    ``corrflow schema recipe``."""
 
     kind: str
     bands: int | None
@@ -66,7 +70,6 @@ class Recipe:
         Returns: :class:`corrflow.config.RunConfig` field → value, with ``target_epsilon`` None,
         ``min_sep`` 0 for fixed-epoch and ``bands`` 0 for the kind's default.
         """
-        from corrflow.config import recipe_names
 
         out = {
             setting: getattr(self, name)
@@ -88,7 +91,8 @@ class Recipe:
         settings the run does not give are not compared.
 
         Args:
-            settings: ``StrategyConfig`` field → value (an enum member counts by its value).
+            settings: :class:`~corrflow.config.RunConfig` field → value (an enum member counts by
+                its value).
             names: field → the name the user typed, e.g. a CLI flag (default: the run-config key).
 
         Returns:
@@ -197,7 +201,6 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
     Raises: IntegrityError: the file is corrupted or its hash is not the recipe's
     ``factorization_sha256``.
     """
-    from corrflow.factorization.base import Factorization
 
     fac = Factorization.load(fac_path)
     if fac.sha256() != recipe.factorization_sha256:
@@ -227,7 +230,6 @@ def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool)
     settings, or the run directory holds a different one and ``replace`` is False. IntegrityError:
     the plan's factorization file fails verification.
     """
-    from corrflow.planning.run import participation_of, workload_for
 
     fac = load_recipe_factorization(recipe, fac_path)
     part, wl = participation_of(cfg), workload_for(cfg.momentum, cfg.cooldown_fraction)
@@ -260,7 +262,6 @@ def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool)
 
 
 def _differs(path: Path, fac) -> bool:
-    from corrflow.factorization.base import Factorization
 
     try:
         return Factorization.load(path).sha256() != fac.sha256()

@@ -14,7 +14,10 @@ from corrflow.accounting import account
 from corrflow.accounting.accountant import GAUSSIAN_NAME, SamplingSpec
 from corrflow.accounting.tracking import PrivacyPlan
 from corrflow.config import RunConfig
+from corrflow.data.arxiv import ArxivReader, arxiv_attribution
 from corrflow.data.federated import TextSource, data_format
+from corrflow.data.partition import load_manifest
+from corrflow.data.vocab import read_provenance
 from corrflow.errors import require
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
 from corrflow.participation.attribution import (
@@ -85,16 +88,33 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
             and cfg.buffers in (0, getattr(fac.encoder, "buffers", 0))
         ):
             return fac
-    fac = factorize(
+    fac = build_factorization(cfg)
+    fac.save(path)
+    return fac
+
+
+def build_factorization(cfg: RunConfig, **options) -> Factorization:
+    """The factorization a run with ``cfg`` trains with (``corrflow factorize`` builds the same).
+
+    Args:
+        cfg: the run's settings: kind, bands, taper, buffers; the workload of the server optimizer
+            (momentum, cooldown, :func:`workload_for`) and the participation
+            (:func:`participation_of`).
+        options: :func:`corrflow.factorization.factorize`'s other keywords (stamps, gamma, tol,
+            callback, ...); a run uses their defaults.
+
+    Returns:
+        The factorization (not saved).
+    """
+    return factorize(
         cfg.kind,
-        part,
-        workload,
+        participation_of(cfg),
+        workload_for(cfg.momentum, cfg.cooldown_fraction),
         bands=cfg.bands or None,
         taper=cfg.taper or None,
         buffers=cfg.buffers or None,
+        **options,
     )
-    fac.save(path)
-    return fac
 
 
 def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
@@ -149,8 +169,6 @@ def load_graph(path: str) -> AttributionGraph:
         except (json.JSONDecodeError, TypeError):
             is_arxiv = False
         if is_arxiv:
-            from corrflow.data.arxiv import ArxivReader, arxiv_attribution
-
             return arxiv_attribution(ArxivReader(p))
     return load_attribution(p)
 
@@ -174,8 +192,6 @@ def build_planner(
     """
     item_home = None
     if cfg.mode == "cross-silo":
-        from corrflow.data.partition import load_manifest
-
         manifest = load_manifest(cfg.manifest_path)
         item_home = {
             str(item): f"partition-{part['partition_id']}"
@@ -260,7 +276,6 @@ def vocabulary_section(vocab_path: str) -> dict:
     Returns: ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus
     the DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
     """
-    from corrflow.data.vocab import read_provenance
 
     prov = read_provenance(vocab_path)
     inside = prov["source"] in ("dp", "public")

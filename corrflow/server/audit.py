@@ -25,9 +25,14 @@ import time
 
 import numpy as np
 
+from corrflow.clients.tasks import get_task
 from corrflow.config import RunConfig
 from corrflow.errors import require
 from corrflow.fileio import write_json
+from corrflow.paths import run_directory
+from corrflow.server.app import run_server
+from corrflow.server.inprocess import InProcessGrid
+from corrflow.server.simulation import RunInterruptedError, engine_output, stop_on_signals
 from corrflow.strategies.canaries import (
     CANARY_KEY,
     CanaryPlan,
@@ -54,11 +59,6 @@ def run_audit(
     with ``canaries`` candidate canaries, and return the audit (also written to ``audit.json``
     there). ``noise_key``: for tests only (a real audit draws a fresh secret key, like every
     run)."""
-    from corrflow.clients.tasks import get_task
-    from corrflow.paths import run_directory
-    from corrflow.server.app import run_server
-    from corrflow.server.inprocess import InProcessGrid
-    from corrflow.server.simulation import RunInterruptedError, engine_output, stop_on_signals
 
     require(cfg.mode == "cross-device", "mode", "cross-device (a canary is a SuperNode)", cfg.mode)
     require(

@@ -12,13 +12,27 @@ from typing import Annotated
 
 import typer
 
+from corrflow.choices import SAMPLING_OF, Participation, Sampling
+from corrflow.config import recipe_names, renamed, surface_name, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS
-from corrflow.paths import writable_directory, writable_file
+from corrflow.paths import run_directory, writable_directory, writable_file
+from corrflow.progress import Progress
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
-from corrflow.server.options import with_settings
+from corrflow.server.options import (
+    COMMAND_SETTINGS,
+    cli_values,
+    config_from_cli,
+    given_on_command_line,
+    param_name,
+    with_settings,
+)
 from corrflow.server.schema_cli import schema_command
+
+# Planning, accounting, data, noise and the run are imported inside the commands that use them: at
+# module level they would load Flower, the PLD library and numba into every `corrflow --help`.
 
 app = typer.Typer(
     add_completion=False,
@@ -54,7 +68,6 @@ def _jsonable(x):
 def _load_factorization(path: Path, flag: str):
     """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming
     the flag."""
-    from corrflow.factorization.base import Factorization
 
     try:
         return Factorization.load(path)
@@ -75,38 +88,8 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
 
-@app.command()
 def factorize(
-    kind: Annotated[str | None, typer.Option(help=f"one of {', '.join(KINDS)}")] = None,
-    rounds: Annotated[int | None, typer.Option(help="number of rounds n")] = None,
-    epochs: Annotated[int, typer.Option(help="k: the most participations of one user")] = 1,
-    min_sep: Annotated[
-        int | None,
-        typer.Option(
-            help="b: fewest rounds between two participations (default rounds/epochs, fixed-epoch)"
-        ),
-    ] = None,
-    participation: Annotated[
-        str | None, typer.Option(help="fixed-epoch or min-sep (default: inferred)")
-    ] = None,
-    bands: Annotated[
-        int | None, typer.Option(help="bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr)")
-    ] = None,
-    buffers: Annotated[
-        int | None,
-        typer.Option(
-            help="blt: at most B buffers, fewer when the extra ones would lower the error by"
-            " < 0.01% (default: added while each lowers the error by more than 1%)"
-        ),
-    ] = None,
-    workload: Annotated[str, typer.Option(help="prefix or momentum")] = "prefix",
-    momentum: Annotated[float, typer.Option(help="momentum β of the momentum workload")] = 0.95,
-    cooldown_fraction: Annotated[
-        float,
-        typer.Option(
-            help="fraction of rounds with linear learning-rate cooldown (momentum workload)"
-        ),
-    ] = 0.25,
+    ctx: typer.Context,
     stamps: Annotated[
         int, typer.Option(help="repeat a rounds/stamps mechanism along the diagonal")
     ] = 1,
@@ -114,13 +97,6 @@ def factorize(
         float | None, typer.Option(help="γ for bifr/bsr/lambda-cgd (default: searched / 1/2)")
     ] = None,
     search_gamma: Annotated[bool, typer.Option(help="bsr: search γ (the γ-BFR family)")] = False,
-    taper: Annotated[
-        int | None,
-        typer.Option(
-            help="toeplitz: lower min-sep b₀ for the 001 App. H taper (min-sep "
-            "uncertain in \\[b₀, bands])"
-        ),
-    ] = None,
     tol: Annotated[float, typer.Option(help="dense: relative duality gap to stop at")] = 5e-4,
     out: Annotated[
         Path | None, typer.Option(help="write the factorization to this .npz file")
@@ -130,55 +106,39 @@ def factorize(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            hidden=True,
+            help="deprecated: prefix is --momentum 0 --cooldown-fraction 0; momentum the default",
+        ),
+    ] = None,
+    **settings,
 ) -> None:
-    """Build a correlated-noise factorization (or describe a saved one) and print its errors."""
-    from corrflow.factorization.build import factorize as build
-    from corrflow.factorization.build import participation_for
-    from corrflow.factorization.workloads import Workload
-    from corrflow.progress import Progress
+    """Build a correlated-noise factorization (or describe a saved one) and print its errors. The
+    settings are simulate's, with its defaults: with the same flags this is the factorization
+    `corrflow simulate` trains with (the workload of its server optimizer: momentum, cooldown)."""
+    from corrflow.planning.resources import check_fits, estimate
+    from corrflow.planning.run import build_factorization
 
     try:
         if describe is not None:
             _emit(_load_factorization(describe, "--describe").summary(), as_json)
             return
-        if kind is None:
-            raise InvalidArgumentError("--kind", "a factorization kind (or --describe FILE)")
-        if rounds is None:
-            raise InvalidArgumentError("--rounds", "the number of rounds")
-        if not 0.0 <= cooldown_fraction <= 1.0:
-            raise InvalidArgumentError(
-                "--cooldown-fraction", "a fraction of the rounds in [0, 1]", cooldown_fraction
-            )
+        if workload is not None:
+            _deprecated_workload(workload, settings, given_on_command_line(ctx))
+        cfg = config_from_cli(settings)
         if not (math.isfinite(tol) and tol > 0):
             raise InvalidArgumentError("--tol", "a positive, finite relative duality gap", tol)
         if out is not None:
             writable_file(out, "--out")
-        from corrflow.planning.resources import check_fits, estimate
-
         check_fits(
-            estimate(0, rounds, kind, bands or 0, 0),
+            estimate(0, cfg.num_rounds, cfg.kind, cfg.bands, 0),
             {"factorization": "--rounds", "users": "--rounds", "noise": "--rounds"},
         )
-        if workload == "momentum":
-            wl = Workload.sgd_momentum(momentum, cooldown_fraction)
-        elif workload == "prefix":
-            wl = Workload.prefix()
-        else:
-            raise InvalidArgumentError("--workload", "prefix or momentum", workload)
-        part = participation_for(rounds, epochs, min_sep, participation)
-        with Progress(f"factorize {kind}", quiet=quiet) as cb:
-            fac = build(
-                kind,
-                part,
-                wl,
-                bands=bands,
-                stamps=stamps,
-                gamma=gamma,
-                search_gamma=search_gamma,
-                taper=taper,
-                tol=tol,
-                buffers=buffers,
-                callback=cb,
+        with Progress(f"factorize {cfg.kind}", quiet=quiet) as cb:
+            fac = build_factorization(
+                cfg, stamps=stamps, gamma=gamma, search_gamma=search_gamma, tol=tol, callback=cb
             )
         summary = fac.summary()
         if out is not None:
@@ -188,24 +148,34 @@ def factorize(
         _fail(exc)
 
 
-@app.command()
+def _deprecated_workload(workload: str, settings: dict, typed: set[str]) -> None:
+    """``--workload`` (before the settings model): prefix is momentum 0 without cooldown, momentum
+    the default workload. Warns; fills ``settings`` in place."""
+
+    if workload not in ("prefix", "momentum"):
+        raise InvalidArgumentError("--workload", "prefix or momentum (deprecated)", workload)
+    if workload == "prefix":
+        settings[param_name("momentum")] = 0.0
+        if "cooldown_fraction" not in typed:
+            settings[param_name("cooldown_fraction")] = 0.0
+    typer.echo(
+        "warning: --workload is deprecated: the workload is the server optimizer's, set by "
+        "--momentum and --cooldown-fraction (--workload prefix is --momentum 0 --cooldown-fraction "
+        "0)",
+        err=True,
+    )
+
+
+app.command()(with_settings(factorize, "factorize"))
+
+
 def account(
     factorization: Annotated[Path, typer.Option(help="a factorization .npz file")],
-    delta: Annotated[float, typer.Option(help="δ")],
-    noise_multiplier: Annotated[float | None, typer.Option(help="σ: compute ε")] = None,
-    target_epsilon: Annotated[float | None, typer.Option(help="ε: calibrate σ")] = None,
     sampling: Annotated[
-        str,
-        typer.Option(
-            help="none, cyclic-poisson, poisson, bminsep, balls-in-bins or multi-attribution"
-        ),
-    ] = "none",
-    accountant: Annotated[
         str | None,
         typer.Option(
-            help="unamplified, cyclic-poisson, monte-carlo or mmcc (default: "
-            "every one that applies, and the tightest bound verified "
-            "at --delta)"
+            help="the sampling the accountant assumes when no participation has it: "
+            "balls-in-bins (deprecated for the others: --participation; none is fixed-epoch)"
         ),
     ] = None,
     items_per_user: Annotated[
@@ -266,6 +236,7 @@ def account(
         float, typer.Option(help="MMCC: share of δ spent on the tail bounds")
     ] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    **settings,
 ) -> None:
     """ε for a noise multiplier, or the smallest grid σ that meets a target ε. The (epsilon, delta)
     printed is a pair the accountant guarantees; with no --accountant, the tightest verified bound
@@ -276,13 +247,21 @@ def account(
     from corrflow.accounting.noise_scale import describe as describe_noise
 
     try:
+        values = validated_fields(cli_values(settings), "cli")
+        noise_multiplier = values.get("noise_multiplier")
+        target_epsilon = values.get("target_epsilon")
+        delta = values["delta"]
         if (noise_multiplier is None) == (target_epsilon is None):
             raise InvalidArgumentError(
                 "--noise-multiplier", "exactly one of --noise-multiplier and --target-epsilon"
             )
         fac = _load_factorization(factorization, "--factorization")
         spec = SamplingSpec(
-            sampling, dataset_size, expected_batch_size, items_per_user, accountant=accountant
+            _account_sampling(values["participation"], sampling),
+            dataset_size,
+            expected_batch_size,
+            items_per_user,
+            accountant=values.get("accountant"),
         )
         res = run_account(
             fac,
@@ -322,6 +301,31 @@ def account(
         _fail(exc)
 
 
+app.command()(with_settings(account, "account"))
+
+
+def _account_sampling(participation: str, sampling: str | None) -> str:
+    """The sampling ``account`` assumes: the participation's (simulate's vocabulary), or
+    ``--sampling``, kept for balls-in-bins (no run samples that way) and, deprecated, the rest."""
+
+    if sampling is None:
+        return str(SAMPLING_OF[Participation(participation)])
+    if sampling not in tuple(Sampling):
+        raise InvalidArgumentError("--sampling", "balls-in-bins", sampling)
+    if participation != Participation.FIXED_EPOCH:
+        raise InvalidArgumentError(
+            "--sampling",
+            "no --sampling with --participation (the participation names it)",
+            sampling,
+        )
+    if sampling != Sampling.BALLS_IN_BINS:
+        same = {str(v): str(k) for k, v in SAMPLING_OF.items()}[sampling]
+        typer.echo(
+            f"warning: --sampling {sampling} is deprecated: use --participation {same}", err=True
+        )
+    return sampling
+
+
 #: Library fields an accountant may name that `account` has no flag for: the flag that sets them.
 _ACCOUNT_FIELDS = {
     "sampling_probability": "--expected-batch-size",
@@ -348,7 +352,8 @@ def _account_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
 
     named = _as_flag(exc)
     flags = {"--" + name.replace("_", "-") for name in inspect.signature(account).parameters} | {
-        "--json"
+        "--json",
+        *(surface_name(name, "cli") for name in COMMAND_SETTINGS["account"]),
     }
     if named.field not in flags:  # a field of the factorization file or the sampling it implies
         return InvalidArgumentError("--factorization", f"{named.expected} ({field})", named.got)
@@ -406,15 +411,11 @@ def _byte_size(text: str | None, flag: str) -> float:
     return value * scale[unit]
 
 
-@app.command()
 def plan(
-    rounds: Annotated[int, typer.Option(help="rounds n")],
     population: Annotated[int, typer.Option(help="P: users in the population")],
     cohort_size: Annotated[
         int, typer.Option(help="B: users per round (b = ⌊P/B⌋ rounds between a user's turns)")
     ],
-    target_epsilon: Annotated[float, typer.Option(help="ε to calibrate every candidate to")],
-    delta: Annotated[float, typer.Option(help="δ")],
     memory_budget: Annotated[
         str | None,
         typer.Option(help="bytes the noise state may take (8e9, 8GB, 512MiB; default: no limit)"),
@@ -439,12 +440,6 @@ def plan(
             "ones; the plan lists what it skipped)"
         ),
     ] = None,
-    momentum: Annotated[
-        float, typer.Option(help="server momentum β (the workload; 0: prefix sums)")
-    ] = 0.9,
-    cooldown_fraction: Annotated[
-        float, typer.Option(help="fraction of rounds with linear learning-rate cooldown")
-    ] = 0.25,
     time_budget: Annotated[
         float | None,
         typer.Option(
@@ -476,21 +471,24 @@ def plan(
         bool, typer.Option("--json", help="print plan.json as one JSON object")
     ] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+    **settings,
 ) -> None:
     """Choose the mechanism for a training run: build and calibrate every candidate, rank them by
     RMSE at the target ε within the memory and noise-time budgets, and write the recommended recipe
     (OUT/recipe.json, for `corrflow simulate --plan`), its factorization, plan.json and plots. Exit
-    1 when no candidate fits."""
+    1 when no candidate fits. The workload is the server optimizer's, as in simulate (--momentum:
+    the --client's default)."""
     from corrflow.planning.cache import PlanCache, default_cache_dir
     from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
 
     try:
+        cfg = config_from_cli(settings)
         req = PlanRequest(
-            rounds=rounds,
+            rounds=cfg.num_rounds,
             population=population,
             cohort_size=cohort_size,
-            target_epsilon=target_epsilon,
-            delta=delta,
+            target_epsilon=cfg.target_epsilon,
+            delta=cfg.delta,
             memory_budget=_byte_size(memory_budget, "--memory-budget"),
             noise_time_budget=float("inf") if noise_time_budget is None else noise_time_budget,
             model_params=model_params,
@@ -498,8 +496,8 @@ def plan(
             accountants=None
             if accountants is None
             else tuple(a.strip() for a in accountants.split(",") if a.strip()),
-            momentum=momentum,
-            cooldown_fraction=cooldown_fraction,
+            momentum=cfg.momentum,
+            cooldown_fraction=cfg.cooldown_fraction,
             time_budget=time_budget,
             dense_iterations=dense_iterations,
         )
@@ -527,6 +525,9 @@ def plan(
             err=True,
         )
         raise typer.Exit(code=1)
+
+
+app.command()(with_settings(plan, "plan"))
 
 
 def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
@@ -622,8 +623,6 @@ def simulate(
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
     """The run's settings from the flags (and the plan, which fixes the mechanism: flags that differ
     are refused); errors name the flag."""
-    from corrflow.paths import run_directory
-    from corrflow.server.options import config_from_cli, given_on_command_line, param_name
 
     out = writable_directory(settings[param_name("state_dir")], "--out")
     overrides: dict = {"state_dir": str(run_directory(out))}
@@ -645,7 +644,6 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
         overrides.update(_data_defaults(settings, given_on_command_line(ctx)))
     if plan is None:
         return _checked_data(_fits(config_from_cli(settings, **overrides)))
-    from corrflow.config import recipe_names, surface_name
     from corrflow.planning.recipe import (
         install_factorization,
         load_recipe,
@@ -680,7 +678,6 @@ def _data_defaults(settings: dict, typed: set[str]) -> dict:
     arXiv the author as the privacy unit — multi-attribution participation with k_u = 2 papers per
     author (004 §7.3) — unless the flags say otherwise."""
     from corrflow.data.federated import data_format, train_clients_count
-    from corrflow.server.options import param_name
 
     path = settings[param_name("data_path")]
     if not Path(path).is_file():
@@ -881,7 +878,6 @@ def audit(
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
     there is moved aside). Exit codes: 0 no violation shown, 1 the run failed, 2 bad arguments, 4
     ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
-    from corrflow.server.options import given_on_command_line, param_name
 
     try:
         typed = given_on_command_line(ctx)
@@ -990,7 +986,6 @@ app.command()(with_settings(audit))
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     """The same error naming the command-line flag rather than the library's field or run-config
     key."""
-    from corrflow.config import renamed
 
     if exc.field.startswith("--"):
         return exc
@@ -1113,7 +1108,7 @@ def _users_line(realized: dict, out: Path) -> str:
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
-app.command("compare")(compare_command)
+app.command("compare")(with_settings(compare_command, "compare"))
 app.command("schema")(schema_command)
 
 

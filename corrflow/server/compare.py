@@ -46,9 +46,18 @@ from pathlib import Path
 
 import numpy as np
 
+from corrflow.clients.tasks import get_task
+from corrflow.config import RunConfig
+from corrflow.data.federated import data_format
 from corrflow.errors import require
-from corrflow.fileio import write_json, write_text
+from corrflow.factorization.base import Factorization
+from corrflow.factorization.registry import KINDS, REGISTRY
+from corrflow.fileio import save_figure, write_json, write_text
+from corrflow.planning.cache import PlanCache, default_cache_dir
+from corrflow.planning.candidates import DEFAULT_KINDS, PlanRequest, make_plan, write_plan
 from corrflow.planning.learnability import THRESHOLD
+from corrflow.planning.recipe import install_factorization, load_recipe
+from corrflow.server.simulation import simulate
 
 log = logging.getLogger("corrflow")
 
@@ -177,7 +186,6 @@ def _preset_settings(preset: Preset, seed: int, out: Path) -> dict:
 def arm_config(preset: Preset, arm: Arm, seed: int, out: Path):
     """The run settings of ``arm`` for ``seed`` in ``out``: the preset's task and optimizer, the
     arm's mechanism."""
-    from corrflow.config import RunConfig
 
     return RunConfig(
         **{**_preset_settings(preset, seed, out), **data_settings(preset), **arm.settings}
@@ -190,7 +198,6 @@ def data_settings(preset: Preset) -> dict:
     004 §7.3)."""
     if not preset.data_path:
         return {}
-    from corrflow.data.federated import data_format
 
     out = {"data_path": preset.data_path, "vocab_path": preset.vocab_path}
     if data_format(preset.data_path) == "arxiv-jsonl":
@@ -210,7 +217,6 @@ NONPRIVATE = Arm(
 def plan_request(preset: Preset, epsilon: float, **kw):
     """The ``corrflow plan`` request for the preset's population, cohort, rounds and optimizer at
     ``epsilon``."""
-    from corrflow.planning.candidates import PlanRequest
 
     return PlanRequest(
         rounds=preset.rounds,
@@ -226,8 +232,6 @@ def plan_request(preset: Preset, epsilon: float, **kw):
 def _recipe_arm(name: str, cand, plan, out: Path, epsilon: float, description: str) -> Arm:
     """An arm that runs the planner's candidate ``cand`` as is (recipe + factorization written to
     ``out``)."""
-    from corrflow.planning.candidates import write_plan
-    from corrflow.planning.recipe import load_recipe
 
     write_plan(replace(plan, recommended=cand), out, plots=False)
     recipe, _ = load_recipe(out / "recipe.json")
@@ -256,8 +260,6 @@ def plan_arms(
 ) -> ArmPlan:
     """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for
     an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``."""
-    from corrflow.factorization.registry import REGISTRY
-    from corrflow.planning.candidates import DEFAULT_KINDS, make_plan
 
     started = time.perf_counter()
     req = plan_request(preset, epsilon)
@@ -384,9 +386,6 @@ def run_arm(
 ) -> dict:
     """Train one arm for one seed in ``out`` (a fresh directory); its final metrics, verified (ε, δ)
     and curve."""
-    from corrflow.clients.tasks import get_task
-    from corrflow.planning.recipe import install_factorization, load_recipe
-    from corrflow.server.simulation import simulate
 
     require(
         not (out / "state").exists(),
@@ -432,8 +431,6 @@ def run_arm(
     if (
         private
     ):  # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
-        from corrflow.factorization.base import Factorization
-
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
     return {
@@ -518,8 +515,6 @@ def compare(
     """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
     0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
     plots against ε."""
-    from corrflow.factorization.registry import KINDS
-    from corrflow.planning.cache import PlanCache, default_cache_dir
 
     require(preset.seeds >= 1, "seeds", "a positive integer", preset.seeds)
     correlated = [k for k in KINDS if k != "dpsgd"]
@@ -717,7 +712,7 @@ def _finish_plot(plt, fig, ax, path: Path) -> str:
     """Legend, layout, write ``path`` (PNG) and close the figure; the path written."""
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return str(path)
 

@@ -9,9 +9,16 @@ from typing import Annotated
 
 import typer
 
+from corrflow.config import validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.registry import KINDS
+from corrflow.paths import writable_directory
+from corrflow.server.options import cli_values
 
-# StrategyConfig's names for the settings compare's flags set.
+# The comparison and the clients are imported inside the command: at module level they would load
+# Flower, the PLD library and numba into every `corrflow --help`.
+
+# The settings' and the presets' names for the settings compare's flags set.
 _FLAGS = {
     "num-rounds": "--rounds",
     "num-users": "--users",
@@ -90,29 +97,7 @@ def compare_command(
     ] = None,
     epsilon: Annotated[
         float | None,
-        typer.Option(
-            help="ε of every private arm, the same as --epsilons E (default: the preset's)"
-        ),
-    ] = None,
-    delta: Annotated[float | None, typer.Option(help="δ (default: the preset's)")] = None,
-    rounds: Annotated[int | None, typer.Option(help="rounds n (default: the preset's)")] = None,
-    users: Annotated[int | None, typer.Option(help="users (default: the preset's)")] = None,
-    epochs: Annotated[
-        int | None, typer.Option(help="participations per user k (default: the preset's)")
-    ] = None,
-    client: Annotated[
-        str | None, typer.Option(help="nextword (numpy), keras or numpy (default: nextword)")
-    ] = None,
-    data: Annotated[
-        Path | None,
-        typer.Option(
-            help="train on a real-format dataset file (TFF StackOverflow SQLite or "
-            "arXiv JSON lines; default --users: all its train clients)"
-        ),
-    ] = None,
-    vocab: Annotated[
-        Path | None,
-        typer.Option(help="the dataset's vocabulary (corrflow data vocab); needed with --data"),
+        typer.Option(hidden=True, help="deprecated: --target-epsilon E (the same as --epsilons E)"),
     ] = None,
     out: Annotated[
         Path,
@@ -125,13 +110,12 @@ def compare_command(
         str, typer.Option(help="inprocess (deterministic, no Ray) or flower")
     ] = "inprocess",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    **settings,
 ) -> None:
     """Train non-private, DP-SGD (fixed-epoch and Poisson-sampled), correlated-noise and planned
     arms at the same (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an
-    arm's run did not verify its ε at the target δ."""
+    arm's run did not verify its ε at the target δ. --target-epsilon E is --epsilons E."""
     from corrflow.clients.tasks import training_defaults
-    from corrflow.factorization.registry import KINDS
-    from corrflow.paths import writable_directory
     from corrflow.server.compare import (
         PRESETS,
         compare,
@@ -148,8 +132,19 @@ def compare_command(
             raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
         if backend not in ("inprocess", "flower"):
             raise InvalidArgumentError("--backend", "inprocess or flower", backend)
-        if client is not None and client not in ("nextword", "keras", "numpy"):
-            raise InvalidArgumentError("--client", "nextword, keras or numpy", client)
+        values = validated_fields(cli_values(settings), "cli")
+        if epsilon is not None:
+            typer.echo("warning: --epsilon is deprecated: use --target-epsilon", err=True)
+            if "target_epsilon" in values:
+                raise InvalidArgumentError(
+                    "--epsilon", "either --target-epsilon or (deprecated) --epsilon", epsilon
+                )
+            values.update(validated_fields({"target_epsilon": epsilon}, "cli"))
+        epsilon = values.get("target_epsilon")
+        client = values.get("client")
+        users = values.get("num_users")
+        data = Path(values["data_path"]) if values.get("data_path") else None
+        vocab = Path(values["vocab_path"]) if values.get("vocab_path") else None
         if seeds is not None and seeds < 1:
             raise InvalidArgumentError("--seeds", "a positive integer", seeds)
         kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
@@ -164,12 +159,11 @@ def compare_command(
             )
         if epsilons is not None and epsilon is not None:
             raise InvalidArgumentError(
-                "--epsilon",
-                "either --epsilon E or --epsilons E1,E2,… (--epsilon E means --epsilons E)",
-                f"--epsilon {epsilon:g} --epsilons {epsilons}",
+                "--target-epsilon",
+                "either --target-epsilon E or --epsilons E1,E2,… (--target-epsilon E means "
+                "--epsilons E)",
+                f"--target-epsilon {epsilon:g} --epsilons {epsilons}",
             )
-        if epsilon is not None and not (epsilon > 0 and epsilon < float("inf")):
-            raise InvalidArgumentError("--epsilon", "a finite ε > 0", epsilon)
         sweep = (
             parse_epsilons(epsilons)
             if epsilons is not None
@@ -187,10 +181,10 @@ def compare_command(
         chosen = with_overrides(
             PRESETS[preset],
             seeds=seeds,
-            delta=delta,
-            rounds=rounds,
+            delta=values.get("delta"),
+            rounds=values.get("num_rounds"),
             users=users,
-            epochs=epochs,
+            epochs=values.get("epochs"),
             client=client,
             data_path=None if data is None else str(data),
             vocab_path=None if vocab is None else str(vocab),

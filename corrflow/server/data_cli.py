@@ -13,6 +13,10 @@ from typing import Annotated
 import typer
 
 from corrflow.errors import CorrflowError, InvalidArgumentError
+from corrflow.progress import Progress
+
+# The data modules are imported inside the commands that use them: at module level they would load
+# the PLD library (a DP vocabulary's) and numba into every `corrflow --help`.
 
 data_app = typer.Typer(
     add_completion=False,
@@ -53,7 +57,6 @@ def generate(
 ) -> None:
     """Write a synthetic dataset of KIND (stackoverflow: TFF's SQLite; arxiv: the metadata
     snapshot's JSON lines) in the real format, streaming to disk in bounded memory."""
-    from corrflow.progress import Progress
 
     try:
         if kind not in ("stackoverflow", "arxiv"):

@@ -1,8 +1,10 @@
-"""``corrflow simulate``'s options, generated from the settings model (:mod:`corrflow.config`): one
+"""The commands' shared options, generated from the settings model (:mod:`corrflow.config`): one
 typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
-default and help. A command declared with :func:`with_settings` receives them as keyword arguments;
-:func:`config_from_cli` turns them into a validated :class:`~corrflow.config.RunConfig` whose errors
-name the flag."""
+default and help. ``simulate`` and ``audit`` take every setting; ``factorize``, ``plan``,
+``account`` and ``compare`` the ones in :data:`COMMAND_SETTINGS`, with the same names, choices and
+defaults (a command's own default is declared by the model and shown by ``--help``). A command
+declared with :func:`with_settings` receives them as keyword arguments; :func:`config_from_cli`
+turns them into a validated :class:`~corrflow.config.RunConfig` whose errors name the flag."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from enum import Enum, StrEnum
 from typing import Annotated, Any
 
 import typer
+from click.core import ParameterSource
 
 from corrflow.choices import Client
 from corrflow.config import (
@@ -24,6 +27,36 @@ from corrflow.config import (
     validated,
 )
 from corrflow.factorization.registry import KINDS
+
+#: The settings each command other than simulate and audit takes from the model. ``client`` is there
+# wherever a default depends on the task (momentum), so that the defaults are simulate's.
+COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "factorize": (
+        "num_rounds",
+        "epochs",
+        "participation",
+        "min_sep",
+        "kind",
+        "bands",
+        "buffers",
+        "taper",
+        "momentum",
+        "cooldown_fraction",
+        "client",
+    ),
+    "plan": ("num_rounds", "target_epsilon", "delta", "momentum", "cooldown_fraction", "client"),
+    "account": ("participation", "accountant", "noise_multiplier", "target_epsilon", "delta"),
+    "compare": (
+        "num_rounds",
+        "num_users",
+        "epochs",
+        "target_epsilon",
+        "delta",
+        "client",
+        "data_path",
+        "vocab_path",
+    ),
+}
 
 
 def _choices(name: str, annotation: Any) -> type[Enum] | None:
@@ -53,16 +86,23 @@ def param_name(name: str) -> str:
     return surface_name(name, "cli")[2:].replace("-", "_")
 
 
-def settings_parameters() -> list[inspect.Parameter]:
-    """One keyword-only parameter per CLI setting, annotated with its typer option."""
+def settings_parameters(command: str | None = None) -> list[inspect.Parameter]:
+    """One keyword-only parameter per CLI setting ``command`` takes (None: every one), annotated
+    with its typer option."""
+    names = COMMAND_SETTINGS.get(command or "")
     params = []
     for name, info in settings_on("cli").items():
+        if names is not None and name not in names:
+            continue
         flag = surface_name(name, "cli")
-        default = surface_default(name, "cli")
+        default = surface_default(name, "cli", command)
         if isinstance(default, Enum):
             default = default.value
         option = typer.Option(
-            flag, help=help_text(name), case_sensitive=False, show_default=default is not None
+            flag,
+            help=help_text(name, command),
+            case_sensitive=False,
+            show_default=default is not None,
         )
         params.append(
             inspect.Parameter(
@@ -75,9 +115,9 @@ def settings_parameters() -> list[inspect.Parameter]:
     return params
 
 
-def with_settings(command: Callable) -> Callable:
+def with_settings(command: Callable, name: str | None = None) -> Callable:
     """``command(**kwargs)`` with the settings' options added after its own parameters (its own come
-    first)."""
+    first): every CLI setting, or those :data:`COMMAND_SETTINGS` lists for the command ``name``."""
     own = list(inspect.signature(command).parameters.values())
     own = [p for p in own if p.kind != inspect.Parameter.VAR_KEYWORD]
     own = [
@@ -92,7 +132,7 @@ def with_settings(command: Callable) -> Callable:
     def wrapped(**kwargs):
         return command(**kwargs)
 
-    wrapped.__signature__ = inspect.Signature(own + settings_parameters())
+    wrapped.__signature__ = inspect.Signature(own + settings_parameters(name))
     wrapped.__name__, wrapped.__doc__ = command.__name__, command.__doc__
     return wrapped
 
@@ -116,8 +156,6 @@ def config_from_cli(params: dict[str, Any], **overrides: Any) -> RunConfig:
 
 def given_on_command_line(ctx: typer.Context) -> set[str]:
     """The settings the user typed (not defaults)."""
-    from click.core import ParameterSource
-
     return {
         name
         for name in settings_on("cli")
@@ -126,6 +164,7 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
 
 
 __all__ = [
+    "COMMAND_SETTINGS",
     "cli_values",
     "config_from_cli",
     "given_on_command_line",

@@ -17,8 +17,13 @@ import threading
 import warnings
 from pathlib import Path
 
+from corrflow.clients.tasks import get_task
 from corrflow.config import RunConfig
+from corrflow.data.federated import data_format, train_clients_count
+from corrflow.errors import require
 from corrflow.paths import run_directory
+from corrflow.server.app import make_server_app, run_server
+from corrflow.server.inprocess import InProcessGrid
 
 log = logging.getLogger("corrflow")
 
@@ -114,8 +119,6 @@ def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
     refused, naming ``flag`` and the file's count."""
     if not cfg.data_path or cfg.mode != "cross-device" or cfg.num_users is None:
         return
-    from corrflow.data.federated import data_format, train_clients_count
-    from corrflow.errors import require
 
     count = train_clients_count(cfg.data_path)
     what = (
@@ -148,8 +151,6 @@ def simulate(
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    from corrflow.clients.tasks import get_task
-    from corrflow.server.app import make_server_app, run_server
 
     task = get_task(
         cfg.client,
@@ -163,8 +164,6 @@ def simulate(
     kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
-            from corrflow.server.inprocess import InProcessGrid
-
             run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
             from flwr.simulation import run_simulation
