@@ -1061,12 +1061,13 @@ def samples_to_pass(
     if not 0 <= delta_upper < delta_v:
         return None
 
+    need0 = math.log(1.0 / share) / -math.log1p(-delta_v)  # below it not even δ' = 0 verifies
+
     def ok(s: int) -> bool:
         margin = z * math.sqrt(spread * delta_upper / s)
-        return verify_threshold(s, share, delta_v) >= delta_upper + margin
+        return s >= need0 and verify_threshold(s, share, delta_v) >= delta_upper + margin
 
-    # No threshold above 0 below s = ln(1/share)/KL(0‖δ_v): start there and double.
-    lo = max(2, int(math.log(1.0 / share) / -math.log1p(-delta_v)))
+    lo = max(2, int(need0))
     hi = lo
     while not ok(hi):
         if hi >= cap:
