@@ -148,23 +148,33 @@ def forward_losses(
     return np.concatenate(add), np.concatenate(remove)
 
 
-def delta_curve(losses: np.ndarray, epsilon: float) -> tuple[float, float]:
-    """(δ̂(ε), standard error) from losses: the mean of max(0, 1 − e^{ε − L}) (004 §2.1)."""
+def delta_curve(
+    losses: np.ndarray, epsilon: float, count: int | None = None
+) -> tuple[float, float]:
+    """(δ̂(ε), standard error) from losses: the mean of max(0, 1 − e^{ε − L}) over ``count`` samples
+    (004 §2.1); ``losses`` may hold only those above ε (the others' terms are 0)."""
+    n = losses.size if count is None else count
     t = -np.expm1(np.minimum(epsilon - losses, 0.0))
-    return float(t.mean()), float(t.std(ddof=1) / math.sqrt(t.size))
+    mean = float(t.sum()) / n
+    var = max(float(np.dot(t, t)) / n - mean * mean, 0.0) * n / (n - 1)
+    return mean, math.sqrt(var / n)
 
 
 def reference_epsilon(add: np.ndarray, remove: np.ndarray, delta: float, z: float = 1.96) -> dict:
     """The ε where the worse direction's δ̂(ε) meets δ, and the ε where δ̂ ∓ z·se meets it (the
-    interval), by bisection."""
+    interval), by bisection over the largest losses (every ε found is above the ones dropped)."""
+    n = add.size
+    keep = min(n, max(10_000, int(1000 * delta * n)))
+    tops = [np.partition(a, n - keep)[n - keep :] for a in (add, remove)]
+    floor = max(float(t.min()) for t in tops)
 
     def solve(shift: float) -> float:
         def g(e):
-            return max(d + shift * s for d, s in (delta_curve(a, e) for a in (add, remove)))
+            return max(d + shift * s for d, s in (delta_curve(t[t > e], e, n) for t in tops))
 
-        lo, hi = 0.0, float(max(add.max(), remove.max()))
-        if g(hi) > delta:
-            return float("inf")
+        lo, hi = floor, float(max(t.max() for t in tops))
+        if g(lo) <= delta or g(hi) > delta:
+            raise ValueError(f"too few samples for δ = {delta:g}")
         for _ in range(60):
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if g(mid) > delta else (lo, mid)
