@@ -174,7 +174,7 @@ PEER_FIXED_B = {(64, 2): 1547.2191379, (128, 2): 3665.668, (256, 2): 8580.013331
 
 @pytest.mark.parametrize("n", [64, 128, 256])
 def test_fixed_buffers_reach_the_peer_optimum(n):
-    # Issue 32: with --buffers 2 the optimiser used to stop in the one-buffer optimum split into two
+    # With --buffers 2 the optimiser used to stop in the one-buffer optimum split into two
     # near-equal poles (n = 256: 8,822.79, 2.8% above the peer). Warm-started from the 1-buffer
     # optimum it reaches the peer's 2-buffer optimum within 0.1%.
     res = optimize_blt(Workload.prefix(), Participation.fixed_epoch(n, 4), 2)

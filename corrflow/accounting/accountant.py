@@ -159,6 +159,7 @@ class AccountingOptions:
     candidates. verify_target: σ calibration (Monte Carlo): draw the samples per candidate the
     target δ needs. max_samples: Monte Carlo: the sample budget per direction, all batches together.
     time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
+    workers: Monte Carlo: sampler processes for ε (None: the CPU count).
     mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256). delta_split: MMCC: the
     share of δ spent on tail bounds. progress: progress lines on stderr for long runs.
     """
@@ -174,6 +175,7 @@ class AccountingOptions:
     time_limit: float | None = (
         None  # Monte Carlo: seconds after which the search aborts (nothing released)
     )
+    workers: int | None = None  # Monte Carlo: sampler processes (None: the CPU count)
     mmcc_grid: float | None = None  # Δ2; None: the largest sensitivity entry / 256
     delta_split: float = 0.5  # MMCC: share of δ spent on tail bounds
     progress: bool = False
@@ -616,8 +618,9 @@ class MonteCarloEVRAccountant:
     2602.09338.
 
     Args: sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
-    :class:`SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``
-    and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
+    :class:`SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``,
+    ``workers`` and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target``
+    (σ).
     """
 
     sampling: SamplingSpec
@@ -848,6 +851,7 @@ class MonteCarloEVRAccountant:
             release_z=RELEASE_Z,
             time_limit=o.time_limit,
             progress=o.progress,
+            workers=o.workers,
         )
         acc = {
             **params,
@@ -856,8 +860,8 @@ class MonteCarloEVRAccountant:
             "release_z": RELEASE_Z,
             "seed": o.seed,
             "verify_rule": (
-                "attempt i: fresh samples, threshold δ' with wrong-pass probability ≤ β/2^(i+1); "
-                "released δ = δ_mechanism + β"
+                "attempt i: fresh samples, sized from the earlier ones; threshold δ' with "
+                "wrong-pass probability ≤ β/2^(i+1); released δ = δ_mechanism + β"
             ),
             "normalisation": (
                 "σ multiplies the clip norm; per-participation sensitivity = column norm of C"

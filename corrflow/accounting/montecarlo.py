@@ -24,9 +24,9 @@ the N/B phases enumerated (:func:`balls_in_bins_llr`, any encoder).
 P/Q, and y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release
 (004 Alg. 5, Thm A.1): a verifier at threshold δ' with s samples fails to catch a mechanism that is
 not (ε, δ)-DP with probability at most exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2),
-giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
-deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that
-δ.
+giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in
+deterministically seeded attempts, each sized from the earlier samples (:func:`samples_to_pass`)
+and drawing fresh ones, attempt i spending β/2^(i+1) of the failure budget β inside that δ.
 """
 
 from __future__ import annotations
@@ -956,13 +956,25 @@ class MonteCarloAccountant:
 # -- adaptive, deterministic Estimate-Verify-Release at the target δ -------------------------------
 
 #: Share of the target δ spent on the verifier's failure probability β (attempt i gets β/2^(i+1));
-# the rest, δ_v, : is the δ the mechanism itself must have at the released ε.
+# the rest, δ_v, is the δ the mechanism itself must have at the released ε.
 EVR_FAILURE_SHARE = 0.05
-#: The first verification is sized so that its threshold δ' reaches this fraction of the target δ.
+#: The estimation batch is sized so that a verification of that size would have a threshold δ' of
+# this fraction of the target δ (:func:`first_verification_size`) ...
 EVR_FIRST_THRESHOLD = 0.4
-#: Default sample budget per direction: a first attempt at δ = 1e-5 draws ~ 7.5 M estimation + 7.5 M
-# verification : samples; this leaves room for a second (15 M) and third (30 M) attempt.
-DEFAULT_MAX_SAMPLES = 60_000_000
+#: ... but at most this many samples by default (at δ = 1e-6 that size is 8.7·10⁷); the first
+# attempt draws at most as many again, later attempts what their estimate says they need.
+FIRST_BATCH_CAP = 40_000_000
+#: Default cap on the samples per direction, all batches together (n = 48: about 4 minutes on 2
+# idle cores): the estimation batch and the first attempt draw at most 2 × :data:`FIRST_BATCH_CAP`;
+# later attempts are sized by :func:`samples_to_pass` and run only while they fit under the cap.
+DEFAULT_MAX_SAMPLES = 240_000_000
+#: Standard deviations of an attempt's own δ̂ that its size leaves between the estimated δ(ε) and
+# its threshold (:func:`samples_to_pass`).
+PASS_Z = 2.0
+#: After a failed attempt the next ε is at least (1 + this) times the failed one.
+EPSILON_STEP = 0.01
+#: Relative step of the ε grid an attempt's ε is chosen on (:func:`plan_attempt`).
+EPSILON_GRID = 0.0025
 
 
 def verify_threshold(samples: int, share: float, delta_v: float) -> float:
@@ -997,7 +1009,7 @@ def first_verification_size(
     share_of_failure: float = EVR_FAILURE_SHARE,
     ratio: float = EVR_FIRST_THRESHOLD,
 ) -> int:
-    """The first verification's sample count for :func:`adaptive_evr`.
+    """The sample count at which a first verification's threshold reaches ``ratio``·δ_target.
 
     Args:
         delta_target: the target δ.
@@ -1015,15 +1027,107 @@ def first_verification_size(
     return s
 
 
+def samples_to_pass(
+    delta_upper: float,
+    share: float,
+    delta_v: float,
+    *,
+    spread: float = 1.0,
+    z: float = PASS_Z,
+    cap: int | None = None,
+) -> int | None:
+    """The adaptive budget rule of :func:`adaptive_evr`: the fresh samples an attempt needs to pass
+    at an ε whose δ(ε) is estimated at most ``delta_upper``.
+
+    The attempt's threshold δ'(s) = verify_threshold(s, share, δ_v) grows with s toward δ_v; its
+    estimate δ̂(ε) on s fresh samples has standard deviation √(spread·δ(ε)/s) (terms in [0, 1]: Var
+    ≤ spread·E with spread ≤ 1). The rule: the smallest s (to 1%) with δ'(s) ≥ δ_up +
+    z·√(spread·δ_up/s), so that the attempt passes unless δ(ε) > δ_up or its δ̂ lands z standard
+    deviations high. The threshold, not this rule, keeps a wrong pass below ``share`` (004 App. A,
+    Thm A.1; Chua et al., arXiv 2412.16802, Fact 4.2), whatever s is.
+
+    Args:
+        delta_upper: δ_up, an upper estimate of δ(ε) at the attempt's ε (≥ 0).
+        share: the attempt's wrong-pass probability β_i.
+        delta_v: δ_v, the mechanism's δ to verify.
+        spread: Var(term)/E(term) of the δ terms at ε, in (0, 1] (1: the bound for terms in [0, 1]).
+        z: standard deviations of the attempt's own δ̂ left as margin.
+        cap: the most samples allowed (None: 2^50).
+
+    Returns:
+        s, or None when no s ≤ cap passes (δ_up ≥ δ_v, or the cap is too small).
+    """
+    cap = 1 << 50 if cap is None else int(cap)
+    if not 0 <= delta_upper < delta_v:
+        return None
+
+    need0 = math.log(1.0 / share) / -math.log1p(-delta_v)  # below it not even δ' = 0 verifies
+
+    def ok(s: int) -> bool:
+        margin = z * math.sqrt(spread * delta_upper / s)
+        return s >= need0 and verify_threshold(s, share, delta_v) >= delta_upper + margin
+
+    lo = max(2, int(need0))
+    hi = lo
+    while not ok(hi):
+        if hi >= cap:
+            return None
+        lo, hi = hi, min(2 * hi, cap)
+    while hi > lo * 1.01 + 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return int(hi)
+
+
+def plan_attempt(
+    pool: MonteCarloEstimate,
+    share: float,
+    delta_v: float,
+    limit: int,
+    epsilon_min: float,
+    release_z: float,
+) -> tuple[float, int, float] | None:
+    """The next attempt of :func:`adaptive_evr`: the smallest ε ≥ ``epsilon_min`` (on a grid of
+    relative step :data:`EPSILON_GRID`) whose :func:`samples_to_pass` fits in ``limit``.
+
+    δ_up(ε) = δ̂(ε) + release_z·se(ε) on the pool (at least one sample's worth, 1/N, so that an empty
+    tail does not read as δ = 0), and the spread Var/E of the δ terms from the pool too.
+
+    Args:
+        pool: the earlier samples (estimation batches and failed attempts' fresh samples).
+        share: the attempt's wrong-pass probability β_i.
+        delta_v: δ_v.
+        limit: the most samples the attempt may draw.
+        epsilon_min: the smallest ε to consider.
+        release_z: standard errors added to δ̂ for δ_up.
+
+    Returns:
+        (ε, samples, δ_up), or None when no ε on the grid (up to 50× ``epsilon_min``) fits.
+    """
+    n = pool.samples
+    eps = max(epsilon_min, pool.floor or 0.0, 1e-6)
+    top = 50 * eps
+    while eps <= top:
+        d, se = pool.delta(eps)
+        upper = max(d + release_z * se, 1.0 / n)
+        spread = min(1.0, max(0.05, se * se * n / d)) if d > 0 else 1.0
+        s = samples_to_pass(upper, share, delta_v, spread=spread, cap=limit)
+        if s is not None:
+            return eps, s, upper
+        eps *= 1 + EPSILON_GRID
+    return None
+
+
 @dataclass
 class EVRAttempt:
     """One verification of :func:`adaptive_evr`.
 
     Attributes:
-        samples: its fresh samples per direction.
+        samples: its fresh samples per direction (sized from the earlier samples).
         threshold: δ'.
         failure_share: β_i, its wrong-pass probability.
-        epsilon: the ε chosen on the earlier samples (upper confidence end).
+        epsilon: the ε chosen on the earlier samples.
+        delta_upper: δ_up, the upper estimate of δ(ε) on the earlier samples that sized it.
         delta_hat: δ̂(ε) on its fresh samples.
         passed: δ̂ ≤ δ'.
     """
@@ -1031,7 +1135,8 @@ class EVRAttempt:
     samples: int
     threshold: float  # δ'
     failure_share: float  # β_i
-    epsilon: float  # ε chosen on the earlier samples (upper confidence end)
+    epsilon: float  # ε chosen on the earlier samples
+    delta_upper: float  # δ_up(ε) on the earlier samples, which sized the attempt
     delta_hat: float  # δ̂(ε) on the attempt's fresh samples
     passed: bool
 
@@ -1080,29 +1185,45 @@ def adaptive_evr(
     time_limit: float | None = None,
     progress: bool = False,
     clock=None,
+    workers: int | None = None,
 ) -> EVRRun:
-    """ε verified at ``delta_target`` by Estimate-Verify-Release in doubling batches (004 App. A,
-    Alg. 5 for one σ).
+    """ε verified at ``delta_target`` by Estimate-Verify-Release with adaptively sized attempts
+    (004 App. A, Alg. 5 for one σ, Thm A.1).
 
-    Deterministic given ``seed``: batch k (k = 0 the estimation batch, then the verification batches
-    of s·2^(k−1) samples) has its own child seed. Attempt i chooses ε on every sample drawn before
-    it (the upper ``release_z`` confidence end of δ̂ at its threshold) and verifies it on its fresh
-    batch at threshold δ'_i, the largest whose wrong-pass probability against δ_v = (1 − 0.05)·δ is
-    ≤ β/2^(i+1), β = 0.05·δ. The attempts' failure probabilities sum to ≤ β, so a pass releases (ε,
-    δ_v + β = δ). The budget ``max_samples`` (per direction, all batches) ends the search without a
-    release; ``time_limit`` (seconds) aborts it with an error (nothing released).
+    Estimation batch: s₀ samples (:func:`first_verification_size`, at most :data:`FIRST_BATCH_CAP`;
+    or ``first_samples``). Attempt i then picks, on every sample drawn before it (the pool), the
+    smallest ε (≥ the point estimate at δ_v for i = 0, ≥ (1 + :data:`EPSILON_STEP`)·ε_{i−1} after a
+    failure) whose :func:`samples_to_pass` fits (at most s₀ for i = 0, else what is left of
+    ``max_samples``), draws that many fresh samples and passes iff δ̂(ε) ≤ δ'_i, the largest
+    threshold whose wrong-pass probability against δ_v = (1 − 0.05)·δ is ≤ β_i = β/2^(i+1), β =
+    0.05·δ (:func:`verify_threshold`). A failed attempt's samples join the pool. The budget thus
+    grows where the estimate says a pass is near, up to ``max_samples``.
+
+    Why adaptive sizes keep the guarantee (004 Thm A.1 with the failure bound of Chua et al., arXiv
+    2412.16802, Fact 4.2): attempt i's ε_i, s_i and δ'_i are functions of the samples drawn before
+    it, and its own samples are fresh, so conditionally on that history its δ̂ is a mean of s_i
+    i.i.d. terms in [0, 1] and, if the mechanism is not (ε_i, δ_v)-DP, P(δ̂ ≤ δ'_i | history) ≤
+    exp(−s_i·KL(δ'_i‖δ_v)) ≤ β_i. Summing over attempts (a union bound over the history-dependent
+    sequence), the probability that any attempt passes a wrong ε is ≤ Σ β_i ≤ β, so the released ε
+    holds at δ_v + β = δ. Data-dependent sizes only change how many attempts run and their cost,
+    never a threshold's validity; reusing a failed attempt's samples for later estimates is the same
+    as estimating on any other earlier data.
+
+    Deterministic given ``seed``: estimation batch j and attempt i have their own child seeds.
+    ``time_limit`` (seconds) aborts the search with an error (nothing released).
 
     Args:
         mc: the Monte Carlo accountant of the scheme.
         sigma: σ.
         delta_target: the target δ.
         seed: the run's seed.
-        max_samples: the sample budget per direction, all batches.
-        first_samples: the first batch's size (None: :func:`first_verification_size` of the target).
-        release_z: standard errors added to δ̂ when choosing ε.
+        max_samples: the cap on samples per direction, all batches.
+        first_samples: the estimation batch's size (None: the default rule above).
+        release_z: standard errors added to δ̂ on the pool for the upper estimate δ_up(ε).
         time_limit: seconds after which the search aborts (None: none).
         progress: progress lines on stderr.
         clock: a monotonic clock (default ``time.monotonic``), for tests.
+        workers: sampler processes (None: the CPU count).
 
     Returns:
         The :class:`EVRRun`.
@@ -1116,14 +1237,20 @@ def adaptive_evr(
     start = clock()
     beta = EVR_FAILURE_SHARE * delta_target
     delta_v = delta_target - beta
-    # --mc-samples (first_samples) sizes the first batch; batches too small to verify anything at
-    # the target δ only add to the estimation pool (no attempt, no share of β spent), doubling until
-    # one can.
-    s_ver = first_verification_size(delta_target) if first_samples is None else int(first_samples)
-    s_ver = max(2, min(s_ver, max_samples // 2))
+    if first_samples is None:
+        s0 = min(first_verification_size(delta_target), FIRST_BATCH_CAP)
+    else:
+        s0 = int(first_samples)
+    s0 = max(2, min(s0, max_samples // 2))
     est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
     est_seeds, children = est_root.spawn(64), ver_root.spawn(64)
-    pool = mc.sample_losses(sigma, s_ver, est_seeds[0], progress=progress)
+
+    def draw(size, child, floor=None):
+        return mc.sample_losses(
+            sigma, size, child, workers=workers, progress=progress, keep_above=floor
+        )
+
+    pool = draw(s0, est_seeds[0])
     # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing
     # contributes to δ̂ at the thresholds used; a floor set too high only makes ε larger, never
     # invalid.
@@ -1137,55 +1264,60 @@ def adaptive_evr(
             count=pool.samples,
             floor=floor,
         )
-    drawn = s_ver
+    drawn = s0
     attempts: list[EVRAttempt] = []
     i, j = 0, 1
-    while True:
+    while i < len(children) and j < len(est_seeds):
         if time_limit is not None and clock() - start > time_limit:
             raise CorrflowError(
                 f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
                 f"{time_limit:g} s) with {drawn} samples per direction; nothing is released"
             )
-        size = min(s_ver * 2**i, max_samples - drawn)
+        left = max_samples - drawn
         share = beta / 2 ** (i + 1)
-        threshold = verify_threshold(size, share, delta_v) if size >= 2 else 0.0
-        if threshold < EVR_FIRST_THRESHOLD * delta_target and size < max_samples - drawn:
-            # Too small to verify a useful threshold: estimation only, then a batch twice the pool.
-            pool = pool.merged(
-                mc.sample_losses(sigma, size, est_seeds[j], progress=progress, keep_above=floor)
+        if i == 0:
+            plan = plan_attempt(
+                pool, share, delta_v, min(s0, left), pool.epsilon(delta_v), release_z
             )
-            drawn, j = drawn + size, j + 1
-            s_ver = drawn
+        else:
+            eps_min = attempts[-1].epsilon * (1 + EPSILON_STEP)
+            plan = plan_attempt(pool, share, delta_v, left, eps_min, release_z)
+        if plan is None:
+            if i > 0 or left < 2:
+                break  # no affordable attempt: the budget is spent
+            # The estimation batch is too small to size a first attempt: estimation only (no share
+            # of β spent), doubling the pool.
+            size = min(drawn, left)
+            pool = pool.merged(draw(size, est_seeds[j], floor))
+            drawn, j, s0 = drawn + size, j + 1, drawn + size
             continue
-        if threshold <= 0.0:
-            break
-        eps = pool.epsilon(threshold, z=release_z)
-        ver = mc.sample_losses(sigma, size, children[i], progress=progress, keep_above=floor)
+        eps, size, upper = plan
+        threshold = verify_threshold(size, share, delta_v)
+        ver = draw(size, children[i], floor)
         drawn += size
         d_hat, _ = ver.delta(eps)
-        attempts.append(EVRAttempt(size, threshold, share, eps, d_hat, bool(d_hat <= threshold)))
+        passed = bool(d_hat <= threshold)
+        attempts.append(EVRAttempt(size, threshold, share, eps, upper, d_hat, passed))
         if progress:
             print(
                 f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
-                f"({'passed' if d_hat <= threshold else 'failed'}, {size} samples)",
+                f"({'passed' if passed else 'failed'}, {size} samples)",
                 file=sys.stderr,
             )
-        if d_hat <= threshold:
+        pool = pool.merged(ver)
+        if passed:
             return EVRRun(
                 True,
                 eps,
                 delta_target,
                 delta_v,
                 beta,
-                pool.merged(ver).epsilon(delta_v),
+                pool.epsilon(delta_v),
                 drawn,
                 max_samples,
                 attempts,
             )
-        pool = pool.merged(ver)
         i += 1
-        if i >= len(children) or j >= len(est_seeds):
-            break
     return EVRRun(
         False,
         None,

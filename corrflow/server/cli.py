@@ -216,7 +216,7 @@ def account(
             help="Monte Carlo: budget of samples per direction, all batches "
             "together; when spent before a verification passes, the "
             "sampling's other verified bound is used and both are named; "
-            "default 60000000)"
+            "default 240000000; attempts are sized from the estimate)"
         ),
     ] = None,
     time_limit: Annotated[
