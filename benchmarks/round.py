@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 
 from corrflow.config import RunConfig
 from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
-from corrflow.strategies.run_state import RunLock
+from corrflow.run.resume import RunLock
 from corrflow.strategies.session import RunSpec, prepare_run
 
 

@@ -36,8 +36,8 @@ def forget_last_release(run_dir) -> None:
     cut the registry's too."""
     import sqlite3
 
-    from corrflow.strategies.journal import JOURNAL, ReleaseJournal
-    from corrflow.strategies.registry import default_registry
+    from corrflow.run.journal import JOURNAL, ReleaseJournal
+    from corrflow.run.registry import default_registry
 
     run_id = ReleaseJournal(run_dir / JOURNAL).read()[0].run_id
     with sqlite3.connect(default_registry()) as db:

@@ -17,7 +17,7 @@ from corrflow.factorization.workloads import Workload
 from corrflow.noise import CorrelatedNoise
 from corrflow.server.audit import run_audit
 from corrflow.strategies.canaries import optimizer_map
-from corrflow.strategies.server_optimizer import MomentumServerOptimizer
+from corrflow.run.optimizer import MomentumServerOptimizer
 
 DELTA = 1e-5
 

@@ -24,7 +24,7 @@ from corrflow.factorization import Factorization
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.identity import IdentityError
-from corrflow.strategies.journal import JOURNAL, ReleaseJournal
+from corrflow.run.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))

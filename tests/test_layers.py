@@ -28,9 +28,10 @@ LAYERS = {
     "data": 4,
     "config": 4,
     "planning": 5,
-    "strategies": 6,
-    "clients": 6,
-    "server": 7,
+    "run": 6,
+    "strategies": 7,
+    "clients": 7,
+    "server": 8,
 }
 
 

@@ -727,7 +727,7 @@ def _check_resume(cfg, out: Path, fresh: bool) -> bool:
     """Refuse a directory holding another run (exit 2, naming what differs) or one that disagrees
     with its journal (exit 1); say whether the run resumes or is already complete. Returns whether
     it is complete."""
-    from corrflow.strategies.run_state import preflight, settings_conflict
+    from corrflow.run.resume import preflight, settings_conflict
 
     try:
         if not fresh and (diff := settings_conflict(cfg.checkpoint_dir, cfg.run_settings())):

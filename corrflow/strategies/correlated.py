@@ -1,11 +1,11 @@
 """The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the round
 core.
 
-``configure_train`` plans round t (:func:`~corrflow.strategies.round_core.plan_round`: the cohort
+``configure_train`` plans round t (:func:`~corrflow.run.round.plan_round`: the cohort
 planner, the separation policy, operator overrides), refuses it when the budget guard says it would
 exceed the target ε, and sends the training messages. ``aggregate_train`` collects the replies,
-releases the round (:func:`~corrflow.strategies.round_core.release`: clip → sum → correlated noise →
-server optimizer) and hands the :class:`~corrflow.strategies.round_core.RoundRecord` to the
+releases the round (:func:`~corrflow.run.round.release`: clip → sum → correlated noise →
+server optimizer) and hands the :class:`~corrflow.run.round.RoundRecord` to the
 recorder, the one place where the run's state changes (checkpoint → release journal → report →
 metrics, before the model leaves the server).
 
@@ -28,9 +28,9 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.strategies.messaging import exchange, inner_train_config, train_messages
-from corrflow.strategies.model import arrays_sha256
-from corrflow.strategies.recorder import Override, Stop
-from corrflow.strategies.round_core import RoundPlan, budget_reason, collect, plan_round, release
+from corrflow.run.model import arrays_sha256
+from corrflow.run.recorder import Override, Stop
+from corrflow.run.round import RoundPlan, budget_reason, collect, plan_round, release
 
 if TYPE_CHECKING:
     from corrflow.strategies.session import PreparedRun

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import Strategy
 
 from corrflow.accounting.report import hash_user_id
 from corrflow.config import RunConfig
-from corrflow.strategies.round_core import RoundPlan
+from corrflow.run.round import RoundPlan
 
 log = logging.getLogger("corrflow")
 

@@ -37,14 +37,14 @@ from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
 from corrflow.strategies import identity as ids
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.disclosure import Disclosure, operator_log
+from corrflow.run.disclosure import Disclosure, operator_log
 from corrflow.strategies.messaging import NodeDirectory
-from corrflow.strategies.model import ModelLayout, arrays_sha256
-from corrflow.strategies.recorder import Recorder, RecordingContext
-from corrflow.strategies.registry import ReleaseRegistry
-from corrflow.strategies.round_core import RoundContext
-from corrflow.strategies.run_state import RUN_FILES, ResumePoint, RunLock, archive_run, check_resume
-from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
+from corrflow.run.model import ModelLayout, arrays_sha256
+from corrflow.run.recorder import Recorder, RecordingContext
+from corrflow.run.registry import ReleaseRegistry
+from corrflow.run.round import RoundContext
+from corrflow.run.resume import RUN_FILES, ResumePoint, RunLock, archive_run, check_resume
+from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 
 log = logging.getLogger("corrflow")
 

@@ -37,19 +37,19 @@ from corrflow.noise.engine import RING_FILE, save_state
 from corrflow.participation.planner import CohortPlanner
 from corrflow.planning.learnability import learning_section
 from corrflow.planning.run import total_privacy
-from corrflow.strategies.checkpoint import (
+from corrflow.run.checkpoint import (
     SAMPLER_KEY,
     SECRET,
     load_arrays,
     manifest_digest,
     write_checkpoint,
 )
-from corrflow.strategies.disclosure import Disclosure
-from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
-from corrflow.strategies.ledger import Ledger
-from corrflow.strategies.registry import ReleaseRegistry
-from corrflow.strategies.round_core import RoundRecord, reason_class
-from corrflow.strategies.run_state import ResumePoint, settings_conflict
+from corrflow.run.disclosure import Disclosure
+from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
+from corrflow.run.ledger import Ledger
+from corrflow.run.registry import ReleaseRegistry
+from corrflow.run.round import RoundRecord, reason_class
+from corrflow.run.resume import ResumePoint, settings_conflict
 
 log = logging.getLogger("corrflow")
 

@@ -28,9 +28,9 @@ from corrflow.accounting.policy import RunAccounting, with_round
 from corrflow.config import RunConfig
 from corrflow.noise import CorrelatedNoise
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
-from corrflow.strategies.model import ModelLayout
-from corrflow.strategies.server_optimizer import MomentumServerOptimizer
-from corrflow.strategies.validation import ClippedSum, RejectedReplyError
+from corrflow.run.model import ModelLayout
+from corrflow.run.optimizer import MomentumServerOptimizer
+from corrflow.run.clipping import ClippedSum, RejectedReplyError
 
 _BLOCK = 1 << 16
 
@@ -67,7 +67,7 @@ class RoundOutcome:
 @dataclass(frozen=True)
 class RoundRecord:
     """What a completed round changes, applied by
-    :meth:`~corrflow.strategies.recorder.Recorder.apply`: the ledger delta (selected users with
+    :meth:`~corrflow.run.recorder.Recorder.apply`: the ledger delta (selected users with
     multiplicity, accepted keys, rejections, override records), the released model and optimizer
     state, the noise position after the round, and its metrics."""
 

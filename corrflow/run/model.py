@@ -22,7 +22,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 from corrflow.errors import require
-from corrflow.strategies.validation import RejectedReplyError
+from corrflow.run.clipping import RejectedReplyError
 
 REPLIES = ("weights", "delta")
 
@@ -80,7 +80,7 @@ class ModelLayout:
     def reply_arrays(self, record: ArrayRecord) -> list[np.ndarray]:
         """Read-only views of the trainable arrays in a reply, checked for names, count, dtype and
         shape (RejectedReplyError when they cannot be used). The update is formed by
-        :class:`~corrflow.strategies.validation.ClippedSum`: reply − model sent for full weights,
+        :class:`~corrflow.run.clipping.ClippedSum`: reply − model sent for full weights,
         the reply itself for deltas."""
         keys = tuple(record.keys())
         if keys != self.keys and not (
