@@ -33,8 +33,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from corrflow.config import RunConfig
-from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.run.resume import RunLock
+from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.strategies.session import RunSpec, prepare_run
 
 

@@ -15,9 +15,9 @@ from corrflow.config import RunConfig
 from corrflow.factorization.build import factorize, participation_for
 from corrflow.factorization.workloads import Workload
 from corrflow.noise import CorrelatedNoise
+from corrflow.run.optimizer import MomentumServerOptimizer
 from corrflow.server.audit import run_audit
 from corrflow.strategies.canaries import optimizer_map
-from corrflow.run.optimizer import MomentumServerOptimizer
 
 DELTA = 1e-5
 

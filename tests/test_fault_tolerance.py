@@ -21,10 +21,10 @@ from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_ev
 from corrflow.config import RunConfig, from_run_config
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization
+from corrflow.run.journal import JOURNAL, ReleaseJournal
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.identity import IdentityError
-from corrflow.run.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))

@@ -48,8 +48,8 @@ from corrflow.run.disclosure import Disclosure
 from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.run.ledger import Ledger
 from corrflow.run.registry import ReleaseRegistry
-from corrflow.run.round import RoundRecord, reason_class
 from corrflow.run.resume import ResumePoint, settings_conflict
+from corrflow.run.round import RoundRecord, reason_class
 
 log = logging.getLogger("corrflow")
 

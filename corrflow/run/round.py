@@ -28,9 +28,9 @@ from corrflow.accounting.policy import RunAccounting, with_round
 from corrflow.config import RunConfig
 from corrflow.noise import CorrelatedNoise
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.run.clipping import ClippedSum, RejectedReplyError
 from corrflow.run.model import ModelLayout
 from corrflow.run.optimizer import MomentumServerOptimizer
-from corrflow.run.clipping import ClippedSum, RejectedReplyError
 
 _BLOCK = 1 << 16
 

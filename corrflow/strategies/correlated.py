@@ -27,10 +27,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import InvalidArgumentError, require
-from corrflow.strategies.messaging import exchange, inner_train_config, train_messages
 from corrflow.run.model import arrays_sha256
 from corrflow.run.recorder import Override, Stop
 from corrflow.run.round import RoundPlan, budget_reason, collect, plan_round, release
+from corrflow.strategies.messaging import exchange, inner_train_config, train_messages
 
 if TYPE_CHECKING:
     from corrflow.strategies.session import PreparedRun

@@ -35,16 +35,16 @@ from corrflow.noise.prng import new_secret
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
-from corrflow.strategies import identity as ids
-from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.run.disclosure import Disclosure, operator_log
-from corrflow.strategies.messaging import NodeDirectory
 from corrflow.run.model import ModelLayout, arrays_sha256
+from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.recorder import Recorder, RecordingContext
 from corrflow.run.registry import ReleaseRegistry
-from corrflow.run.round import RoundContext
 from corrflow.run.resume import RUN_FILES, ResumePoint, RunLock, archive_run, check_resume
-from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
+from corrflow.run.round import RoundContext
+from corrflow.strategies import identity as ids
+from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.messaging import NodeDirectory
 
 log = logging.getLogger("corrflow")
 
