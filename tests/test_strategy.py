@@ -474,7 +474,7 @@ def test_clipped_sum_matches_a_float64_reference_and_rejects_before_adding():
 def test_array_view_reads_replies_without_copying_and_as_flower_does():
     from flwr.app import Array
 
-    from corrflow.run.model import array_view
+    from corrflow.strategies.messaging import array_view
 
     rng = np.random.default_rng(1)
     for a in (

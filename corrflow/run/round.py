@@ -1,13 +1,15 @@
-"""One round of correlated-noise training as pure steps that change no run state (docs
-"Conventions", data flow):
+"""One round of correlated-noise training as pure steps on value types (docs "Conventions", data
+flow); nothing here changes the run's state:
 
-1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy;
-2. :func:`collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped
-   to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must already be within
-   m·clip), and summed in place into g_t = Σ clipped (in id order, so a restart reproduces it bit
-   for bit);
+1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy, and
+   :meth:`RoundPlan.route` — which node trains which item(s) (a new plan: a plan is never changed);
+2. :func:`collect` — every :class:`Reply` validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and
+   clipped to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must already
+   be within m·clip), and summed in place into g_t = Σ clipped (in id order, so a restart
+   reproduces it bit for bit) — a :class:`SummedReplies`, which a secure-aggregation adapter may
+   hand in instead (a sum arriving instead of individual replies);
 3. :func:`release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
-   optimizer step, and the :class:`RoundRecord` that the recorder applies in one place.
+   optimizer step, and the :class:`RoundRecord` that :meth:`corrflow.run.core.Run.step` applies.
 
 Drawing (C⁻¹Z)_t advances the noise stream; nothing else is changed here. A failure after the draw
 ends the run before anything is applied, and a restart replays the stream from the checkpoint's
@@ -18,102 +20,130 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from corrflow.accounting.policy import RunAccounting, with_round
-from corrflow.config import RunConfig
-from corrflow.noise import CorrelatedNoise
-from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.accounting.policy import with_round
 from corrflow.run.clipping import ClippedSum, RejectedReplyError
-from corrflow.run.model import ModelLayout
-from corrflow.run.optimizer import MomentumServerOptimizer
-
-_BLOCK = 1 << 16
+from corrflow.run.noise import NoiseStream
+from corrflow.run.plan import RunPlan
 
 
-@dataclass
+@dataclass(frozen=True)
+class Reply:
+    """One client's answer to the round's training request, whatever carried it.
+
+    ``node``: the node the request was sent to (a reply is matched by the request it answers).
+    ``user``: who is behind that node (the node directory's user id; None when unknown).
+    ``names``/``arrays``: every array of the model, in order (read-only views are fine: they are
+    never written). ``metrics``: the reply's metrics (cross-silo: ``num-items``). ``error``: why the
+    transport says it is unusable (a client error, a timeout, a malformed envelope) — then nothing
+    else is read; ``undecodable``: why its arrays could not be decoded (rejected when its turn
+    comes, so a later duplicate of the same id can still count).
+    """
+
+    node: int
+    user: str | None = None
+    names: Sequence[str] = ()
+    arrays: Sequence[np.ndarray] = ()
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    details: str | None = None  # a multi-line client traceback, logged with the rejection
+    undecodable: str | None = None
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """Round t before anything is committed: included items, the users behind them (with
-    multiplicity), the override/separation records and the rejections found so far, and which node
-    trains which item(s)."""
+    multiplicity), the override/separation records, the rejections found so far, and — once
+    routed — which node trains which item(s) (``expected``: node → item, or items cross-silo) and
+    who is behind each of those nodes."""
 
     round: int
-    items: list[str]
-    users: list[str]
-    overrides: list[dict] = field(default_factory=list)
-    rejections: list[tuple[str, str]] = field(default_factory=list)  # (item or user, reason)
-    expected: dict[int, str | list[str]] = field(
-        default_factory=dict
-    )  # node -> item (or items, cross-silo)
+    items: tuple[str, ...]
+    users: tuple[str, ...]
+    overrides: tuple[dict, ...] = ()
+    rejections: tuple[tuple[str | None, str], ...] = ()  # (item or user, reason)
+    expected: Mapping[int, str | tuple[str, ...]] = field(default_factory=dict)
+    owners: Mapping[int, str] = field(default_factory=dict)  # node → user (silo) behind it
+
+    def route(
+        self,
+        user_to_node: Mapping[str, int],
+        online: Collection[int],
+        item_home: Mapping[str, str] | None = None,
+    ) -> RoundPlan:
+        """This plan with its items assigned to nodes: an item's user's node (cross-silo: its
+        silo's, which trains all of its items); an item whose node is offline is rejected ("offline
+        when selected"). A new plan: this one is left as it is."""
+        targets: dict[int, list[str]] = {}
+        owners: dict[int, str] = {}
+        offline = []
+        for item in self.items:
+            user = item if item_home is None else item_home[item]
+            node = user_to_node.get(user)
+            if node is None or node not in online:
+                offline.append((item, "offline when selected"))
+                continue
+            targets.setdefault(node, []).append(item)
+            owners[node] = user
+        expected = {
+            n: (items[0] if item_home is None else tuple(items)) for n, items in targets.items()
+        }
+        return replace(
+            self, rejections=(*self.rejections, *offline), expected=expected, owners=owners
+        )
 
 
 @dataclass
-class RoundOutcome:
-    """The replies of a round: the accepted item (or silo) ids in id order, the sum of their clipped
-    updates (float32, model-shaped), per-action counts, rejections, and the accepted replies'
-    contents (for an inner strategy's metric aggregation)."""
+class SummedReplies:
+    """A round's accepted contributions, clipped and summed: the accepted item (or silo) ids in id
+    order, the sum of their clipped updates (float32, model-shaped), per-action counts, rejections,
+    and the positions (in the replies handed in) of the accepted replies. A secure-aggregation
+    adapter builds one from its sum and the ids it vouches for."""
 
     accepted: list[str]
     total: list[np.ndarray]
     counts: dict[str, int]
     rejections: list[tuple[str | None, str]]
-    contents: list[RecordDict]
+    accepted_replies: list[int] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, shapes: Sequence[tuple[int, ...]]) -> SummedReplies:
+        return cls(
+            [],
+            [np.zeros(s, dtype=np.float32) for s in shapes],
+            {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0},
+            [],
+        )
 
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """What a completed round changes, applied by
-    :meth:`~corrflow.run.recorder.Recorder.apply`: the ledger delta (selected users with
-    multiplicity, accepted keys, rejections, override records), the released model and optimizer
-    state, the noise position after the round, and its metrics."""
+    """What a completed round changes, applied by :meth:`~corrflow.run.core.Run.step`: the ledger
+    delta (selected users with multiplicity, accepted keys, rejections, override records), the
+    released model and optimizer state, the noise position after the round, its metrics, and the
+    positions of the accepted replies (for a transport's own metric aggregation)."""
 
     round: int
-    users: list[str]
-    accepted: list[str]
-    rejections: list[tuple[str | None, str]]
-    overrides: list[dict]
+    users: tuple[str, ...]
+    accepted: tuple[str, ...]
+    rejections: tuple[tuple[str | None, str], ...]
+    overrides: tuple[dict, ...]
     params: list[np.ndarray]
     momentum: list[np.ndarray]
     noise_position: int
     epsilon: float | None
     metrics: dict
     asked: bool  # the round asked someone (an empty sample neither breaks nor extends a streak)
-
-
-@dataclass(frozen=True)
-class RoundContext:
-    """What a round reads and never changes: the settings, model layout, cohort planner, accounting,
-    optimizer schedule, the noise stream, σ and, cross-silo, the silo of each item."""
-
-    cfg: RunConfig
-    layout: ModelLayout
-    planner: CohortPlanner
-    accounting: RunAccounting
-    optimizer: MomentumServerOptimizer
-    noise: CorrelatedNoise
-    sigma: float
-    item_home: dict[str, str] | None = None
-
-    @property
-    def monitor(self) -> SeparationMonitor:
-        return SeparationMonitor(self.planner.min_sep)
-
-    def planned_cohort(self, t: int) -> np.float32:
-        """The planned size, not the number of replies: the fixed-epoch group, or the sampler's
-        expected batch."""
-        return np.float32(
-            len(self.planner.cohort(t))
-            if self.planner.kind == "fixed-epoch"
-            else self.planner.expected
-        )
+    accepted_replies: tuple[int, ...] = ()
 
 
 def plan_round(
-    ctx: RoundContext,
+    run: RunPlan,
     t: int,
     selected: Mapping[str, Sequence[int]],
     forced: Sequence[str],
@@ -122,20 +152,21 @@ def plan_round(
     """Sampled items plus operator overrides (``forced``), after the separation policy (``reject``:
     an item whose users would break min-sep is left out; ``accept-and-account``: included and
     recorded)."""
-    sampled = ctx.planner.cohort(t)
+    sampled = run.planner.cohort(t)
     forced = [i for i in forced if i not in sampled]
-    monitor, plan = ctx.monitor, RoundPlan(t, [], [])
+    monitor = run.monitor
+    items, users, overrides, rejections = [], [], [], []
     for item in sampled + forced:
-        owners = ctx.planner.users_of(item)
+        owners = run.planner.users_of(item)
         gaps = {u: g for u in owners if (g := monitor.violates(selected, u, t)) is not None}
         source = "override" if item in forced else "sampler"
         if gaps or source == "override":
             action = (
                 "included"
                 if not gaps
-                else ("rejected" if ctx.cfg.policy == "reject" else "accepted-and-accounted")
+                else ("rejected" if run.cfg.policy == "reject" else "accepted-and-accounted")
             )
-            plan.overrides.append(
+            overrides.append(
                 {
                     "round": t,
                     "item": item,
@@ -146,11 +177,11 @@ def plan_round(
                 }
             )
             if action == "rejected":
-                plan.rejections.append(
+                rejections.append(
                     (
                         item,
                         f"separation: gap {min(gaps.values())} < min-sep "
-                        f"{ctx.planner.min_sep} (policy reject)",
+                        f"{run.planner.min_sep} (policy reject)",
                     )
                 )
                 log_warning(
@@ -161,86 +192,47 @@ def plan_round(
                     len(gaps),
                 )
                 continue
-        plan.items.append(item)
-        plan.users.extend(owners)
-    return plan
+        items.append(item)
+        users.extend(owners)
+    return RoundPlan(t, tuple(items), tuple(users), tuple(overrides), tuple(rejections))
 
 
 def budget_reason(
-    ctx: RoundContext,
+    run: RunPlan,
     plan: RoundPlan,
     selected: Mapping[str, Sequence[int]],
     overrides: Sequence[dict],
 ) -> str | None:
     """Why round ``plan.round`` must not happen (it would exceed the target ε), else None."""
-    eps = ctx.accounting.budget_exceeded(
+    eps = run.accounting.budget_exceeded(
         selected, [*overrides, *plan.overrides], plan.round, plan.users
     )
     if eps is None:
         return None
     return (
-        f"budget guard: round {plan.round + 1} of {ctx.cfg.num_rounds} would spend ε = {eps:.4f} > "
-        "target "
-        f"{ctx.accounting.target_epsilon:g}"
+        f"budget guard: round {plan.round + 1} of {run.cfg.num_rounds} would spend ε = {eps:.4f} > "
+        f"target {run.accounting.target_epsilon:g}"
         + (
             ""
-            if ctx.accounting.target_epsilon == ctx.cfg.target_epsilon
-            else f" (training's share of {ctx.cfg.target_epsilon:g})"
+            if run.accounting.target_epsilon == run.cfg.target_epsilon
+            else f" (training's share of {run.cfg.target_epsilon:g})"
         )
     )
 
 
-#: Flower's error codes (flwr.common.constant.ErrorCode) and what they mean for a round's reply.
-_ERROR_CLASSES = {
-    5: "offline: the SuperLink had no heartbeat from the node",
-    3: "timed out: the message expired before the node fetched it",
-    4: "timed out: the reply expired before the server fetched it",
-    1: "crashed: the ClientApp could not be loaded",
-    8: "crashed: the ClientApp process died",
-}
-
-
-def error_reason(code: int, reason: str) -> str:
-    """One line for a Flower error reply: offline, timed out or crashed, with the first line of the
-    client's own message (a multi-line traceback stays in the log)."""
-    first = (str(reason).strip().splitlines() or [""])[0][:200]
-    if int(code) in _ERROR_CLASSES:
-        return _ERROR_CLASSES[int(code)]
-    return f"client error: {first}"
-
-
-def check_reply(
-    ctx: RoundContext,
-    msg: Message,
-    node: int,
-    expected_by_node: Mapping[int, str | list[str]],
-    node_to_user: Mapping[int, str],
-) -> tuple[str, int]:
-    """(item or silo id, items it sums) of a reply from ``node`` (the node the message it answers
-    was sent to) whose envelope is well formed, else :class:`RejectedReplyError`. Its arrays are
-    checked when it is added."""
-    expected = expected_by_node.get(node)
+def check_reply(plan: RoundPlan, reply: Reply) -> tuple[str, int]:
+    """(item or silo id, items it sums) of a reply whose envelope is well formed, else
+    :class:`RejectedReplyError`. Its arrays are checked when it is added."""
+    expected = plan.expected.get(reply.node)
     if expected is None:
-        raise RejectedReplyError(f"unexpected sender node {node} (not selected this round)")
-    key = expected if isinstance(expected, str) else node_to_user[node]
-    if msg.has_error():
-        raise RejectedReplyError(error_reason(msg.error.code, msg.error.reason))
-    if int(msg.metadata.src_node_id) != node:
-        raise RejectedReplyError(
-            f"a reply from node {int(msg.metadata.src_node_id)} to the message sent to {node}"
-        )
-    content = msg.content
-    keys = set(content.keys())
-    if keys != {"arrays", "metrics"}:
-        raise RejectedReplyError(f"reply records {sorted(keys)}, expected ['arrays', 'metrics']")
-    if not isinstance(content["arrays"], ArrayRecord) or not isinstance(
-        content["metrics"], MetricRecord
-    ):
-        raise RejectedReplyError("'arrays' must be an ArrayRecord and 'metrics' a MetricRecord")
+        raise RejectedReplyError(f"unexpected sender node {reply.node} (not selected this round)")
+    key = expected if isinstance(expected, str) else plan.owners[reply.node]
+    if reply.error is not None:
+        raise RejectedReplyError(reply.error)
     items = 1
     if not isinstance(expected, str):  # cross-silo: the reply must sum exactly the items sent
         items = len(expected)
-        got = content["metrics"].get("num-items")
+        got = reply.metrics.get("num-items")
         if got != items:
             raise RejectedReplyError(
                 f"metric num-items = {got!r}, expected {items} (the item ids sent)"
@@ -249,73 +241,40 @@ def check_reply(
 
 
 def collect(
-    ctx: RoundContext,
+    run: RunPlan,
     plan: RoundPlan,
-    replies: Iterable[Message],
-    sent: Mapping[str, int],
-    node_to_user: Mapping[int, str],
+    replies: Iterable[Reply],
     params: Sequence[np.ndarray],
     log_warning: Callable[..., None],
-) -> RoundOutcome:
+) -> SummedReplies:
     """Validate, zero or clip every reply and sum the clipped updates in place, in id order (so that
     the same replies give the same bits whatever order they arrived in); the first well-formed reply
-    of an id counts, any later one is a duplicate. A node that was sent a message and did not answer
-    is recorded as timed out. ``sent``: message id → the node it went to (a reply is matched by the
-    message it answers, since an error the SuperLink makes for an offline node comes from the
-    SuperLink). Changes no state."""
-    clip, silo = ctx.cfg.clip_norm, ctx.item_home is not None
-    layout = ctx.layout
-    shapes = layout.trainable_shapes
-    clipped = ClippedSum(shapes, [layout.keys[i] for i in layout.trainable])
-    outcome = RoundOutcome(
-        [], clipped.total, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, [], []
-    )
-    model_sent = layout.sent(params) if ctx.cfg.reply_kind == "weights" else None
+    of an id counts, any later one is a duplicate. A node that was sent a request
+    (``plan.expected``) and did not answer is recorded as timed out. Changes no state."""
+    clip, silo, layout = run.cfg.clip_norm, run.item_home is not None, run.layout
+    clipped = ClippedSum(layout.trainable_shapes, layout.trainable_names)
+    out = SummedReplies.empty(())
+    out.total = clipped.total
+    model_sent = layout.sent(params) if run.cfg.reply_kind == "weights" else None
     answered: set[int] = set()
-    candidates: dict[str, list[tuple[Message, int, int]]] = {}
-    for msg in replies:
-        node = sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
-        answered.add(node)
+    candidates: dict[str, list[tuple[int, Reply, int]]] = {}
+    for index, reply in enumerate(replies):
+        answered.add(reply.node)
         try:
-            key, items = check_reply(ctx, msg, node, plan.expected, node_to_user)
+            key, items = check_reply(plan, reply)
         except RejectedReplyError as exc:
-            _reject(
-                outcome,
-                node_to_user.get(node),
-                exc.reason,
-                plan.round,
-                node,
-                log_warning,
-                msg.error.reason if msg.has_error() else None,
-            )
+            _reject(out, reply.user, exc.reason, plan.round, reply.node, log_warning, reply.details)
             continue
-        candidates.setdefault(key, []).append((msg, node, items))
+        candidates.setdefault(key, []).append((index, reply, items))
     for key in sorted(candidates):
         done = False
-        for msg, node, items in candidates[key]:
+        for index, reply, items in candidates[key]:
             try:
                 if done:
                     raise RejectedReplyError("duplicate reply")
-                # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check
-                # the bound.
-                bound = items * clip * (1 + 1e-5 if silo else 1)
-                try:
-                    action = clipped.add(
-                        layout.reply_arrays(msg.content["arrays"]),
-                        model_sent,
-                        bound,
-                        ctx.cfg.zeroing_factor * clip,
-                        allow_clip=not silo,
-                    )
-                except RejectedReplyError as exc:
-                    if exc.reason != "needs clipping":
-                        raise
-                    raise RejectedReplyError(
-                        f"per-item clipping not honoured: the sum of {items} items exceeds "
-                        f"{items} × clip-norm = {items * clip:g}"
-                    ) from None
+                action = _add(run, clipped, reply, model_sent, items, clip, silo)
             except RejectedReplyError as exc:
-                _reject(outcome, key, exc.reason, plan.round, node, log_warning)
+                _reject(out, key, exc.reason, plan.round, reply.node, log_warning)
                 continue
             done = True
             if action == "zeroed":
@@ -323,27 +282,59 @@ def collect(
                     "round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)",
                     plan.round + 1,
                     key,
-                    ctx.cfg.zeroing_factor,
+                    run.cfg.zeroing_factor,
                 )
-            outcome.counts[action] += 1
-            outcome.accepted.append(key)
-            outcome.contents.append(msg.content)
-    for node in sorted(set(sent.values()) - answered):
-        expected = plan.expected.get(node)
-        who = expected if isinstance(expected, str) else node_to_user.get(node)
+            out.counts[action] += 1
+            out.accepted.append(key)
+            out.accepted_replies.append(index)
+    for node in sorted(set(plan.expected) - answered):
+        expected = plan.expected[node]
+        who = expected if isinstance(expected, str) else plan.owners.get(node)
         _reject(
-            outcome,
+            out,
             who,
-            f"timed out: no reply within node-timeout {ctx.cfg.node_timeout:g} s",
+            f"timed out: no reply within node-timeout {run.cfg.node_timeout:g} s",
             plan.round,
             node,
             log_warning,
         )
-    return outcome
+    return out
+
+
+def _add(
+    run: RunPlan,
+    clipped: ClippedSum,
+    reply: Reply,
+    model_sent: Sequence[np.ndarray] | None,
+    items: int,
+    clip: float,
+    silo: bool,
+) -> str:
+    """Add one reply's update to the clipped sum; "kept", "clipped" or "zeroed"."""
+    run.layout.check_names(reply.names)
+    if reply.undecodable is not None:
+        raise RejectedReplyError(f"undecodable arrays ({reply.undecodable})")
+    # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
+    bound = items * clip * (1 + 1e-5 if silo else 1)
+    try:
+        return clipped.add(
+            run.layout.reply_arrays(reply.arrays),
+            model_sent,
+            bound,
+            run.cfg.zeroing_factor * clip,
+            allow_clip=not silo,
+        )
+    except RejectedReplyError as exc:
+        if exc.reason != "needs clipping":
+            raise
+        raise RejectedReplyError(
+            f"per-item clipping not honoured: the sum of {items} items exceeds "
+            f"{items} × clip-norm = {items * clip:g}"
+        ) from None
 
 
 def _reject(
-    outcome: RoundOutcome,
+    out: SummedReplies,
     who: str | None,
     reason: str,
     t: int,
@@ -351,8 +342,8 @@ def _reject(
     log_warning: Callable[..., None],
     details: str | None = None,
 ) -> None:
-    outcome.counts["rejected"] += 1
-    outcome.rejections.append((who, reason))
+    out.counts["rejected"] += 1
+    out.rejections.append((who, reason))
     log_warning(
         "round %d: rejected reply from node %d: %s%s",
         t + 1,
@@ -362,81 +353,68 @@ def _reject(
     )
 
 
-def noisy_update(ctx: RoundContext, plan: RoundPlan, outcome: RoundOutcome) -> list[np.ndarray]:
-    """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size, formed in the outcome's sum
-    (which it takes over); draws round t's noise."""
-    cohort = ctx.planned_cohort(plan.round)
-    total = outcome.total
-    if ctx.sigma > 0:
-        noise = ctx.noise.next(plan.round)
-        scale = np.float32(ctx.sigma * ctx.cfg.clip_norm)
-        for g, w in zip(total, noise, strict=True):
-            _add_scaled(g, w, scale)
+def noisy_update(
+    run: RunPlan, plan: RoundPlan, summed: SummedReplies, noise: NoiseStream
+) -> list[np.ndarray]:
+    """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size, formed in the sum (which it takes
+    over); draws round t's noise."""
+    cohort = run.planned_cohort(plan.round)
+    total = summed.total
+    if run.sigma > 0:
+        noise.add(total, plan.round, np.float32(run.sigma * run.cfg.clip_norm))
     else:
-        ctx.noise.skip_round()  # non-private baseline
+        noise.skip(plan.round)  # non-private baseline
     for g in total:
         g /= cohort
     return total
 
 
-def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:
-    """g += scale·w, block by block in cache (w, the noise, is left as it was)."""
-    gf, wf = g.reshape(-1), w.reshape(-1)
-    tmp = np.empty(min(gf.size, _BLOCK), dtype=np.float32)
-    for lo in range(0, gf.size, _BLOCK):
-        wb = wf[lo : lo + _BLOCK]
-        tb = np.multiply(wb, scale, out=tmp[: wb.size])
-        gf[lo : lo + _BLOCK] += tb
-
-
 def release(
-    ctx: RoundContext,
+    run: RunPlan,
     plan: RoundPlan,
-    outcome: RoundOutcome,
-    params: Sequence[np.ndarray],
-    momentum: Sequence[np.ndarray],
-    selected: Mapping[str, Sequence[int]],
-    overrides: Sequence[dict],
-    evaluate: Callable[[list[np.ndarray]], dict] | None,
+    summed: SummedReplies,
+    state: Any,
+    noise: NoiseStream,
     seconds: Callable[[], float],
 ) -> RoundRecord:
     """The round's record: its noisy update through the server optimizer, the realised ε after it,
-    metrics."""
-    new_params, new_m = ctx.optimizer.step(
-        params, momentum, noisy_update(ctx, plan, outcome), plan.round
+    and its metrics. ``state``: the run's state before the round (read only: a
+    :class:`~corrflow.run.state.RunState` or its view); ``seconds``: the time the round has taken so
+    far (a metric)."""
+    ledger = state.ledger
+    new_params, new_m = run.optimizer.step(
+        state.params, state.momentum, noisy_update(run, plan, summed, noise), plan.round
     )
-    all_overrides = [*overrides, *plan.overrides]
-    eps = ctx.accounting.realized(
-        with_round(selected, plan.round, plan.users), all_overrides
+    eps = run.accounting.realized(
+        with_round(ledger.selected, plan.round, plan.users), [*ledger.overrides, *plan.overrides]
     ).epsilon
-    rejections = [*plan.rejections, *outcome.rejections]
+    rejections = (*plan.rejections, *summed.rejections)
     reasons = Counter(reason_class(r) for _, r in rejections)
     metrics = {
         "round": plan.round,
-        "replies": len(outcome.accepted),
-        "accepted": len(outcome.accepted),
-        "cohort": float(ctx.planned_cohort(plan.round)),
-        **outcome.counts,
+        "replies": len(summed.accepted),
+        "accepted": len(summed.accepted),
+        "cohort": float(run.planned_cohort(plan.round)),
+        **summed.counts,
         "rejected": len(rejections),
         "top_rejection": reasons.most_common(1)[0][0] if reasons else None,
         "aggregation_seconds": seconds(),
     }
     if eps is not None:
         metrics["epsilon"] = eps
-    if evaluate is not None:
-        metrics.update(evaluate(new_params))
     return RoundRecord(
         plan.round,
-        list(plan.users),
-        list(outcome.accepted),
+        tuple(plan.users),
+        tuple(summed.accepted),
         rejections,
-        list(plan.overrides),
+        tuple(plan.overrides),
         new_params,
         new_m,
-        ctx.noise.next_round,
+        noise.next_round,
         eps,
         metrics,
         bool(plan.items),
+        tuple(summed.accepted_replies),
     )
 
 

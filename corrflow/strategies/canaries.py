@@ -271,7 +271,7 @@ def analyse(
     )
     deltas = np.diff(models, axis=0)  # (T, d)
     dim = deltas.shape[1]
-    M = optimizer_map(strategy.run.round.optimizer, cfg.num_rounds)[:released, :released]
+    M = optimizer_map(strategy.run.plan.optimizer, cfg.num_rounds)[:released, :released]
     moving = np.abs(np.diag(M)) > 0  # rounds at learning rate 0 release nothing new
     D, M = deltas[moving], M[moving]
     u, pattern_rule = _patterns(strategy, plan, users, cfg.num_rounds)
