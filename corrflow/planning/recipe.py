@@ -21,7 +21,7 @@ class Recipe:
     """One candidate mechanism, complete enough to run.
 
     ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings
-    (``StrategyConfig``); ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error``
+    (``RunConfig``); ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error``
     are at that σ per unit clip norm and model coordinate (docs/explanation/conventions.md,
     "Errors"). The JSON Schema of its file is ``corrflow schema recipe``."""
 
@@ -88,7 +88,7 @@ class Recipe:
         settings the run does not give are not compared.
 
         Args:
-            settings: ``StrategyConfig`` field → value (an enum member counts by its value).
+            settings: ``RunConfig`` field → value (an enum member counts by its value).
             names: field → the name the user typed, e.g. a CLI flag (default: the run-config key).
 
         Returns:

@@ -11,7 +11,7 @@ import typer
 
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 
-# StrategyConfig's names for the settings compare's flags set.
+# The run-config names (corrflow.config.RunConfig) of the settings compare's flags set.
 _FLAGS = {
     "num-rounds": "--rounds",
     "num-users": "--users",
