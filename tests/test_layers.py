@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from corrflow.run.ledger import Ledger
+from corrflow.run.state import RunState, RunView
+
 PACKAGE = Path(__file__).parent.parent / "corrflow"
 
 #: Layer of each top-level module or package, bottom up. A module may import its own package and
@@ -238,9 +241,6 @@ def test_run_state_changes_only_in_the_runs_apply_step():
 def test_the_run_state_is_read_only_outside_the_run(tmp_path):
     """What the strategy (or anyone) reads is a view: assigning, appending or writing an array
     raises, and the view reads through (a round's change shows without a new view)."""
-    from corrflow.run.ledger import Ledger
-    from corrflow.run.state import RunState, RunView
-
     state = RunState([np.zeros(3, np.float32)], [np.zeros(3, np.float32)], Ledger())
     state.ledger.select(0, ["a", "b"])
     view = RunView(state)

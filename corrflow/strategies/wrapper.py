@@ -50,10 +50,20 @@ from corrflow.config import (
 )
 from corrflow.config import from_wrapper_keywords as _from_keywords
 from corrflow.errors import CorrflowError, InvalidArgumentError, require
+from corrflow.fileio import write_json
 from corrflow.paths import run_directory
+from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.progress import round_line
-from corrflow.strategies.canaries import MIN_CANARIES
+from corrflow.strategies.canaries import (
+    MIN_CANARIES,
+    CanaryGrid,
+    CanaryPlan,
+    RoundCapture,
+    analyse,
+    write_plot,
+)
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.identity import default_identity
 from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
@@ -184,8 +194,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self._values = _from_keywords(settings, client="app")
         self.plan = None
         if plan is not None:
-            from corrflow.planning.recipe import load_recipe
-
             recipe, fac_path = load_recipe(plan)
             diff = recipe.differences(
                 self._values, {f: surface_name(f, "wrapper") for f in self._values}
@@ -258,8 +266,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         if cfg.num_users is not None:
             check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
-            from corrflow.planning.recipe import install_factorization
-
             install_factorization(
                 *self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
             )
@@ -307,9 +313,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def _audit_grid(self, grid: Grid, cfg: RunConfig, initial_arrays: ArrayRecord):
         """The grid with one virtual canary SuperNode per inserted canary (simulation only), and the
         capture of the released models (corrflow.strategies.canaries)."""
-        from corrflow.strategies.canaries import CanaryGrid, CanaryPlan, RoundCapture
-        from corrflow.strategies.identity import default_identity
-
         require(
             default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"),
             "canaries",
@@ -339,9 +342,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def _finish_audit(self, report: dict, grid, capture) -> dict:
         """The audit of the run just finished (``audit.json`` and ``audit.png`` in the run
         directory)."""
-        from corrflow.fileio import write_json
-        from corrflow.strategies.canaries import analyse, write_plot
-
         core = self.core
         inserted = len(grid.canary_nodes)
         result = analyse(
