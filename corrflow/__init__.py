@@ -1,8 +1,10 @@
 """corrflow: federated learning with differential privacy through correlated noise.
 
 Layers, bottom up: ``factorization`` (workload, encoder, sensitivity), ``noise`` (streaming
-correlated noise), ``accounting`` (ε, δ), ``participation`` (who trains when),
-``strategies``/``server``/``clients`` (Flower).
+correlated noise), ``accounting`` (ε, δ), ``participation`` (who trains when), ``data`` (federated
+datasets) and ``config`` (the settings model), ``planning`` (a run's plan before it trains), ``run``
+(the run without Flower: state, noise stream, the round, its files), then Flower:
+``strategies``/``clients`` and ``server`` (ServerApp, CLI).
 """
 
 __version__ = "0.1.0"

@@ -58,9 +58,17 @@ log = logging.getLogger("corrflow")
 
 
 def open_run_directory(run_dir: str | Path, fresh: bool = False) -> ResumePoint:
-    """The run directory made private to git, an earlier run archived when asked (``fresh``) or when
-    it left files behind without a checkpoint, and what the directory resumes from (the caller holds
-    its :class:`~corrflow.run.resume.RunLock`)."""
+    """The run directory made private to git, an earlier run archived when asked or when it left
+    files behind without a checkpoint, and what the directory resumes from (the caller holds its
+    :class:`~corrflow.run.resume.RunLock`).
+
+    Args:
+        run_dir: the run directory (created if missing).
+        fresh: move an earlier run aside (``previous-runs/``) and start anew.
+
+    Returns:
+        The :class:`~corrflow.run.resume.ResumePoint`: a new run, or the checkpoint to resume from.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / ".gitignore").exists():  # keys, ledger, cohorts: never in a `git add -A`
@@ -82,11 +90,17 @@ def prepare(
     names: Sequence[str] | None = None,
     identity: str = "user-id",
 ) -> RunPlan:
-    """Everything a run decides before round 1: the cohort planner over ``users`` (the population's
-    stable ids), the factorization (built once, cached in ``cfg.state_dir``), σ and the planned ε,
-    the server optimizer, the model's layout (``initial``, named ``names``) and the learnability
-    check. ``identity``: where the ids come from, for the report (a plain loop's own ids:
-    "user-id"). ``cfg.num_users`` must be set."""
+    """Everything a run decides before round 1: the cohort planner over the population, the
+    factorization (built once, cached in ``cfg.state_dir``), σ and the planned ε, the server
+    optimizer, the model's layout and the learnability check.
+
+    Args: cfg: the run's settings (``num_users`` set). users: the population's stable user ids.
+    initial: the initial model, every array in order. names: the arrays' names (default "0", "1",
+    …). identity: where the ids come from, for the report (a plain loop's own ids: "user-id").
+
+    Returns:
+        The frozen :class:`~corrflow.run.plan.RunPlan`.
+    """
     planner, item_home, bounding = build_planner(cfg, sorted(users))
     if bounding.get("dropped"):
         log.warning(
@@ -167,6 +181,9 @@ class Run:
         (:func:`open_run_directory`). noise_key: the noise stream's key (tests and audits; default
         a fresh secret). evaluate: server-side evaluation of the trainable float32 arrays, whose
         metrics join each round's. on_round_end: called with each round's published metrics.
+
+        Returns:
+            The run, at its next round.
         """
         params = plan.layout.trainable_arrays(initial)
         initial_sha256 = arrays_sha256(initial)
@@ -232,25 +249,45 @@ class Run:
         )
 
     def report(self) -> dict:
-        """The privacy report (docs "Conventions", Privacy report) as the operator holds it (before
-        an amplified run's redactions of the published file)."""
+        """The privacy report so far.
+
+        Returns: The report (docs "Conventions", Privacy report) as the operator holds it (before an
+        amplified run's redactions of the published file).
+        """
         return self._recorder.report()
 
     def learning(self) -> dict:
-        """The report's learning section: did the run learn, and ρ."""
+        """Whether the run learns.
+
+        Returns:
+            The report's learning section (losses, ρ, the verdict).
+        """
         return self._recorder.learning()
 
     def write_report(self) -> Path:
+        """Write ``privacy_report.json`` as published.
+
+        Returns:
+            Its path.
+        """
         return self._recorder.write_report()
 
     def write_metrics(self) -> Path:
+        """Write ``metrics.json`` (the initial model as round −1, then each round) as published.
+
+        Returns:
+            Its path.
+        """
         return self._recorder.write_metrics()
 
     # -- driving -----------------------------------------------------------------------------------
     def plan_next(self) -> RoundPlan | None:
-        """The next round's plan (sampled items and operator overrides after the separation policy),
-        not yet routed to nodes; None once the run is complete or stopped — also when the budget
-        guard stops it here (``state.stopped_reason`` says why)."""
+        """The next round's plan, before anything of it is committed.
+
+        Returns: The sampled items and operator overrides after the separation policy, not yet
+        routed to nodes (:meth:`~corrflow.run.round.RoundPlan.route`); None once the run is complete
+        or stopped — also when the budget guard stops it here (``state.stopped_reason`` says why).
+        """
         s = self._state
         if self.done:
             return None
@@ -265,11 +302,19 @@ class Run:
         return plan
 
     def step(self, plan: RoundPlan, replies: Iterable[Reply] | SummedReplies) -> RoundRecord | None:
-        """Release round ``plan.round``: clip and sum the ``replies`` (or take a sum already clipped
-        and summed, e.g. by a secure-aggregation adapter), add the round's correlated noise, step
-        the server optimizer, and commit (checkpoint → journal → registry → report → metrics).
-        Returns the round's record; None when the round is refused because its model is not finite
-        (NaN or Inf): the run stops, nothing of the round is released.
+        """Release round ``plan.round``: clip and sum the replies, add the round's correlated
+        noise, step the server optimizer, check the new model is finite, and commit (checkpoint →
+        journal → registry → report → metrics).
+
+        Args: plan: the round's routed plan (:meth:`plan_next`, then
+        :meth:`~corrflow.run.round.RoundPlan.route`). replies: one
+        :class:`~corrflow.run.round.Reply` per answer, in any order; or a
+        :class:`~corrflow.run.round.SummedReplies` already clipped and summed (a secure-aggregation
+        adapter's), which enters the same path after the sum.
+
+        Returns: The round's :class:`~corrflow.run.round.RoundRecord`; None when the round is
+        refused because its model is not finite (NaN or Inf): the run stops, nothing of the round
+        is released.
 
         Raises: InvalidArgumentError: a plan that is not the run's next round, or a stopped run.
         """
@@ -307,13 +352,22 @@ class Run:
         return record
 
     def stop(self, reason: str) -> None:
-        """Stop the run before its planned rounds (an interrupt), on the record."""
+        """Stop the run before its planned rounds (an interrupt), on the record.
+
+        Args:
+            reason: why, as the report's ``stopped_reason`` will say.
+        """
         self._apply(Stop(reason))
 
     def override(self, round_index: int, items: Sequence[str]) -> None:
-        """Operator override: add ``items`` to a future round's cohort (they pass through the
-        separation monitor like sampled items; every override is listed in the privacy report, and
-        an amplified run's report switches to post-hoc accounting)."""
+        """Operator override: add items to a future round's cohort (they pass through the separation
+        monitor like sampled items; every override is listed in the privacy report, and an
+        amplified run's report switches to post-hoc accounting).
+
+        Args:
+            round_index: a future round, 0-based.
+            items: item ids known to the planner.
+        """
         nxt = self._state.next_round
         require(round_index >= nxt, "round", f"a future round (≥ {nxt})", round_index)
         unknown = [i for i in items if i not in self._plan.planner.index]

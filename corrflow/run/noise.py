@@ -2,7 +2,7 @@
 saved with every checkpoint and restored bit for bit.
 
 :class:`NoiseStream` is the one interface the round uses (:meth:`NoiseStream.add`,
-:meth:`NoiseStream.skip`, :attr:`NoiseStream.next_round`, :meth:`NoiseStream.save`), so a different
+:meth:`NoiseStream.skip`, ``NoiseStream.next_round``, :meth:`NoiseStream.save`), so a different
 source of the same noise plugs in here without a second path through the round: keys that change
 per process start (segments of rounds, each drawn from its own key, listed in the checkpoint), or a
 stream sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising

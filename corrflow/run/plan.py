@@ -47,8 +47,15 @@ class RunPlan:
         return SeparationMonitor(self.planner.min_sep)
 
     def planned_cohort(self, t: int) -> np.float32:
-        """The planned size, not the number of replies: the fixed-epoch group, or the sampler's
-        expected batch (the denominator of x̂_t, which must not depend on who replied)."""
+        """The planned cohort size of round ``t`` — not the number of replies, which must not
+        change the denominator of x̂_t.
+
+        Args:
+            t: the round, 0-based.
+
+        Returns:
+            The fixed-epoch group's size, or the sampler's expected batch.
+        """
         return np.float32(
             len(self.planner.cohort(t))
             if self.planner.kind == "fixed-epoch"

@@ -78,7 +78,14 @@ class RoundPlan:
     ) -> RoundPlan:
         """This plan with its items assigned to nodes: an item's user's node (cross-silo: its
         silo's, which trains all of its items); an item whose node is offline is rejected ("offline
-        when selected"). A new plan: this one is left as it is."""
+        when selected"). This plan is left as it is.
+
+        Args: user_to_node: each user's node. online: the nodes online now. item_home: cross-silo,
+        each item's silo (``RunPlan.item_home``).
+
+        Returns:
+            A new plan, with ``expected`` (node → item or items) and ``owners`` (node → user).
+        """
         targets: dict[int, list[str]] = {}
         owners: dict[int, str] = {}
         offline = []
@@ -113,6 +120,14 @@ class SummedReplies:
 
     @classmethod
     def empty(cls, shapes: Sequence[tuple[int, ...]]) -> SummedReplies:
+        """A sum of nothing yet.
+
+        Args:
+            shapes: the trainable arrays' shapes (``ModelLayout.trainable_shapes``).
+
+        Returns:
+            Zero float32 arrays, nothing accepted, no counts.
+        """
         return cls(
             [],
             [np.zeros(s, dtype=np.float32) for s in shapes],
