@@ -22,6 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ from corrflow.accounting.policy import with_round
 from corrflow.run.clipping import ClippedSum, RejectedReplyError
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
+
+_FROZEN_EMPTY: Mapping = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class RoundPlan:
     users: tuple[str, ...]
     overrides: tuple[dict, ...] = ()
     rejections: tuple[tuple[str | None, str], ...] = ()  # (item or user, reason)
-    expected: Mapping[int, str | tuple[str, ...]] = field(default_factory=dict)
-    owners: Mapping[int, str] = field(default_factory=dict)  # node → user (silo) behind it
+    expected: Mapping[int, str | tuple[str, ...]] = field(default_factory=lambda: _FROZEN_EMPTY)
+    owners: Mapping[int, str] = field(default_factory=lambda: _FROZEN_EMPTY)  # node → user behind
 
     def route(
         self,
@@ -101,7 +104,10 @@ class RoundPlan:
             n: (items[0] if item_home is None else tuple(items)) for n, items in targets.items()
         }
         return replace(
-            self, rejections=(*self.rejections, *offline), expected=expected, owners=owners
+            self,
+            rejections=(*self.rejections, *offline),
+            expected=MappingProxyType(expected),
+            owners=MappingProxyType(owners),
         )
 
 
@@ -268,8 +274,9 @@ def collect(
     (``plan.expected``) and did not answer is recorded as timed out. Changes no state."""
     clip, silo, layout = run.cfg.clip_norm, run.item_home is not None, run.layout
     clipped = ClippedSum(layout.trainable_shapes, layout.trainable_names)
-    out = SummedReplies.empty(())
-    out.total = clipped.total
+    out = SummedReplies(
+        [], clipped.total, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, []
+    )
     model_sent = layout.sent(params) if run.cfg.reply_kind == "weights" else None
     answered: set[int] = set()
     candidates: dict[str, list[tuple[int, Reply, int]]] = {}
