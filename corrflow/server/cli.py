@@ -998,6 +998,11 @@ def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     )
 
 
+def _loss(value: float | None) -> str:
+    """A held-out loss for the summary: a non-finite one (None in the metrics) shows as such."""
+    return "non-finite" if value is None else f"{value:.4f}"
+
+
 def _summary(report: dict, out: Path, held_out: dict) -> str:
     """The run in a few lines: held-out progress and the privacy report (whole:
     OUT/privacy_report.json)."""
@@ -1034,8 +1039,8 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         "" if mech["bands"] is None else f", bands={mech['bands']}"
     )  # None: a dense (unbanded) encoder
     lines = [
-        f"held-out    loss {held_out['initial_test_loss']:.4f} → "
-        f"{held_out['final_test_loss']:.4f}{change}{acc} "
+        f"held-out    loss {_loss(held_out['initial_test_loss'])} → "
+        f"{_loss(held_out['final_test_loss'])}{change}{acc} "
         f"over {held_out['rounds_evaluated']} rounds{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
         f"b={mech['min_sep']}{bands}), "
