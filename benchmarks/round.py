@@ -33,8 +33,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from corrflow.config import RunConfig
+from corrflow.run.resume import RunLock
 from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
-from corrflow.strategies.run_state import RunLock
 from corrflow.strategies.session import RunSpec, prepare_run
 
 
@@ -88,7 +88,7 @@ class _Phases:
     registry, report, metrics) and, within it, the checkpoint alone."""
 
     def __init__(self, strategy):
-        import corrflow.strategies.correlated as correlated
+        import corrflow.run.core as core
 
         self.times: dict[str, list[float]] = {
             "collect": [],
@@ -96,11 +96,11 @@ class _Phases:
             "bookkeeping": [],
             "checkpoint": [],
         }
-        recorder = strategy.run.recorder
-        correlated.collect = self._timed("collect", correlated.collect)
-        correlated.release = self._timed("release", correlated.release)
-        recorder.apply = self._timed("bookkeeping", recorder.apply)
-        recorder._checkpoint = self._timed("checkpoint", recorder._checkpoint)
+        run = strategy.run
+        core.collect = self._timed("collect", core.collect)
+        core.release = self._timed("release", core.release)
+        run._apply = self._timed("bookkeeping", run._apply)
+        run._recorder.checkpoint = self._timed("checkpoint", run._recorder.checkpoint)
 
     def _timed(self, name, fn):
         def run(*a, **kw):
@@ -196,7 +196,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     o, t = statistics.median(ours), statistics.median(theirs)
     b, c = phases.median("bookkeeping"), phases.median("checkpoint")
-    noise = strategy.run.round.noise
+    noise = strategy.run.noise.generator
     print(
         json.dumps(
             {

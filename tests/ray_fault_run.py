@@ -38,7 +38,7 @@ if __name__ == "__main__":
         sys.exit(130)
     except RunStoppedEarlyError:
         sys.exit(1)
-    from corrflow.strategies.checkpoint import current_checkpoint, load_arrays
+    from corrflow.run.checkpoint import current_checkpoint, load_arrays
 
     params = load_arrays(current_checkpoint(os.path.join(out, "state")), "model")
     np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in params]))

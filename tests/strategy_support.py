@@ -1,10 +1,14 @@
 """Shared by the strategy tests: the numpy ClientApp handlers, a fixed noise key, a small run
 config, and the stand-in request used to build tampered replies."""
 
+import sqlite3
+
 from flwr.app import Message, RecordDict
 
 from corrflow.clients.numpy_client import train
 from corrflow.config import RunConfig
+from corrflow.run.journal import JOURNAL, ReleaseJournal
+from corrflow.run.registry import default_registry
 
 HANDLERS = {"train": train}
 KEY = bytes(range(16))
@@ -34,11 +38,6 @@ def forget_last_release(run_dir) -> None:
     """What a kill before a round's journal append leaves behind: the release registry (written
     after the journal) has not recorded that round either. Tests that cut the journal's last line
     cut the registry's too."""
-    import sqlite3
-
-    from corrflow.strategies.journal import JOURNAL, ReleaseJournal
-    from corrflow.strategies.registry import default_registry
-
     run_id = ReleaseJournal(run_dir / JOURNAL).read()[0].run_id
     with sqlite3.connect(default_registry()) as db:
         db.execute(

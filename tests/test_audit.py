@@ -15,9 +15,9 @@ from corrflow.config import RunConfig
 from corrflow.factorization.build import factorize, participation_for
 from corrflow.factorization.workloads import Workload
 from corrflow.noise import CorrelatedNoise
+from corrflow.run.optimizer import MomentumServerOptimizer
 from corrflow.server.audit import run_audit
 from corrflow.strategies.canaries import optimizer_map
-from corrflow.strategies.server_optimizer import MomentumServerOptimizer
 
 DELTA = 1e-5
 
@@ -244,7 +244,7 @@ def _cli(tmp_path, name: str) -> tuple[int, dict, str]:
 
 def test_cli_audit_of_the_default_mechanism(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        "corrflow.strategies.session.new_secret", lambda: bytes(16)
+        "corrflow.run.noise.new_secret", lambda: bytes(16)
     )  # a reproducible noise key
     code, res, output = _cli(tmp_path, "ok")
     assert code == 0, output
@@ -299,7 +299,7 @@ def test_wrapper_audits_a_users_strategy_in_simulation(tmp_path, monkeypatch):
     from corrflow.server.inprocess import InProcessGrid
     from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 
-    monkeypatch.setattr("corrflow.strategies.session.new_secret", lambda: bytes(16))
+    monkeypatch.setattr("corrflow.run.noise.new_secret", lambda: bytes(16))
     task = get_task("nextword", seed=0)
     strategy = DifferentialPrivacyCorrelatedNoise(
         FedAvg(fraction_evaluate=0.0),

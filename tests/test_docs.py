@@ -334,6 +334,7 @@ def _public_api(package: str):
         "corrflow.strategies",
         "corrflow.accounting",
         "corrflow.planning",
+        "corrflow.run",
     ],
 )
 def test_public_functions_document_args_and_returns(package):

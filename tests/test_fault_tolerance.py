@@ -21,10 +21,10 @@ from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_ev
 from corrflow.config import RunConfig, from_run_config
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization
+from corrflow.run.journal import JOURNAL, ReleaseJournal
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.identity import IdentityError
-from corrflow.strategies.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
@@ -214,7 +214,7 @@ def test_fresh_moves_the_checkpoints_with_their_journal_whatever_the_run_directo
         ReleaseJournal(moved / JOURNAL).read()
     ) == 4
     assert (moved / "privacy_report.json").exists() and (moved / "metrics.json").exists()
-    assert second.run.recorder.keys.run_id != first.run.recorder.keys.run_id
+    assert second.run.run_id != first.run.run_id
     assert len(ReleaseJournal(tmp_path / "server-state" / JOURNAL).read()) == 4
     assert second.ledger.selected != {} and second.next_round == 4
 
@@ -293,7 +293,7 @@ def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
     assert s.next_round == 6 and not s.ledger.rejections
     assert sorted(s.ledger.selected) == sorted(f"user-device-{p:02d}" for p in range(12))
     assert all(len(r) == 2 for r in s.ledger.selected.values())
-    assert s.run.directory.node_to_user[restarted["node"]] == "user-device-00"
+    assert s.directory.node_to_user[restarted["node"]] == "user-device-00"
 
 
 def test_per_launch_identity_is_marked_and_never_resumes(tmp_path):

@@ -1,11 +1,18 @@
 """The package layout's promises, read from the source: imports flow downward (function-level
-imports included), the strategy stays a thin shell over the round core, and run state changes only
-in the recorder's apply step."""
+imports included), the layers below the Flower adapter never import Flower, the strategy stays a
+thin shell over the run, and the run's state changes only in the run's apply step (and cannot be
+changed from outside: the state is a read-only view)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from corrflow.run.ledger import Ledger
+from corrflow.run.state import RunState, RunView
 
 PACKAGE = Path(__file__).parent.parent / "corrflow"
 
@@ -28,9 +35,10 @@ LAYERS = {
     "data": 4,
     "config": 4,
     "planning": 5,
-    "strategies": 6,
-    "clients": 6,
-    "server": 7,
+    "run": 6,
+    "strategies": 7,
+    "clients": 7,
+    "server": 8,
 }
 
 
@@ -92,6 +100,47 @@ def _statements(node: ast.AST) -> int:
     )
 
 
+#: The packages that know nothing of Flower: everything below the adapter (strategies/, clients/).
+FLOWER_FREE = ("factorization", "noise", "accounting", "participation", "planning", "run")
+
+
+@pytest.mark.parametrize("package", FLOWER_FREE)
+def test_flower_free_packages_import_no_flwr(package):
+    wrong = []
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            wrong += [
+                f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[0] == "flwr"
+            ]
+    assert not wrong, wrong
+
+
+def test_the_flower_free_run_loads_without_flower():
+    """Importing the run (and everything it imports) loads no Flower module — in a fresh process,
+    since this one has Flower loaded already."""
+    code = (
+        "import sys, corrflow.run, corrflow.run.core; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'flwr'); print(bad); "
+        "sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_strategies_is_the_flower_adapter_only():
+    modules = sorted(p.name for p in (PACKAGE / "strategies").glob("*.py"))
+    assert len(modules) <= 8, modules
+
+
 def test_the_strategy_is_a_thin_shell():
     tree = _source("strategies/correlated.py")
     cls = next(
@@ -99,7 +148,7 @@ def test_the_strategy_is_a_thin_shell():
     )
     assert _statements(cls) <= 80
     long = []
-    for path in sorted((PACKAGE / "strategies").glob("*.py")):
+    for path in sorted([*(PACKAGE / "strategies").glob("*.py"), *(PACKAGE / "run").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             size = _statements(node) if isinstance(node, ast.FunctionDef) else 0
             if size > 45:
@@ -144,22 +193,71 @@ def test_strategies_assign_no_state_outside_their_constructor(rel, cls):
     assert not wrong, wrong
 
 
-def test_run_state_changes_only_in_the_recorders_apply_step():
-    """Outside the recorder no module assigns an attribute of the run's state; inside it only apply
-    and the round it applies do (the state a run starts from is built, not assigned)."""
+def _assigned_state(func: ast.FunctionDef) -> list[str]:
+    """Attributes assigned in ``func`` on anything that names the run's state or ledger: ``s.x``,
+    ``state.x``, ``self._state.x``, ``self.run.state.next_round``, ``….ledger.x``, …"""
+    out = []
+    for node in ast.walk(func):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
+        for t in targets:
+            for elt in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if not isinstance(elt, ast.Attribute):
+                    continue
+                owner = ast.unparse(elt.value)
+                if owner == "s" or owner.split(".")[-1] in ("state", "_state", "ledger"):
+                    out.append(f"{owner}.{elt.attr}")
+    return out
+
+
+def test_run_state_changes_only_in_the_runs_apply_step():
+    """No module assigns an attribute of the run's state (or its ledger) but ``Run._apply`` and the
+    round it applies (the state a run starts from is built, not assigned); and nothing outside
+    corrflow/run/ reaches the run's private state."""
     wrong = []
-    for path in sorted((PACKAGE / "strategies").glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
         tree = ast.parse(path.read_text())
         for func in ast.walk(tree):
             if not isinstance(func, ast.FunctionDef):
                 continue
-            assigned = (
-                _assigned_attributes(func, "s")
-                + _assigned_attributes(func, "self.state")
-                + _assigned_attributes(func, "state")
-            )
-            if assigned and not (
-                path.name == "recorder.py" and func.name in ("apply", "_apply_round")
-            ):
-                wrong.append(f"{path.name}:{func.lineno} {func.name} assigns {assigned}")
+            assigned = _assigned_state(func)
+            if assigned and not (rel == "run/core.py" and func.name in ("_apply", "_apply_round")):
+                wrong.append(f"{rel}:{func.lineno} {func.name} assigns {assigned}")
+        if not rel.startswith("run/"):
+            wrong += [
+                f"{rel}:{n.lineno} reaches {n.attr}"
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and n.attr in ("_state", "_recorder", "_keys")
+            ]
     assert not wrong, wrong
+
+
+def test_the_run_state_is_read_only_outside_the_run(tmp_path):
+    """What the strategy (or anyone) reads is a view: assigning, appending or writing an array
+    raises, and the view reads through (a round's change shows without a new view)."""
+    state = RunState([np.zeros(3, np.float32)], [np.zeros(3, np.float32)], Ledger())
+    state.ledger.select(0, ["a", "b"])
+    view = RunView(state)
+    with pytest.raises(AttributeError):
+        view.next_round += 0
+    with pytest.raises(AttributeError):
+        view.ledger.epsilon_history.append(None)
+    with pytest.raises(AttributeError):
+        view.ledger.selected["a"].append(3)
+    with pytest.raises(TypeError):
+        view.ledger.selected["c"] = [1]
+    with pytest.raises(AttributeError):
+        view.ledger.rounds_completed = 5
+    with pytest.raises(ValueError):
+        view.params[0][0] = 1.0
+    with pytest.raises(AttributeError):
+        view.metrics_history.append({})
+    state.ledger.select(1, ["a"])
+    assert view.ledger.selected == {"a": [0, 1], "b": [0]} and view.ledger.selected["a"] == [0, 1]
+    assert {"a": [0, 1], "b": [0]} == view.ledger.selected

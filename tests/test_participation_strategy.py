@@ -639,7 +639,7 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     its journal entry resumes with its key: round 3 is released again and all 8 rounds replay from
     the checkpoint's key. Without the key file the run refuses to resume, naming it."""
     from corrflow.errors import IntegrityError
-    from corrflow.strategies.journal import JOURNAL, ReleaseJournal
+    from corrflow.run.journal import JOURNAL, ReleaseJournal
 
     base = dict(
         num_users=12,

@@ -18,7 +18,7 @@ import pytest
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
 from corrflow.factorization import Factorization
-from corrflow.strategies.journal import JOURNAL, ReleaseJournal
+from corrflow.run.journal import JOURNAL, ReleaseJournal
 
 TESTS = Path(__file__).parent
 ENV = dict(

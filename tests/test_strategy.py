@@ -219,7 +219,7 @@ def test_workload_mismatch_and_unknown_config(tmp_path):
         RunConfig(num_rounds=5, epochs=2, noise_multiplier=1.0)
     cfg = _cfg(tmp_path)
     run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
-    from corrflow.strategies.server_optimizer import check_workload_matches
+    from corrflow.run.optimizer import check_workload_matches
 
     fac = Factorization.load(tmp_path / "factorization.npz")
     with pytest.raises(InvalidArgumentError, match="factorization"):
@@ -428,7 +428,7 @@ def test_clipped_sum_matches_a_float64_reference_and_rejects_before_adding():
     """The fused in-place sum: u = reply − sent (float64 reply: the exact difference rounded once),
     ℓ2 ≤ bound, zeroing on ℓ∞, NaN/Inf rejected without touching the sum; blocks of 2¹⁶ floats are
     crossed (d = 150 001)."""
-    from corrflow.strategies.validation import ClippedSum, RejectedReplyError
+    from corrflow.run.clipping import ClippedSum, RejectedReplyError
 
     rng = np.random.default_rng(5)
     shapes = [(150_001,), (3, 4)]
@@ -474,7 +474,7 @@ def test_clipped_sum_matches_a_float64_reference_and_rejects_before_adding():
 def test_array_view_reads_replies_without_copying_and_as_flower_does():
     from flwr.app import Array
 
-    from corrflow.strategies.model import array_view
+    from corrflow.strategies.messaging import array_view
 
     rng = np.random.default_rng(1)
     for a in (

@@ -287,3 +287,34 @@ def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedav
     with pytest.raises(InvalidArgumentError, match="initial_arrays"):
         strategy.start(grid=InProcessGrid(task.handlers, 6), initial_arrays=other, num_rounds=2)
     assert len(result.arrays.to_numpy_ndarrays()) == 2
+
+
+def test_summary_works_for_every_setting_the_constructor_accepts(tmp_path, caplog):
+    """summary() (Flower calls it) describes the wrapper before start() fixes the rounds: for every
+    setting the constructor accepts it logs, never raising — e.g. epochs=3, which the default 20
+    rounds would not fit."""
+    import itertools
+    import logging
+
+    from corrflow.choices import Participation
+
+    accepted = 0
+    for participation, epochs, min_sep in itertools.product(Participation, (1, 3), (0, 2, 4)):
+        try:
+            s = DifferentialPrivacyCorrelatedNoise(
+                FedAvg(),
+                clipping_norm=1.0,
+                target_epsilon=8.0,
+                participation=participation.value,
+                epochs=epochs,
+                min_sep=min_sep,
+                state_dir=str(tmp_path),
+            )
+        except InvalidArgumentError:
+            continue
+        accepted += 1
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="corrflow"):
+            s.summary()
+        assert f"{epochs} epoch(s)" in caplog.text and "clipping norm 1" in caplog.text
+    assert accepted >= 8

@@ -41,7 +41,7 @@ def pattern_followed(overrides: Iterable[Mapping]) -> bool:
 
 def with_round(
     selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]
-) -> dict[str, list[int]]:
+) -> Mapping[str, Sequence[int]]:
     """The participation after a prospective round.
 
     Args:
@@ -49,13 +49,32 @@ def with_round(
         round_index: the round, 0-based.
         users: the round's cohort (a user listed twice contributes twice).
 
-    Returns:
-        A new user → rounds mapping with ``round_index`` added for each of ``users``.
+    Returns: A user → rounds mapping with ``round_index`` added for each of ``users``: a read-only
+    overlay on ``selected`` built in O(cohort) (a round never copies the population's ledger).
     """
-    out = {u: list(r) for u, r in selected.items()}
+    extra: dict[str, list[int]] = {}
     for u in users:
-        out.setdefault(u, []).append(round_index)
-    return out
+        extra.setdefault(u, []).append(round_index)
+    return _WithRound(selected, extra)
+
+
+class _WithRound(Mapping):
+    """``selected`` with a round's extra participations appended (see :func:`with_round`)."""
+
+    def __init__(self, selected: Mapping[str, Sequence[int]], extra: dict[str, list[int]]):
+        self._selected, self._extra = selected, extra
+
+    def __getitem__(self, user: str) -> list[int]:
+        if user in self._extra:
+            return [*self._selected.get(user, ()), *self._extra[user]]
+        return self._selected[user]
+
+    def __iter__(self):
+        yield from self._selected
+        yield from (u for u in self._extra if u not in self._selected)
+
+    def __len__(self) -> int:
+        return len(self._selected) + sum(u not in self._selected for u in self._extra)
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ TRAINING_DEFAULTS = {
 
 
 def training_defaults(client: str, **overrides) -> dict:
-    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (fields of
-    :class:`~corrflow.config.RunConfig`)."""
+    """The client's ``TRAINING_DEFAULTS`` with the given non-None overrides (RunConfig keyword
+    arguments)."""
     require(client in CLIENTS, "client", " or ".join(CLIENTS), client)
     return {**TRAINING_DEFAULTS[client], **{k: v for k, v in overrides.items() if v is not None}}
 

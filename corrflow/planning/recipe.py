@@ -23,11 +23,10 @@ RECIPE_FORMAT = "corrflow.recipe/1"
 class Recipe:
     """One candidate mechanism, complete enough to run.
 
-    ``participation`` / ``accountant`` / ``participation_rate`` are the run's settings
-    (:class:`~corrflow.config.RunConfig`); ``noise_multiplier`` σ multiplies the clip norm;
-    ``rmse`` / ``max_error`` are at that σ per unit clip norm and model coordinate
-    (docs/explanation/conventions.md, "Errors"). The JSON Schema of its file is
-    ``corrflow schema recipe``."""
+    ``participation`` / ``accountant`` / ``participation_rate`` are the strategy's settings
+    (``RunConfig``); ``noise_multiplier`` σ multiplies the clip norm; ``rmse`` / ``max_error``
+    are at that σ per unit clip norm and model coordinate (docs/explanation/conventions.md,
+    "Errors"). The JSON Schema of its file is ``corrflow schema recipe``."""
 
     kind: str
     bands: int | None
@@ -91,8 +90,7 @@ class Recipe:
         settings the run does not give are not compared.
 
         Args:
-            settings: :class:`~corrflow.config.RunConfig` field → value (an enum member counts by
-                its value).
+            settings: ``RunConfig`` field → value (an enum member counts by its value).
             names: field → the name the user typed, e.g. a CLI flag (default: the run-config key).
 
         Returns:

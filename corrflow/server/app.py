@@ -120,7 +120,7 @@ class RunOutcomeError(RuntimeError):
 
 def outcome_failure(strategy: CorrelatedNoiseStrategy) -> None:
     """Raise :class:`RunOutcomeError` naming why when the run stopped early or did not learn."""
-    learning = strategy.run.recorder.learning()
+    learning = strategy.run.learning()
     if strategy.stopped_reason is not None:
         why = f"stopped before its planned rounds: {strategy.stopped_reason}"
     elif learning["learned"] is False:

@@ -728,7 +728,7 @@ def _check_resume(cfg, out: Path, fresh: bool) -> bool:
     """Refuse a directory holding another run (exit 2, naming what differs) or one that disagrees
     with its journal (exit 1); say whether the run resumes or is already complete. Returns whether
     it is complete."""
-    from corrflow.strategies.run_state import preflight, settings_conflict
+    from corrflow.run.resume import preflight, settings_conflict
 
     try:
         if not fresh and (diff := settings_conflict(cfg.checkpoint_dir, cfg.run_settings())):
@@ -997,6 +997,11 @@ def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     )
 
 
+def _loss(value: float | None) -> str:
+    """A held-out loss for the summary: a non-finite one (None in the metrics) shows as such."""
+    return "non-finite" if value is None else f"{value:.4f}"
+
+
 def _summary(report: dict, out: Path, held_out: dict) -> str:
     """The run in a few lines: held-out progress and the privacy report (whole:
     OUT/privacy_report.json)."""
@@ -1034,8 +1039,8 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         "" if mech["bands"] is None else f", bands={mech['bands']}"
     )  # None: a dense (unbanded) encoder
     lines = [
-        f"held-out    loss {held_out['initial_test_loss']:.4f} → "
-        f"{held_out['final_test_loss']:.4f}{change}{acc} "
+        f"held-out    loss {_loss(held_out['initial_test_loss'])} → "
+        f"{_loss(held_out['final_test_loss'])}{change}{acc} "
         f"over {held_out['rounds_evaluated']} rounds{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
         f"b={mech['min_sep']}{bands}), "

@@ -35,6 +35,7 @@ from flwr.app import (
 from corrflow.accounting import audit as stats
 from corrflow.config import RunConfig
 from corrflow.errors import require
+from corrflow.fileio import atomic_file
 from corrflow.protocol import PROBE_ACTION, PROBE_KEY, REPLY_KEY, node_identity
 
 #: node-config key that marks a canary SuperNode of the in-process grid (value: the candidate's
@@ -271,7 +272,7 @@ def analyse(
     )
     deltas = np.diff(models, axis=0)  # (T, d)
     dim = deltas.shape[1]
-    M = optimizer_map(strategy.run.round.optimizer, cfg.num_rounds)[:released, :released]
+    M = optimizer_map(strategy.run.plan.optimizer, cfg.num_rounds)[:released, :released]
     moving = np.abs(np.diag(M)) > 0  # rounds at learning rate 0 release nothing new
     D, M = deltas[moving], M[moving]
     u, pattern_rule = _patterns(strategy, plan, users, cfg.num_rounds)
@@ -381,12 +382,11 @@ def _verdict(claimed: float | None, estimate: stats.Estimate, lower: stats.Lower
 def write_plot(result: dict, scores: dict, path: Path) -> Path:
     """Histograms of the inserted and held-out canaries' scores: whitened (left) and final-model
     cosine (right)."""
+    # matplotlib loads here, not with the module: it takes seconds, and only an audit plots.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from corrflow.fileio import atomic_file
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in (

@@ -1,13 +1,12 @@
-"""The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the round
-core.
+"""The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the
+Flower-free :class:`corrflow.run.Run`.
 
-``configure_train`` plans round t (:func:`~corrflow.strategies.round_core.plan_round`: the cohort
-planner, the separation policy, operator overrides), refuses it when the budget guard says it would
-exceed the target ε, and sends the training messages. ``aggregate_train`` collects the replies,
-releases the round (:func:`~corrflow.strategies.round_core.release`: clip → sum → correlated noise →
-server optimizer) and hands the :class:`~corrflow.strategies.round_core.RoundRecord` to the
-recorder, the one place where the run's state changes (checkpoint → release journal → report →
-metrics, before the model leaves the server).
+``configure_train`` asks the run for round t's plan (:meth:`~corrflow.run.Run.plan_next`: the cohort
+planner, the separation policy, operator overrides, the budget guard), routes it to the nodes online
+and sends the training messages. ``aggregate_train`` converts the replies to
+:class:`~corrflow.run.Reply` values and hands them to :meth:`~corrflow.run.Run.step` (clip → sum →
+correlated noise → server optimizer → checkpoint → release journal → report → metrics, before the
+model leaves the server), the one place where the run's state changes.
 
 A round interrupted (SIGINT/SIGTERM) while replies are awaited is abandoned: nothing of it is
 committed or released, and a restart redoes it. The run stops — on the record, in ``stopped_reason``
@@ -18,22 +17,25 @@ without an accepted reply.
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import InvalidArgumentError, require
-from corrflow.strategies.messaging import exchange, inner_train_config, train_messages
-from corrflow.strategies.model import arrays_sha256
-from corrflow.strategies.recorder import Override, Stop
-from corrflow.strategies.round_core import RoundPlan, budget_reason, collect, plan_round, release
-
-if TYPE_CHECKING:
-    from corrflow.strategies.session import PreparedRun
+from corrflow.run import Run
+from corrflow.run.round import RoundPlan
+from corrflow.strategies.messaging import (
+    NodeDirectory,
+    exchange,
+    inner_train_config,
+    model_record,
+    model_sha256,
+    to_reply,
+    train_messages,
+)
 
 log = logging.getLogger("corrflow")
 
@@ -65,19 +67,27 @@ class InFlight:
 
 class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring).
-    Built by :func:`corrflow.strategies.session.prepare_run`; its state is the recorder's, read
-    through the properties."""
+    Built by :func:`corrflow.strategies.session.prepare_run` over a :class:`~corrflow.run.Run`, who
+    is behind each node (``directory``), the user's inner strategy, and the event that stops it;
+    the run's state is read through the properties (read-only views)."""
 
-    def __init__(self, run: PreparedRun):
-        self.run = run
+    def __init__(
+        self,
+        run: Run,
+        directory: NodeDirectory,
+        inner: Strategy | None = None,
+        stop_event: threading.Event | None = None,
+    ):
+        self.run, self.directory, self.inner = run, directory, inner
+        self.stop_event = stop_event or threading.Event()
         self.inflight = InFlight()
         self._said: set[str] = set()  # one-time warnings
 
     # -- read-only views of the run ----------------------------------------------------------------
-    cfg = property(lambda self: self.run.round.cfg)
-    planner = property(lambda self: self.run.round.planner)
-    sigma = property(lambda self: self.run.round.sigma)
-    state = property(lambda self: self.run.recorder.state)
+    cfg = property(lambda self: self.run.plan.cfg)
+    planner = property(lambda self: self.run.plan.planner)
+    sigma = property(lambda self: self.run.plan.sigma)
+    state = property(lambda self: self.run.state)
     next_round = property(lambda self: self.state.next_round)
     params = property(lambda self: self.state.params)
     ledger = property(lambda self: self.state.ledger)
@@ -90,13 +100,13 @@ class CorrelatedNoiseStrategy(Strategy):
         Returns: The model (the initial one before round 1) in the user's arrays' names, order and
         dtypes.
         """
-        return self.run.round.layout.record(self.params)
+        return model_record(self.run.plan.layout, self.params)
 
     def report(self) -> dict:
         """Returns: The privacy report as the operator holds it (before the amplified-run redactions
         of the published file).
         """
-        return self.run.recorder.report()
+        return self.run.report()
 
     def override(self, round_index: int, items: list[str]) -> None:
         """Operator override: add items to a future round's cohort.
@@ -109,15 +119,7 @@ class CorrelatedNoiseStrategy(Strategy):
             round_index: a future round, 0-based.
             items: item ids known to the planner.
         """
-        require(
-            round_index >= self.next_round,
-            "round",
-            f"a future round (≥ {self.next_round})",
-            round_index,
-        )
-        unknown = [i for i in items if i not in self.planner.index]
-        require(not unknown, "items", "item ids known to the planner", unknown)
-        self.run.recorder.apply(Override(int(round_index), list(items)))
+        self.run.override(round_index, items)
 
     # -- Flower Strategy API -----------------------------------------------------------------------
     def start(
@@ -146,10 +148,7 @@ class CorrelatedNoiseStrategy(Strategy):
         Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
         metrics.
         """
-        if (
-            initial_arrays is not None
-            and arrays_sha256(initial_arrays) != self.run.recorder.keys.initial_sha256
-        ):
+        if initial_arrays is not None and model_sha256(initial_arrays) != self.run.initial_sha256:
             raise InvalidArgumentError(
                 "initial_arrays", "the initial model this run was prepared with"
             )
@@ -185,23 +184,14 @@ class CorrelatedNoiseStrategy(Strategy):
         Returns:
             One message per scheduled, online node (none once the run is complete or stopped).
         """
-        t, state, ctx = self.next_round, self.state, self.run.round
-        if t >= self.cfg.num_rounds or state.stopped_reason:
+        if self.run.done:
             return []
-        online = self.run.directory.refresh(grid)
-        plan = plan_round(
-            ctx,
-            t,
-            state.ledger.selected,
-            state.pending_overrides.get(t, []),
-            self.run.reply_log.warning,
-        )
-        if (
-            reason := budget_reason(ctx, plan, state.ledger.selected, state.ledger.overrides)
-        ) is not None:
-            self.run.recorder.apply(Stop(reason))
+        online = self.directory.refresh(grid)
+        plan = self.run.plan_next()
+        if plan is None:  # the budget guard stopped the run
             return []
-        user_config, sent = inner_train_config(self.run.inner, t + 1, arrays, config, grid)
+        t = plan.round
+        user_config, sent = inner_train_config(self.inner, t + 1, arrays, config, grid)
         if not sent and "inner-config" not in self._said:
             self._said.add("inner-config")
             log.warning(
@@ -209,9 +199,8 @@ class CorrelatedNoiseStrategy(Strategy):
                 "corrflow's "
                 "cohort trains with the train_config alone"
             )
-        messages = train_messages(
-            self.cfg, plan, arrays, user_config, online, self.run.directory, ctx.item_home
-        )
+        plan = plan.route(self.directory.user_to_node, online, self.run.plan.item_home)
+        messages = train_messages(self.cfg, plan, arrays, user_config)
         self.inflight.put(plan, messages)
         return messages
 
@@ -229,35 +218,30 @@ class CorrelatedNoiseStrategy(Strategy):
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
-        started, state, ctx = time.perf_counter(), self.state, self.run.round
-        outcome = collect(
-            ctx,
+        replies = list(replies)
+        node_to_user = self.directory.node_to_user
+        record = self.run.step(
             plan,
-            replies,
-            sent,
-            self.run.directory.node_to_user,
-            state.params,
-            self.run.reply_log.warning,
+            [
+                # a reply is matched by the message it answers (an error the SuperLink makes for an
+                # offline node comes from the SuperLink, not the node)
+                to_reply(
+                    msg,
+                    sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id)),
+                    node_to_user,
+                )
+                for msg in replies
+            ],
         )
-        record = release(
-            ctx,
-            plan,
-            outcome,
-            state.params,
-            state.momentum,
-            state.ledger.selected,
-            state.ledger.overrides,
-            self.run.evaluate,
-            lambda: time.perf_counter() - started,
-        )
-        self.run.recorder.apply(record)
+        if record is None:  # refused (a non-finite model): the run stopped, nothing was released
+            return None, None
         metrics = MetricRecord(
             {k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)}
         )
-        if (
-            self.run.inner is not None and outcome.contents
-        ):  # the user's strategy aggregates the replies' metrics
-            metrics = inner_metrics(self.run.inner, outcome.contents) or metrics
+        if self.inner is not None and record.accepted_replies:
+            # the user's strategy aggregates the accepted replies' metrics
+            contents = [replies[i].content for i in record.accepted_replies]
+            metrics = inner_metrics(self.inner, contents) or metrics
         return self.initial_arrays(), metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid):
@@ -274,7 +258,7 @@ class CorrelatedNoiseStrategy(Strategy):
         Returns:
             The inner strategy's evaluate messages (none without an inner strategy).
         """
-        inner = self.run.inner
+        inner = self.inner
         return [] if inner is None else inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
@@ -288,7 +272,7 @@ class CorrelatedNoiseStrategy(Strategy):
         Returns:
             The inner strategy's aggregated metrics, or None.
         """
-        inner = self.run.inner
+        inner = self.inner
         return None if inner is None else inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
@@ -313,7 +297,7 @@ def run_rounds(
     """Flower's ``Strategy.start`` loop with an interruptible exchange: rounds until ``last`` are
     released, the run stops or the operator interrupts (then the round in flight is abandoned,
     unreleased)."""
-    stop = strategy.run.stop_event
+    stop = strategy.stop_event
     arrays = strategy.initial_arrays()
     result = Result(arrays=arrays)  # a finished or resumed run returns its current model
     if evaluate_fn is not None and (res := evaluate_fn(strategy.next_round, arrays)) is not None:
@@ -349,11 +333,9 @@ def run_rounds(
         and not strategy.stopped_reason
         and strategy.next_round < strategy.cfg.num_rounds
     ):
-        strategy.run.recorder.apply(
-            Stop(
-                f"{INTERRUPTED} before round {strategy.next_round + 1} of "
-                f"{strategy.cfg.num_rounds}; nothing of that round was released"
-            )
+        strategy.run.stop(
+            f"{INTERRUPTED} before round {strategy.next_round + 1} of "
+            f"{strategy.cfg.num_rounds}; nothing of that round was released"
         )
     return result
 

@@ -1,20 +1,35 @@
-"""Talking to the nodes: the node → user directory (with reconnects), the round's training messages,
-the inner strategy's train config, and an interruptible exchange of messages and replies."""
+"""Talking to the nodes, and the conversion between Flower's messages and corrflow's value types:
+the node → user directory (with reconnects), the model as an ``ArrayRecord``, a reply ``Message`` as
+a :class:`~corrflow.run.round.Reply`, the round's training messages, the inner strategy's train
+config, and an interruptible exchange of messages and replies."""
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from corrflow.accounting.report import hash_user_id
 from corrflow.config import RunConfig
-from corrflow.strategies.round_core import RoundPlan
+from corrflow.run.model import ModelLayout, arrays_sha256
+from corrflow.run.round import Reply, RoundPlan
 
 log = logging.getLogger("corrflow")
 
@@ -78,17 +93,10 @@ class NodeDirectory:
 
 
 def train_messages(
-    cfg: RunConfig,
-    plan: RoundPlan,
-    arrays: ArrayRecord,
-    user_config: dict,
-    online: set[int],
-    directory: NodeDirectory,
-    item_home: dict[str, str] | None,
+    cfg: RunConfig, plan: RoundPlan, arrays: ArrayRecord, user_config: dict
 ) -> list[Message]:
-    """One TRAIN message per node that trains an item of ``plan`` (cross-silo: all its items); an
-    item whose node is offline is recorded as rejected in the plan. Fills ``plan.expected`` (node →
-    item or items)."""
+    """One TRAIN message per node of the routed ``plan`` (:meth:`RoundPlan.route`), carrying the
+    model and the round's config (cross-silo: also the item ids the silo trains, clipping each)."""
     cfg_record = ConfigRecord(
         {
             "server-round": plan.round + 1,
@@ -104,20 +112,10 @@ def train_messages(
         cfg_record.update(
             {"data-path": cfg.data_path, "vocab-path": cfg.vocab_path, "seq-len": cfg.seq_len}
         )
-    targets: dict[int, list[str]] = {}
-    for item in plan.items:
-        node = directory.user_to_node.get(item if item_home is None else item_home[item])
-        if node is None or node not in online:
-            plan.rejections.append((item, "offline when selected"))
-            continue
-        targets.setdefault(node, []).append(item)
     messages = []
-    for node, items in targets.items():
+    for node, items in plan.expected.items():
         content = {"arrays": arrays, "config": cfg_record}
-        if item_home is None:
-            plan.expected[node] = items[0]
-        else:  # cross-silo: the silo trains on exactly these examples, clipping each
-            plan.expected[node] = items
+        if not isinstance(items, str):
             content["config"] = ConfigRecord({**dict(cfg_record), "item-ids": list(items)})
         messages.append(
             Message(content=RecordDict(content), message_type=MessageType.TRAIN, dst_node_id=node)
@@ -167,3 +165,104 @@ class _ConfigProbeGrid:
 
     def __getattr__(self, name: str):
         return getattr(self._grid, name)
+
+
+# -- models and replies as corrflow's value types ------------------------------------------------
+
+
+def model_arrays(model: ArrayRecord | Sequence[np.ndarray]) -> tuple[list[np.ndarray], list | None]:
+    """A model's arrays in order and their names (None for a plain list: the layout numbers
+    them)."""
+    if isinstance(model, ArrayRecord):
+        return model.to_numpy_ndarrays(), list(model.keys())
+    return [np.asarray(a) for a in model], None
+
+
+def model_record(layout: ModelLayout, params: Sequence[np.ndarray]) -> ArrayRecord:
+    """The model as the user's app sees it: every array, in its names, order and dtypes."""
+    return ArrayRecord(
+        OrderedDict(
+            (k, Array(np.require(a, requirements="C")))  # keeps 0-d arrays 0-d
+            for k, a in zip(layout.keys, layout.full(params), strict=True)
+        )
+    )
+
+
+def model_sha256(model: ArrayRecord | Sequence[np.ndarray]) -> str:
+    """:func:`corrflow.run.model.arrays_sha256` of an ``ArrayRecord`` or a list of arrays."""
+    return arrays_sha256(model_arrays(model)[0])
+
+
+#: Flower's error codes (flwr.common.constant.ErrorCode) and what they mean for a round's reply.
+_ERROR_CLASSES = {
+    5: "offline: the SuperLink had no heartbeat from the node",
+    3: "timed out: the message expired before the node fetched it",
+    4: "timed out: the reply expired before the server fetched it",
+    1: "crashed: the ClientApp could not be loaded",
+    8: "crashed: the ClientApp process died",
+}
+
+
+def error_reason(code: int, reason: str) -> str:
+    """One line for a Flower error reply: offline, timed out or crashed, with the first line of the
+    client's own message (a multi-line traceback stays in the log)."""
+    first = (str(reason).strip().splitlines() or [""])[0][:200]
+    if int(code) in _ERROR_CLASSES:
+        return _ERROR_CLASSES[int(code)]
+    return f"client error: {first}"
+
+
+def to_reply(msg: Message, node: int, node_to_user: Mapping[int, str]) -> Reply:
+    """A reply ``Message`` to the request sent to ``node`` as a :class:`Reply`: a Flower error, a
+    sender other than ``node`` or records other than ``arrays`` + ``metrics`` become its ``error``;
+    its arrays are decoded without copying (:func:`array_view`)."""
+    user = node_to_user.get(node)
+    if msg.has_error():
+        reason = msg.error.reason
+        return Reply(node, user, error=error_reason(msg.error.code, reason), details=reason)
+    src = int(msg.metadata.src_node_id)
+    if src != node:
+        return Reply(node, user, error=f"a reply from node {src} to the message sent to {node}")
+    content = msg.content
+    keys = set(content.keys())
+    if keys != {"arrays", "metrics"}:
+        return Reply(
+            node, user, error=f"reply records {sorted(keys)}, expected ['arrays', 'metrics']"
+        )
+    record, metrics = content["arrays"], content["metrics"]
+    if not isinstance(record, ArrayRecord) or not isinstance(metrics, MetricRecord):
+        return Reply(
+            node, user, error="'arrays' must be an ArrayRecord and 'metrics' a MetricRecord"
+        )
+    names = list(record.keys())
+    try:
+        arrays = [array_view(a) for a in record.values()]
+    except Exception as exc:  # undecodable array payloads of any kind
+        return Reply(node, user, names, (), dict(metrics), undecodable=str(exc))
+    return Reply(node, user, names, arrays, dict(metrics))
+
+
+def array_view(payload: Array) -> np.ndarray:
+    """The NumPy array in a Flower ``Array`` without copying its bytes (a read-only view into the
+    serialized ``np.save`` payload); other serializations go through Flower's own decoder."""
+    data = payload.data
+    if payload.stype != "numpy.ndarray" or not isinstance(data, bytes):
+        return payload.numpy()
+    head = io.BytesIO(data)
+    version = np.lib.format.read_magic(head)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+    else:
+        return payload.numpy()
+    if dtype.hasobject:
+        raise ValueError("object arrays are not accepted")
+    count = math.prod(shape)
+    offset = head.tell()
+    if len(data) - offset < count * dtype.itemsize:
+        raise ValueError(
+            f"{len(data) - offset} bytes of data for {count} × {dtype.itemsize}-byte values"
+        )
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)

@@ -4,9 +4,10 @@ ids, plan (factorization, cohort planner, σ), then run
 :class:`~corrflow.strategies.correlated.CorrelatedNoiseStrategy`; the report and metrics are written
 whatever happens.
 
-The caller describes the run with one :class:`RunSpec`; :func:`prepare_run` turns it into a
-:class:`PreparedRun` (the round core's context, the recorder, the node directory), which the
-strategy drives."""
+The caller describes the run with one :class:`RunSpec`; :func:`prepare_run` finds the population and
+its identities on the grid, has :func:`corrflow.run.prepare` decide the run's
+:class:`~corrflow.run.RunPlan`, starts the :class:`~corrflow.run.Run` and wraps it in the
+strategy."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,26 +26,13 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from corrflow.accounting.policy import RunAccounting
 from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError
-from corrflow.fileio import write_text
-from corrflow.noise import CorrelatedNoise, restore_state
-from corrflow.noise.engine import RING_FILE
-from corrflow.noise.prng import new_secret
-from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
-from corrflow.planning.learnability import check_learnable
-from corrflow.planning.run import mechanism_notes
+from corrflow.run import Run, RunLock, open_run_directory, prepare
+from corrflow.run.resume import ResumePoint
 from corrflow.strategies import identity as ids
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.disclosure import Disclosure, operator_log
-from corrflow.strategies.messaging import NodeDirectory
-from corrflow.strategies.model import ModelLayout, arrays_sha256
-from corrflow.strategies.recorder import Recorder, RecordingContext
-from corrflow.strategies.registry import ReleaseRegistry
-from corrflow.strategies.round_core import RoundContext
-from corrflow.strategies.run_state import RUN_FILES, ResumePoint, RunLock, archive_run, check_resume
-from corrflow.strategies.server_optimizer import MomentumServerOptimizer, check_workload_matches
+from corrflow.strategies.messaging import NodeDirectory, model_arrays
 
 log = logging.getLogger("corrflow")
 
@@ -83,22 +71,6 @@ class RunSpec:
         return Path(self.cfg.state_dir)
 
 
-@dataclass(frozen=True)
-class PreparedRun:
-    """A run ready to train: what each round reads, the recorder that owns its state, who is behind
-    each node, the identity source, the user's strategy and evaluation, the event that stops it, and
-    where reply-level events are logged."""
-
-    round: RoundContext
-    recorder: Recorder
-    directory: NodeDirectory
-    identity: str
-    inner: Strategy | None
-    evaluate: Callable[[list[np.ndarray]], dict] | None
-    stop_event: threading.Event
-    reply_log: logging.Logger  # reply-level events (operator-only in amplified runs)
-
-
 def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Result]:
     """Run (or resume) the whole training under an exclusive lock on the run directory.
     ``spec.fresh`` moves an earlier run aside first; ``spec.stop_event`` (set by a signal handler)
@@ -114,9 +86,9 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
                 evaluate_fn=spec.evaluate_fn,
             )
         finally:
-            strategy.run.recorder.write_report()
-            strategy.run.recorder.write_metrics()
-        learning = strategy.run.recorder.learning()
+            strategy.run.write_report()
+            strategy.run.write_metrics()
+        learning = strategy.run.learning()
         if learning["learned"] is False and strategy.stopped_reason is None:
             log.warning(
                 "corrflow: %s; the report's `learning` section has the numbers", learning["verdict"]
@@ -126,15 +98,14 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
 
 def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     """Everything before round 1 (the caller holds the run directory's lock): resume point,
-    identities, population, planner, factorization, σ, the learnability check, and the strategy over
-    a fresh or restored state."""
-    resume = _resume_point(spec)
+    identities, population, then the run's plan and the run itself (:mod:`corrflow.run`), fresh or
+    restored, inside the strategy."""
+    resume = open_run_directory(spec.run_dir, spec.fresh)
     source = spec.cfg.identity or ids.default_identity(grid)
     if source == "per-launch" and resume.checkpoint is not None:
         raise IntegrityError(
             f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
-            "the "
-            "nodes new identities, so the ledger could not follow them); start a new run with "
+            "the nodes new identities, so the ledger could not follow them); start a new run with "
             "--fresh"
         )
     cfg = spec.cfg.replace(num_users=population(grid, spec, resume))
@@ -143,109 +114,25 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     log.info("corrflow: run directory %s, identity %s", spec.run_dir, source)
     nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
     directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout)
-    planner, item_home, bounding = build_planner(cfg, sorted(directory.values()))
-    if bounding.get("dropped"):
-        log.warning(
-            "contribution bounding (k_u = %d) dropped %d of %d items",
-            cfg.max_items_per_user,
-            bounding["dropped"],
-            bounding["items"],
-        )
-    fac = load_or_build_factorization(cfg, spec.run_dir)
-    check_workload_matches(fac.workload, cfg.momentum, cfg.cooldown_fraction)
-    notes = mechanism_notes(cfg, fac)
-    for note in notes:
-        log.warning("corrflow: %s", note)
-    plan = plan_privacy(cfg, fac, planner)
-    plan = replace(plan, accountant={**plan.accountant, "contribution_bounding": bounding})
-    if plan.amplified:
-        log.info(
-            "corrflow: amplified ε assumes the cohorts stay secret: they are drawn from a private "
-            "key (not "
-            "schedule-seed), kept 0600 in %s, and the ledger there names who trained; keep it "
-            "private",
-            spec.run_dir / "state",
-        )
-    layout = ModelLayout.of(spec.initial)
-    params = layout.trainable_arrays(spec.initial)
-    noise = _noise(fac, layout, resume, spec.noise_key)
-    accounting = RunAccounting.of(
-        fac, plan, cfg.delta if plan.delta is None else plan.delta, plan.target_epsilon
-    )  # the training's share of the budget
-    ctx = RoundContext(
-        cfg,
-        layout,
-        planner,
-        accounting,
-        MomentumServerOptimizer(fac.workload, cfg.num_rounds, cfg.server_lr),
-        noise,
-        float(plan.noise_multiplier),
-        item_home,
-    )
+    arrays, names = model_arrays(spec.initial)
+    plan = prepare(cfg, list(directory.values()), arrays, names, source)
     strategies: list[CorrelatedNoiseStrategy] = []  # the callback receives the strategy built below
     on_end = None if spec.on_round_end is None else (lambda m: spec.on_round_end(strategies[0], m))
-    disclosure = Disclosure(plan.amplified, spec.run_dir)
-    recording = RecordingContext(
-        cfg,
-        fac,
-        accounting,
-        planner,
-        source,
-        spec.run_dir,
-        noise,
-        {"round": -1, **(spec.evaluate(params) if spec.evaluate else {})},
-        check_learnable(fac, plan.noise_multiplier, params, planner.expected),
-        disclosure,
-        ReleaseRegistry(cfg.release_registry or None),
-        tuple(notes),
-        on_end,
+    run = Run.start(
+        plan, arrays, resume, noise_key=spec.noise_key, evaluate=spec.evaluate, on_round_end=on_end
     )
-    recorder = Recorder.start(recording, params, arrays_sha256(spec.initial), resume)
-    if recorder.keys.sampler_key is not None:
-        planner.seed_privately(recorder.keys.sampler_key)
     resolver = partial(
         ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)
     )
-    run = PreparedRun(
-        ctx,
-        recorder,
-        NodeDirectory(directory, resolver, recorder.keys.salt),
-        source,
-        spec.inner,
-        spec.evaluate,
-        spec.stop_event or threading.Event(),
-        operator_log(disclosure),
+    strategies.append(
+        CorrelatedNoiseStrategy(
+            run,
+            NodeDirectory(directory, resolver, run.report_salt),
+            spec.inner,
+            spec.stop_event,
+        )
     )
-    strategies.append(CorrelatedNoiseStrategy(run))
     return strategies[0]
-
-
-def _resume_point(spec: RunSpec) -> ResumePoint:
-    """The run directory made private to git, an earlier run archived when asked or when it left
-    files behind without a checkpoint, and what the directory resumes from."""
-    run_dir = spec.run_dir
-    if not (
-        run_dir / ".gitignore"
-    ).exists():  # keys, ledger and cohorts: never committed by a `git add -A`
-        write_text(
-            run_dir / ".gitignore", "# corrflow run directory: private state, never commit it\n*\n"
-        )
-    if spec.fresh:
-        archive_run(run_dir)
-    resume = check_resume(run_dir)
-    if resume.checkpoint is None and any((run_dir / name).exists() for name in RUN_FILES):
-        archive_run(
-            run_dir, reason="a new run"
-        )  # a report of an earlier run is archived, never overwritten
-    return resume
-
-
-def _noise(fac, layout: ModelLayout, resume: ResumePoint, key: bytes | None) -> CorrelatedNoise:
-    if resume.checkpoint is not None:
-        return restore_state(
-            resume.checkpoint / "noise", fac, ring=resume.checkpoint.parent / RING_FILE
-        )
-    return CorrelatedNoise(fac, layout.trainable_shapes, 1.0, key=key or new_secret())
 
 
 def population(grid: Grid, spec: RunSpec, resume: ResumePoint) -> int:

@@ -50,9 +50,20 @@ from corrflow.config import (
 )
 from corrflow.config import from_wrapper_keywords as _from_keywords
 from corrflow.errors import CorrflowError, InvalidArgumentError, require
+from corrflow.fileio import write_json
 from corrflow.paths import run_directory
+from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.progress import round_line
-from corrflow.strategies.canaries import MIN_CANARIES
+from corrflow.strategies.canaries import (
+    MIN_CANARIES,
+    CanaryGrid,
+    CanaryPlan,
+    RoundCapture,
+    analyse,
+    write_plot,
+)
+from corrflow.strategies.correlated import CorrelatedNoiseStrategy
+from corrflow.strategies.identity import default_identity
 from corrflow.strategies.session import RunSpec, run_strategy
 
 log = logging.getLogger("corrflow")
@@ -64,6 +75,17 @@ _STATEFUL = {"FedAdam", "FedYogi", "FedAdagrad", "FedAvgM", "FedOpt"}
 #: partition-id of the first canary SuperNode (``canaries=N``): far above any simulation's real
 # partitions.
 CANARY_PARTITIONS = 1_000_000_000
+
+
+def _same_doc(source: Callable) -> Callable:
+    """Give the decorated method ``source``'s docstring (one text for a method the wrapper only
+    forwards)."""
+
+    def copy(method: Callable) -> Callable:
+        method.__doc__ = source.__doc__
+        return method
+
+    return copy
 
 
 def ensure_console_log() -> None:
@@ -172,8 +194,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self._values = _from_keywords(settings, client="app")
         self.plan = None
         if plan is not None:
-            from corrflow.planning.recipe import load_recipe
-
             recipe, fac_path = load_recipe(plan)
             diff = recipe.differences(
                 self._values, {f: surface_name(f, "wrapper") for f in self._values}
@@ -195,13 +215,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self.run_dir = run_directory(
             self._values.get("state_dir", surface_default("state_dir", "wrapper"))
         )
-        epochs, min_sep = (
-            int(self._values.get("epochs", 1)),
-            int(self._values.get("min_sep", 0) or 1),
-        )
-        self.config(
-            None if self.plan else epochs * min_sep
-        )  # fail fast on bad settings (any fitting rounds)
+        self._settings()  # fail fast on bad settings
 
     def config(self, num_rounds: int | None = None) -> RunConfig:
         """The run's validated settings.
@@ -237,20 +251,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     ) -> Result:
         """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when
         it holds a checkpoint of this run. Logs a line per round and the realised ε on the
-        ``corrflow`` logger; the full report is :meth:`privacy_report`.
-
-        Args: grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
-        initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes
-        are kept in every model sent; a resumed run refuses other arrays). num_rounds: n, the run's
-        total rounds (a resumed run trains the rest). timeout: seconds to wait for nodes and replies
-        (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
-        round (merged with the inner strategy's). evaluate_config: the config of the inner
-        strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
-        for the starting model (round 0) and after every round, as Flower's FedAvg does; its metrics
-        go to ``metrics.json``.
-
-        Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
-        metrics.
+        ``corrflow`` logger; the full report is :meth:`privacy_report`. Arguments and result are
+        :meth:`CorrelatedNoiseStrategy.start`'s (its text follows at run time).
 
         Raises: InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner
         strategy asking for more nodes than the population. CorrflowError: the run cannot start or
@@ -264,8 +266,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         if cfg.num_users is not None:
             check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
-            from corrflow.planning.recipe import install_factorization
-
             install_factorization(
                 *self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
             )
@@ -313,9 +313,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def _audit_grid(self, grid: Grid, cfg: RunConfig, initial_arrays: ArrayRecord):
         """The grid with one virtual canary SuperNode per inserted canary (simulation only), and the
         capture of the released models (corrflow.strategies.canaries)."""
-        from corrflow.strategies.canaries import CanaryGrid, CanaryPlan, RoundCapture
-        from corrflow.strategies.identity import default_identity
-
         require(
             default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"),
             "canaries",
@@ -345,9 +342,6 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     def _finish_audit(self, report: dict, grid, capture) -> dict:
         """The audit of the run just finished (``audit.json`` and ``audit.png`` in the run
         directory)."""
-        from corrflow.fileio import write_json
-        from corrflow.strategies.canaries import analyse, write_plot
-
         core = self.core
         inserted = len(grid.canary_nodes)
         result = analyse(
@@ -407,69 +401,46 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             )
         return self.core
 
+    # The Strategy API's methods below have one docstring each, the running strategy's
+    # (:func:`_same_doc` copies it): the wrapper only forwards them.
+    @_same_doc(CorrelatedNoiseStrategy.configure_train)
     def configure_train(self, server_round, arrays, config, grid):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
-        :meth:`start`).
-
-        Args:
-            server_round: Flower's 1-based round number.
-            arrays: the current global model.
-            config: the round's config.
-            grid: Flower's Grid.
-
-        Returns:
-            The round's train messages.
-        """
         return self._running().configure_train(server_round, arrays, config, grid)
 
+    @_same_doc(CorrelatedNoiseStrategy.aggregate_train)
     def aggregate_train(self, server_round, replies):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
-        :meth:`start`).
-
-        Args:
-            server_round: Flower's 1-based round number.
-            replies: the cohort's replies.
-
-        Returns:
-            (the new global model, the round's metrics).
-        """
         return self._running().aggregate_train(server_round, replies)
 
+    @_same_doc(CorrelatedNoiseStrategy.configure_evaluate)
     def configure_evaluate(self, server_round, arrays, config, grid):
-        """Federated evaluation, the inner strategy's (its metrics are outside the DP guarantee).
-
-        Args:
-            server_round: Flower's 1-based round number.
-            arrays: the current global model.
-            config: the round's config.
-            grid: Flower's Grid.
-
-        Returns:
-            The inner strategy's evaluate messages.
-        """
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
 
+    @_same_doc(CorrelatedNoiseStrategy.aggregate_evaluate)
     def aggregate_evaluate(self, server_round, replies):
-        """Federated evaluation, the inner strategy's.
-
-        Args:
-            server_round: Flower's 1-based round number.
-            replies: the evaluation replies.
-
-        Returns:
-            The inner strategy's aggregated metrics.
-        """
         return self.inner.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
-        cfg = self.config()
+        """Log the wrapper's mechanism and settings (Flower calls it when a run starts): the running
+        run's, or — before :meth:`start` — the settings with any number of rounds they fit."""
+        cfg = self._settings()
         log.info(
-            "DifferentialPrivacyCorrelatedNoise around %s: %s, clipping norm %g, δ = %g",
+            "DifferentialPrivacyCorrelatedNoise around %s: %s, %s, clipping norm %g, δ = %g%s",
             type(self.inner).__name__,
             cfg.kind,
+            f"{cfg.epochs} epoch(s)" + (f", min-sep {cfg.min_sep}" if cfg.min_sep else ""),
             cfg.clip_norm,
             cfg.delta,
+            f", {cfg.num_rounds} rounds" if self.core is not None or self.plan else "",
         )
+
+    def _settings(self) -> RunConfig:
+        """The validated settings: the running run's, else the plan's, else with epochs × min-sep
+        rounds — a number every valid setting fits (``start(num_rounds=…)`` picks the real one)."""
+        if self.core is not None:
+            return self.core.cfg
+        epochs = int(self._values.get("epochs", 1))
+        min_sep = int(self._values.get("min_sep", 0) or 1)
+        return self.config(None if self.plan else epochs * min_sep)
 
 
 def _signature() -> inspect.Signature:
@@ -505,4 +476,9 @@ def _signature() -> inspect.Signature:
 DifferentialPrivacyCorrelatedNoise.__init__.__signature__ = _signature()
 DifferentialPrivacyCorrelatedNoise.__init__.__doc__ = "Keywords:\n" + "\n".join(
     f"    {surface_name(n, 'wrapper')}: {help_text(n)}" for n in settings_on("wrapper")
+)
+
+# The start's arguments and result are documented once, on the strategy's start.
+DifferentialPrivacyCorrelatedNoise.start.__doc__ += (
+    "\n" + CorrelatedNoiseStrategy.start.__doc__.split("\n\n", 1)[1]
 )

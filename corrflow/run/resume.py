@@ -28,14 +28,14 @@ from filelock import FileLock, Timeout
 
 from corrflow.errors import CorrflowError, IntegrityError
 from corrflow.fileio import write_json
-from corrflow.strategies.checkpoint import (
+from corrflow.run.checkpoint import (
     POINTER,
     SECRET,
     current_checkpoint,
     manifest_digest,
     remove_stale_temporaries,
 )
-from corrflow.strategies.journal import JOURNAL, JournalEntry, ReleaseJournal
+from corrflow.run.journal import JOURNAL, JournalEntry, ReleaseJournal
 
 log = logging.getLogger("corrflow")
 

@@ -1,0 +1,83 @@
+"""The run's noise stream: σ·clip·(C⁻¹Z)_t added to round t's sum, each round once and in order,
+saved with every checkpoint and restored bit for bit.
+
+:class:`NoiseStream` is the one interface the round uses (:meth:`NoiseStream.add`,
+:meth:`NoiseStream.skip`, ``NoiseStream.next_round``, :meth:`NoiseStream.save`), so a different
+source of the same noise plugs in here without a second path through the round: keys that change
+per process start (segments of rounds, each drawn from its own key, listed in the checkpoint), or a
+stream sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising
+the whole model-sized noise). Today it wraps one :class:`~corrflow.noise.CorrelatedNoise`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from corrflow.factorization.base import Factorization
+from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
+from corrflow.noise.engine import RING_FILE
+
+#: Coordinates per block when adding the noise into the sum (256 KiB of float32).
+_BLOCK = 1 << 16
+
+
+class NoiseStream:
+    """The run's (C⁻¹Z)_t, one round at a time (see the module docstring)."""
+
+    def __init__(self, generator: CorrelatedNoise):
+        self._gen = generator
+
+    @classmethod
+    def new(
+        cls, factorization: Factorization, shapes: Sequence[tuple[int, ...]], key: bytes | None
+    ) -> NoiseStream:
+        """A stream for a new run, from ``key`` (default: a fresh secret; tests and audits fix
+        one)."""
+        return cls(CorrelatedNoise(factorization, shapes, 1.0, key=key or new_secret()))
+
+    @classmethod
+    def restore(cls, checkpoint: Path, factorization: Factorization) -> NoiseStream:
+        """The stream a checkpoint saved, positioned at its next round (IntegrityError when its
+        files do not verify)."""
+        return cls(
+            restore_state(checkpoint / "noise", factorization, ring=checkpoint.parent / RING_FILE)
+        )
+
+    @property
+    def next_round(self) -> int:
+        """The next round whose noise has not been drawn."""
+        return self._gen.next_round
+
+    @property
+    def generator(self) -> CorrelatedNoise:
+        """The underlying generator (benchmarks measure it alone)."""
+        return self._gen
+
+    def add(self, total: Sequence[np.ndarray], t: int, scale: np.float32) -> None:
+        """total += scale·(C⁻¹Z)_t, in place, block by block in cache; draws round ``t`` (which must
+        be the next round)."""
+        for g, w in zip(total, self._gen.next(t), strict=True):
+            _add_scaled(g, w, scale)
+
+    def skip(self, t: int) -> None:
+        """Advance past round ``t`` without drawing (a non-private baseline keeps rounds
+        aligned)."""
+        self._gen.skip_round()
+
+    def save(self, checkpoint: Path, state_dir: Path) -> None:
+        """Write the stream's state into a checkpoint being written (``checkpoint``) of
+        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round)."""
+        save_state(self._gen, checkpoint / "noise", ring=state_dir / RING_FILE)
+
+
+def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:
+    """g += scale·w, block by block in cache (w, the noise, is left as it was)."""
+    gf, wf = g.reshape(-1), w.reshape(-1)
+    tmp = np.empty(min(gf.size, _BLOCK), dtype=np.float32)
+    for lo in range(0, gf.size, _BLOCK):
+        wb = wf[lo : lo + _BLOCK]
+        tb = np.multiply(wb, scale, out=tmp[: wb.size])
+        gf[lo : lo + _BLOCK] += tb

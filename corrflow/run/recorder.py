@@ -1,0 +1,279 @@
+"""Everything that persists a run, in the order that makes a kill at any point safe: checkpoint →
+release journal → release registry → privacy report → metrics, before a round's model leaves the
+server (docs "Conventions", Files). :class:`Recorder` reads the run's state and never changes it;
+:func:`restore` reads a verified checkpoint back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from corrflow.accounting.report import (
+    hash_user_id,
+    participation_section,
+    privacy_report,
+    write_report,
+)
+from corrflow.errors import IntegrityError, InvalidArgumentError
+from corrflow.fileio import write_json
+from corrflow.planning.learnability import learning_section
+from corrflow.planning.run import total_privacy
+from corrflow.run.checkpoint import (
+    SAMPLER_KEY,
+    SECRET,
+    load_arrays,
+    manifest_digest,
+    write_checkpoint,
+)
+from corrflow.run.disclosure import Disclosure
+from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
+from corrflow.run.ledger import Ledger
+from corrflow.run.noise import NoiseStream
+from corrflow.run.plan import RunPlan
+from corrflow.run.registry import ReleaseRegistry
+from corrflow.run.resume import settings_conflict
+from corrflow.run.state import RunSecrets, RunState
+
+log = logging.getLogger("corrflow")
+
+
+class Recorder:
+    """The files of one run (see the module docstring): what it writes about (the plan), where (the
+    run directory, the release registry), the state it reads, the noise stream saved with each
+    checkpoint, and the journal's hash chain."""
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        state: RunState,
+        keys: RunSecrets,
+        noise: NoiseStream,
+        registry: ReleaseRegistry,
+        initial_metrics: dict,
+        last_hash: str = GENESIS,
+    ):
+        self.plan, self.state, self.keys, self.noise = plan, state, keys, noise
+        self.registry, self.initial_metrics = registry, initial_metrics
+        self.run_dir = Path(plan.cfg.state_dir)
+        self.disclosure = Disclosure(plan.accounting.plan.amplified, self.run_dir)
+        self._journal = ReleaseJournal(self.run_dir / JOURNAL)
+        self._last_hash = last_hash
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "state"
+
+    def journal(self, t: int, ckpt: Path, cohort: Iterable[str] | None = None) -> None:
+        """Append round ``t``'s release (checkpoint ``ckpt``, the users of its ``cohort``) to the
+        journal, then the registry. Without ``cohort`` (a round released on resume) it is read from
+        the ledger — O(population); a round's own release passes its cohort — O(cohort)."""
+        salt = self.keys.salt
+        if cohort is None:
+            cohort = (u for u, rs in self.state.ledger.selected.items() if t in rs)
+        users = [hash_user_id(u, salt) for u in sorted(set(cohort))]
+        entry = self._journal.append(
+            self.keys.secret,
+            run_id=self.keys.run_id,
+            round_index=t,
+            cohort_sha256=cohort_digest(users),
+            checkpoint=ckpt.name,
+            manifest_sha256=manifest_digest(ckpt),
+            prev=self._last_hash,
+        )
+        self.registry.record(self.keys.run_id, t, entry.noise_round, entry.hash)
+        self._last_hash = entry.hash
+
+    def checkpoint(self) -> Path:
+        s, k, c = self.state, self.keys, self.plan
+        public = {
+            "next_round": s.next_round,
+            "config_fingerprint": c.cfg.fingerprint(),
+            "settings": c.cfg.run_settings(),
+            "run_id": k.run_id,
+            "identity": c.identity,
+            "factorization_sha256": c.factorization.sha256(),
+            "ledger": s.ledger.to_dict(),
+            "noise_multiplier": c.accounting.plan.noise_multiplier,
+            "planned_epsilon": c.accounting.plan.epsilon,
+            "initial_sha256": k.initial_sha256,
+            "amplified": c.accounting.plan.amplified,
+            "accountant": c.accounting.plan.accountant.get("name"),
+            "pending_overrides": {str(r): v for r, v in s.pending_overrides.items()},
+            "metrics_history": s.metrics_history,
+            "empty_streak": s.empty_streak,
+        }
+        private = {
+            "report_salt": k.salt,
+            SECRET: k.secret,
+            **({SAMPLER_KEY: k.sampler_key} if k.sampler_key is not None else {}),
+        }
+        # A banded noise buffer's rows live in one ring file beside the checkpoints, one row
+        # rewritten per round.
+        return write_checkpoint(
+            self.checkpoint_dir,
+            f"round-{s.next_round:06d}",
+            {"model": s.params, "optimizer": s.momentum},
+            public,
+            private,
+            save_extra=lambda d: self.noise.save(d, self.checkpoint_dir),
+        )
+
+    def report(self) -> dict:
+        """The privacy report (docs "Conventions", Privacy report) of the run so far."""
+        s, c = self.state, self.plan
+        plan, salt = c.accounting.plan, self.keys.salt
+        real = c.accounting.realized(s.ledger.selected, s.ledger.overrides)
+        overrides = [
+            {
+                **o,
+                "item": hash_user_id(o["item"], salt),
+                "users": [hash_user_id(u, salt) for u in o["users"]],
+            }
+            for o in s.ledger.overrides
+        ]
+        k_u = c.planner.items_per_user
+        report = privacy_report(
+            factorization=c.factorization,
+            noise_multiplier=plan.noise_multiplier,
+            clip_norm=c.cfg.clip_norm,
+            delta=plan.delta if plan.delta is not None else c.cfg.delta,
+            target_epsilon=c.cfg.target_epsilon,
+            accountant=plan.accountant,
+            planned={
+                "sensitivity": float(k_u) * c.factorization.sensitivity.value,
+                "sensitivity_exact": c.factorization.sensitivity.exact and k_u == 1,
+                "epsilon": plan.epsilon,
+                "participation": {**c.planner.to_dict(), "mode": c.cfg.mode},
+            },
+            realized={
+                "sensitivity": real.sensitivity,
+                "sensitivity_exact": real.sensitivity_exact,
+                "epsilon": real.epsilon,
+                "accounting": real.accounting,
+                "delta": real.delta,
+                "guarantee": real.delta is not None and real.delta <= c.cfg.delta * (1 + 1e-12),
+                "participation": participation_section(
+                    s.ledger.selected, salt, c.cfg.policy, overrides
+                ),
+                "rejections": len(s.ledger.rejections),
+            },
+            rounds_completed=s.next_round,
+            rounds_planned=c.cfg.num_rounds,
+            stopped_reason=s.stopped_reason,
+            run_id=self.keys.run_id,
+            identity={"source": c.identity, "stable_across_restarts": c.identity != "per-launch"},
+            learning=self.learning(),
+        )
+        report["mechanism"]["notes"] = list(c.notes)
+        if (
+            plan.vocabulary is not None
+        ):  # a run on a dataset file: how its vocabulary was built, and the total
+            report["vocabulary"] = plan.vocabulary
+            report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
+        return report
+
+    def learning(self) -> dict:
+        return learning_section([self.initial_metrics, *self.state.metrics_history], self.plan.rho)
+
+    def write_report(self) -> Path:
+        """privacy_report.json: the report as published (:meth:`Disclosure.public_report`)."""
+        return write_report(
+            self.disclosure.public_report(self.report()),
+            self.run_dir / "privacy_report.json",
+        )
+
+    def write_metrics(self) -> Path:
+        """metrics.json: the initial model as round −1, then one entry per round, as published."""
+        public = [self.disclosure.public_metrics(m) for m in self.state.metrics_history]
+        return write_json(self.run_dir / "metrics.json", [self.initial_metrics, *public], indent=1)
+
+
+def restore(
+    ctx: RunPlan, ckpt: Path, noise: NoiseStream, initial_sha256: str
+) -> tuple[RunState, RunSecrets]:
+    """The state and secrets of a verified checkpoint; refuses one of another run, factorization, σ,
+    model or initial model, naming what differs."""
+    public = json.loads((ckpt / "state.json").read_text())
+    cfg, sigma = ctx.cfg, ctx.accounting.plan.noise_multiplier
+    if public["config_fingerprint"] != cfg.fingerprint():
+        diff = settings_conflict(ckpt.parent, cfg.run_settings()) or "unrecorded settings"
+        raise IntegrityError(
+            f"{ckpt / 'state.json'}: the checkpoint belongs to a run with other settings ({diff}); "
+            "resume with the same settings, or start a new run with --fresh"
+        )
+    if public["factorization_sha256"] != ctx.factorization.sha256():
+        raise IntegrityError(f"{ckpt}: the checkpoint was made with another factorization")
+    if public["noise_multiplier"] != sigma:
+        raise InvalidArgumentError(
+            "noise-multiplier", f"{public['noise_multiplier']} (the checkpoint's)", sigma
+        )
+    plan = ctx.accounting.plan
+    was = (
+        public.get("amplified", plan.amplified),
+        public.get("accountant", plan.accountant.get("name")),
+    )
+    if was != (plan.amplified, plan.accountant.get("name")) or (
+        (ckpt / SAMPLER_KEY).is_file() and not plan.amplified
+    ):
+        # The run's accounting (the bound, and whether its cohorts are secret) is fixed when it
+        # starts: a resume that re-plans to another regime would change the planned ε and the
+        # cohorts' key mid-run.
+        raise IntegrityError(
+            f"{ckpt / 'state.json'}: the run started with accountant {was[1]} "
+            f"({'amplified, secret cohorts' if was[0] else 'unamplified'}); resuming now plans "
+            f"{plan.accountant.get('name')} ({'amplified' if plan.amplified else 'unamplified'}) — "
+            "resume with the inputs it started with (name its --accountant), or start anew with "
+            "--fresh"
+        )
+    if public.get("initial_sha256", initial_sha256) != initial_sha256:
+        raise InvalidArgumentError(
+            "initial_arrays",
+            "the initial model this run started from (a resumed run "
+            "cannot change it; start a new run with --fresh / fresh=True)",
+            f"arrays with SHA-256 {initial_sha256[:16]}…",
+        )
+    params = load_arrays(ckpt, "model")
+    if [tuple(p.shape) for p in params] != [tuple(s) for s in ctx.layout.trainable_shapes]:
+        raise IntegrityError(f"{ckpt}: model shapes differ from the model being trained")
+    state = RunState(
+        params,
+        load_arrays(ckpt, "optimizer"),
+        Ledger.from_dict(public["ledger"]),
+        public["metrics_history"],
+        int(public["next_round"]),
+        int(public.get("empty_streak", 0)),
+        None,
+        {int(r): list(v) for r, v in public.get("pending_overrides", {}).items()},
+    )
+    if noise.next_round != state.next_round:
+        raise IntegrityError(
+            f"{ckpt}: noise state is at round {noise.next_round}, model at {state.next_round}"
+        )
+    keys = RunSecrets(
+        (ckpt / "report_salt").read_bytes(),
+        (ckpt / SECRET).read_bytes(),
+        _sampler_key(ctx, ckpt),
+        public["run_id"],
+        public.get("initial_sha256", initial_sha256),
+    )
+    log.info("corrflow: resumed from %s at round %d", ckpt.name, state.next_round + 1)
+    return state, keys
+
+
+def _sampler_key(ctx: RunPlan, ckpt: Path) -> bytes | None:
+    """The private key the amplified plan's cohorts are drawn from (its earlier rounds replay from
+    it)."""
+    if not ctx.accounting.plan.amplified:
+        return None
+    path = ckpt / SAMPLER_KEY
+    if not path.is_file():
+        raise IntegrityError(
+            f"{path}: missing from a checkpoint its manifest vouches for (written by a corrflow "
+            "that "
+            "drew amplified cohorts from the public schedule seed): the amplified ε would not hold "
+            "for its cohorts. Start a new run with --fresh"
+        )
+    return path.read_bytes()
