@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from corrflow.accounting.mechanisms import EPSILON_EXPECTED, MAX_EPSILON
 from corrflow.choices import (
     Accountant,
     Client,
@@ -50,6 +51,21 @@ PREFIX = "corrflow."  # corrflow's keys in Flower's run config; every other key 
 #: The largest clip norm: the noise σ·clip·(C⁻¹Z)_t and a sum of clipped updates must stay finite in
 # float32.
 MAX_CLIP_NORM = 1e9
+#: The largest noise multiplier: σ·clip·(C⁻¹Z)_t stays below ~1e21, far inside float32 (3.4e38); ε
+# is already ~1e-11 there, so nothing useful is refused.
+MAX_NOISE_MULTIPLIER = 1e12
+#: The largest server and client learning rates: an update scaled by more overflows float32 within
+# a few rounds (η = 1e308 releases a NaN model in round 0).
+MAX_LEARNING_RATE = 1e6
+#: The most local steps (numpy: gradient steps; nextword, keras: epochs over the user's data) a
+# client takes per round; beyond it a round never ends in practice (1e30 hangs).
+MAX_LOCAL_STEPS = 10_000
+#: The most users a run or a plan may have (more than people on Earth; the amplified accountants'
+# sampling probability cohort/users is then ≥ 1e-10, where their calibrations still end).
+MAX_USERS = 10**10
+#: The most rounds: 50× the longest schedules in the papers (2052 rounds); the planner's and the
+# engine's work grows at least linearly in n (a dense factorization: n²), so 1e9 rounds never end.
+MAX_ROUNDS = 100_000
 #: ε a private run is calibrated for when neither a target ε nor a noise multiplier is given.
 DEFAULT_TARGET_EPSILON = 8.0
 
@@ -130,18 +146,20 @@ class RunConfig(BaseModel):
         "users: the simulated SuperNodes (simulate: 50), or the SuperNodes the server waits for "
         "(default: "
         "those connected when the run starts)",
-        "a positive integer",
+        f"a positive integer ≤ {MAX_USERS:.0e}",
         unit="users",
         ge=1,
+        le=MAX_USERS,
         names={"cli": "--users", "recipe": "population"},
         surface_defaults={"cli": 50},
     )
     num_rounds: int = setting(
         20,
         "rounds n (the wrapper: start(num_rounds=…))",
-        "a positive integer",
+        f"a positive integer ≤ {MAX_ROUNDS}",
         unit="rounds",
         ge=1,
+        le=MAX_ROUNDS,
         names={"cli": "--rounds", "recipe": "rounds"},
         surfaces=("cli", "run_config", "recipe"),
     )
@@ -225,15 +243,17 @@ class RunConfig(BaseModel):
         f"ε to calibrate σ for (default {DEFAULT_TARGET_EPSILON:g} without a noise multiplier; "
         "with one: the "
         "budget guard's limit, none if unset)",
-        "a finite ε > 0",
+        EPSILON_EXPECTED,
         gt=0,
+        le=MAX_EPSILON,
         allow_inf_nan=False,
     )
     noise_multiplier: float | None = setting(
         None,
         "σ, fixed instead of calibrated for target-epsilon",
-        "a finite σ > 0",
+        f"a finite σ in (0, {MAX_NOISE_MULTIPLIER:g}] (σ·clip must stay far inside float32)",
         gt=0,
+        le=MAX_NOISE_MULTIPLIER,
         allow_inf_nan=False,
     )
     delta: float = setting(1e-5, "δ", "a number in (0, 1)", gt=0, lt=1)
@@ -285,8 +305,9 @@ class RunConfig(BaseModel):
     server_lr: float | None = setting(
         None,
         "server learning rate η (default: the client's)",
-        "a learning rate > 0",
+        f"a learning rate in (0, {MAX_LEARNING_RATE:g}] (a larger one overflows the model)",
         gt=0,
+        le=MAX_LEARNING_RATE,
         allow_inf_nan=False,
         names={"wrapper": "server_learning_rate"},
         surfaces=("cli", "run_config", "wrapper"),
@@ -294,8 +315,9 @@ class RunConfig(BaseModel):
     local_lr: float | None = setting(
         None,
         "clients' learning rate (default: the client's)",
-        "a learning rate > 0",
+        f"a learning rate in (0, {MAX_LEARNING_RATE:g}] (a larger one overflows the model)",
         gt=0,
+        le=MAX_LEARNING_RATE,
         allow_inf_nan=False,
         surfaces=NOT_WRAPPER,
     )
@@ -303,8 +325,9 @@ class RunConfig(BaseModel):
         None,
         "clients' local work: gradient steps (numpy) or epochs over the "
         "user's data (nextword, keras); default: the client's",
-        "a positive integer",
+        f"an integer in [1, {MAX_LOCAL_STEPS}]",
         ge=1,
+        le=MAX_LOCAL_STEPS,
         surfaces=NOT_WRAPPER,
     )
     # -- task --------------------------------------------------------------------------------------

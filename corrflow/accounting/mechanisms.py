@@ -58,8 +58,15 @@ def check_delta(delta: float) -> None:
     )
 
 
+#: The largest ε corrflow calibrates for. Its σ (≈ 0.025 at δ = 1e-5) is near the smallest a PLD can
+# still account (:func:`check_pld_size`); far above it the calibration itself overflows (ε = 1e308).
+MAX_EPSILON = 1000.0
+#: The words every ε check uses.
+EPSILON_EXPECTED = f"a finite ε in (0, {MAX_EPSILON:g}]"
+
+
 def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
-    """Refuse an ε that is not a finite positive number.
+    """Refuse an ε that is not a finite positive number ≤ :data:`MAX_EPSILON`.
 
     Args:
         epsilon: ε.
@@ -69,9 +76,9 @@ def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
         InvalidArgumentError: naming ``field``.
     """
     require(
-        isinstance(epsilon, int | float) and np.isfinite(epsilon) and epsilon > 0,
+        isinstance(epsilon, int | float) and np.isfinite(epsilon) and 0 < epsilon <= MAX_EPSILON,
         field,
-        "a positive number",
+        EPSILON_EXPECTED,
         epsilon,
     )
 

@@ -249,3 +249,32 @@ def train_clients_count(data_path: str) -> int:
     """How many training partitions (StackOverflow train clients, arXiv training papers) a dataset
     file has."""
     return len(TextSource(data_path, "-").train_clients)
+
+
+def check_dataset(data_path: str, vocab_path: str) -> None:
+    """Refuse, before anything is written or trained, a dataset file without training examples or
+    without a held-out split to evaluate on, and a vocabulary that does not load or holds no word
+    (:class:`~corrflow.errors.DataFormatError` naming the file)."""
+    from corrflow.errors import DataFormatError
+
+    src = TextSource(data_path, vocab_path)
+    if not src.vocab.words:
+        raise DataFormatError(vocab_path, None, "a vocabulary with at least one word")
+    if src.format == "arxiv-jsonl":
+        train, held = src._arxiv
+        if not train or not held:
+            raise DataFormatError(
+                data_path,
+                None,
+                "arXiv JSON lines with training papers and papers by held-out authors "
+                "(10% of authors, by hashed id) for evaluation",
+                f"{len(train)} training and {len(held)} held-out papers",
+            )
+        return
+    db = src._db
+    split = "heldout" if "heldout" in db.splits() else "test"
+    for name, what in (("train", "training"), (split, "evaluation")):
+        if name not in db.splits() or not db.has_examples(name):
+            raise DataFormatError(
+                data_path, "examples", f"a {name!r} split with examples ({what})", "none"
+            )

@@ -121,7 +121,13 @@ class Vocabulary:
         path = Path(path)
         if not path.is_file():
             raise DataFormatError(path, None, "an existing vocabulary file")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            line = path.read_bytes()[: exc.start].count(b"\n") + 1
+            raise DataFormatError(
+                path, line, f"UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
         buckets, provenance, offset = 1, {"source": "public"}, 1
         if lines and lines[0].startswith(HEADER):
             buckets, provenance = _parse_header(path, lines[0])

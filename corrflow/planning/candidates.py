@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.accounting.accountant import AccountingOptions, SamplingSpec, accountant_for
+from corrflow.accounting.mechanisms import check_epsilon
+from corrflow.config import MAX_ROUNDS, MAX_USERS
 from corrflow.errors import CorrflowError, require
 from corrflow.factorization.base import Factorization, normalized
 from corrflow.factorization.build import factorize
@@ -119,9 +121,9 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         require(
-            isinstance(self.rounds, int) and self.rounds >= 1,
+            isinstance(self.rounds, int) and 1 <= self.rounds <= MAX_ROUNDS,
             "rounds",
-            "a positive integer",
+            f"a positive integer ≤ {MAX_ROUNDS}",
             self.rounds,
         )
         require(
@@ -131,17 +133,12 @@ class PlanRequest:
             self.cohort_size,
         )
         require(
-            isinstance(self.population, int) and self.population >= self.cohort_size,
+            isinstance(self.population, int) and self.cohort_size <= self.population <= MAX_USERS,
             "population",
-            f"an integer ≥ cohort-size = {self.cohort_size}",
+            f"an integer in [cohort-size = {self.cohort_size}, {MAX_USERS:.0e}]",
             self.population,
         )
-        require(
-            math.isfinite(self.target_epsilon) and self.target_epsilon > 0,
-            "target-epsilon",
-            "a positive number",
-            self.target_epsilon,
-        )
+        check_epsilon(self.target_epsilon, "target-epsilon")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.memory_budget >= 0, "memory-budget", "bytes ≥ 0", self.memory_budget)
         require(

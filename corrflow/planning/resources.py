@@ -95,3 +95,24 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
         f"GiB ({', '.join(f'{k} {v / 2**30:.1f}' for k, v in parts.items())} GiB), "
         f"{have / 2**30:.1f} GiB are available",
     )
+
+
+def check_disk(need: int, directory: str | os.PathLike, flag: str) -> None:
+    """Refuse a file of ≈ ``need`` bytes that would not fit in the free space under ``directory``
+    (its nearest existing parent).
+
+    Raises: InvalidArgumentError: naming ``flag``, with the estimate and the free space.
+    """
+    import shutil
+    from pathlib import Path
+
+    p = Path(directory).expanduser().resolve()
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if need > free:
+        raise InvalidArgumentError(
+            flag,
+            f"a size that fits on disk: it needs ≈ {need / 2**30:.3g} GiB, "
+            f"{free / 2**30:.1f} GiB are free under {p}",
+        )

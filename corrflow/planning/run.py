@@ -142,7 +142,7 @@ def load_graph(path: str) -> AttributionGraph:
     """
     p = Path(path)
     if p.suffix == ".jsonl":
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8", errors="replace") as f:  # the reader names a bad byte
             first = next((line for line in f if line.strip()), "")
         try:
             is_arxiv = "item" not in json.loads(first)

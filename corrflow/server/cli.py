@@ -503,6 +503,13 @@ def plan(
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
     try:
+        from corrflow.planning.resources import check_fits, estimate
+
+        # the cheapest candidate (Toeplitz, one band) must fit before anything is written
+        check_fits(
+            estimate(0, rounds, "toeplitz", 1, model_params),
+            {"users": "--population", "factorization": "--rounds", "noise": "--model-params"},
+        )
         writable_directory(out, "--out")
         if cache_dir is not None:
             writable_directory(cache_dir, "--cache-dir")
@@ -911,6 +918,23 @@ def audit(
                 settings.get(param_name("mode")),
             )
         cfg = _simulate_config(ctx, settings, plan, fresh=True)
+        from corrflow.planning.resources import check_fits, estimate
+
+        # every candidate canary is a simulated SuperNode with its own draws: its memory counts too
+        check_fits(
+            estimate(
+                cfg.num_users + canaries,
+                cfg.num_rounds,
+                cfg.kind,
+                cfg.bands or cfg.b,
+                cfg.model_dim,
+            ),
+            {
+                "users": "--canaries" if canaries > cfg.num_users else "--users",
+                "factorization": "--rounds",
+                "noise": "--bands",
+            },
+        )
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from corrflow.accounting.mechanisms import MAX_EPSILON, check_epsilon
 from corrflow.errors import require
 from corrflow.fileio import write_json, write_text
 from corrflow.planning.learnability import THRESHOLD
@@ -497,9 +498,9 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
     except ValueError:
         values = []
     require(
-        bool(values) and all(math.isfinite(v) and v > 0 for v in values),
+        bool(values) and all(math.isfinite(v) and 0 < v <= MAX_EPSILON for v in values),
         "epsilons",
-        "comma-separated finite ε > 0 (e.g. 1,2,4,8,16)",
+        f"comma-separated finite ε in (0, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
         text,
     )
     return tuple(sorted(set(values)))
@@ -532,15 +533,25 @@ def compare(
         kinds,
     )
     epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
-    require(all(math.isfinite(e) and e > 0 for e in epsilons), "epsilons", "finite ε > 0", epsilons)
+    for e in epsilons:
+        check_epsilon(e, "epsilons")
     out = Path(out_dir)
-    # every fixed-epoch arm's settings are valid before anything is planned or trained
+    # every fixed-epoch arm's settings, the dataset and the memory a run needs are checked before
+    # anything is written, planned or trained
+    from corrflow.planning.resources import check_fits, estimate
+    from corrflow.server.simulation import check_data_population
+
     for arm in (
         NONPRIVATE,
         Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
         *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons),
     ):
-        arm_config(preset, arm, 0, out / "runs" / arm.name)
+        cfg = arm_config(preset, arm, 0, out / "runs" / arm.name)
+        check_fits(
+            estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
+            {"users": "users", "factorization": "rounds", "noise": "rounds"},
+        )
+    check_data_population(cfg, "users")
     started, cpu0 = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
     cache = PlanCache(default_cache_dir(out))

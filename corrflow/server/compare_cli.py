@@ -168,8 +168,10 @@ def compare_command(
                 "either --epsilon E or --epsilons E1,E2,… (--epsilon E means --epsilons E)",
                 f"--epsilon {epsilon:g} --epsilons {epsilons}",
             )
-        if epsilon is not None and not (epsilon > 0 and epsilon < float("inf")):
-            raise InvalidArgumentError("--epsilon", "a finite ε > 0", epsilon)
+        if epsilon is not None:
+            from corrflow.accounting.mechanisms import check_epsilon
+
+            check_epsilon(epsilon, "--epsilon")
         sweep = (
             parse_epsilons(epsilons)
             if epsilons is not None

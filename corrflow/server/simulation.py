@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import warnings
 from pathlib import Path
 
 from corrflow.config import RunConfig
+from corrflow.errors import DataFormatError, InvalidArgumentError
 from corrflow.paths import run_directory
 
 log = logging.getLogger("corrflow")
@@ -111,10 +113,15 @@ def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
     """A run on a dataset file trains at most the file's training partitions (StackOverflow train
     clients, arXiv training papers): more simulated users would ask for partitions that do not exist
     (every round would reject their replies and train on fewer users than planned), so it is
-    refused, naming ``flag`` and the file's count."""
-    if not cfg.data_path or cfg.mode != "cross-device" or cfg.num_users is None:
+    refused, naming ``flag`` and the file's count. A file without training examples or a held-out
+    split, or an empty vocabulary, is refused too (`corrflow.data.federated.check_dataset`)."""
+    if not cfg.data_path:
         return
-    from corrflow.data.federated import data_format, train_clients_count
+    from corrflow.data.federated import check_dataset, data_format, train_clients_count
+
+    check_dataset(cfg.data_path, cfg.vocab_path)
+    if cfg.mode != "cross-device" or cfg.num_users is None:
+        return
     from corrflow.errors import require
 
     count = train_clients_count(cfg.data_path)
@@ -147,7 +154,40 @@ def simulate(
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
+    created = _new_files(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _simulate(
+            cfg, out, backend, noise_key=noise_key, fresh=fresh, quiet=quiet, verbose=verbose
+        )
+    except (InvalidArgumentError, DataFormatError):
+        created()  # a refusal leaves --out as it found it
+        raise
+
+
+def _new_files(out: Path):
+    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore and
+    engine.log; the directory itself if this start created it) — nothing once a round was
+    checkpointed or journaled."""
+    before = set(os.listdir(out)) if out.is_dir() else None
+
+    def undo() -> None:
+        if not out.is_dir() or (out / "state" / "CURRENT").exists():
+            return
+        for name in set(os.listdir(out)) - (before or set()):
+            path = out / name
+            if name in (".gitignore", "engine.log") or name.startswith(".corrflow.lock"):
+                path.unlink(missing_ok=True)
+            elif path.is_dir() and not any(path.rglob("*")):
+                path.rmdir()
+        if before is None and not any(out.iterdir()):
+            out.rmdir()
+
+    return undo
+
+
+def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
+    verbose = kwargs.pop("verbose")
     from corrflow.clients.tasks import get_task
     from corrflow.server.app import make_server_app, run_server
 
@@ -160,7 +200,6 @@ def simulate(
         cfg.seed,
         cfg.eval_sequences,
     )
-    kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
             from corrflow.server.inprocess import InProcessGrid
