@@ -374,3 +374,15 @@ def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
     assert res["epsilon_claimed"] == pytest.approx(1.0, abs=0.01)
     assert res["epsilon_lower"] <= res["epsilon_claimed"]
     assert 0.7 < res["statistics"]["whitened"]["null_std"] < 1.3
+
+
+def test_candidates_for_ceiling_lifts_the_ceiling_above_the_claim():
+    """The count returned is the first grid point whose ceiling exceeds the claim; at δ = 1e-5 the
+    ceiling peaks below 8 (issue 33: 200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
+    from corrflow.accounting.audit import candidates_for_ceiling, lower_bound_ceiling
+
+    assert abs(lower_bound_ceiling(200, delta=1e-5) - 3.80) < 0.01
+    m = candidates_for_ceiling(5.0, 1e-5)
+    assert m is not None and lower_bound_ceiling(m, delta=1e-5) > 5.0
+    assert lower_bound_ceiling(m // 2, delta=1e-5) <= 5.0
+    assert candidates_for_ceiling(8.0, 1e-5, largest=10**6) is None

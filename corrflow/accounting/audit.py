@@ -425,8 +425,35 @@ def lower_bound_ceiling(
     return one_run_epsilon(candidates, 2 * k, 2 * k, delta, (1 - confidence) / len(fractions))
 
 
+def candidates_for_ceiling(
+    claimed: float, delta: float = 0.0, start: int = 20, largest: int = 10**8
+) -> int | None:
+    """The fewest candidate canaries (on a grid of powers of two times ``start``, so at most 2× the
+    exact count) whose ceiling :func:`lower_bound_ceiling` exceeds ``claimed``: below it an audit
+    cannot prove a violation of that claim. None when no size up to ``largest`` lifts it — with δ >
+    0 the ceiling peaks (≈ 6.8 at δ = 1e-5 near 10⁴ candidates) and falls again, as the δ term of
+    Steinke, Nasr, Jagielski (arXiv 2305.08846, Thm 5.2) grows with the count.
+
+    Args:
+        claimed: the claimed ε.
+        delta: the run's δ.
+        start: the smallest count tried.
+        largest: the largest count tried.
+
+    Returns:
+        The candidate count, or None.
+    """
+    m = start
+    while m <= largest:
+        if lower_bound_ceiling(m, delta=delta) > claimed:
+            return m
+        m *= 2
+    return None
+
+
 __all__ = [
     "GUESS_FRACTIONS",
+    "candidates_for_ceiling",
     "Estimate",
     "LowerBound",
     "canary_coins",

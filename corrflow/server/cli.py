@@ -882,8 +882,11 @@ def audit(
     scaled to the clip norm), then report the run's claimed ε, the one-shot estimate ε̂ (Andrew et
     al., arXiv 2302.03098) and a 95% lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846)
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
-    there is moved aside). Exit codes: 0 no violation shown, 1 the run failed, 2 bad arguments, 4
-    ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
+    there is moved aside). Exit codes: 0 consistent (nothing shown above the claim), 1 the run
+    failed, 2 bad arguments, 4 VIOLATION (ε_lo exceeds the claimed ε at 95% confidence), 5 SUSPECT
+    (the estimate ε̂ lies above the claim but ε_lo does not prove it: rerun with more canaries). When
+    the largest ε_lo this many canaries can show is below the claim, a note says so and how many
+    would lift it."""
     from corrflow.server.options import given_on_command_line, param_name
 
     try:
@@ -970,8 +973,28 @@ def _run_audit(
             err=True,
         )
     claimed = result["epsilon_claimed"]
+    ceiling = result["canaries"]["lower_bound_ceiling"]
+    if claimed is not None and ceiling <= claimed:
+        from corrflow.accounting.audit import candidates_for_ceiling
+
+        need = candidates_for_ceiling(claimed, result["delta"])
+        typer.echo(
+            f"note: with {result['canaries']['candidates']} candidates ε_lo can be at most "
+            f"{ceiling:.3g}, below the claimed ε = {claimed:.3g}: this audit cannot prove a "
+            "violation, only estimate one; "
+            + (
+                f"about {need} candidates (--canaries {need}) would lift the ceiling above "
+                "the claim"
+                if need is not None
+                else f"no number of candidates lifts the ceiling above it at δ = "
+                f"{result['delta']:g} (the bound's δ term grows with the count)"
+            ),
+            err=True,
+        )
     if claimed is not None and result["epsilon_lower"] > claimed:
         raise typer.Exit(code=4)
+    if result["verdict"].startswith("SUSPECT"):
+        raise typer.Exit(code=AUDIT_SUSPECT_EXIT)
 
 
 def _audit_summary(r: dict) -> str:
@@ -1003,6 +1026,10 @@ def _audit_summary(r: dict) -> str:
         ]
     )
 
+
+#: ``corrflow audit``'s exit code when the estimate lies above the claim but the lower bound does
+# not prove it.
+AUDIT_SUSPECT_EXIT = 5
 
 app.command()(with_settings(audit))
 
