@@ -208,9 +208,9 @@ NONPRIVATE = Arm(
 )
 
 
-def plan_request(preset: Preset, epsilon: float, **kw):
+def plan_request(preset: Preset, epsilon: float, delta: float | None = None, **kw):
     """The ``corrflow plan`` request for the preset's population, cohort, rounds and optimizer at
-    ``epsilon``."""
+    ``epsilon`` and ``delta`` (default: the preset's δ) — the training's share of the budget."""
     from corrflow.planning.candidates import PlanRequest
 
     return PlanRequest(
@@ -218,15 +218,18 @@ def plan_request(preset: Preset, epsilon: float, **kw):
         population=preset.users,
         cohort_size=preset.cohort,
         target_epsilon=epsilon,
-        delta=preset.delta,
+        delta=preset.delta if delta is None else delta,
         momentum=preset.momentum,
         **kw,
     )
 
 
-def _recipe_arm(name: str, cand, plan, out: Path, epsilon: float, description: str) -> Arm:
+def _recipe_arm(
+    name: str, cand, plan, out: Path, epsilon: float, description: str, delta: float
+) -> Arm:
     """An arm that runs the planner's candidate ``cand`` as is (recipe + factorization written to
-    ``out``)."""
+    ``out``). ``epsilon``, ``delta``: the run's total budget (the recipe was planned for training's
+    share; the run takes a DP vocabulary's share out of the total itself)."""
     from corrflow.planning.candidates import write_plan
     from corrflow.planning.recipe import load_recipe
 
@@ -235,7 +238,8 @@ def _recipe_arm(name: str, cand, plan, out: Path, epsilon: float, description: s
     settings = {
         **recipe.strategy_settings(),
         "target_epsilon": epsilon,
-    }  # the target: the run's budget guard
+        "delta": delta,
+    }  # the total: the run's budget guard subtracts a DP vocabulary's share
     return Arm(
         name,
         cand.kind,
@@ -254,14 +258,18 @@ def plan_arms(
     root: Path,
     cache,
     progress=None,
+    training: tuple[float, float] | None = None,
 ) -> ArmPlan:
     """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for
-    an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``."""
+    an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``.
+    ``training``: the (ε, δ) left for training after a DP vocabulary
+    (`corrflow.planning.run.training_budget`, as ``simulate`` calibrates); default (ε, δ)."""
     from corrflow.factorization.registry import REGISTRY
     from corrflow.planning.candidates import DEFAULT_KINDS, make_plan
 
     started = time.perf_counter()
-    req = plan_request(preset, epsilon)
+    train_eps, train_delta = training or (epsilon, preset.delta)
+    req = plan_request(preset, train_eps, train_delta)
     plan = make_plan(req, cache, quiet=True)
     require(
         plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)"
@@ -308,6 +316,7 @@ def plan_arms(
             base / "dpsgd-poisson",
             epsilon,
             "DP-SGD, Poisson sampling q = cohort/population, PLD",
+            preset.delta,
         ),
     ]
     for kind in kinds:
@@ -333,7 +342,13 @@ def plan_arms(
                 plan
                 if kind in DEFAULT_KINDS
                 else make_plan(
-                    plan_request(preset, epsilon, kinds=(kind,), accountants=("cyclic-poisson",)),
+                    plan_request(
+                        preset,
+                        train_eps,
+                        train_delta,
+                        kinds=(kind,),
+                        accountants=("cyclic-poisson",),
+                    ),
                     cache,
                     quiet=True,
                 )
@@ -361,11 +376,18 @@ def plan_arms(
                     base / (kind + AMPLIFIED_SUFFIX),
                     epsilon,
                     "amplified, planner's b",
+                    preset.delta,
                 )
             )
     arms.append(
         _recipe_arm(
-            "plan", plan.recommended, plan, base / "plan", epsilon, "corrflow plan's recipe"
+            "plan",
+            plan.recommended,
+            plan,
+            base / "plan",
+            epsilon,
+            "corrflow plan's recipe",
+            preset.delta,
         )
     )
     planner = {
@@ -380,21 +402,52 @@ def plan_arms(
     return ArmPlan(epsilon, arms, planner, skipped)
 
 
+#: The comparison's settings in its --out: a rerun with the same settings continues it.
+SETTINGS_FILE = "compare_settings.json"
+
+
+def settings_differences(out: Path, settings: dict) -> list[str] | None:
+    """What differs between ``settings`` and those of the comparison in ``out`` (empty: the same,
+    it may continue); None when ``out`` holds no comparison, or one without recorded settings."""
+    path = out / SETTINGS_FILE
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    new = json.loads(json.dumps(settings))  # the same JSON types as the stored copy
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [
+                f"{key}.{k}: {a.get(k)!r} then, {b.get(k)!r} now"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
+        elif a != b:
+            diffs.append(f"{key}: {a!r} then, {b!r} now")
+    return diffs
+
+
+#: The file a finished arm's result is kept in (inside its run directory): a rerun keeps the arm.
+ARM_RESULT = "arm_result.json"
+
+
 def run_arm(
     preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None
 ) -> dict:
-    """Train one arm for one seed in ``out`` (a fresh directory); its final metrics, verified (ε, δ)
-    and curve."""
+    """Train one arm for one seed in ``out``; its final metrics, verified (ε, δ) and curve (also
+    written to ``out``/:data:`ARM_RESULT`). A run the budget guard (or anything else) stopped early
+    is returned with ``stopped`` saying why. An earlier, unfinished run in ``out`` (an interrupted
+    comparison) is moved aside, never deleted, and the arm restarts afresh (``restarted``: the
+    rounds it had released)."""
     from corrflow.clients.tasks import get_task
     from corrflow.planning.recipe import install_factorization, load_recipe
-    from corrflow.server.simulation import simulate
+    from corrflow.server.simulation import RunStoppedEarlyError, simulate
 
-    require(
-        not (out / "state").exists(),
-        "out",
-        "a directory without a previous comparison run",
-        str(out),
-    )
+    restarted = None
+    if (out / "state").exists():
+        journal = out / "metrics.json"
+        restarted = len(json.loads(journal.read_text())) - 1 if journal.exists() else 0
     cfg = arm_config(preset, arm, seed, out)
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -409,18 +462,19 @@ def run_arm(
         cfg.eval_sequences,
     )
     started = time.perf_counter()
-    report = simulate(cfg, backend=backend)
+    stopped = None
+    try:
+        report = simulate(cfg, backend=backend, fresh=restarted is not None)
+    except RunStoppedEarlyError as exc:  # the guard kept its promise: reported, not a traceback
+        report = exc.report
+        stopped = report.get("stopped_reason") or str(exc)
     curve = json.loads((out / "metrics.json").read_text())
     last = curve[-1]
-    require(
-        last["round"] == preset.rounds - 1,
-        "rounds",
-        f"all {preset.rounds} rounds completed in arm {arm.name}",
-        report.get("rounds_completed"),
-    )
-    learning = report["learning"]
+    learning = report.get("learning") or {"learned": False, "noise_to_signal": None}
     acc = report.get("accountant") or {}
-    eps, delta = report["realized"]["epsilon"], report.get("delta")
+    total = report.get("total") or {}  # with a vocabulary: training composed with its spend
+    eps = total.get("epsilon", report["realized"]["epsilon"])
+    delta = total.get("delta", report.get("delta"))
     private = epsilon is not None
     verified = (not private) or (
         eps is not None
@@ -437,12 +491,15 @@ def run_arm(
 
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
-    return {
+    result = {
         "seed": seed,
+        "stopped": stopped,
+        "rounds_completed": report.get("rounds_completed"),
+        "restarted": restarted,
         "accuracy": last.get("test_accuracy"),
         "loss": last["test_loss"],
         "learned": learning["learned"],
-        "noise_to_signal": learning["noise_to_signal"],
+        "noise_to_signal": learning.get("noise_to_signal"),
         "initial_accuracy": curve[0].get("test_accuracy"),
         "initial_loss": curve[0]["test_loss"],
         "epsilon": eps,
@@ -467,6 +524,8 @@ def run_arm(
             for m in curve
         ],
     }
+    write_json(out / ARM_RESULT, result, indent=1)
+    return result
 
 
 def gap_closed(value: float | None, dpsgd: float | None, nonprivate: float | None) -> float | None:
@@ -515,6 +574,7 @@ def compare(
     *,
     epsilons: tuple[float, ...] | None = None,
     amplified: bool = False,
+    settings: dict | None = None,
 ) -> dict:
     """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
     0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
@@ -552,15 +612,29 @@ def compare(
             {"users": "users", "factorization": "rounds", "noise": "rounds"},
         )
     check_data_population(cfg, "users")
+    from corrflow.planning.run import training_budget
+
+    training = {}  # ε → training's (ε, δ): a DP vocabulary's share comes out of each ε, as simulate
+    for eps in epsilons:
+        budget = training_budget(
+            arm_config(
+                preset, Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": eps}), 0, out
+            )
+        )
+        training[eps] = (budget.epsilon, budget.delta)
     started, cpu0 = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
+    if settings is not None:  # what a rerun must match to continue this comparison
+        write_json(out / SETTINGS_FILE, settings, indent=1)
     cache = PlanCache(default_cache_dir(out))
     plans = {}
     for (
         eps
     ) in epsilons:  # every ε's arms are planned (and their settings checked) before any arm trains
         root = out / f"eps{epsilon_key(eps)}"
-        plans[eps] = plan_arms(preset, kinds, eps, amplified, root, cache, progress)
+        plans[eps] = plan_arms(
+            preset, kinds, eps, amplified, root, cache, progress, training=training[eps]
+        )
         for arm in plans[eps].arms:
             arm_config(preset, arm, 0, root / "runs" / arm.name)
         if progress is not None:
@@ -572,25 +646,39 @@ def compare(
             )
     per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
     free: list[dict] = []
+    jobs = []  # (seed, ε or None, arm, run directory), in training order
     for seed in range(preset.seeds):
-        res = run_arm(
-            preset, NONPRIVATE, seed, out / "runs" / f"nonprivate-seed{seed}", backend, None
-        )
-        free.append(res)
-        _progress(progress, seed, None, "nonprivate", res)
+        jobs.append((seed, None, NONPRIVATE, out / "runs" / f"nonprivate-seed{seed}"))
         for eps in epsilons:
-            key = epsilon_key(eps)
             for arm in plans[eps].arms:
-                res = run_arm(
-                    preset,
-                    arm,
-                    seed,
-                    out / f"eps{key}" / "runs" / f"{arm.name}-seed{seed}",
-                    backend,
-                    eps,
+                jobs.append(
+                    (
+                        seed,
+                        eps,
+                        arm,
+                        out / f"eps{epsilon_key(eps)}" / "runs" / f"{arm.name}-seed{seed}",
+                    )
                 )
-                per_seed[key].setdefault(arm.name, []).append(res)
-                _progress(progress, seed, eps, arm.name, res)
+    trained_seconds, trained = 0.0, 0
+    for i, (seed, eps, arm, run_dir) in enumerate(jobs, start=1):
+        kept = (run_dir / ARM_RESULT).exists()
+        if kept:  # finished by an earlier, interrupted try of the same comparison
+            res = json.loads((run_dir / ARM_RESULT).read_text())
+        else:
+            left = len(jobs) - i + 1
+            eta = f", ~{_duration(trained_seconds / trained * left)} left" if trained else ""
+            if progress is not None:
+                progress(
+                    f"arm {i} of {len(jobs)}{eta}: {arm.name}, seed {seed}"
+                    + ("" if eps is None else f", ε = {eps:g}")
+                )
+            res = run_arm(preset, arm, seed, run_dir, backend, eps)
+            trained_seconds, trained = trained_seconds + res["seconds"], trained + 1
+        if eps is None:
+            free.append(res)
+        else:
+            per_seed[epsilon_key(eps)].setdefault(arm.name, []).append(res)
+        _progress(progress, seed, eps, arm.name, res, kept=kept)
     result = {
         "preset": preset.name,
         "delta": preset.delta,
@@ -625,6 +713,12 @@ def compare(
         for name, a in e["arms"].items()
         if not a["verified"]
     ]
+    result["stopped"] = [
+        f"{name} at ε = {key}, {s}"
+        for key, e in result["epsilons"].items()
+        for name, a in e["arms"].items()
+        for s in a["stopped"]
+    ]
     plots = []
     for key, entry in result["epsilons"].items():
         plots += plot_rounds(result, entry, out, key)
@@ -637,16 +731,33 @@ def compare(
     return result
 
 
-def _progress(progress, seed: int, eps: float | None, name: str, res: dict) -> None:
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _progress(
+    progress, seed: int, eps: float | None, name: str, res: dict, kept: bool = False
+) -> None:
     if progress is None:
         return
+    if res.get("restarted") is not None:
+        progress(
+            f"seed {seed} {'' if eps is None else f'ε = {eps:g} '}{name}: restarted afresh (an "
+            f"interrupted try had released {res['restarted']} rounds; that run was moved aside)"
+        )
+    if res.get("stopped"):
+        progress(
+            f"seed {seed} {'' if eps is None else f'ε = {eps:g} '}{name}: STOPPED after "
+            f"{res['rounds_completed']} rounds: {res['stopped']}"
+        )
     acc = "-" if res["accuracy"] is None else f"{res['accuracy']:.4f}"
     at = "" if eps is None else f"ε = {eps:g} "
     spent = (
         "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
     )
     progress(
-        f"seed {seed} {at}{name:<18} accuracy {acc}  loss {res['loss']:.4f}  σ "
+        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  "
+        f"loss {res['loss']:.4f}  σ "
         f"{res['noise_multiplier']:.3f}"
         f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
     )
@@ -675,6 +786,11 @@ def _summarise(arm: Arm, runs: list[dict]) -> dict:
         "rmse": first["rmse"] if arm.rmse is None else arm.rmse,
         "noise_to_signal": first["noise_to_signal"],
         "learned_seeds": sum(bool(r["learned"]) for r in runs),
+        "stopped": [
+            f"seed {r['seed']} after {r.get('rounds_completed')} rounds: {r['stopped']}"
+            for r in runs
+            if r.get("stopped")
+        ],
         "per_seed": runs,
     }
 
@@ -733,6 +849,14 @@ def _finish_plot(plt, fig, ax, path: Path) -> str:
     return str(path)
 
 
+def arm_colours(result: dict) -> dict[str, str]:
+    """One colour per arm, the same in every plot (per-ε and across ε): non-private black, the
+    others matplotlib's cycle in the order the arms first appear over the sweep."""
+    names = list(dict.fromkeys(n for e in result["epsilons"].values() for n in e["arms"]))
+    others = [n for n in names if n != "nonprivate"]
+    return {"nonprivate": "black", **{n: f"C{i % 10}" for i, n in enumerate(others)}}
+
+
 def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
     """accuracy_eps<ε>.png and loss_eps<ε>.png: held-out metric against round (round −1 = the
     initial model), the mean over seeds as a line and the min–max over seeds as a band, one colour
@@ -748,11 +872,17 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
         ):
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+        colours = arm_colours(result)
         for name, arm in entry["arms"].items():
-            curves = np.array([[m[metric] for m in run["curve"]] for run in arm["per_seed"]])
-            x = np.arange(curves.shape[1]) - 1
-            ax.plot(x, curves.mean(axis=0), label=label(name))
-            ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
+            rows = [[m[metric] for m in run["curve"]] for run in arm["per_seed"]]
+            width = max(map(len, rows))  # an arm stopped early has a shorter curve
+            curves = np.array([r + [np.nan] * (width - len(r)) for r in rows], dtype=float)
+            x = np.arange(width) - 1
+            colour = colours[name]
+            ax.plot(x, np.nanmean(curves, axis=0), label=label(name), color=colour)
+            ax.fill_between(
+                x, np.nanmin(curves, axis=0), np.nanmax(curves, axis=0), alpha=0.2, color=colour
+            )
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.set_title(
@@ -779,18 +909,27 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         if any(e["arms"][n][metric] is None for e in entries for n in names):
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+        colours = arm_colours(result)
         x = np.array([e["epsilon"] for e in entries])
         for name in names:
             runs = [[r[metric] for r in e["arms"][name]["per_seed"]] for e in entries]
             mean = np.array([np.mean(v) for v in runs])
             lo, hi = np.array([min(v) for v in runs]), np.array([max(v) for v in runs])
             if name == "nonprivate":
-                ax.axhline(mean[0], color="black", linestyle="--", linewidth=1, label=label(name))
+                ax.axhline(
+                    mean[0], color=colours[name], linestyle="--", linewidth=1, label=label(name)
+                )
                 continue
-            line = ax.errorbar(
-                x, mean, yerr=[mean - lo, hi - mean], marker="o", capsize=3, label=label(name)
+            ax.errorbar(
+                x,
+                mean,
+                yerr=[mean - lo, hi - mean],
+                marker="o",
+                capsize=3,
+                label=label(name),
+                color=colours[name],
             )
-            ax.fill_between(x, lo, hi, alpha=0.15, color=line[0].get_color())
+            ax.fill_between(x, lo, hi, alpha=0.15, color=colours[name])
         ax.set_xscale("log")
         ax.set_xticks(x)
         ax.set_xticklabels([f"{v:g}" for v in x])
@@ -835,11 +974,13 @@ def table(result: dict) -> str:
             )
             acct = acct.replace("none (fixed-epoch, unamplified)", "unamplified")[:26]
             gap = entry["gap_closed"].get(name)
-            mark = "" if arm["verified"] else "  NOT VERIFIED"
+            mark = ("" if arm["verified"] else "  NOT VERIFIED") + (
+                f"  STOPPED ({'; '.join(arm['stopped'])})" if arm.get("stopped") else ""
+            )
             rows.append(
                 f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                 f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
-                f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} "
+                f"{fmt(arm['noise_to_signal'], '.2f'):>5} {fmt(arm['accuracy']):>9} "
                 f"{fmt(arm['rmse'], '.2f'):>7} "
                 f"{fmt(arm['loss']):>8} "
                 f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
@@ -879,6 +1020,7 @@ def json_summary(result: dict) -> dict:
         "cpu_seconds",
         "skipped",
         "unverified",
+        "stopped",
     )
     eps = {}
     for key, entry in result["epsilons"].items():
