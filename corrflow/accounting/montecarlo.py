@@ -8,8 +8,8 @@ differing example's participations) against Q = N(0, σ²I) is f_0(y) with
 
     f_i = (1 − p)·f_{i+1} + p·exp((2⟨c_i, y_{i:i+b}⟩ − ‖c_i‖²)/(2σ²))·f_{i+b},   f_i = 1 for i ≥ n,
 
-computed in log space, vectorised over samples, O(n·bands) per sample (:func:`log_likelihood_ratio`,
-the definition); the sampler itself runs on compiled kernels (:mod:`corrflow.accounting.mc_kernels`:
+computed in log space, vectorised over samples, O(n·bands) per sample (`log_likelihood_ratio`,
+the definition); the sampler itself runs on compiled kernels (`corrflow.accounting.mc_kernels`:
 the same recursion in linear space, the differing example's exponents only where its participations
 reach, numpy's ziggurat over xoshiro256++ bits), which the tests hold to it. Warm start (Alg. 2):
 (f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004
@@ -17,14 +17,14 @@ reach, numpy's ziggurat over xoshiro256++ bits), which the tests hold to it. War
 (cold start only).
 
 Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward
-algorithm over the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins:
-the N/B phases enumerated (:func:`balls_in_bins_llr`, any encoder).
+algorithm over the last bands − 1 participation bits (`poisson_banded_llr`). Balls-in-bins:
+the N/B phases enumerated (`balls_in_bins_llr`, any encoder).
 
 δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln
 P/Q, and y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release
 (004 Alg. 5, Thm A.1): a verifier at threshold δ' with s samples fails to catch a mechanism that is
 not (ε, δ)-DP with probability at most exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2),
-giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in doubling,
+giving (ε, δ + q(1 − δ))-DP overall. `adaptive_evr` verifies ε at a target δ in doubling,
 deterministically seeded batches, attempt i spending β/2^(i+1) of the failure budget β inside that
 δ.
 """
@@ -147,8 +147,8 @@ def log_likelihood_ratio(
 def linear_log_likelihood_ratio(
     y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float, warm: bool = False
 ) -> np.ndarray:
-    """:func:`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
-    :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1
+    """`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
+    `corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1
     as f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls
     back to the log-space recursion where e^{a_i} would overflow or a run's result is not finite.
 
@@ -334,7 +334,7 @@ MAX_FORWARD_BANDS = 12
 
 
 def column_gram_bands(band: np.ndarray) -> np.ndarray:
-    """Inner products of nearby columns of a banded encoder, for :func:`poisson_banded_llr`.
+    """Inner products of nearby columns of a banded encoder, for `poisson_banded_llr`.
 
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
@@ -388,7 +388,7 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
 
     Args:
         y: outputs, shape (n, S), round-major.
-        band: shape (n, L), ``band[i, k] = C[i + k, i]``, L ≤ :data:`MAX_FORWARD_BANDS`.
+        band: shape (n, L), ``band[i, k] = C[i + k, i]``, L ≤ `MAX_FORWARD_BANDS`.
         sigma: σ.
         p: the per-round probability, in (0, 1).
 
@@ -396,7 +396,7 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
         ln P(y)/Q(y), float64, shape (S,).
 
     Raises:
-        InvalidArgumentError: more than :data:`MAX_FORWARD_BANDS` bands, or p outside (0, 1).
+        InvalidArgumentError: more than `MAX_FORWARD_BANDS` bands, or p outside (0, 1).
     """
     y = np.asarray(y, dtype=np.float64)
     band = truncate_band(band)
@@ -535,7 +535,7 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
         delta_target: the δ to release, δ' < δ_target < 1.
 
     Returns:
-        The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; :func:`overall_delta`).
+        The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; `overall_delta`).
 
     Raises: InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than
     2^50 samples needed.
@@ -596,7 +596,7 @@ class MonteCarloEstimate:
         Args:
             other: another estimate at the same σ.
 
-        Returns: The pooled :class:`MonteCarloEstimate`: counts added, losses stored above the
+        Returns: The pooled `MonteCarloEstimate`: counts added, losses stored above the
         higher floor.
         """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
@@ -701,13 +701,13 @@ class MonteCarloAccountant:
     ``scheme="balls-in-bins"``: ``min_sep`` is the number of bins T (``p`` = 1).
 
     Args: band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
-    min_sep for b-min-sep; ≤ :data:`MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
+    min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
     number of bins T (balls-in-bins). p: the Poisson probability among eligible rounds (b-min-sep),
     or per round (Poisson). warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
     k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only). dtype: the dtype of
     the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in float64).
     batch: samples per batch (a batch's draws depend only on its child seed). scheme: one of
-    :data:`SCHEMES`.
+    `SCHEMES`.
 
     Raises: InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than
     the scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
@@ -816,7 +816,7 @@ class MonteCarloAccountant:
         others; the count of all samples is kept), to bound memory.
 
         Returns:
-            The :class:`MonteCarloEstimate`.
+            The `MonteCarloEstimate`.
         """
         require(np.isfinite(sigma) and sigma > 0, "noise_multiplier", "a positive number", sigma)
         require(isinstance(samples, int) and samples >= 2, "mc_samples", "an integer ≥ 2", samples)
@@ -885,7 +885,7 @@ class MonteCarloAccountant:
         self, sigma: float, S: int, rng: np.random.Generator
     ) -> tuple[np.ndarray, np.ndarray]:
         """Both directions' losses for S runs of b-min-sep sampling (k_u = 1) by the compiled
-        kernels, in chunks of about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z,
+        kernels, in chunks of about `KERNEL_CHUNK` outputs (their arrays stay in cache): z,
         the exponents of y = σz, those of y = σz + Cx from them (only rounds near a participation
         change), then the linear recursion for each."""
         from corrflow.accounting import mc_kernels as kernels
@@ -997,7 +997,7 @@ def first_verification_size(
     share_of_failure: float = EVR_FAILURE_SHARE,
     ratio: float = EVR_FIRST_THRESHOLD,
 ) -> int:
-    """The first verification's sample count for :func:`adaptive_evr`.
+    """The first verification's sample count for `adaptive_evr`.
 
     Args:
         delta_target: the target δ.
@@ -1017,7 +1017,7 @@ def first_verification_size(
 
 @dataclass
 class EVRAttempt:
-    """One verification of :func:`adaptive_evr`.
+    """One verification of `adaptive_evr`.
 
     Attributes:
         samples: its fresh samples per direction.
@@ -1038,7 +1038,7 @@ class EVRAttempt:
 
 @dataclass
 class EVRRun:
-    """Outcome of :func:`adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the
+    """Outcome of `adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the
     verifier's failure probability counted in δ; else the budget was spent (``estimate`` is the
     point estimate at δ_v, not a bound)."""
 
@@ -1098,14 +1098,14 @@ def adaptive_evr(
         delta_target: the target δ.
         seed: the run's seed.
         max_samples: the sample budget per direction, all batches.
-        first_samples: the first batch's size (None: :func:`first_verification_size` of the target).
+        first_samples: the first batch's size (None: `first_verification_size` of the target).
         release_z: standard errors added to δ̂ when choosing ε.
         time_limit: seconds after which the search aborts (None: none).
         progress: progress lines on stderr.
         clock: a monotonic clock (default ``time.monotonic``), for tests.
 
     Returns:
-        The :class:`EVRRun`.
+        The `EVRRun`.
 
     Raises:
         CorrflowError: the time limit was reached (nothing is released).

@@ -9,7 +9,7 @@ Real formats (``corrflow data`` reads both):
   — train holds posts before 2018-01-01, heldout and test later ones — so a client may appear in
   several splits; evaluation is on later posts, not on unseen users.
 * **arXiv metadata JSON lines.** The privacy unit is the author. A fixed 10% of authors, chosen by a
-  hash of their id (:func:`held_out_author`), is held out: papers with a held-out author are the
+  hash of their id (`held_out_author`), is held out: papers with a held-out author are the
   evaluation set, the other papers are the training items — partition i is the i-th of them in file
   order — and a paper trains with all its authors' attribution (multi-attribution participation, 004
   §6). No held-out author's text is ever trained on.
@@ -42,7 +42,7 @@ def held_out_author(author: str) -> bool:
 
 
 def data_format(path: str) -> str:
-    """``stackoverflow-sqlite`` or ``arxiv-jsonl`` (:func:`corrflow.data.stats.detect_format`)."""
+    """``stackoverflow-sqlite`` or ``arxiv-jsonl`` (`corrflow.data.stats.detect_format`)."""
     from corrflow.data.stats import detect_format
 
     return detect_format(path)
@@ -50,7 +50,7 @@ def data_format(path: str) -> str:
 
 @dataclass(frozen=True)
 class TextSource:
-    """``data_path=""``: the synthetic task of :mod:`corrflow.data.text_synth`. Otherwise a TFF
+    """``data_path=""``: the synthetic task of `corrflow.data.text_synth`. Otherwise a TFF
     StackOverflow SQLite file or arXiv JSON lines, and its vocabulary (``corrflow data vocab``); see
     the module docstring for which partition is which user."""
 
@@ -254,7 +254,7 @@ def train_clients_count(data_path: str) -> int:
 def check_dataset(data_path: str, vocab_path: str) -> None:
     """Refuse, before anything is written or trained, a dataset file without training examples or
     without a held-out split to evaluate on, and a vocabulary that does not load or holds no word
-    (:class:`~corrflow.errors.DataFormatError` naming the file)."""
+    (`DataFormatError` naming the file)."""
     from corrflow.errors import DataFormatError
 
     src = TextSource(data_path, vocab_path)

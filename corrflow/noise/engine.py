@@ -20,7 +20,7 @@ Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §
 The regenerating modes combine their draws with one fused pass each (the first draw scaled into the
 output, the others multiplied and added block by block while in cache), with σ folded into the
 coefficients. Work proceeds in coordinate chunks (``chunk_size`` floats), so peak memory beyond the
-buffer is a few chunks. Each z_j chunk comes from :mod:`corrflow.noise.prng`, a pure function of
+buffer is a few chunks. Each z_j chunk comes from `corrflow.noise.prng`, a pure function of
 (key, j, chunk): restoring a saved state continues bit for bit, and any released round can be
 replayed exactly.
 """
@@ -66,8 +66,8 @@ def default_mode(factorization: Factorization) -> str:
     Args:
         factorization: a normalised factorization.
 
-    Returns: One of :data:`MODES`: the registry's mode for the encoder's structure
-    (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
+    Returns: One of `MODES`: the registry's mode for the encoder's structure
+    (`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
     DP-SGD's ``identity``.
     """
     from corrflow.factorization.registry import noise_mode_for
@@ -107,9 +107,9 @@ class CorrelatedNoise:
     Args: factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number
     of rounds n. shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise
     comes back in them. stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
-    key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for
+    key: the secret key (default: a fresh one from the OS, `new_secret`); pass one only for
     audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
-    extra). mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up
+    extra). mode: override the mode `default_mode` picks (``dense`` works for any encoder up
     to a size limit). chunk_size: coordinates per PRNG chunk; peak memory beyond the buffer is a few
     chunks of float64.
     """
@@ -444,7 +444,7 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
     The ring has one slot more than the buffer has rows (round s in slot s mod p), so a round's
     write never touches a row the published checkpoint still needs: a kill mid-write leaves that
     checkpoint whole, and a row that does not match its MAC can only be corruption, which
-    :func:`restore_state` refuses."""
+    `restore_state` refuses."""
     kept = gen._buffer.shape[0]
     slots, row_bytes = kept + 1, gen.dim * 4
     known = gen.__dict__.setdefault("_ring_known", {})
@@ -481,11 +481,11 @@ def save_state(
 
     Args: gen: the generator. directory: created if missing. ring: a banded generator in a server's
     state directory: the buffer's rows go into that file in place, one new row per round instead of
-    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see :func:`_save_ring`). A
+    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see `_save_ring`). A
     BLT's B·d state changes in full every round and is written in full.
 
     Returns:
-        ``directory`` as a :class:`~pathlib.Path`.
+        ``directory`` as a `Path`.
 
     Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
     that tie them together, so a torn write is detected on restore, never used."""
@@ -579,7 +579,7 @@ def restore_state(
     *,
     ring: str | os.PathLike | None = None,
 ) -> CorrelatedNoise:
-    """Rebuild a generator saved by :func:`save_state`; it continues bit for bit.
+    """Rebuild a generator saved by `save_state`; it continues bit for bit.
 
     Args:
         directory: the state directory.

@@ -90,7 +90,7 @@ def new_secret(prng: str = "philox") -> bytes:
         prng: ``"philox"`` or ``"chacha"``; fixes the key length.
 
     Returns: The key bytes (never logged; stored owner-only by
-    :func:`~corrflow.noise.engine.save_state`).
+    `save_state`).
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])

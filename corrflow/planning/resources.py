@@ -22,7 +22,7 @@ BANDED_KINDS = ("dpsgd", "toeplitz", "banded", "bifr", "bisr", "bsr")
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a run needs, by part (see :func:`estimate`).
+    """Bytes a run needs, by part (see `estimate`).
 
     Attributes:
         users: the server's per-user state (node maps, planner, ledger, a message in flight).
@@ -44,7 +44,7 @@ def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) 
     """Bytes the server needs for a run, estimated high (module docstring).
 
     Args: users: simulated users. rounds: n, the factorization's size. kind: the factorization kind;
-    :data:`BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
+    `BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
     the band count (0: the default, n; clipped to [1, n]). model_params: d, the model's parameters.
 
     Returns:
@@ -78,7 +78,7 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
     """Refuse a run whose estimate exceeds 90% of the memory available (no check when that cannot be
     read).
 
-    Args: need: the run's :class:`MemoryEstimate`. names: part (``"users"``, ``"factorization"``,
+    Args: need: the run's `MemoryEstimate`. names: part (``"users"``, ``"factorization"``,
     ``"noise"``) → the flag or setting behind it, named in the error.
 
     Raises: InvalidArgumentError: naming the setting behind the largest part, with the estimate and

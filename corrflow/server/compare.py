@@ -135,8 +135,8 @@ class Arm:
     """One arm at one ε: its run settings beyond the preset's, and the planned recipe it runs (if
     any).
 
-    ``settings``: :class:`corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written
-    by :func:`corrflow.planning.candidates.write_plan` whose factorization is installed in the run's
+    ``settings``: `corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written
+    by `corrflow.planning.candidates.write_plan` whose factorization is installed in the run's
     directory; ``rmse``: the planner's score of the arm's mechanism (RMSE at the target ε per unit
     clip norm)."""
 
@@ -436,7 +436,7 @@ def run_arm(
     preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None
 ) -> dict:
     """Train one arm for one seed in ``out``; its final metrics, verified (ε, δ) and curve (also
-    written to ``out``/:data:`ARM_RESULT`). A run the budget guard (or anything else) stopped early
+    written to ``out``/`ARM_RESULT`). A run the budget guard (or anything else) stopped early
     is returned with ``stopped`` saying why. An earlier, unfinished run in ``out`` (an interrupted
     comparison) is moved aside, never deleted, and the arm restarts afresh (``restarted``: the
     rounds it had released)."""

@@ -1,4 +1,4 @@
-"""The ``corrflow compare`` command (registered by :mod:`corrflow.server.cli`)."""
+"""The ``corrflow compare`` command (registered by `corrflow.server.cli`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``corrflow simulate``'s options, generated from the settings model (:mod:`corrflow.config`): one
+"""``corrflow simulate``'s options, generated from the settings model (`corrflow.config`): one
 typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
-default and help. A command declared with :func:`with_settings` receives them as keyword arguments;
-:func:`config_from_cli` turns them into a validated :class:`~corrflow.config.RunConfig` whose errors
+default and help. A command declared with `with_settings` receives them as keyword arguments;
+`config_from_cli` turns them into a validated `RunConfig` whose errors
 name the flag."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ in-process grid.
 
 The first SIGINT or SIGTERM asks the server to stop: the round in flight is abandoned unreleased
 (or, if it is being aggregated, finished), the checkpoint and the report are written, and
-:class:`RunInterruptedError` is raised so the CLI exits with 130. A second signal is ignored while
+`RunInterruptedError` is raised so the CLI exits with 130. A second signal is ignored while
 the server winds down (no traceback from Ray's threads).
 """
 
@@ -148,8 +148,8 @@ def simulate(
     verbose: bool = True,
 ) -> dict:
     """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report
-    (also in ``privacy_report.json`` there). Raises :class:`RunInterruptedError` after a signal and
-    :class:`RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
+    (also in ``privacy_report.json`` there). Raises `RunInterruptedError` after a signal and
+    `RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
     tests that compare runs bit for bit; a real run draws a fresh secret key."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
