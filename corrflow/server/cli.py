@@ -1027,6 +1027,58 @@ def _audit_summary(r: dict) -> str:
     )
 
 
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="a run's directory (simulate's --out)")],
+    plot: Annotated[
+        bool, typer.Option(help="write DIR/run.png (held-out loss and ε spent per round)")
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the privacy report as one JSON object")
+    ] = False,
+) -> None:
+    """Re-print a run's summary, the one `corrflow simulate` printed, from its files (read only,
+    nothing trained), and write its loss/ε-per-round plot. Exit 2 when DIR holds no run."""
+    from corrflow.planning.learnability import held_out_summary
+    from corrflow.planning.plots import write_run_plot
+
+    try:
+        paths = {name: run_dir / name for name in ("privacy_report.json", "metrics.json")}
+        missing = [name for name, p in paths.items() if not p.is_file()]
+        if missing:
+            raise InvalidArgumentError(
+                "DIR", f"a run directory holding {' and '.join(missing)}", str(run_dir)
+            )
+        try:
+            report = json.loads(paths["privacy_report.json"].read_text())
+            metrics = json.loads(paths["metrics.json"].read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataFormatError(run_dir, None, f"a run's JSON files ({exc})") from None
+        held_out = held_out_summary(metrics)
+        if as_json:
+            _emit({**report, "held_out": held_out}, True)
+        else:
+            typer.echo(_summary(report, run_dir, held_out))
+        if report.get("rounds_completed", 0) < report.get("mechanism", {}).get("rounds", 0):
+            typer.echo(
+                f"note: the run released {report['rounds_completed']} of "
+                f"{report['mechanism']['rounds']} rounds"
+                + (
+                    f"; it stopped: {report['stopped_reason']}"
+                    if report.get("stopped_reason")
+                    else ""
+                ),
+                err=True,
+            )
+        if plot:
+            typer.echo(f"plot: {write_run_plot(metrics, report, run_dir / 'run.png')}", err=True)
+    except CorrflowError as exc:
+        _fail(exc)
+    except OSError as exc:
+        typer.echo(f"error: {run_dir}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=1) from None
+
+
 #: ``corrflow audit``'s exit code when the estimate lies above the claim but the lower bound does
 # not prove it.
 AUDIT_SUSPECT_EXIT = 5
