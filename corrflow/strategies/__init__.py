@@ -1,8 +1,8 @@
-"""The Flower strategies that train with correlated noise: :class:`CorrelatedNoiseStrategy` (full
-control) and the drop-in wrapper :class:`DifferentialPrivacyCorrelatedNoise` around a FedAvg-style
+"""The Flower strategies that train with correlated noise: `CorrelatedNoiseStrategy` (full
+control) and the drop-in wrapper `DifferentialPrivacyCorrelatedNoise` around a FedAvg-style
 strategy. Thin: plan, collect, commit, aggregate, step and record call the layers below. Imported
 lazily, so that Flower-free modules of this package (journal, run state) load without Flower. The
-run's settings are :class:`corrflow.config.RunConfig`.
+run's settings are `corrflow.config.RunConfig`.
 """
 
 __all__ = ["CorrelatedNoiseStrategy", "DifferentialPrivacyCorrelatedNoise"]

@@ -1,11 +1,11 @@
 """The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the round
 core.
 
-``configure_train`` plans round t (:func:`~corrflow.strategies.round_core.plan_round`: the cohort
+``configure_train`` plans round t (`plan_round`: the cohort
 planner, the separation policy, operator overrides), refuses it when the budget guard says it would
 exceed the target ε, and sends the training messages. ``aggregate_train`` collects the replies,
-releases the round (:func:`~corrflow.strategies.round_core.release`: clip → sum → correlated noise →
-server optimizer) and hands the :class:`~corrflow.strategies.round_core.RoundRecord` to the
+releases the round (`release`: clip → sum → correlated noise →
+server optimizer) and hands the `RoundRecord` to the
 recorder, the one place where the run's state changes (checkpoint → release journal → report →
 metrics, before the model leaves the server).
 
@@ -65,7 +65,7 @@ class InFlight:
 
 class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring).
-    Built by :func:`corrflow.strategies.session.prepare_run`; its state is the recorder's, read
+    Built by `corrflow.strategies.session.prepare_run`; its state is the recorder's, read
     through the properties."""
 
     def __init__(self, run: PreparedRun):

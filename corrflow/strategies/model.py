@@ -80,7 +80,7 @@ class ModelLayout:
     def reply_arrays(self, record: ArrayRecord) -> list[np.ndarray]:
         """Read-only views of the trainable arrays in a reply, checked for names, count, dtype and
         shape (RejectedReplyError when they cannot be used). The update is formed by
-        :class:`~corrflow.strategies.validation.ClippedSum`: reply − model sent for full weights,
+        `ClippedSum`: reply − model sent for full weights,
         the reply itself for deltas."""
         keys = tuple(record.keys())
         if keys != self.keys and not (

@@ -1,11 +1,11 @@
 """The run's state and everything that persists it: the one place where a round, a stop or an
-operator override changes the run (:meth:`Recorder.apply`), and where checkpoint, release journal,
+operator override changes the run (`Recorder.apply`), and where checkpoint, release journal,
 release registry, privacy report and metrics are written — in that order, before a round's model
 leaves the server (docs "Conventions", Files).
 
-:class:`RunState` is what changes: the model, the optimizer's momentum, the ledger, the metric
+`RunState` is what changes: the model, the optimizer's momentum, the ledger, the metric
 history, the next round, the streak of empty rounds, the stop reason and pending overrides.
-:class:`RunSecrets` is fixed for the run's life: the report salt, the server secret (HMAC key of
+`RunSecrets` is fixed for the run's life: the report salt, the server secret (HMAC key of
 checkpoints and journal), the sampler key of an amplified run, the run id and the SHA-256 of the
 initial model.
 """
@@ -128,7 +128,7 @@ class RecordingContext:
 
 
 class Recorder:
-    """Owns :class:`RunState` and its files; see the module docstring."""
+    """Owns `RunState` and its files; see the module docstring."""
 
     def __init__(
         self, ctx: RecordingContext, state: RunState, keys: RunSecrets, last_hash: str = GENESIS
@@ -375,7 +375,7 @@ class Recorder:
         )
 
     def write_report(self) -> Path:
-        """privacy_report.json: the report as published (:meth:`Disclosure.public_report`)."""
+        """privacy_report.json: the report as published (`Disclosure.public_report`)."""
         return write_report(
             self.ctx.disclosure.public_report(self.report()),
             self.ctx.run_dir / "privacy_report.json",

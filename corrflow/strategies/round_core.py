@@ -1,13 +1,13 @@
 """One round of correlated-noise training as pure steps that change no run state (docs
 "Conventions", data flow):
 
-1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy;
-2. :func:`collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped
+1. `plan_round` — the sampled items plus operator overrides, after the separation policy;
+2. `collect` — every reply validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and clipped
    to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must already be within
    m·clip), and summed in place into g_t = Σ clipped (in id order, so a restart reproduces it bit
    for bit);
-3. :func:`release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
-   optimizer step, and the :class:`RoundRecord` that the recorder applies in one place.
+3. `release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
+   optimizer step, and the `RoundRecord` that the recorder applies in one place.
 
 Drawing (C⁻¹Z)_t advances the noise stream; nothing else is changed here. A failure after the draw
 ends the run before anything is applied, and a restart replays the stream from the checkpoint's
@@ -67,7 +67,7 @@ class RoundOutcome:
 @dataclass(frozen=True)
 class RoundRecord:
     """What a completed round changes, applied by
-    :meth:`~corrflow.strategies.recorder.Recorder.apply`: the ledger delta (selected users with
+    `apply`: the ledger delta (selected users with
     multiplicity, accepted keys, rejections, override records), the released model and optimizer
     state, the noise position after the round, and its metrics."""
 
@@ -217,7 +217,7 @@ def check_reply(
     node_to_user: Mapping[int, str],
 ) -> tuple[str, int]:
     """(item or silo id, items it sums) of a reply from ``node`` (the node the message it answers
-    was sent to) whose envelope is well formed, else :class:`RejectedReplyError`. Its arrays are
+    was sent to) whose envelope is well formed, else `RejectedReplyError`. Its arrays are
     checked when it is added."""
     expected = expected_by_node.get(node)
     if expected is None:

@@ -1,11 +1,11 @@
 """One training run, start to end, shared by corrflow's ServerApp, ``corrflow simulate`` and the
 Flower wrapper: lock the run's directory, check it against the release journal, resolve stable user
 ids, plan (factorization, cohort planner, σ), then run
-:class:`~corrflow.strategies.correlated.CorrelatedNoiseStrategy`; the report and metrics are written
+`CorrelatedNoiseStrategy`; the report and metrics are written
 whatever happens.
 
-The caller describes the run with one :class:`RunSpec`; :func:`prepare_run` turns it into a
-:class:`PreparedRun` (the round core's context, the recorder, the node directory), which the
+The caller describes the run with one `RunSpec`; `prepare_run` turns it into a
+`PreparedRun` (the round core's context, the recorder, the node directory), which the
 strategy drives."""
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _noise(fac, layout: ModelLayout, resume: ResumePoint, key: bytes | None) -> 
 
 def population(grid: Grid, spec: RunSpec, resume: ResumePoint) -> int:
     """``num_users``; else the resumed run's; else the nodes connected once ``spec.min_nodes`` are
-    and no more arrived for :data:`SETTLE_SECONDS`."""
+    and no more arrived for `SETTLE_SECONDS`."""
     if spec.cfg.num_users is not None:
         return spec.cfg.num_users
     if resume.checkpoint is not None:

@@ -136,7 +136,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     here that differ are refused, each named. fresh: move an earlier run in ``state_dir`` aside
     (``previous-runs/``) and start anew. canaries: simulation only, an empirical privacy audit
     (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin
-    flips; after the run :attr:`audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
+    flips; after the run `audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
     holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo. audit_seed: seeds the
     canaries' directions and coins (default: fresh). **settings: corrflow's run settings as the
     wrapper names them (the signature lists each with its default; the run-config reference of the
@@ -210,7 +210,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             num_rounds: the run's total rounds (the plan's when a plan fixes them).
 
         Returns:
-            The :class:`corrflow.config.RunConfig` the run will use.
+            The `corrflow.config.RunConfig` the run will use.
         """
         if self.plan is not None:
             require(
@@ -237,7 +237,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     ) -> Result:
         """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when
         it holds a checkpoint of this run. Logs a line per round and the realised ε on the
-        ``corrflow`` logger; the full report is :meth:`privacy_report`.
+        ``corrflow`` logger; the full report is `privacy_report`.
 
         Args: grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
         initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes
@@ -408,8 +408,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self.core
 
     def configure_train(self, server_round, arrays, config, grid):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
-        :meth:`start`).
+        """Flower's Strategy API, delegated to the running `CorrelatedNoiseStrategy` (inside
+        `start`).
 
         Args:
             server_round: Flower's 1-based round number.
@@ -423,8 +423,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self._running().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        """Flower's Strategy API, delegated to the running :class:`CorrelatedNoiseStrategy` (inside
-        :meth:`start`).
+        """Flower's Strategy API, delegated to the running `CorrelatedNoiseStrategy` (inside
+        `start`).
 
         Args:
             server_round: Flower's 1-based round number.
