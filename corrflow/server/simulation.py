@@ -172,7 +172,9 @@ def _new_files(out: Path):
     before = set(os.listdir(out)) if out.is_dir() else None
 
     def undo() -> None:
-        if not out.is_dir() or (out / "state" / "CURRENT").exists():
+        if not out.is_dir() or any(
+            (out / p).exists() for p in ("state/CURRENT", "release_journal.jsonl")
+        ):
             return
         for name in set(os.listdir(out)) - (before or set()):
             path = out / name
