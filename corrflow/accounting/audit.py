@@ -426,19 +426,20 @@ def lower_bound_ceiling(
 
 
 def candidates_for_ceiling(
-    claimed: float, delta: float = 0.0, start: int = 20, largest: int = 10**8
+    claimed: float, delta: float = 0.0, start: int = 20, largest: int = 10**6
 ) -> int | None:
     """The fewest candidate canaries (on a grid of powers of two times ``start``, so at most 2× the
     exact count) whose ceiling `lower_bound_ceiling` exceeds ``claimed``: below it an audit
     cannot prove a violation of that claim. None when no size up to ``largest`` lifts it — with δ >
     0 the ceiling peaks (≈ 6.8 at δ = 1e-5 near 10⁴ candidates) and falls again, as the δ term of
-    Steinke, Nasr, Jagielski (arXiv 2305.08846, Thm 5.2) grows with the count.
+    Steinke, Nasr, Jagielski (arXiv 2305.08846, Thm 5.2) grows with the count. The default
+    ``largest`` (10⁶) keeps the search to a few CPU-seconds: the bound's cost grows with the count.
 
     Args:
         claimed: the claimed ε.
         delta: the run's δ.
         start: the smallest count tried.
-        largest: the largest count tried.
+        largest: the largest count tried (an audit with more canaries than this is impractical).
 
     Returns:
         The candidate count, or None.

@@ -986,7 +986,7 @@ def _run_audit(
                 f"about {need} candidates (--canaries {need}) would lift the ceiling above "
                 "the claim"
                 if need is not None
-                else f"no number of candidates lifts the ceiling above it at δ = "
+                else f"no number of candidates up to a million lifts the ceiling above it at δ = "
                 f"{result['delta']:g} (the bound's δ term grows with the count)"
             ),
             err=True,
