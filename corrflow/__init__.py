@@ -9,6 +9,13 @@ and the ``corrflow`` command). Beneath them all, one-job modules: ``errors``, ``
 ``choices``, ``hashing``, ``paths``, ``progress``, ``protocol``, ``schemas``.
 """
 
+import os as _os
+
+# TensorFlow (the keras client, the tensorflow noise backend, or any library corrflow imports that
+# pulls it in) prints its C++ start-up log lines to stderr at import; only a value set before that
+# import silences them. An explicit setting of the user's wins.
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 __version__ = "0.1.0"
 
 __all__ = ["DifferentialPrivacyCorrelatedNoise", "RunConfig", "register_identity"]

@@ -1,7 +1,7 @@
 """The named choices every layer shares: participations, samplings, accountants, identities,
 policies, clients, modes and reply kinds, as string enums (the CLI shows them as choices), plus the
 one table of which accountants apply to which sampling. Factorization kinds live in their registry
-(:data:`corrflow.factorization.registry.KINDS`).
+(`corrflow.factorization.registry.KINDS`).
 
 Bottom layer: imports nothing of corrflow, so accounting, participation, planning and the settings
 model can all use it.

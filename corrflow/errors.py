@@ -53,6 +53,6 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def require(condition: bool, field: str, expected: str, got: Any = None) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``condition`` holds."""
+    """Raise `InvalidArgumentError` unless ``condition`` holds."""
     if not condition:
         raise InvalidArgumentError(field, expected, got)

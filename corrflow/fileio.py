@@ -5,7 +5,7 @@ A file is written to a temporary name in its own directory, flushed and fsync-ed
 the target (``os.replace``, atomic on POSIX): a reader, or a server restarted after a kill, sees the
 old file or the new one, never half of one. A failed write removes its temporary file and leaves the
 target as it was. A directory of files that belong together (a server checkpoint) is written the
-same way by :func:`atomic_directory`: filled in a temporary directory, every file fsync-ed, renamed
+same way by `atomic_directory`: filled in a temporary directory, every file fsync-ed, renamed
 into place, its parent fsync-ed."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def write_json(path: str | os.PathLike, obj, *, private: bool = False, **dumps) 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     """(line number, value) of every non-blank line of a JSON-lines file (UTF-8; invalid bytes
     replaced so that the JSON parser names the line). A line that is not JSON raises
-    :class:`~corrflow.errors.DataFormatError` naming ``file:line``."""
+    `DataFormatError` naming ``file:line``."""
 
     with open(path, encoding="utf-8", errors="replace") as f:
         for line_no, text in enumerate(f, 1):

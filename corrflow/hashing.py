@@ -18,10 +18,10 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def canonical_sha256(obj: Any) -> str:
-    """Hex SHA-256 of :func:`canonical_json`."""
+    """Hex SHA-256 of `canonical_json`."""
     return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
 def canonical_hmac(key: bytes, obj: Any) -> str:
-    """Hex HMAC-SHA-256 of :func:`canonical_json` under ``key``."""
+    """Hex HMAC-SHA-256 of `canonical_json` under ``key``."""
     return hmac.new(key, canonical_json(obj), hashlib.sha256).hexdigest()

@@ -25,7 +25,7 @@ def corrflow_home() -> Path:
 
 def run_directory(path: str | os.PathLike, relative_to: str = "cwd") -> Path:
     """The absolute run directory for ``path`` (``~`` expanded; a relative path under the working
-    directory or under :func:`corrflow_home`, per ``relative_to``), logged."""
+    directory or under `corrflow_home`, per ``relative_to``), logged."""
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to must be one of {RELATIVE_TO}")
     p = Path(path).expanduser()
@@ -58,7 +58,7 @@ def _probe_writable(directory: Path) -> OSError | None:
 
 def writable_directory(path: str | os.PathLike, flag: str) -> Path:
     """``path`` as a directory corrflow may write (existing or creatable), checked without creating
-    it; else :class:`~corrflow.errors.InvalidArgumentError` naming ``flag``."""
+    it; else `InvalidArgumentError` naming ``flag``."""
 
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():

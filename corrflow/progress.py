@@ -12,7 +12,7 @@ ProgressCallback = Callable[[int, float], None]
 
 
 class Progress:
-    """Context manager yielding a :data:`ProgressCallback`; silent when ``quiet`` or for work under
+    """Context manager yielding a `ProgressCallback`; silent when ``quiet`` or for work under
     a second."""
 
     def __init__(

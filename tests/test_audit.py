@@ -210,7 +210,7 @@ def test_broken_noise_gives_an_estimate_above_the_claim(how, tmp_path, monkeypat
     assert res["epsilon_estimate_interval"][0] > res["epsilon_claimed"]
 
 
-def _cli(tmp_path, name: str) -> tuple[int, dict, str]:
+def _cli(tmp_path, name: str, epsilon: str = "1") -> tuple[int, dict, str]:
     from corrflow.server.cli import app
 
     args = [
@@ -230,7 +230,7 @@ def _cli(tmp_path, name: str) -> tuple[int, dict, str]:
         "--local-steps",
         "1",
         "--target-epsilon",
-        "1",
+        epsilon,
         "--kind",
         "toeplitz",
         "--json",
@@ -273,6 +273,17 @@ def test_cli_audit_proves_omitted_noise(tmp_path, monkeypatch):
     assert res["epsilon_lower"] > res["epsilon_claimed"]
     assert res["epsilon_estimate"] > res["epsilon_claimed"]
     assert "VIOLATION" in res["verdict"]
+
+
+def test_cli_audit_suspect_exits_5_and_names_the_ceiling(tmp_path, monkeypatch):
+    """Issue 33: zero noise at a claim of ε = 8 — above what 200 canaries can ever prove (ε_lo ≤
+    3.80) — is SUSPECT, and a pipeline sees it in the exit code; the note says no count helps."""
+    _break(monkeypatch, "zeros")
+    code, res, output = _cli(tmp_path, "suspect", epsilon="8")
+    assert "SUSPECT" in res["verdict"], output
+    assert code == 5, output
+    assert res["epsilon_lower"] <= res["canaries"]["lower_bound_ceiling"] < 8
+    assert "cannot prove a violation" in output and "no number of candidates" in output
 
 
 def test_cli_audit_refuses_bad_arguments(tmp_path):
@@ -374,3 +385,15 @@ def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
     assert res["epsilon_claimed"] == pytest.approx(1.0, abs=0.01)
     assert res["epsilon_lower"] <= res["epsilon_claimed"]
     assert 0.7 < res["statistics"]["whitened"]["null_std"] < 1.3
+
+
+def test_candidates_for_ceiling_lifts_the_ceiling_above_the_claim():
+    """The count returned is the first grid point whose ceiling exceeds the claim; at δ = 1e-5 the
+    ceiling peaks below 8 (issue 33: 200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
+    from corrflow.accounting.audit import candidates_for_ceiling, lower_bound_ceiling
+
+    assert abs(lower_bound_ceiling(200, delta=1e-5) - 3.80) < 0.01
+    m = candidates_for_ceiling(5.0, 1e-5)
+    assert m is not None and lower_bound_ceiling(m, delta=1e-5) > 5.0
+    assert lower_bound_ceiling(m // 2, delta=1e-5) <= 5.0
+    assert candidates_for_ceiling(8.0, 1e-5, largest=10**6) is None

@@ -363,3 +363,16 @@ def test_register_identity_is_documented():
 
     doc = inspect.getdoc(register_identity)
     assert "Args:" in doc and "Returns:" in doc
+
+
+def test_no_sphinx_roles_in_docstrings():
+    """mkdocstrings renders docstrings as Markdown: a Sphinx role (:class:`X`) would show literally
+    on the API pages. Code spans (`X`) or cross-references ([X][module.X]) instead."""
+    role = re.compile(r":(?:class|func|mod|data|meth|attr|exc|obj|const):`")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "corrflow").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if role.search(line)
+    ]
+    assert not found, found

@@ -1,4 +1,4 @@
-"""Privacy accounting behind one interface (:class:`Accountant`, chosen by :func:`accountant_for`).
+"""Privacy accounting behind one interface (`Accountant`, chosen by `accountant_for`).
 
 * unamplified: the exact Gaussian curve of Balle & Wang, "Improving the Gaussian Mechanism for
   Differential Privacy", arXiv 1805.06530, Thm. 8, at the factorization's sensitivity (000:
@@ -12,10 +12,10 @@
   Poisson sampling of banded encoders, verified by Estimate-Verify-Release (004: Dong & Ganesh,
   "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv 2602.09338);
 * with no accountant named, the tightest verified bound among those that apply
-  (:class:`TightestAccountant`);
+  (`TightestAccountant`);
 * post-hoc accounting of the realised participation, the JSON privacy report (``corrflow schema
   privacy-report``), and the statistics of empirical audits with canaries
-  (:mod:`corrflow.accounting.audit`).
+  (`corrflow.accounting.audit`).
 
 What each bound assumes: docs/explanation/accounting.md.
 """

@@ -1,26 +1,26 @@
 """One accountant interface: ε for a σ, or σ for an ε, under a sampling description.
 
-Every accountant implements :class:`Accountant` (``epsilon`` and ``noise_multiplier``) and returns
-an :class:`AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees.
-:func:`accountant_for` maps a :class:`SamplingSpec` (sampling kind, plus an optional ``accountant``
+Every accountant implements `Accountant` (``epsilon`` and ``noise_multiplier``) and returns
+an `AccountingResult` whose (epsilon, delta) is a pair the accountant guarantees.
+`accountant_for` maps a `SamplingSpec` (sampling kind, plus an optional ``accountant``
 choice) to the implementation:
 
-* ``none`` → :class:`UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — its
+* ``none`` → `UnamplifiedAccountant`: one Gaussian with σ/sensitivity (000 App. D.2) — its
   exact (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530);
-* ``cyclic-poisson`` → :class:`CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians,
-  b-banded C) or, with ``accountant="mmcc"``, :class:`MMCCAccountant` (Generalized-MMCC, 002 App. D:
+* ``cyclic-poisson`` → `CyclicPoissonAccountant` (001 Prop. 2.1: ⌈n/b⌉ subsampled Gaussians,
+  b-banded C) or, with ``accountant="mmcc"``, `MMCCAccountant` (Generalized-MMCC, 002 App. D:
   any non-negative C);
-* ``poisson`` (every round, probability B/N) → :class:`MMCCAccountant` (002 Alg. 1) or, for banded
-  non-negative encoders with ≤ 12 bands, :class:`MonteCarloEVRAccountant` over the exact likelihood
+* ``poisson`` (every round, probability B/N) → `MMCCAccountant` (002 Alg. 1) or, for banded
+  non-negative encoders with ≤ 12 bands, `MonteCarloEVRAccountant` over the exact likelihood
   (forward algorithm);
-* ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → :class:`MonteCarloEVRAccountant` (004
+* ``bminsep`` / ``balls-in-bins`` / ``multi-attribution`` → `MonteCarloEVRAccountant` (004
   Eq. 1, Thm 6.1, Estimate-Verify-Release, Alg. 5).
 
 With no accountant named (``SamplingSpec.accountant=None``) an amplified sampling gets
-:class:`TightestAccountant`: every accountant that applies is computed and the tightest bound
+`TightestAccountant`: every accountant that applies is computed and the tightest bound
 verified at the target δ is used; the result names it and lists the others with their values.
 
-:func:`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity
+`account` keeps the dict interface of the CLI and the strategy (``to_dict`` plus sensitivity
 fields).
 """
 
@@ -62,10 +62,10 @@ from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import BandedEncoder, BLTEncoder, ToeplitzEncoder
 
-#: The sampling kinds a :class:`SamplingSpec` accepts (:class:`corrflow.choices.Sampling`).
+#: The sampling kinds a `SamplingSpec` accepts (`corrflow.choices.Sampling`).
 SAMPLINGS = choices.values(choices.Sampling)
 #: Accountants valid for each sampling kind; the first is the default
-# (:data:`corrflow.choices.ACCOUNTANTS_FOR`).
+# (`corrflow.choices.ACCOUNTANTS_FOR`).
 ACCOUNTANTS_FOR = {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
 ACCOUNTANT_NAMES = choices.values(choices.Accountant)
 #: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh
@@ -80,13 +80,13 @@ GAUSSIAN_NAME = "analytic-gaussian"
 class SamplingSpec:
     """How the users of each round are chosen, as the accountants read it.
 
-    Attributes: kind: one of :data:`SAMPLINGS` (``none``: deterministic participation, accounted
+    Attributes: kind: one of `SAMPLINGS` (``none``: deterministic participation, accounted
     unamplified). dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
     expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
     ``none``). items_per_user: k_u, items a user may hold (multi-attribution only).
     sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
     accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of
-    every accountant that applies (:class:`TightestAccountant`), for ``none`` the unamplified one.
+    every accountant that applies (`TightestAccountant`), for ``none`` the unamplified one.
 
     Raises: InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error
     names it).
@@ -290,7 +290,7 @@ def _band(fac: Factorization) -> np.ndarray:
 
 
 class _Calibrating:
-    """σ for a target ε by :func:`calibrate_log_sigma` over ``_epsilon`` (ε must decrease in σ):
+    """σ for a target ε by `calibrate_log_sigma` over ``_epsilon`` (ε must decrease in σ):
     probes with ``coarse=True`` (a coarser PLD where the accountant has one), the answer verified at
     full precision."""
 
@@ -369,7 +369,7 @@ class UnamplifiedAccountant:
         self, fac, noise_multiplier, delta, *, coarse=False
     ):  # exact: nothing coarser is cheaper
         """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see
-        :meth:`Accountant.epsilon`).
+        `Accountant.epsilon`).
 
         Args:
             fac: the factorization, normalised to sensitivity 1 under its participation.
@@ -378,7 +378,7 @@ class UnamplifiedAccountant:
             coarse: ignored (the exact curve is the cheapest).
 
         Returns:
-            The :class:`AccountingResult`.
+            The `AccountingResult`.
         """
         check_delta(delta)
         # The same floor as every other accountant (ε would be in the thousands): one answer to a σ
@@ -400,7 +400,7 @@ class UnamplifiedAccountant:
             delta: δ in (0, 1).
 
         Returns:
-            The :class:`AccountingResult` at that σ.
+            The `AccountingResult` at that σ.
         """
         sigma = gaussian_noise_multiplier(target_epsilon, delta, fac.sensitivity.value)
         eps = gaussian_epsilon(sigma, fac.sensitivity.value, delta)
@@ -417,7 +417,7 @@ class CyclicPoissonAccountant(_Calibrating):
     Brent search on log σ.
 
     Args:
-        sampling: a ``cyclic-poisson`` :class:`SamplingSpec`.
+        sampling: a ``cyclic-poisson`` `SamplingSpec`.
     """
 
     sampling: SamplingSpec
@@ -496,7 +496,7 @@ class CyclicPoissonAccountant(_Calibrating):
             delta: δ in (0, 1).
 
         Returns:
-            The :class:`AccountingResult` at that σ, with the calibration's details.
+            The `AccountingResult` at that σ, with the calibration's details.
         """
         check_epsilon(target_epsilon)
         check_delta(delta)
@@ -519,7 +519,7 @@ class MMCCAccountant(_Calibrating):
     arXiv 2310.15526. Any non-negative encoder C; σ for a target ε by a Brent search on log σ.
 
     Args:
-        sampling: a ``poisson`` or ``cyclic-poisson`` :class:`SamplingSpec`.
+        sampling: a ``poisson`` or ``cyclic-poisson`` `SamplingSpec`.
         options: reads ``mmcc_grid``, ``delta_split`` and ``progress``.
     """
 
@@ -608,7 +608,7 @@ class MonteCarloEVRAccountant:
     algorithm over the last bands − 1 participation bits); balls-in-bins (the N/B phases enumerated,
     any bands). Both adjacency directions.
 
-    ``epsilon``: :func:`~corrflow.accounting.montecarlo.adaptive_evr` — batches of samples,
+    ``epsilon``: `adaptive_evr` — batches of samples,
     deterministic given the seed, until verification at the target δ passes (the verifier's failure
     probability is part of that δ) or the ``max_samples`` budget is spent; then the scheme's other
     verified bound is released (unamplified ⌈n/b⌉ participations, or MMCC for Poisson) and both
@@ -618,7 +618,7 @@ class MonteCarloEVRAccountant:
     2602.09338.
 
     Args: sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
-    :class:`SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``,
+    `SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``,
     ``workers`` and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target``
     (σ).
     """
@@ -731,7 +731,7 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
 
         Returns:
-            The MMCC or exact-Gaussian (``analytic-gaussian``) :class:`AccountingResult`.
+            The MMCC or exact-Gaussian (``analytic-gaussian``) `AccountingResult`.
         """
         if self.sampling.kind == "poisson":
             spec = SamplingSpec(
@@ -756,7 +756,7 @@ class MonteCarloEVRAccountant:
     def fallback_noise_multiplier(
         self, fac, target_epsilon: float, delta: float
     ) -> AccountingResult:
-        """σ for ``target_epsilon`` under the scheme's unamplified bound (:meth:`fallback`'s
+        """σ for ``target_epsilon`` under the scheme's unamplified bound (`fallback`'s
         sensitivity), exact (Balle & Wang 2018, arXiv 1805.06530): what every run of the sampler
         obeys, with no Monte Carlo.
 
@@ -766,7 +766,7 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
 
         Returns:
-            The ``analytic-gaussian`` :class:`AccountingResult`.
+            The ``analytic-gaussian`` `AccountingResult`.
         """
         sens, k, sep = self.fallback_sensitivity(fac)
         sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
@@ -809,14 +809,14 @@ class MonteCarloEVRAccountant:
 
     def verified_epsilon(self, fac, noise_multiplier, delta) -> AccountingResult:
         """Adaptive Estimate-Verify-Release at the target δ (004 App. A, Thm A.1;
-        :func:`~corrflow.accounting.montecarlo.adaptive_evr`).
+        `adaptive_evr`).
 
         Args:
             fac: a banded, entrywise non-negative factorization the scheme can analyse.
             noise_multiplier: σ.
             delta: the target δ in (0, 1).
 
-        Returns: The verified :class:`AccountingResult`; when the sample budget was spent before a
+        Returns: The verified `AccountingResult`; when the sample budget was spent before a
         verification passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point
         estimate (never a released pair).
 
@@ -891,7 +891,7 @@ class MonteCarloEVRAccountant:
         )
 
     def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):  # nothing coarser is cheaper
-        """ε at σ: :meth:`verified_epsilon`, or :meth:`fallback` (named on stderr and in the result)
+        """ε at σ: `verified_epsilon`, or `fallback` (named on stderr and in the result)
         when no verification passed within the sample budget.
 
         Args:
@@ -900,7 +900,7 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The :class:`AccountingResult` (the fallback's carries the Monte Carlo attempt under
+        Returns: The `AccountingResult` (the fallback's carries the Monte Carlo attempt under
         ``monte_carlo``).
         """
         res = self.verified_epsilon(fac, noise_multiplier, delta)
@@ -935,7 +935,7 @@ class MonteCarloEVRAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The :class:`AccountingResult` at the last verified σ; the unamplified fallback σ
+        Returns: The `AccountingResult` at the last verified σ; the unamplified fallback σ
         (named on stderr and in the result) when none passed, or when the samples per candidate
         verify only a δ above the target.
 
@@ -1072,10 +1072,10 @@ def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
 def candidate_accountants(
     fac: Factorization, sampling: SamplingSpec, delta: float
 ) -> tuple[list[str], list[dict]]:
-    """The accountants :class:`TightestAccountant` computes for ``sampling`` when none is named.
+    """The accountants `TightestAccountant` computes for ``sampling`` when none is named.
 
     Poisson: MMCC (002) and, for banded non-negative encoders with ≤ 12 bands, Monte Carlo over the
-    exact likelihood (where affordable, see :data:`MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins,
+    exact likelihood (where affordable, see `MC_AFFORDABLE_WORK`); b-min-sep, balls-in-bins,
     multi-attribution: Monte Carlo and its unamplified bound; cyclic Poisson: 001 Prop. 2.1 when
     bands ≤ the cycle (Generalized-MMCC equals it there, 002 §6.1), else Generalized-MMCC.
 
@@ -1128,13 +1128,13 @@ def candidate_accountants(
 
 @dataclass
 class TightestAccountant:
-    """Every accountant that applies to the sampling (:func:`candidate_accountants`), and the
+    """Every accountant that applies to the sampling (`candidate_accountants`), and the
     tightest bound verified at the target δ: each is a valid (ε, δ) for the same mechanism, so their
     minimum is too. The result names the one used and lists every bound with its value
     (``parameters["bounds"]``).
 
     Args:
-        sampling: an amplified :class:`SamplingSpec` with no accountant named.
+        sampling: an amplified `SamplingSpec` with no accountant named.
         options: passed to each accountant.
     """
 
@@ -1161,7 +1161,7 @@ class TightestAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and
+        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
         ``skipped`` in its parameters.
 
         Raises:
@@ -1182,7 +1182,7 @@ class TightestAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The selected :class:`AccountingResult`, with ``selected``, ``bounds`` and
+        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
         ``skipped`` in its parameters.
 
         Raises:
@@ -1277,10 +1277,10 @@ def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = N
 
     Args: sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
     tightest for an amplified sampling, unamplified for ``none``). options: the accountants' knobs
-    (default :class:`AccountingOptions`).
+    (default `AccountingOptions`).
 
-    Returns: An :class:`Accountant`: :class:`TightestAccountant`, :class:`UnamplifiedAccountant`,
-    :class:`CyclicPoissonAccountant`, :class:`MMCCAccountant` or :class:`MonteCarloEVRAccountant`.
+    Returns: An `Accountant`: `TightestAccountant`, `UnamplifiedAccountant`,
+    `CyclicPoissonAccountant`, `MMCCAccountant` or `MonteCarloEVRAccountant`.
     """
     options = options or AccountingOptions()
     if sampling.accountant is None and sampling.kind != "none":
@@ -1321,9 +1321,9 @@ def account(
         seed: the Monte Carlo seed.
         grid_ratio: the Monte Carlo σ search's ratio.
         max_candidates: the Monte Carlo σ search's length.
-        **options: further :class:`AccountingOptions` fields.
+        **options: further `AccountingOptions` fields.
 
-    Returns: :meth:`AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
+    Returns: `AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
     ``sensitivity_exact``, ``factorization_sha256`` and ``noise_std_per_round`` (z_t =
     σ·‖(C⁻¹)_{t,:}‖, the DP-SGD noise multiplier z of round t; module
     ``corrflow.accounting.noise_scale``).

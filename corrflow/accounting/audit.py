@@ -6,19 +6,19 @@ noise:
 * **One-shot estimate ε̂** — Andrew, Kairouz, Oh, Oprea, McMahan, Suriyakumar, "One-shot Empirical
   Privacy Estimation for Federated Learning" (ICLR 2024, arXiv 2302.03098): canaries with fixed
   random unit directions, a Gaussian fitted to the inserted canaries' scores, and ε̂ = ε_G(μ̂/σ̂;
-  δ), the ε of the Gaussian mechanism whose sensitivity/σ is μ̂/σ̂ (:func:`gaussian_epsilon`, Balle
+  δ), the ε of the Gaussian mechanism whose sensitivity/σ is μ̂/σ̂ (`gaussian_epsilon`, Balle
   & Wang, "Improving the Gaussian Mechanism for Differential Privacy", arXiv 1805.06530, Thm. 8).
 * **95% lower bound ε_lo** — Steinke, Nasr, Jagielski, "Privacy Auditing with One (1) Training Run"
   (NeurIPS 2023, arXiv 2305.08846), Thm. 3.1 with its (ε, δ) extension (Prop. 5.4): each of m
   candidate canaries is inserted by an independent fair coin; the auditor guesses "in" for the k₊
   highest scores and "out" for the k₋ lowest; if the run is (ε, δ)-DP for every canary, the number W
   of correct guesses among r = k₊ + k₋ obeys P[W ≥ v] ≤ β + 2mδ·α with β = P[Bin(r, q) ≥ v], q =
-  e^ε/(1 + e^ε), α = max_{1≤i≤v} (P[Bin(r, q) ≥ v − i] − β)/i (:func:`one_run_p_value`). The guess
-  counts are fixed before the scores are seen (:data:`GUESS_FRACTIONS`, Bonferroni-corrected over
+  e^ε/(1 + e^ε), α = max_{1≤i≤v} (P[Bin(r, q) ≥ v − i] − β)/i (`one_run_p_value`). The guess
+  counts are fixed before the scores are seen (`GUESS_FRACTIONS`, Bonferroni-corrected over
   them).
 
 **Why the statistic holds for the matrix mechanism** (the derivation behind
-:func:`whitened_scores`). The server releases x̃_t = (Σ clipped updates + σ·ζ·(C⁻¹Z)_t)/cohort in
+`whitened_scores`). The server releases x̃_t = (Σ clipped updates + σ·ζ·(C⁻¹Z)_t)/cohort in
 round t (ζ the clip norm, Z i.i.d. N(0, 1) of shape n × d), and the model moves by D = M·x̃ with M
 the public, lower-triangular linear server optimizer (momentum β and the learning-rate schedule; D_t
 = θ_{t+1} − θ_t). A canary with unit direction c (independent of Z and of the users' data) that
@@ -43,7 +43,7 @@ scores have unit variance whatever the run did, and the test adapts to the noise
 Noise scaled down makes Σ̂ small; noise omitted leaves only the users' updates in Σ̂; noise reused
 in rounds t and t+1 makes D_t − D_{t+1} almost free of noise, so a canary in one of them stands out.
 The final-model threat model of Andrew et al. is the special case a = 1 with the cosine ⟨c, θ_T −
-θ_0⟩/‖θ_T − θ_0‖ (:func:`final_model_cosines`); it cannot see noise that cancels or repeats across
+θ_0⟩/‖θ_T − θ_0‖ (`final_model_cosines`); it cannot see noise that cancels or repeats across
 rounds and is reported alongside.
 """
 
@@ -98,7 +98,7 @@ def canary_coins(seed: int, count: int) -> np.ndarray:
 # -- the Gaussian mechanism's exact ε --------------------------------------------------------------
 def gaussian_delta(epsilon: float, mu: float) -> float:
     """δ(ε) of the Gaussian mechanism with sensitivity/σ = μ (Balle & Wang, arXiv 1805.06530, Thm.
-    8; the one implementation is :mod:`corrflow.accounting.gaussian`).
+    8; the one implementation is `corrflow.accounting.gaussian`).
 
     Args:
         epsilon: ε ≥ 0.
@@ -113,7 +113,7 @@ def gaussian_delta(epsilon: float, mu: float) -> float:
 def gaussian_epsilon(mu: float, delta: float) -> float:
     """ε_G(μ; δ): the smallest ε ≥ 0 with δ(ε) ≤ δ for the Gaussian mechanism with sensitivity/σ = μ
     (Balle & Wang, arXiv 1805.06530, Thm. 8) — the accountants' own exact curve
-    (:func:`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ.
+    (`corrflow.accounting.mechanisms.gaussian_epsilon`), read at σ = 1, Δ = μ.
 
     Args:
         mu: μ = sensitivity/σ (may be inf).
@@ -232,7 +232,7 @@ def one_shot_estimate(
     resamples: int = 1000,
     seed: int = 0,
 ) -> Estimate:
-    """ε̂ (:func:`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted
+    """ε̂ (`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted
     scores (``scipy.stats.bootstrap``; Andrew et al., arXiv 2302.03098).
 
     Args: inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2. held_out: the held-out
@@ -241,7 +241,7 @@ def one_shot_estimate(
     bootstrap's seed.
 
     Returns:
-        The :class:`Estimate`.
+        The `Estimate`.
     """
     s = np.asarray(inserted, dtype=np.float64)
     eps = gaussian_fit_epsilon(s, delta)
@@ -292,7 +292,7 @@ def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: f
 def one_run_epsilon(
     m: int, guesses: int, correct: int, delta: float, significance: float = 0.05
 ) -> float:
-    """The largest ε whose p-value (:func:`one_run_p_value`) is ≤ ``significance`` (Steinke et al.,
+    """The largest ε whose p-value (`one_run_p_value`) is ≤ ``significance`` (Steinke et al.,
     arXiv 2305.08846).
 
     Args:
@@ -371,13 +371,13 @@ def one_run_lower_bound(
 
     Args:
         scores: one score per candidate canary, shape (m,), m ≥ 2.
-        inserted: which candidates were inserted (:func:`canary_coins`), bool, shape (m,).
+        inserted: which candidates were inserted (`canary_coins`), bool, shape (m,).
         delta: the run's δ.
         confidence: the bound's confidence level.
         fractions: the guess fractions, fixed before the scores are seen.
 
     Returns:
-        The :class:`LowerBound`.
+        The `LowerBound`.
 
     Raises: InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of
     another shape.
@@ -425,8 +425,36 @@ def lower_bound_ceiling(
     return one_run_epsilon(candidates, 2 * k, 2 * k, delta, (1 - confidence) / len(fractions))
 
 
+def candidates_for_ceiling(
+    claimed: float, delta: float = 0.0, start: int = 20, largest: int = 10**6
+) -> int | None:
+    """The fewest candidate canaries (on a grid of powers of two times ``start``, so at most 2× the
+    exact count) whose ceiling `lower_bound_ceiling` exceeds ``claimed``: below it an audit
+    cannot prove a violation of that claim. None when no size up to ``largest`` lifts it — with δ >
+    0 the ceiling peaks (≈ 6.8 at δ = 1e-5 near 10⁴ candidates) and falls again, as the δ term of
+    Steinke, Nasr, Jagielski (arXiv 2305.08846, Thm 5.2) grows with the count. The default
+    ``largest`` (10⁶) keeps the search to a few CPU-seconds: the bound's cost grows with the count.
+
+    Args:
+        claimed: the claimed ε.
+        delta: the run's δ.
+        start: the smallest count tried.
+        largest: the largest count tried (an audit with more canaries than this is impractical).
+
+    Returns:
+        The candidate count, or None.
+    """
+    m = start
+    while m <= largest:
+        if lower_bound_ceiling(m, delta=delta) > claimed:
+            return m
+        m *= 2
+    return None
+
+
 __all__ = [
     "GUESS_FRACTIONS",
+    "candidates_for_ceiling",
     "Estimate",
     "LowerBound",
     "canary_coins",

@@ -13,13 +13,13 @@ its ε needs no discretised privacy-loss distribution: this curve is exact, wher
 pessimistically.
 
 Numerics: log δ(ε) = log Φ(a) + log1p(−e^r), r = ε + log Φ(b) − log Φ(a), with
-``scipy.special.log_ndtr`` (accurate to a few ulps far into both tails). :func:`log_delta_bound`
+``scipy.special.log_ndtr`` (accurate to a few ulps far into both tails). `log_delta_bound`
 adds a bound on the rounding error of that evaluation (a few ulps of each term, amplified by the
 cancellation e^r/(1 − e^r)); roots are found by ``scipy.optimize.brentq`` on that upper bound and
 then moved to its safe side, so a returned ε or σ satisfies δ(ε) ≤ δ with the rounding accounted for
 — every ε is an upper bound, every σ at least the exact one — while staying within ~1e-12 relative
 of the exact root. Where the cancellation is too severe to certify δ to 1e-6 (far outside any
-practical (ε, δ)), :class:`IllConditionedError` is raised and the caller falls back to
+practical (ε, δ)), `IllConditionedError` is raised and the caller falls back to
 dp-accounting's PLD.
 """
 
@@ -33,13 +33,13 @@ from scipy.special import log_ndtr
 #: Relative rounding error of one ``log_ndtr`` or ``log``/``exp`` evaluation, generously (a few
 # ulps).
 ULP = 8 * 2.0**-52
-#: Widest certified error in log δ an answer may carry (else :class:`IllConditionedError`: the
+#: Widest certified error in log δ an answer may carry (else `IllConditionedError`: the
 # caller uses a PLD).
 MAX_LOG_ERROR = 1e-6
 
 
 class IllConditionedError(ArithmeticError):
-    """δ(ε) cannot be certified to :data:`MAX_LOG_ERROR` relative accuracy in double precision
+    """δ(ε) cannot be certified to `MAX_LOG_ERROR` relative accuracy in double precision
     here."""
 
 
@@ -108,7 +108,7 @@ def _upper(epsilon: float, mu: float) -> float:
 
 
 def _certify(epsilon: float, mu: float) -> None:
-    """Refuse an answer whose certified bound is looser than :data:`MAX_LOG_ERROR` (the caller then
+    """Refuse an answer whose certified bound is looser than `MAX_LOG_ERROR` (the caller then
     uses a PLD)."""
     value, upper = log_delta_bound(epsilon, mu)
     if not upper - value <= MAX_LOG_ERROR:
@@ -129,7 +129,7 @@ def epsilon(mu: float, target_delta: float) -> float:
     Returns: ε to ~1e-12 relative, on the safe side of the certified bound; 0 when δ(0) ≤ δ already,
     inf when no ε ≤ 1e12 suffices.
 
-    Raises: IllConditionedError: δ cannot be certified to :data:`MAX_LOG_ERROR` there (the caller
+    Raises: IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller
     uses a PLD).
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
@@ -165,7 +165,7 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sensitivity: fl
     Returns:
         σ to ~1e-12 relative, rounded up (on the safe side of the certified bound).
 
-    Raises: IllConditionedError: δ cannot be certified to :data:`MAX_LOG_ERROR` there (the caller
+    Raises: IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller
     uses a PLD).
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start

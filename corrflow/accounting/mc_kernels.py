@@ -7,20 +7,20 @@ generator (numpy's float32 ziggurat costs ~8.5 ns a draw on the reference machin
 passes over memory the log-space recursion takes per round. Here (numba, installed from wheels; no C
 toolchain), per chunk of runs laid out round-major (n × S):
 
-- :func:`sample_noise` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over
+- `sample_noise` draws σ·z by the 256-layer ziggurat (numpy's algorithm and tables) over
   xoshiro256++ bits, seeded per batch from the run's numpy ``Generator`` (~1.9 ns a draw);
-- :func:`exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p of y = σz for every
+- `exponents` computes a_i = ⟨c_i, y_{i:i+bands}⟩/σ² − ‖c_i‖²/(2σ²) + ln p of y = σz for every
   round, vectorised over runs;
-- :func:`participation_exponents` draws the differing example's b-min-sep participations (004 Alg.
+- `participation_exponents` draws the differing example's b-min-sep participations (004 Alg.
   1/2) and derives the exponents of y = σz + Cx from those of σz: only the 2·bands − 1 rounds around
   each participation change;
-- numpy's SIMD ``exp`` turns the exponents into e^{a_i}, and :func:`linear_recursion` runs 004 Eq. 1
+- numpy's SIMD ``exp`` turns the exponents into e^{a_i}, and `linear_recursion` runs 004 Eq. 1
   in linear space, f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b}, in float64 with exact power-of-two
   rescaling (no exp or log per step).
 
-:func:`corrflow.accounting.montecarlo.log_likelihood_ratio` (log space, numpy) remains the
+`corrflow.accounting.montecarlo.log_likelihood_ratio` (log space, numpy) remains the
 definition; the tests hold these kernels to it. Where e^{a_i} would overflow (a_i >
-:data:`MAX_EXPONENT`, only at tiny σ) or a run's result is not finite (an overflow between checks,
+`MAX_EXPONENT`, only at tiny σ) or a run's result is not finite (an overflow between checks,
 or a chain that vanished, possible at p = 1 where f_i = e^{a_i}·f_{i+b}), the caller recomputes it
 in log space.
 """
@@ -177,7 +177,7 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
 def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
     """Fill ``z_out`` with σ·N(0, 1) draws by the 256-layer ziggurat of numpy's
     ``random_standard_normal`` (Marsaglia & Tsang 2000) over xoshiro256++ bits: 52-bit magnitudes
-    (:data:`ZIG64`) for float64 outputs, two draws with 23-bit magnitudes (:data:`ZIG32`, numpy's
+    (`ZIG64`) for float64 outputs, two draws with 23-bit magnitudes (`ZIG32`, numpy's
     float32 variant) per 64 bits for float32 outputs.
 
     Args:
@@ -332,10 +332,10 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
 def linear_recursion(E, min_sep, p, warm):  # pragma: no cover - compiled
     """ln f_0 (cold start) or the warm-start mixture (004 Alg. 2) of 004 Eq. 1 in linear space.
 
-    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. Every :data:`CHECK_EVERY`
-    rounds, a run whose new value left [2^−:data:`SCALE_BITS`, 2^:data:`SCALE_BITS`] has its ring of
+    f_i = (1 − p)·f_{i+1} + E_i·f_{i+b}, f_i = 1 for i ≥ n, E_i = e^{a_i}. Every `CHECK_EVERY`
+    rounds, a run whose new value left [2^−`SCALE_BITS`, 2^`SCALE_BITS`] has its ring of
     the last b values multiplied by 2^∓SCALE_BITS (exact) and the exponent counted. One round
-    multiplies a value by at most 1 + e^{a_i}, so with a_i ≤ :data:`MAX_EXPONENT` a value stays
+    multiplies a value by at most 1 + e^{a_i}, so with a_i ≤ `MAX_EXPONENT` a value stays
     finite between checks in all but extreme cases; values that underflow are below 2^−(1074 −
     SCALE_BITS) of the ring's largest and negligible. A run whose result is not finite (an overflow,
     or a chain that vanished) returns ±∞ or NaN, and the caller recomputes it in log space.

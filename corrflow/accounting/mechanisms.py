@@ -3,7 +3,7 @@
 * Unamplified MF (000 App. D.2): with C normalised to sensitivity s under the participation that
   really holds, the whole run is one Gaussian mechanism with noise multiplier σ/s (add/remove
   adjacency). Its ε is exact: the closed-form (ε, δ) curve of the Gaussian mechanism (Balle & Wang
-  2018, arXiv 1805.06530, Thm. 8; :mod:`corrflow.accounting.gaussian`), which :func:`epsilon_of`
+  2018, arXiv 1805.06530, Thm. 8; `corrflow.accounting.gaussian`), which `epsilon_of`
   uses for a single ``GaussianDpEvent``.
 * Amplified banded MF with cyclic Poisson sampling (001 Prop. 2.1): with C ``bands``-banded and the
   data split into ``cycle ≥ bands`` parts, the run is ⌈n/cycle⌉ compositions of a Poisson-subsampled
@@ -11,7 +11,7 @@
   column-norm rescaling, not the caller).
 
 PLD (``dp_accounting.pld``) is the default for compositions and amplified events; RDP where asked.
-Amplified calibration (:func:`calibrate_log_sigma`) finds σ with a few probes: a Brent search on log
+Amplified calibration (`calibrate_log_sigma`) finds σ with a few probes: a Brent search on log
 σ with a coarse PLD discretisation, then the answer verified (and nudged up if needed) at full
 precision.
 """
@@ -31,13 +31,13 @@ from corrflow.errors import InvalidArgumentError, require
 if TYPE_CHECKING:  # dp-accounting takes ~1 s to import (scipy.signal): only the PLD paths load it
     import dp_accounting as dpa
 
-#: dp-accounting's accountants :func:`epsilon_of` can compose an event with.
+#: dp-accounting's accountants `epsilon_of` can compose an event with.
 ACCOUNTANTS = ("pld", "rdp")
 #: PLD discretisation; 1e-4 is dp-accounting's default and moves ε by < 0.1% against 1e-3 at these
 # sizes.
 PLD_DISCRETIZATION = 1e-4
-#: Discretisation of the probes of a σ search (:func:`calibrate_log_sigma`); the answer is verified
-# at : :data:`PLD_DISCRETIZATION`.
+#: Discretisation of the probes of a σ search (`calibrate_log_sigma`); the answer is verified
+# at : `PLD_DISCRETIZATION`.
 PROBE_DISCRETIZATION = 1e-3
 
 
@@ -58,8 +58,15 @@ def check_delta(delta: float) -> None:
     )
 
 
+#: The largest ε corrflow calibrates for. Its σ (≈ 0.025 at δ = 1e-5) is near the smallest a PLD can
+# still account (`check_pld_size`); far above it the calibration itself overflows (ε = 1e308).
+MAX_EPSILON = 1000.0
+#: The words every ε check uses.
+EPSILON_EXPECTED = f"a finite ε in (0, {MAX_EPSILON:g}]"
+
+
 def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
-    """Refuse an ε that is not a finite positive number.
+    """Refuse an ε that is not a finite positive number ≤ `MAX_EPSILON`.
 
     Args:
         epsilon: ε.
@@ -69,9 +76,9 @@ def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
         InvalidArgumentError: naming ``field``.
     """
     require(
-        isinstance(epsilon, int | float) and np.isfinite(epsilon) and epsilon > 0,
+        isinstance(epsilon, int | float) and np.isfinite(epsilon) and 0 < epsilon <= MAX_EPSILON,
         field,
-        "a positive number",
+        EPSILON_EXPECTED,
         epsilon,
     )
 
@@ -119,7 +126,7 @@ def check_pld_size(
         discretization: the PLD's value discretisation interval.
 
     Raises: InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when
-    more than :data:`PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
+    more than `PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
     """
     check_sigma(noise_multiplier, field)
     mu = sensitivity / noise_multiplier
@@ -156,10 +163,10 @@ def epsilon_of(
     Args:
         event: a ``dp_accounting.DpEvent``.
         delta: δ in (0, 1).
-        accountant: ``"pld"`` or ``"rdp"`` (:data:`ACCOUNTANTS`).
+        accountant: ``"pld"`` or ``"rdp"`` (`ACCOUNTANTS`).
         discretization: the PLD's value discretisation interval.
 
-    Returns: ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (:func:`gaussian_epsilon`), else
+    Returns: ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (`gaussian_epsilon`), else
     dp-accounting's PLD (pessimistic at ``discretization``) or RDP bound.
 
     Raises:
@@ -277,7 +284,7 @@ class CyclicPoisson:
 
     Args:
         rounds: n.
-        cycle: b, the number of parts (1 ≤ b ≤ n; at least the encoder's bands for :meth:`event`).
+        cycle: b, the number of parts (1 ≤ b ≤ n; at least the encoder's bands for `event`).
         dataset_size: N.
         expected_batch_size: B, in (0, N/b].
 
@@ -413,7 +420,7 @@ def calibrate_on_grid(
 
 @dataclass(frozen=True)
 class Calibration:
-    """σ from :func:`calibrate_log_sigma`: its verified ε and how many probes and verifications it
+    """σ from `calibrate_log_sigma`: its verified ε and how many probes and verifications it
     took."""
 
     noise_multiplier: float
@@ -449,7 +456,7 @@ def calibrate_log_sigma(
         limit: the largest σ tried.
 
     Returns:
-        The :class:`Calibration`: σ, its verified ε and the numbers of probes and verifications.
+        The `Calibration`: σ, its verified ε and the numbers of probes and verifications.
 
     Raises: InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a
     bad ``guess``.

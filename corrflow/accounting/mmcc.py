@@ -117,7 +117,7 @@ def tail_bounds(
     Block i conditions on the rows before i·cycle.
 
     Args:
-        H: the kept columns in release order, shape (rows, columns) (:func:`block_problem`).
+        H: the kept columns in release order, shape (rows, columns) (`block_problem`).
         Cb: the block sensitivities, shape (blocks, columns).
         cycle: b (1: MMCC).
         q: the sampling probability.
@@ -202,7 +202,7 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
         probs: the Bernoulli probabilities p̃_j, shape (m,).
 
     Returns: (support, masses): the support points in grid units and their probabilities (summing to
-    1), with masses below :data:`MASS_FLOOR` moved to the largest support point.
+    1), with masses below `MASS_FLOOR` moved to the largest support point.
     """
     total = int(idx.sum())
     pmf = np.zeros(total + 1)
@@ -292,13 +292,13 @@ def mmcc_epsilon(
     every round). groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
     delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail
     bound is needed. grid: Δ2 (default: the largest block sensitivity / 256; at most
-    1/:data:`MIN_GRID_STEPS` of it). discretization: the row PLDs' value discretisation. workers:
+    1/`MIN_GRID_STEPS` of it). discretization: the row PLDs' value discretisation. workers:
     processes for the row PLDs (default: the CPU count). progress: progress lines on stderr.
 
     Returns:
-        The :class:`MMCCRun` of the worst group: ε at δ2, with the guarantee (ε, δ1 + δ2).
+        The `MMCCRun` of the worst group: ε at δ2, with the guarantee (ε, δ1 + δ2).
 
-    Raises: InvalidArgumentError: an encoder MMCC cannot analyse (:func:`check_encoder`), or a
+    Raises: InvalidArgumentError: an encoder MMCC cannot analyse (`check_encoder`), or a
     parameter out of range (the error names it).
     """
     C = np.asarray(C, dtype=np.float64)

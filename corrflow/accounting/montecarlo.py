@@ -8,8 +8,8 @@ differing example's participations) against Q = N(0, σ²I) is f_0(y) with
 
     f_i = (1 − p)·f_{i+1} + p·exp((2⟨c_i, y_{i:i+b}⟩ − ‖c_i‖²)/(2σ²))·f_{i+b},   f_i = 1 for i ≥ n,
 
-computed in log space, vectorised over samples, O(n·bands) per sample (:func:`log_likelihood_ratio`,
-the definition); the sampler itself runs on compiled kernels (:mod:`corrflow.accounting.mc_kernels`:
+computed in log space, vectorised over samples, O(n·bands) per sample (`log_likelihood_ratio`,
+the definition); the sampler itself runs on compiled kernels (`corrflow.accounting.mc_kernels`:
 the same recursion in linear space, the differing example's exponents only where its participations
 reach, numpy's ziggurat over xoshiro256++ bits), which the tests hold to it. Warm start (Alg. 2):
 (f_0 + p·Σ_{i=1}^{b−1} f_i)/(1 + (b−1)p); with p = 1 and b = T it is balls-in-bins with T bins (004
@@ -17,15 +17,15 @@ reach, numpy's ziggurat over xoshiro256++ bits), which the tests hold to it. War
 (cold start only).
 
 Poisson sampling in every round of a banded encoder (bands ≤ 12): the exact likelihood by a forward
-algorithm over the last bands − 1 participation bits (:func:`poisson_banded_llr`). Balls-in-bins:
-the N/B phases enumerated (:func:`balls_in_bins_llr`, any encoder).
+algorithm over the last bands − 1 participation bits (`poisson_banded_llr`). Balls-in-bins:
+the N/B phases enumerated (`balls_in_bins_llr`, any encoder).
 
 δ(ε) = E_{y∼P}[max(0, 1 − e^{ε−L(y)})] is estimated for both adjacency directions (y ∼ P with L = ln
 P/Q, and y ∼ Q with L = ln Q/P) and the larger is used. Guarantees come from Estimate-Verify-Release
 (004 Alg. 5, Thm A.1): a verifier at threshold δ' with s samples fails to catch a mechanism that is
 not (ε, δ)-DP with probability at most exp(−s·KL(δ'‖δ)) (Chua et al., arXiv 2412.16802, Fact 4.2),
-giving (ε, δ + q(1 − δ))-DP overall. :func:`adaptive_evr` verifies ε at a target δ in
-deterministically seeded attempts, each sized from the earlier samples (:func:`samples_to_pass`)
+giving (ε, δ + q(1 − δ))-DP overall. `adaptive_evr` verifies ε at a target δ in
+deterministically seeded attempts, each sized from the earlier samples (`samples_to_pass`)
 and drawing fresh ones, attempt i spending β/2^(i+1) of the failure budget β inside that δ.
 """
 
@@ -147,8 +147,8 @@ def log_likelihood_ratio(
 def linear_log_likelihood_ratio(
     y: np.ndarray, band: np.ndarray, sigma: float, min_sep: int, p: float, warm: bool = False
 ) -> np.ndarray:
-    """:func:`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
-    :mod:`corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1
+    """`log_likelihood_ratio` (k_u = 1) by the compiled linear-space kernels of
+    `corrflow.accounting.mc_kernels`: the exponents a_i, numpy's vectorised exp, and 004 Eq. 1
     as f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls
     back to the log-space recursion where e^{a_i} would overflow or a run's result is not finite.
 
@@ -334,7 +334,7 @@ MAX_FORWARD_BANDS = 12
 
 
 def column_gram_bands(band: np.ndarray) -> np.ndarray:
-    """Inner products of nearby columns of a banded encoder, for :func:`poisson_banded_llr`.
+    """Inner products of nearby columns of a banded encoder, for `poisson_banded_llr`.
 
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
@@ -388,7 +388,7 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
 
     Args:
         y: outputs, shape (n, S), round-major.
-        band: shape (n, L), ``band[i, k] = C[i + k, i]``, L ≤ :data:`MAX_FORWARD_BANDS`.
+        band: shape (n, L), ``band[i, k] = C[i + k, i]``, L ≤ `MAX_FORWARD_BANDS`.
         sigma: σ.
         p: the per-round probability, in (0, 1).
 
@@ -396,7 +396,7 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
         ln P(y)/Q(y), float64, shape (S,).
 
     Raises:
-        InvalidArgumentError: more than :data:`MAX_FORWARD_BANDS` bands, or p outside (0, 1).
+        InvalidArgumentError: more than `MAX_FORWARD_BANDS` bands, or p outside (0, 1).
     """
     y = np.asarray(y, dtype=np.float64)
     band = truncate_band(band)
@@ -535,7 +535,7 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
         delta_target: the δ to release, δ' < δ_target < 1.
 
     Returns:
-        The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; :func:`overall_delta`).
+        The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; `overall_delta`).
 
     Raises: InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than
     2^50 samples needed.
@@ -596,7 +596,7 @@ class MonteCarloEstimate:
         Args:
             other: another estimate at the same σ.
 
-        Returns: The pooled :class:`MonteCarloEstimate`: counts added, losses stored above the
+        Returns: The pooled `MonteCarloEstimate`: counts added, losses stored above the
         higher floor.
         """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
@@ -701,13 +701,13 @@ class MonteCarloAccountant:
     ``scheme="balls-in-bins"``: ``min_sep`` is the number of bins T (``p`` = 1).
 
     Args: band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
-    min_sep for b-min-sep; ≤ :data:`MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
+    min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
     number of bins T (balls-in-bins). p: the Poisson probability among eligible rounds (b-min-sep),
     or per round (Poisson). warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
     k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only). dtype: the dtype of
     the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in float64).
     batch: samples per batch (a batch's draws depend only on its child seed). scheme: one of
-    :data:`SCHEMES`.
+    `SCHEMES`.
 
     Raises: InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than
     the scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
@@ -816,7 +816,7 @@ class MonteCarloAccountant:
         others; the count of all samples is kept), to bound memory.
 
         Returns:
-            The :class:`MonteCarloEstimate`.
+            The `MonteCarloEstimate`.
         """
         require(np.isfinite(sigma) and sigma > 0, "noise_multiplier", "a positive number", sigma)
         require(isinstance(samples, int) and samples >= 2, "mc_samples", "an integer ≥ 2", samples)
@@ -885,7 +885,7 @@ class MonteCarloAccountant:
         self, sigma: float, S: int, rng: np.random.Generator
     ) -> tuple[np.ndarray, np.ndarray]:
         """Both directions' losses for S runs of b-min-sep sampling (k_u = 1) by the compiled
-        kernels, in chunks of about :data:`KERNEL_CHUNK` outputs (their arrays stay in cache): z,
+        kernels, in chunks of about `KERNEL_CHUNK` outputs (their arrays stay in cache): z,
         the exponents of y = σz, those of y = σz + Cx from them (only rounds near a participation
         change), then the linear recursion for each."""
         from corrflow.accounting import mc_kernels as kernels  # here: numba loads only when needed
@@ -959,21 +959,21 @@ class MonteCarloAccountant:
 # the rest, δ_v, is the δ the mechanism itself must have at the released ε.
 EVR_FAILURE_SHARE = 0.05
 #: The estimation batch is sized so that a verification of that size would have a threshold δ' of
-# this fraction of the target δ (:func:`first_verification_size`) ...
+# this fraction of the target δ (`first_verification_size`) ...
 EVR_FIRST_THRESHOLD = 0.4
 #: ... but at most this many samples by default (at δ = 1e-6 that size is 8.7·10⁷); the first
 # attempt draws at most as many again, later attempts what their estimate says they need.
 FIRST_BATCH_CAP = 40_000_000
 #: Default cap on the samples per direction, all batches together (n = 48: about 4 minutes on 2
-# idle cores): the estimation batch and the first attempt draw at most 2 × :data:`FIRST_BATCH_CAP`;
-# later attempts are sized by :func:`samples_to_pass` and run only while they fit under the cap.
+# idle cores): the estimation batch and the first attempt draw at most 2 × `FIRST_BATCH_CAP`;
+# later attempts are sized by `samples_to_pass` and run only while they fit under the cap.
 DEFAULT_MAX_SAMPLES = 240_000_000
 #: Standard deviations of an attempt's own δ̂ that its size leaves between the estimated δ(ε) and
-# its threshold (:func:`samples_to_pass`).
+# its threshold (`samples_to_pass`).
 PASS_Z = 2.0
 #: After a failed attempt the next ε is at least (1 + this) times the failed one.
 EPSILON_STEP = 0.01
-#: Relative step of the ε grid an attempt's ε is chosen on (:func:`plan_attempt`).
+#: Relative step of the ε grid an attempt's ε is chosen on (`plan_attempt`).
 EPSILON_GRID = 0.0025
 
 
@@ -1036,7 +1036,7 @@ def samples_to_pass(
     z: float = PASS_Z,
     cap: int | None = None,
 ) -> int | None:
-    """The adaptive budget rule of :func:`adaptive_evr`: the fresh samples an attempt needs to pass
+    """The adaptive budget rule of `adaptive_evr`: the fresh samples an attempt needs to pass
     at an ε whose δ(ε) is estimated at most ``delta_upper``.
 
     The attempt's threshold δ'(s) = verify_threshold(s, share, δ_v) grows with s toward δ_v; its
@@ -1087,8 +1087,8 @@ def plan_attempt(
     epsilon_min: float,
     release_z: float,
 ) -> tuple[float, int, float] | None:
-    """The next attempt of :func:`adaptive_evr`: the smallest ε ≥ ``epsilon_min`` (on a grid of
-    relative step :data:`EPSILON_GRID`) whose :func:`samples_to_pass` fits in ``limit``.
+    """The next attempt of `adaptive_evr`: the smallest ε ≥ ``epsilon_min`` (on a grid of
+    relative step `EPSILON_GRID`) whose `samples_to_pass` fits in ``limit``.
 
     δ_up(ε) = δ̂(ε) + release_z·se(ε) on the pool (at least one sample's worth, 1/N, so that an empty
     tail does not read as δ = 0), and the spread Var/E of the δ terms from the pool too.
@@ -1120,7 +1120,7 @@ def plan_attempt(
 
 @dataclass
 class EVRAttempt:
-    """One verification of :func:`adaptive_evr`.
+    """One verification of `adaptive_evr`.
 
     Attributes:
         samples: its fresh samples per direction (sized from the earlier samples).
@@ -1143,7 +1143,7 @@ class EVRAttempt:
 
 @dataclass
 class EVRRun:
-    """Outcome of :func:`adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the
+    """Outcome of `adaptive_evr`: ``passed`` → (epsilon, delta_target) holds with the
     verifier's failure probability counted in δ; else the budget was spent (``estimate`` is the
     point estimate at δ_v, not a bound)."""
 
@@ -1190,13 +1190,13 @@ def adaptive_evr(
     """ε verified at ``delta_target`` by Estimate-Verify-Release with adaptively sized attempts
     (004 App. A, Alg. 5 for one σ, Thm A.1).
 
-    Estimation batch: s₀ samples (:func:`first_verification_size`, at most :data:`FIRST_BATCH_CAP`;
+    Estimation batch: s₀ samples (`first_verification_size`, at most `FIRST_BATCH_CAP`;
     or ``first_samples``). Attempt i then picks, on every sample drawn before it (the pool), the
-    smallest ε (≥ the point estimate at δ_v for i = 0, ≥ (1 + :data:`EPSILON_STEP`)·ε_{i−1} after a
-    failure) whose :func:`samples_to_pass` fits (at most s₀ for i = 0, else what is left of
+    smallest ε (≥ the point estimate at δ_v for i = 0, ≥ (1 + `EPSILON_STEP`)·ε_{i−1} after a
+    failure) whose `samples_to_pass` fits (at most s₀ for i = 0, else what is left of
     ``max_samples``), draws that many fresh samples and passes iff δ̂(ε) ≤ δ'_i, the largest
     threshold whose wrong-pass probability against δ_v = (1 − 0.05)·δ is ≤ β_i = β/2^(i+1), β =
-    0.05·δ (:func:`verify_threshold`). A failed attempt's samples join the pool. The budget thus
+    0.05·δ (`verify_threshold`). A failed attempt's samples join the pool. The budget thus
     grows where the estimate says a pass is near, up to ``max_samples``.
 
     Why adaptive sizes keep the guarantee (004 Thm A.1 with the failure bound of Chua et al., arXiv
@@ -1226,7 +1226,7 @@ def adaptive_evr(
         workers: sampler processes (None: the CPU count).
 
     Returns:
-        The :class:`EVRRun`.
+        The `EVRRun`.
 
     Raises:
         CorrflowError: the time limit was reached (nothing is released).

@@ -55,7 +55,7 @@ def describe(summary: dict | None) -> str:
     """One line for people: the DP-SGD z, or the range of z_t over the rounds (1-based rounds).
 
     Args:
-        summary: :func:`noise_std_per_round`'s dict, or None.
+        summary: `noise_std_per_round`'s dict, or None.
 
     Returns:
         The line ("n/a" for None).

@@ -59,7 +59,7 @@ def with_round(
 
 
 class _WithRound(Mapping):
-    """``selected`` with a round's extra participations appended (see :func:`with_round`)."""
+    """``selected`` with a round's extra participations appended (see `with_round`)."""
 
     def __init__(self, selected: Mapping[str, Sequence[int]], extra: dict[str, list[int]]):
         self._selected, self._extra = selected, extra
@@ -82,7 +82,7 @@ class RunAccounting:
     """ε of a run's participation under the policy above, and the budget guard.
 
     Attributes:
-        privacy: the run's memoised :class:`~corrflow.accounting.tracking.RunPrivacy`.
+        privacy: the run's memoised `RunPrivacy`.
         target_epsilon: the guard's limit (None: no guard).
     """
 
@@ -104,7 +104,7 @@ class RunAccounting:
         target_epsilon: the budget guard's limit (None: no guard).
 
         Returns:
-            The :class:`RunAccounting`.
+            The `RunAccounting`.
         """
         return cls(RunPrivacy(factorization, plan, delta), target_epsilon)
 
@@ -121,9 +121,9 @@ class RunAccounting:
 
         Args:
             selected: user → rounds contributed to (with multiplicity).
-            overrides: the run's override records (see :func:`pattern_followed`).
+            overrides: the run's override records (see `pattern_followed`).
 
-        Returns: The :class:`~corrflow.accounting.tracking.RealizedPrivacy`: sensitivity, whether it
+        Returns: The `RealizedPrivacy`: sensitivity, whether it
         is exact, ε (None for a non-private run) and how ε was obtained.
         """
         return self.privacy.realized(selected, pattern_followed=pattern_followed(overrides))
@@ -144,7 +144,7 @@ class RunAccounting:
             users: its cohort.
 
         Returns: The ε after the round when it exceeds the target (to a relative
-        :data:`BUDGET_TOLERANCE`), else None (also without a target).
+        `BUDGET_TOLERANCE`), else None (also without a target).
         """
         if not self.target_epsilon:
             return None

@@ -35,7 +35,7 @@ def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
         encoder: C, an n × n encoder (only the columns of these rounds are read).
         rounds: 0-based round indices in [0, n), repeated for multiplicity.
 
-    Returns: The :class:`~corrflow.factorization.sensitivity.Sensitivity`: its value, whether it is
+    Returns: The `Sensitivity`: its value, whether it is
     exact and the method (``"realized-nonnegative-gram"``, ``"realized-upper-bound"`` or
     ``"no-participation"``).
 
@@ -67,7 +67,7 @@ def realized_sensitivity(
     user_rounds: Mapping[str, Sequence[int]],
     cache: dict[tuple[int, ...], Sensitivity] | None = None,
 ) -> tuple[Sensitivity, str | None]:
-    """The realised sensitivity: the maximum over users of :func:`pattern_sensitivity` (000 Def. 1).
+    """The realised sensitivity: the maximum over users of `pattern_sensitivity` (000 Def. 1).
 
     Users with the same rounds (and multiplicities) share one computation.
 

@@ -59,7 +59,7 @@ def participation_section(
 
     Args:
         user_rounds: user id → the rounds the user contributed to.
-        salt: the run's secret salt (:func:`hash_user_id`).
+        salt: the run's secret salt (`hash_user_id`).
         policy: the separation policy, or None.
         overrides: the override records.
 
@@ -107,7 +107,7 @@ def privacy_report(
         clip_norm: the clip norm.
         delta: the target δ.
         target_epsilon: the target ε, or None.
-        accountant: the accountant section (:meth:`AccountingResult.to_dict`'s ``accountant``).
+        accountant: the accountant section (`AccountingResult.to_dict`'s ``accountant``).
         planned: the planned sensitivity, ε and participation.
         realized: the realised sensitivity, ε, its δ and participation.
         rounds_completed: rounds completed so far.
@@ -116,7 +116,7 @@ def privacy_report(
     Returns:
         The report dict (the shape the ``privacy-report`` JSON Schema describes), with
         ``noise_std_per_round``: σ·‖(C⁻¹)_{t,:}‖ summarised (the DP-SGD z when it is the same every
-        round; :mod:`corrflow.accounting.noise_scale`).
+        round; `corrflow.accounting.noise_scale`).
     """
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
@@ -141,10 +141,10 @@ def privacy_report(
 
 
 def write_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write a report as indented, sorted JSON, atomically (:mod:`corrflow.fileio`).
+    """Write a report as indented, sorted JSON, atomically (`corrflow.fileio`).
 
     Args:
-        report: the report (:func:`privacy_report`).
+        report: the report (`privacy_report`).
         path: the file.
 
     Returns:

@@ -5,7 +5,7 @@ the budget guard.
 Two regimes, chosen by what the plan's accountant analysed, never by its name:
 * deterministic patterns (fixed-epoch, any unamplified plan): post-hoc accounting of the realised
   participation, one Gaussian with the realised sensitivity (000 App. D.2;
-  :func:`realized_sensitivity`), scaled by k_u;
+  `realized_sensitivity`), scaled by k_u;
 * amplified plans (Monte Carlo for b-min-sep / multi-attribution samplers, 004; MMCC for Poisson /
   cyclic Poisson, 002; or, with no accountant named, the tightest verified bound that applies, even
   when that is the sampler's unamplified worst-case bound): their ε is a property of the sampler's
@@ -86,7 +86,7 @@ class RunPrivacy:
 
     Args:
         factorization: the run's normalised factorization.
-        plan: the run's :class:`PrivacyPlan`.
+        plan: the run's `PrivacyPlan`.
         delta: the training's δ.
     """
 
@@ -115,10 +115,10 @@ class RunPrivacy:
         Args:
             selected: user → rounds contributed to (with multiplicity).
             pattern_followed: whether the sampler's pattern was followed (see
-                :func:`corrflow.accounting.policy.pattern_followed`).
+                `corrflow.accounting.policy.pattern_followed`).
 
         Returns:
-            The :class:`RealizedPrivacy`.
+            The `RealizedPrivacy`.
         """
         key = (pattern_followed, tuple((u, tuple(r)) for u, r in selected.items()))
         if self._last is not None and self._last[0] == key:

@@ -30,7 +30,7 @@ def answer_probe(msg: Message, context: Context) -> Message:
 def register_identity(app: ClientApp) -> ClientApp:
     """The one line a user's ClientApp needs: ``app = register_identity(ClientApp())``.
 
-    Registers :func:`answer_probe` as ``app``'s ``query.corrflow_identity`` function, so the server
+    Registers `answer_probe` as ``app``'s ``query.corrflow_identity`` function, so the server
     can resolve each node's stable user id (``partition-id`` or ``user-id`` from the node config)
     before round 0.
 

@@ -1,6 +1,6 @@
 """A numpy next-word ClientApp: a low-rank bigram softmax model (embedding E, output projection W,
 bias b; logits(next | prev) = E[prev]·W + b) trained by local SGD on the user's sentences —
-synthetic (the Markov-structured text of :mod:`corrflow.data.text_synth`), or a real-format dataset
+synthetic (the Markov-structured text of `corrflow.data.text_synth`), or a real-format dataset
 file when the server sends ``data-path`` and ``vocab-path``. Small enough (about 17k parameters at
 the synthetic 204 tokens, 2·16·V + V = 330k at the papers' 10,004) for DP comparisons on a CPU in
 minutes. Replies with the new weights, as Flower's quickstarts do (the server subtracts the model it
@@ -34,7 +34,7 @@ EVAL_PAIRS = 1024
 
 
 def node_data_paths(cfg, context: Context) -> tuple[str, str]:
-    """:func:`~corrflow.data.federated.data_paths`, saying once per process in the SuperNode's log
+    """`data_paths`, saying once per process in the SuperNode's log
     when the node's own config names the data file (deployment: each device reads its own file, not
     the path the server sent). Paths and the partition id only: operator settings, never the user's
     data."""
@@ -46,7 +46,7 @@ def node_data_paths(cfg, context: Context) -> tuple[str, str]:
 
 def own_sentences(source, context: Context) -> np.ndarray:
     """The training sentences of this node's user: train partition ``partition-id`` of ``source`` (a
-    :class:`~corrflow.data.federated.TextSource`).
+    `TextSource`).
 
     A node whose own config names the data file trains exactly one of the file's train partitions,
     so its ``num-partitions`` (when given) must equal their count, as ``corrflow data partition``

@@ -160,8 +160,13 @@ class ArxivReader:
         )
 
     def __iter__(self) -> Iterator[Paper]:
-        with open(self.path, encoding="utf-8") as f:
-            for line, text in enumerate(f, start=1):
+        with open(self.path, "rb") as f:  # bytes: a line of invalid UTF-8 is that line's error
+            for line, raw in enumerate(f, start=1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    self._bad(line, f"UTF-8 text ({exc.reason} at byte {exc.start})", raw[:60])
+                    continue
                 if not text.strip():
                     continue
                 try:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import norm
 
-from corrflow.accounting.mechanisms import gaussian_noise_multiplier
+from corrflow.accounting.mechanisms import check_epsilon, gaussian_noise_multiplier
 from corrflow.data.federated import TextSource, _sentences
 from corrflow.data.stackoverflow import StackOverflowSQLite
 from corrflow.data.stats import detect_format
@@ -61,7 +61,7 @@ def gaussian_sigma(epsilon: float, delta: float) -> float:
     """σ of the analytic Gaussian mechanism (sensitivity 1) that is (ε, δ)-DP (Balle & Wang 2018,
     arXiv 1805.06530, Thm 8: δ(σ) = Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ), decreasing in σ): the
     accountants' certified root, rounded up, so the vocabulary's δ never exceeds what it reports."""
-    require(epsilon > 0 and math.isfinite(epsilon), "epsilon", "a finite ε > 0", epsilon)
+    check_epsilon(epsilon, "epsilon")
     require(0 < delta < 1, "delta", "a δ in (0, 1)", delta)
 
     return gaussian_noise_multiplier(epsilon, delta)

@@ -9,7 +9,7 @@ Real formats (``corrflow data`` reads both):
   — train holds posts before 2018-01-01, heldout and test later ones — so a client may appear in
   several splits; evaluation is on later posts, not on unseen users.
 * **arXiv metadata JSON lines.** The privacy unit is the author. A fixed 10% of authors, chosen by a
-  hash of their id (:func:`held_out_author`), is held out: papers with a held-out author are the
+  hash of their id (`held_out_author`), is held out: papers with a held-out author are the
   evaluation set, the other papers are the training items — partition i is the i-th of them in file
   order — and a paper trains with all its authors' attribution (multi-attribution participation, 004
   §6). No held-out author's text is ever trained on.
@@ -48,14 +48,14 @@ def held_out_author(author: str) -> bool:
 
 
 def data_format(path: str) -> str:
-    """``stackoverflow-sqlite`` or ``arxiv-jsonl`` (:func:`corrflow.data.stats.detect_format`)."""
+    """``stackoverflow-sqlite`` or ``arxiv-jsonl`` (`corrflow.data.stats.detect_format`)."""
 
     return detect_format(path)
 
 
 @dataclass(frozen=True)
 class TextSource:
-    """``data_path=""``: the synthetic task of :mod:`corrflow.data.text_synth`. Otherwise a TFF
+    """``data_path=""``: the synthetic task of `corrflow.data.text_synth`. Otherwise a TFF
     StackOverflow SQLite file or arXiv JSON lines, and its vocabulary (``corrflow data vocab``); see
     the module docstring for which partition is which user."""
 
@@ -243,3 +243,32 @@ def train_clients_count(data_path: str) -> int:
     """How many training partitions (StackOverflow train clients, arXiv training papers) a dataset
     file has."""
     return len(TextSource(data_path, "-").train_clients)
+
+
+def check_dataset(data_path: str, vocab_path: str) -> None:
+    """Refuse, before anything is written or trained, a dataset file without training examples or
+    without a held-out split to evaluate on, and a vocabulary that does not load or holds no word
+    (`DataFormatError` naming the file)."""
+    from corrflow.errors import DataFormatError
+
+    src = TextSource(data_path, vocab_path)
+    if not src.vocab.words:
+        raise DataFormatError(vocab_path, None, "a vocabulary with at least one word")
+    if src.format == "arxiv-jsonl":
+        train, held = src._arxiv
+        if not train or not held:
+            raise DataFormatError(
+                data_path,
+                None,
+                "arXiv JSON lines with training papers and papers by held-out authors "
+                "(10% of authors, by hashed id) for evaluation",
+                f"{len(train)} training and {len(held)} held-out papers",
+            )
+        return
+    db = src._db
+    split = "heldout" if "heldout" in db.splits() else "test"
+    for name, what in (("train", "training"), (split, "evaluation")):
+        if name not in db.splits() or not db.has_examples(name):
+            raise DataFormatError(
+                data_path, "examples", f"a {name!r} split with examples ({what})", "none"
+            )

@@ -142,7 +142,7 @@ class Lexicon:
     boost: float = 20.0
     topic_share: float = 0.02
     seed: int = 0
-    # Word order: a sparse first-order Markov chain per topic (see :meth:`chain`).
+    # Word order: a sparse first-order Markov chain per topic (see `chain`).
     follow: float = 0.6  # P(a word is a successor of the previous word rather than a fresh draw)
     successors: int = 3  # successors per word, Zipf(successor_zipf)-weighted
     successor_zipf: float = 1.5

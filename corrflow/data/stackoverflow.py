@@ -176,6 +176,14 @@ class StackOverflowSQLite:
             )
         ]
 
+    def has_examples(self, split: str) -> bool:
+        """Whether ``split`` holds at least one example (a split listed in the metadata may have
+        none)."""
+        row = self._db.execute(
+            "SELECT 1 FROM examples WHERE split_name = ? LIMIT 1", (split,)
+        ).fetchone()
+        return row is not None
+
     def num_examples(self, split: str = "train") -> dict[str, int]:
         self._check_split(split)
         return dict(

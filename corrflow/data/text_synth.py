@@ -8,7 +8,7 @@ word w, with probability ``follow`` the next word is one of w's ``successors`` (
 otherwise a fresh draw from the topic's unigram distribution. The successor table is shared by all
 topics except for a ``topic_specific`` fraction of rows each topic redraws, so the previous word
 predicts most of the next one and the context (the topic) the rest: a bigram model learns well above
-the unigram baseline, an LSTM a little more. :func:`bigram_ceiling` gives the structure's expected
+the unigram baseline, an LSTM a little more. `bigram_ceiling` gives the structure's expected
 accuracy.
 """
 
@@ -112,5 +112,5 @@ def xy(sentences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def accuracy_mask(targets: np.ndarray, first_word: int = SPECIAL) -> np.ndarray:
     """Accuracy counts real words only: no PAD, BOS, EOS or OOV bucket (000 §5.3's 'without OOV or
     EOS' variant). ``first_word``: the first real word's id — 3 + the OOV buckets
-    (:attr:`corrflow.data.vocab.Vocabulary.first_word`; here one bucket, id 3)."""
+    (`corrflow.data.vocab.Vocabulary.first_word`; here one bucket, id 3)."""
     return targets >= first_word

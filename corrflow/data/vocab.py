@@ -4,13 +4,13 @@ at most 256 sentences per user).
 
 Ids: PAD = 0, BOS = 1, EOS = 2, OOV buckets 3 … 2 + oov_buckets, then the words by decreasing
 training count (ties by the word itself, so the vocabulary is a pure function of the counts). With
-one OOV bucket this is the id layout of :mod:`corrflow.data.text_synth`, so the Keras model works on
+one OOV bucket this is the id layout of `corrflow.data.text_synth`, so the Keras model works on
 either source. An OOV word goes to bucket ``crc32(word) mod oov_buckets`` (stable across processes,
 unlike Python's ``hash``).
 
 Provenance. The vocabulary ships with the model, so it is part of what a run publishes. The file's
 header line records how it was built — ``source=dp`` with its (ε, δ)
-(:mod:`corrflow.data.dp_vocab`), ``source=public`` (a word list from public data), or
+(`corrflow.data.dp_vocab`), ``source=public`` (a word list from public data), or
 ``source=non-private`` (counted from the private data without privacy, only with ``corrflow data
 vocab --no-privacy``) — so a run reports it truthfully. A file without a header (TFF's own
 vocabulary layout: one word per line) is a list the user supplies, taken as public; a corrflow
@@ -121,7 +121,13 @@ class Vocabulary:
         path = Path(path)
         if not path.is_file():
             raise DataFormatError(path, None, "an existing vocabulary file")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            line = path.read_bytes()[: exc.start].count(b"\n") + 1
+            raise DataFormatError(
+                path, line, f"UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
         buckets, provenance, offset = 1, {"source": "public"}, 1
         if lines and lines[0].startswith(HEADER):
             buckets, provenance = _parse_header(path, lines[0])
@@ -185,7 +191,7 @@ def build_vocabulary(
 ) -> Vocabulary:
     """The ``size`` most frequent words (000 App. F: 10,000), ties broken by the word. Counted from
     private data this is ``non-private`` (outside any guarantee:
-    :func:`corrflow.data.dp_vocab.dp_vocabulary` is the private route); from public text, pass
+    `corrflow.data.dp_vocab.dp_vocabulary` is the private route); from public text, pass
     ``source="public"``."""
     require(size >= 1, "vocab_size", "at least 1", size)
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]

@@ -1,7 +1,7 @@
 """Workloads A, participation schemas, encoders C (and decoders B = A C⁻¹), sensitivity and error
 metrics.
 
-Pure numpy/scipy, float64. Entry point: :func:`factorize` builds a normalised :class:`Factorization`
+Pure numpy/scipy, float64. Entry point: `factorize` builds a normalised `Factorization`
 of any kind; the optimizers (dense, banded, Toeplitz) and closed forms (BISR, γ-BIFR, BSR, DP-λCGD,
 FFT, tree) live beside it.
 """

@@ -1,10 +1,10 @@
-"""The :class:`Factorization` object: workload, encoder (sensitivity 1), participation, metadata;
+"""The `Factorization` object: workload, encoder (sensitivity 1), participation, metadata;
 one .npz file.
 
 File format (docs "Conventions", Files): a NumPy ``.npz`` (no pickles) whose arrays define the
 encoder and whose ``__meta__`` entry holds JSON metadata, including ``arrays_sha256`` — a SHA-256
 over every array's name, dtype, shape and bytes. Loading recomputes the hash and checks shapes; a
-mismatch is an :class:`IntegrityError`.
+mismatch is an `IntegrityError`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Factorization:
     def errors(self) -> ErrorReport:
         """The mechanism's errors at unit σ (000 Eq. 4).
 
-        Returns: :class:`~corrflow.factorization.metrics.ErrorReport` with the total squared error
+        Returns: `ErrorReport` with the total squared error
         sens²·‖B‖²_F, RMSE = √(total/n) and max error sens·maxᵢ‖Bᵢ‖.
         """
         return error_report(self.per_query_error(), self.sensitivity.value)
@@ -144,7 +144,7 @@ class Factorization:
         the JSON metadata and the SHA-256 of the arrays inside.
 
         Returns:
-            ``path`` as a :class:`~pathlib.Path`.
+            ``path`` as a `Path`.
         """
         path = Path(path)
         payload = self._arrays()
@@ -155,7 +155,7 @@ class Factorization:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Factorization:
-        """Load and verify a file written by :meth:`save`.
+        """Load and verify a file written by `save`.
 
         Args:
             path: a factorization ``.npz`` file.

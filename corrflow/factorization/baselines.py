@@ -140,7 +140,7 @@ def tree_encoder(n: int) -> DenseEncoder:
         n: rounds.
 
     Returns:
-        C̃ (n × n) with C̃ᵀC̃ = :func:`tree_gram` (n).
+        C̃ (n × n) with C̃ᵀC̃ = `tree_gram` (n).
     """
     require(n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the tree encoder", n)
     return encoder_from_gram(tree_gram(n))
@@ -153,7 +153,7 @@ def fft_encoder(n: int) -> DenseEncoder:
         n: rounds.
 
     Returns:
-        C̃ (n × n) with C̃ᵀC̃ = :func:`fft_gram` (n).
+        C̃ (n × n) with C̃ᵀC̃ = `fft_gram` (n).
     """
     require(n <= DENSE_LIMIT, "rounds", f"at most {DENSE_LIMIT} for the FFT encoder", n)
     return encoder_from_gram(fft_gram(n))

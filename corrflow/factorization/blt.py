@@ -498,7 +498,7 @@ def optimize_blt(
     ``EXACT_COOLDOWN_LIMIT``.
 
     Returns:
-        :class:`BLTResult` with θ, ω (C) and θ̂, ω̂ (C⁻¹), un-normalised (c₀ = 1).
+        `BLTResult` with θ, ω (C) and θ̂, ω̂ (C⁻¹), un-normalised (c₀ = 1).
 
     Raises: InvalidArgumentError: when no buffer stays alive (independent noise is optimal for this
     participation).
@@ -586,7 +586,7 @@ def optimize_blt(
 
 def _usable(theta: np.ndarray, theta_hat: np.ndarray) -> bool:
     """Whether the pole pairs form a BLT corrflow accepts with every buffer alive: strictly
-    interlaced in (0, 1) in float64, ω > DEAD_SCALE, and the checks of :func:`validate_blt`."""
+    interlaced in (0, 1) in float64, ω > DEAD_SCALE, and the checks of `validate_blt`."""
     p = np.empty(2 * theta.size)
     p[0::2], p[1::2] = theta, theta_hat
     if not (p[0] < 1 and p[-1] > 0 and np.all(np.diff(p) < 0)):

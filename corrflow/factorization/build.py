@@ -1,4 +1,4 @@
-"""``factorize``: build a normalised :class:`Factorization` of any supported kind (the CLI's
+"""``factorize``: build a normalised `Factorization` of any supported kind (the CLI's
 engine)."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def factorize(
 ) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
-    Args: kind: one of :data:`KINDS` (the registry, :mod:`corrflow.factorization.registry`).
-    participation: the (k, b) pattern the sensitivity is computed for (:func:`participation_for`).
+    Args: kind: one of `KINDS` (the registry, `corrflow.factorization.registry`).
+    participation: the (k, b) pattern the sensitivity is computed for (`participation_for`).
     workload: A (default: prefix sums). bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr,
     bifr); default the kind's own. stamps: repeat a rounds/stamps mechanism along the diagonal (see
     below). gamma: γ for bifr, bsr and lambda-cgd (see below). taper: b₀ of the 001 App. H taper
@@ -76,7 +76,7 @@ def factorize(
     relative tolerance. time_budget: dense only: seconds after which the optimizer stops. buffers:
     blt only: B, the BLT's buffers. callback: progress callback of the iterative optimizers.
 
-    Returns: A :class:`Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper
+    Returns: A `Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper
     bound as labelled.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
@@ -88,7 +88,7 @@ def factorize(
     (``converged`` false, the duality gap in the metadata; load-dependent); ``max_iterations``
     (dense only): the deterministic budget instead. ``buffers`` (blt only): B, the BLT's buffers; by
     default the optimiser adds buffers while each lowers the loss by more than 1%. How each kind
-    builds lives in :mod:`corrflow.factorization.registry`.
+    builds lives in `corrflow.factorization.registry`.
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
     workload = workload or Workload.prefix()

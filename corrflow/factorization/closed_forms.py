@@ -57,7 +57,7 @@ def bifr_noising(workload: Workload, gamma: float, bands: int) -> np.ndarray:
 
 
 def bifr_encoder(workload: Workload, n: int, bands: int, gamma: float) -> InverseToeplitzEncoder:
-    """The γ-BIFR encoder: C⁻¹ banded Toeplitz with :func:`bifr_noising` (003, arXiv 2605.18379).
+    """The γ-BIFR encoder: C⁻¹ banded Toeplitz with `bifr_noising` (003, arXiv 2605.18379).
 
     Args:
         workload: A.
@@ -65,7 +65,7 @@ def bifr_encoder(workload: Workload, n: int, bands: int, gamma: float) -> Invers
         bands: p, the bands of C⁻¹.
         gamma: γ in [0, 1].
 
-    Returns: The encoder (n × n, unnormalised: :func:`~corrflow.factorization.build.factorize`
+    Returns: The encoder (n × n, unnormalised: `factorize`
     scales it).
     """
     return InverseToeplitzEncoder(bifr_noising(workload, gamma, bands), n)

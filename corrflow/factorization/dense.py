@@ -4,14 +4,14 @@
 Private Machine Learning", arXiv 2211.06530): minimise ``tr(AᵀA X⁻¹)`` over X = CᵀC ≻ 0 with ``max_π
 1ᵀX[π,π]1 ≤ 1`` (Eq. 6).
 
-* :func:`optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one
+* `optimize_dense` (default, any n): the primal restricted to X[i, j] = 0 on the pairs one
   user can share (Π̂, i ≠ j) — the structure of the optimum (000 Fig. 2) — and every pattern's
   diagonal summing to 1. The sensitivity is then exact for vector contributions (000 Cor. 2.1 and
   App. I.3, Eq. 36 with X = 0 ≥ 0 on Π̂). Solved by L-BFGS in that affine subspace (Cholesky-based,
   3.3 n³ flops an iteration), stopping on the relative duality gap against the Lagrange dual bound
   of 000 Thm. 3.1 evaluated at the KKT multipliers read off the primal (U = G = X⁻¹AᵀAX⁻¹ on the
   pattern blocks; Λ ≥ 0 on Π̂).
-* :func:`solve_dual` (small n): maximise the dual g(v, Λ) = 2 tr((U^½ T U^½)^½) − Σ v (000 Eq. 7,
+* `solve_dual` (small n): maximise the dual g(v, Λ) = 2 tr((U^½ T U^½)^½) − Σ v (000 Eq. 7,
   with non-negativity multipliers) by L-BFGS-B, for the constraint sets of 000 App. I.3: ``"sign"``
   (Eq. 34, all sign vectors), ``"pattern-nonneg"`` (Eq. 36) and ``"nonneg"`` (Eq. 35). Reproduces
   000 Table 6.

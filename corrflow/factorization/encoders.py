@@ -4,13 +4,13 @@ Every encoder is lower-triangular and invertible, acts on the round axis (axis 0
 ``solve`` (C⁻¹ z, the gradient-space noise of 000 §4.4 / 001 Alg. 1), ``gram`` (X = CᵀC),
 ``column_norms`` and, where the structure allows it, an O(n·bands) sensitivity and error:
 
-* :class:`DenseEncoder`          any lower-triangular C (optimal multi-epoch, tree, FFT, stamped);
-* :class:`BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column
+* `DenseEncoder`          any lower-triangular C (optimal multi-epoch, tree, FFT, stamped);
+* `BandedEncoder`         C with ``bands`` non-zero diagonals (BandMF, 001 §2.2), column
   layout;
-* :class:`ToeplitzEncoder`       banded Toeplitz C, optionally column-normalised (001 §3.1–3.2);
-* :class:`InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003:
+* `ToeplitzEncoder`       banded Toeplitz C, optionally column-normalised (001 §3.1–3.2);
+* `InverseToeplitzEncoder` C whose inverse (the noising matrix) is banded Toeplitz (003:
   BISR, γ-BIFR, DP-λCGD);
-* :class:`BLTEncoder`            buffered linear Toeplitz C (arXiv 2404.16706, 2408.08868): C and
+* `BLTEncoder`            buffered linear Toeplitz C (arXiv 2404.16706, 2408.08868): C and
   C⁻¹ are both sums of B geometric sequences, applied in O(n·B) with B buffers.
 """
 
@@ -399,7 +399,7 @@ class ToeplitzEncoder(Encoder):
         return BandedEncoder(self.band_array()).matrix()
 
     def band_array(self) -> np.ndarray:
-        """The (n, bands) column layout of :class:`BandedEncoder`."""
+        """The (n, bands) column layout of `BandedEncoder`."""
         band = np.tile(self.coef, (self.n, 1)) * self.col_scale[:, None]
         return band
 
@@ -461,7 +461,7 @@ class ToeplitzEncoder(Encoder):
 
 class _ToeplitzByFirstColumn(Encoder):
     """An encoder C = T(c), lower-triangular Toeplitz, known by its first column c
-    (:meth:`strategy_coefs`) and never stored dense: the banded-inverse and BLT encoders."""
+    (`strategy_coefs`) and never stored dense: the banded-inverse and BLT encoders."""
 
     @abstractmethod
     def strategy_coefs(self) -> np.ndarray:
@@ -687,7 +687,7 @@ ENCODER_TYPES: dict[str, type[Encoder]] = {
 
 
 def encoder_from_arrays(structure: str, arrays: dict[str, np.ndarray], params: dict) -> Encoder:
-    """Rebuild an encoder saved with :meth:`Encoder.arrays` and :meth:`Encoder.params`.
+    """Rebuild an encoder saved with `Encoder.arrays` and `Encoder.params`.
 
     Args:
         structure: the saved encoder's structure name.

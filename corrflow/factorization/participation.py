@@ -189,7 +189,7 @@ class Participation:
 
     @classmethod
     def from_dict(cls, d: dict) -> Participation:
-        """The inverse of :meth:`to_dict`.
+        """The inverse of `to_dict`.
 
         Args:
             d: a dict with exactly the keys kind, rounds, epochs, min_sep.

@@ -86,7 +86,7 @@ class KindSpec:
     def noise_state_bytes(self, bands: int | None, dim: int, rounds: int) -> int:
         """Memory the noise engine keeps for ``dim`` parameters: the banded ring buffer of (p − 1)·d
         float32 (``CorrelatedNoise.buffer_bytes``), a BLT's B·d float32 buffers (``bands`` = B, see
-        :meth:`size_of`), or dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
+        `size_of`), or dense mode's n×n float64 C⁻¹; O(d) modes keep no extra state."""
         if self.noise_mode == "banded":
             return 4 * dim * max((bands or 1) - 1, 0)
         if self.noise_mode == "blt":
@@ -330,10 +330,10 @@ def kind_spec(kind: str) -> KindSpec:
     """The registry entry of a factorization kind.
 
     Args:
-        kind: one of :data:`KINDS`.
+        kind: one of `KINDS`.
 
     Returns:
-        Its :class:`KindSpec`.
+        Its `KindSpec`.
 
     Raises:
         InvalidArgumentError: an unknown kind (the message lists the kinds).
@@ -351,7 +351,7 @@ def noise_mode_for(structure: str) -> str:
     ``dense``).
 
     Returns:
-        The mode of :class:`corrflow.noise.CorrelatedNoise`.
+        The mode of `corrflow.noise.CorrelatedNoise`.
     """
     modes = {s.noise_mode for s in REGISTRY.values() if s.structure == structure} - {"identity"}
     require(

@@ -182,10 +182,10 @@ class Workload:
 
     @classmethod
     def from_dict(cls, d: dict) -> Workload:
-        """The inverse of :meth:`to_dict`.
+        """The inverse of `to_dict`.
 
         Args:
-            d: a dict with the keys of :meth:`to_dict` (no others).
+            d: a dict with the keys of `to_dict` (no others).
 
         Returns:
             The validated workload.

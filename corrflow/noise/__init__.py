@@ -1,6 +1,6 @@
 """Streaming correlated noise (C⁻¹Z)_t for model-sized updates, regenerated from a secret key.
 
-Counter-based Gaussian sources (:mod:`prng`), the four generation modes (:mod:`engine`) and
+Counter-based Gaussian sources (`prng`), the four generation modes (`engine`) and
 owner-only, hash-checked checkpoints that resume bit for bit. Knows nothing of Flower.
 """
 

@@ -16,15 +16,15 @@ Modes, chosen from the encoder's structure (docs "Conventions" data flow; 001 §
   draw per round and B·d float32 of state. The arithmetic runs in float64 (θ near 1 must not be
   rounded to float32: its powers would change C), and only the state is stored in float32.
 
-Every mode draws z one cache-sized block at a time (:data:`~corrflow.noise.kernels.BLOCK`
+Every mode draws z one cache-sized block at a time (`BLOCK`
 coordinates of a chunk's stream, the same bits as a whole-chunk draw) and combines the block while
-it is in cache: the stateful modes with a compiled kernel (:mod:`corrflow.noise.kernels`: the ring
+it is in cache: the stateful modes with a compiled kernel (`corrflow.noise.kernels`: the ring
 or the BLT state read once and written once per round, float64 accumulation), the regenerating modes
 by scaling each term's block and adding it to the output, σ folded into the coefficients. Measured
 against the whole-chunk code this replaced (docs "Benchmarks"): faster for the stateful modes, as
 fast (within the machine's noise) for the regenerating modes, whose cost is their draws; no
 model-sized temporaries in any mode. Peak memory beyond the state is the output and a block. Each
-z_j chunk's stream comes from :mod:`corrflow.noise.prng`, a pure function of (key, j, chunk):
+z_j chunk's stream comes from `corrflow.noise.prng`, a pure function of (key, j, chunk):
 restoring a saved state continues bit for bit, and any released round can be replayed exactly.
 """
 
@@ -69,8 +69,8 @@ def default_mode(factorization: Factorization) -> str:
     Args:
         factorization: a normalised factorization.
 
-    Returns: One of :data:`MODES`: the registry's mode for the encoder's structure
-    (:mod:`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
+    Returns: One of `MODES`: the registry's mode for the encoder's structure
+    (`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
     DP-SGD's ``identity``.
     """
 
@@ -109,9 +109,9 @@ class CorrelatedNoise:
     Args: factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number
     of rounds n. shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise
     comes back in them. stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
-    key: the secret key (default: a fresh one from the OS, :func:`new_secret`); pass one only for
+    key: the secret key (default: a fresh one from the OS, `new_secret`); pass one only for
     audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
-    extra). mode: override the mode :func:`default_mode` picks (``dense`` works for any encoder up
+    extra). mode: override the mode `default_mode` picks (``dense`` works for any encoder up
     to a size limit). chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream;
     it is saved with the state).
     """
@@ -295,7 +295,7 @@ class CorrelatedNoise:
         return self._source.generator(round_index, chunk)
 
     def _blocks(self, lo: int, hi: int):
-        """Cache-sized blocks [a, b) of the chunk [lo, hi) (:data:`~corrflow.noise.kernels.BLOCK`
+        """Cache-sized blocks [a, b) of the chunk [lo, hi) (`BLOCK`
         coordinates)."""
         for a in range(lo, hi, BLOCK):
             yield a, min(hi, a + BLOCK)
@@ -303,7 +303,7 @@ class CorrelatedNoise:
     def _blt_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
         """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j
         S_j + y; out = σ·y/s. Each block of z is drawn into cache and combined there
-        (:func:`~corrflow.noise.kernels.blt_block`, float64 arithmetic); the state ``buf`` (B × d)
+        (`blt_block`, float64 arithmetic); the state ``buf`` (B × d)
         is float32."""
         enc = self.factorization.encoder
         decay = np.asarray(enc.buf_decay, dtype=np.float64)
@@ -321,7 +321,7 @@ class CorrelatedNoise:
         """One round of 001 Alg. 1: y_t = (z_t − Σ_{r≥1} C[t,t−r] y_{t−r})/C[t,t] with y_{t−r} in
         ring slot (t − r) mod (p − 1); y_t replaces the oldest row, out = σ·y_t. Each block of z is
         drawn into cache and combined there with the ring rows it needs
-        (:func:`~corrflow.noise.kernels.banded_block`): the ring is read once, its new row and the
+        (`banded_block`): the ring is read once, its new row and the
         output written once."""
         coefs = self.factorization.encoder.row_band(t)
         kept = len(coefs) - 1
@@ -448,7 +448,7 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
     The ring has one slot more than the buffer has rows (round s in slot s mod p), so a round's
     write never touches a row the published checkpoint still needs: a kill mid-write leaves that
     checkpoint whole, and a row that does not match its MAC can only be corruption, which
-    :func:`restore_state` refuses."""
+    `restore_state` refuses."""
     kept = gen._buffer.shape[0]
     slots, row_bytes = kept + 1, gen.dim * 4
     known = gen.__dict__.setdefault("_ring_known", {})
@@ -485,11 +485,11 @@ def save_state(
 
     Args: gen: the generator. directory: created if missing. ring: a banded generator in a server's
     state directory: the buffer's rows go into that file in place, one new row per round instead of
-    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see :func:`_save_ring`). A
+    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see `_save_ring`). A
     BLT's B·d state changes in full every round and is written in full.
 
     Returns:
-        ``directory`` as a :class:`~pathlib.Path`.
+        ``directory`` as a `Path`.
 
     Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
     that tie them together, so a torn write is detected on restore, never used."""
@@ -583,7 +583,7 @@ def restore_state(
     *,
     ring: str | os.PathLike | None = None,
 ) -> CorrelatedNoise:
-    """Rebuild a generator saved by :func:`save_state`; it continues bit for bit.
+    """Rebuild a generator saved by `save_state`; it continues bit for bit.
 
     Args:
         directory: the state directory.

@@ -1,6 +1,6 @@
 """Compiled recursions of the stateful noise modes, one cache-sized block of coordinates at a time.
 
-The engine draws each block's z (a few hundred KiB, :data:`BLOCK` floats) and hands it here while
+The engine draws each block's z (a few hundred KiB, `BLOCK` floats) and hands it here while
 it is still in cache: the state rows are read once and written once per round, and nothing
 model-sized is allocated. Arithmetic is float64 in registers (the recursions' coefficients are
 O(1), BLT's θ is close to 1 and must not be rounded to float32), outputs and state are float32. No

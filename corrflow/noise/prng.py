@@ -35,7 +35,7 @@ class GaussianSource(Protocol):
 
     def generator(self, round_index: int, chunk: int) -> np.random.Generator:
         """A fresh generator positioned at the start of the (round, chunk) stream: successive
-        ``standard_normal(out=block, dtype=np.float32)`` calls continue :meth:`normal`'s sequence,
+        ``standard_normal(out=block, dtype=np.float32)`` calls continue `normal`'s sequence,
         so a chunk can be drawn block by block into cache-sized buffers."""
 
 
@@ -99,7 +99,7 @@ def new_secret(prng: str = "philox") -> bytes:
         prng: ``"philox"`` or ``"chacha"``; fixes the key length.
 
     Returns: The key bytes (never logged; stored owner-only by
-    :func:`~corrflow.noise.engine.save_state`).
+    `save_state`).
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])

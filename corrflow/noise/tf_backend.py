@@ -1,4 +1,4 @@
-"""TensorFlow backend of :class:`~corrflow.noise.engine.CorrelatedNoise`: the same modes and state,
+"""TensorFlow backend of `CorrelatedNoise`: the same modes and state,
 computed with TensorFlow ops on the default device (a GPU when TensorFlow sees one).
 
 Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk),
@@ -50,7 +50,7 @@ class TFGaussianSource:
 
 
 class TFCorrelatedNoise(CorrelatedNoise):
-    """:class:`CorrelatedNoise` whose draws and recursions run in TensorFlow; ``next`` returns NumPy
+    """`CorrelatedNoise` whose draws and recursions run in TensorFlow; ``next`` returns NumPy
     arrays."""
 
     def __init__(self, *args, **kwargs):

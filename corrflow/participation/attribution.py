@@ -142,7 +142,7 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
 
 @dataclass
 class BoundingReport:
-    """What :func:`bound_contributions` kept: item indices kept, how many dropped, and per user at
+    """What `bound_contributions` kept: item indices kept, how many dropped, and per user at
     the cap the items refused for it."""
 
     kept: list[int]  # item indices kept

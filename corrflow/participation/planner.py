@@ -2,7 +2,7 @@
 contributions may come through several items (SuperNodes they own, or examples — an arXiv paper
 belongs to all its authors).
 
-:class:`CohortPlanner` turns a sampler over items into per-round cohorts and the users behind them:
+`CohortPlanner` turns a sampler over items into per-round cohorts and the users behind them:
 * ``fixed-epoch``: the (k, b) schedule of 000 §2 over items;
 * ``bminsep``: 004 Alg. 2 (warm start) over items, participation rate p0 (1/p0 = 1/p + (b − 1));
 * ``multi-attribution``: 004 Alg. 3 — an item is blocked while any of its users is cooling down, so
@@ -16,10 +16,10 @@ Because every sampler is a pure function of (seed, round), the planner restores 
 0..t−1 from the seed (about 2 ms a round at 10⁶ items), so the checkpoint needs no sampler state.
 The seed is public (``schedule-seed``) unless the run's ε is amplified by the sampling:
 amplification bounds what an adversary learns when it does *not* know who was sampled, so such runs
-draw cohorts from a private key instead (:meth:`CohortPlanner.seed_privately`), which the checkpoint
+draw cohorts from a private key instead (`CohortPlanner.seed_privately`), which the checkpoint
 keeps as a 0600 file.
 
-:class:`SeparationMonitor` checks the *user-level* pattern that actually happens against the design
+`SeparationMonitor` checks the *user-level* pattern that actually happens against the design
 min-sep: a user reaching the server through a second device, an operator override, or a late reply
 can break it even when the item sampler is correct. Gaps count distinct rounds; several items of one
 user in one round are a multiplicity (bounded by k_u), not a gap.
@@ -70,13 +70,13 @@ class CohortPlanner:
     """Who trains in each round: the fixed-epoch schedule (000 §2) or one of the samplers (004, 001
     Alg. 2).
 
-    Args: kind: one of :data:`PARTICIPATIONS` (``fixed-epoch``, ``bminsep``, ``multi-attribution``,
+    Args: kind: one of `PARTICIPATIONS` (``fixed-epoch``, ``bminsep``, ``multi-attribution``,
     ``poisson``, ``cyclic-poisson``). items: the item ids (SuperNodes' user ids, or examples in
     cross-silo mode), distinct. item_users: for each item, the indices of its users in ``users``.
     users: the user ids. rounds: n. min_sep: b (fixed-epoch: n/k; poisson: 1). rate: p0, the
     probability an item is offered in a round (samplers; 0: 1/(2b)); the sampler's own p follows
     (b-min-sep: 1/p0 = 1/p + (b − 1); cyclic Poisson: q = b·p0). seed: the public schedule seed
-    (amplified runs replace it with :meth:`seed_privately`).
+    (amplified runs replace it with `seed_privately`).
     """
 
     def __init__(
@@ -256,7 +256,7 @@ class CohortPlanner:
 
     def to_dict(self) -> dict:
         """Returns:
-        :meth:`summary` as a dict, with the fixed-epoch cohort sizes.
+        `summary` as a dict, with the fixed-epoch cohort sizes.
         """
         d = self.summary().to_dict()
         if self.kind == "fixed-epoch":

@@ -6,14 +6,14 @@ pure function of (seed, rounds so far, availability): replaying from round 0 —
 small ``state()`` — reproduces it exactly for an audit. Items are 0..N−1 (a SuperNode, or an example
 in cross-silo training).
 
-* :class:`BMinSepSampler`: 004 Alg. 1 (cold) / Alg. 2 (warm start): Poisson with probability p among
+* `BMinSepSampler`: 004 Alg. 1 (cold) / Alg. 2 (warm start): Poisson with probability p among
   items not selected in the last b−1 rounds; per-round participation rate p0 with 1/p0 = 1/p + (b −
   1).
-* :class:`MultiAttributionSampler`: 004 Alg. 3: an interim Poisson sample S_t from all items; an
+* `MultiAttributionSampler`: 004 Alg. 3: an interim Poisson sample S_t from all items; an
   item is blocked if any item sharing a user with it was *sampled* (in S_j, not only in B_j) in the
   last b−1 rounds.
-* :class:`BallsInBinsSampler`: each item gets one of T bins once; bin t mod T trains in round t.
-* :class:`CyclicPoissonSampler`: items split into b parts; part t mod b is Poisson-sampled with
+* `BallsInBinsSampler`: each item gets one of T bins once; bin t mod T trains in round t.
+* `CyclicPoissonSampler`: items split into b parts; part t mod b is Poisson-sampled with
   probability q (001 Alg. 2).
 """
 
@@ -76,7 +76,7 @@ class BMinSepSampler:
     last b − 1 rounds is selected with probability p.
 
     Args: num_items: N. min_sep: b. p: the Poisson probability among eligible items
-    (:meth:`probability_for_rate` from a rate p0). seed: round t draws from ``default_rng([seed, 0,
+    (`probability_for_rate` from a rate p0). seed: round t draws from ``default_rng([seed, 0,
     t])``. warm: start from the stationary distribution (004 Alg. 2) so that every round has rate
     p0; else cold (Alg. 1: every item eligible at round 0).
     """
@@ -147,10 +147,10 @@ class BMinSepSampler:
         return {"next_round": self.next_round, "last": self.last.copy()}
 
     def load_state(self, state: dict) -> None:
-        """Continue from a saved :meth:`state`.
+        """Continue from a saved `state`.
 
         Args:
-            state: a dict returned by :meth:`state` for the same number of items.
+            state: a dict returned by `state` for the same number of items.
         """
         last = np.asarray(state["last"], dtype=np.int64)
         require(last.shape == (self.n,), "state", f"{self.n} items", last.shape)

@@ -1,10 +1,10 @@
 """Planning a training run without Flower: factorization, participation (cohort planner) and noise
 calibration.
 
-:func:`plan_privacy` turns a run's settings into its factorization, participation and calibrated σ
+`plan_privacy` turns a run's settings into its factorization, participation and calibrated σ
 (what the strategy runs); ``corrflow plan`` ranks candidate mechanisms
-(:mod:`corrflow.planning.candidates`) and writes the recommended one as a recipe
-(:mod:`corrflow.planning.recipe`). How to use it: docs/how-to/plan.md.
+(`corrflow.planning.candidates`) and writes the recommended one as a recipe
+(`corrflow.planning.recipe`). How to use it: docs/how-to/plan.md.
 """
 
 from corrflow.planning.run import (

@@ -3,7 +3,7 @@ calibrations keyed by the factorization's hash, the accountant, its sampling and
 repeated plan is instant.
 
 Keys are SHA-256 digests of canonical JSON; factorizations are the verified ``.npz`` files of
-:class:`~corrflow.factorization.base.Factorization` (a corrupted entry is rebuilt, never trusted);
+`Factorization` (a corrupted entry is rebuilt, never trusted);
 calibrations are small JSON files written atomically.
 """
 

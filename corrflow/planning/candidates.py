@@ -14,12 +14,12 @@ error, the noise engine's state memory and time per round for d parameters. The 
 within the memory and noise-time budgets is the recommendation.
 
 The dense candidate (000) is built last, warm-started from the Toeplitz optimum with b bands (its
-optimizer's own start), with a budget in iterations (:func:`dense_iterations`, a function of n
+optimizer's own start), with a budget in iterations (`dense_iterations`, a function of n
 alone), never in seconds: the same request gives the same recipe on any machine and under any load.
 A stopped optimizer still yields a valid factorization whose (finite) duality gap is reported. It is
 skipped without building when its noise state or its O(t·d) noise time per round breaks a budget.
 The wall-clock ``time_budget`` (``--time-budget``) can only abort a plan —
-:class:`PlanStoppedError`, and no recipe is written — never change what it recommends.
+`PlanStoppedError`, and no recipe is written — never change what it recommends.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.accounting.accountant import AccountingOptions, SamplingSpec, accountant_for
+from corrflow.accounting.mechanisms import check_epsilon
+from corrflow.config import MAX_ROUNDS, MAX_USERS
 from corrflow.errors import CorrflowError, require
 from corrflow.factorization.base import Factorization, normalized
 from corrflow.factorization.build import factorize
@@ -57,7 +59,7 @@ PLAN_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
 # and listed as skipped.
 MMCC_DEFAULT_MAX_ROUNDS = 512
 #: The dense optimizer's work budget in units of n³ flops-per-iteration: ⌈DENSE_WORK / n³⌉
-# iterations (at most : :data:`DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052
+# iterations (at most : `DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052
 # (minutes on 2 cores), thousands at : n ≤ 512 (where it converges first). A count, not seconds, so
 # that the plan does not depend on the machine.
 DENSE_WORK = 1e12
@@ -65,13 +67,13 @@ DENSE_MAX_ITERATIONS = 10_000
 
 
 def dense_iterations(rounds: int) -> int:
-    """The plan's default iteration budget for the dense optimizer (see :data:`DENSE_WORK`).
+    """The plan's default iteration budget for the dense optimizer (see `DENSE_WORK`).
 
     Args:
         rounds: n.
 
     Returns:
-        ⌈DENSE_WORK / n³⌉ iterations, within [50, :data:`DENSE_MAX_ITERATIONS`].
+        ⌈DENSE_WORK / n³⌉ iterations, within [50, `DENSE_MAX_ITERATIONS`].
     """
     return int(min(DENSE_MAX_ITERATIONS, max(50, math.ceil(DENSE_WORK / float(rounds) ** 3))))
 
@@ -89,12 +91,12 @@ class PlanRequest:
     Attributes: rounds: n. population: P, the users (≥ cohort_size). cohort_size: B, the users per
     round. target_epsilon: ε > 0. delta: δ in (0, 1). memory_budget: bytes of noise state (inf:
     none). noise_time_budget: seconds of noise generation per round (inf: none). model_params: d.
-    kinds: the factorization kinds to plan (:data:`DEFAULT_KINDS`). accountants: the accountants
-    (None: the cheap defaults, :meth:`accountant_list`). momentum: the server optimizer's momentum
+    kinds: the factorization kinds to plan (`DEFAULT_KINDS`). accountants: the accountants
+    (None: the cheap defaults, `accountant_list`). momentum: the server optimizer's momentum
     β. cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown. tol: the
     dense optimizer's duality-gap tolerance. time_budget: wall-clock seconds after which the plan
     aborts with no recipe (None: none). mc_samples: Monte Carlo samples per direction.
-    dense_iterations: the dense optimizer's iteration budget (None: :func:`dense_iterations` of n).
+    dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
 
     Raises:
         InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
@@ -123,9 +125,9 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         require(
-            isinstance(self.rounds, int) and self.rounds >= 1,
+            isinstance(self.rounds, int) and 1 <= self.rounds <= MAX_ROUNDS,
             "rounds",
-            "a positive integer",
+            f"a positive integer ≤ {MAX_ROUNDS}",
             self.rounds,
         )
         require(
@@ -135,17 +137,12 @@ class PlanRequest:
             self.cohort_size,
         )
         require(
-            isinstance(self.population, int) and self.population >= self.cohort_size,
+            isinstance(self.population, int) and self.cohort_size <= self.population <= MAX_USERS,
             "population",
-            f"an integer ≥ cohort-size = {self.cohort_size}",
+            f"an integer in [cohort-size = {self.cohort_size}, {MAX_USERS:.0e}]",
             self.population,
         )
-        require(
-            math.isfinite(self.target_epsilon) and self.target_epsilon > 0,
-            "target-epsilon",
-            "a positive number",
-            self.target_epsilon,
-        )
+        check_epsilon(self.target_epsilon, "target-epsilon")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
         require(self.memory_budget >= 0, "memory-budget", "bytes ≥ 0", self.memory_budget)
         require(
@@ -213,7 +210,7 @@ class PlanRequest:
 
         Returns: (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the
         requested ones, or unamplified, cyclic-poisson and MMCC up to
-        :data:`MMCC_DEFAULT_MAX_ROUNDS` rounds.
+        `MMCC_DEFAULT_MAX_ROUNDS` rounds.
         """
         if self.accountants is not None:
             return list(self.accountants), [
@@ -310,7 +307,7 @@ class Candidate:
 
     def key(self) -> tuple:
         """Returns: (kind, bands, accountant, min_sep): the candidate's identity in
-        :attr:`PlanResult.factorizations`.
+        `PlanResult.factorizations`.
         """
         return (self.kind, self.bands, self.accountant, self.min_sep)
 
@@ -326,15 +323,15 @@ class PlanResult:
     """A plan: the ranked candidates, the recommended one and what was skipped.
 
     Attributes:
-        request: the :class:`PlanRequest`.
+        request: the `PlanRequest`.
         candidates: sorted by RMSE at the target ε; those within the budgets ranked.
         recommended: the best candidate within the budgets, or None.
         skipped: kinds and accountants not planned, each with the reason.
         seconds: the plan's wall-clock time.
         cache_hits: cache hits.
         cache_misses: cache misses.
-        factorizations: :meth:`Candidate.key` → its normalised factorization.
-        noise_cost: :func:`noise_unit_costs` as measured.
+        factorizations: `Candidate.key` → its normalised factorization.
+        noise_cost: `noise_unit_costs` as measured.
     """
 
     request: PlanRequest
@@ -381,7 +378,7 @@ def participation_of(
 ) -> tuple[Participation, str, float]:
     """The participation an accountant analyses (module docstring).
 
-    Args: req: the plan request. accountant: one of :data:`PLAN_ACCOUNTANTS`. min_sep: the sampler's
+    Args: req: the plan request. accountant: one of `PLAN_ACCOUNTANTS`. min_sep: the sampler's
     b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
 
     Returns:
@@ -404,10 +401,10 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
 
     Args:
         req: the plan request.
-        accountant: one of :data:`PLAN_ACCOUNTANTS`.
+        accountant: one of `PLAN_ACCOUNTANTS`.
         min_sep: the sampler's b (default ⌊P/B⌋).
 
-    Returns: The :class:`~corrflow.accounting.accountant.SamplingSpec` (b-min-sep for Monte Carlo,
+    Returns: The `SamplingSpec` (b-min-sep for Monte Carlo,
     004 §1.5; cyclic Poisson with q = b·B/P otherwise; none for unamplified).
     """
     if accountant == "unamplified":
@@ -438,7 +435,7 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
     Args:
         req: the plan request.
         fac: the candidate's factorization.
-        accountant: one of :data:`PLAN_ACCOUNTANTS`.
+        accountant: one of `PLAN_ACCOUNTANTS`.
 
     Returns: None when it can, else the reason it cannot (the encoder's structure, more than b
     bands, or negative entries for MMCC).
@@ -488,7 +485,7 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
         quiet: no progress bars.
 
     Returns:
-        The :class:`PlanResult`.
+        The `PlanResult`.
 
     Raises:
         PlanStoppedError: the plan ran past ``req.time_budget``.
@@ -797,9 +794,9 @@ def write_plan(
     """Write a plan to a directory.
 
     Args:
-        result: the plan (:func:`make_plan`).
+        result: the plan (`make_plan`).
         out: the directory (created).
-        plots: also write the PNG plots (:func:`corrflow.planning.plots.write_plots`).
+        plots: also write the PNG plots (`corrflow.planning.plots.write_plots`).
         cache: the plan cache, for the plots.
         quiet: no progress bars.
 

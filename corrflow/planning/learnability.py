@@ -27,7 +27,7 @@ boundary: below ``THRESHOLD`` every run measured learned; above it runs went bot
 models with more rounds fared better; above 1.5 only that tiny drill learned). Above ``THRESHOLD``
 corrflow warns before training starts, saying so.
 
-After training, :func:`learning_section` puts the verdict on the record (``privacy_report.json``'s
+After training, `learning_section` puts the verdict on the record (``privacy_report.json``'s
 ``learning``): ρ, whether it warned, the held-out loss (and accuracy) of the initial and final
 models, and ``learned`` — whether the final model's held-out loss is finite and below the initial
 model's (``None`` without a held-out evaluation). Loss, not accuracy, decides: a noisy model can
@@ -58,7 +58,7 @@ def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
     """The pre-flight noise-to-signal ratio ρ = σ·√d·‖B_{n−1}‖ / (cohort·(A·1)_{n−1}) (module
     docstring).
 
-    Args: fac: a :class:`~corrflow.factorization.base.Factorization` normalised to sensitivity 1
+    Args: fac: a `Factorization` normalised to sensitivity 1
     (its per-query error gives ‖B_t‖², its workload A). sigma: the noise multiplier σ. dim: d, the
     number of model parameters. cohort: the number the summed update is divided by.
 
@@ -74,8 +74,8 @@ def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
 
 
 def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
-    """Compute ρ (:func:`noise_to_signal`) for a model and log a warning when it exceeds
-    :data:`THRESHOLD`.
+    """Compute ρ (`noise_to_signal`) for a model and log a warning when it exceeds
+    `THRESHOLD`.
 
     Args:
         fac: the run's normalised factorization.
@@ -156,11 +156,11 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
     """The privacy report's ``learning`` verdict (module docstring).
 
     Args:
-        entries: ``metrics.json``'s entries (see :func:`held_out_summary`); may be empty.
+        entries: ``metrics.json``'s entries (see `held_out_summary`); may be empty.
         noise_to_signal: the run's pre-flight ρ.
 
     Returns: ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus
-    :func:`held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
+    `held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
     held-out set and has trained at least one round (else ``learned`` is None).
     """
     out = {

@@ -30,12 +30,12 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     With a cache, plots of identical plan data are copied from it instead of drawn again
     (atomically, both ways).
 
-    Args: result: the plan (:class:`corrflow.planning.candidates.PlanResult`: request, ranked
+    Args: result: the plan (`corrflow.planning.candidates.PlanResult`: request, ranked
     candidates, their factorizations and the recommended one). out: an existing directory. cache: a
-    :class:`corrflow.planning.cache.PlanCache`, or None. quiet: no progress bar.
+    `corrflow.planning.cache.PlanCache`, or None. quiet: no progress bar.
 
     Returns:
-        ``{plot name: file name in out}`` for the names of :data:`NAMES`.
+        ``{plot name: file name in out}`` for the names of `NAMES`.
     """
     from dataclasses import asdict
 
@@ -214,3 +214,68 @@ def _epsilon_vs_sigma(plt, result, path: Path, cache) -> str:
     save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path.name
+
+
+def write_run_plot(metrics: list[dict], report: dict, path: Path) -> Path:
+    """A finished run's ``run.png``: held-out loss per round (round −1: the initial model) and ε
+    spent after each round against the run's target, from its ``metrics.json`` and
+    ``privacy_report.json``.
+
+    Args:
+        metrics: the run's metrics.json (one entry per round; round −1 the initial evaluation).
+        report: the run's privacy report.
+        path: the PNG written.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, eps_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    evaluated = [m for m in metrics if m.get("test_loss") is not None]
+    loss_ax.plot([m["round"] for m in evaluated], [m["test_loss"] for m in evaluated], marker=".")
+    loss_ax.set_xlabel("round")
+    loss_ax.set_ylabel("held-out loss")
+    spent = [m for m in metrics if m.get("epsilon") is not None]
+    total, realized = report.get("total") or {}, report.get("realized") or {}
+    # a DP vocabulary's (ε, δ) is composed into the total: shown on top of each round's training ε
+    vocab = 0.0
+    if total.get("includes_vocabulary") and None not in (
+        total.get("epsilon"),
+        realized.get("epsilon"),
+    ):
+        vocab = total["epsilon"] - realized["epsilon"]
+    if spent:
+        eps_ax.plot(
+            [m["round"] for m in spent],
+            [m["epsilon"] + vocab for m in spent],
+            marker=".",
+            label="ε spent" + (f" (with the vocabulary's {vocab:g})" if vocab else ""),
+        )
+    target = (total if vocab else report).get("epsilon" if vocab else "target_epsilon")
+    if target is not None:
+        eps_ax.axhline(
+            target,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label="total ε" if vocab else "target ε",
+        )
+    eps_ax.set_xlabel("round")
+    eps_ax.set_ylabel(f"ε at δ = {(total if vocab else report).get('delta', 0):g}")
+    eps_ax.legend(fontsize=8)
+    mech = report.get("mechanism", {})
+    fig.suptitle(
+        f"{mech.get('kind', '?')}, {report.get('rounds_completed', '?')} of "
+        f"{mech.get('rounds', '?')} rounds, σ = {report.get('noise_multiplier', 0):.4g}",
+        fontsize=9,
+    )
+    for ax in (loss_ax, eps_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -66,7 +66,7 @@ class Recipe:
         change) and the target ε (σ is fixed, so the run has none to calibrate for). A fixed-epoch
         recipe leaves min-sep to rounds/epochs.
 
-        Returns: :class:`corrflow.config.RunConfig` field → value, with ``target_epsilon`` None,
+        Returns: `corrflow.config.RunConfig` field → value, with ``target_epsilon`` None,
         ``min_sep`` 0 for fixed-epoch and ``bands`` 0 for the kind's default.
         """
 
@@ -148,7 +148,7 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
         (recipe, path of its factorization file, verified to exist next to the plan file).
 
     Raises: InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of
-    :data:`RECIPE_FORMAT`, incomplete, has no recommended recipe, or its factorization file is
+    `RECIPE_FORMAT`, incomplete, has no recommended recipe, or its factorization file is
     missing.
     """
     path = Path(path)
@@ -191,10 +191,10 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
 
     Args:
         recipe: the recipe.
-        fac_path: its factorization file (from :func:`load_recipe`).
+        fac_path: its factorization file (from `load_recipe`).
 
     Returns:
-        The :class:`~corrflow.factorization.base.Factorization`.
+        The `Factorization`.
 
     Raises: IntegrityError: the file is corrupted or its hash is not the recipe's
     ``factorization_sha256``.
@@ -217,8 +217,8 @@ def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool)
     workload and participation must be those the strategy builds for ``cfg`` (else the run would
     rebuild another).
 
-    Args: recipe: the recipe. fac_path: its factorization file (from :func:`load_recipe`). cfg: the
-    run's :class:`corrflow.config.RunConfig`. replace: overwrite a different file there (a new run);
+    Args: recipe: the recipe. fac_path: its factorization file (from `load_recipe`). cfg: the
+    run's `corrflow.config.RunConfig`. replace: overwrite a different file there (a new run);
     otherwise a different file is refused (a resumed run keeps its own).
 
     Returns:

@@ -22,7 +22,7 @@ BANDED_KINDS = ("dpsgd", "toeplitz", "banded", "bifr", "bisr", "bsr")
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a run needs, by part (see :func:`estimate`).
+    """Bytes a run needs, by part (see `estimate`).
 
     Attributes:
         users: the server's per-user state (node maps, planner, ledger, a message in flight).
@@ -44,7 +44,7 @@ def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) 
     """Bytes the server needs for a run, estimated high (module docstring).
 
     Args: users: simulated users. rounds: n, the factorization's size. kind: the factorization kind;
-    :data:`BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
+    `BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
     the band count (0: the default, n; clipped to [1, n]). model_params: d, the model's parameters.
 
     Returns:
@@ -78,7 +78,7 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
     """Refuse a run whose estimate exceeds 90% of the memory available (no check when that cannot be
     read).
 
-    Args: need: the run's :class:`MemoryEstimate`. names: part (``"users"``, ``"factorization"``,
+    Args: need: the run's `MemoryEstimate`. names: part (``"users"``, ``"factorization"``,
     ``"noise"``) → the flag or setting behind it, named in the error.
 
     Raises: InvalidArgumentError: naming the setting behind the largest part, with the estimate and
@@ -95,3 +95,24 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
         f"GiB ({', '.join(f'{k} {v / 2**30:.1f}' for k, v in parts.items())} GiB), "
         f"{have / 2**30:.1f} GiB are available",
     )
+
+
+def check_disk(need: int, directory: str | os.PathLike, flag: str) -> None:
+    """Refuse a file of ≈ ``need`` bytes that would not fit in the free space under ``directory``
+    (its nearest existing parent).
+
+    Raises: InvalidArgumentError: naming ``flag``, with the estimate and the free space.
+    """
+    import shutil
+    from pathlib import Path
+
+    p = Path(directory).expanduser().resolve()
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if need > free:
+        raise InvalidArgumentError(
+            flag,
+            f"a size that fits on disk: it needs ≈ {need / 2**30:.3g} GiB, "
+            f"{free / 2**30:.1f} GiB are free under {p}",
+        )

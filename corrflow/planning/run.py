@@ -98,9 +98,9 @@ def build_factorization(cfg: RunConfig, **options) -> Factorization:
 
     Args:
         cfg: the run's settings: kind, bands, taper, buffers; the workload of the server optimizer
-            (momentum, cooldown, :func:`workload_for`) and the participation
-            (:func:`participation_of`).
-        options: :func:`corrflow.factorization.factorize`'s other keywords (stamps, gamma, tol,
+            (momentum, cooldown, `workload_for`) and the participation
+            (`participation_of`).
+        options: `corrflow.factorization.factorize`'s other keywords (stamps, gamma, tol,
             callback, ...); a run uses their defaults.
 
     Returns:
@@ -158,11 +158,11 @@ def load_graph(path: str) -> AttributionGraph:
     arXiv metadata JSON lines (items = paper ids, users = normalised authors).
 
     Returns:
-        The :class:`~corrflow.participation.attribution.AttributionGraph`.
+        The `AttributionGraph`.
     """
     p = Path(path)
     if p.suffix == ".jsonl":
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8", errors="replace") as f:  # the reader names a bad byte
             first = next((line for line in f if line.strip()), "")
         try:
             is_arxiv = "item" not in json.loads(first)
@@ -307,13 +307,13 @@ def vocabulary_section(vocab_path: str) -> dict:
 
 def training_budget(cfg: RunConfig) -> TrainingBudget:
     """The training's (ε, δ): the run's target less a DP vocabulary's spend (see
-    :class:`TrainingBudget`).
+    `TrainingBudget`).
 
     Args:
         cfg: the run's settings.
 
     Returns:
-        The :class:`TrainingBudget` (the run's (ε, δ) when there is no DP vocabulary).
+        The `TrainingBudget` (the run's (ε, δ) when there is no DP vocabulary).
 
     Raises: InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole
     budget.
@@ -348,12 +348,12 @@ def total_privacy(
     training_epsilon: float | None, training_delta: float, vocabulary: dict | None
 ) -> dict:
     """The report's ``total``: training composed with the vocabulary (basic composition,
-    :class:`TrainingBudget`).
+    `TrainingBudget`).
 
     Args:
         training_epsilon: the training's ε (None: none).
         training_delta: the training's δ.
-        vocabulary: the report's ``vocabulary`` section (:func:`vocabulary_section`), or None.
+        vocabulary: the report's ``vocabulary`` section (`vocabulary_section`), or None.
 
     Returns: ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public
     vocabulary).
@@ -385,15 +385,15 @@ def total_privacy(
 
 
 def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> PrivacyPlan:
-    """σ and the planned ε of a run: :func:`plan_training_privacy` at the training's share of the
-    budget (:func:`training_budget`).
+    """σ and the planned ε of a run: `plan_training_privacy` at the training's share of the
+    budget (`training_budget`).
 
     Args:
         cfg: the run's settings.
         fac: the run's factorization.
-        planner: the run's cohort planner (:func:`build_planner`).
+        planner: the run's cohort planner (`build_planner`).
 
-    Returns: The :class:`~corrflow.accounting.tracking.PrivacyPlan`, carrying the training's δ and
+    Returns: The `PrivacyPlan`, carrying the training's δ and
     target ε and the vocabulary section.
 
     Raises: InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot
@@ -438,9 +438,9 @@ def plan_training_privacy(
 
     With no accountant named (``cfg.accountant`` None) a fixed-epoch run is accounted unamplified,
     and an amplified participation (bminsep, multi-attribution, poisson, cyclic-poisson) goes
-    through :class:`~corrflow.accounting.accountant.TightestAccountant`, as ``corrflow account``
+    through `TightestAccountant`, as ``corrflow account``
     does: every bound that applies is computed
-    (:func:`~corrflow.accounting.accountant.candidate_accountants`) and the tightest verified at the
+    (`candidate_accountants`) and the tightest verified at the
     target δ is used; the report's ``accountant`` section names it (``selected``) and lists the
     others (``bounds``, ``skipped``). When the bound used is the sampler's unamplified one (the
     exact Gaussian curve of its worst pattern, or Monte Carlo's fallback to it), the run is planned
@@ -454,7 +454,7 @@ def plan_training_privacy(
         fac: the run's factorization.
         planner: the run's cohort planner.
 
-    Returns: The :class:`~corrflow.accounting.tracking.PrivacyPlan` (σ 0 and ε None for a
+    Returns: The `PrivacyPlan` (σ 0 and ε None for a
     non-private baseline).
 
     Raises: InvalidArgumentError: several items per user without multi-attribution participation, or
@@ -538,7 +538,7 @@ def plan_training_privacy(
 
 
 def _run_accountant(cfg: RunConfig, planner: CohortPlanner) -> tuple[str | None, list[dict]]:
-    """The accountant a run asks :func:`~corrflow.accounting.accountant.accountant_for` for: the one
+    """The accountant a run asks `accountant_for` for: the one
     its settings name; with none named, ``unamplified`` for a fixed-epoch pattern and None (the
     tightest that applies) for a sampler — unless a user holds several items outside
     multi-attribution sampling, which only the unamplified bound (sensitivity k_u) analyses, except

@@ -1,9 +1,9 @@
 """The run, without Flower: the DP round as data in, record out, and everything that persists it.
 
-:func:`prepare` decides a run's frozen :class:`RunPlan`; :class:`Run` owns its state (read-only
-outside: :class:`RunView`), noise stream, secrets and files, and is driven by
-:meth:`Run.plan_next` and :meth:`Run.step` with :class:`Reply` values from any transport (the Flower
-strategies in :mod:`corrflow.strategies` are one). Modules: ``core`` (the run), ``plan``, ``round``
+`prepare` decides a run's frozen `RunPlan`; `Run` owns its state (read-only
+outside: `RunView`), noise stream, secrets and files, and is driven by
+`Run.plan_next` and `Run.step` with `Reply` values from any transport (the Flower
+strategies in `corrflow.strategies` are one). Modules: ``core`` (the run), ``plan``, ``round``
 (the round's pure steps), ``state``, ``noise`` (the noise stream), ``clipping``, ``optimizer``,
 ``model`` (the model's layout), ``ledger``, ``recorder`` (checkpoint → journal → registry → report
 → metrics), ``checkpoint``, ``journal``, ``registry``, ``resume`` (run lock, resume checks),

@@ -9,7 +9,7 @@ keyed by the server's private secret (the ``server_secret`` file): an edited led
 state or a missing file is refused on load, naming the file.
 
 One file lives beside the checkpoint directories rather than in them: a banded noise buffer's rows
-(``noise_ring.bin``, :func:`corrflow.noise.engine.save_state`), rewritten in place one row per round
+(``noise_ring.bin``, `corrflow.noise.engine.save_state`), rewritten in place one row per round
 so that the checkpoint's I/O stays O(d) rather than O(bands·d). The ring has a spare slot, so a
 round never overwrites a row the published checkpoint needs; each row the checkpoint needs is named
 in its ``noise/noise_state.json`` (covered by the manifest) with its own HMAC, and a row that does

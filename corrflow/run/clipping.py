@@ -1,7 +1,7 @@
 """Validation, zeroing and clipping of client replies (server side: clients' own clipping is never
 trusted).
 
-:class:`ClippedSum` adds one reply at a time into the round's sum g = Σ clipped, in place: the
+`ClippedSum` adds one reply at a time into the round's sum g = Σ clipped, in place: the
 update (reply − model sent) is formed block by block in a reused float32 scratch, and its ℓ∞ norm,
 NaN/Inf check and ℓ2 norm are taken while each block is in cache; a second pass scales (when
 clipping) and adds it to g. No model-sized temporary is allocated per reply, and float64 is used
@@ -58,7 +58,7 @@ class ClippedSum:
     ) -> str:
         """Add one update: ``replied − sent`` (full weights) or ``replied`` itself (``sent`` None: a
         delta). Returns "kept", "clipped" or "zeroed" (zero threshold ``zeroing`` on ℓ∞; 0 disables
-        it). Raises :class:`RejectedReplyError` — before changing ``total`` — for NaN/Inf values (or
+        it). Raises `RejectedReplyError` — before changing ``total`` — for NaN/Inf values (or
         a difference beyond float32), and for an update that needs clipping when ``allow_clip`` is
         False."""
         linf, sq = 0.0, 0.0

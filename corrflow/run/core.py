@@ -1,5 +1,5 @@
-"""A run of correlated-noise training, without Flower: :func:`prepare` decides the frozen
-:class:`~corrflow.run.plan.RunPlan`; :class:`Run` owns everything that changes — the state, the
+"""A run of correlated-noise training, without Flower: `prepare` decides the frozen
+`RunPlan`; `Run` owns everything that changes — the state, the
 noise stream, the secrets and the files — and is driven round by round::
 
     run = Run.start(plan, initial_arrays, open_run_directory(run_dir))
@@ -10,7 +10,7 @@ noise stream, the secrets and the files — and is driven round by round::
             break  # stopped: state.stopped_reason says why
 
 ``step`` is the one place the run's state changes (a round, a stop or an override goes through
-:meth:`Run._apply`); outside the run, the state is a read-only :class:`~corrflow.run.state.RunView`.
+`Run._apply`); outside the run, the state is a read-only `RunView`.
 The order inside a step — clip → sum → noise → optimizer → finite check → checkpoint → release
 journal → registry → report → metrics — is the order that makes a kill at any point safe.
 """
@@ -60,14 +60,14 @@ log = logging.getLogger("corrflow")
 def open_run_directory(run_dir: str | Path, fresh: bool = False) -> ResumePoint:
     """The run directory made private to git, an earlier run archived when asked or when it left
     files behind without a checkpoint, and what the directory resumes from (the caller holds its
-    :class:`~corrflow.run.resume.RunLock`).
+    `RunLock`).
 
     Args:
         run_dir: the run directory (created if missing).
         fresh: move an earlier run aside (``previous-runs/``) and start anew.
 
     Returns:
-        The :class:`~corrflow.run.resume.ResumePoint`: a new run, or the checkpoint to resume from.
+        The `ResumePoint`: a new run, or the checkpoint to resume from.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def prepare(
     …). identity: where the ids come from, for the report (a plain loop's own ids: "user-id").
 
     Returns:
-        The frozen :class:`~corrflow.run.plan.RunPlan`.
+        The frozen `RunPlan`.
     """
     planner, item_home, bounding = build_planner(cfg, sorted(users))
     if bounding.get("dropped"):
@@ -145,7 +145,7 @@ def prepare(
 
 
 class Run:
-    """A run in progress (see the module docstring). Build it with :meth:`start`."""
+    """A run in progress (see the module docstring). Build it with `start`."""
 
     def __init__(
         self,
@@ -176,9 +176,9 @@ class Run:
         """A new run from the model ``initial`` (all its arrays, in order), or the run the
         checkpoint ``resume`` names (its unreleased round is released now).
 
-        Args: plan: the run's plan (:func:`prepare`). initial: the initial model; a resumed run
+        Args: plan: the run's plan (`prepare`). initial: the initial model; a resumed run
         refuses another one. resume: what the run directory resumes from
-        (:func:`open_run_directory`). noise_key: the noise stream's key (tests and audits; default
+        (`open_run_directory`). noise_key: the noise stream's key (tests and audits; default
         a fresh secret). evaluate: server-side evaluation of the trainable float32 arrays, whose
         metrics join each round's. on_round_end: called with each round's published metrics.
 
@@ -285,7 +285,7 @@ class Run:
         """The next round's plan, before anything of it is committed.
 
         Returns: The sampled items and operator overrides after the separation policy, not yet
-        routed to nodes (:meth:`~corrflow.run.round.RoundPlan.route`); None once the run is complete
+        routed to nodes (`route`); None once the run is complete
         or stopped — also when the budget guard stops it here (``state.stopped_reason`` says why).
         """
         s = self._state
@@ -306,13 +306,13 @@ class Run:
         noise, step the server optimizer, check the new model is finite, and commit (checkpoint →
         journal → registry → report → metrics).
 
-        Args: plan: the round's routed plan (:meth:`plan_next`, then
-        :meth:`~corrflow.run.round.RoundPlan.route`). replies: one
-        :class:`~corrflow.run.round.Reply` per answer, in any order; or a
-        :class:`~corrflow.run.round.SummedReplies` already clipped and summed (a secure-aggregation
+        Args: plan: the round's routed plan (`plan_next`, then
+        `route`). replies: one
+        `Reply` per answer, in any order; or a
+        `SummedReplies` already clipped and summed (a secure-aggregation
         adapter's), which enters the same path after the sum.
 
-        Returns: The round's :class:`~corrflow.run.round.RoundRecord`; None when the round is
+        Returns: The round's `RoundRecord`; None when the round is
         refused because its model is not finite (NaN or Inf): the run stops, nothing of the round
         is released.
 

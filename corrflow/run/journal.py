@@ -8,7 +8,7 @@ ahead of the checkpoint means the noise of those rounds was already released and
 again.
 
 An append killed mid-write (a power cut) leaves a last line without its newline. Its model was never
-released (release follows the fsync-ed append), so :meth:`ReleaseJournal.read` ignores such a tail
+released (release follows the fsync-ed append), so `ReleaseJournal.read` ignores such a tail
 and the next append cuts it off; any complete line that does not verify is refused.
 """
 

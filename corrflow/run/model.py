@@ -89,7 +89,7 @@ class ModelLayout:
     def reply_arrays(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The trainable arrays of a reply's ``arrays`` (all of the model's, in order), checked for
         dtype and shape (RejectedReplyError when they cannot be used). The update is formed by
-        :class:`~corrflow.run.clipping.ClippedSum`: reply − model sent for full weights, the reply
+        `ClippedSum`: reply − model sent for full weights, the reply
         itself for deltas."""
         if len(arrays) != len(self.keys):
             raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(arrays)}")

@@ -1,12 +1,12 @@
 """The run's noise stream: σ·clip·(C⁻¹Z)_t added to round t's sum, each round once and in order,
 saved with every checkpoint and restored bit for bit.
 
-:class:`NoiseStream` is the one interface the round uses (:meth:`NoiseStream.add`,
-:meth:`NoiseStream.skip`, ``NoiseStream.next_round``, :meth:`NoiseStream.save`), so a different
+`NoiseStream` is the one interface the round uses (`NoiseStream.add`,
+`NoiseStream.skip`, ``NoiseStream.next_round``, `NoiseStream.save`), so a different
 source of the same noise plugs in here without a second path through the round: keys that change
 per process start (segments of rounds, each drawn from its own key, listed in the checkpoint), or a
 stream sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising
-the whole model-sized noise). Today it wraps one :class:`~corrflow.noise.CorrelatedNoise`.
+the whole model-sized noise). Today it wraps one `CorrelatedNoise`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""What preparation decides about a run, frozen before round 1: :class:`RunPlan`.
+"""What preparation decides about a run, frozen before round 1: `RunPlan`.
 
 The settings, the model's layout, the factorization and its workload's server optimizer, the cohort
 planner, the accounting (σ, planned ε, the budget guard's target), the silo of each item
 (cross-silo), and what the report says about them (identity source, notes, the pre-flight
 noise-to-signal ratio ρ). Nothing here changes while the run trains: the changing part is the
-:class:`~corrflow.run.core.Run`'s.
+`Run`'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Everything that persists a run, in the order that makes a kill at any point safe: checkpoint →
 release journal → release registry → privacy report → metrics, before a round's model leaves the
-server (docs "Conventions", Files). :class:`Recorder` reads the run's state and never changes it;
-:func:`restore` reads a verified checkpoint back.
+server (docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
+`restore` reads a verified checkpoint back.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ class Recorder:
         return learning_section([self.initial_metrics, *self.state.metrics_history], self.plan.rho)
 
     def write_report(self) -> Path:
-        """privacy_report.json: the report as published (:meth:`Disclosure.public_report`)."""
+        """privacy_report.json: the report as published (`Disclosure.public_report`)."""
         return write_report(
             self.disclosure.public_report(self.report()),
             self.run_dir / "privacy_report.json",

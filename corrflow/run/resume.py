@@ -1,16 +1,16 @@
 """What a server may do with an output directory before it runs: hold it alone, and resume only from
 a state that agrees with everything already released.
 
-* :class:`RunLock`: an OS-level exclusive lock (``filelock``, ``flock`` on POSIX) on the output
+* `RunLock`: an OS-level exclusive lock (``filelock``, ``flock`` on POSIX) on the output
   directory for the whole run; it dies with the process, so SIGKILL leaves no stale lock. A second
   server exits at once, naming the holder's pid.
-* :func:`check_resume`: compares the published checkpoint with the release journal by round numbers
+* `check_resume`: compares the published checkpoint with the release journal by round numbers
   (never file times) and refuses — naming the file, deleting nothing — when they disagree: a journal
   ahead of the checkpoint (``state/`` restored from an older copy: its noise was already released),
   a checkpoint more than one round ahead of the journal, a missing ``CURRENT`` after releases, a
   checkpoint that fails its manifest or HMAC, a short salt. The one allowed gap is a round
   checkpointed but not yet released (killed between the two writes): it is released on resume.
-* :func:`archive_run`: ``--fresh`` moves the old run aside (never deletes it).
+* `archive_run`: ``--fresh`` moves the old run aside (never deletes it).
 """
 
 from __future__ import annotations

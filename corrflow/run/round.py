@@ -1,15 +1,15 @@
 """One round of correlated-noise training as pure steps on value types (docs "Conventions", data
 flow); nothing here changes the run's state:
 
-1. :func:`plan_round` — the sampled items plus operator overrides, after the separation policy, and
-   :meth:`RoundPlan.route` — which node trains which item(s) (a new plan: a plan is never changed);
-2. :func:`collect` — every :class:`Reply` validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and
+1. `plan_round` — the sampled items plus operator overrides, after the separation policy, and
+   `RoundPlan.route` — which node trains which item(s) (a new plan: a plan is never changed);
+2. `collect` — every `Reply` validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and
    clipped to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must already
    be within m·clip), and summed in place into g_t = Σ clipped (in id order, so a restart
-   reproduces it bit for bit) — a :class:`SummedReplies`, which a secure-aggregation adapter may
+   reproduces it bit for bit) — a `SummedReplies`, which a secure-aggregation adapter may
    hand in instead (a sum arriving instead of individual replies);
-3. :func:`release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
-   optimizer step, and the :class:`RoundRecord` that :meth:`corrflow.run.core.Run.step` applies.
+3. `release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
+   optimizer step, and the `RoundRecord` that `corrflow.run.core.Run.step` applies.
 
 Drawing (C⁻¹Z)_t advances the noise stream; nothing else is changed here. A failure after the draw
 ends the run before anything is applied, and a restart replays the stream from the checkpoint's
@@ -144,7 +144,7 @@ class SummedReplies:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """What a completed round changes, applied by :meth:`~corrflow.run.core.Run.step`: the ledger
+    """What a completed round changes, applied by `step`: the ledger
     delta (selected users with multiplicity, accepted keys, rejections, override records), the
     released model and optimizer state, the noise position after the round, its metrics, and the
     positions of the accepted replies (for a transport's own metric aggregation)."""
@@ -243,7 +243,7 @@ def budget_reason(
 
 def check_reply(plan: RoundPlan, reply: Reply) -> tuple[str, int]:
     """(item or silo id, items it sums) of a reply whose envelope is well formed, else
-    :class:`RejectedReplyError`. Its arrays are checked when it is added."""
+    `RejectedReplyError`. Its arrays are checked when it is added."""
     expected = plan.expected.get(reply.node)
     if expected is None:
         raise RejectedReplyError(f"unexpected sender node {reply.node} (not selected this round)")
@@ -401,7 +401,7 @@ def release(
 ) -> RoundRecord:
     """The round's record: its noisy update through the server optimizer, the realised ε after it,
     and its metrics. ``state``: the run's state before the round (read only: a
-    :class:`~corrflow.run.state.RunState` or its view); ``seconds``: the time the round has taken so
+    `RunState` or its view); ``seconds``: the time the round has taken so
     far (a metric)."""
     ledger = state.ledger
     new_params, new_m = run.optimizer.step(

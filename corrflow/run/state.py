@@ -1,11 +1,11 @@
 """The run's changing state, its fixed secrets, and the read-only view of the state that everyone
 but the run sees.
 
-:class:`RunState` is what changes: the model, the optimizer's momentum, the ledger, the metric
+`RunState` is what changes: the model, the optimizer's momentum, the ledger, the metric
 history, the next round, the streak of empty rounds, the stop reason and pending overrides. Only
-:class:`~corrflow.run.core.Run` holds it; everything outside reads :class:`RunView`, whose
+`Run` holds it; everything outside reads `RunView`, whose
 attributes cannot be assigned and whose lists, dicts and arrays cannot be changed through it — so
-the single-writer rule holds by type, not by convention. :class:`RunSecrets` is fixed for the run's
+the single-writer rule holds by type, not by convention. `RunSecrets` is fixed for the run's
 life: the report salt, the server secret (HMAC key of checkpoints and journal), the sampler key of
 an amplified run, the run id and the SHA-256 of the initial model.
 """
@@ -71,8 +71,8 @@ class Override:
 
 
 def read_only(value: Any) -> Any:
-    """``value`` as seen from outside the run: lists and tuples as :class:`ReadOnlyList`, dicts as
-    :class:`ReadOnlyDict`, arrays as non-writeable views, anything else as it is (immutable).
+    """``value`` as seen from outside the run: lists and tuples as `ReadOnlyList`, dicts as
+    `ReadOnlyDict`, arrays as non-writeable views, anything else as it is (immutable).
     O(1): nothing is copied, the wrappers read through to the run's own objects."""
     if isinstance(value, list | tuple):
         return ReadOnlyList(value)
@@ -141,7 +141,7 @@ class ReadOnlyDict(Mapping):
 
 
 class _View:
-    """Read-only attribute access to an object of the run's (see :func:`read_only`)."""
+    """Read-only attribute access to an object of the run's (see `read_only`)."""
 
     __slots__ = ("_of",)
     _fields: tuple[str, ...] = ()

@@ -1,6 +1,6 @@
 """JSON Schemas (draft 2020-12) of the files a corrflow run publishes: ``privacy_report.json``
 (``privacy-report``), ``recipe.json`` (``recipe``, written by ``corrflow plan``) and
-``metrics.json`` (``metrics``). ``corrflow schema NAME`` prints one; :func:`validate` checks a
+``metrics.json`` (``metrics``). ``corrflow schema NAME`` prints one; `validate` checks a
 document against one with the ``jsonschema`` library."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def load_schema(name: str) -> dict:
     """The JSON Schema called ``name``.
 
     Args:
-        name: one of :data:`SCHEMAS` (``privacy-report``, ``recipe``, ``metrics``).
+        name: one of `SCHEMAS` (``privacy-report``, ``recipe``, ``metrics``).
 
     Returns:
         The schema as a dict (a fresh copy).
@@ -45,7 +45,7 @@ def validate(name: str, document: object) -> None:
     """Check ``document`` (parsed JSON) against the schema ``name``.
 
     Args:
-        name: one of :data:`SCHEMAS`.
+        name: one of `SCHEMAS`.
         document: the parsed file, e.g. ``json.load(open("privacy_report.json"))``.
 
     Raises:

@@ -2,7 +2,7 @@
 stable user ids, build (or reuse) the factorization, calibrate σ, run the correlated-noise strategy,
 and write ``privacy_report.json`` and ``metrics.json``.
 
-``app`` reads Flower's run config (``flwr run``); :func:`make_server_app` binds a config for
+``app`` reads Flower's run config (``flwr run``); `make_server_app` binds a config for
 in-process simulation.
 """
 
@@ -44,8 +44,8 @@ def run_server(
     relative_to: str = "cwd",
 ) -> CorrelatedNoiseStrategy:
     """Train corrflow's own task (``cfg.client``) in the run directory ``cfg.state_dir`` (a relative
-    one resolved per ``relative_to``, see :func:`corrflow.paths.run_directory`) with one line per
-    round on stderr; see :func:`~corrflow.strategies.session.run_strategy`."""
+    one resolved per ``relative_to``, see `corrflow.paths.run_directory`) with one line per
+    round on stderr; see `run_strategy`."""
     cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
     task = get_task(
         cfg.client,
@@ -119,7 +119,7 @@ class RunOutcomeError(RuntimeError):
 
 
 def outcome_failure(strategy: CorrelatedNoiseStrategy) -> None:
-    """Raise :class:`RunOutcomeError` naming why when the run stopped early or did not learn."""
+    """Raise `RunOutcomeError` naming why when the run stopped early or did not learn."""
     learning = strategy.run.learning()
     if strategy.stopped_reason is not None:
         why = f"stopped before its planned rounds: {strategy.stopped_reason}"

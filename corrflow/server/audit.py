@@ -1,7 +1,7 @@
 """``corrflow audit``: one training run with canary clients, and what the released models show about
 its ε.
 
-The run is an ordinary in-process simulation (:class:`~corrflow.server.inprocess.InProcessGrid`, the
+The run is an ordinary in-process simulation (`InProcessGrid`, the
 production server code path from sampling to release) whose population holds, besides the real
 users, the *inserted* canaries: one SuperNode each, scheduled, clipped, noised and accounted exactly
 like a real user. A canary's ClientApp does no training: it returns the model it was sent plus
@@ -11,7 +11,7 @@ et al., arXiv 2305.08846) — never take part; their directions are the null.
 
 After the run, the per-round model changes D_t = θ_{t+1} − θ_t (what an adversary who sees every
 released model sees) are scored per canary with the whitened matched filter of
-:mod:`corrflow.accounting.audit`, and the report gives the run's own claimed ε, the one-shot
+`corrflow.accounting.audit`, and the report gives the run's own claimed ε, the one-shot
 estimate ε̂ with a bootstrap interval, the one-run 95% lower bound ε_lo, the final-model (cosine)
 estimate of Andrew et al., and a PNG of the score histograms.
 """

@@ -505,6 +505,13 @@ def plan(
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
     try:
+        from corrflow.planning.resources import check_fits, estimate
+
+        # the cheapest candidate (Toeplitz, one band) must fit before anything is written
+        check_fits(
+            estimate(0, cfg.num_rounds, "toeplitz", 1, model_params),
+            {"users": "--population", "factorization": "--rounds", "noise": "--model-params"},
+        )
         writable_directory(out, "--out")
         if cache_dir is not None:
             writable_directory(cache_dir, "--cache-dir")
@@ -876,8 +883,11 @@ def audit(
     scaled to the clip norm), then report the run's claimed ε, the one-shot estimate ε̂ (Andrew et
     al., arXiv 2302.03098) and a 95% lower bound ε_lo (Steinke, Nasr, Jagielski, arXiv 2305.08846)
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
-    there is moved aside). Exit codes: 0 no violation shown, 1 the run failed, 2 bad arguments, 4
-    ε_lo exceeds the claimed ε (a violation at 95% confidence)."""
+    there is moved aside). Exit codes: 0 consistent (nothing shown above the claim), 1 the run
+    failed, 2 bad arguments, 4 VIOLATION (ε_lo exceeds the claimed ε at 95% confidence), 5 SUSPECT
+    (the estimate ε̂ lies above the claim but ε_lo does not prove it: rerun with more canaries).
+    When the largest ε_lo this many canaries can show is below the claim, a note says so and how
+    many would lift it."""
 
     try:
         typed = given_on_command_line(ctx)
@@ -911,6 +921,23 @@ def audit(
                 settings.get(param_name("mode")),
             )
         cfg = _simulate_config(ctx, settings, plan, fresh=True)
+        from corrflow.planning.resources import check_fits, estimate
+
+        # every candidate canary is a simulated SuperNode with its own draws: its memory counts too
+        check_fits(
+            estimate(
+                cfg.num_users + canaries,
+                cfg.num_rounds,
+                cfg.kind,
+                cfg.bands or cfg.b,
+                cfg.model_dim,
+            ),
+            {
+                "users": "--canaries" if canaries > cfg.num_users else "--users",
+                "factorization": "--rounds",
+                "noise": "--bands",
+            },
+        )
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
@@ -946,8 +973,28 @@ def _run_audit(
             err=True,
         )
     claimed = result["epsilon_claimed"]
+    ceiling = result["canaries"]["lower_bound_ceiling"]
+    if claimed is not None and ceiling <= claimed:
+        from corrflow.accounting.audit import candidates_for_ceiling
+
+        need = candidates_for_ceiling(claimed, result["delta"])
+        typer.echo(
+            f"note: with {result['canaries']['candidates']} candidates ε_lo can be at most "
+            f"{ceiling:.3g}, below the claimed ε = {claimed:.3g}: this audit cannot prove a "
+            "violation, only estimate one; "
+            + (
+                f"about {need} candidates (--canaries {need}) would lift the ceiling above "
+                "the claim"
+                if need is not None
+                else f"no number of candidates up to a million lifts the ceiling above it at δ = "
+                f"{result['delta']:g} (the bound's δ term grows with the count)"
+            ),
+            err=True,
+        )
     if claimed is not None and result["epsilon_lower"] > claimed:
         raise typer.Exit(code=4)
+    if result["verdict"].startswith("SUSPECT"):
+        raise typer.Exit(code=AUDIT_SUSPECT_EXIT)
 
 
 def _audit_summary(r: dict) -> str:
@@ -979,6 +1026,62 @@ def _audit_summary(r: dict) -> str:
         ]
     )
 
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="a run's directory (simulate's --out)")],
+    plot: Annotated[
+        bool, typer.Option(help="write DIR/run.png (held-out loss and ε spent per round)")
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the privacy report as one JSON object")
+    ] = False,
+) -> None:
+    """Re-print a run's summary, the one `corrflow simulate` printed, from its files (read only,
+    nothing trained), and write its loss/ε-per-round plot. Exit 2 when DIR holds no run."""
+    from corrflow.planning.learnability import held_out_summary
+    from corrflow.planning.plots import write_run_plot
+
+    try:
+        paths = {name: run_dir / name for name in ("privacy_report.json", "metrics.json")}
+        missing = [name for name, p in paths.items() if not p.is_file()]
+        if missing:
+            raise InvalidArgumentError(
+                "DIR", f"a run directory holding {' and '.join(missing)}", str(run_dir)
+            )
+        try:
+            report = json.loads(paths["privacy_report.json"].read_text())
+            metrics = json.loads(paths["metrics.json"].read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataFormatError(run_dir, None, f"a run's JSON files ({exc})") from None
+        held_out = held_out_summary(metrics)
+        if as_json:
+            _emit({**report, "held_out": held_out}, True)
+        else:
+            typer.echo(_summary(report, run_dir, held_out))
+        if report.get("rounds_completed", 0) < report.get("mechanism", {}).get("rounds", 0):
+            typer.echo(
+                f"note: the run released {report['rounds_completed']} of "
+                f"{report['mechanism']['rounds']} rounds"
+                + (
+                    f"; it stopped: {report['stopped_reason']}"
+                    if report.get("stopped_reason")
+                    else ""
+                ),
+                err=True,
+            )
+        if plot:
+            typer.echo(f"plot: {write_run_plot(metrics, report, run_dir / 'run.png')}", err=True)
+    except CorrflowError as exc:
+        _fail(exc)
+    except OSError as exc:
+        typer.echo(f"error: {run_dir}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=1) from None
+
+
+#: ``corrflow audit``'s exit code when the estimate lies above the claim but the lower bound does
+# not prove it.
+AUDIT_SUSPECT_EXIT = 5
 
 app.command()(with_settings(audit))
 

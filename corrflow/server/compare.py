@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from corrflow.accounting.mechanisms import MAX_EPSILON, check_epsilon
 from corrflow.clients.tasks import get_task
 from corrflow.config import RunConfig
 from corrflow.data.federated import data_format
@@ -57,7 +58,9 @@ from corrflow.planning.cache import PlanCache, default_cache_dir
 from corrflow.planning.candidates import DEFAULT_KINDS, PlanRequest, make_plan, write_plan
 from corrflow.planning.learnability import THRESHOLD
 from corrflow.planning.recipe import install_factorization, load_recipe
-from corrflow.server.simulation import simulate
+from corrflow.planning.resources import check_fits, estimate
+from corrflow.planning.run import training_budget
+from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 
 log = logging.getLogger("corrflow")
 
@@ -143,8 +146,8 @@ class Arm:
     """One arm at one ε: its run settings beyond the preset's, and the planned recipe it runs (if
     any).
 
-    ``settings``: :class:`corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written
-    by :func:`corrflow.planning.candidates.write_plan` whose factorization is installed in the run's
+    ``settings``: `corrflow.config.RunConfig` fields; ``recipe``: a ``recipe.json`` written
+    by `corrflow.planning.candidates.write_plan` whose factorization is installed in the run's
     directory; ``rmse``: the planner's score of the arm's mechanism (RMSE at the target ε per unit
     clip norm)."""
 
@@ -214,31 +217,35 @@ NONPRIVATE = Arm(
 )
 
 
-def plan_request(preset: Preset, epsilon: float, **kw):
+def plan_request(preset: Preset, epsilon: float, delta: float | None = None, **kw):
     """The ``corrflow plan`` request for the preset's population, cohort, rounds and optimizer at
-    ``epsilon``."""
+    ``epsilon`` and ``delta`` (default: the preset's δ) — the training's share of the budget."""
 
     return PlanRequest(
         rounds=preset.rounds,
         population=preset.users,
         cohort_size=preset.cohort,
         target_epsilon=epsilon,
-        delta=preset.delta,
+        delta=preset.delta if delta is None else delta,
         momentum=preset.momentum,
         **kw,
     )
 
 
-def _recipe_arm(name: str, cand, plan, out: Path, epsilon: float, description: str) -> Arm:
+def _recipe_arm(
+    name: str, cand, plan, out: Path, epsilon: float, description: str, delta: float
+) -> Arm:
     """An arm that runs the planner's candidate ``cand`` as is (recipe + factorization written to
-    ``out``)."""
+    ``out``). ``epsilon``, ``delta``: the run's total budget (the recipe was planned for training's
+    share; the run takes a DP vocabulary's share out of the total itself)."""
 
     write_plan(replace(plan, recommended=cand), out, plots=False)
     recipe, _ = load_recipe(out / "recipe.json")
     settings = {
         **recipe.strategy_settings(),
         "target_epsilon": epsilon,
-    }  # the target: the run's budget guard
+        "delta": delta,
+    }  # the total: the run's budget guard subtracts a DP vocabulary's share
     return Arm(
         name,
         cand.kind,
@@ -257,12 +264,16 @@ def plan_arms(
     root: Path,
     cache,
     progress=None,
+    training: tuple[float, float] | None = None,
 ) -> ArmPlan:
     """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for
-    an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``."""
+    an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``.
+    ``training``: the (ε, δ) left for training after a DP vocabulary
+    (`corrflow.planning.run.training_budget`, as ``simulate`` calibrates); default (ε, δ)."""
 
     started = time.perf_counter()
-    req = plan_request(preset, epsilon)
+    train_eps, train_delta = training or (epsilon, preset.delta)
+    req = plan_request(preset, train_eps, train_delta)
     plan = make_plan(req, cache, quiet=True)
     require(
         plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)"
@@ -309,6 +320,7 @@ def plan_arms(
             base / "dpsgd-poisson",
             epsilon,
             "DP-SGD, Poisson sampling q = cohort/population, PLD",
+            preset.delta,
         ),
     ]
     for kind in kinds:
@@ -334,7 +346,13 @@ def plan_arms(
                 plan
                 if kind in DEFAULT_KINDS
                 else make_plan(
-                    plan_request(preset, epsilon, kinds=(kind,), accountants=("cyclic-poisson",)),
+                    plan_request(
+                        preset,
+                        train_eps,
+                        train_delta,
+                        kinds=(kind,),
+                        accountants=("cyclic-poisson",),
+                    ),
                     cache,
                     quiet=True,
                 )
@@ -362,11 +380,18 @@ def plan_arms(
                     base / (kind + AMPLIFIED_SUFFIX),
                     epsilon,
                     "amplified, planner's b",
+                    preset.delta,
                 )
             )
     arms.append(
         _recipe_arm(
-            "plan", plan.recommended, plan, base / "plan", epsilon, "corrflow plan's recipe"
+            "plan",
+            plan.recommended,
+            plan,
+            base / "plan",
+            epsilon,
+            "corrflow plan's recipe",
+            preset.delta,
         )
     )
     planner = {
@@ -381,18 +406,49 @@ def plan_arms(
     return ArmPlan(epsilon, arms, planner, skipped)
 
 
+#: The comparison's settings in its --out: a rerun with the same settings continues it.
+SETTINGS_FILE = "compare_settings.json"
+
+
+def settings_differences(out: Path, settings: dict) -> list[str] | None:
+    """What differs between ``settings`` and those of the comparison in ``out`` (empty: the same,
+    it may continue); None when ``out`` holds no comparison, or one without recorded settings."""
+    path = out / SETTINGS_FILE
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    new = json.loads(json.dumps(settings))  # the same JSON types as the stored copy
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [
+                f"{key}.{k}: {a.get(k)!r} then, {b.get(k)!r} now"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
+        elif a != b:
+            diffs.append(f"{key}: {a!r} then, {b!r} now")
+    return diffs
+
+
+#: The file a finished arm's result is kept in (inside its run directory): a rerun keeps the arm.
+ARM_RESULT = "arm_result.json"
+
+
 def run_arm(
     preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None
 ) -> dict:
-    """Train one arm for one seed in ``out`` (a fresh directory); its final metrics, verified (ε, δ)
-    and curve."""
+    """Train one arm for one seed in ``out``; its final metrics, verified (ε, δ) and curve (also
+    written to ``out``/`ARM_RESULT`). A run the budget guard (or anything else) stopped early
+    is returned with ``stopped`` saying why. An earlier, unfinished run in ``out`` (an interrupted
+    comparison) is moved aside, never deleted, and the arm restarts afresh (``restarted``: the
+    rounds it had released)."""
 
-    require(
-        not (out / "state").exists(),
-        "out",
-        "a directory without a previous comparison run",
-        str(out),
-    )
+    restarted = None
+    if (out / "state").exists():
+        journal = out / "metrics.json"
+        restarted = len(json.loads(journal.read_text())) - 1 if journal.exists() else 0
     cfg = arm_config(preset, arm, seed, out)
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -407,18 +463,19 @@ def run_arm(
         cfg.eval_sequences,
     )
     started = time.perf_counter()
-    report = simulate(cfg, backend=backend)
+    stopped = None
+    try:
+        report = simulate(cfg, backend=backend, fresh=restarted is not None)
+    except RunStoppedEarlyError as exc:  # the guard kept its promise: reported, not a traceback
+        report = exc.report
+        stopped = report.get("stopped_reason") or str(exc)
     curve = json.loads((out / "metrics.json").read_text())
     last = curve[-1]
-    require(
-        last["round"] == preset.rounds - 1,
-        "rounds",
-        f"all {preset.rounds} rounds completed in arm {arm.name}",
-        report.get("rounds_completed"),
-    )
-    learning = report["learning"]
+    learning = report.get("learning") or {"learned": False, "noise_to_signal": None}
     acc = report.get("accountant") or {}
-    eps, delta = report["realized"]["epsilon"], report.get("delta")
+    total = report.get("total") or {}  # with a vocabulary: training composed with its spend
+    eps = total.get("epsilon", report["realized"]["epsilon"])
+    delta = total.get("delta", report.get("delta"))
     private = epsilon is not None
     verified = (not private) or (
         eps is not None
@@ -433,12 +490,15 @@ def run_arm(
     ):  # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
-    return {
+    result = {
         "seed": seed,
+        "stopped": stopped,
+        "rounds_completed": report.get("rounds_completed"),
+        "restarted": restarted,
         "accuracy": last.get("test_accuracy"),
         "loss": last["test_loss"],
         "learned": learning["learned"],
-        "noise_to_signal": learning["noise_to_signal"],
+        "noise_to_signal": learning.get("noise_to_signal"),
         "initial_accuracy": curve[0].get("test_accuracy"),
         "initial_loss": curve[0]["test_loss"],
         "epsilon": eps,
@@ -463,6 +523,8 @@ def run_arm(
             for m in curve
         ],
     }
+    write_json(out / ARM_RESULT, result, indent=1)
+    return result
 
 
 def gap_closed(value: float | None, dpsgd: float | None, nonprivate: float | None) -> float | None:
@@ -494,9 +556,9 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
     except ValueError:
         values = []
     require(
-        bool(values) and all(math.isfinite(v) and v > 0 for v in values),
+        bool(values) and all(math.isfinite(v) and 0 < v <= MAX_EPSILON for v in values),
         "epsilons",
-        "comma-separated finite ε > 0 (e.g. 1,2,4,8,16)",
+        f"comma-separated finite ε in (0, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
         text,
     )
     return tuple(sorted(set(values)))
@@ -511,6 +573,7 @@ def compare(
     *,
     epsilons: tuple[float, ...] | None = None,
     amplified: bool = False,
+    settings: dict | None = None,
 ) -> dict:
     """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
     0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
@@ -527,24 +590,45 @@ def compare(
         kinds,
     )
     epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
-    require(all(math.isfinite(e) and e > 0 for e in epsilons), "epsilons", "finite ε > 0", epsilons)
+    for e in epsilons:
+        check_epsilon(e, "epsilons")
     out = Path(out_dir)
-    # every fixed-epoch arm's settings are valid before anything is planned or trained
+    # every fixed-epoch arm's settings, the dataset and the memory a run needs are checked before
+    # anything is written, planned or trained
+
     for arm in (
         NONPRIVATE,
         Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
         *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons),
     ):
-        arm_config(preset, arm, 0, out / "runs" / arm.name)
+        cfg = arm_config(preset, arm, 0, out / "runs" / arm.name)
+        check_fits(
+            estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
+            {"users": "users", "factorization": "rounds", "noise": "rounds"},
+        )
+    check_data_population(cfg, "users")
+
+    training = {}  # ε → training's (ε, δ): a DP vocabulary's share comes out of each ε, as simulate
+    for eps in epsilons:
+        budget = training_budget(
+            arm_config(
+                preset, Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": eps}), 0, out
+            )
+        )
+        training[eps] = (budget.epsilon, budget.delta)
     started, cpu0 = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
+    if settings is not None:  # what a rerun must match to continue this comparison
+        write_json(out / SETTINGS_FILE, settings, indent=1)
     cache = PlanCache(default_cache_dir(out))
     plans = {}
     for (
         eps
     ) in epsilons:  # every ε's arms are planned (and their settings checked) before any arm trains
         root = out / f"eps{epsilon_key(eps)}"
-        plans[eps] = plan_arms(preset, kinds, eps, amplified, root, cache, progress)
+        plans[eps] = plan_arms(
+            preset, kinds, eps, amplified, root, cache, progress, training=training[eps]
+        )
         for arm in plans[eps].arms:
             arm_config(preset, arm, 0, root / "runs" / arm.name)
         if progress is not None:
@@ -556,25 +640,39 @@ def compare(
             )
     per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
     free: list[dict] = []
+    jobs = []  # (seed, ε or None, arm, run directory), in training order
     for seed in range(preset.seeds):
-        res = run_arm(
-            preset, NONPRIVATE, seed, out / "runs" / f"nonprivate-seed{seed}", backend, None
-        )
-        free.append(res)
-        _progress(progress, seed, None, "nonprivate", res)
+        jobs.append((seed, None, NONPRIVATE, out / "runs" / f"nonprivate-seed{seed}"))
         for eps in epsilons:
-            key = epsilon_key(eps)
             for arm in plans[eps].arms:
-                res = run_arm(
-                    preset,
-                    arm,
-                    seed,
-                    out / f"eps{key}" / "runs" / f"{arm.name}-seed{seed}",
-                    backend,
-                    eps,
+                jobs.append(
+                    (
+                        seed,
+                        eps,
+                        arm,
+                        out / f"eps{epsilon_key(eps)}" / "runs" / f"{arm.name}-seed{seed}",
+                    )
                 )
-                per_seed[key].setdefault(arm.name, []).append(res)
-                _progress(progress, seed, eps, arm.name, res)
+    trained_seconds, trained = 0.0, 0
+    for i, (seed, eps, arm, run_dir) in enumerate(jobs, start=1):
+        kept = (run_dir / ARM_RESULT).exists()
+        if kept:  # finished by an earlier, interrupted try of the same comparison
+            res = json.loads((run_dir / ARM_RESULT).read_text())
+        else:
+            left = len(jobs) - i + 1
+            eta = f", ~{_duration(trained_seconds / trained * left)} left" if trained else ""
+            if progress is not None:
+                progress(
+                    f"arm {i} of {len(jobs)}{eta}: {arm.name}, seed {seed}"
+                    + ("" if eps is None else f", ε = {eps:g}")
+                )
+            res = run_arm(preset, arm, seed, run_dir, backend, eps)
+            trained_seconds, trained = trained_seconds + res["seconds"], trained + 1
+        if eps is None:
+            free.append(res)
+        else:
+            per_seed[epsilon_key(eps)].setdefault(arm.name, []).append(res)
+        _progress(progress, seed, eps, arm.name, res, kept=kept)
     result = {
         "preset": preset.name,
         "delta": preset.delta,
@@ -609,6 +707,12 @@ def compare(
         for name, a in e["arms"].items()
         if not a["verified"]
     ]
+    result["stopped"] = [
+        f"{name} at ε = {key}, {s}"
+        for key, e in result["epsilons"].items()
+        for name, a in e["arms"].items()
+        for s in a["stopped"]
+    ]
     plots = []
     for key, entry in result["epsilons"].items():
         plots += plot_rounds(result, entry, out, key)
@@ -621,16 +725,33 @@ def compare(
     return result
 
 
-def _progress(progress, seed: int, eps: float | None, name: str, res: dict) -> None:
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _progress(
+    progress, seed: int, eps: float | None, name: str, res: dict, kept: bool = False
+) -> None:
     if progress is None:
         return
+    if res.get("restarted") is not None:
+        progress(
+            f"seed {seed} {'' if eps is None else f'ε = {eps:g} '}{name}: restarted afresh (an "
+            f"interrupted try had released {res['restarted']} rounds; that run was moved aside)"
+        )
+    if res.get("stopped"):
+        progress(
+            f"seed {seed} {'' if eps is None else f'ε = {eps:g} '}{name}: STOPPED after "
+            f"{res['rounds_completed']} rounds: {res['stopped']}"
+        )
     acc = "-" if res["accuracy"] is None else f"{res['accuracy']:.4f}"
     at = "" if eps is None else f"ε = {eps:g} "
     spent = (
         "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
     )
     progress(
-        f"seed {seed} {at}{name:<18} accuracy {acc}  loss {res['loss']:.4f}  σ "
+        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  "
+        f"loss {res['loss']:.4f}  σ "
         f"{res['noise_multiplier']:.3f}"
         f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
     )
@@ -659,6 +780,11 @@ def _summarise(arm: Arm, runs: list[dict]) -> dict:
         "rmse": first["rmse"] if arm.rmse is None else arm.rmse,
         "noise_to_signal": first["noise_to_signal"],
         "learned_seeds": sum(bool(r["learned"]) for r in runs),
+        "stopped": [
+            f"seed {r['seed']} after {r.get('rounds_completed')} rounds: {r['stopped']}"
+            for r in runs
+            if r.get("stopped")
+        ],
         "per_seed": runs,
     }
 
@@ -717,6 +843,14 @@ def _finish_plot(plt, fig, ax, path: Path) -> str:
     return str(path)
 
 
+def arm_colours(result: dict) -> dict[str, str]:
+    """One colour per arm, the same in every plot (per-ε and across ε): non-private black, the
+    others matplotlib's cycle in the order the arms first appear over the sweep."""
+    names = list(dict.fromkeys(n for e in result["epsilons"].values() for n in e["arms"]))
+    others = [n for n in names if n != "nonprivate"]
+    return {"nonprivate": "black", **{n: f"C{i % 10}" for i, n in enumerate(others)}}
+
+
 def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
     """accuracy_eps<ε>.png and loss_eps<ε>.png: held-out metric against round (round −1 = the
     initial model), the mean over seeds as a line and the min–max over seeds as a band, one colour
@@ -732,11 +866,17 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
         ):
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+        colours = arm_colours(result)
         for name, arm in entry["arms"].items():
-            curves = np.array([[m[metric] for m in run["curve"]] for run in arm["per_seed"]])
-            x = np.arange(curves.shape[1]) - 1
-            ax.plot(x, curves.mean(axis=0), label=label(name))
-            ax.fill_between(x, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
+            rows = [[m[metric] for m in run["curve"]] for run in arm["per_seed"]]
+            width = max(map(len, rows))  # an arm stopped early has a shorter curve
+            curves = np.array([r + [np.nan] * (width - len(r)) for r in rows], dtype=float)
+            x = np.arange(width) - 1
+            colour = colours[name]
+            ax.plot(x, np.nanmean(curves, axis=0), label=label(name), color=colour)
+            ax.fill_between(
+                x, np.nanmin(curves, axis=0), np.nanmax(curves, axis=0), alpha=0.2, color=colour
+            )
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.set_title(
@@ -763,18 +903,27 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         if any(e["arms"][n][metric] is None for e in entries for n in names):
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+        colours = arm_colours(result)
         x = np.array([e["epsilon"] for e in entries])
         for name in names:
             runs = [[r[metric] for r in e["arms"][name]["per_seed"]] for e in entries]
             mean = np.array([np.mean(v) for v in runs])
             lo, hi = np.array([min(v) for v in runs]), np.array([max(v) for v in runs])
             if name == "nonprivate":
-                ax.axhline(mean[0], color="black", linestyle="--", linewidth=1, label=label(name))
+                ax.axhline(
+                    mean[0], color=colours[name], linestyle="--", linewidth=1, label=label(name)
+                )
                 continue
-            line = ax.errorbar(
-                x, mean, yerr=[mean - lo, hi - mean], marker="o", capsize=3, label=label(name)
+            ax.errorbar(
+                x,
+                mean,
+                yerr=[mean - lo, hi - mean],
+                marker="o",
+                capsize=3,
+                label=label(name),
+                color=colours[name],
             )
-            ax.fill_between(x, lo, hi, alpha=0.15, color=line[0].get_color())
+            ax.fill_between(x, lo, hi, alpha=0.15, color=colours[name])
         ax.set_xscale("log")
         ax.set_xticks(x)
         ax.set_xticklabels([f"{v:g}" for v in x])
@@ -819,11 +968,13 @@ def table(result: dict) -> str:
             )
             acct = acct.replace("none (fixed-epoch, unamplified)", "unamplified")[:26]
             gap = entry["gap_closed"].get(name)
-            mark = "" if arm["verified"] else "  NOT VERIFIED"
+            mark = ("" if arm["verified"] else "  NOT VERIFIED") + (
+                f"  STOPPED ({'; '.join(arm['stopped'])})" if arm.get("stopped") else ""
+            )
             rows.append(
                 f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                 f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
-                f"{arm['noise_to_signal']:>5.2f} {fmt(arm['accuracy']):>9} "
+                f"{fmt(arm['noise_to_signal'], '.2f'):>5} {fmt(arm['accuracy']):>9} "
                 f"{fmt(arm['rmse'], '.2f'):>7} "
                 f"{fmt(arm['loss']):>8} "
                 f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
@@ -863,6 +1014,7 @@ def json_summary(result: dict) -> dict:
         "cpu_seconds",
         "skipped",
         "unverified",
+        "stopped",
     )
     eps = {}
     for key, entry in result["epsilons"].items():

@@ -1,9 +1,10 @@
-"""The ``corrflow compare`` command (registered by :mod:`corrflow.server.cli`)."""
+"""The ``corrflow compare`` command (registered by `corrflow.server.cli`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -114,18 +115,23 @@ def compare_command(
 ) -> None:
     """Train non-private, DP-SGD (fixed-epoch and Poisson-sampled), correlated-noise and planned
     arms at the same (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an
-    arm's run did not verify its ε at the target δ. --target-epsilon E is --epsilons E."""
+    arm's run did not verify its ε at the target δ or stopped before its planned rounds (the table
+    says which and why), 2 bad arguments, 130 interrupted. Rerunning the same command continues an
+    interrupted comparison: finished arms are kept, unfinished ones restart afresh (their earlier
+    run moved aside); other settings are refused, naming what differs. --target-epsilon E is
+    --epsilons E."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.server.compare import (
         PRESETS,
         compare,
         json_summary,
         parse_epsilons,
+        settings_differences,
         stderr_progress,
         table,
         with_overrides,
     )
-    from corrflow.server.simulation import quiet_native_logs
+    from corrflow.server.simulation import RunInterruptedError, quiet_native_logs
 
     try:
         if preset not in PRESETS:
@@ -172,10 +178,6 @@ def compare_command(
             else None
         )
         writable_directory(out, "--out")
-        if (out / "comparison.json").exists() or (out / "runs").exists():
-            raise InvalidArgumentError(
-                "--out", "a new or empty directory (it holds a previous comparison)", str(out)
-            )
         if data is not None:
             users = _data_users(data, vocab, users)
         chosen = with_overrides(
@@ -193,19 +195,52 @@ def compare_command(
             client is not None and client != PRESETS[preset].client
         ):  # that client's optimizer settings
             chosen = with_overrides(chosen, **training_defaults(client))
+        settings = {
+            "preset": asdict(chosen),
+            "kinds": kind_list,
+            "epsilons": list(sweep or (chosen.epsilon,)),
+            "amplified": amplified,
+            "backend": backend,
+        }
+        if (out / "comparison.json").exists() or (out / "runs").exists():
+            diff = settings_differences(out, settings)
+            if diff is None:
+                raise InvalidArgumentError(
+                    "--out", "a new or empty directory (it holds a previous comparison)", str(out)
+                )
+            if diff:
+                raise InvalidArgumentError(
+                    "--out",
+                    "the settings of the comparison it holds, to continue it (or a new --out)",
+                    "; ".join(diff),
+                )
+            typer.echo(
+                f"continuing the comparison in {out}: finished arms are kept, unfinished ones "
+                "restart afresh",
+                err=True,
+            )
         quiet_native_logs()
         logging.getLogger("corrflow").setLevel(
             logging.ERROR
         )  # the non-private arm's warning is expected here
-        result = compare(
-            chosen,
-            kind_list,
-            out,
-            backend=backend,
-            progress=stderr_progress,
-            epsilons=sweep,
-            amplified=amplified,
-        )
+        try:
+            result = compare(
+                chosen,
+                kind_list,
+                out,
+                backend=backend,
+                progress=stderr_progress,
+                epsilons=sweep,
+                amplified=amplified,
+                settings=settings,
+            )
+        except (RunInterruptedError, KeyboardInterrupt):
+            typer.echo(
+                f"interrupted: the finished arms are kept in {out}; rerun the same command to "
+                "continue (unfinished arms restart afresh)",
+                err=True,
+            )
+            raise typer.Exit(code=130) from None
         text = table(result)
         if as_json:
             typer.echo(text, err=True)
@@ -213,12 +248,20 @@ def compare_command(
         else:
             typer.echo(text)
             typer.echo(f"plots: {', '.join(result['plots'])}; details: {out / 'comparison.json'}")
+        if result["stopped"]:
+            typer.echo(
+                "error: these arms' runs stopped before their planned rounds: "
+                f"{'; '.join(result['stopped'])}",
+                err=True,
+            )
         if result["unverified"]:
             typer.echo(
                 "error: these arms' runs did not verify their ε at the target δ: "
                 f"{', '.join(result['unverified'])} (see their privacy_report.json)",
                 err=True,
             )
+            raise typer.Exit(code=1)
+        if result["stopped"]:
             raise typer.Exit(code=1)
     except (CorrflowError, IntegrityError) as exc:
         if (

@@ -3,7 +3,7 @@ no network).
 
 For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults
 (drop, corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through
-:meth:`restart_node`. Messages are routed as a ClientApp routes them (``category`` or
+`restart_node`. Messages are routed as a ClientApp routes them (``category`` or
 ``category.action``); corrflow's identity handler is registered as in corrflow's ClientApps
 (``identity=False`` emulates an app without it). Production uses Flower's own engines: ``corrflow
 simulate`` without ``--backend inprocess`` runs Flower's simulation engine

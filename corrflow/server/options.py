@@ -1,10 +1,10 @@
-"""The commands' shared options, generated from the settings model (:mod:`corrflow.config`): one
+"""The commands' shared options, generated from the settings model (`corrflow.config`): one
 typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
 default and help. ``simulate`` and ``audit`` take every setting; ``factorize``, ``plan``,
-``account`` and ``compare`` the ones in :data:`COMMAND_SETTINGS`, with the same names, choices and
+``account`` and ``compare`` the ones in `COMMAND_SETTINGS`, with the same names, choices and
 defaults (a command's own default is declared by the model and shown by ``--help``). A command
-declared with :func:`with_settings` receives them as keyword arguments; :func:`config_from_cli`
-turns them into a validated :class:`~corrflow.config.RunConfig` whose errors name the flag."""
+declared with `with_settings` receives them as keyword arguments; `config_from_cli`
+turns them into a validated `RunConfig` whose errors name the flag."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def settings_parameters(command: str | None = None) -> list[inspect.Parameter]:
 
 def with_settings(command: Callable, name: str | None = None) -> Callable:
     """``command(**kwargs)`` with the settings' options added after its own parameters (its own come
-    first): every CLI setting, or those :data:`COMMAND_SETTINGS` lists for the command ``name``."""
+    first): every CLI setting, or those `COMMAND_SETTINGS` lists for the command ``name``."""
     own = list(inspect.signature(command).parameters.values())
     own = [p for p in own if p.kind != inspect.Parameter.VAR_KEYWORD]
     own = [

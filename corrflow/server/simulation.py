@@ -3,7 +3,7 @@ in-process grid.
 
 The first SIGINT or SIGTERM asks the server to stop: the round in flight is abandoned unreleased
 (or, if it is being aggregated, finished), the checkpoint and the report are written, and
-:class:`RunInterruptedError` is raised so the CLI exits with 130. A second signal is ignored while
+`RunInterruptedError` is raised so the CLI exits with 130. A second signal is ignored while
 the server winds down (no traceback from Ray's threads).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import warnings
@@ -19,8 +20,8 @@ from pathlib import Path
 
 from corrflow.clients.tasks import get_task
 from corrflow.config import RunConfig
-from corrflow.data.federated import data_format, train_clients_count
-from corrflow.errors import require
+from corrflow.data.federated import check_dataset, data_format, train_clients_count
+from corrflow.errors import DataFormatError, InvalidArgumentError, require
 from corrflow.paths import run_directory
 from corrflow.server.app import make_server_app, run_server
 from corrflow.server.inprocess import InProcessGrid
@@ -116,8 +117,12 @@ def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
     """A run on a dataset file trains at most the file's training partitions (StackOverflow train
     clients, arXiv training papers): more simulated users would ask for partitions that do not exist
     (every round would reject their replies and train on fewer users than planned), so it is
-    refused, naming ``flag`` and the file's count."""
-    if not cfg.data_path or cfg.mode != "cross-device" or cfg.num_users is None:
+    refused, naming ``flag`` and the file's count. A file without training examples or a held-out
+    split, or an empty vocabulary, is refused too (`corrflow.data.federated.check_dataset`)."""
+    if not cfg.data_path:
+        return
+    check_dataset(cfg.data_path, cfg.vocab_path)
+    if cfg.mode != "cross-device" or cfg.num_users is None:
         return
 
     count = train_clients_count(cfg.data_path)
@@ -144,13 +149,48 @@ def simulate(
     verbose: bool = True,
 ) -> dict:
     """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report
-    (also in ``privacy_report.json`` there). Raises :class:`RunInterruptedError` after a signal and
-    :class:`RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
+    (also in ``privacy_report.json`` there). Raises `RunInterruptedError` after a signal and
+    `RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
     tests that compare runs bit for bit; a real run draws a fresh secret key."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
+    created = _new_files(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _simulate(
+            cfg, out, backend, noise_key=noise_key, fresh=fresh, quiet=quiet, verbose=verbose
+        )
+    except (InvalidArgumentError, DataFormatError):
+        created()  # a refusal leaves --out as it found it
+        raise
+
+
+def _new_files(out: Path):
+    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore and
+    engine.log; the directory itself if this start created it) — nothing once a round was
+    checkpointed or journaled."""
+    before = set(os.listdir(out)) if out.is_dir() else None
+
+    def undo() -> None:
+        if not out.is_dir() or any(
+            (out / p).exists() for p in ("state/CURRENT", "release_journal.jsonl")
+        ):
+            return
+        for name in set(os.listdir(out)) - (before or set()):
+            path = out / name
+            if name in (".gitignore", "engine.log") or name.startswith(".corrflow.lock"):
+                path.unlink(missing_ok=True)
+            elif path.is_dir() and not any(path.rglob("*")):
+                path.rmdir()
+        if before is None and not any(out.iterdir()):
+            out.rmdir()
+
+    return undo
+
+
+def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
+    verbose = kwargs.pop("verbose")
 
     task = get_task(
         cfg.client,
@@ -161,7 +201,6 @@ def simulate(
         cfg.seed,
         cfg.eval_sequences,
     )
-    kwargs = dict(noise_key=noise_key, fresh=fresh, quiet=quiet)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
             run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)

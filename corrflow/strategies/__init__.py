@@ -1,10 +1,10 @@
 """The Flower adapter: the strategies that train with correlated noise —
-:class:`CorrelatedNoiseStrategy` (full control) and the drop-in wrapper
-:class:`DifferentialPrivacyCorrelatedNoise` around a FedAvg-style strategy — over the Flower-free
-:mod:`corrflow.run`. Modules: ``correlated`` (the strategy), ``wrapper``, ``messaging`` (Flower
+`CorrelatedNoiseStrategy` (full control) and the drop-in wrapper
+`DifferentialPrivacyCorrelatedNoise` around a FedAvg-style strategy — over the Flower-free
+`corrflow.run`. Modules: ``correlated`` (the strategy), ``wrapper``, ``messaging`` (Flower
 messages ↔ corrflow's value types), ``identity`` (stable user ids of SuperNodes), ``session`` (one
 run, start to end) and ``canaries`` (empirical privacy audits). The run's settings are
-:class:`corrflow.config.RunConfig`.
+`corrflow.config.RunConfig`.
 """
 
 # The classes load on first use, not with the package: `import corrflow` (which names the wrapper

@@ -7,8 +7,8 @@ model it was sent plus ζ·c_j, its fixed unit direction scaled to the clip norm
 it as any user — scheduled, clipped, noised and accounted on the production code path — so the audit
 sees the mechanism as it runs. In ``corrflow audit`` the canaries are nodes of the in-process grid;
 around a user's strategy (``DifferentialPrivacyCorrelatedNoise(..., canaries=N)``)
-:class:`CanaryGrid` adds them to a simulation's grid. The statistics are
-:mod:`corrflow.accounting.audit`'s; :func:`analyse` applies them to the released models.
+`CanaryGrid` adds them to a simulation's grid. The statistics are
+`corrflow.accounting.audit`'s; `analyse` applies them to the released models.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def canary_handlers(
     handlers: dict, plan: CanaryPlan, clip_norm: float, replies: str = "weights"
 ) -> dict:
     """The task's ClientApp handlers, with ``train`` answering for canary nodes (node config
-    :data:`CANARY_KEY`) by :func:`canary_reply`."""
+    `CANARY_KEY`) by `canary_reply`."""
     real_train = handlers["train"]
 
     def train(msg: Message, context: Context) -> Message:
@@ -121,7 +121,7 @@ def canary_handlers(
 
 class CanaryGrid:
     """A simulation's grid plus one virtual SuperNode per inserted canary, answered here: train
-    messages by :func:`canary_reply`, corrflow's identity probe with ``partition-id`` =
+    messages by `canary_reply`, corrflow's identity probe with ``partition-id`` =
     ``first_partition + r``. Every other message goes to the real grid, so the server's code path is
     the production one."""
 
@@ -202,7 +202,7 @@ class RoundCapture:
     models: list[np.ndarray]
     rounds: list[int]
     strategy: object = None
-    scores: dict | None = None  # the scores behind the plot, filled by :func:`analyse`
+    scores: dict | None = None  # the scores behind the plot, filled by `analyse`
 
     def __call__(self, strategy, metrics) -> None:
         self.strategy = strategy

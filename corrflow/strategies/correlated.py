@@ -1,10 +1,10 @@
 """The correlated-noise Flower strategy (Message API; flwr 1.41/1.42): a thin shell over the
-Flower-free :class:`corrflow.run.Run`.
+Flower-free `corrflow.run.Run`.
 
-``configure_train`` asks the run for round t's plan (:meth:`~corrflow.run.Run.plan_next`: the cohort
+``configure_train`` asks the run for round t's plan (`plan_next`: the cohort
 planner, the separation policy, operator overrides, the budget guard), routes it to the nodes online
 and sends the training messages. ``aggregate_train`` converts the replies to
-:class:`~corrflow.run.Reply` values and hands them to :meth:`~corrflow.run.Run.step` (clip → sum →
+`Reply` values and hands them to `step` (clip → sum →
 correlated noise → server optimizer → checkpoint → release journal → report → metrics, before the
 model leaves the server), the one place where the run's state changes.
 
@@ -67,7 +67,7 @@ class InFlight:
 
 class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring).
-    Built by :func:`corrflow.strategies.session.prepare_run` over a :class:`~corrflow.run.Run`, who
+    Built by `corrflow.strategies.session.prepare_run` over a `Run`, who
     is behind each node (``directory``), the user's inner strategy, and the event that stops it;
     the run's state is read through the properties (read-only views)."""
 

@@ -79,7 +79,7 @@ def resolve(
     grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0, strict: bool = True
 ) -> dict[int, str]:
     """node id → stable user id for ``nodes`` under ``source``. ``strict``: a node that cannot
-    report raises :class:`IdentityError` naming it; otherwise it is left out (a node that joined
+    report raises `IdentityError` naming it; otherwise it is left out (a node that joined
     mid-run stays unscheduled)."""
     if source == "per-launch":
         return {n: f"launch-node-{n}" for n in nodes}

@@ -1,6 +1,6 @@
 """Talking to the nodes, and the conversion between Flower's messages and corrflow's value types:
 the node → user directory (with reconnects), the model as an ``ArrayRecord``, a reply ``Message`` as
-a :class:`~corrflow.run.round.Reply`, the round's training messages, the inner strategy's train
+a `Reply`, the round's training messages, the inner strategy's train
 config, and an interruptible exchange of messages and replies."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class NodeDirectory:
 def train_messages(
     cfg: RunConfig, plan: RoundPlan, arrays: ArrayRecord, user_config: dict
 ) -> list[Message]:
-    """One TRAIN message per node of the routed ``plan`` (:meth:`RoundPlan.route`), carrying the
+    """One TRAIN message per node of the routed ``plan`` (`RoundPlan.route`), carrying the
     model and the round's config (cross-silo: also the item ids the silo trains, clipping each)."""
     cfg_record = ConfigRecord(
         {
@@ -189,7 +189,7 @@ def model_record(layout: ModelLayout, params: Sequence[np.ndarray]) -> ArrayReco
 
 
 def model_sha256(model: ArrayRecord | Sequence[np.ndarray]) -> str:
-    """:func:`corrflow.run.model.arrays_sha256` of an ``ArrayRecord`` or a list of arrays."""
+    """`corrflow.run.model.arrays_sha256` of an ``ArrayRecord`` or a list of arrays."""
     return arrays_sha256(model_arrays(model)[0])
 
 
@@ -213,9 +213,9 @@ def error_reason(code: int, reason: str) -> str:
 
 
 def to_reply(msg: Message, node: int, node_to_user: Mapping[int, str]) -> Reply:
-    """A reply ``Message`` to the request sent to ``node`` as a :class:`Reply`: a Flower error, a
+    """A reply ``Message`` to the request sent to ``node`` as a `Reply`: a Flower error, a
     sender other than ``node`` or records other than ``arrays`` + ``metrics`` become its ``error``;
-    its arrays are decoded without copying (:func:`array_view`)."""
+    its arrays are decoded without copying (`array_view`)."""
     user = node_to_user.get(node)
     if msg.has_error():
         reason = msg.error.reason

@@ -1,12 +1,12 @@
 """One training run, start to end, shared by corrflow's ServerApp, ``corrflow simulate`` and the
 Flower wrapper: lock the run's directory, check it against the release journal, resolve stable user
 ids, plan (factorization, cohort planner, σ), then run
-:class:`~corrflow.strategies.correlated.CorrelatedNoiseStrategy`; the report and metrics are written
+`CorrelatedNoiseStrategy`; the report and metrics are written
 whatever happens.
 
-The caller describes the run with one :class:`RunSpec`; :func:`prepare_run` finds the population and
-its identities on the grid, has :func:`corrflow.run.prepare` decide the run's
-:class:`~corrflow.run.RunPlan`, starts the :class:`~corrflow.run.Run` and wraps it in the
+The caller describes the run with one `RunSpec`; `prepare_run` finds the population and
+its identities on the grid, has `corrflow.run.prepare` decide the run's
+`RunPlan`, starts the `Run` and wraps it in the
 strategy."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
 
 def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     """Everything before round 1 (the caller holds the run directory's lock): resume point,
-    identities, population, then the run's plan and the run itself (:mod:`corrflow.run`), fresh or
+    identities, population, then the run's plan and the run itself (`corrflow.run`), fresh or
     restored, inside the strategy."""
     resume = open_run_directory(spec.run_dir, spec.fresh)
     source = spec.cfg.identity or ids.default_identity(grid)
@@ -137,7 +137,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
 
 def population(grid: Grid, spec: RunSpec, resume: ResumePoint) -> int:
     """``num_users``; else the resumed run's; else the nodes connected once ``spec.min_nodes`` are
-    and no more arrived for :data:`SETTLE_SECONDS`."""
+    and no more arrived for `SETTLE_SECONDS`."""
     if spec.cfg.num_users is not None:
         return spec.cfg.num_users
     if resume.checkpoint is not None:

@@ -158,7 +158,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     here that differ are refused, each named. fresh: move an earlier run in ``state_dir`` aside
     (``previous-runs/``) and start anew. canaries: simulation only, an empirical privacy audit
     (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin
-    flips; after the run :attr:`audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
+    flips; after the run `audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
     holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo. audit_seed: seeds the
     canaries' directions and coins (default: fresh). **settings: corrflow's run settings as the
     wrapper names them (the signature lists each with its default; the run-config reference of the
@@ -224,7 +224,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             num_rounds: the run's total rounds (the plan's when a plan fixes them).
 
         Returns:
-            The :class:`corrflow.config.RunConfig` the run will use.
+            The `corrflow.config.RunConfig` the run will use.
         """
         if self.plan is not None:
             require(
@@ -251,8 +251,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     ) -> Result:
         """Train until ``num_rounds`` rounds in total are released, resuming from ``state_dir`` when
         it holds a checkpoint of this run. Logs a line per round and the realised ε on the
-        ``corrflow`` logger; the full report is :meth:`privacy_report`. Arguments and result are
-        :meth:`CorrelatedNoiseStrategy.start`'s (its text follows at run time).
+        ``corrflow`` logger; the full report is `privacy_report`. Arguments and result are
+        `CorrelatedNoiseStrategy.start`'s (its text follows at run time).
 
         Raises: InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner
         strategy asking for more nodes than the population. CorrflowError: the run cannot start or
@@ -402,7 +402,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         return self.core
 
     # The Strategy API's methods below have one docstring each, the running strategy's
-    # (:func:`_same_doc` copies it): the wrapper only forwards them.
+    # (`_same_doc` copies it): the wrapper only forwards them.
     @_same_doc(CorrelatedNoiseStrategy.configure_train)
     def configure_train(self, server_round, arrays, config, grid):
         return self._running().configure_train(server_round, arrays, config, grid)
@@ -421,7 +421,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
 
     def summary(self) -> None:
         """Log the wrapper's mechanism and settings (Flower calls it when a run starts): the running
-        run's, or — before :meth:`start` — the settings with any number of rounds they fit."""
+        run's, or — before `start` — the settings with any number of rounds they fit."""
         cfg = self._settings()
         log.info(
             "DifferentialPrivacyCorrelatedNoise around %s: %s, %s, clipping norm %g, δ = %g%s",

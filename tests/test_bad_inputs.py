@@ -1,0 +1,167 @@
+"""Every bad input of issue 33 is refused before anything runs: exit 2, the flag or file named, no
+traceback, nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from corrflow.server.cli import app
+
+BIG = str(10**12)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    so, ax, vocab = d / "so.sqlite", d / "ax.jsonl", d / "v.txt"
+    for kind, path in (("stackoverflow", so), ("arxiv", ax)):
+        assert (
+            invoke("data", "generate", kind, "--users", "60", "--out", path, "--quiet").exit_code
+            == 0
+        )
+    assert (
+        invoke("data", "vocab", so, "--no-privacy", "--size", "300", "--out", vocab).exit_code == 0
+    )
+    bad_vocab, bad_jsonl = d / "bad_v.txt", d / "bad.jsonl"
+    bad_vocab.write_bytes(vocab.read_bytes() + b"caf\xe9\n")
+    bad_jsonl.write_bytes(ax.read_bytes() + b'{"id": "x\xff"}\n')
+    empty_vocab = d / "empty_v.txt"
+    empty_vocab.write_text("#corrflow-vocab oov_buckets=1 source=non-private\n")
+    empty_data = d / "empty.sqlite"
+    empty_data.write_bytes(so.read_bytes())
+    with sqlite3.connect(empty_data) as db:
+        db.execute("DELETE FROM examples")
+    fac = d / "fac.npz"
+    assert invoke("factorize", "--kind", "toeplitz", "--rounds", "8", "--out", fac).exit_code == 0
+    return {
+        "fac": fac,
+        "so": so,
+        "vocab": vocab,
+        "bad_vocab": bad_vocab,
+        "bad_jsonl": bad_jsonl,
+        "empty_vocab": empty_vocab,
+        "empty_data": empty_data,
+    }
+
+
+# (id, argv with OUT for the output directory and {name} for a fixture file, what the error names)
+CASES = [
+    (
+        "sim-vocab-utf8",
+        "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
+        "--vocab {bad_vocab} --out OUT",
+        "bad_v.txt:",
+    ),
+    (
+        "sim-jsonl-utf8",
+        "simulate --backend inprocess --client nextword --rounds 4 --data "
+        "{bad_jsonl} --vocab {vocab} --out OUT",
+        "bad.jsonl:",
+    ),
+    (
+        "cmp-vocab-utf8",
+        "compare --rounds 4 --data {so} --vocab {bad_vocab} --out OUT",
+        "bad_v.txt:",
+    ),
+    (
+        "cmp-jsonl-utf8",
+        "compare --rounds 4 --data {bad_jsonl} --vocab {vocab} --out OUT",
+        "bad.jsonl:",
+    ),
+    ("vocab-epsilon", "data vocab {so} --epsilon 1e308 --out OUT/v.txt", "--epsilon"),
+    ("vocab-out-proc", "data vocab {so} --no-privacy --out /proc/corrflow-v.txt", "--out"),
+    ("vocab-split-test", "data vocab {so} --no-privacy --split test --out OUT/v.txt", "--split"),
+    (
+        "sim-target-epsilon",
+        "simulate --rounds 4 --target-epsilon 1e308 --out OUT",
+        "--target-epsilon",
+    ),
+    (
+        "account-target-epsilon",
+        "account --factorization {fac} --delta 1e-5 --target-epsilon 1e308",
+        "--target-epsilon",
+    ),
+    (
+        "plan-target-epsilon",
+        "plan --population 100 --cohort-size 10 --rounds 4 --delta 1e-5 "
+        "--target-epsilon 1e308 --out OUT",
+        "--target-epsilon",
+    ),
+    ("audit-canaries", f"audit --canaries {BIG} --out OUT", "--canaries"),
+    (
+        "plan-rounds",
+        "plan --population 100 --cohort-size 10 --rounds 1000000000 --delta 1e-5 "
+        "--target-epsilon 8 --out OUT",
+        "--rounds",
+    ),
+    ("sim-local-steps", f"simulate --rounds 4 --local-steps {10**30} --out OUT", "--local-steps"),
+    ("cmp-users", "compare --rounds 4 --users 1000000000 --out OUT", "--users"),
+    ("generate-users", f"data generate stackoverflow --users {BIG} --out OUT/x.sqlite", "--users"),
+    (
+        "plan-population",
+        f"plan --population {10**30} --cohort-size 10 --rounds 4 --delta 1e-5 "
+        "--target-epsilon 8 --out OUT",
+        "--population",
+    ),
+    (
+        "cmp-no-examples",
+        "compare --rounds 4 --data {empty_data} --vocab {vocab} --out OUT",
+        "empty.sqlite",
+    ),
+    (
+        "sim-empty-vocab",
+        "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
+        "--vocab {empty_vocab} --out OUT",
+        "empty_v.txt",
+    ),
+    (
+        "cmp-empty-vocab",
+        "compare --rounds 4 --data {so} --vocab {empty_vocab} --out OUT",
+        "empty_v.txt",
+    ),
+    (
+        "sim-noise-multiplier",
+        "simulate --rounds 4 --noise-multiplier 1e308 --out OUT",
+        "--noise-multiplier",
+    ),
+    ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
+    ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
+]
+
+
+@pytest.mark.parametrize("argv,named", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_refused(files, tmp_path, argv, named):
+    out = tmp_path / "out"
+    args = [
+        str(out) if a == "OUT" else a.replace("OUT/", f"{out}/").format(**files)
+        for a in argv.split()
+    ]
+    res = invoke(*args)
+    text = res.output
+    assert res.exit_code == 2, text
+    assert named in text, text
+    assert "Traceback" not in text
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_refused_simulate_leaves_an_existing_out_untouched(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    res = invoke("simulate", "--rounds", "4", "--server-lr", "1e308", "--out", out)
+    assert res.exit_code == 2
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_limits_name_the_estimate(tmp_path):
+    """A size above the machine is refused with the estimate and what is available."""
+    res = invoke("compare", "--rounds", "4", "--users", "1000000000", "--out", tmp_path / "o")
+    text = res.output
+    assert "GiB" in text and "available" in text
+    assert Path(tmp_path / "o").exists() is False

@@ -1,0 +1,63 @@
+"""compare as the longest command must be: Ctrl-C exits 130 without a traceback, rerunning the same
+command continues (finished arms kept, the interrupted one restarted afresh), other settings are
+refused naming the difference; `corrflow report` re-prints a finished arm's summary. Real
+processes and a real SIGINT."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CLI = [sys.executable, "-m", "corrflow.server.cli"]
+ARGS = ["compare", "--preset", "tiny", "--rounds", "8", "--users", "80"]
+
+
+def test_compare_interrupted_then_resumed(tmp_path):
+    out = tmp_path / "cmp"
+    err_path = tmp_path / "first.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        deadline = time.monotonic() + 240
+        while "arm 3 of 5" not in err_path.read_text():  # two arms finished, the third training
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.5)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    first = err_path.read_text()
+    assert proc.returncode == 130, first
+    assert "Traceback" not in first and "rerun the same command" in first
+
+    changed = subprocess.run(
+        [*CLI, *ARGS[:-1], "96", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert changed.returncode == 2, changed.stderr
+    assert "--out" in changed.stderr and "users: 80 then, 96 now" in changed.stderr
+
+    again = subprocess.run(
+        [*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr
+    assert "kept seed 0 nonprivate" in again.stderr
+    assert "kept seed 0 ε = 8 dpsgd " in again.stderr
+    assert "arm 1 of 5" not in again.stderr and "arm 2 of 5" not in again.stderr
+    # the arm the signal interrupted trains again from round 0 (its earlier run, if it had
+    # checkpointed a round, moved aside: "restarted afresh")
+    assert "arm 3 of 5" in again.stderr
+    result = json.loads((out / "comparison.json").read_text())
+    arms = result["epsilons"]["8"]["arms"]
+    assert set(arms) == {"nonprivate", "dpsgd", "dpsgd-poisson", "toeplitz", "plan"}
+    assert all(a["epsilon"] is None or a["epsilon"] <= 8 * (1 + 1e-9) for a in arms.values())
+    assert not result["stopped"]
+
+    run = out / "eps8" / "runs" / "toeplitz-seed0"
+    rep = subprocess.run(
+        [*CLI, "report", str(run)], capture_output=True, text=True, timeout=120, env={**os.environ}
+    )
+    assert rep.returncode == 0, rep.stderr
+    assert "privacy     ε = " in rep.stdout and "8 completed" in rep.stdout
+    assert (run / "run.png").stat().st_size > 0
