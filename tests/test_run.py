@@ -197,8 +197,8 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
 def test_a_non_finite_model_is_never_released(tmp_path):
     """A server learning rate that overflows float32: the step refuses the round, the run stops with
     the reason, and the checkpoint, journal and report stay at the last finite round. The settings
-    model refuses such a rate up front (tests/test_bad_inputs.py); it is injected past the model here
-    to check the step's own guard, which holds whatever the settings allow."""
+    model refuses such a rate up front (tests/test_bad_inputs.py); it is injected past the model
+    here to check the step's own guard, which holds whatever the settings allow."""
     cfg = _cfg(tmp_path, replies="delta", clip_norm=1e9).model_copy(update={"server_lr": 1e38})
     with RunLock(cfg.state_dir):
         run = _start(cfg)
