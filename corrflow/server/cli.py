@@ -18,6 +18,7 @@ from corrflow.paths import writable_directory, writable_file
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import with_settings
+from corrflow.server.runs import runs_app
 from corrflow.server.schema_cli import schema_command
 
 app = typer.Typer(
@@ -1103,6 +1104,7 @@ def _users_line(realized: dict, out: Path) -> str:
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
+app.add_typer(runs_app, name="runs")
 app.command("compare")(compare_command)
 app.command("schema")(schema_command)
 

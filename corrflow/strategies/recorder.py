@@ -47,7 +47,7 @@ from corrflow.strategies.checkpoint import (
 from corrflow.strategies.disclosure import Disclosure
 from corrflow.strategies.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.strategies.ledger import Ledger
-from corrflow.strategies.registry import ReleaseRegistry
+from corrflow.strategies.registry import ReleaseRegistry, lineage_section
 from corrflow.strategies.round_core import RoundRecord, reason_class
 from corrflow.strategies.run_state import ResumePoint, settings_conflict
 
@@ -136,6 +136,7 @@ class Recorder:
         self.ctx, self.state, self.keys = ctx, state, keys
         self.journal = ReleaseJournal(ctx.run_dir / JOURNAL)
         self._last_hash = last_hash
+        self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
 
     # -- starting ----------------------------------------------------------------------------------
     @classmethod
@@ -162,6 +163,7 @@ class Recorder:
         )
         run_id = recorder.keys.run_id
         ctx.registry.check(run_id, ctx.run_dir, len(resume.journal))
+        recorder.adoptions = ctx.registry.adoptions(run_id)
         for entry in resume.journal[
             ctx.registry.released(run_id) :
         ]:  # killed between journal and registry
@@ -274,6 +276,7 @@ class Recorder:
             checkpoint=ckpt.name,
             manifest_sha256=manifest_digest(ckpt),
             prev=self._last_hash,
+            noise_segment=self.ctx.noise.segments.segment_for(t).public(),
         )
         self.ctx.registry.record(self.keys.run_id, t, entry.noise_round, entry.hash)
         self._last_hash = entry.hash
@@ -362,6 +365,7 @@ class Recorder:
             learning=self.learning(),
         )
         report["mechanism"]["notes"] = list(c.notes)
+        report["lineage"] = lineage_section(c.noise.segments, self.adoptions)
         if (
             plan.vocabulary is not None
         ):  # a run on a dataset file: how its vocabulary was built, and the total

@@ -75,7 +75,7 @@ class RunSpec:
         None  # refuses a population the caller cannot serve
     )
     fresh: bool = False
-    noise_key: bytes | None = None
+    noise_key: bytes | None = None  # tests only: this start's key segment (never the CLI)
     stop_event: threading.Event | None = None
 
     @property
@@ -241,10 +241,17 @@ def _resume_point(spec: RunSpec) -> ResumePoint:
 
 
 def _noise(fac, layout: ModelLayout, resume: ResumePoint, key: bytes | None) -> CorrelatedNoise:
+    """A new run's noise, or the checkpoint's with a new key segment: every process start draws
+    the rows from the checkpoint's next round on with a fresh key from the OS (``key`` only in
+    tests), so a run resumed from a rolled-back copy never repeats a released round's noise. A
+    test key the run already used is never reused: that start draws from the OS."""
     if resume.checkpoint is not None:
-        return restore_state(
+        noise = restore_state(
             resume.checkpoint / "noise", fac, ring=resume.checkpoint.parent / RING_FILE
         )
+        used = {s.key for s in noise.segments.segments}
+        noise.begin_segment(key if key not in used else None)
+        return noise
     return CorrelatedNoise(fac, layout.trainable_shapes, 1.0, key=key or new_secret())
 
 
