@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import InvalidArgumentError, require
+from corrflow.strategies.app_metrics import AppMetrics, ServerEvaluation
 from corrflow.strategies.messaging import exchange, inner_train_config, train_messages
 from corrflow.strategies.model import arrays_sha256
 from corrflow.strategies.recorder import Override, Stop
@@ -316,10 +317,21 @@ def run_rounds(
     stop = strategy.run.stop_event
     arrays = strategy.initial_arrays()
     result = Result(arrays=arrays)  # a finished or resumed run returns its current model
-    if evaluate_fn is not None and (res := evaluate_fn(strategy.next_round, arrays)) is not None:
-        result.evaluate_metrics_serverapp[strategy.next_round] = res
+    # A wrapped app's metrics, shown as Flower shows them as far as privacy allows (app_metrics).
+    shown = AppMetrics(strategy.run.recorder.ctx.disclosure, strategy.run.recorder.app_metrics)
+    server = strategy.run.evaluate if isinstance(strategy.run.evaluate, ServerEvaluation) else None
+    if evaluate_fn is not None:
+        t0 = strategy.next_round
+        res = server.results[0] if server and t0 == 0 else evaluate_fn(t0, arrays)
+        shown.initial_evaluation(res)
+        if res is not None:
+            result.evaluate_metrics_serverapp[t0] = res
     while strategy.next_round < last and not strategy.stopped_reason and not stop.is_set():
         server_round = strategy.next_round + 1
+        if strategy.run.inner is not None:
+            shown.round_header(server_round, last)
+        if server is not None:
+            server.round = server_round
         messages = list(
             strategy.configure_train(server_round, arrays, train_config or ConfigRecord(), grid)
         )
@@ -334,6 +346,8 @@ def run_rounds(
             break
         arrays = result.arrays = new_arrays
         result.train_metrics_clientapp[server_round] = metrics
+        if strategy.run.inner is not None:
+            shown.aggregated("train", server_round, metrics)
         evaluation = list(
             strategy.configure_evaluate(
                 server_round, arrays, evaluate_config or ConfigRecord(), grid
@@ -342,8 +356,12 @@ def run_rounds(
         ev = exchange(grid, evaluation, timeout, stop) if evaluation else None
         if ev is not None and (agg := strategy.aggregate_evaluate(server_round, ev)) is not None:
             result.evaluate_metrics_clientapp[server_round] = agg
-        if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
-            result.evaluate_metrics_serverapp[server_round] = res
+            shown.aggregated("evaluate", server_round, agg)
+        if evaluate_fn is not None:
+            res = server.results.get(server_round) if server else evaluate_fn(server_round, arrays)
+            shown.global_evaluation(res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
     if (
         stop.is_set()
         and not strategy.stopped_reason

@@ -137,6 +137,7 @@ class Recorder:
         self.journal = ReleaseJournal(ctx.run_dir / JOURNAL)
         self._last_hash = last_hash
         self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
+        self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
 
     # -- starting ----------------------------------------------------------------------------------
     @classmethod
@@ -381,7 +382,7 @@ class Recorder:
     def write_report(self) -> Path:
         """privacy_report.json: the report as published (:meth:`Disclosure.public_report`)."""
         return write_report(
-            self.ctx.disclosure.public_report(self.report()),
+            self.ctx.disclosure.public_report(self.report(), sorted(self.app_metrics)),
             self.ctx.run_dir / "privacy_report.json",
         )
 

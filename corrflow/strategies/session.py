@@ -36,6 +36,7 @@ from corrflow.planning import build_planner, load_or_build_factorization, plan_p
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
 from corrflow.strategies import identity as ids
+from corrflow.strategies.app_metrics import ServerEvaluation
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.disclosure import Disclosure, operator_log
 from corrflow.strategies.messaging import NodeDirectory
@@ -169,6 +170,11 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     layout = ModelLayout.of(spec.initial)
     params = layout.trainable_arrays(spec.initial)
     noise = _noise(fac, layout, resume, spec.noise_key)
+    # A Flower app's evaluate_fn is the run's server-side evaluation: its loss is checkpointed with
+    # each round and feeds the learning verdict (corrflow.strategies.app_metrics).
+    evaluate = spec.evaluate
+    if evaluate is None and spec.evaluate_fn is not None:
+        evaluate = ServerEvaluation(spec.evaluate_fn, layout.record)
     accounting = RunAccounting.of(
         fac, plan, cfg.delta if plan.delta is None else plan.delta, plan.target_epsilon
     )  # the training's share of the budget
@@ -193,7 +199,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
         source,
         spec.run_dir,
         noise,
-        {"round": -1, **(spec.evaluate(params) if spec.evaluate else {})},
+        {"round": -1, **(evaluate(params) if evaluate else {})},
         check_learnable(fac, plan.noise_multiplier, params, planner.expected),
         disclosure,
         ReleaseRegistry(cfg.release_registry or None),
@@ -212,7 +218,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
         NodeDirectory(directory, resolver, recorder.keys.salt),
         source,
         spec.inner,
-        spec.evaluate,
+        evaluate,
         spec.stop_event or threading.Event(),
         operator_log(disclosure),
     )

@@ -22,6 +22,11 @@ calibrated, users resolved by the declared ``identity``. Each round the inner st
 ``proximal-mu``, …), which goes to corrflow's scheduled cohort; corrflow's clip → sum → correlated
 noise → server optimizer replaces the inner parameter aggregation (equal weights: DP needs them, so
 ``num-examples`` is ignored), and the inner metric aggregation and federated evaluation are kept.
+Their results are logged as Flower logs them (``Aggregated MetricRecord``), on the console for runs
+whose schedule is public and on the operator log only for amplified runs, and the report lists them
+under ``outside_guarantee``; ``evaluate_fn``'s results are logged as Flower does in every run, and
+its loss is the held-out loss of ``metrics.json`` and the report's learning verdict
+(:mod:`corrflow.strategies.app_metrics`).
 """
 
 from __future__ import annotations
@@ -246,8 +251,9 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
         round (merged with the inner strategy's). evaluate_config: the config of the inner
         strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
-        for the starting model (round 0) and after every round, as Flower's FedAvg does; its metrics
-        go to ``metrics.json``.
+        for the starting model (round 0) and after every round, as Flower's FedAvg does; its loss
+        (the metric named ``loss`` or ending in ``loss``) and accuracy go to ``metrics.json`` as
+        ``test_loss`` and ``test_accuracy`` and decide the report's learning verdict.
 
         Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
         metrics.
