@@ -235,3 +235,12 @@ def test_a_locked_registry_refuses_naming_it(first, tmp_path, monkeypatch):
         holder.kill()
         holder.wait()
     ReleaseRegistry(reg).record("run", 0, 0, "h")  # usable again once the holder is gone
+
+
+def test_adopt_refuses_what_is_not_a_run_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "missing", tmp_path / "empty"):
+        r = _cli(tmp_path / "h", "runs", "adopt", str(target))
+        assert r.returncode == 2 and "DIR: expected a corrflow run directory" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "missing").exists() and not any((tmp_path / "empty").iterdir())
