@@ -315,6 +315,15 @@ def test_tensorflow_backend_restore(facs, tmp_path):
         save_state(gen, tmp_path / name)
         back = restore_state(tmp_path / name, fac, cls=TFCorrelatedNoise)
         np.testing.assert_array_equal(_rows(back, range(4, 10)), full[4:])
+        # a new key segment from round 4: the TF draws follow it too, and replay uses both keys
+        fresh = restore_state(tmp_path / name, fac, cls=TFCorrelatedNoise)
+        fresh.begin_segment(bytes(range(100, 116)))
+        tail = _rows(fresh, range(4, 10))
+        assert np.all(np.abs(tail - full[4:]).max(axis=1) > 0.1)
+        save_state(fresh, tmp_path / f"{name}-2")
+        again = restore_state(tmp_path / f"{name}-2", fac, cls=TFCorrelatedNoise)
+        np.testing.assert_array_equal(np.concatenate(again.next(2, replay=True)), full[2])
+        np.testing.assert_array_equal(np.concatenate(again.next(7, replay=True)), tail[3])
 
 
 # -- key segments: every process start draws the rows after its checkpoint with a fresh key --------
