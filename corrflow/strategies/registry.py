@@ -82,8 +82,9 @@ class ReleaseRegistry:
             raise IntegrityError(
                 f"{self.path}: the release registry is empty (truncated or emptied): the record "
                 "of which rounds were released is lost, and a new one would let restored runs "
-                "release again unseen. Restore it from its backup; a run it no longer knows is "
-                "then refused until adopted (`corrflow runs adopt DIR`)"
+                "release again unseen. Restore it from its backup, or delete the file to start a "
+                "new registry (the runs it knew are then refused until adopted: `corrflow runs "
+                "adopt DIR`)"
             )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
