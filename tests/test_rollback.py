@@ -244,3 +244,37 @@ def test_adopt_refuses_what_is_not_a_run_directory(tmp_path):
         assert r.returncode == 2 and "DIR: expected a corrflow run directory" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "missing").exists() and not any((tmp_path / "empty").iterdir())
+
+
+def test_adopting_a_copy_of_a_live_run_is_refused(first, tmp_path):
+    """The registry places the run in a directory a server is running on: adopting a copy now would
+    let both release the same rounds."""
+    from corrflow.strategies.registry import ReleaseRegistry
+
+    live, copy, home = tmp_path / "live", tmp_path / "copy", tmp_path / "h"
+    shutil.copytree(first / "backup", live)
+    shutil.copytree(first / "backup", copy)
+    ckpt = live / "state" / (live / "state" / "CURRENT").read_text()
+    run_id = json.loads((ckpt / "state.json").read_text())["run_id"]
+    ReleaseRegistry(home / REGISTRY_FILE).claim(run_id, live)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from corrflow.strategies.run_state import RunLock\n"
+            "with RunLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(60)",
+            str(live),
+        ],
+        env=_env(home),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = _cli(home, "runs", "adopt", str(copy))
+        assert r.returncode == 1 and f"the run is live in {live.resolve()}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ReleaseRegistry(home / REGISTRY_FILE).run_dir(run_id) == str(live.resolve())

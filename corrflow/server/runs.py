@@ -21,7 +21,7 @@ import typer
 
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.strategies.registry import ReleaseRegistry
-from corrflow.strategies.run_state import STATE, RunLock, check_resume
+from corrflow.strategies.run_state import STATE, RunLock, RunLockedError, check_resume
 
 runs_app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Operate on run directories."
@@ -56,8 +56,24 @@ def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
             )
         run_id = json.loads((resume.checkpoint / "state.json").read_text())["run_id"]
         reg = ReleaseRegistry(registry or None)
+        _refuse_live_original(reg.run_dir(run_id), out)
         record = reg.adopt(run_id, out, [(e.round, e.noise_round, e.hash) for e in resume.journal])
     return {"run_id": run_id, "registry": str(reg.path), **record}
+
+
+def _refuse_live_original(registered: str | None, out: Path) -> None:
+    """A server running on the directory the registry names: adopting a copy now would let both
+    release the same rounds (RunLockedError naming the holder)."""
+    if registered is None or Path(registered) == out.resolve() or not Path(registered).is_dir():
+        return
+    try:
+        with RunLock(registered):
+            pass
+    except RunLockedError as exc:
+        raise RunLockedError(
+            f"the run is live in {registered}, which the registry names: stop that server before "
+            f"adopting a copy of it ({exc})"
+        ) from None
 
 
 @runs_app.command("adopt")

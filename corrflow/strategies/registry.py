@@ -191,6 +191,12 @@ class ReleaseRegistry:
                 (run_id, round_index, noise_round, journal_hash, _now()),
             )
 
+    def run_dir(self, run_id: str) -> str | None:
+        """The directory the registry places run ``run_id`` in (None: unknown)."""
+        with self._connect() as db:
+            row = db.execute("SELECT run_dir FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else row[0]
+
     def released(self, run_id: str) -> int:
         """How many rounds the registry records for ``run_id``."""
         with self._connect() as db:
