@@ -144,3 +144,8 @@ class SegmentedSource:
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
         """Row ``round_index``'s chunk, drawn with the key of its segment."""
         return self._source(self.table.key_for(round_index)).normal(round_index, chunk, size)
+
+    def generator(self, round_index: int, chunk: int):
+        """The (round, chunk) stream's generator, from the key of the row's segment (for sources
+        that draw block by block)."""
+        return self._source(self.table.key_for(round_index)).generator(round_index, chunk)
