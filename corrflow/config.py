@@ -464,7 +464,8 @@ class RunConfig(BaseModel):
     release_registry: str = setting(
         "",
         "the release registry, a SQLite file outside the run directory that refuses a "
-        "restored or copied run (default: $CORRFLOW_HOME/release_registry.sqlite)",
+        "restored, copied or moved run until `corrflow runs adopt` adopts it; keep it on storage "
+        "backed up separately (default: $CORRFLOW_HOME/release_registry.sqlite)",
         "a file path",
         surfaces=("cli", "run_config", "wrapper"),
     )

@@ -7,6 +7,7 @@ import signal
 import sys
 
 import numpy as np
+from lineage_support import noise_key_from_env, save_released
 
 from corrflow.clients.numpy_client import train
 from corrflow.config import RunConfig
@@ -29,6 +30,7 @@ cfg = RunConfig(
 
 
 def on_round_end(strategy, metrics):
+    save_released(out, strategy, metrics)
     if metrics["round"] == kill_after:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -36,7 +38,7 @@ def on_round_end(strategy, metrics):
 s = run_server(
     InProcessGrid({"train": train}, 16),
     cfg,
-    noise_key=bytes(range(16)),
+    noise_key=noise_key_from_env(),
     quiet=True,
     on_round_end=on_round_end,
 )

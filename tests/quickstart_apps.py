@@ -7,6 +7,10 @@ serves every wrapper test; each handler is what a user would write.
 * torch-style: a named state dict (emulated with numpy) with an integer buffer
   `bn.num_batches_tracked`, FedProx's `proximal-mu` used in the local objective;
 * keras: a small Dense model, `set_weights` / `fit` / `get_weights`.
+
+Federated evaluation (`@app.evaluate()`, `eval_loss` / `eval_acc`) and the server's
+`central_evaluate(server_round, arrays)` (`loss` / `accuracy` on server-held data) are
+quickstart-pytorch's, for the numpy model.
 """
 
 from collections import OrderedDict
@@ -120,4 +124,32 @@ def keras_train(msg: Message, context: Context) -> Message:
             }
         ),
         reply_to=msg,
+    )
+
+
+def _accuracy(w: np.ndarray, b: float, X: np.ndarray, y: np.ndarray) -> float:
+    """A classification view of the regression (quickstart-pytorch reports an accuracy): the share
+    of examples whose sign is predicted right."""
+    return float(np.mean(np.sign(X @ w + b) == np.sign(y)))
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """quickstart-pytorch's client evaluation: the received model on the node's data."""
+    w, b = msg.content["arrays"].to_numpy_ndarrays()
+    X, y = regression_data(int(context.node_config["partition-id"]) + 500)
+    metrics = {
+        "eval_loss": loss_of(w, float(b[0]), X, y),
+        "eval_acc": _accuracy(w, float(b[0]), X, y),
+        "num-examples": len(y),
+    }
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    """quickstart-pytorch's ``global_evaluate``: the global model on server-held data."""
+    w, b = arrays.to_numpy_ndarrays()
+    X, y = held_out()
+    return MetricRecord(
+        {"accuracy": _accuracy(w, float(b[0]), X, y), "loss": loss_of(w, float(b[0]), X, y)}
     )

@@ -8,6 +8,7 @@ import signal
 import sys
 
 import numpy as np
+from lineage_support import noise_key_from_env, save_released
 
 from corrflow.clients.numpy_client import train
 from corrflow.config import RunConfig
@@ -36,6 +37,7 @@ cfg = RunConfig(
 
 
 def on_round_end(strategy, metrics):
+    save_released(out, strategy, metrics)
     if metrics["round"] == kill_after:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -43,7 +45,7 @@ def on_round_end(strategy, metrics):
 s = run_server(
     InProcessGrid({"train": train}, 12),
     cfg,
-    noise_key=bytes(range(16)),
+    noise_key=noise_key_from_env(),
     quiet=True,
     on_round_end=on_round_end,
 )

@@ -1,7 +1,7 @@
 """Buffered linear Toeplitz (BLT) mechanisms (arXiv 2404.16706, 2408.08868): closed forms against
 hand-computed and brute-force values, the optimiser against the peer's optima, the encoder and its
-file, streamed noise against the dense C⁻¹Z, bit-exact resume (also after SIGKILL), accountants and
-the planner."""
+file, streamed noise against the dense C⁻¹Z, bit-exact resume of the noise state, fresh noise after
+a SIGKILL-ed run restarts, accountants and the planner."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lineage_support import assert_fresh_after_restart, assert_same_releases
 
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization, Workload, factorize, participation_for
@@ -302,29 +303,31 @@ def test_streamed_noise_equals_dense_inverse_and_resumes_bit_for_bit(blt_fac, tm
     np.testing.assert_array_equal(_rows(late, range(11, 16)), rows[11:])
 
 
-def test_blt_run_resumes_bit_exactly_after_sigkill(tmp_path):
+def test_blt_run_after_sigkill_draws_fresh_noise_and_replays_exactly(tmp_path):
+    """SIGKILL right after round 7's checkpoint, restart with a key from the OS: rounds 1–7 as an
+    uninterrupted run released them, rounds 8–16 fresh (the BLT state carries the old rows'
+    contributions); the recorded keys, injected into a second interrupted run, replay it exactly."""
     env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
     script = str(TESTS / "blt_kill_run.py")
-    full, crash = tmp_path / "full", tmp_path / "crash"
-    r = subprocess.run(
-        [sys.executable, script, str(full)], env=env, capture_output=True, text=True, timeout=300
-    )
+
+    def run(out, **extra):
+        return subprocess.run(
+            [sys.executable, script, str(out)],
+            env=dict(env, **extra),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    full, crash, replay = tmp_path / "full", tmp_path / "crash", tmp_path / "replay"
+    r = run(full)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(
-        [sys.executable, script, str(crash)],
-        env=dict(env, KILL_AFTER="6"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == -9  # killed right after round 6's checkpoint
+    assert run(crash, KILL_AFTER="6").returncode == -9  # killed right after round 6's checkpoint
     ckpt = crash / "state" / (crash / "state" / "CURRENT").read_text()
     assert json.loads((ckpt / "state.json").read_text())["next_round"] == 7
-    r = subprocess.run(
-        [sys.executable, script, str(crash)], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
-    np.testing.assert_array_equal(np.load(crash / "final.npy"), np.load(full / "final.npy"))
+    table = assert_fresh_after_restart(full, crash, 7)
     fac = Factorization.load(full / "factorization.npz")
     assert fac.kind == "blt" and fac.encoder.buffers == 2
     rep_full = json.loads((full / "privacy_report.json").read_text())
@@ -333,6 +336,10 @@ def test_blt_run_resumes_bit_exactly_after_sigkill(tmp_path):
         rep_crash["realized"]["epsilon"] == rep_full["realized"]["epsilon"]
         and rep_crash["rounds_completed"] == 16
     )
+    assert run(replay, KILL_AFTER="6").returncode == -9
+    r = run(replay, NOISE_KEY=table[1][1].hex())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_same_releases(replay, crash)
 
 
 def test_accountants_for_blt(blt_fac):

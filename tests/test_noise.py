@@ -404,3 +404,86 @@ def test_tensorflow_backend_restore(facs, tmp_path):
         save_state(gen, tmp_path / name)
         back = restore_state(tmp_path / name, fac, cls=TFCorrelatedNoise)
         np.testing.assert_array_equal(_rows(back, range(4, 10)), full[4:])
+        # a new key segment from round 4: the TF draws follow it too, and replay uses both keys
+        fresh = restore_state(tmp_path / name, fac, cls=TFCorrelatedNoise)
+        fresh.begin_segment(bytes(range(100, 116)))
+        tail = _rows(fresh, range(4, 10))
+        assert np.all(np.abs(tail - full[4:]).max(axis=1) > 0.1)
+        save_state(fresh, tmp_path / f"{name}-2")
+        again = restore_state(tmp_path / f"{name}-2", fac, cls=TFCorrelatedNoise)
+        np.testing.assert_array_equal(np.concatenate(again.next(2, replay=True)), full[2])
+        np.testing.assert_array_equal(np.concatenate(again.next(7, replay=True)), tail[3])
+
+
+# -- key segments: every process start draws the rows after its checkpoint with a fresh key --------
+KEY2 = bytes(range(100, 116))
+
+
+def _z_matrix(fac, dim, table, chunk_size):
+    """Z (n × d) drawn independently of the engine: row j from the Philox source of its segment's
+    key, chunk by chunk."""
+    z = np.empty((fac.rounds, dim))
+    for j in range(fac.rounds):
+        src = PhiloxSource(table.key_for(j))
+        for c, lo in enumerate(range(0, dim, chunk_size)):
+            hi = min(dim, lo + chunk_size)
+            z[j, lo:hi] = src.normal(j, c, hi - lo)
+    return z
+
+
+@pytest.mark.parametrize(
+    "name", ["banded", "banded-general", "banded-inverse", "dense", "identity", "blt"]
+)
+def test_new_segment_draws_later_rows_with_its_key(facs, name, tmp_path):
+    """A state restored at round 6 and given a new key: rounds 0–5 as before; rounds 6–15 are
+    σ·(C⁻¹Z)_t with rows Z_j, j ≥ 6, drawn with the new key (an independent float64 solve); the
+    segment table survives a save and restore, and replaying any earlier round, old or new segment,
+    is exact."""
+    fac, sigma, dim = facs[name], 0.3, 2000
+    first = CorrelatedNoise(fac, [(dim,)], stddev=sigma, key=KEY, chunk_size=700)
+    head = _rows(first, range(6))
+    save_state(first, tmp_path / "a")
+    resumed = restore_state(tmp_path / "a", fac)
+    resumed.begin_segment(KEY2)
+    assert [(s.first_round, s.key) for s in resumed.segments.segments] == [(0, KEY), (6, KEY2)]
+    tail = _rows(resumed, range(6, 16))
+    z = _z_matrix(fac, dim, resumed.segments, 700)
+    want = sigma * np.linalg.solve(fac.encoder.matrix(), z)
+    got = np.vstack([head, tail])
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    one_key = _rows(
+        CorrelatedNoise(fac, [(dim,)], stddev=sigma, key=KEY, chunk_size=700), range(16)
+    )
+    np.testing.assert_array_equal(head, one_key[:6])
+    assert np.all(np.abs(tail - one_key[6:]).max(axis=1) > 0.1 * sigma)  # every later row fresh
+    save_state(resumed, tmp_path / "b")
+    again = restore_state(tmp_path / "b", fac)
+    assert again.segments == resumed.segments
+    for t in (2, 6, 15):
+        np.testing.assert_array_equal(again.next(t, replay=True)[0], got[t])
+
+
+def test_segments_refuse_reuse_and_tampering(facs, tmp_path):
+    fac = facs["dense"]
+    gen = CorrelatedNoise(fac, [(50,)], key=KEY)
+    _rows(gen, range(3))
+    with pytest.raises(InvalidArgumentError, match="noise_key"):
+        gen.begin_segment(KEY)  # the key of rows 0–2: rows from 3 on would not be fresh
+    with pytest.raises(InvalidArgumentError, match="noise_key"):
+        gen.begin_segment(b"short")
+    gen.begin_segment(KEY2)
+    gen.begin_segment()  # a restart before round 3 was released: its segment replaces KEY2's
+    assert [s.first_round for s in gen.segments.segments] == [0, 3]
+    assert gen.segments.segments[1].key not in (KEY, KEY2)
+    save_state(gen, tmp_path / "s")
+    seg = tmp_path / "s" / "noise_segments.key"
+    assert stat.S_IMODE(os.stat(seg).st_mode) == 0o600
+    assert KEY2.hex() not in (tmp_path / "s" / "noise_state.json").read_text()
+    rows = json.loads(seg.read_bytes())
+    rows[1][1] = KEY2.hex()  # another key for rows 3+: the fingerprints no longer match
+    seg.write_text(json.dumps(rows))
+    with pytest.raises(IntegrityError, match="noise_segments.key"):
+        restore_state(tmp_path / "s", fac)
+    seg.unlink()
+    with pytest.raises(IntegrityError, match="noise_segments.key missing"):
+        restore_state(tmp_path / "s", fac)

@@ -518,8 +518,8 @@ def test_cross_silo_reply_over_the_item_bound_is_rejected(tmp_path, caplog):
 
 def test_bminsep_restart_replays_the_sampler(tmp_path):
     """A crash after round 4's checkpoint, then a restart: the sampler is replayed from its public
-    seed, a pending operator override survives, and the result is bit-identical to an uninterrupted
-    run."""
+    seed and a pending operator override survives: the cohorts and overrides are those of an
+    uninterrupted run, and only the noise after the restart is new."""
     kw = dict(
         num_users=30,
         num_rounds=10,
@@ -553,12 +553,13 @@ def test_bminsep_restart_replays_the_sampler(tmp_path):
         )
     resumed = run_server(InProcessGrid(HANDLERS, 30), cfg, noise_key=KEY, quiet=True)
     assert resumed.next_round == 10
-    for p, q in zip(ref.params, resumed.params, strict=True):
-        np.testing.assert_array_equal(p, q)
+    # The sampler replays: the same cohorts and overrides as the uninterrupted run; the rounds after
+    # the restart carry fresh noise (a new key per process start), so the models differ.
     assert (
         resumed.ledger.selected == ref.ledger.selected
         and resumed.ledger.overrides == ref.ledger.overrides
     )
+    assert not all(np.array_equal(p, q) for p, q in zip(ref.params, resumed.params, strict=True))
     assert any(o["source"] == "override" and o["round"] == 6 for o in ref.ledger.overrides)
 
 

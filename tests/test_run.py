@@ -5,6 +5,7 @@ non-finite model."""
 
 import numpy as np
 import pytest
+from lineage_support import segments
 from strategy_support import HANDLERS, KEY
 from strategy_support import small_config as _cfg
 
@@ -154,7 +155,7 @@ def test_a_sum_from_secure_aggregation_enters_as_the_replies_do(tmp_path):
 def test_the_budget_guard_stops_before_the_round(tmp_path):
     """A target ε below what the planned rounds spend: plan_next refuses the first round that would
     exceed it, the run stops on the record, and nothing of that round is released."""
-    cfg = _cfg(tmp_path, target_epsilon=1000.0)  # the largest target the settings accept
+    cfg = _cfg(tmp_path, target_epsilon=1000.0)  # the largest target: no guard
     with RunLock(cfg.state_dir):
         run = _start(cfg)
         routed = _routed(run)
@@ -172,41 +173,79 @@ def test_the_budget_guard_stops_before_the_round(tmp_path):
         assert run.report()["rounds_completed"] == len(eps)
 
 
-def test_a_resumed_run_continues_bit_for_bit(tmp_path):
-    """Three rounds, a new Run from the checkpoint (a restarted process), three more: the same bits
-    as six rounds in one go."""
+def _rounds(run: Run, count: int | None = None) -> list[list[np.ndarray]]:
+    """Up to ``count`` rounds (all that remain: None) of the plain loop; each released model."""
+    out = []
+    while (count is None or len(out) < count) and (plan := run.plan_next()) is not None:
+        routed = plan.route(NODE, set(NODE.values()))
+        out.append(run.step(routed, [_client(run, n) for n in routed.expected]).params)
+    return out
+
+
+def _split_run(cfg, restart_key: bytes | None) -> list[list[np.ndarray]]:
+    """Three rounds, a new Run from the checkpoint (a restarted process) with ``restart_key`` (None:
+    from the OS, as a server draws it), the rest."""
+    released = []
+    for rounds, key in ((3, KEY), (None, restart_key)):
+        with RunLock(cfg.state_dir):
+            plan = prepare(cfg, USERS, INITIAL, identity="partition-id")
+            run = Run.start(plan, INITIAL, open_run_directory(cfg.state_dir), noise_key=key)
+            released += _rounds(run, rounds)
+    assert run.state.next_round == 6
+    return released
+
+
+def test_a_resumed_run_draws_fresh_noise_and_replays_exactly(tmp_path):
+    """Three rounds, a restart from the checkpoint, three more — in the plain loop, as on the Flower
+    path: rounds 1–3 are the bits of an uninterrupted run, rounds 4–6 carry noise from a fresh key
+    (never the uninterrupted run's, even when the restart is handed the run's first key again);
+    the checkpoint holds the key segments, each journal entry names its own, and injecting the
+    recorded key replays the interrupted run bit for bit."""
+    from corrflow.noise.prng import fingerprint
+    from corrflow.run.journal import JOURNAL, ReleaseJournal
+
     whole = _cfg(tmp_path / "whole")
     with RunLock(whole.state_dir):
-        run = _start(whole)
-        while (plan := run.plan_next()) is not None:
-            routed = plan.route(NODE, set(NODE.values()))
-            run.step(routed, [_client(run, n) for n in routed.expected])
-        want = [np.array(p) for p in run.state.params]
-    cfg = _cfg(tmp_path / "split")
-    for rounds in (3, 3):
-        with RunLock(cfg.state_dir):
-            run = _start(cfg)
-            for _ in range(rounds):
-                routed = _routed(run)
-                run.step(routed, [_client(run, n) for n in routed.expected])
-    assert run.state.next_round == 6
-    for a, b in zip(run.state.params, want, strict=True):
-        assert a.tobytes() == b.tobytes()
+        want = _rounds(_start(whole))
+    later = bytes(range(16, 32))
+    for name, restart_key in (("os", None), ("reused", KEY), ("injected", later)):
+        got = _split_run(_cfg(tmp_path / name), restart_key)
+        for t, (a, b) in enumerate(zip(got, want, strict=True)):
+            same = all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
+            assert same == (t < 3), (name, t)
+    run_dir = tmp_path / "injected"
+    assert segments(run_dir) == [(0, KEY), (3, later)]
+    journal = ReleaseJournal(run_dir / JOURNAL).read()
+    assert [e.noise_segment["first_round"] for e in journal] == [0, 0, 0, 3, 3, 3]
+    assert {e.noise_segment["key_fingerprint"] for e in journal[3:]} == {fingerprint(later)}
+    with RunLock(run_dir):  # a start of the finished run draws no rows: it opens no segment
+        run = Run.start(
+            prepare(_cfg(run_dir), USERS, INITIAL, identity="partition-id"),
+            INITIAL,
+            open_run_directory(run_dir),
+        )
+    assert run.report()["lineage"]["key_segments"] == [0, 3]
+    replay = _split_run(_cfg(tmp_path / "replay"), later)
+    for a, b in zip(replay, _split_run(_cfg(tmp_path / "again"), later), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.tobytes() == y.tobytes()
 
 
 def test_a_non_finite_model_is_never_released(tmp_path):
-    """A server learning rate that overflows float32: the step refuses the round, the run stops with
-    the reason, and the checkpoint, journal and report stay at the last finite round. The settings
-    model refuses such a rate up front (tests/test_bad_inputs.py); it is injected past the model
-    here to check the step's own guard, which holds whatever the settings allow."""
-    cfg = _cfg(tmp_path, replies="delta", clip_norm=1e9).model_copy(update={"server_lr": 1e38})
+    """A sum near float32's range (a secure-aggregation adapter's, entering past the clipping)
+    times the largest server learning rate the settings accept overflows float32: the step refuses
+    the round, the run stops with the reason, and the checkpoint, journal and report stay at the
+    last finite round."""
+    cfg = _cfg(tmp_path, server_lr=1e6)
     with RunLock(cfg.state_dir):
         run = _start(cfg)
         routed = _routed(run)
-        big = [np.full(6, 1e8, np.float32), np.zeros(1, np.float32)]
-        record = run.step(
-            routed, [Reply(n, USERS[n - 100], ["0", "1"], big) for n in routed.expected]
-        )
+        summed = SummedReplies.empty(run.plan.layout.trainable_shapes)
+        summed.total[0][:] = 3e38
+        summed.accepted.extend(sorted(routed.expected.values()))
+        summed.counts["kept"] = len(summed.accepted)
+        with np.errstate(over="ignore"):  # the overflow is the point
+            record = run.step(routed, summed)
     assert record is None and "non-finite model" in run.state.stopped_reason
     assert run.state.next_round == 0 and np.all(np.asarray(run.state.params[0]) == 0)
     report = run.report()

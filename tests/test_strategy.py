@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+from lineage_support import assert_fresh_after_restart, assert_same_releases
 from strategy_support import HANDLERS, KEY, request_for
 from strategy_support import small_config as _cfg
 
@@ -60,66 +61,60 @@ def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     assert np.abs(theta[0]).max() > 0
 
 
-def test_kill_and_restart_is_bit_identical(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+def _kill_run(out, **env_extra):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), **env_extra)
     script = str(Path(__file__).parent / "strategy_kill_run.py")
-    full = tmp_path / "full"
-    r = subprocess.run(
-        [sys.executable, script, str(full)], env=env, capture_output=True, text=True, timeout=300
+    return subprocess.run(
+        [sys.executable, script, str(out)], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
+    """SIGKILL after round 4's checkpoint, restart with a key from the OS (as a server does): rounds
+    1–4 are released as by an uninterrupted run, rounds 5–8 with fresh noise (never a repeat of
+    the uninterrupted run's); the checkpoint and the journal record the key segments, and
+    injecting the recorded keys into a second interrupted run replays every round bit for bit."""
+    full, crash, replay = tmp_path / "full", tmp_path / "crash", tmp_path / "replay"
+    r = _kill_run(full)
     assert r.returncode == 0, r.stderr[-2000:]
-    crash = tmp_path / "crash"
-    r = subprocess.run(
-        [sys.executable, script, str(crash)],
-        env=dict(env, KILL_AFTER="3"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = _kill_run(crash, KILL_AFTER="3")
     assert r.returncode == -9  # killed after round 3's checkpoint
     state = json.loads(
         (crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text()
     )
     assert state["next_round"] == 4
-    r = subprocess.run(
-        [sys.executable, script, str(crash)], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = _kill_run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
-    np.testing.assert_array_equal(np.load(crash / "final.npy"), np.load(full / "final.npy"))
+    table = assert_fresh_after_restart(full, crash, 4)
     rep_full = json.loads((full / "privacy_report.json").read_text())
     rep_crash = json.loads((crash / "privacy_report.json").read_text())
     assert rep_crash["realized"]["epsilon"] == rep_full["realized"]["epsilon"]
     assert rep_crash["rounds_completed"] == 8
-
-
-def test_kill_mid_ring_row_resumes_bit_identically(tmp_path):
-    """SIGKILL halfway through round 5's row of the noise ring: the published checkpoint (round 4)
-    never needs the slot being written, so the restart resumes from it and ends with the same model
-    as an uninterrupted run."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-    script = str(Path(__file__).parent / "strategy_kill_run.py")
-    full, crash = tmp_path / "full", tmp_path / "crash"
-    r = subprocess.run(
-        [sys.executable, script, str(full)], env=env, capture_output=True, text=True, timeout=300
-    )
+    assert rep_crash["lineage"]["key_segments"] == [0, 4]
+    assert rep_full["lineage"]["key_segments"] == [0]
+    assert _kill_run(replay, KILL_AFTER="3").returncode == -9
+    r = _kill_run(replay, NOISE_KEY=table[1][1].hex())
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(
-        [sys.executable, script, str(crash)],
-        env=dict(env, KILL_IN_RING="5"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    assert_same_releases(replay, crash)
+    np.testing.assert_array_equal(np.load(replay / "final.npy"), np.load(crash / "final.npy"))
+
+
+def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path):
+    """SIGKILL halfway through round 6's row of the noise ring: the published checkpoint (round 5)
+    never needs the slot being written, so the restart resumes from it; rounds 1–5 as released by
+    an uninterrupted run, rounds 6–8 fresh."""
+    full, crash = tmp_path / "full", tmp_path / "crash"
+    r = _kill_run(full)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _kill_run(crash, KILL_IN_RING="5")
     assert r.returncode == -9
     state = json.loads(
         (crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text()
     )
     assert state["next_round"] == 5  # round 5 (0-based) was not checkpointed
-    r = subprocess.run(
-        [sys.executable, script, str(crash)], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = _kill_run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
-    np.testing.assert_array_equal(np.load(crash / "final.npy"), np.load(full / "final.npy"))
+    assert_fresh_after_restart(full, crash, 5)
 
 
 def _tamper(kind):

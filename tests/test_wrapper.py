@@ -318,3 +318,125 @@ def test_summary_works_for_every_setting_the_constructor_accepts(tmp_path, caplo
             s.summary()
         assert f"{epochs} epoch(s)" in caplog.text and "clipping norm 1" in caplog.text
     assert accepted >= 8
+
+
+def _flower_lines(run) -> list[str]:
+    """What Flower's logger printed about rounds and metrics while ``run()`` ran, numbers masked
+    (the values differ: one run is private)."""
+    import logging
+    import re
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    keep, flwr_logger = Keep(), logging.getLogger("flwr")
+    flwr_logger.addHandler(keep)
+    try:
+        run()
+    finally:
+        flwr_logger.removeHandler(keep)
+    wanted = re.compile(r"\[ROUND|MetricRecord|Global evaluation|Initial global evaluation")
+    number = re.compile(r"-?\d+(\.\d+)?(e[-+]?\d+)?")
+    return [number.sub("#", line) for line in keep.lines if wanted.search(line)]
+
+
+def test_a_quickstart_pytorch_app_logs_its_metrics_as_without_corrflow(tmp_path):
+    """quickstart-pytorch's pieces (train and evaluate ClientApps, FedAvg with federated
+    evaluation, a server-side evaluate_fn) run once with Flower's FedAvg alone and once wrapped as
+    the how-to says: Flower's log shows the same lines — each round, the aggregated train and
+    evaluate MetricRecords, the global evaluation — with the same metric names. The evaluate_fn's
+    loss is corrflow's held-out loss (metrics.json, the learning verdict), and the report lists the
+    app's aggregated metrics outside the guarantee."""
+    from corrflow.server.inprocess import InProcessGrid
+
+    handlers = {"train": qs.numpy_train, "evaluate": qs.evaluate}
+    init = ArrayRecord([np.zeros(qs.DIM), np.zeros(1)])
+    config = ConfigRecord({"app": "numpy", "lr": 0.05})
+
+    def fedavg():
+        return FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_available_nodes=6)
+
+    def plain():
+        fedavg().start(
+            grid=InProcessGrid(handlers, 6),
+            initial_arrays=init,
+            num_rounds=4,
+            train_config=config,
+            evaluate_fn=qs.central_evaluate,
+        )
+
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        fedavg(),
+        clipping_norm=0.5,
+        noise_multiplier=0.3,
+        num_users=6,
+        state_dir=tmp_path / "state",
+    )
+
+    def wrapped():
+        result = strategy.start(
+            grid=InProcessGrid(handlers, 6),
+            initial_arrays=init,
+            num_rounds=4,
+            train_config=config,
+            evaluate_fn=qs.central_evaluate,
+        )
+        assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3, 4]
+        assert "eval_acc" in result.evaluate_metrics_clientapp[4]
+
+    want, got = _flower_lines(plain), _flower_lines(wrapped)
+    assert sum("Aggregated MetricRecord" in line for line in want) == 8
+    assert want[0].startswith("Initial global evaluation results: {'accuracy'")
+    assert "'train_loss'" in want[2] and "'eval_loss'" in want[3] and "'loss'" in want[-1]
+    assert got == want
+    report = strategy.privacy_report()
+    assert report["learning"]["learned"] is True, report["learning"]
+    metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
+    loss = [m["test_loss"] for m in metrics]
+    assert len(loss) == 5 and loss[-1] < loss[0]
+    assert loss[0] == pytest.approx(qs.central_evaluate(0, init)["loss"])
+    outside = report["outside_guarantee"]["metrics"]
+    assert {"train.train_loss", "evaluate.eval_loss", "evaluate.eval_acc"} <= set(outside)
+
+
+def test_an_amplified_run_keeps_the_apps_aggregated_metrics_off_the_console(tmp_path):
+    """Amplified ε holds while the cohorts stay secret: the app's aggregated train and evaluate
+    metrics (statistics of who was sampled) go to the operator log only; Flower's log keeps the
+    rounds and the server-side evaluation, and the report names where the metrics went."""
+    from corrflow.server.inprocess import InProcessGrid
+
+    handlers = {"train": qs.numpy_train, "evaluate": qs.evaluate}
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=1.0, min_available_nodes=8),
+        clipping_norm=0.5,
+        noise_multiplier=0.5,
+        num_users=8,
+        participation="poisson",
+        participation_rate=0.75,  # an empty cohort (no train metrics) has probability 0.25⁸
+        min_sep=1,
+        accountant="mmcc",
+        kind="dpsgd",
+        state_dir=tmp_path / "state",
+    )
+    lines = _flower_lines(
+        lambda: strategy.start(
+            grid=InProcessGrid(handlers, 8),
+            initial_arrays=ArrayRecord([np.zeros(qs.DIM), np.zeros(1)]),
+            num_rounds=3,
+            train_config=ConfigRecord({"app": "numpy", "lr": 0.05}),
+            evaluate_fn=qs.central_evaluate,
+        )
+    )
+    assert not any("Aggregated" in line for line in lines), lines
+    assert sum(line.startswith("[ROUND") for line in lines) == 3
+    assert sum("'loss'" in line for line in lines) == 4  # initial + 3 global evaluations
+    operator = (tmp_path / "state" / "operator" / "operator.log").read_text()
+    assert operator.count("train: └──> Aggregated MetricRecord: {'train_loss'") == 3
+    assert operator.count("evaluate: └──> Aggregated MetricRecord: {'eval_loss'") == 3
+    outside = strategy.privacy_report()["outside_guarantee"]
+    assert outside["metrics"] == [] and "evaluate.eval_loss" in outside["why"]

@@ -1,7 +1,8 @@
 """Streaming correlated noise (C⁻¹Z)_t for model-sized updates, regenerated from a secret key.
 
-Counter-based Gaussian sources (`prng`), the four generation modes (`engine`) and
-owner-only, hash-checked checkpoints that resume bit for bit. Knows nothing of Flower.
+Counter-based Gaussian sources (`prng`), the generation modes (`engine`), owner-only,
+hash-checked checkpoints that resume bit for bit, and key segments (`segments`): a restarted
+server draws the rows after its checkpoint with a fresh key. Knows nothing of Flower.
 """
 
 from corrflow.noise.engine import MODES, CorrelatedNoise, default_mode, restore_state, save_state

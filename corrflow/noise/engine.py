@@ -37,6 +37,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,8 @@ from corrflow.factorization.encoders import (
 from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes, write_json
 from corrflow.noise.kernels import BLOCK, banded_block, blt_block
-from corrflow.noise.prng import GaussianSource, fingerprint, make_source, new_secret
+from corrflow.noise.prng import fingerprint, make_source, new_secret
+from corrflow.noise.segments import SegmentedSource, SegmentTable
 
 MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
 #: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the
@@ -144,7 +146,9 @@ class CorrelatedNoise:
         self.stddev = float(stddev)
         self.prng = prng
         self._key = new_secret(prng) if key is None else key
-        self._source: GaussianSource = make_source(prng, self._key)
+        # Row Z_j comes from the key of its segment (corrflow.noise.segments): one key until a
+        # restart opens a new segment.
+        self._source = SegmentedSource(SegmentTable.single(self._key), partial(make_source, prng))
         self.mode = default_mode(factorization) if mode is None else mode
         require(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
         self.chunk_size = chunk_size
@@ -249,6 +253,26 @@ class CorrelatedNoise:
                 "round_index", f"{self.next_round}, the next round ({what})", round_index
             )
         return self._split(flat)
+
+    @property
+    def segments(self) -> SegmentTable:
+        """Which key drew each row Z_j (`corrflow.noise.segments`)."""
+        return self._source.table
+
+    def begin_segment(self, key: bytes | None = None) -> None:
+        """Draw the rows Z_j, j ≥ the next round, with a new key (default: fresh from the OS);
+        earlier rows keep the key that drew them. A server calls this on every start that resumes a
+        checkpoint, so that rounds after a restart never repeat the noise of an earlier start.
+
+        Args: key: for tests only; a key the table already holds is refused.
+        """
+        key = new_secret(self.prng) if key is None else key
+        require(
+            isinstance(key, bytes) and len(key) == len(self._key),
+            "noise_key",
+            f"{len(self._key)} secret bytes",
+        )
+        self._source.table = self.segments.extend(self.next_round, key)
 
     def skip_round(self) -> None:
         """Advance past the next round without releasing noise (non-private baselines keep rounds
@@ -405,6 +429,8 @@ class CorrelatedNoise:
 # -- checkpoints -----------------------------------------------------------------------------------
 STATE_FORMAT = "corrflow.noise-state/1"
 PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
+#: The key segments with their keys (owner-only); the public state lists their fingerprints.
+SEGMENTS_FILE = "noise_segments.key"
 #: The banded ring buffer's rows on disk, overwritten in place (beside the checkpoints, outside
 # them).
 RING_FILE = "noise_ring.bin"
@@ -510,6 +536,8 @@ def save_state(
         "buffer_sha256": None,
     }
     write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
+    public["key_segments"] = gen.segments.public()
+    write_bytes(d / SEGMENTS_FILE, gen.segments.to_private(), private=True)
     if gen._buffer is not None and ring is not None and gen.mode == "banded":
         public["ring"] = _save_ring(gen, Path(ring))
     elif gen._buffer is not None:
@@ -576,6 +604,20 @@ def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) 
     gen._ring_known = known
 
 
+def _restore_segments(d: Path, public: dict, key: bytes) -> SegmentTable:
+    """The key segments saved with the state, checked against its fingerprints and first key."""
+    try:
+        data = (d / SEGMENTS_FILE).read_bytes()
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{d}: incomplete noise state ({SEGMENTS_FILE} missing)") from exc
+    table = SegmentTable.from_private(data, public.get("key_segments"), str(d / SEGMENTS_FILE))
+    if table.segments[0].key != key:
+        raise IntegrityError(f"{d / SEGMENTS_FILE}: the first segment's key is not the state's key")
+    if table.segments[-1].first_round > int(public["next_round"]):
+        raise IntegrityError(f"{d / SEGMENTS_FILE}: a segment begins after the state's next round")
+    return table
+
+
 def restore_state(
     directory: str | os.PathLike,
     factorization: Factorization,
@@ -631,6 +673,8 @@ def restore_state(
         chunk_size=int(public["chunk_size"]),
     )
     gen.next_round = int(public["next_round"])
+    if (d / SEGMENTS_FILE).exists() or "key_segments" in public:
+        gen._source.table = _restore_segments(d, public, key)
     if gen._buffer is not None and "ring" in public:
         if gen.mode != "banded":
             raise IntegrityError(f"{d}: a ring of rows is only for the banded mode, not {gen.mode}")

@@ -15,6 +15,7 @@ import numpy as np
 
 from corrflow.errors import InvalidArgumentError
 from corrflow.noise.engine import STATEFUL_MODES, CorrelatedNoise
+from corrflow.noise.segments import SegmentedSource
 
 
 def _tf():
@@ -55,7 +56,7 @@ class TFCorrelatedNoise(CorrelatedNoise):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._source = TFGaussianSource(self._key)
+        self._source = SegmentedSource(self._source.table, TFGaussianSource)
         tf = self._tf = _tf()
         if self._buffer is not None:
             self._tf_buffer = tf.Variable(

@@ -32,7 +32,7 @@ from corrflow.fileio import write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
-from corrflow.run.disclosure import operator_log
+from corrflow.run.disclosure import Disclosure, operator_log
 from corrflow.run.journal import GENESIS
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream
@@ -174,12 +174,14 @@ class Run:
         on_round_end: Callable[[dict], None] | None = None,
     ) -> Run:
         """A new run from the model ``initial`` (all its arrays, in order), or the run the
-        checkpoint ``resume`` names (its unreleased round is released now).
+        checkpoint ``resume`` names (its unreleased round is released now with the noise in its
+        checkpoint; the rounds after it draw their noise with a fresh key: every start does).
 
         Args: plan: the run's plan (`prepare`). initial: the initial model; a resumed run
         refuses another one. resume: what the run directory resumes from
-        (`open_run_directory`). noise_key: the noise stream's key (tests and audits; default
-        a fresh secret). evaluate: server-side evaluation of the trainable float32 arrays, whose
+        (`open_run_directory`). noise_key: the key of this start's noise rows — a new run's, a
+        resumed run's from its checkpoint on (tests and audits; default a fresh secret from the
+        OS). evaluate: server-side evaluation of the trainable float32 arrays, whose
         metrics join each round's. on_round_end: called with each round's published metrics.
 
         Returns:
@@ -196,11 +198,14 @@ class Run:
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
             registry.claim(keys.run_id, recorder.run_dir)
         else:
-            noise = NoiseStream.restore(resume.checkpoint, plan.factorization)
+            # A new key segment from the checkpoint's next round on: rounds after a restart never
+            # repeat the noise of an earlier start (corrflow.noise.segments).
+            noise = NoiseStream.restore(resume.checkpoint, plan.factorization, noise_key)
             state, keys = restore(plan, resume.checkpoint, noise, initial_sha256)
             last = resume.journal[-1].hash if resume.journal else GENESIS
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, last)
             registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
+            recorder.adoptions = registry.adoptions(keys.run_id)
             # Killed between the journal's append and the registry's record: record it now.
             for entry in resume.journal[registry.released(keys.run_id) :]:
                 registry.record(keys.run_id, entry.round, entry.noise_round, entry.hash)
@@ -240,6 +245,20 @@ class Run:
     @property
     def noise(self) -> NoiseStream:
         return self._noise
+
+    @property
+    def disclosure(self) -> Disclosure:
+        """What the run publishes and what only its operator sees."""
+        return self._recorder.disclosure
+
+    def show_outside_guarantee(self, names: Iterable[str]) -> None:
+        """List metrics the caller shows outside the DP release — a wrapped app's aggregated
+        metrics ("train.NAME", "evaluate.NAME") — under the report's ``outside_guarantee``.
+
+        Args:
+            names: the metrics' names, as shown.
+        """
+        self._recorder.app_metrics.update(names)
 
     @property
     def done(self) -> bool:

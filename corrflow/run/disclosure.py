@@ -71,19 +71,26 @@ class Disclosure:
         )
         _append_private(self._dir() / "rounds.jsonl", line + "\n")
 
-    def public_report(self, report: dict) -> dict:
+    def public_report(self, report: dict, app_metrics: list[str] = ()) -> dict:
         """The report as published: amplified runs keep ε, δ, accountant, settings and rounds, and
         point to the operator's participation file for the rest; every run lists what it publishes
-        outside the guarantee."""
+        outside the guarantee. ``app_metrics``: a wrapped app's aggregated metrics shown
+        ("train.NAME", "evaluate.NAME"; corrflow.strategies.app_metrics)."""
         if not self.secret:
             return {
                 **report,
                 "outside_guarantee": {
-                    "metrics": list(COHORT_METRICS[:-1]),
+                    "metrics": list(COHORT_METRICS[:-1]) + list(app_metrics),
                     "realized.rejections": "count of rejected replies",
                     "why": (
                         "statistics of the replies, not covered by the DP release (the schedule is "
                         "public)"
+                        + (
+                            "; train.* and evaluate.* are the app's own metrics, aggregated by its "
+                            "strategy from the cohort's replies and logged as Flower logs them"
+                            if app_metrics
+                            else ""
+                        )
                     ),
                 },
             }
@@ -110,6 +117,13 @@ class Disclosure:
                     "files "
                     f"in {OPERATOR_DIR}/ hold the per-user participation, the per-round counts and "
                     "rejections"
+                    + (
+                        ", and operator.log the app's aggregated metrics ("
+                        + ", ".join(app_metrics)
+                        + ")"
+                        if app_metrics
+                        else ""
+                    )
                 ),
             },
         }

@@ -39,11 +39,17 @@ class JournalEntry:
     prev: str
     hash: str
     mac: str
+    # the key segment that drew its newest row Z_t, {"first_round", "key_fingerprint"}
+    # (corrflow.noise.segments): with the checkpoint's segment table, the round replays exactly.
+    # None only in journals written before segments existed (one key for the whole run).
+    noise_segment: dict | None = None
 
     def body(self) -> dict:
         d = dict(self.__dict__)
         d.pop("hash")
         d.pop("mac")
+        if d["noise_segment"] is None:  # older entries were hashed without the field
+            d.pop("noise_segment")
         return d
 
 
@@ -98,6 +104,7 @@ class ReleaseJournal:
         checkpoint: str,
         manifest_sha256: str,
         prev: str,
+        noise_segment: dict | None = None,
     ) -> JournalEntry:
         body = {
             "run_id": run_id,
@@ -107,13 +114,14 @@ class ReleaseJournal:
             "checkpoint": checkpoint,
             "manifest_sha256": manifest_sha256,
             "prev": prev,
+            **({"noise_segment": noise_segment} if noise_segment is not None else {}),
         }
         digest = _digest(body)
         entry = JournalEntry(**body, hash=digest, mac=_mac(secret, digest))
         self._cut_torn_tail()
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry.__dict__, sort_keys=True) + "\n")
+            f.write(json.dumps({**body, "hash": digest, "mac": entry.mac}, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
         return entry

@@ -3,10 +3,16 @@ saved with every checkpoint and restored bit for bit.
 
 `NoiseStream` is the one interface the round uses (`NoiseStream.add`,
 `NoiseStream.skip`, ``NoiseStream.next_round``, `NoiseStream.save`), so a different
-source of the same noise plugs in here without a second path through the round: keys that change
-per process start (segments of rounds, each drawn from its own key, listed in the checkpoint), or a
-stream sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising
-the whole model-sized noise). Today it wraps one `CorrelatedNoise`.
+source of the same noise plugs in here without a second path through the round, e.g. a stream
+sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising the whole
+model-sized noise). Today it wraps one `CorrelatedNoise`.
+
+Every process start that resumes a checkpoint draws the rows Z_j, j ≥ the checkpoint's next round,
+with a fresh key from the operating system (`NoiseStream.restore`; `corrflow.noise.segments`);
+earlier rows keep the key that drew them. A run directory rolled back together with its release
+registry therefore never releases a round with the noise of an earlier release, and the segment
+table (saved in the authenticated checkpoint, each segment named in the release journal) replays
+any released round exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 from corrflow.factorization.base import Factorization
 from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
 from corrflow.noise.engine import RING_FILE
+from corrflow.noise.segments import SegmentTable
 
 #: Coordinates per block when adding the noise into the sum (256 KiB of float32).
 _BLOCK = 1 << 16
@@ -39,17 +46,31 @@ class NoiseStream:
         return cls(CorrelatedNoise(factorization, shapes, 1.0, key=key or new_secret()))
 
     @classmethod
-    def restore(cls, checkpoint: Path, factorization: Factorization) -> NoiseStream:
-        """The stream a checkpoint saved, positioned at its next round (IntegrityError when its
-        files do not verify)."""
-        return cls(
-            restore_state(checkpoint / "noise", factorization, ring=checkpoint.parent / RING_FILE)
-        )
+    def restore(
+        cls, checkpoint: Path, factorization: Factorization, key: bytes | None = None
+    ) -> NoiseStream:
+        """The stream a checkpoint saved, positioned at its next round, with a new key segment from
+        that round on (IntegrityError when its files do not verify).
+
+        Args: checkpoint: the verified checkpoint. factorization: the run's. key: this start's key
+        (tests only; default, and for a key the run already used: fresh from the OS — never from
+        anything stored, which would roll back with the run directory).
+        """
+        gen = restore_state(checkpoint / "noise", factorization, ring=checkpoint.parent / RING_FILE)
+        if gen.next_round < gen.rounds:  # a finished run draws no more rows: no segment to open
+            used = {s.key for s in gen.segments.segments}
+            gen.begin_segment(key if key not in used else None)
+        return cls(gen)
 
     @property
     def next_round(self) -> int:
         """The next round whose noise has not been drawn."""
         return self._gen.next_round
+
+    @property
+    def segments(self) -> SegmentTable:
+        """Which key drew each row Z_j: (first round, key) per process start."""
+        return self._gen.segments
 
     @property
     def generator(self) -> CorrelatedNoise:

@@ -33,7 +33,7 @@ from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.run.ledger import Ledger
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
-from corrflow.run.registry import ReleaseRegistry
+from corrflow.run.registry import ReleaseRegistry, lineage_section
 from corrflow.run.resume import settings_conflict
 from corrflow.run.state import RunSecrets, RunState
 
@@ -61,6 +61,8 @@ class Recorder:
         self.disclosure = Disclosure(plan.accounting.plan.amplified, self.run_dir)
         self._journal = ReleaseJournal(self.run_dir / JOURNAL)
         self._last_hash = last_hash
+        self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
+        self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -82,6 +84,8 @@ class Recorder:
             checkpoint=ckpt.name,
             manifest_sha256=manifest_digest(ckpt),
             prev=self._last_hash,
+            # the key segment that drew row Z_t: with the checkpoint's table, t replays exactly
+            noise_segment=self.noise.segments.segment_for(t).public(),
         )
         self.registry.record(self.keys.run_id, t, entry.noise_round, entry.hash)
         self._last_hash = entry.hash
@@ -168,6 +172,7 @@ class Recorder:
             learning=self.learning(),
         )
         report["mechanism"]["notes"] = list(c.notes)
+        report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
         if (
             plan.vocabulary is not None
         ):  # a run on a dataset file: how its vocabulary was built, and the total
@@ -181,7 +186,7 @@ class Recorder:
     def write_report(self) -> Path:
         """privacy_report.json: the report as published (`Disclosure.public_report`)."""
         return write_report(
-            self.disclosure.public_report(self.report()),
+            self.disclosure.public_report(self.report(), sorted(self.app_metrics)),
             self.run_dir / "privacy_report.json",
         )
 

@@ -29,6 +29,7 @@ from corrflow.server.options import (
     param_name,
     with_settings,
 )
+from corrflow.server.runs import runs_app
 from corrflow.server.schema_cli import schema_command
 
 # Planning, accounting, data, noise and the run are imported inside the commands that use them: at
@@ -1216,6 +1217,7 @@ def _users_line(realized: dict, out: Path) -> str:
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
+app.add_typer(runs_app, name="runs")
 app.command("compare")(with_settings(compare_command, "compare"))
 app.command("schema")(schema_command)
 

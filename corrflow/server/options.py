@@ -1,10 +1,10 @@
 """The commands' shared options, generated from the settings model (`corrflow.config`): one
 typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
 default and help. ``simulate`` and ``audit`` take every setting; ``factorize``, ``plan``,
-``account`` and ``compare`` the ones in `COMMAND_SETTINGS`, with the same names, choices and
-defaults (a command's own default is declared by the model and shown by ``--help``). A command
-declared with `with_settings` receives them as keyword arguments; `config_from_cli`
-turns them into a validated `RunConfig` whose errors name the flag."""
+``account``, ``compare`` and ``runs adopt`` the ones in `COMMAND_SETTINGS`, with the same names,
+choices and defaults (a command's own default is declared by the model and shown by ``--help``). A
+command declared with `with_settings` receives them as keyword arguments; `config_from_cli` turns
+them into a validated `RunConfig` whose errors name the flag."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "data_path",
         "vocab_path",
     ),
+    "runs adopt": ("release_registry",),
 }
 
 

@@ -151,7 +151,8 @@ def simulate(
     """Run ``cfg`` in its run directory (``cfg.state_dir``) and return the final privacy report
     (also in ``privacy_report.json`` there). Raises `RunInterruptedError` after a signal and
     `RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
-    tests that compare runs bit for bit; a real run draws a fresh secret key."""
+    tests that compare runs bit for bit (the key of this start's rows: a resumed run's rows from its
+    checkpoint on); a real run draws a fresh secret key on every start."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)

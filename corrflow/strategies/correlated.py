@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.run import Run
 from corrflow.run.round import RoundPlan
+from corrflow.strategies.app_metrics import AppMetrics, ServerEvaluation
 from corrflow.strategies.messaging import (
     NodeDirectory,
     exchange,
@@ -68,8 +69,9 @@ class InFlight:
 class CorrelatedNoiseStrategy(Strategy):
     """DP-FTRL / matrix-factorization training with correlated noise (see the module docstring).
     Built by `corrflow.strategies.session.prepare_run` over a `Run`, who
-    is behind each node (``directory``), the user's inner strategy, and the event that stops it;
-    the run's state is read through the properties (read-only views)."""
+    is behind each node (``directory``), the user's inner strategy, the event that stops it, and
+    the app's ``evaluate_fn`` when it is the run's server-side evaluation; the run's state is read
+    through the properties (read-only views)."""
 
     def __init__(
         self,
@@ -77,9 +79,13 @@ class CorrelatedNoiseStrategy(Strategy):
         directory: NodeDirectory,
         inner: Strategy | None = None,
         stop_event: threading.Event | None = None,
+        server_evaluation: ServerEvaluation | None = None,
     ):
         self.run, self.directory, self.inner = run, directory, inner
         self.stop_event = stop_event or threading.Event()
+        #: a Flower app's ``evaluate_fn`` as the run's server-side evaluation (its results are
+        # shown as Flower shows them, and returned in ``Result``)
+        self.server_evaluation = server_evaluation
         self.inflight = InFlight()
         self._said: set[str] = set()  # one-time warnings
 
@@ -142,8 +148,9 @@ class CorrelatedNoiseStrategy(Strategy):
         (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
         round (merged with the inner strategy's). evaluate_config: the config of the inner
         strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
-        for the starting model (round 0) and after every round, as Flower's FedAvg does; its metrics
-        go to ``metrics.json``.
+        for the starting model (round 0) and after every round, as Flower's FedAvg does; its loss
+        (the metric named ``loss`` or ending in ``loss``) and accuracy go to ``metrics.json`` as
+        ``test_loss`` and ``test_accuracy`` and decide the report's learning verdict.
 
         Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
         metrics.
@@ -300,10 +307,21 @@ def run_rounds(
     stop = strategy.stop_event
     arrays = strategy.initial_arrays()
     result = Result(arrays=arrays)  # a finished or resumed run returns its current model
-    if evaluate_fn is not None and (res := evaluate_fn(strategy.next_round, arrays)) is not None:
-        result.evaluate_metrics_serverapp[strategy.next_round] = res
+    # A wrapped app's metrics, shown as Flower shows them as far as privacy allows (app_metrics).
+    shown = AppMetrics(strategy.run)
+    server = strategy.server_evaluation
+    if evaluate_fn is not None:
+        t0 = strategy.next_round
+        res = server.results[0] if server and t0 == 0 else evaluate_fn(t0, arrays)
+        shown.initial_evaluation(res)
+        if res is not None:
+            result.evaluate_metrics_serverapp[t0] = res
     while strategy.next_round < last and not strategy.stopped_reason and not stop.is_set():
         server_round = strategy.next_round + 1
+        if strategy.inner is not None:
+            shown.round_header(server_round, last)
+        if server is not None:
+            server.round = server_round
         messages = list(
             strategy.configure_train(server_round, arrays, train_config or ConfigRecord(), grid)
         )
@@ -318,6 +336,8 @@ def run_rounds(
             break
         arrays = result.arrays = new_arrays
         result.train_metrics_clientapp[server_round] = metrics
+        if strategy.inner is not None:
+            shown.aggregated("train", server_round, metrics)
         evaluation = list(
             strategy.configure_evaluate(
                 server_round, arrays, evaluate_config or ConfigRecord(), grid
@@ -326,8 +346,12 @@ def run_rounds(
         ev = exchange(grid, evaluation, timeout, stop) if evaluation else None
         if ev is not None and (agg := strategy.aggregate_evaluate(server_round, ev)) is not None:
             result.evaluate_metrics_clientapp[server_round] = agg
-        if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
-            result.evaluate_metrics_serverapp[server_round] = res
+            shown.aggregated("evaluate", server_round, agg)
+        if evaluate_fn is not None:
+            res = server.results.get(server_round) if server else evaluate_fn(server_round, arrays)
+            shown.global_evaluation(res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
     if (
         stop.is_set()
         and not strategy.stopped_reason

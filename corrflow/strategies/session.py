@@ -31,8 +31,9 @@ from corrflow.errors import IntegrityError
 from corrflow.run import Run, RunLock, open_run_directory, prepare
 from corrflow.run.resume import ResumePoint
 from corrflow.strategies import identity as ids
+from corrflow.strategies.app_metrics import ServerEvaluation
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
-from corrflow.strategies.messaging import NodeDirectory, model_arrays
+from corrflow.strategies.messaging import NodeDirectory, model_arrays, model_record
 
 log = logging.getLogger("corrflow")
 
@@ -63,7 +64,7 @@ class RunSpec:
         None  # refuses a population the caller cannot serve
     )
     fresh: bool = False
-    noise_key: bytes | None = None
+    noise_key: bytes | None = None  # tests only: this start's key segment (never the CLI)
     stop_event: threading.Event | None = None
 
     @property
@@ -116,10 +117,20 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout)
     arrays, names = model_arrays(spec.initial)
     plan = prepare(cfg, list(directory.values()), arrays, names, source)
+    # A Flower app's evaluate_fn is the run's server-side evaluation: its loss is checkpointed with
+    # each round and feeds the learning verdict (corrflow.strategies.app_metrics).
+    server = None
+    if spec.evaluate is None and spec.evaluate_fn is not None:
+        server = ServerEvaluation(spec.evaluate_fn, partial(model_record, plan.layout))
     strategies: list[CorrelatedNoiseStrategy] = []  # the callback receives the strategy built below
     on_end = None if spec.on_round_end is None else (lambda m: spec.on_round_end(strategies[0], m))
     run = Run.start(
-        plan, arrays, resume, noise_key=spec.noise_key, evaluate=spec.evaluate, on_round_end=on_end
+        plan,
+        arrays,
+        resume,
+        noise_key=spec.noise_key,
+        evaluate=spec.evaluate or server,
+        on_round_end=on_end,
     )
     resolver = partial(
         ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)
@@ -130,6 +141,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
             NodeDirectory(directory, resolver, run.report_salt),
             spec.inner,
             spec.stop_event,
+            server,
         )
     )
     return strategies[0]

@@ -22,6 +22,11 @@ calibrated, users resolved by the declared ``identity``. Each round the inner st
 ``proximal-mu``, …), which goes to corrflow's scheduled cohort; corrflow's clip → sum → correlated
 noise → server optimizer replaces the inner parameter aggregation (equal weights: DP needs them, so
 ``num-examples`` is ignored), and the inner metric aggregation and federated evaluation are kept.
+Their results are logged as Flower logs them (``Aggregated MetricRecord``), on the console for runs
+whose schedule is public and on the operator log only for amplified runs, and the report lists them
+under ``outside_guarantee``; ``evaluate_fn``'s results are logged as Flower does in every run, and
+its loss is the held-out loss of ``metrics.json`` and the report's learning verdict
+(`corrflow.strategies.app_metrics`).
 """
 
 from __future__ import annotations
