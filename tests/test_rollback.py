@@ -278,3 +278,14 @@ def test_adopting_a_copy_of_a_live_run_is_refused(first, tmp_path):
         holder.kill()
         holder.wait()
     assert ReleaseRegistry(home / REGISTRY_FILE).run_dir(run_id) == str(live.resolve())
+
+
+def test_an_unwritable_registry_path_is_refused_before_anything_is_written(tmp_path):
+    """A --release-registry no file can be written at: exit 2 naming the flag, and --out is not
+    created (a run that could not record its releases must not start)."""
+    out = tmp_path / "run"
+    r = _cli(
+        tmp_path / "h", *SIMULATE, "--release-registry", "/proc/x/reg.sqlite", "--out", str(out)
+    )
+    assert r.returncode == 2 and "--release-registry" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -633,6 +633,8 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
     are refused); errors name the flag."""
 
     out = writable_directory(settings[param_name("state_dir")], "--out")
+    if settings.get(param_name("release_registry")):
+        writable_file(settings[param_name("release_registry")], "--release-registry")
     overrides: dict = {"state_dir": str(run_directory(out))}
     if (
         settings.get(param_name("mode")) == "cross-silo"
