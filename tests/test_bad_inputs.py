@@ -31,6 +31,8 @@ def files(tmp_path_factory):
     bad_vocab, bad_jsonl = d / "bad_v.txt", d / "bad.jsonl"
     bad_vocab.write_bytes(vocab.read_bytes() + b"caf\xe9\n")
     bad_jsonl.write_bytes(ax.read_bytes() + b'{"id": "x\xff"}\n')
+    bad_csv = d / "bad_attr.csv"
+    bad_csv.write_bytes(b"\xff\xfei\x00t\x00e\x00m\x00")  # UTF-16, not UTF-8
     empty_vocab = d / "empty_v.txt"
     empty_vocab.write_text("#corrflow-vocab oov_buckets=1 source=non-private\n")
     empty_data = d / "empty.sqlite"
@@ -45,12 +47,14 @@ def files(tmp_path_factory):
         "vocab": vocab,
         "bad_vocab": bad_vocab,
         "bad_jsonl": bad_jsonl,
+        "bad_csv": bad_csv,
         "empty_vocab": empty_vocab,
         "empty_data": empty_data,
     }
 
 
-# (id, argv with OUT for the output directory and {name} for a fixture file, what the error names)
+# (id, argv with OUT for the output directory and {name} for a fixture file, what the error names:
+# a string or a tuple of strings)
 CASES = [
     (
         "sim-vocab-utf8",
@@ -73,6 +77,12 @@ CASES = [
         "cmp-jsonl-utf8",
         "compare --rounds 4 --data {bad_jsonl} --vocab {vocab} --out OUT",
         "bad.jsonl:",
+    ),
+    (
+        "sim-attribution-utf8",
+        "simulate --users 20 --rounds 4 --participation multi-attribution "
+        "--attribution {bad_csv} --out OUT",
+        ("--attribution", "bad_attr.csv:1: UTF-8"),
     ),
     ("vocab-epsilon", "data vocab {so} --epsilon 1e308 --out OUT/v.txt", "--epsilon"),
     ("vocab-out-proc", "data vocab {so} --no-privacy --out /proc/corrflow-v.txt", "--out"),
@@ -145,7 +155,8 @@ def test_bad_input_refused(files, tmp_path, argv, named):
     res = invoke(*args)
     text = res.output
     assert res.exit_code == 2, text
-    assert named in text, text
+    for name in named if isinstance(named, tuple) else (named,):
+        assert name in text, text
     assert "Traceback" not in text
     assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
 

@@ -706,7 +706,17 @@ def _data_defaults(settings: dict, typed: set[str]) -> dict:
 
 def _checked_data(cfg):
     """A run on a dataset file: --users within the file's training partitions, the vocabulary's
-    share of the budget leaves some for training (exit 2 naming the flag)."""
+    share of the budget leaves some for training; an attribution file that can be read (exit 2
+    naming the flag, before --out is touched)."""
+    if cfg.attribution_path:
+        from corrflow.planning.run import load_graph
+
+        try:
+            load_graph(cfg.attribution_path)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError("--attribution", exc.expected, exc.got) from None
+        except DataFormatError as exc:
+            raise InvalidArgumentError("--attribution", str(exc)) from None
     if cfg.data_path:
         from corrflow.planning.run import training_budget
         from corrflow.server.simulation import check_data_population
