@@ -145,6 +145,19 @@ def test_plan_runs_in_simulate(planned, tmp_path):
     )
     assert bad.returncode == 2 and "--accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
     assert "--rounds: plan 24, run 30" in bad.stderr
+    # the plan's population (its cohort and sampling probability) is not a default to override
+    users = run(
+        "simulate",
+        "--plan",
+        str(out / "recipe.json"),
+        "--out",
+        str(tmp_path / "run3"),
+        "--users",
+        str(rec["population"] + 7),
+    )
+    assert users.returncode == 2, users.stderr
+    assert f"--users: plan {rec['population']}, run {rec['population'] + 7}" in users.stderr
+    assert not (tmp_path / "run3").exists()
 
 
 def test_budgets(tmp_path):

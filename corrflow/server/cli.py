@@ -603,8 +603,8 @@ def simulate(
         Path | None,
         typer.Option(
             help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
-            "mechanism, participation, accountant and σ; flags that differ "
-            "are refused"
+            "mechanism, participation, accountant, σ and population (--users); flags that "
+            "differ are refused"
         ),
     ] = None,
     **settings,
@@ -667,12 +667,16 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
     typed = given_on_command_line(ctx)
     given = {name: settings[param_name(name)] for name in recipe_names().values() if name in typed}
     diff = recipe.differences(given, {name: surface_name(name, "cli") for name in given})
+    # The plan's population fixes its cohort (population / min-sep) and, for a sampler, the
+    # sampling probability σ was calibrated for: a --users that differs is refused like the rest
+    # (the wrapper may still run a plan on another population; the CLI's --plan promises the plan).
+    if "num_users" in given and given["num_users"] != recipe.population:
+        diff.append(f"--users: plan {recipe.population!r}, run {given['num_users']!r}")
     if diff:
         raise InvalidArgumentError(
             "--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff)
         )
-    if "num_users" not in typed and "num_users" not in overrides:
-        overrides["num_users"] = recipe.population
+    overrides["num_users"] = recipe.population  # over --data's default (every partition)
     cfg = _checked_data(_fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides)))
     install_factorization(
         recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
