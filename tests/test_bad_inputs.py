@@ -140,6 +140,16 @@ CASES = [
         "simulate --rounds 4 --noise-multiplier 1e308 --out OUT",
         "--noise-multiplier",
     ),
+    (
+        "sim-first-round-over-budget",  # σ = 1: round 1 of a dense 4-round run spends ε = 4.377
+        "simulate --rounds 4 --users 20 --noise-multiplier 1 --target-epsilon 4 --out OUT",
+        ("--noise-multiplier/--target-epsilon", "ε = 4.3772"),
+    ),
+    (
+        "audit-first-round-over-budget",
+        "audit --rounds 4 --users 20 --noise-multiplier 1 --target-epsilon 4 --out OUT",
+        ("--noise-multiplier/--target-epsilon", "ε = 4.3772"),
+    ),
     ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
     ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
 ]

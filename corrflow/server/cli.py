@@ -623,8 +623,48 @@ def simulate(
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
     out = Path(cfg.state_dir)
+    if fresh or not (cfg.checkpoint_dir / "CURRENT").exists():  # before --out is locked
+        try:
+            _check_first_round(cfg)
+        except InvalidArgumentError as exc:
+            _fail(exc)
     complete = _check_resume(cfg, out, fresh)
     _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+
+
+def _check_first_round(cfg) -> None:
+    """Refuse (naming the flags) a fixed σ whose first round alone would already spend more than
+    --target-epsilon, the budget guard's limit: known before anything is written. The same ε the
+    in-run guard computes (`RunAccounting.budget_exceeded` for round 1 of a fresh run), here only
+    where the plan alone fixes it: a cross-device run of simulated users with no attribution or
+    dataset file (the guard in the run covers the rest)."""
+    if (
+        cfg.noise_multiplier is None
+        or cfg.target_epsilon is None
+        or cfg.mode != "cross-device"
+        or cfg.attribution_path
+        or cfg.data_path
+    ):
+        return
+    from corrflow.accounting.policy import RunAccounting
+    from corrflow.planning.run import build_factorization, build_planner, plan_privacy
+
+    users = [f"user-{i}" for i in range(cfg.num_users)]
+    planner, _, _ = build_planner(cfg, users)
+    fac = build_factorization(cfg)
+    privacy = plan_privacy(cfg, fac, planner)
+    accounting = RunAccounting.of(
+        fac, privacy, cfg.delta if privacy.delta is None else privacy.delta, privacy.target_epsilon
+    )
+    eps = accounting.budget_exceeded({}, [], 0, users[:1])
+    if eps is not None:
+        raise InvalidArgumentError(
+            "--noise-multiplier/--target-epsilon",
+            f"a σ whose first round spends at most the target ε = {cfg.target_epsilon:g}: with "
+            f"σ = {cfg.noise_multiplier:g} round 1 alone spends ε = {eps:.4f} (raise "
+            "--noise-multiplier or --target-epsilon)",
+            cfg.noise_multiplier,
+        )
 
 
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
@@ -935,6 +975,7 @@ def audit(
                 settings.get(param_name("mode")),
             )
         cfg = _simulate_config(ctx, settings, plan, fresh=True)
+        _check_first_round(cfg)
         from corrflow.planning.resources import check_fits, estimate
 
         # every candidate canary is a simulated SuperNode with its own draws: its memory counts too
