@@ -150,6 +150,12 @@ CASES = [
         "audit --rounds 4 --users 20 --noise-multiplier 1 --target-epsilon 4 --out OUT",
         ("--noise-multiplier/--target-epsilon", "ε = 4.3772"),
     ),
+    (
+        "sim-bands-blt",
+        "simulate --backend inprocess --rounds 4 --kind blt --bands 3 --out OUT",
+        "--bands",
+    ),
+    ("audit-bands-blt", "audit --rounds 4 --kind blt --bands 3 --out OUT", "--bands"),
     ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
     ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
 ]

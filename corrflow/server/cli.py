@@ -4,6 +4,7 @@ name the argument."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -628,8 +629,25 @@ def simulate(
             _check_first_round(cfg)
         except InvalidArgumentError as exc:
             _fail(exc)
-    complete = _check_resume(cfg, out, fresh)
-    _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+    with _refusal_leaves(out):
+        complete = _check_resume(cfg, out, fresh)
+        _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+
+
+@contextlib.contextmanager
+def _refusal_leaves(out: Path):
+    """A refusal (exit 2) leaves --out as it found it: the lock, .gitignore and engine.log a start
+    wrote are removed, and the directory if the start created it (nothing once a round was
+    checkpointed or journaled)."""
+    from corrflow.server.simulation import new_files_undo
+
+    undo = new_files_undo(out)
+    try:
+        yield
+    except typer.Exit as exc:
+        if exc.exit_code == 2:
+            undo()
+        raise
 
 
 def _check_first_round(cfg) -> None:
@@ -997,7 +1015,8 @@ def audit(
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         _fail(exc)
-    _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
+    with _refusal_leaves(Path(cfg.state_dir)):
+        _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
 
 
 def _run_audit(
