@@ -60,23 +60,23 @@ CASES = [
         "sim-vocab-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
         "--vocab {bad_vocab} --out OUT",
-        "bad_v.txt:",
+        ("--vocab: ", "bad_v.txt:302: expected UTF-8"),
     ),
     (
         "sim-jsonl-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data "
         "{bad_jsonl} --vocab {vocab} --out OUT",
-        "bad.jsonl:",
+        ("--data: ", "bad.jsonl:46: expected UTF-8"),
     ),
     (
         "cmp-vocab-utf8",
         "compare --rounds 4 --data {so} --vocab {bad_vocab} --out OUT",
-        "bad_v.txt:",
+        ("--vocab: ", "bad_v.txt:302: expected UTF-8"),
     ),
     (
         "cmp-jsonl-utf8",
         "compare --rounds 4 --data {bad_jsonl} --vocab {vocab} --out OUT",
-        "bad.jsonl:",
+        ("--data: ", "bad.jsonl:46: expected UTF-8"),
     ),
     (
         "sim-attribution-utf8",

@@ -26,6 +26,7 @@ from corrflow.server.options import (
     COMMAND_SETTINGS,
     cli_values,
     config_from_cli,
+    file_error_message,
     given_on_command_line,
     param_name,
     with_settings,
@@ -78,14 +79,16 @@ def _load_factorization(path: Path, flag: str):
         ) from None
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception, files: dict | None = None) -> None:
+    """Print ``exc`` (naming the flag; a data file's error led by its flag among ``files``, the
+    command's settings) and exit 2 for bad input, else 1."""
     if (
         isinstance(exc, InvalidArgumentError)
         and exc.field.replace("_", "-").replace("-", "").isalnum()
         and exc.field.islower()
     ):  # a setting's name (not a path, not a positional NAME): the flag
         exc = _as_flag(exc)
-    typer.echo(f"error: {exc}", err=True)
+    typer.echo(f"error: {file_error_message(exc, files or {})}", err=True)
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
 
@@ -622,7 +625,7 @@ def simulate(
     except InvalidArgumentError as exc:
         _fail(exc)
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, settings)
     out = Path(cfg.state_dir)
     if fresh or not (cfg.checkpoint_dir / "CURRENT").exists():  # before --out is locked
         try:
@@ -881,7 +884,7 @@ def _run_simulation(
         )
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, cfg.model_dump())
     except (
         OSError
     ) as exc:  # a full disk, a vanished mount: the last checkpoint and journal are consistent
@@ -1014,7 +1017,7 @@ def audit(
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, settings)
     with _refusal_leaves(Path(cfg.state_dir)):
         _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
 
@@ -1033,7 +1036,7 @@ def _run_audit(
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, cfg.model_dump())
     if as_json:
         _emit(result, True)
     else:
