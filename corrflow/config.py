@@ -185,7 +185,8 @@ class RunConfig(BaseModel):
     )
     min_sep: int = setting(
         0,
-        "b: the fewest rounds between two participations of a user (0: rounds/epochs)",
+        "b: the fewest rounds between two participations of a user (0: the participation's "
+        "own — rounds/epochs, or 1 for poisson)",
         "an integer ≥ 0",
         unit="rounds",
         ge=0,
@@ -504,8 +505,8 @@ class RunConfig(BaseModel):
     @classmethod
     def _defaults(cls, values: Any) -> Any:
         """Fill the defaults that depend on other settings: the client's training settings, the
-        schedule seed, and ε = 8 for a private run given neither ε nor σ. Booleans are refused for
-        numeric settings."""
+        schedule seed, ε = 8 for a private run given neither ε nor σ, and min-sep 1 for poisson
+        participation left at 0. Booleans are refused for numeric settings."""
         if not isinstance(values, dict):
             return values
         values = dict(values)
@@ -526,6 +527,11 @@ class RunConfig(BaseModel):
             and values.get("target_epsilon") is None
         ):
             values["target_epsilon"] = DEFAULT_TARGET_EPSILON
+        participation = values.get("participation")
+        if str(getattr(participation, "value", participation)) == "poisson" and not values.get(
+            "min_sep"
+        ):  # min-sep 0 is the participation's own separation: any round for poisson (002)
+            values["min_sep"] = 1
         return values
 
     @model_validator(mode="after")
@@ -657,7 +663,8 @@ class RunConfig(BaseModel):
 
     @property
     def b(self) -> int:
-        """The design min-sep: ``min-sep`` when set, else num-rounds / epochs."""
+        """The design min-sep: ``min-sep`` when set (poisson: 1, set by `_defaults`), else
+        num-rounds / epochs."""
         return self.min_sep or self.num_rounds // self.epochs
 
     @property

@@ -3,6 +3,9 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
+
+from corrflow.server.cli import app
 
 REQUIRED = {
     "kind",
@@ -231,3 +234,30 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(tmp_path, args, fl
     assert r.returncode == 2, r.stderr
     assert f"error: {flag}:" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_poisson_without_min_sep_runs(tmp_path):
+    """--min-sep left at 0 is poisson's own separation (1), not a refusal (trial report)."""
+    res = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--backend",
+            "inprocess",
+            "--users",
+            "20",
+            "--rounds",
+            "4",
+            "--participation",
+            "poisson",
+            "--out",
+            str(tmp_path / "o"),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code in (0, 3), res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["rounds_completed"] == 4
+    assert report["planned"]["participation"]["kind"] == "poisson"
+    assert report["planned"]["participation"]["min_sep"] == 1
