@@ -157,7 +157,11 @@ class RunConfig(BaseModel):
         le=MAX_USERS,
         names={"cli": "--users", "recipe": "population"},
         surface_defaults={"cli": 50},
-        command_defaults={"compare": (None, "the preset's; with --data every training partition")},
+        command_defaults={
+            "compare": (None, "the preset's; with --data every training partition"),
+            # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
+            "audit": (50, "without --preset; --preset sets its own: quick 1000, tiny 160"),
+        },
     )
     num_rounds: int = setting(
         20,
@@ -461,6 +465,9 @@ class RunConfig(BaseModel):
         "a directory path",
         surfaces=("cli", "run_config", "wrapper"),
         names={"cli": "--out"},
+        command_defaults={
+            "audit": ("corrflow_audit", "always a new run: an earlier one there is moved aside")
+        },
     )
     release_registry: str = setting(
         "",

@@ -261,3 +261,17 @@ def test_poisson_without_min_sep_runs(tmp_path):
     assert report["rounds_completed"] == 4
     assert report["planned"]["participation"]["kind"] == "poisson"
     assert report["planned"]["participation"]["min_sep"] == 1
+
+
+def test_audit_help_shows_audits_own_defaults():
+    """audit --help: --out's default is corrflow_audit, --users names what each preset sets
+    (PRESETS is their one source), and exit 5 is the whole interval of ε̂ above the claim, as
+    `corrflow.strategies.canaries._verdict` decides."""
+    from corrflow.server.compare import PRESETS
+
+    res = CliRunner().invoke(app, ["audit", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(res.output.split())
+    assert "[default: corrflow_audit]" in text and "corrflow_run" not in text
+    for name, preset in PRESETS.items():
+        assert f"{name} {preset.users}" in text
+    assert "the whole 95% bootstrap interval of ε̂ lies above it" in text

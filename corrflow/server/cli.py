@@ -960,7 +960,8 @@ def audit(
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
     there is moved aside). Exit codes: 0 consistent (nothing shown above the claim), 1 the run
     failed, 2 bad arguments, 4 VIOLATION (ε_lo exceeds the claimed ε at 95% confidence), 5 SUSPECT
-    (the estimate ε̂ lies above the claim but ε_lo does not prove it: rerun with more canaries).
+    (ε_lo does not exceed the claim, but the whole 95% bootstrap interval of ε̂ lies above it — its
+    lower end exceeds the claimed ε: rerun with more canaries).
     When the largest ε_lo this many canaries can show is below the claim, a note says so and how
     many would lift it."""
 
@@ -1156,11 +1157,11 @@ def report_command(
         raise typer.Exit(code=1) from None
 
 
-#: ``corrflow audit``'s exit code when the estimate lies above the claim but the lower bound does
-# not prove it.
+#: ``corrflow audit``'s exit code when the whole interval of the estimate lies above the claim
+# but the lower bound does not prove it.
 AUDIT_SUSPECT_EXIT = 5
 
-app.command()(with_settings(audit))
+app.command()(with_settings(audit, "audit"))
 
 
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
