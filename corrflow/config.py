@@ -114,13 +114,16 @@ def setting(
     names: dict[str, str] | None = None,
     surface_defaults: dict[str, Any] | None = None,
     command_defaults: dict[str, tuple[Any, str]] | None = None,
+    command_help: dict[str, str] | None = None,
     **constraints,
 ) -> Any:
     """Declare one setting: its default, help, the constraint in words (``expected``, for errors),
     its unit, the surfaces exposing it and their names for it (default: ``--kebab`` on the CLI,
     ``corrflow.kebab`` in the run config, the field name elsewhere), a surface's own default where
     it must differ (``simulate`` needs a number of simulated users), and a CLI command's own default
-    with the reason its ``--help`` gives (``command_defaults={"compare": (None, "the preset's")}``).
+    with the reason its ``--help`` gives (``command_defaults={"compare": (None, "the preset's")}``),
+    and a CLI command's own help text where the shared one would mention what it lacks
+    (``command_help``).
     ``constraints``: pydantic's (``ge``, ``gt``, ``le``, ``lt``, ``allow_inf_nan``)."""
     return Field(
         default,
@@ -132,6 +135,7 @@ def setting(
             "names": dict(names or {}),
             "surface_defaults": dict(surface_defaults or {}),
             "command_defaults": {k: list(v) for k, v in (command_defaults or {}).items()},
+            "command_help": dict(command_help or {}),
         },
         **constraints,
     )
@@ -157,6 +161,9 @@ class RunConfig(BaseModel):
         le=MAX_USERS,
         names={"cli": "--users", "recipe": "population"},
         surface_defaults={"cli": 50},
+        command_help={
+            cmd: "users: the simulated SuperNodes" for cmd in ("simulate", "audit", "compare")
+        },
         command_defaults={
             "compare": (None, "the preset's; with --data every training partition"),
             # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
@@ -261,6 +268,11 @@ class RunConfig(BaseModel):
         gt=0,
         le=MAX_EPSILON,
         allow_inf_nan=False,
+        command_help={
+            "plan": "the target ε",
+            "account": "ε to find the smallest grid σ for",
+            "compare": "ε each private arm's σ is calibrated for (the same as --epsilons E)",
+        },
         command_defaults={
             "plan": (DEFAULT_TARGET_EPSILON, "every candidate is calibrated to it"),
             "account": (None, "exactly one of --target-epsilon and --noise-multiplier"),
@@ -285,9 +297,9 @@ class RunConfig(BaseModel):
     )
     accountant: Accountant | None = setting(
         None,
-        "unamplified, monte-carlo (bminsep, multi-attribution, poisson), mmcc (poisson, "
-        "cyclic-poisson) or "
-        "cyclic-poisson (001 Prop. 2.1); default: unamplified for fixed-epoch, else every bound "
+        "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo (bminsep, multi-attribution, "
+        "poisson) or mmcc (poisson, cyclic-poisson); default: unamplified for fixed-epoch, else "
+        "every bound "
         "that applies and "
         "the tightest verified at δ",
         "an accountant",
@@ -295,7 +307,9 @@ class RunConfig(BaseModel):
     mc_samples: int = setting(
         100_000,
         "Monte Carlo samples per direction: the first batch of ε, per σ candidate of "
-        "a calibration (monte-carlo accountant, or the tightest when none is named)",
+        "a calibration (monte-carlo accountant, or the tightest when none is named); at least "
+        "1000 for a run (`corrflow account --mc-samples` takes ≥ 2: a one-off that reports the δ "
+        "its samples verify)",
         "at least 1000",
         unit="samples",
         surfaces=("cli", "run_config", "wrapper"),
@@ -762,7 +776,8 @@ def help_text(name: str, command: str | None = None) -> str:
     """The setting's ``--help`` line (with the unit, and the command's own default and why)."""
     info = RunConfig.model_fields[name]
     unit = _meta(info)["unit"]
-    text = info.description + (f" [{unit}]" if unit and unit not in info.description else "")
+    text = _meta(info).get("command_help", {}).get(command or "", info.description)
+    text += f" [{unit}]" if unit and unit not in text else ""
     reason = None if command is None else command_default_reason(name, command)
     if reason is not None:
         default = surface_default(name, "cli", command)

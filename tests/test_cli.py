@@ -275,3 +275,24 @@ def test_audit_help_shows_audits_own_defaults():
     for name, preset in PRESETS.items():
         assert f"{name} {preset.users}" in text
     assert "the whole 95% bootstrap interval of ε̂ lies above it" in text
+
+
+def test_shared_settings_help_is_per_command():
+    """A command's help names only what it has: no noise multiplier in plan's or compare's
+    --target-epsilon, no server waiting in compare's --users; the accountants in one order;
+    account's --mc-samples declares how it differs from a run's."""
+
+    def help_of(command):
+        res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+        return " ".join(res.output.replace("│", " ").split())
+
+    for command in ("plan", "compare"):
+        line = help_of(command).split("--target-epsilon", 1)[1].split("--", 1)[0]
+        assert "noise multiplier" not in line, line
+    assert "server waits" not in help_of("compare")
+    order = "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo"
+    for command in ("simulate", "audit", "account"):
+        assert order in help_of(command)
+    assert "unamplified, cyclic-poisson, monte-carlo, mmcc" in help_of("plan")
+    assert "at least 1000 for a run" in help_of("simulate")
+    assert "Unlike a run's --mc-samples" in help_of("account")

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from corrflow.choices import SAMPLING_OF, Participation, Sampling
+from corrflow.choices import SAMPLING_OF, Accountant, Participation, Sampling
 from corrflow.config import recipe_names, renamed, surface_name, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.factorization.base import Factorization
@@ -195,9 +195,11 @@ def account(
         int | None,
         typer.Option(
             help="Monte Carlo: size of the first batch of samples per "
-            "direction (default: what the target δ needs; smaller "
+            "direction, at least 2 (default: what the target δ needs; smaller "
             "batches only feed the estimate); with --target-epsilon: "
-            "samples per candidate σ (default 100000)"
+            "samples per candidate σ (default 100000). Unlike a run's --mc-samples "
+            "(simulate, audit: at least 1000), a one-off: the result reports the δ its "
+            "samples verify"
         ),
     ] = None,
     seed: Annotated[
@@ -439,9 +441,8 @@ def plan(
     accountants: Annotated[
         str | None,
         typer.Option(
-            help="comma-separated accountants: unamplified, "
-            "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
-            "ones; the plan lists what it skipped)"
+            help=f"comma-separated accountants: {', '.join(a.value for a in Accountant)} "
+            "(default: the cheap ones; the plan lists what it skipped)"
         ),
     ] = None,
     time_budget: Annotated[
@@ -898,7 +899,7 @@ def _run_simulation(
         raise typer.Exit(code=1) from None
 
 
-app.command()(with_settings(simulate))
+app.command()(with_settings(simulate, "simulate"))
 
 
 #: compare's preset fields → the settings they fill for ``audit --preset`` (flags typed on the
