@@ -489,3 +489,18 @@ def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
     assert [c.noise_multiplier for c in again.candidates] == [
         c.noise_multiplier for c in first.candidates
     ]
+
+
+def test_plan_table_shows_each_candidates_min_sep(planned):
+    """Two candidates with the same kind, bands and accountant but another min-sep b (a sampler's
+    own b) are told apart by the table's b column (trial report)."""
+    from corrflow.server.cli import _plan_table
+
+    out, doc, _ = planned
+    lines = _plan_table(doc, out, top=len(doc["candidates"])).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("rank"))
+    assert header.split()[:3] == ["rank", "candidate", "b"]
+    rows = [line for line in lines if line[:4].strip().isdigit() or line[:4].strip() == "-"]
+    assert len(rows) == len(doc["candidates"])
+    for row, c in zip(rows, doc["candidates"], strict=True):
+        assert row[37:43].strip() == str(c["min_sep"]), row

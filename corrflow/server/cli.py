@@ -548,8 +548,8 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
         f"participation  b = {part['min_sep']}, k = {part['epochs']} "
         f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
         f"{part['rule_of_thumb_bands']:.1f} bands",
-        f"{'rank':>4} {'candidate':<32} {'σ':>8} {'RMSE':>10} {'max err':>10} {'×DP-SGD':>8} "
-        f"{'noise MB':>10} "
+        f"{'rank':>4} {'candidate':<32} {'b':>5} {'σ':>8} {'RMSE':>10} {'max err':>10} "
+        f"{'×DP-SGD':>8} {'noise MB':>10} "
         f"{'noise s/rd':>10} {'build s':>8}",
     ]
     for c in doc["candidates"][:top]:
@@ -560,7 +560,8 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
         )
         ratio = "" if c["rmse_ratio_vs_dpsgd"] is None else f"{c['rmse_ratio_vs_dpsgd']:.3f}"
         lines.append(
-            f"{c['rank'] or '-':>4} {label:<32} {c['noise_multiplier']:>8.4g} {c['rmse']:>10.4g} "
+            f"{c['rank'] or '-':>4} {label:<32} {c['min_sep']:>5} {c['noise_multiplier']:>8.4g} "
+            f"{c['rmse']:>10.4g} "
             f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
             f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}"
         )
