@@ -659,11 +659,14 @@ def _check_first_round(cfg) -> None:
     """Refuse (naming the flags) a fixed σ whose first round alone would already spend more than
     --target-epsilon, the budget guard's limit: known before anything is written. The same ε the
     in-run guard computes (`RunAccounting.budget_exceeded` for round 1 of a fresh run), here only
-    where the plan alone fixes it: a cross-device run of simulated users with no attribution or
-    dataset file (the guard in the run covers the rest)."""
+    where the plan alone fixes it and cheaply: fixed-epoch participation (unamplified, no Monte
+    Carlo) of simulated cross-device users with no attribution or dataset file (the guard in the
+    run covers the rest). Only with both flags given; the factorization is built here and again
+    by the run."""
     if (
         cfg.noise_multiplier is None
         or cfg.target_epsilon is None
+        or cfg.participation != "fixed-epoch"
         or cfg.mode != "cross-device"
         or cfg.attribution_path
         or cfg.data_path
