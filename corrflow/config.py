@@ -114,13 +114,16 @@ def setting(
     names: dict[str, str] | None = None,
     surface_defaults: dict[str, Any] | None = None,
     command_defaults: dict[str, tuple[Any, str]] | None = None,
+    command_help: dict[str, str] | None = None,
     **constraints,
 ) -> Any:
     """Declare one setting: its default, help, the constraint in words (``expected``, for errors),
     its unit, the surfaces exposing it and their names for it (default: ``--kebab`` on the CLI,
     ``corrflow.kebab`` in the run config, the field name elsewhere), a surface's own default where
     it must differ (``simulate`` needs a number of simulated users), and a CLI command's own default
-    with the reason its ``--help`` gives (``command_defaults={"compare": (None, "the preset's")}``).
+    with the reason its ``--help`` gives (``command_defaults={"compare": (None, "the preset's")}``),
+    and a CLI command's own help text where the shared one would mention what it lacks
+    (``command_help``).
     ``constraints``: pydantic's (``ge``, ``gt``, ``le``, ``lt``, ``allow_inf_nan``)."""
     return Field(
         default,
@@ -132,6 +135,7 @@ def setting(
             "names": dict(names or {}),
             "surface_defaults": dict(surface_defaults or {}),
             "command_defaults": {k: list(v) for k, v in (command_defaults or {}).items()},
+            "command_help": dict(command_help or {}),
         },
         **constraints,
     )
@@ -157,7 +161,14 @@ class RunConfig(BaseModel):
         le=MAX_USERS,
         names={"cli": "--users", "recipe": "population"},
         surface_defaults={"cli": 50},
-        command_defaults={"compare": (None, "the preset's; with --data every training partition")},
+        command_help={
+            cmd: "users: the simulated SuperNodes" for cmd in ("simulate", "audit", "compare")
+        },
+        command_defaults={
+            "compare": (None, "the preset's; with --data every training partition"),
+            # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
+            "audit": (50, "without --preset; --preset sets its own: quick 1000, tiny 160"),
+        },
     )
     num_rounds: int = setting(
         20,
@@ -185,7 +196,8 @@ class RunConfig(BaseModel):
     )
     min_sep: int = setting(
         0,
-        "b: the fewest rounds between two participations of a user (0: rounds/epochs)",
+        "b: the fewest rounds between two participations of a user (0: the participation's "
+        "own — rounds/epochs, or 1 for poisson)",
         "an integer ≥ 0",
         unit="rounds",
         ge=0,
@@ -256,6 +268,11 @@ class RunConfig(BaseModel):
         gt=0,
         le=MAX_EPSILON,
         allow_inf_nan=False,
+        command_help={
+            "plan": "the target ε",
+            "account": "ε to find the smallest grid σ for",
+            "compare": "ε each private arm's σ is calibrated for (the same as --epsilons E)",
+        },
         command_defaults={
             "plan": (DEFAULT_TARGET_EPSILON, "every candidate is calibrated to it"),
             "account": (None, "exactly one of --target-epsilon and --noise-multiplier"),
@@ -280,9 +297,9 @@ class RunConfig(BaseModel):
     )
     accountant: Accountant | None = setting(
         None,
-        "unamplified, monte-carlo (bminsep, multi-attribution, poisson), mmcc (poisson, "
-        "cyclic-poisson) or "
-        "cyclic-poisson (001 Prop. 2.1); default: unamplified for fixed-epoch, else every bound "
+        "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo (bminsep, multi-attribution, "
+        "poisson) or mmcc (poisson, cyclic-poisson); default: unamplified for fixed-epoch, else "
+        "every bound "
         "that applies and "
         "the tightest verified at δ",
         "an accountant",
@@ -290,7 +307,9 @@ class RunConfig(BaseModel):
     mc_samples: int = setting(
         100_000,
         "Monte Carlo samples per direction: the first batch of ε, per σ candidate of "
-        "a calibration (monte-carlo accountant, or the tightest when none is named)",
+        "a calibration (monte-carlo accountant, or the tightest when none is named); at least "
+        "1000 for a run (`corrflow account --mc-samples` takes ≥ 2: a one-off that reports the δ "
+        "its samples verify)",
         "at least 1000",
         unit="samples",
         surfaces=("cli", "run_config", "wrapper"),
@@ -460,6 +479,9 @@ class RunConfig(BaseModel):
         "a directory path",
         surfaces=("cli", "run_config", "wrapper"),
         names={"cli": "--out"},
+        command_defaults={
+            "audit": ("corrflow_audit", "always a new run: an earlier one there is moved aside")
+        },
     )
     release_registry: str = setting(
         "",
@@ -505,8 +527,8 @@ class RunConfig(BaseModel):
     @classmethod
     def _defaults(cls, values: Any) -> Any:
         """Fill the defaults that depend on other settings: the client's training settings, the
-        schedule seed, and ε = 8 for a private run given neither ε nor σ. Booleans are refused for
-        numeric settings."""
+        schedule seed, ε = 8 for a private run given neither ε nor σ, and min-sep 1 for poisson
+        participation left at 0. Booleans are refused for numeric settings."""
         if not isinstance(values, dict):
             return values
         values = dict(values)
@@ -527,6 +549,11 @@ class RunConfig(BaseModel):
             and values.get("target_epsilon") is None
         ):
             values["target_epsilon"] = DEFAULT_TARGET_EPSILON
+        participation = values.get("participation")
+        if str(getattr(participation, "value", participation)) == "poisson" and not values.get(
+            "min_sep"
+        ):  # min-sep 0 is the participation's own separation: any round for poisson (002)
+            values["min_sep"] = 1
         return values
 
     @model_validator(mode="after")
@@ -658,7 +685,8 @@ class RunConfig(BaseModel):
 
     @property
     def b(self) -> int:
-        """The design min-sep: ``min-sep`` when set, else num-rounds / epochs."""
+        """The design min-sep: ``min-sep`` when set (poisson: 1, set by `_defaults`), else
+        num-rounds / epochs."""
         return self.min_sep or self.num_rounds // self.epochs
 
     @property
@@ -749,7 +777,8 @@ def help_text(name: str, command: str | None = None) -> str:
     """The setting's ``--help`` line (with the unit, and the command's own default and why)."""
     info = RunConfig.model_fields[name]
     unit = _meta(info)["unit"]
-    text = info.description + (f" [{unit}]" if unit and unit not in info.description else "")
+    text = _meta(info).get("command_help", {}).get(command or "", info.description)
+    text += f" [{unit}]" if unit and unit not in text else ""
     reason = None if command is None else command_default_reason(name, command)
     if reason is not None:
         default = surface_default(name, "cli", command)

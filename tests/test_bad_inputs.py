@@ -31,6 +31,8 @@ def files(tmp_path_factory):
     bad_vocab, bad_jsonl = d / "bad_v.txt", d / "bad.jsonl"
     bad_vocab.write_bytes(vocab.read_bytes() + b"caf\xe9\n")
     bad_jsonl.write_bytes(ax.read_bytes() + b'{"id": "x\xff"}\n')
+    bad_csv = d / "bad_attr.csv"
+    bad_csv.write_bytes(b"\xff\xfei\x00t\x00e\x00m\x00")  # UTF-16, not UTF-8
     empty_vocab = d / "empty_v.txt"
     empty_vocab.write_text("#corrflow-vocab oov_buckets=1 source=non-private\n")
     empty_data = d / "empty.sqlite"
@@ -45,34 +47,42 @@ def files(tmp_path_factory):
         "vocab": vocab,
         "bad_vocab": bad_vocab,
         "bad_jsonl": bad_jsonl,
+        "bad_csv": bad_csv,
         "empty_vocab": empty_vocab,
         "empty_data": empty_data,
     }
 
 
-# (id, argv with OUT for the output directory and {name} for a fixture file, what the error names)
+# (id, argv with OUT for the output directory and {name} for a fixture file, what the error names:
+# a string or a tuple of strings)
 CASES = [
     (
         "sim-vocab-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
         "--vocab {bad_vocab} --out OUT",
-        "bad_v.txt:",
+        ("--vocab: ", "bad_v.txt:302: expected UTF-8"),
     ),
     (
         "sim-jsonl-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data "
         "{bad_jsonl} --vocab {vocab} --out OUT",
-        "bad.jsonl:",
+        ("--data: ", "bad.jsonl:46: expected UTF-8"),
     ),
     (
         "cmp-vocab-utf8",
         "compare --rounds 4 --data {so} --vocab {bad_vocab} --out OUT",
-        "bad_v.txt:",
+        ("--vocab: ", "bad_v.txt:302: expected UTF-8"),
     ),
     (
         "cmp-jsonl-utf8",
         "compare --rounds 4 --data {bad_jsonl} --vocab {vocab} --out OUT",
-        "bad.jsonl:",
+        ("--data: ", "bad.jsonl:46: expected UTF-8"),
+    ),
+    (
+        "sim-attribution-utf8",
+        "simulate --users 20 --rounds 4 --participation multi-attribution "
+        "--attribution {bad_csv} --out OUT",
+        ("--attribution", "bad_attr.csv:1: UTF-8"),
     ),
     ("vocab-epsilon", "data vocab {so} --epsilon 1e308 --out OUT/v.txt", "--epsilon"),
     ("vocab-out-proc", "data vocab {so} --no-privacy --out /proc/corrflow-v.txt", "--out"),
@@ -130,6 +140,22 @@ CASES = [
         "simulate --rounds 4 --noise-multiplier 1e308 --out OUT",
         "--noise-multiplier",
     ),
+    (
+        "sim-first-round-over-budget",  # σ = 1: round 1 of a dense 4-round run spends ε = 4.377
+        "simulate --rounds 4 --users 20 --noise-multiplier 1 --target-epsilon 4 --out OUT",
+        ("--noise-multiplier/--target-epsilon", "ε = 4.3772"),
+    ),
+    (
+        "audit-first-round-over-budget",
+        "audit --rounds 4 --users 20 --noise-multiplier 1 --target-epsilon 4 --out OUT",
+        ("--noise-multiplier/--target-epsilon", "ε = 4.3772"),
+    ),
+    (
+        "sim-bands-blt",
+        "simulate --backend inprocess --rounds 4 --kind blt --bands 3 --out OUT",
+        "--bands",
+    ),
+    ("audit-bands-blt", "audit --rounds 4 --kind blt --bands 3 --out OUT", "--bands"),
     ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
     ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
 ]
@@ -145,7 +171,8 @@ def test_bad_input_refused(files, tmp_path, argv, named):
     res = invoke(*args)
     text = res.output
     assert res.exit_code == 2, text
-    assert named in text, text
+    for name in named if isinstance(named, tuple) else (named,):
+        assert name in text, text
     assert "Traceback" not in text
     assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
 

@@ -3,6 +3,9 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
+
+from corrflow.server.cli import app
 
 REQUIRED = {
     "kind",
@@ -231,3 +234,65 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(tmp_path, args, fl
     assert r.returncode == 2, r.stderr
     assert f"error: {flag}:" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_poisson_without_min_sep_runs(tmp_path):
+    """--min-sep left at 0 is poisson's own separation (1), not a refusal (trial report)."""
+    res = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--backend",
+            "inprocess",
+            "--users",
+            "20",
+            "--rounds",
+            "4",
+            "--participation",
+            "poisson",
+            "--out",
+            str(tmp_path / "o"),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code in (0, 3), res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["rounds_completed"] == 4
+    assert report["planned"]["participation"]["kind"] == "poisson"
+    assert report["planned"]["participation"]["min_sep"] == 1
+
+
+def test_audit_help_shows_audits_own_defaults():
+    """audit --help: --out's default is corrflow_audit, --users names what each preset sets
+    (PRESETS is their one source), and exit 5 is the whole interval of ε̂ above the claim, as
+    `corrflow.strategies.canaries._verdict` decides."""
+    from corrflow.server.compare import PRESETS
+
+    res = CliRunner().invoke(app, ["audit", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(res.output.split())
+    assert "[default: corrflow_audit]" in text and "corrflow_run" not in text
+    for name, preset in PRESETS.items():
+        assert f"{name} {preset.users}" in text
+    assert "the whole 95% bootstrap interval of ε̂ lies above it" in text
+
+
+def test_shared_settings_help_is_per_command():
+    """A command's help names only what it has: no noise multiplier in plan's or compare's
+    --target-epsilon, no server waiting in compare's --users; the accountants in one order;
+    account's --mc-samples declares how it differs from a run's."""
+
+    def help_of(command):
+        res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+        return " ".join(res.output.replace("│", " ").split())
+
+    for command in ("plan", "compare"):
+        line = help_of(command).split("--target-epsilon", 1)[1].split("--", 1)[0]
+        assert "noise multiplier" not in line, line
+    assert "server waits" not in help_of("compare")
+    order = "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo"
+    for command in ("simulate", "audit", "account"):
+        assert order in help_of(command)
+    assert "unamplified, cyclic-poisson, monte-carlo, mmcc" in help_of("plan")
+    assert "at least 1000 for a run" in help_of("simulate")
+    assert "Unlike a run's --mc-samples" in help_of("account")

@@ -323,3 +323,27 @@ def test_gap_closed_and_bad_arguments(tmp_path):
             args,
             proc.stderr,
         )
+
+
+def test_restart_is_announced_only_when_it_happens():
+    """An arm restarted by an earlier try and kept since is listed as kept, not "restarted afresh"
+    on every later rerun (trial report)."""
+    from corrflow.server.compare import _progress
+
+    res = {
+        "restarted": 8,
+        "stopped": None,
+        "accuracy": 0.5,
+        "loss": 1.0,
+        "epsilon": 7.9,
+        "delta": 1e-5,
+        "noise_multiplier": 1.0,
+        "learned": True,
+        "seconds": 1.0,
+    }
+    lines = []
+    _progress(lines.append, 0, 8.0, "dpsgd", res, kept=False)
+    assert "restarted afresh" in lines[0] and "released 8 rounds" in lines[0]
+    lines.clear()
+    _progress(lines.append, 0, 8.0, "dpsgd", res, kept=True)
+    assert len(lines) == 1 and lines[0].startswith("kept seed 0 ε = 8 dpsgd")

@@ -309,3 +309,13 @@ def test_old_spellings_warn_or_are_refused_naming_the_flag(tmp_path):
     assert old.output.splitlines()[-1] == new.output.splitlines()[-1]
     r = CliRunner().invoke(app, [*common, "--sampling", "bminsep", "--participation", "bminsep"])
     assert r.exit_code == 2 and "--sampling" in r.output
+
+
+def test_min_sep_zero_is_the_participations_own():
+    """min-sep 0 means the participation's own separation: rounds/epochs for fixed-epoch, 1 for
+    poisson (which the rules require); another value for poisson is still refused."""
+    assert RunConfig(num_rounds=4, participation="poisson").min_sep == 1
+    assert RunConfig(num_rounds=4, participation="poisson").b == 1
+    assert RunConfig(num_rounds=4, epochs=2).b == 2
+    with pytest.raises(InvalidArgumentError, match="min-sep"):
+        RunConfig(num_rounds=4, participation="poisson", min_sep=2)

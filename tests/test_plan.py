@@ -145,6 +145,19 @@ def test_plan_runs_in_simulate(planned, tmp_path):
     )
     assert bad.returncode == 2 and "--accountant: plan 'unamplified', run 'mmcc'" in bad.stderr
     assert "--rounds: plan 24, run 30" in bad.stderr
+    # the plan's population (its cohort and sampling probability) is not a default to override
+    users = run(
+        "simulate",
+        "--plan",
+        str(out / "recipe.json"),
+        "--out",
+        str(tmp_path / "run3"),
+        "--users",
+        str(rec["population"] + 7),
+    )
+    assert users.returncode == 2, users.stderr
+    assert f"--users: plan {rec['population']}, run {rec['population'] + 7}" in users.stderr
+    assert not (tmp_path / "run3").exists()
 
 
 def test_budgets(tmp_path):
@@ -476,3 +489,18 @@ def test_a_cached_unamplified_sigma_is_re_derived(tmp_path):
     assert [c.noise_multiplier for c in again.candidates] == [
         c.noise_multiplier for c in first.candidates
     ]
+
+
+def test_plan_table_shows_each_candidates_min_sep(planned):
+    """Two candidates with the same kind, bands and accountant but another min-sep b (a sampler's
+    own b) are told apart by the table's b column (trial report)."""
+    from corrflow.server.cli import _plan_table
+
+    out, doc, _ = planned
+    lines = _plan_table(doc, out, top=len(doc["candidates"])).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("rank"))
+    assert header.split()[:3] == ["rank", "candidate", "b"]
+    rows = [line for line in lines if line[:4].strip().isdigit() or line[:4].strip() == "-"]
+    assert len(rows) == len(doc["candidates"])
+    for row, c in zip(rows, doc["candidates"], strict=True):
+        assert row[37:43].strip() == str(c["min_sep"]), row

@@ -14,6 +14,7 @@ and why.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -101,19 +102,27 @@ def load_attribution(path: str | os.PathLike) -> AttributionGraph:
     require(path.is_file(), "attribution", "an existing .csv or .jsonl file", str(path))
     pairs = []
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None or not {"item", "user"} <= set(reader.fieldnames):
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise InvalidArgumentError(
+                "attribution", f"{path}:{line}: UTF-8 text (byte {raw[exc.start]:#04x} is not)"
+            ) from None
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if reader.fieldnames is None or not {"item", "user"} <= set(reader.fieldnames):
+            raise InvalidArgumentError(
+                "attribution", f"{path}: a header with columns item,user", reader.fieldnames
+            )
+        for line, row in enumerate(reader, start=2):
+            item, user = (row.get("item") or "").strip(), (row.get("user") or "").strip()
+            if not item or not user:
                 raise InvalidArgumentError(
-                    "attribution", f"{path}: a header with columns item,user", reader.fieldnames
+                    "attribution", f"{path}:{line}: non-empty item and user", row
                 )
-            for line, row in enumerate(reader, start=2):
-                item, user = (row.get("item") or "").strip(), (row.get("user") or "").strip()
-                if not item or not user:
-                    raise InvalidArgumentError(
-                        "attribution", f"{path}:{line}: non-empty item and user", row
-                    )
-                pairs.append((item, user))
+            pairs.append((item, user))
     elif path.suffix == ".jsonl":
         try:
             for line, obj in read_jsonl(path):

@@ -4,6 +4,7 @@ name the argument."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -12,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from corrflow.choices import SAMPLING_OF, Participation, Sampling
+from corrflow.choices import SAMPLING_OF, Accountant, Participation, Sampling
 from corrflow.config import recipe_names, renamed, surface_name, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.factorization.base import Factorization
@@ -25,6 +26,7 @@ from corrflow.server.options import (
     COMMAND_SETTINGS,
     cli_values,
     config_from_cli,
+    file_error_message,
     given_on_command_line,
     param_name,
     with_settings,
@@ -78,14 +80,16 @@ def _load_factorization(path: Path, flag: str):
         ) from None
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception, files: dict | None = None) -> None:
+    """Print ``exc`` (naming the flag; a data file's error led by its flag among ``files``, the
+    command's settings) and exit 2 for bad input, else 1."""
     if (
         isinstance(exc, InvalidArgumentError)
         and exc.field.replace("_", "-").replace("-", "").isalnum()
         and exc.field.islower()
     ):  # a setting's name (not a path, not a positional NAME): the flag
         exc = _as_flag(exc)
-    typer.echo(f"error: {exc}", err=True)
+    typer.echo(f"error: {file_error_message(exc, files or {})}", err=True)
     raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
 
 
@@ -192,9 +196,11 @@ def account(
         int | None,
         typer.Option(
             help="Monte Carlo: size of the first batch of samples per "
-            "direction (default: what the target δ needs; smaller "
+            "direction, at least 2 (default: what the target δ needs; smaller "
             "batches only feed the estimate); with --target-epsilon: "
-            "samples per candidate σ (default 100000)"
+            "samples per candidate σ (default 100000). Unlike a run's --mc-samples "
+            "(simulate, audit: at least 1000), a one-off: the result reports the δ its "
+            "samples verify"
         ),
     ] = None,
     seed: Annotated[
@@ -436,9 +442,8 @@ def plan(
     accountants: Annotated[
         str | None,
         typer.Option(
-            help="comma-separated accountants: unamplified, "
-            "cyclic-poisson, mmcc, monte-carlo (default: the cheap "
-            "ones; the plan lists what it skipped)"
+            help=f"comma-separated accountants: {', '.join(a.value for a in Accountant)} "
+            "(default: the cheap ones; the plan lists what it skipped)"
         ),
     ] = None,
     time_budget: Annotated[
@@ -544,8 +549,8 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
         f"participation  b = {part['min_sep']}, k = {part['epochs']} "
         f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
         f"{part['rule_of_thumb_bands']:.1f} bands",
-        f"{'rank':>4} {'candidate':<32} {'σ':>8} {'RMSE':>10} {'max err':>10} {'×DP-SGD':>8} "
-        f"{'noise MB':>10} "
+        f"{'rank':>4} {'candidate':<32} {'b':>5} {'σ':>8} {'RMSE':>10} {'max err':>10} "
+        f"{'×DP-SGD':>8} {'noise MB':>10} "
         f"{'noise s/rd':>10} {'build s':>8}",
     ]
     for c in doc["candidates"][:top]:
@@ -556,7 +561,8 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
         )
         ratio = "" if c["rmse_ratio_vs_dpsgd"] is None else f"{c['rmse_ratio_vs_dpsgd']:.3f}"
         lines.append(
-            f"{c['rank'] or '-':>4} {label:<32} {c['noise_multiplier']:>8.4g} {c['rmse']:>10.4g} "
+            f"{c['rank'] or '-':>4} {label:<32} {c['min_sep']:>5} {c['noise_multiplier']:>8.4g} "
+            f"{c['rmse']:>10.4g} "
             f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
             f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}"
         )
@@ -604,8 +610,8 @@ def simulate(
         Path | None,
         typer.Option(
             help="a recipe written by `corrflow plan` (OUT/recipe.json): its "
-            "mechanism, participation, accountant and σ; flags that differ "
-            "are refused"
+            "mechanism, participation, accountant, σ and population (--users); flags that "
+            "differ are refused"
         ),
     ] = None,
     **settings,
@@ -622,10 +628,70 @@ def simulate(
     except InvalidArgumentError as exc:
         _fail(exc)
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, settings)
     out = Path(cfg.state_dir)
-    complete = _check_resume(cfg, out, fresh)
-    _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+    if fresh or not (cfg.checkpoint_dir / "CURRENT").exists():  # before --out is locked
+        try:
+            _check_first_round(cfg)
+        except InvalidArgumentError as exc:
+            _fail(exc)
+    with _refusal_leaves(out):
+        complete = _check_resume(cfg, out, fresh)
+        _run_simulation(cfg, out, backend, fresh, verbose, as_json, complete)
+
+
+@contextlib.contextmanager
+def _refusal_leaves(out: Path):
+    """A refusal (exit 2) leaves --out as it found it: the lock, .gitignore and engine.log a start
+    wrote are removed, and the directory if the start created it (nothing once a round was
+    checkpointed or journaled)."""
+    from corrflow.server.simulation import new_files_undo
+
+    undo = new_files_undo(out)
+    try:
+        yield
+    except typer.Exit as exc:
+        if exc.exit_code == 2:
+            undo()
+        raise
+
+
+def _check_first_round(cfg) -> None:
+    """Refuse (naming the flags) a fixed σ whose first round alone would already spend more than
+    --target-epsilon, the budget guard's limit: known before anything is written. The same ε the
+    in-run guard computes (`RunAccounting.budget_exceeded` for round 1 of a fresh run), here only
+    where the plan alone fixes it and cheaply: fixed-epoch participation (unamplified, no Monte
+    Carlo) of simulated cross-device users with no attribution or dataset file (the guard in the
+    run covers the rest). Only with both flags given; the factorization is built here and again
+    by the run."""
+    if (
+        cfg.noise_multiplier is None
+        or cfg.target_epsilon is None
+        or cfg.participation != "fixed-epoch"
+        or cfg.mode != "cross-device"
+        or cfg.attribution_path
+        or cfg.data_path
+    ):
+        return
+    from corrflow.accounting.policy import RunAccounting
+    from corrflow.planning.run import build_factorization, build_planner, plan_privacy
+
+    users = [f"user-{i}" for i in range(cfg.num_users)]
+    planner, _, _ = build_planner(cfg, users)
+    fac = build_factorization(cfg)
+    privacy = plan_privacy(cfg, fac, planner)
+    accounting = RunAccounting.of(
+        fac, privacy, cfg.delta if privacy.delta is None else privacy.delta, privacy.target_epsilon
+    )
+    eps = accounting.budget_exceeded({}, [], 0, users[:1])
+    if eps is not None:
+        raise InvalidArgumentError(
+            "--noise-multiplier/--target-epsilon",
+            f"a σ whose first round spends at most the target ε = {cfg.target_epsilon:g}: with "
+            f"σ = {cfg.noise_multiplier:g} round 1 alone spends ε = {eps:.4f} (raise "
+            "--noise-multiplier or --target-epsilon)",
+            cfg.noise_multiplier,
+        )
 
 
 def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool):
@@ -670,12 +736,16 @@ def _simulate_config(ctx: typer.Context, settings: dict, plan: Path | None, fres
     typed = given_on_command_line(ctx)
     given = {name: settings[param_name(name)] for name in recipe_names().values() if name in typed}
     diff = recipe.differences(given, {name: surface_name(name, "cli") for name in given})
+    # The plan's population fixes its cohort (population / min-sep) and, for a sampler, the
+    # sampling probability σ was calibrated for: a --users that differs is refused like the rest
+    # (the wrapper may still run a plan on another population; the CLI's --plan promises the plan).
+    if "num_users" in given and given["num_users"] != recipe.population:
+        diff.append(f"--users: plan {recipe.population!r}, run {given['num_users']!r}")
     if diff:
         raise InvalidArgumentError(
             "--plan", "flags that agree with the plan (or leave them out)", "; ".join(diff)
         )
-    if "num_users" not in typed and "num_users" not in overrides:
-        overrides["num_users"] = recipe.population
+    overrides["num_users"] = recipe.population  # over --data's default (every partition)
     cfg = _checked_data(_fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides)))
     install_factorization(
         recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
@@ -709,7 +779,17 @@ def _data_defaults(settings: dict, typed: set[str]) -> dict:
 
 def _checked_data(cfg):
     """A run on a dataset file: --users within the file's training partitions, the vocabulary's
-    share of the budget leaves some for training (exit 2 naming the flag)."""
+    share of the budget leaves some for training; an attribution file that can be read (exit 2
+    naming the flag, before --out is touched)."""
+    if cfg.attribution_path:
+        from corrflow.planning.run import load_graph
+
+        try:
+            load_graph(cfg.attribution_path)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError("--attribution", exc.expected, exc.got) from None
+        except DataFormatError as exc:
+            raise InvalidArgumentError("--attribution", str(exc)) from None
     if cfg.data_path:
         from corrflow.planning.run import training_budget
         from corrflow.server.simulation import check_data_population
@@ -812,7 +892,7 @@ def _run_simulation(
         )
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, cfg.model_dump())
     except (
         OSError
     ) as exc:  # a full disk, a vanished mount: the last checkpoint and journal are consistent
@@ -826,7 +906,7 @@ def _run_simulation(
         raise typer.Exit(code=1) from None
 
 
-app.command()(with_settings(simulate))
+app.command()(with_settings(simulate, "simulate"))
 
 
 #: compare's preset fields → the settings they fill for ``audit --preset`` (flags typed on the
@@ -888,7 +968,8 @@ def audit(
     from the released models. Always a new run in --out (default corrflow_audit; an earlier run
     there is moved aside). Exit codes: 0 consistent (nothing shown above the claim), 1 the run
     failed, 2 bad arguments, 4 VIOLATION (ε_lo exceeds the claimed ε at 95% confidence), 5 SUSPECT
-    (the estimate ε̂ lies above the claim but ε_lo does not prove it: rerun with more canaries).
+    (ε_lo does not exceed the claim, but the whole 95% bootstrap interval of ε̂ lies above it — its
+    lower end exceeds the claimed ε: rerun with more canaries).
     When the largest ε_lo this many canaries can show is below the claim, a note says so and how
     many would lift it."""
 
@@ -924,6 +1005,7 @@ def audit(
                 settings.get(param_name("mode")),
             )
         cfg = _simulate_config(ctx, settings, plan, fresh=True)
+        _check_first_round(cfg)
         from corrflow.planning.resources import check_fits, estimate
 
         # every candidate canary is a simulated SuperNode with its own draws: its memory counts too
@@ -944,8 +1026,9 @@ def audit(
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
-    _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
+        _fail(exc, settings)
+    with _refusal_leaves(Path(cfg.state_dir)):
+        _run_audit(cfg, canaries, audit_seed, plot, verbose, as_json)
 
 
 def _run_audit(
@@ -962,7 +1045,7 @@ def _run_audit(
     except InvalidArgumentError as exc:
         _fail(_as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
-        _fail(exc)
+        _fail(exc, cfg.model_dump())
     if as_json:
         _emit(result, True)
     else:
@@ -1082,11 +1165,11 @@ def report_command(
         raise typer.Exit(code=1) from None
 
 
-#: ``corrflow audit``'s exit code when the estimate lies above the claim but the lower bound does
-# not prove it.
+#: ``corrflow audit``'s exit code when the whole interval of the estimate lies above the claim
+# but the lower bound does not prove it.
 AUDIT_SUSPECT_EXIT = 5
 
-app.command()(with_settings(audit))
+app.command()(with_settings(audit, "audit"))
 
 
 def _as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:

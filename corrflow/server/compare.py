@@ -734,7 +734,7 @@ def _progress(
 ) -> None:
     if progress is None:
         return
-    if res.get("restarted") is not None:
+    if res.get("restarted") is not None and not kept:  # a kept arm's restart is old news
         progress(
             f"seed {seed} {'' if eps is None else f'ε = {eps:g} '}{name}: restarted afresh (an "
             f"interrupted try had released {res['restarted']} rounds; that run was moved aside)"

@@ -14,7 +14,7 @@ from corrflow.config import validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.factorization.registry import KINDS
 from corrflow.paths import writable_directory
-from corrflow.server.options import cli_values
+from corrflow.server.options import cli_values, file_error_message
 
 # The comparison and the clients are imported inside the command: at module level they would load
 # Flower, the PLD library and numba into every `corrflow --help`.
@@ -133,6 +133,7 @@ def compare_command(
     )
     from corrflow.server.simulation import RunInterruptedError, quiet_native_logs
 
+    files = dict(settings)  # the flags' values, for naming a data file's flag in an error
     try:
         if preset not in PRESETS:
             raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
@@ -268,7 +269,7 @@ def compare_command(
             isinstance(exc, InvalidArgumentError) and exc.field in _FLAGS
         ):  # an arm's setting, named as typed
             exc = InvalidArgumentError(_FLAGS[exc.field], exc.expected, exc.got)
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {file_error_message(exc, files)}", err=True)
         raise typer.Exit(
             code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1
         ) from exc

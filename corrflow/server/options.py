@@ -12,6 +12,7 @@ import inspect
 import typing
 from collections.abc import Callable
 from enum import Enum, StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -26,6 +27,7 @@ from corrflow.config import (
     surface_name,
     validated,
 )
+from corrflow.errors import DataFormatError
 from corrflow.factorization.registry import KINDS
 
 #: The settings each command other than simulate and audit takes from the model. ``client`` is there
@@ -164,8 +166,26 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     }
 
 
+#: The settings that name an input file, for errors about the file's content.
+FILE_SETTINGS = ("data_path", "vocab_path", "attribution_path", "manifest_path")
+
+
+def file_error_message(exc: Exception, params: dict[str, Any]) -> str:
+    """``exc``'s message, led by the flag whose file it is about when it is a `DataFormatError` on
+    one of the command's input files (``--vocab: v.txt:302: expected UTF-8 text …``)."""
+    text = str(exc)
+    if isinstance(exc, DataFormatError):
+        for name in FILE_SETTINGS:
+            value = params.get(param_name(name), params.get(name))
+            if value and Path(str(value)).resolve() == Path(exc.path).resolve():
+                return f"{surface_name(name, 'cli')}: {text}"
+    return text
+
+
 __all__ = [
     "COMMAND_SETTINGS",
+    "FILE_SETTINGS",
+    "file_error_message",
     "cli_values",
     "config_from_cli",
     "given_on_command_line",

@@ -156,7 +156,7 @@ def simulate(
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
-    created = _new_files(out)
+    created = new_files_undo(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
         return _simulate(
@@ -167,7 +167,7 @@ def simulate(
         raise
 
 
-def _new_files(out: Path):
+def new_files_undo(out: Path):
     """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore and
     engine.log; the directory itself if this start created it) — nothing once a round was
     checkpointed or journaled."""
