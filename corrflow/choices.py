@@ -99,9 +99,9 @@ SAMPLING_OF = {
 }
 
 #: Accountants that can analyse each sampling; the first is the default. Cyclic Poisson: 001 Prop.
-# 2.1 (≤ b bands) : or Generalized-MMCC (002 App. D); Poisson: MMCC (002 Alg. 1) or Monte Carlo over
-# the exact likelihood of a banded : encoder (≤ 12 bands); b-min-sep, balls-in-bins,
-# multi-attribution: 004's : Monte Carlo (Eq. 1, Thm 6.1).
+# 2.1 (≤ b bands) or Generalized-MMCC (002 App. D); Poisson: MMCC (002 Alg. 1) or Monte Carlo over
+# the exact likelihood of a banded encoder (≤ 12 bands); b-min-sep, balls-in-bins,
+# multi-attribution: 004's Monte Carlo (Eq. 1, Thm 6.1).
 ACCOUNTANTS_FOR = {
     Sampling.NONE: (Accountant.UNAMPLIFIED,),
     Sampling.CYCLIC_POISSON: (Accountant.CYCLIC_POISSON, Accountant.MMCC),

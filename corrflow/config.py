@@ -72,9 +72,9 @@ MAX_ROUNDS = 100_000
 DEFAULT_TARGET_EPSILON = 8.0
 
 #: Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short
-# sweeps; the server : step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how
-# far one round can move the model). : ``app`` is the user's own ClientApp behind the wrapper:
-# FedAvg's server step (η = 1, no momentum); its local : training is the app's own.
+# sweeps; the server step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how
+# far one round can move the model). ``app`` is the user's own ClientApp behind the wrapper:
+# FedAvg's server step (η = 1, no momentum); its local training is the app's own.
 TRAINING_DEFAULTS: dict[str, dict[str, float | int]] = {
     "numpy": {
         "server_lr": 0.5,

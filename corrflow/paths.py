@@ -13,7 +13,7 @@ from corrflow.errors import InvalidArgumentError
 log = logging.getLogger("corrflow")
 
 #: How a relative run directory is resolved: against the working directory (the Python API and the
-# CLI, as Python : users expect), or against $CORRFLOW_HOME (the ServerApp, which `flwr run` starts
+# CLI, as Python users expect), or against $CORRFLOW_HOME (the ServerApp, which `flwr run` starts
 # in the SuperLink's directory).
 RELATIVE_TO = ("cwd", "home")
 

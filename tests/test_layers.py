@@ -17,7 +17,7 @@ from corrflow.run.state import RunState, RunView
 PACKAGE = Path(__file__).parent.parent / "corrflow"
 
 #: Layer of each top-level module or package, bottom up. A module may import its own package and
-# lower layers : only; packages on one layer do not import each other (strategies never import
+# lower layers only; packages on one layer do not import each other (strategies never import
 # clients, nor clients strategies).
 LAYERS = {
     "errors": 0,

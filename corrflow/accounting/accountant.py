@@ -69,7 +69,7 @@ SAMPLINGS = choices.values(choices.Sampling)
 ACCOUNTANTS_FOR = {k.value: tuple(a.value for a in v) for k, v in choices.ACCOUNTANTS_FOR.items()}
 ACCOUNTANT_NAMES = choices.values(choices.Accountant)
 #: Monte Carlo releases ε at the z = 3 upper confidence end of its estimate, so that the fresh
-# verification passes : almost always (at 1.96 about one run in ten fell back to the unamplified
+# verification passes almost always (at 1.96 about one run in ten fell back to the unamplified
 # bound).
 RELEASE_Z = 3.0
 #: The report's accountant name for the exact Gaussian curve (unamplified accounting).
@@ -1049,7 +1049,7 @@ def _monte_carlo_applies(fac: Factorization, sampling: SamplingSpec) -> str | No
 
 
 #: Poisson sampling: the Monte Carlo accountant joins the default selection when its first attempt
-# costs at most this : many forward-algorithm state updates (samples × rounds × 2^(bands−1), both
+# costs at most this many forward-algorithm state updates (samples × rounds × 2^(bands−1), both
 # directions; ~ a minute on 2 cores).
 MC_AFFORDABLE_WORK = 2e10
 

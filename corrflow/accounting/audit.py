@@ -60,7 +60,7 @@ from corrflow.accounting import gaussian, mechanisms
 from corrflow.errors import require
 
 #: Fractions of the m candidates the one-run bound guesses on (half "in" from the top, half "out"
-# from the : bottom), fixed before any score is seen; ε_lo is Bonferroni-corrected over them.
+# from the bottom), fixed before any score is seen; ε_lo is Bonferroni-corrected over them.
 GUESS_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
 
 

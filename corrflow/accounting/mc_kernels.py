@@ -33,11 +33,11 @@ import numba
 import numpy as np
 
 #: The linear recursion keeps each new value within [2^−SCALE_BITS, 2^SCALE_BITS] by exact
-# power-of-two rescaling, : checked every CHECK_EVERY rounds.
+# power-of-two rescaling, checked every CHECK_EVERY rounds.
 SCALE_BITS = 200
 CHECK_EVERY = 4
 #: Largest a_i the linear recursion takes: e^{a_i} must be finite in float32. Typical exponents are
-# a few units : (a_i ≈ ‖c_i‖²/(2σ²) ± ‖c_i‖/σ at a participation); the recursion's finiteness check
+# a few units (a_i ≈ ‖c_i‖²/(2σ²) ± ‖c_i‖/σ at a participation); the recursion's finiteness check
 # catches the rest.
 MAX_EXPONENT = 88.0
 

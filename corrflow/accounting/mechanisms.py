@@ -37,7 +37,7 @@ ACCOUNTANTS = ("pld", "rdp")
 # sizes.
 PLD_DISCRETIZATION = 1e-4
 #: Discretisation of the probes of a σ search (`calibrate_log_sigma`); the answer is verified
-# at : `PLD_DISCRETIZATION`.
+# at `PLD_DISCRETIZATION`.
 PROBE_DISCRETIZATION = 1e-3
 
 
@@ -102,7 +102,7 @@ def check_sigma(sigma: float, field: str = "noise_multiplier") -> None:
 
 
 #: Most privacy-loss grid points a PLD may need; beyond it dp-accounting would try to allocate far
-# more memory than : exists (σ = 1e-6 asked for 71 PiB), and the ε it would report is in the
+# more memory than exists (σ = 1e-6 asked for 71 PiB), and the ε it would report is in the
 # thousands anyway.
 PLD_MAX_POINTS = 1e8
 

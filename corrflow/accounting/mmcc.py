@@ -47,7 +47,7 @@ P_GRID = 1e-4
 #: PMF mass below this is moved to the row's largest sensitivity (pessimistic, Cor. B.3).
 MASS_FLOOR = 1e-14
 #: Value discretisation of the row PLDs; 1e-3 moves ε by < 0.05% against dp-accounting's 1e-4 at 002
-# App. F.5 and : makes each mixture PLD ~8× faster.
+# App. F.5 and makes each mixture PLD ~8× faster.
 MMCC_DISCRETIZATION = 1e-3
 #: The grid Δ2 must resolve the largest sensitivity entry into at least this many steps.
 MIN_GRID_STEPS = 10

@@ -683,12 +683,12 @@ def _collect(parts, sizes: list[int], progress: bool) -> list:
 
 
 #: Outputs per chunk of the compiled b-min-sep path (runs × rounds): its few n × runs arrays stay in
-# cache; at least : 64 runs per chunk, and more for short n, so that the per-chunk calls do not
+# cache; at least 64 runs per chunk, and more for short n, so that the per-chunk calls do not
 # dominate.
 KERNEL_CHUNK = 64 * 2048
 
 #: Sampling schemes the Monte Carlo accountant draws from: 004's b-min-sep chain (Eq. 1; warm start,
-# or : multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
+# or multi-attribution), Poisson in every round and balls-in-bins (exact likelihoods above).
 SCHEMES = ("bminsep", "poisson", "balls-in-bins")
 
 

@@ -11,39 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from corrflow.config import TRAINING_DEFAULTS
 from corrflow.data.federated import text_source
 from corrflow.data.synthetic import regression_loss, regression_partition, regression_test_set
 from corrflow.data.text_synth import SPECIAL, user_sentences
 from corrflow.errors import require
 
 CLIENTS = ("numpy", "nextword", "keras")
-
-# Optimizer settings that train each task at ε = 8 in the documentation's examples (chosen by short
-# sweeps; the server step is η·(momentum-accumulated mean clipped update), so η/(1 − β) sets how far
-# one round can move the model).
-TRAINING_DEFAULTS = {
-    "numpy": {
-        "server_lr": 0.5,
-        "momentum": 0.5,
-        "local_lr": 0.1,
-        "local_steps": 5,
-        "clip_norm": 1.0,
-    },
-    "nextword": {
-        "server_lr": 3.0,
-        "momentum": 0.9,
-        "local_lr": 2.0,
-        "local_steps": 2,
-        "clip_norm": 1.0,
-    },
-    "keras": {
-        "server_lr": 3.0,
-        "momentum": 0.9,
-        "local_lr": 2.0,
-        "local_steps": 2,
-        "clip_norm": 1.0,
-    },
-}
 
 
 def training_defaults(client: str, **overrides) -> dict:

@@ -52,7 +52,7 @@ from corrflow.errors import require
 from corrflow.participation.attribution import bound_contributions
 
 #: Δ₀: distinct words one user may contribute (each with weight 1/√t). Larger keeps more of a
-# prolific user's : words but spreads their weight thinner (a word needs about √Δ₀ times more users
+# prolific user's words but spreads their weight thinner (a word needs about √Δ₀ times more users
 # to clear the threshold).
 MAX_WORDS_PER_USER = 32
 

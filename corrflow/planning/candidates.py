@@ -55,12 +55,12 @@ from corrflow.progress import Progress
 DEFAULT_KINDS = ("dpsgd", "toeplitz", "bifr", "dense")
 PLAN_ACCOUNTANTS = ("unamplified", "cyclic-poisson", "mmcc", "monte-carlo")
 #: MMCC runs by default only up to this many rounds: every probe of its σ search is a full run
-# (minutes at : n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``)
+# (minutes at n ≈ 2000, see benchmarks/accounting.py); above it MMCC is opt-in (``accountants``)
 # and listed as skipped.
 MMCC_DEFAULT_MAX_ROUNDS = 512
 #: The dense optimizer's work budget in units of n³ flops-per-iteration: ⌈DENSE_WORK / n³⌉
-# iterations (at most : `DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052
-# (minutes on 2 cores), thousands at : n ≤ 512 (where it converges first). A count, not seconds, so
+# iterations (at most `DENSE_MAX_ITERATIONS`) — about 120 L-BFGS iterations at n = 2052
+# (minutes on 2 cores), thousands at n ≤ 512 (where it converges first). A count, not seconds, so
 # that the plan does not depend on the machine.
 DENSE_WORK = 1e12
 DENSE_MAX_ITERATIONS = 10_000
