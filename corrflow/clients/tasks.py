@@ -39,6 +39,21 @@ class Task:
     )
 
 
+def task_for(cfg, seed: int | None = None) -> Task:
+    """The task a run's settings (`corrflow.config.RunConfig`) train: `get_task` with the settings'
+    client, model size, data and vocabulary files, sequence length, seed (``seed`` overrides it)
+    and evaluation size."""
+    return get_task(
+        cfg.client,
+        cfg.model_dim,
+        cfg.data_path,
+        cfg.vocab_path,
+        cfg.seq_len,
+        cfg.seed if seed is None else seed,
+        cfg.eval_sequences,
+    )
+
+
 def get_task(
     name: str,
     model_dim: int = 20,

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 # half-initialised module ("partially initialized module 'corrflow.clients.numpy_client' has no
 # attribute 'app'") and `flwr run` failed at random.
 from corrflow.clients import dispatch, keras_client, nextword_client, numpy_client  # noqa: F401
-from corrflow.clients.tasks import get_task
+from corrflow.clients.tasks import task_for
 from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
 from corrflow.paths import run_directory
@@ -47,15 +47,7 @@ def run_server(
     one resolved per ``relative_to``, see `corrflow.paths.run_directory`) with one line per
     round on stderr; see `run_strategy`."""
     cfg = cfg.replace(state_dir=str(run_directory(cfg.state_dir, relative_to)))
-    task = get_task(
-        cfg.client,
-        cfg.model_dim,
-        cfg.data_path,
-        cfg.vocab_path,
-        cfg.seq_len,
-        cfg.seed,
-        cfg.eval_sequences,
-    )
+    task = task_for(cfg)
 
     def round_end(strategy, metrics):
         if not quiet:

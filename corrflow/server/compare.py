@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.accounting.mechanisms import MAX_EPSILON, check_epsilon
-from corrflow.clients.tasks import get_task
+from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import data_format
 from corrflow.errors import require
@@ -453,15 +453,7 @@ def run_arm(
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
         install_factorization(*load_recipe(arm.recipe), cfg, replace=True)
-    task = get_task(
-        cfg.client,
-        cfg.model_dim,
-        cfg.data_path,
-        cfg.vocab_path,
-        cfg.seq_len,
-        seed,
-        cfg.eval_sequences,
-    )
+    task = task_for(cfg, seed)
     started = time.perf_counter()
     stopped = None
     try:

@@ -18,7 +18,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from corrflow.clients.tasks import get_task
+from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, data_format, train_clients_count
 from corrflow.errors import DataFormatError, InvalidArgumentError, require
@@ -193,15 +193,7 @@ def new_files_undo(out: Path):
 def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     verbose = kwargs.pop("verbose")
 
-    task = get_task(
-        cfg.client,
-        cfg.model_dim,
-        cfg.data_path,
-        cfg.vocab_path,
-        cfg.seq_len,
-        cfg.seed,
-        cfg.eval_sequences,
-    )
+    task = task_for(cfg)
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
             run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
