@@ -167,7 +167,10 @@ class RunConfig(BaseModel):
         command_defaults={
             "compare": (None, "the preset's; with --data every training partition"),
             # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
-            "audit": (50, "without --preset; --preset sets its own: quick 1000, tiny 160"),
+            "audit": (
+                50,
+                "without --preset; --preset sets its own: quick 1000, tiny 160, large 50000",
+            ),
         },
     )
     num_rounds: int = setting(

@@ -614,6 +614,13 @@ def simulate(
             "differ are refused"
         ),
     ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="a `corrflow compare` preset (quick, tiny, large) for the task and schedule: "
+            "users, rounds, epochs, ε, δ, client and optimizer; flags you type override it"
+        ),
+    ] = None,
     **settings,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the
@@ -624,6 +631,13 @@ def simulate(
     try:
         if backend not in ("flower", "inprocess"):
             raise InvalidArgumentError("--backend", "flower or inprocess", backend)
+        if preset is not None and settings.get(param_name("mode")) == "cross-silo":
+            raise InvalidArgumentError(
+                "--preset",
+                "no preset with --mode cross-silo (the manifest fixes the population)",
+                preset,
+            )
+        _apply_preset(preset, settings, given_on_command_line(ctx), plan)
         cfg = _simulate_config(ctx, settings, plan, fresh)
     except InvalidArgumentError as exc:
         _fail(exc)
@@ -926,6 +940,27 @@ _PRESET_SETTINGS = {
 }
 
 
+def _apply_preset(preset: str | None, settings: dict, typed: set[str], plan: Path | None) -> None:
+    """Fill ``settings`` (the command's flag values) with the `corrflow compare` preset's task and
+    schedule (`_PRESET_SETTINGS`; flags typed on the command line win, and a typed
+    --noise-multiplier keeps the preset's ε out); refused (naming --preset) when unknown or with
+    --plan, whose recipe fixes the mechanism and population."""
+    if preset is None:
+        return
+    from corrflow.server.compare import PRESETS
+
+    if preset not in PRESETS:
+        raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
+    if plan is not None:
+        raise InvalidArgumentError(
+            "--preset", "no preset with --plan (the plan fixes the mechanism)", preset
+        )
+    chosen = PRESETS[preset]
+    for field, name in _PRESET_SETTINGS.items():
+        if name not in typed and not (name == "target_epsilon" and "noise_multiplier" in typed):
+            settings[param_name(name)] = getattr(chosen, field)
+
+
 def audit(
     ctx: typer.Context,
     canaries: Annotated[
@@ -938,7 +973,7 @@ def audit(
     preset: Annotated[
         str | None,
         typer.Option(
-            help="a `corrflow compare` preset (quick, tiny) for the task and "
+            help="a `corrflow compare` preset (quick, tiny, large) for the task and "
             "schedule; flags you type override it"
         ),
     ] = None,
@@ -975,21 +1010,7 @@ def audit(
 
     try:
         typed = given_on_command_line(ctx)
-        if preset is not None:
-            from corrflow.server.compare import PRESETS
-
-            if preset not in PRESETS:
-                raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
-            if plan is not None:
-                raise InvalidArgumentError(
-                    "--preset", "no preset with --plan (the plan fixes the mechanism)", preset
-                )
-            chosen = PRESETS[preset]
-            for field, name in _PRESET_SETTINGS.items():
-                if name not in typed and not (
-                    name == "target_epsilon" and "noise_multiplier" in typed
-                ):
-                    settings[param_name(name)] = getattr(chosen, field)
+        _apply_preset(preset, settings, typed, plan)
         if "state_dir" not in typed:
             settings[param_name("state_dir")] = Path("corrflow_audit")
         from corrflow.strategies.canaries import MIN_CANARIES

@@ -66,8 +66,9 @@ def compare_command(
     preset: Annotated[
         str,
         typer.Option(
-            help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds) or tiny "
-            "(the test suite's)"
+            help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds), large (ε = 8, "
+            "δ = 1e-6, 50000 users, cohort 500, 100 rounds, k = 1, 2 seeds: the papers' "
+            "cohort/population ratio) or tiny (the test suite's)"
         ),
     ] = "quick",
     kinds: Annotated[
