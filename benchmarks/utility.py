@@ -86,9 +86,6 @@ def main() -> None:
     ap.add_argument(
         "--out", default=None, help="keep the comparison here (default: a temporary directory)"
     )
-    ap.add_argument(
-        "--workers", type=int, default=1, help="arms trained at once, each in its own process"
-    )
     args = ap.parse_args()
     quiet_native_logs()
     logging.getLogger("corrflow").setLevel(logging.ERROR)
@@ -102,7 +99,6 @@ def main() -> None:
         progress=stderr_progress,
         epsilons=epsilons,
         amplified=args.amplified,
-        workers=args.workers,
     )
     print(table(res), file=sys.stderr, flush=True)
     reduced = (

@@ -38,11 +38,9 @@ import hashlib
 import json
 import logging
 import math
-import multiprocessing
 import resource
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -62,12 +60,7 @@ from corrflow.planning.learnability import THRESHOLD
 from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
-from corrflow.server.simulation import (
-    RunStoppedEarlyError,
-    check_data_population,
-    quiet_native_logs,
-    simulate,
-)
+from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 
 log = logging.getLogger("corrflow")
 
@@ -578,15 +571,12 @@ def compare(
     epsilons: tuple[float, ...] | None = None,
     amplified: bool = False,
     settings: dict | None = None,
-    workers: int = 1,
 ) -> dict:
     """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
     0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
-    plots against ε. ``workers`` > 1 trains that many arms at once, each in its own process (the
-    results are the same: every run draws its own noise key and reads only its own directory)."""
+    plots against ε."""
 
     require(preset.seeds >= 1, "seeds", "a positive integer", preset.seeds)
-    require(workers >= 1, "workers", "a positive integer", workers)
     correlated = [k for k in KINDS if k != "dpsgd"]
     require(
         all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
@@ -661,8 +651,6 @@ def compare(
                     )
                 )
     trained_seconds, trained = 0.0, 0
-    if workers > 1:
-        train_in_parallel(preset, jobs, backend, workers, progress)
     for i, (seed, eps, arm, run_dir) in enumerate(jobs, start=1):
         kept = (run_dir / ARM_RESULT).exists()
         if kept:  # finished by an earlier, interrupted try of the same comparison
@@ -732,44 +720,6 @@ def compare(
     result["cpu_seconds"] = _cpu_seconds() - cpu0
     write_json(out / "comparison.json", result, indent=1)
     return result
-
-
-def train_in_parallel(preset: Preset, jobs: list, backend: str, workers: int, progress) -> None:
-    """Train the jobs (seed, ε, arm, run directory) not finished yet, ``workers`` at a time, each in
-    a fresh (spawned) process; each leaves its `ARM_RESULT`, which the sequential pass keeps. A
-    failed arm raises here once the arms in flight have finished."""
-    pending = [job for job in jobs if not (job[3] / ARM_RESULT).exists()]
-    if not pending:
-        return
-    # spawn, not fork: a forked child would inherit the parent's BLAS and numba threads mid-state
-    context = multiprocessing.get_context("spawn")
-    level = logging.getLogger("corrflow").level
-    with ProcessPoolExecutor(
-        max_workers=min(workers, len(pending)),
-        mp_context=context,
-        initializer=_quiet_worker,
-        initargs=(level,),
-    ) as pool:
-        futures = {
-            pool.submit(run_arm, preset, arm, seed, run_dir, backend, eps): (seed, eps, arm)
-            for seed, eps, arm, run_dir in pending
-        }
-        for done, future in enumerate(as_completed(futures), start=1):
-            seed, eps, arm = futures[future]
-            res = future.result()
-            if progress is not None:
-                progress(
-                    f"trained {done} of {len(pending)} ({workers} at a time): {arm.name}, seed "
-                    f"{seed}" + ("" if eps is None else f", ε = {eps:g}") + f" in "
-                    f"{_duration(res['seconds'])}"
-                )
-
-
-def _quiet_worker(level: int) -> None:
-    """A worker logs as its parent does (compare silences the non-private arm's expected
-    warning)."""
-    quiet_native_logs()
-    logging.getLogger("corrflow").setLevel(level)
 
 
 def _duration(seconds: float) -> str:
