@@ -44,7 +44,7 @@ def test_cli_options_are_the_models_settings_with_its_defaults():
         flag = surface_name(name, "cli")
         assert flag in options, flag
         assert _plain(options[flag]) == _plain(surface_default(name, "cli")), flag
-    own = {"--backend", "--fresh", "--verbose", "--json", "--plan", "--help"}
+    own = {"--backend", "--fresh", "--verbose", "--json", "--plan", "--preset", "--help"}
     assert (
         set(options) - own - {surface_name(n, "cli") for n in cli} == set()
     )  # nothing declared twice
