@@ -105,7 +105,7 @@ def correlated_against_poisson(entry: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epsilons", default=None, help="default: the preset's full sweep (FULL)")
-    ap.add_argument("--preset", default="quick", choices=sorted(FULL))
+    ap.add_argument("--preset", default="quick", choices=sorted(PRESETS))
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument(
         "--rounds",
@@ -121,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     quiet_native_logs()
     logging.getLogger("corrflow").setLevel(logging.ERROR)
-    full = FULL[args.preset]
+    chosen = PRESETS[args.preset]  # a preset without a full sweep (tiny): its own ε and seeds
+    full = FULL.get(args.preset, {"epsilons": (chosen.epsilon,), "seeds": chosen.seeds})
     epsilons = full["epsilons"] if args.epsilons is None else parse_epsilons(args.epsilons)
     preset = with_overrides(
         PRESETS[args.preset], seeds=args.seeds or full["seeds"], rounds=args.rounds
