@@ -37,6 +37,7 @@ from corrflow.strategies.messaging import (
     to_reply,
     train_messages,
 )
+from corrflow.strategies.secagg import secure_train
 
 log = logging.getLogger("corrflow")
 
@@ -327,11 +328,17 @@ def run_rounds(
         )
         if strategy.stopped_reason:
             break
-        replies = exchange(grid, messages, timeout, stop)
-        if replies is None:
-            strategy.inflight.put(None)  # abandoned: nothing of this round is committed or released
-            break
-        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        if strategy.cfg.secure_aggregation:  # the server sees masked vectors and their sum only
+            new_arrays, metrics = secure_train(strategy, grid, messages, timeout, stop) or (
+                None,
+                None,
+            )
+        else:
+            replies = exchange(grid, messages, timeout, stop)
+            if replies is None:
+                strategy.inflight.put(None)  # abandoned: nothing of this round is released
+                break
+            new_arrays, metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
