@@ -169,3 +169,41 @@ def implausible(
     if any(v < 0 for v in counts.values()) or sum(counts.values()) != active:
         return f"the action counts {counts} do not add up to the {active} contributions"
     return None
+
+
+def trust_section(clip: float, dim: int, cohort: float) -> dict:
+    """The privacy report's ``secure_aggregation`` section: what the server saw, whom SecAgg+
+    protects against, what DP protects, what a client that skips the clipping can do, and the
+    reconstruction threshold and dropout tolerance at the planned ``cohort`` (m ≥ 2; the
+    quantization range is chosen again each round from the cohort it sends to)."""
+    m = max(2, int(round(cohort)))
+    p = secure_sum_params(m, clip, dim)
+    return {
+        "protocol": "SecAgg+ (Bell et al., CCS 2020): Flower's secaggplus_mod, corrflow's driver",
+        "server_saw": "only masked vectors and each round's unmasked sum of the cohort's clipped "
+        "updates; never one user's update or per-user metric",
+        "threat_model": "honest-but-curious server: Flower's SecAgg+ has no consistency round, so "
+        "a server that lies about dropouts can unmask a client; clients are trusted to run "
+        "corrflow's mod (clipping) unchanged",
+        "noiseless_sum": "the server itself holds each round's noiseless cohort sum; DP protects "
+        "the released models, not the sum, from the server",
+        "client_clipping": f"each client clips its update to c − Δ√d = "
+        f"{p.client_bound(dim):.9g} so that its quantized update has ℓ2 norm ≤ c = {clip:g}",
+        "dishonest_client_bound": f"a client that skips the clipping moves each coordinate of the "
+        f"sum by at most the clipping range r = {p.clipping_range:g}: ℓ2 ≤ r·√d = "
+        f"{p.dishonest_bound(dim):.6g}, √d = {math.sqrt(dim):.4g} times the sensitivity the "
+        "accountant assumes",
+        "reconstruction_threshold": p.threshold,
+        "neighbours": p.num_shares,
+        "dropout_tolerance": f"each member's neighbourhood of {p.num_shares} may lose "
+        f"{p.num_shares - p.threshold} (at the planned cohort {m}); a round with more dropouts is "
+        f"not released and is redone (at most {MAX_ATTEMPTS} attempts, same cohort and noise) "
+        "unless its sum was already unmasked",
+        "dropouts": "a scheduled user who drops out counts as participating in the accounting",
+        "quantization": {
+            **p.to_dict(),
+            "rule": "T = the largest even integer with m·T < M for the round's cohort m (the "
+            "modular sum never wraps); the secure sum is within m·Δ per coordinate of the plain "
+            "sum (stochastic rounding: unbiased, not counted toward ε)",
+        },
+    }
