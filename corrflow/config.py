@@ -661,6 +661,15 @@ class RunConfig(BaseModel):
             f"participation {self.participation}",
         )
         require(
+            self.participation != "fixed-epoch"
+            or self.num_users is None
+            or self.num_users >= 2 * self.b,
+            "secure-aggregation",
+            f"cohorts of at least 2 users (num-users ≥ 2 × rounds/epochs = {2 * self.b}): a "
+            "cohort's sum of one member is that member's update",
+            f"num-users {self.num_users}",
+        )
+        require(
             not self.non_private,
             "secure-aggregation",
             "a private run (the non-private baseline adds no noise to protect)",

@@ -337,6 +337,7 @@ def test_persistent_dropouts_stop_the_run_unreleased(tmp_path):
         ({"participation": "poisson"}, "cohort is no longer secret"),
         ({"participation": "cyclic-poisson", "min_sep": 2}, "cohort is no longer secret"),
         ({"non_private": True, "noise_multiplier": None}, "private run"),
+        ({"num_users": 3}, "cohorts of at least 2 users"),  # rounds/epochs = 2: cohorts of 1
     ],
 )
 def test_refusals(kw, why):
@@ -372,6 +373,21 @@ def test_cli_refuses_amplified_and_cross_silo_with_exit_2(tmp_path):
     )
     assert r.returncode == 2 and "no longer secret" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "a").exists()
+    r = subprocess.run(
+        [*cli, "--users", "20", "--rounds", "4", "--epochs", "2", "--mode", "cross-silo"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cross-device mode" in r.stderr or "--manifest" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", "audit", "--secagg", "--users", "20"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "no secure aggregation in an audit" in r.stderr
 
 
 def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):

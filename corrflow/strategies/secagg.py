@@ -143,7 +143,7 @@ def secure_sum(
     if len(nodes) < 2:
         alone = SummedReplies.empty(shapes)
         alone.rejections = [
-            (str(plan.expected[n]), "alone online in its cohort: a secure sum needs 2 members")
+            (str(plan.expected[n]), "alone online in its cohort: a secure sum needs another member")
             for n in nodes
         ]
         return alone
