@@ -382,7 +382,7 @@ def test_cli_refuses_amplified_and_cross_silo_with_exit_2(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cross-device mode" in r.stderr or "--manifest" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "corrflow.server.cli", "audit", "--secagg", "--users", "20"],
+        [*cli[:3], "audit", "--secagg", "--users", "20", "--rounds", "4", "--epochs", "2"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
