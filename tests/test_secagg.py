@@ -223,6 +223,39 @@ def test_a_malformed_masked_vector_fails_the_round_naming_the_node():
     assert err.value.redo  # nothing was unmasked
 
 
+def test_a_failed_training_contributes_zeros_and_a_bad_ciphertext_fails_naming_the_node():
+    fixed = _train_fixed(False)
+
+    def crashing(msg, context):
+        if int(context.node_config["partition-id"]) == 1:
+            raise RuntimeError("out of memory")
+        return fixed(msg, context)
+
+    grid = InProcessGrid({"train": with_secure_aggregation(crashing)}, 4)
+    plan = SimpleNamespace(expected={n: f"u{i}" for i, n in enumerate(grid.get_node_ids())})
+    summed = secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
+    assert summed.counts["zeroed"] == 1 and len(summed.accepted) == 4  # nobody is named
+
+    grid = InProcessGrid({"train": with_secure_aggregation(fixed)}, 4)
+    victim = grid.get_node_ids()[1]
+    original = grid.push_messages
+
+    def push(messages):  # flip a byte of every ciphertext forwarded to the victim
+        messages = list(messages)
+        for m in messages:
+            rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is not None and Key.CIPHERTEXT_LIST in rec and m.metadata.dst_node_id == victim:
+                rec[Key.CIPHERTEXT_LIST] = [
+                    c[:-1] + bytes([c[-1] ^ 1]) for c in rec[Key.CIPHERTEXT_LIST]
+                ]
+        return original(messages)
+
+    grid.push_messages = push
+    with pytest.raises(SecureSumError, match=f"node {victim} failed") as err:
+        secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
+    assert err.value.redo
+
+
 # -- whole runs ------------------------------------------------------------------------------------
 def _cfg(tmp_path, name, **kw):
     return RunConfig(

@@ -13,6 +13,8 @@ One line for users: ``app = register_identity(ClientApp(mods=secure_aggregation_
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from flwr.app import Context, Message, MessageType
 from flwr.client.mod import secaggplus_mod
@@ -27,6 +29,8 @@ from flwr.compat.common import recorddict_compat as compat
 
 from corrflow.clients.identity import register_identity
 from corrflow.run.secure_sum import SecureSumParams, action_vector, bound_update
+
+log = logging.getLogger("corrflow")
 
 #: The TRAIN config keys corrflow's server adds in the collect stage.
 REPLIES_KEY, ZEROING_KEY = "replies", "zeroing-factor"
@@ -47,17 +51,11 @@ def clip_for_secure_aggregation(
     config = msg.content["config"]
     sent = msg.content["arrays"].to_numpy_ndarrays()
     trainable = [i for i, a in enumerate(sent) if np.issubdtype(a.dtype, np.floating)]
-    reply = call_next(msg, ctxt)
-    if reply.has_error():
-        raise RuntimeError(f"the ClientApp failed: {reply.error.reason}")
-    got = reply.content["arrays"].to_numpy_ndarrays()
-    if len(got) != len(sent):
-        raise ValueError(f"the ClientApp replied {len(got)} arrays for the {len(sent)} sent")
-    delta = str(config.get(REPLIES_KEY, "weights")) == "delta"
-    update = [
-        np.asarray(got[i], np.float64) - (0.0 if delta else np.asarray(sent[i], np.float64))
-        for i in trainable
-    ]
+    try:
+        update = _update(call_next(msg, ctxt), sent, trainable, config)
+    except Exception:  # a failed training contributes zeros, counted (never named) as "zeroed"
+        log.exception("training failed; this round's contribution is zero")
+        update = [np.full(sent[i].shape, np.nan) for i in trainable]
     params = SecureSumParams(
         int(state["sample_num"]),
         int(state["share_num"]),
@@ -77,6 +75,21 @@ def clip_for_secure_aggregation(
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(packed), weight, {})
     out = compat.fitres_to_recorddict(fitres, keep_input=False)
     return Message(out, reply_to=msg)
+
+
+def _update(reply: Message, sent: list[np.ndarray], trainable: list[int], config) -> list:
+    """The app's reply as its update against the model sent (float64; ``replies`` = delta: the
+    reply itself)."""
+    if reply.has_error():
+        raise RuntimeError(f"the ClientApp failed: {reply.error.reason}")
+    got = reply.content["arrays"].to_numpy_ndarrays()
+    if len(got) != len(sent):
+        raise ValueError(f"the ClientApp replied {len(got)} arrays for the {len(sent)} sent")
+    delta = str(config.get(REPLIES_KEY, "weights")) == "delta"
+    return [
+        np.asarray(got[i], np.float64) - (0.0 if delta else np.asarray(sent[i], np.float64))
+        for i in trainable
+    ]
 
 
 def secure_aggregation_mods() -> list[Mod]:

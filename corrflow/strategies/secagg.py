@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import bytes_to_ndarray
+from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.ndarrays_arithmetic import parameters_mod
@@ -103,7 +104,14 @@ class _Stage:
         out: dict[int, ConfigRecord] = {}
         for reply in replies:
             nid = sent.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
-            if nid not in contents or reply.has_error():
+            if nid not in contents:
+                continue
+            if reply.has_error():
+                if reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION:
+                    # the protocol failed inside the client (corrflow's mod turns a failed training
+                    # into a zero update): a ciphertext it could not decrypt, a config it refused
+                    first = (str(reply.error.reason).strip().splitlines() or [""])[-1][:200]
+                    raise SecureSumError(f"{stage}: node {nid} failed: {first}", True)
                 continue  # dropped out (offline, timed out, crashed)
             if int(reply.metadata.src_node_id) != nid:
                 raise SecureSumError(f"{stage}: node {nid}'s reply came from another node", True)
