@@ -40,7 +40,7 @@ def clip_for_secure_aggregation(
     msg: Message, ctxt: Context, call_next: ClientAppCallable
 ) -> Message:
     """corrflow's mod inside ``secaggplus_mod`` (see the module docstring): the app's reply as the
-    bounded update ``[u₁ … u_k, action one-hot · r]`` (float32, trainable arrays in order) with
+    bounded update ``[u₁ … u_k, action one-hot · r]`` (trainable arrays in order, as float64) with
     weight 1 and no metrics."""
     if (
         msg.metadata.message_type != MessageType.TRAIN
