@@ -470,6 +470,15 @@ class RunConfig(BaseModel):
         "an identity source",
         surfaces=("cli", "run_config", "wrapper"),
     )
+    secure_aggregation: bool = setting(
+        False,
+        "SecAgg+: clients clip and mask their updates, the server sees only the cohort's sum "
+        "(fixed-epoch or unamplified, cross-device; docs/how-to/secure-aggregation.md)",
+        "true or false",
+        surfaces=("cli", "run_config", "wrapper"),
+        names={"cli": "--secagg"},
+        strict=True,
+    )
     # -- operations (not part of the mechanism: a resumed run may change them) ---------------------
     state_dir: str = setting(
         "corrflow_run",
@@ -610,6 +619,7 @@ class RunConfig(BaseModel):
             "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)",
             self.replies,
         )
+        self._secure_aggregation_rules()
         require(
             not self.data_path or self.client in ("keras", "nextword"),
             "client",
@@ -629,6 +639,41 @@ class RunConfig(BaseModel):
             self.client,
         )
         return self
+
+    def _secure_aggregation_rules(self) -> None:
+        """SecAgg+ needs clients that clip (cross-device) and cohorts that need not be secret."""
+        if not self.secure_aggregation:
+            return
+        require(
+            self.mode == "cross-device",
+            "secure-aggregation",
+            "cross-device mode: under SecAgg+ the server sees only the sum, so it can no longer "
+            "check that a silo clipped each of its items",
+            self.mode,
+        )
+        require(
+            self.participation == "fixed-epoch" or self.accountant == "unamplified",
+            "secure-aggregation",
+            "an unamplified plan (fixed-epoch participation, or --accountant unamplified): in "
+            "SecAgg+'s share-keys stage every cohort member learns its neighbours' node ids, so "
+            "the cohort is no longer secret to participants and amplification by sampling does "
+            "not hold",
+            f"participation {self.participation}",
+        )
+        require(
+            self.participation != "fixed-epoch"
+            or self.num_users is None
+            or self.num_users >= 2 * self.b,
+            "secure-aggregation",
+            f"cohorts of at least 2 users (num-users ≥ 2 × rounds/epochs = {2 * self.b}): a "
+            "cohort's sum of one member is that member's update",
+            f"num-users {self.num_users}",
+        )
+        require(
+            not self.non_private,
+            "secure-aggregation",
+            "a private run (the non-private baseline adds no noise to protect)",
+        )
 
     def _participation_rules(self) -> None:
         if self.participation == "fixed-epoch":
@@ -713,6 +758,8 @@ class RunConfig(BaseModel):
         the vocabulary file's SHA-256: its privacy cost is composed into the run's total, so a
         resume must use the same file, not just the same path."""
         out = {k: v for k, v in self.to_dict().items() if k not in self.OPERATIONAL}
+        if not out.get("secure_aggregation"):  # runs before the setting keep their fingerprint
+            out.pop("secure_aggregation", None)
         if self.vocab_path:
             import hashlib
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
 from corrflow.run.registry import ReleaseRegistry, lineage_section
 from corrflow.run.resume import settings_conflict
+from corrflow.run.secure_sum import trust_section
 from corrflow.run.state import RunSecrets, RunState
 
 log = logging.getLogger("corrflow")
@@ -173,6 +175,9 @@ class Recorder:
         )
         report["mechanism"]["notes"] = list(c.notes)
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
+        if c.cfg.secure_aggregation:
+            dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
+            report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
         if (
             plan.vocabulary is not None
         ):  # a run on a dataset file: how its vocabulary was built, and the total

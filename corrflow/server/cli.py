@@ -1251,6 +1251,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
             else []
         ),
         _users_line(realized, out),
+        *_secure_aggregation_lines(report),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed"
@@ -1258,6 +1259,20 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
+
+
+def _secure_aggregation_lines(report: dict) -> list[str]:
+    """The trust model of a ``--secagg`` run, in two summary lines."""
+    sa = report.get("secure_aggregation")
+    if not sa:
+        return []
+    return [
+        f"secagg      SecAgg+: the server saw {sa['server_saw'].split(';')[0]}; threshold "
+        f"{sa['reconstruction_threshold']} of {sa['neighbours']} neighbours",
+        "trust       honest-but-curious server (no consistency round); it holds each noiseless "
+        "sum — DP protects the released models; clients must run the clipping "
+        "(privacy_report.json: secure_aggregation)",
+    ]
 
 
 def _vocabulary_lines(report: dict) -> list[str]:
