@@ -118,8 +118,12 @@ def test_shard_state_saves_restores_and_takes_a_new_segment(facs, name, tmp_path
         )
     # a worker given the new segment after its restore draws the same as one restored with it
     late = restore_shard(
-        tmp_path / "w", fac, shards[0], shard_secrets(SegmentTable.single(KEY), shards[0], "philox"),
-        5, digests[0],
+        tmp_path / "w",
+        fac,
+        shards[0],
+        shard_secrets(SegmentTable.single(KEY), shards[0], "philox"),
+        5,
+        digests[0],
     )
     late.add_segment(segment_blocks(new_key, shards[0]))
     again = restore_shard(
@@ -143,7 +147,9 @@ def test_shard_state_that_is_not_the_servers_is_refused_naming_the_worker(facs, 
     secrets = shard_secrets(table, s1, "philox")
     # the server's checkpoint is at round 4 (the previous round's state is still kept)
     assert restore_shard(tmp_path, fac, s1, secrets, 3, d3[1]).next_round == 3
-    with pytest.raises(IntegrityError, match=r"noise worker 1 \(coordinates 3000–5499\).*disagrees"):
+    with pytest.raises(
+        IntegrityError, match=r"noise worker 1 \(coordinates 3000–5499\).*disagrees"
+    ):
         restore_shard(tmp_path, fac, s1, secrets, 4, d3[1])
     with pytest.raises(IntegrityError, match="noise worker 1.*no saved state for round 7"):
         restore_shard(tmp_path, fac, s1, secrets, 6, d4[1])

@@ -1,5 +1,5 @@
-"""Noise sharded over Ray actors (``--noise-workers``, corrflow.run.noise_shards), on a real Ray head
-started once for the module (its own session and temp directory, stopped by pid): the released
+"""Noise sharded over Ray actors (``--noise-workers``, corrflow.run.noise_shards), on a real Ray
+head started once for the module (its own session and temp directory, stopped by pid): the released
 models are bit-identical to the single process's with ε unchanged; a noise worker SIGKILLed mid-run
 is restored from its checkpoint and the run releases the same models, nothing twice; a worker whose
 state was edited stops the run naming it, and a resume with another number of workers is refused
@@ -115,12 +115,17 @@ def ray_address():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _cfg(out: Path, workers: int = 0, address: str = "") -> RunConfig:
-    """The issue's "Done when" run: toeplitz, 8 bands, d = 2·10⁵ (4 noise blocks of 2¹⁶)."""
+#: The issue's "Done when" model: d = 2·10⁵ (4 noise blocks of 2¹⁶); the fault tests use 2 blocks
+# (the numpy task's data generation grows with d and dominates these runs).
+DONE_WHEN_DIM, SMALL_DIM = 200_000, 70_000
+
+
+def _cfg(out: Path, workers: int = 0, address: str = "", dim: int = SMALL_DIM) -> RunConfig:
+    """The issue's "Done when" run: toeplitz, 8 bands."""
     return RunConfig(
         kind="toeplitz",
         bands=8,
-        model_dim=200_000,
+        model_dim=dim,
         num_users=16,
         num_rounds=8,
         epochs=2,
@@ -158,19 +163,20 @@ def single(tmp_path_factory):
     return _final(out)
 
 
-def test_two_noise_workers_release_the_single_process_models_bit_for_bit(
-    ray_address, single, tmp_path
-):
-    _run(_cfg(tmp_path, 2, ray_address))
-    model, report = _final(tmp_path)
+def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_address, tmp_path):
+    _run(_cfg(tmp_path / "single", dim=DONE_WHEN_DIM))
+    single = _final(tmp_path / "single")
+    out = tmp_path / "sharded"
+    _run(_cfg(out, 2, ray_address, DONE_WHEN_DIM))
+    model, report = _final(out)
     np.testing.assert_array_equal(model, single[0])
     assert report["realized"]["epsilon"] == single[1]["realized"]["epsilon"]
     assert report["rounds_completed"] == 8 and report["planned"] == single[1]["planned"]
     assert report["noise_multiplier"] == single[1]["noise_multiplier"]
     # each worker's shard state is on its own disk; the server's checkpoint holds none of it
-    noise = current_checkpoint(tmp_path / "state") / "noise"
+    noise = current_checkpoint(out / "state") / "noise"
     assert sorted(p.name for p in noise.iterdir()) == ["noise_segments.key", "shards.json"]
-    shards = sorted(p.name for p in (tmp_path / "noise-shards").iterdir())
+    shards = sorted(p.name for p in (out / "noise-shards").iterdir())
     assert shards == ["shard-000000-000002", "shard-000002-000002"]
 
 
@@ -191,7 +197,7 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     np.testing.assert_array_equal(model, single[0])
     assert _journal_rounds(tmp_path) == list(range(8))
     assert any(
-        f"noise worker 1 (coordinates 131072–199999), pid {killed[0]} died in round 4" in r.message
+        f"noise worker 1 (coordinates 65536–69999), pid {killed[0]} died in round 4" in r.message
         for r in caplog.records
     ), [r.message for r in caplog.records]
 
@@ -201,7 +207,7 @@ def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_sam
 ):
     def edit_and_kill(strategy, metrics):
         if metrics["round"] == 1:
-            state = next((tmp_path / "noise-shards" / "shard-000002-000002").glob("round-000002"))
+            state = next((tmp_path / "noise-shards" / "shard-000001-000001").glob("round-000002"))
             path = state / "shard_state.json"
             path.write_text(path.read_text().replace('"rounds"', '"rounds" ', 1))
             os.kill(strategy.run.noise.worker_info()[1]["pid"], signal.SIGKILL)

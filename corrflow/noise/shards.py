@@ -51,7 +51,7 @@ _SHARD_MAC = b"corrflow.noise-shard-ring/1:"
 
 @dataclass(frozen=True)
 class Shard:
-    """Worker ``index``'s coordinates [lo, hi): the chunks first_chunk … first_chunk + chunks − 1."""
+    """Worker ``index``'s coordinates [lo, hi): chunks first_chunk … first_chunk + chunks − 1."""
 
     index: int
     first_chunk: int

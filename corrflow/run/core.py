@@ -193,7 +193,9 @@ class Run:
         registry = ReleaseRegistry(plan.cfg.release_registry or None)
         initial_metrics = {"round": -1, **(evaluate(params) if evaluate else {})}
         if resume.checkpoint is None:
-            noise = open_noise(plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key)
+            noise = open_noise(
+                plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key
+            )
             state = RunState(params, [np.zeros_like(p) for p in params])
             keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
