@@ -230,7 +230,8 @@ def save_shard(gen: ShardNoise, root: str | os.PathLike) -> str:
     """
     base = Path(root) / gen.shard.name
     d = _round_dir(Path(root), gen.shard, gen.next_round)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    base.chmod(0o700)  # the ring rows are noise: owner-only, as the server's state/
     public = {
         "format": SHARD_FORMAT,
         "shard": {"first_chunk": gen.shard.first_chunk, "chunks": gen.shard.chunks},
