@@ -197,9 +197,11 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     np.testing.assert_array_equal(model, single[0])
     assert _journal_rounds(tmp_path) == list(range(8))
     assert any(
-        f"noise worker 1 (coordinates 65536–69999), pid {killed[0]} died in round 4" in r.message
+        # the numpy task's model: model_dim weights and a bias
+        f"noise worker 1 (coordinates 65536–70000), pid {killed[0]} died in round 4"
+        in r.getMessage()
         for r in caplog.records
-    ), [r.message for r in caplog.records]
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_same_workers(

@@ -172,13 +172,21 @@ class ShardedNoiseStream(NoiseStream):
         if not ray.is_initialized():
             # "local": a new instance owned by this process, never a cluster some other program
             # left running on this machine (ray.init's default would join it).
-            ray.init(
-                address=address or "local",
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                **({} if address else {"object_store_memory": _object_store_bytes(self.dim)}),
-            )
+            try:
+                ray.init(
+                    address=address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    **({} if address else {"object_store_memory": _object_store_bytes(self.dim)}),
+                )
+            except (ConnectionError, ValueError, RuntimeError) as exc:
+                raise InvalidArgumentError(
+                    "ray-address",
+                    f"the host:port of a running Ray cluster's head ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else 'no answer'})",
+                    address,
+                ) from None
             self._own_ray = not address
         self._remote = ray.remote(NoiseWorker)
         self._actors = [None] * workers
@@ -188,11 +196,19 @@ class ShardedNoiseStream(NoiseStream):
 
     # -- workers -----------------------------------------------------------------------------------
     def share_bytes(self, shard: Shard) -> int:
-        """The memory a worker reserves: its noise state, its output slice, the runtime."""
+        """The memory a worker reserves: its noise state, its output slice and the slice's copy in
+        Ray's object store (shared memory mapped into the worker), the runtime.
+
+        Args:
+            shard: the worker's.
+
+        Returns:
+            Bytes.
+        """
         rows = {"banded": max(self._fac.encoder.bands - 1, 0)}.get(self.mode, 0)
         if self.mode == "blt":
             rows = self._fac.encoder.buffers
-        return (rows + 1) * shard.size * 4 + RUNTIME_BYTES
+        return (rows + 2) * shard.size * 4 + RUNTIME_BYTES
 
     def _start(self, i: int) -> None:
         """Start (or restart) worker ``i`` and bring it to the stream's last checkpoint."""
