@@ -91,8 +91,8 @@ def plan_shards(dim: int, workers: int, chunk_size: int = DEFAULT_CHUNK) -> tupl
     require(
         isinstance(workers, int) and 1 <= workers <= chunks,
         "noise-workers",
-        f"between 1 and {chunks}: the model's {dim} coordinates are {chunks} noise blocks of "
-        f"{chunk_size}",
+        f"an integer from 1 to {chunks}: the model's {dim} coordinates make {chunks} noise "
+        f"block(s) of {chunk_size}, the smallest share a worker can take",
         workers,
     )
     base, extra = divmod(chunks, workers)
