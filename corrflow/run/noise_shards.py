@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -170,6 +171,8 @@ class ShardedNoiseStream(NoiseStream):
         self._own_ray = False
         ray = _ray()
         if not ray.is_initialized():
+            if address and address != "auto":  # "auto": the cluster `ray start` left here
+                _check_reachable(address)
             # "local": a new instance owned by this process, never a cluster some other program
             # left running on this machine (ray.init's default would join it).
             try:
@@ -351,6 +354,21 @@ class ShardedNoiseStream(NoiseStream):
         self._table = self._table.extend(self._next, key)
         for s, a in zip(self.shards, self._actors, strict=True):
             _ray().get(a.add_segment.remote(segment_blocks(key, s)))
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse an address whose head does not answer a TCP connect within 10 s (Ray itself retries
+    for minutes before it gives up)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=10):
+            return
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            "ray-address",
+            f"the host:port of a running Ray cluster's head (connecting failed: {exc})",
+            address,
+        ) from None
 
 
 def _object_store_bytes(dim: int) -> int:
