@@ -101,10 +101,10 @@ class PhiloxSource:
     name = "philox"
 
     def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
-        self._keys = _BlockKeys(key, blocks, KEY_BYTES["philox"], "philox")
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["philox"], "philox")
 
     def generator(self, round_index: int, chunk: int) -> np.random.Generator:
-        key = np.frombuffer(self._keys.get(chunk), dtype="<u8")
+        key = np.frombuffer(self._block_keys.get(chunk), dtype="<u8")
         counter = np.array([0, 0, chunk, round_index], dtype=np.uint64)
         return np.random.Generator(np.random.Philox(key=key, counter=counter))
 
@@ -124,7 +124,7 @@ class ChaChaSource:
     name = "chacha"
 
     def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
-        self._keys = _BlockKeys(key, blocks, KEY_BYTES["chacha"], "chacha")
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["chacha"], "chacha")
         try:
             from randomgen import ChaCha
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
@@ -137,7 +137,7 @@ class ChaChaSource:
         # 128-bit block counter: high 64 bits = round, next 32 = chunk; a chunk uses far fewer than
         # 2³² blocks.
         counter = (round_index << 64) | (chunk << 32)
-        key = int.from_bytes(self._keys.get(chunk), "little")
+        key = int.from_bytes(self._block_keys.get(chunk), "little")
         return np.random.Generator(self._chacha(key=key, counter=counter, rounds=20))
 
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
