@@ -7,7 +7,7 @@ import pytest
 
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization.build import factorize, participation_for
-from corrflow.noise import CorrelatedNoise
+from corrflow.noise import CorrelatedNoise, restore_state, save_state
 from corrflow.noise.prng import PhiloxSource, block_key
 from corrflow.noise.segments import SegmentTable
 from corrflow.noise.shards import (
@@ -55,7 +55,9 @@ def test_plan_shards_covers_the_model_in_whole_chunks():
         (4, 1, 4000, 5000),
         (5, 1, 5000, 5500),
     ]
-    with pytest.raises(InvalidArgumentError, match="noise-workers: expected an integer from 1 to 6.*6 noise block"):
+    with pytest.raises(
+        InvalidArgumentError, match="noise-workers: expected an integer from 1 to 6.*6 noise block"
+    ):
         plan_shards(DIM, 7, CHUNK)
 
 
@@ -160,3 +162,28 @@ def test_shard_state_that_is_not_the_servers_is_refused_naming_the_worker(facs, 
     ring.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="noise worker 1.*does not match its MAC"):
         restore_shard(tmp_path, fac, s1, secrets, 4, d4[1])
+
+
+def test_chacha_shards_equal_the_single_process(facs):
+    pytest.importorskip("randomgen")
+    fac, key = facs["banded"], bytes(range(32))
+    single = CorrelatedNoise(fac, [(DIM,)], key=key, prng="chacha", chunk_size=CHUNK)
+    table = single.segments
+    parts = [
+        ShardNoise(fac, s, shard_secrets(table, s, "chacha"), mode="banded", chunk_size=CHUNK)
+        for s in plan_shards(DIM, 3, CHUNK)
+    ]
+    for t in range(4):
+        np.testing.assert_array_equal(
+            np.concatenate([p.next(t)[0] for p in parts]), single.next(t)[0]
+        )
+
+
+def test_a_state_from_before_block_keys_is_refused_with_the_reason(facs, tmp_path):
+    gen = _single(facs["banded"])
+    gen.next(0)
+    save_state(gen, tmp_path)
+    path = tmp_path / "noise_state.json"
+    path.write_text(path.read_text().replace("noise-state/2", "noise-state/1"))
+    with pytest.raises(IntegrityError, match="older corrflow.*without block keys.*--fresh"):
+        restore_state(tmp_path, facs["banded"])
