@@ -518,12 +518,34 @@ class RunConfig(BaseModel):
         surfaces=("cli", "run_config", "wrapper"),
     )
 
-    #: Settings a resumed run may change (they do not fix the mechanism or the data order).
+    noise_workers: int = setting(
+        0,
+        "generate the correlated noise on this many Ray actors, each holding a shard of the "
+        "model's coordinates and its noise state (0: in the server's process); the released "
+        "models are the same bits either way. A resumed run keeps its number",
+        "an integer ≥ 0",
+        ge=0,
+        le=4096,
+        surfaces=("cli", "run_config", "wrapper"),
+    )
+    ray_address: str = setting(
+        "",
+        "the Ray cluster the noise workers join, host:port of its head (default: the simulation's "
+        "Ray, or a local Ray instance)",
+        "a Ray address (host:port)",
+        surfaces=("cli", "run_config", "wrapper"),
+    )
+
+    #: Settings a resumed run may change (they do not fix the mechanism or the data order). The
+    # noise workers do not change the released bits; a resume with another number of them is
+    # refused by the noise stream, which says why (corrflow.run.noise_shards).
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "state_dir",
         "release_registry",
         "max_empty_rounds",
         "node_timeout",
+        "noise_workers",
+        "ray_address",
     )
 
     def __init__(self, **values: Any):

@@ -36,6 +36,7 @@ from corrflow.run.disclosure import Disclosure, operator_log
 from corrflow.run.journal import GENESIS
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream
+from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
 from corrflow.run.recorder import Recorder, restore
@@ -192,7 +193,9 @@ class Run:
         registry = ReleaseRegistry(plan.cfg.release_registry or None)
         initial_metrics = {"round": -1, **(evaluate(params) if evaluate else {})}
         if resume.checkpoint is None:
-            noise = NoiseStream.new(plan.factorization, plan.layout.trainable_shapes, noise_key)
+            noise = open_noise(
+                plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key
+            )
             state = RunState(params, [np.zeros_like(p) for p in params])
             keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
@@ -200,7 +203,13 @@ class Run:
         else:
             # A new key segment from the checkpoint's next round on: rounds after a restart never
             # repeat the noise of an earlier start (corrflow.noise.segments).
-            noise = NoiseStream.restore(resume.checkpoint, plan.factorization, noise_key)
+            noise = open_noise(
+                plan.cfg,
+                plan.factorization,
+                plan.layout.trainable_shapes,
+                noise_key,
+                resume.checkpoint,
+            )
             state, keys = restore(plan, resume.checkpoint, noise, initial_sha256)
             last = resume.journal[-1].hash if resume.journal else GENESIS
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, last)
