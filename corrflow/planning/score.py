@@ -36,9 +36,9 @@ from corrflow.factorization.base import Factorization
 from corrflow.factorization.workloads import Workload
 
 #: κ assumed when the plan is given neither ``--kappa`` nor proxy data: the loss-weighted damping
-# measured (`estimate_damping`) on the quick preset's synthetic proxy (0.11–0.12, seeds 1000–1002)
-# and on real-format StackOverflow-style text (docs/explanation/evidence.md, "The planner's
-# score"). It is a property of the task: a plan that assumes it says so.
+# measured (`estimate_damping`) on the quick preset's synthetic proxy (0.10–0.12 for generator
+# seeds 1000–1002; 0.24 on real-format StackOverflow-style text, docs/explanation/evidence.md, "A
+# score that predicts training"). It is a property of the task: a plan that assumes it says so.
 DEFAULT_KAPPA = 0.1
 #: Rounds of the proxy run probed (fractions of its length): the second half, where the noise that
 # survives to the final model is injected (earlier noise is damped by the later rounds).
@@ -89,8 +89,8 @@ class Damping:
             spent = "" if secs is None else f", {secs:.1f} CPU s"
             return f"κ = {self.kappa:.3g}, measured on {what}{spent}"
         return (
-            f"κ = {self.kappa:.3g}, ASSUMED (the default measured on the quick preset and "
-            "real-format text; --proxy-data measures yours, --kappa declares it)"
+            f"κ = {self.kappa:.3g}, ASSUMED (the quick preset's measured κ, not your task's; "
+            "--proxy-data measures yours, --kappa declares it)"
         )
 
     def to_dict(self) -> dict:
