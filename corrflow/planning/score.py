@@ -80,7 +80,7 @@ class Damping:
         )
 
     def describe(self) -> str:
-        """One line: κ and where it came from."""
+        """Returns: one line saying κ and where it came from (``ASSUMED`` for the default)."""
         if self.source == "declared":
             return f"κ = {self.kappa:.3g}, declared (--kappa)"
         if self.source == "proxy":

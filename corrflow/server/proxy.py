@@ -139,7 +139,20 @@ def damping_for(
 ) -> Damping:
     """The planner's κ: declared (``kappa``), measured on ``proxy_data`` or — with
     ``synthetic_proxy``, for the synthetic tasks — on the generator with `PROXY_SEED`, else the
-    default assumption (`corrflow.planning.score.DEFAULT_KAPPA`)."""
+    default assumption (`corrflow.planning.score.DEFAULT_KAPPA`).
+
+    Args:
+        cfg: the run's settings (client, optimizer, local training; its data files are not read).
+        population: users P.
+        cohort_size: users per round B.
+        kappa: a declared κ (None: not declared).
+        proxy_data: a public dataset file ("": none).
+        proxy_vocab: its vocabulary.
+        synthetic_proxy: measure on the synthetic generator when no file is named.
+
+    Returns:
+        The `Damping` the plan ranks by.
+    """
     if kappa is not None:
         return Damping(float(kappa), "declared")
     if proxy_data or synthetic_proxy:
