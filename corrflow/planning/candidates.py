@@ -821,18 +821,17 @@ RMSE_ASSUMES = (
 
 
 def _same_mechanism(a: Candidate, b: Candidate) -> bool:
-    """The same noise in the model: kind, bands, sampler separation and σ (an unamplified and an
-    amplified accountant that agree on σ, e.g. at q = 1, are one mechanism)."""
-    return (a.kind, a.bands, a.min_sep) == (b.kind, b.bands, b.min_sep) and math.isclose(
-        a.noise_multiplier, b.noise_multiplier, rel_tol=1e-9
-    )
+    """The same mechanism under another accountant: kind, bands and sampler separation (at the
+    same b the accountants differ only in how tightly they bound the same noise)."""
+    return (a.kind, a.bands, a.min_sep) == (b.kind, b.bands, b.min_sep)
 
 
 def score_summary(result: PlanResult, top: int = 5) -> dict:
     """What the plan ranked by and why its recommendation wins: the score (closed-loop error of
     the final model at κ, arXiv 2310.06771, or RMSE at the target ε without κ), κ and its source,
     what the score assumes, the recommendation against the runner-up (the best-ranked candidate
-    with other noise), and the ranking the plain RMSE gives beside it.
+    of another kind, band count or sampler separation), and the ranking the plain RMSE gives
+    beside it.
 
     Args:
         result: the plan.

@@ -518,11 +518,11 @@ def plan(
             raise InvalidArgumentError(
                 "--proxy-data",
                 "an existing public dataset file (a format --data reads)",
-                proxy_data,
+                str(proxy_data),
             )
         if proxy_data is not None and (proxy_vocab is None or not proxy_vocab.is_file()):
             raise InvalidArgumentError(
-                "--proxy-vocab", "the vocabulary file of --proxy-data", proxy_vocab
+                "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
             )
         if proxy_data is None and proxy_vocab is not None:
             raise InvalidArgumentError("--proxy-data", "a dataset file with --proxy-vocab", None)

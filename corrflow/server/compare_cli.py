@@ -205,11 +205,11 @@ def compare_command(
                 raise InvalidArgumentError(
                     "--proxy-data",
                     "an existing public dataset file (a format --data reads)",
-                    proxy_data,
+                    str(proxy_data),
                 )
             if proxy_vocab is None or not proxy_vocab.is_file():
                 raise InvalidArgumentError(
-                    "--proxy-vocab", "the vocabulary file of --proxy-data", proxy_vocab
+                    "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
                 )
             if kappa is not None:
                 raise InvalidArgumentError(
@@ -220,7 +220,7 @@ def compare_command(
                     "--proxy-data",
                     "public data other than the private --data (κ measured on --data would "
                     "spend privacy that no accountant counts)",
-                    proxy_data,
+                    str(proxy_data),
                 )
         elif proxy_vocab is not None:
             raise InvalidArgumentError("--proxy-data", "a dataset file with --proxy-vocab", None)
