@@ -202,3 +202,17 @@ def test_kappa_on_the_synthetic_proxy_is_deterministic():
     assert a.kappa == b.kappa and a.details["measured_kappa"] == b.details["measured_kappa"]
     assert 0.05 < a.kappa < 0.5 and a.source == "proxy"
     assert a.details["isotropic_mean_kappa"] < a.kappa  # curvature-weighted ≥ the isotropic mean
+
+
+def test_closed_loop_error_without_the_dense_encoder(monkeypatch):
+    """Above the encoders' DENSE_LIMIT the score solves block by block; the same value (a banded
+    inverse has no transposed solve)."""
+    import corrflow.planning.score as score
+
+    fac = factorize("bifr", Participation.fixed_epoch(40, 4), WORKLOAD, bands=4)
+    r = closed_loop_response(WORKLOAD, 40, 0.1)
+    dense = closed_loop_error(fac, r)
+    monkeypatch.setattr(score, "DENSE_LIMIT", 10)
+    monkeypatch.setattr(score, "SOLVE_BLOCK", 7)
+    assert closed_loop_error(fac, r) == pytest.approx(dense, rel=1e-12)
+    assert dense == pytest.approx(np.linalg.norm(r @ np.linalg.inv(fac.encoder.matrix())))

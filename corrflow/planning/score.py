@@ -33,6 +33,7 @@ from scipy.linalg import solve_triangular
 
 from corrflow.errors import require
 from corrflow.factorization.base import Factorization
+from corrflow.factorization.encoders import DENSE_LIMIT
 from corrflow.factorization.workloads import Workload
 
 #: κ assumed when the plan is given neither ``--kappa`` nor proxy data: the loss-weighted damping
@@ -47,6 +48,8 @@ PROBE_AT = (0.5, 0.75, 1.0)
 PROBE_DIRECTIONS = 3
 #: The finite-difference step, relative to the model's norm (float32 weights round at ~1e-7).
 PROBE_STEP = 1e-2
+#: Columns per block when C⁻ᵀr is computed without the dense C (above its DENSE_LIMIT).
+SOLVE_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,16 @@ def closed_loop_error(fac: Factorization, response: np.ndarray) -> float:
     Returns:
         sens · ‖C⁻ᵀ r‖₂.
     """
-    C = fac.encoder.matrix()
-    v = solve_triangular(C, response, lower=True, trans="T", check_finite=False)
+    enc = fac.encoder
+    if hasattr(enc, "solve_transposed"):  # Toeplitz: the time-reversed recursion, O(n·bands)
+        v = enc.solve_transposed(response)
+    elif enc.n <= DENSE_LIMIT:  # O(n²) on the dense C
+        v = solve_triangular(enc.matrix(), response, lower=True, trans="T", check_finite=False)
+    else:  # (rᵀC⁻¹)_i block by block of identity columns: O(n·block) memory, never the dense C
+        v = np.empty(enc.n)
+        for start in range(0, enc.n, SOLVE_BLOCK):
+            cols = np.eye(enc.n, min(SOLVE_BLOCK, enc.n - start), -start)
+            v[start : start + cols.shape[1]] = response @ enc.solve(cols)
     return float(fac.sensitivity.value * np.linalg.norm(v))
 
 
