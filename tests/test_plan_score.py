@@ -189,6 +189,21 @@ def test_plan_refuses_bad_score_inputs(tmp_path, extra, flag):
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
 
 
+def test_plan_refuses_proxy_data_for_a_client_without_text(tmp_path):
+    """The numpy client (plan's default) trains on synthetic regression data: a proxy file would be
+    silently ignored, so it is refused, naming --client."""
+    (tmp_path / "p.sqlite").write_text("x")
+    (tmp_path / "v.txt").write_text("the\n")
+    r = _plan(
+        tmp_path,
+        "--proxy-data",
+        str(tmp_path / "p.sqlite"),
+        "--proxy-vocab",
+        str(tmp_path / "v.txt"),
+    )
+    assert r.returncode == 2 and "--client" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_kappa_on_the_synthetic_proxy_is_deterministic():
     """The tiny preset's proxy (the generator with another seed): the same κ twice, inside the range
     where the quick-preset sweep's order of arms holds (docs/explanation/evidence.md)."""

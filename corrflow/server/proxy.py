@@ -53,6 +53,12 @@ def proxy_damping(
     client (numpy) asked to read one.
     """
     if proxy_data:
+        require(
+            cfg.client in ("nextword", "keras"),
+            "client",
+            "a client that trains on text files (nextword or keras) with --proxy-data",
+            cfg.client,
+        )
         require(bool(proxy_vocab), "proxy-vocab", "the proxy data's vocabulary file", proxy_vocab)
         users = min(population, train_clients_count(proxy_data))
         what = f"the proxy file {proxy_data}"
