@@ -18,7 +18,9 @@ The arms at each ε:
   entry allows, with its own separation b < population/cohort chosen by the planner (at b =
   population/cohort the sampling probability is 1 and nothing is amplified);
 * ``plan`` — the recipe ``corrflow plan`` recommends for the same population, cohort, rounds, ε and
-  δ, run as is.
+  δ, run as is; it ranks by the closed-loop error of the final model with κ measured on public proxy
+  data (the synthetic generator with another seed for the presets, ``--proxy-data`` for ``--data``;
+  `preset_damping`).
 
 Every private arm's ε is the ε its run verified at δ (its privacy report), shown next to the target.
 Calibrations are shared: one plan per ε (cached in ``OUT/cache``, or ``$CORRFLOW_HOME/cache``) gives
