@@ -231,3 +231,23 @@ def test_closed_loop_error_without_the_dense_encoder(monkeypatch):
     monkeypatch.setattr(score, "SOLVE_BLOCK", 7)
     assert closed_loop_error(fac, r) == pytest.approx(dense, rel=1e-12)
     assert dense == pytest.approx(np.linalg.norm(r @ np.linalg.inv(fac.encoder.matrix())))
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--kappa", "-1"], "--kappa"),
+        (["--proxy-data", "missing.sqlite", "--proxy-vocab", "missing.txt"], "--proxy-data"),
+        (["--proxy-vocab", "v.txt"], "--proxy-data"),
+    ],
+)
+def test_compare_refuses_bad_score_inputs(tmp_path, extra, flag):
+    r = subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny", *extra]
+        + ["--out", str(tmp_path / "cmp")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "cmp").exists()  # refused before anything is written
