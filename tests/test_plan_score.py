@@ -166,7 +166,8 @@ def test_plan_prints_why_and_records_the_score(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "κ = 0.1, ASSUMED" in out
-    assert "why            closed-loop final error" in out and "runner-up" in out
+    rec = next(line for line in out.splitlines() if line.startswith("why"))
+    assert ": closed-loop final error" in rec and "runner-up" in rec
     assert out.count("assumes        ") == 3 and "plain RMSE     ranks 1." in out
     recipe = json.loads((tmp_path / "plan" / "recipe.json").read_text())
     assert recipe["score"]["kappa"] == 0.1 and recipe["score"]["kappa_source"] == "default"

@@ -655,12 +655,12 @@ def _why_lines(score: dict) -> list[str]:
     the plain-RMSE ranking beside it."""
     best, runner = score["recommended"], score["runner_up"]
     if runner is None:
-        why = f"why           {best['candidate']} is the only mechanism within the budgets"
+        why = f"why            {best['candidate']} is the only mechanism within the budgets"
     else:
         why = (
-            f"why            {score['name']} {best['score']:.4g} against the runner-up "
-            f"{runner['candidate']}'s {runner['score']:.4g} ({score['margin']:.1%} more noise in "
-            "the final model)"
+            f"why            {best['candidate']}: {score['name']} {best['score']:.4g} against the "
+            f"runner-up {runner['candidate']}'s {runner['score']:.4g} ({score['margin']:.1%} more "
+            "noise in the final model)"
         )
     lines = [why]
     lines += [f"assumes        {a}" for a in score["assumes"]]
