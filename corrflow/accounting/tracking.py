@@ -196,6 +196,7 @@ class IncrementalSensitivity:
         self._inexact = 0  # users whose pattern's value is an upper bound
         # the patterns the last prospective round computed (`after`): the round itself reuses them
         self._recent: dict[tuple[int, ...], Sensitivity] = {}
+        self._recent_round: int | None = None
 
     @classmethod
     def of(cls, encoder: Encoder, selected: Mapping[str, Sequence[int]]) -> IncrementalSensitivity:
@@ -238,6 +239,7 @@ class IncrementalSensitivity:
             self._enter((*old, *(round_index,) * m))
             if old:
                 self._leave(old)
+        self._recent, self._recent_round = {}, None
 
     def after(
         self, selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]
@@ -252,7 +254,8 @@ class IncrementalSensitivity:
         Returns:
             The realised sensitivity after the round.
         """
-        self._recent = {}
+        if round_index != self._recent_round:  # the guard and the release ask about one round
+            self._recent, self._recent_round = {}, round_index
         moves = [
             (old := tuple(selected.get(u, ())), (*old, *(round_index,) * m))
             for u, m in Counter(users).items()
@@ -260,7 +263,7 @@ class IncrementalSensitivity:
         for old, new in moves:
             self._enter(new, remember=True)
             if old:
-                self._leave(old)
+                self._leave(old, remember=True)  # (its value is needed back right after)
         try:
             return self.value()
         finally:
@@ -287,12 +290,14 @@ class IncrementalSensitivity:
         slot[1] += 1
         self._inexact += not slot[0].exact
 
-    def _leave(self, pattern: tuple[int, ...]) -> None:
+    def _leave(self, pattern: tuple[int, ...], remember: bool = False) -> None:
         slot = self._live[pattern]
         slot[1] -= 1
         self._inexact -= not slot[0].exact
         if slot[1] == 0:
             del self._live[pattern]
+            if remember:
+                self._recent[pattern] = slot[0]
 
     def _rebuild(self) -> None:
         self._heap = [(-s.value, p) for p, (s, _) in self._live.items()]
