@@ -197,6 +197,14 @@ def run(args) -> dict:
                     **split.take(),
                 }
             )
+            if (r + 1) % 50 == 0:  # progress on stderr: a long run can be read while it goes
+                done = [x["server"] for x in rows]
+                print(
+                    f"round {r + 1}: server CPU {statistics.median(done[-50:]):.3f} s/round "
+                    f"(median of the last 50), client {client_cpu[0]:.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         t1 = time.process_time()
         strategy.run.write_report()  # what the end of a run (or a stop after --rounds) writes
         strategy.run.write_metrics()

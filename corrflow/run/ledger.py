@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from corrflow.errors import IntegrityError
@@ -185,11 +185,12 @@ def replay(entries: Iterable[dict]) -> tuple[Ledger, list[dict]]:
     Returns:
         (ledger, metrics history).
     """
-    ledger, metrics = Ledger(), []
+    ledger, metrics, completed = Ledger(), [], 0
     for e in entries:
         if "snapshot" in e:
             ledger = Ledger.from_dict(e["snapshot"]["ledger"])
             metrics = list(e["snapshot"]["metrics_history"])
+            completed = ledger.rounds_completed
             continue
         t = int(e["round"])
         ledger.overrides.extend(e["overrides"])
@@ -199,6 +200,6 @@ def replay(entries: Iterable[dict]) -> tuple[Ledger, list[dict]]:
         for key in e["accepted"]:
             ledger.accept(t, key)
         ledger.epsilon_history.append(e["epsilon"])
-        ledger.rounds_completed = t + 1
+        completed = t + 1
         metrics.append(e["metrics"])
-    return ledger, metrics
+    return replace(ledger, rounds_completed=completed), metrics
