@@ -105,7 +105,10 @@ class LedgerLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, pos.size)
-            os.pwrite(fd, data, pos.size)
+            os.lseek(fd, pos.size, os.SEEK_SET)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
