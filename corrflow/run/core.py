@@ -11,8 +11,10 @@ noise stream, the secrets and the files — and is driven round by round::
 
 ``step`` is the one place the run's state changes (a round, a stop or an override goes through
 `Run._apply`); outside the run, the state is a read-only `RunView`.
-The order inside a step — clip → sum → noise → optimizer → finite check → checkpoint → release
-journal → registry → report → metrics — is the order that makes a kill at any point safe.
+The order inside a step — clip → sum → noise → optimizer → finite check → ledger log → checkpoint →
+release journal → registry → report and metrics (every `REPORT_EVERY` rounds, at the end and at
+every stop) — is the order that makes a kill at any point safe; a round's own writes are
+O(model + cohort), never O(population).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Everything that persists a run, in the order that makes a kill at any point safe: checkpoint →
-release journal → release registry → privacy report → metrics, before a round's model leaves the
-server (docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
+"""Everything that persists a run, in the order that makes a kill at any point safe: ledger log →
+checkpoint → release journal → release registry → privacy report → metrics (those two every
+`REPORT_EVERY` rounds, at the end and at every stop), before a round's model leaves the server
+(docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
 `restore` reads a verified checkpoint back.
 """
 
