@@ -1114,13 +1114,13 @@ def _audit_summary(r: dict) -> str:
     )
 
 
-def _note_report_behind_journal(report: dict, run_dir: Path) -> None:
-    """Say so when the release journal records more rounds than the report covers: the report is
-    complete every ``report_every`` rounds, and a server killed in between leaves it behind until
-    the run resumes."""
+def _note_report_behind_journal(report: dict, run_dir: Path) -> bool:
+    """Say so when the release journal records more rounds than the report covers (and return
+    True): the report is complete every ``report_every`` rounds, and a server killed in between
+    leaves it behind until the run resumes."""
     journal = run_dir / JOURNAL
     if not journal.is_file():
-        return
+        return False
     with open(journal, "rb") as f:
         released = sum(1 for line in f if line.endswith(b"\n"))
     covered = int(report.get("rounds_completed", 0))
@@ -1132,6 +1132,7 @@ def _note_report_behind_journal(report: dict, run_dir: Path) -> None:
             "completes the report first",
             err=True,
         )
+    return released > covered
 
 
 @app.command("report")
@@ -1166,7 +1167,10 @@ def report_command(
             _emit({**report, "held_out": held_out}, True)
         else:
             typer.echo(_summary(report, run_dir, held_out))
-        if report.get("rounds_completed", 0) < report.get("mechanism", {}).get("rounds", 0):
+        behind = _note_report_behind_journal(report, run_dir)
+        if not behind and report.get("rounds_completed", 0) < report.get("mechanism", {}).get(
+            "rounds", 0
+        ):
             typer.echo(
                 f"note: the run released {report['rounds_completed']} of "
                 f"{report['mechanism']['rounds']} rounds"
@@ -1177,7 +1181,6 @@ def report_command(
                 ),
                 err=True,
             )
-        _note_report_behind_journal(report, run_dir)
         if plot:
             typer.echo(f"plot: {write_run_plot(metrics, report, run_dir / 'run.png')}", err=True)
     except CorrflowError as exc:
