@@ -145,3 +145,24 @@ def test_sigkill_at_any_moment_then_resume_reports_what_an_uninterrupted_run_doe
     assert _normalised(resumed) == _normalised(uninterrupted)
     assert len(resumed["lineage"]["key_segments"]) > 1  # it did restart
     assert REPORT_EVERY > 1
+
+
+def test_report_command_says_when_the_journal_is_ahead_of_the_report(tmp_path):
+    """A server killed between two complete reports leaves privacy_report.json behind the journal:
+    `corrflow report` says how many rounds the journal released and how many the report covers,
+    instead of 'released N of M'."""
+    cfg = _cfg(tmp_path, num_rounds=6)
+    run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
+    path = tmp_path / "privacy_report.json"
+    report = json.loads(path.read_text())
+    path.write_text(json.dumps({**report, "rounds_completed": 2}))  # as a kill after round 2's
+    r = subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", "report", str(tmp_path), "--no-plot"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the release journal records 6 released rounds, this report covers 2" in r.stderr
+    assert "released 2 of" not in r.stderr
