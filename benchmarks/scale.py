@@ -187,6 +187,8 @@ def run(args) -> dict:
             grid.push_messages(messages)
             replies = list(grid.pull_messages([]))
             arrays, _ = strategy.aggregate_train(r + 1, replies)
+            cohort = len(messages)
+            del replies, messages  # as the strategy's own loop: one round's replies in memory
             assert arrays is not None, f"round {r + 1} released no model"
             cpu = time.process_time() - c0
             rows.append(
@@ -194,7 +196,7 @@ def run(args) -> dict:
                     "server": cpu - client_cpu[0],
                     "client": client_cpu[0],
                     "bytes": _written() - w0,
-                    "cohort": len(messages),
+                    "cohort": cohort,
                     **split.take(),
                 }
             )

@@ -332,6 +332,8 @@ def run_rounds(
             strategy.inflight.put(None)  # abandoned: nothing of this round is committed or released
             break
         new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        # the cohort's replies (cohort × model bytes) go now, not when the next round's have come
+        del replies, messages
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
