@@ -21,6 +21,7 @@ from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS
 from corrflow.paths import run_directory, writable_directory, writable_file
 from corrflow.progress import Progress
+from corrflow.run.journal import JOURNAL
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import (
@@ -1204,6 +1205,27 @@ def _audit_summary(r: dict) -> str:
     )
 
 
+def _note_report_behind_journal(report: dict, run_dir: Path) -> bool:
+    """Say so when the release journal records more rounds than the report covers (and return
+    True): the report is complete every ``report_every`` rounds, and a server killed in between
+    leaves it behind until the run resumes."""
+    journal = run_dir / JOURNAL
+    if not journal.is_file():
+        return False
+    with open(journal, "rb") as f:
+        released = sum(1 for line in f if line.endswith(b"\n"))
+    covered = int(report.get("rounds_completed", 0))
+    if released > covered:
+        typer.echo(
+            f"note: the release journal records {released} released rounds, this report covers "
+            f"{covered}: the server stopped between two of its complete reports (every "
+            f"{report.get('report_every', 1)} rounds); rerun the run's command to resume it — it "
+            "completes the report first",
+            err=True,
+        )
+    return released > covered
+
+
 @app.command("report")
 def report_command(
     run_dir: Annotated[Path, typer.Argument(help="a run's directory (simulate's --out)")],
@@ -1236,7 +1258,10 @@ def report_command(
             _emit({**report, "held_out": held_out}, True)
         else:
             typer.echo(_summary(report, run_dir, held_out))
-        if report.get("rounds_completed", 0) < report.get("mechanism", {}).get("rounds", 0):
+        behind = _note_report_behind_journal(report, run_dir)
+        if not behind and report.get("rounds_completed", 0) < report.get("mechanism", {}).get(
+            "rounds", 0
+        ):
             typer.echo(
                 f"note: the run released {report['rounds_completed']} of "
                 f"{report['mechanism']['rounds']} rounds"

@@ -70,6 +70,7 @@ from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
 from corrflow.planning.score import Damping
 from corrflow.server.proxy import damping_for
+from corrflow.run.journal import JOURNAL
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 
 log = logging.getLogger("corrflow")
@@ -470,8 +471,9 @@ def run_arm(
 
     restarted = None
     if (out / "state").exists():
-        journal = out / "metrics.json"
-        restarted = len(json.loads(journal.read_text())) - 1 if journal.exists() else 0
+        # the journal, not metrics.json: that is complete every REPORT_EVERY rounds only
+        journal = out / JOURNAL
+        restarted = journal.read_bytes().count(b"\n") if journal.exists() else 0
     cfg = arm_config(preset, arm, seed, out)
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
