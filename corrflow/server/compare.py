@@ -69,8 +69,8 @@ from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
 from corrflow.planning.score import Damping
-from corrflow.server.proxy import damping_for
 from corrflow.run.journal import JOURNAL
+from corrflow.server.proxy import damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 
 log = logging.getLogger("corrflow")

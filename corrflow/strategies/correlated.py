@@ -329,8 +329,9 @@ def run_rounds(
         if strategy.stopped_reason:
             break
         new_arrays, metrics = train_round(strategy, grid, server_round, messages, timeout, stop)
-        # the cohort's replies (cohort × model bytes) went with train_round, not when the next round's come
-        del messages
+        del (
+            messages
+        )  # the cohort's replies (cohort × model bytes) go now, not with the next round's
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
