@@ -30,41 +30,22 @@ from pathlib import Path
 
 import numpy as np
 
-from corrflow.factorization.workloads import Workload
 from corrflow.planning.cache import PlanCache
 from corrflow.planning.candidates import make_plan
+from corrflow.planning.score import closed_loop_error, closed_loop_response
 from corrflow.server.compare import PRESETS, parse_epsilons, plan_request
-
-
-def closed_loop_response(workload: Workload, n: int, kappa: float) -> np.ndarray:
-    """R (n × n): model error x_t = Σ_s R[t, s]·w_s for noise w_s added to round s's update, when
-    the optimizer (m_t = β m_{t-1} + u_t, x_t = x_{t-1} + η_t m_t) trains a quadratic of curvature κ
-    (u_t = -κ x_{t-1} + w_t). κ = 0 gives the workload A."""
-    eta, beta = workload.learning_rates(n), workload.momentum
-    x, m, out = np.zeros(n), np.zeros(n), np.zeros((n, n))
-    for t in range(n):
-        u = -kappa * x
-        u[t] += 1.0
-        m = beta * m + u
-        x = x + eta[t] * m
-        out[t] = x
-    return out
 
 
 def scores(plan, kappas: list[float]) -> list[dict]:
     n, wl = plan.request.rounds, plan.request.workload
+    # the planner's own score (corrflow.planning.score) at each κ
     responses = {k: closed_loop_response(wl, n, k) for k in kappas}
-    assert np.allclose(responses.get(0.0, wl.matrix(n)), wl.matrix(n))
     rows = []
     for c in plan.candidates:
         fac = plan.factorizations[c.key()]
         sigma, sens = c.noise_multiplier, fac.sensitivity.value
         e = fac.per_query_error() * sens**2
-        enc_t = fac.encoder.matrix().T
-        closed = {
-            f"{k:g}": float(sigma * sens * np.linalg.norm(np.linalg.solve(enc_t, r[-1])))
-            for k, r in responses.items()
-        }
+        closed = {f"{k:g}": float(sigma * closed_loop_error(fac, r)) for k, r in responses.items()}
         rows.append(
             {
                 "candidate": c.label(),

@@ -5,10 +5,13 @@ Toeplitz MF (fixed-epoch and, with --amplified, under the cyclic Poisson sampler
 separation) and the recipe ``corrflow plan`` recommends — same users, data, initialisation,
 evaluation set, optimizer and clipping per seed.
 
-Targets (issue "the evidence users ask for"): at each ε the ``plan`` arm's mean accuracy is at least
-the best DP-SGD arm's less 0.01, and at ε = 8 it closes at least half of the gap between the best
-DP-SGD arm and non-private training (000 Fig. 3 measures the same gap on StackOverflow; 001 Fig. 1
-plots accuracy against ε).
+Targets (issues "the evidence users ask for" and "a plan that trains best"): at each ε the ``plan``
+arm runs the configuration of the best-mean private arm, or its mean accuracy is within 0.01 of
+that arm's, or within the two-sided 95% interval of the paired per-seed differences (Student t with
+seeds − 1 degrees of freedom: seeds spread ±0.03, so a bare max over arms is biased up); its mean
+accuracy is at least the best DP-SGD arm's less 0.01; and at ε = 8 it closes at least half of the
+gap between the best DP-SGD arm and non-private training (moonshot: two thirds; 000 Fig. 3 measures
+the same gap on StackOverflow; 001 Fig. 1 plots accuracy against ε).
 
 With ``--preset large`` (50,000 users, cohort 500: the papers' q ≈ 0.01 of 000 §5.3 and 001) the
 targets of issue 34 are reported too (``correlated_beats_poisson``, ``every_private_arm_learned``):
@@ -31,9 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
+from scipy.stats import t as student_t
 
 from corrflow.server.compare import (
     PRESETS,
@@ -54,19 +61,51 @@ FULL = {
 }
 TOLERANCE = 0.01  # the plan arm may trail the best DP-SGD arm by this much accuracy
 GAP_AT_8 = 0.5  # ... and must close half of the gap at ε = 8
+MOONSHOT_AT_8 = 2 / 3
+
+
+def same_configuration(a: dict, b: dict) -> bool:
+    """Two arms run the same mechanism: kind, bands, sampler separation, accountant and σ."""
+    keys = ("kind", "bands", "min_sep", "accountant")
+    return all(a.get(k) == b.get(k) for k in keys) and math.isclose(
+        a["noise_multiplier"], b["noise_multiplier"], rel_tol=1e-9
+    )
+
+
+def paired_interval(plan: list[float], best: list[float]) -> tuple[float, float] | None:
+    """The two-sided 95% Student-t interval of the mean per-seed difference plan − best (None with
+    fewer than two seeds)."""
+    d = np.asarray(plan, float) - np.asarray(best, float)
+    if len(d) < 2:
+        return None
+    half = student_t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    return float(d.mean() - half), float(d.mean() + half)
 
 
 def targets(result: dict) -> dict:
-    """Per ε: the plan arm against the best DP-SGD arm (accuracy margin, gap closed) and whether the
-    targets hold; and the planner's own score (RMSE at the target ε) of its recipe against both
-    DP-SGD arms'."""
+    """Per ε: the plan arm against the best-mean private arm (same configuration, within 0.01, or
+    within the paired 95% interval) and against the best DP-SGD arm (accuracy margin, gap closed),
+    whether each target holds, and the planner's score of its recipe against the runner-up."""
     out = {}
     for key, entry in result["epsilons"].items():
         arms, best = entry["arms"], entry["best_dpsgd"]
-        margin = arms["plan"]["accuracy"] - arms[best]["accuracy"]
+        private = {n: a for n, a in arms.items() if n != "nonprivate"}
+        top = max(private, key=lambda n: private[n]["accuracy"])
+        plan = arms["plan"]
+        margin = plan["accuracy"] - arms[best]["accuracy"]
         gap = entry["gap_closed"]["plan"]
-        rmse = entry["planner"]["rmse"]
+        seeds = {n: [r["accuracy"] for r in a["per_seed"]] for n, a in private.items()}
+        interval = paired_interval(seeds["plan"], seeds[top])
+        same = top == "plan" or same_configuration(plan, private[top])
+        score = entry["planner"].get("score") or {}
         out[key] = {
+            "best_private": top,
+            "plan_is_best_configuration": same,
+            "plan_minus_best_private": plan["accuracy"] - private[top]["accuracy"],
+            "paired_95_interval": interval,
+            "within_best_private": same
+            or plan["accuracy"] >= private[top]["accuracy"] - TOLERANCE
+            or (interval is not None and interval[1] >= 0),
             "best_dpsgd": best,
             "plan_minus_best_dpsgd": margin,
             "plan_gap_closed": gap,
@@ -74,9 +113,14 @@ def targets(result: dict) -> dict:
             "closes_half_gap": None
             if entry["epsilon"] != 8
             else (gap is not None and gap >= GAP_AT_8),
-            "planner_rmse_at_most_dpsgd": all(
-                rmse["plan"] <= rmse[n] * (1 + 1e-9) for n in ("dpsgd", "dpsgd-poisson")
-            ),
+            "moonshot_two_thirds": None
+            if entry["epsilon"] != 8
+            else (gap is not None and gap >= MOONSHOT_AT_8),
+            "score": {k: score.get(k) for k in ("name", "kappa", "kappa_source", "margin")}
+            | {
+                "recommended": (score.get("recommended") or {}).get("candidate"),
+                "runner_up": (score.get("runner_up") or {}).get("candidate"),
+            },
             **correlated_against_poisson(entry),
         }
     return out

@@ -18,7 +18,12 @@ _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.1.0"
 
-__all__ = ["DifferentialPrivacyCorrelatedNoise", "RunConfig", "register_identity"]
+__all__ = [
+    "DifferentialPrivacyCorrelatedNoise",
+    "RunConfig",
+    "register_identity",
+    "secure_aggregation_mods",
+]
 
 
 def __getattr__(name: str):
@@ -27,6 +32,10 @@ def __getattr__(name: str):
         from corrflow.clients.identity import register_identity
 
         return register_identity
+    if name == "secure_aggregation_mods":
+        from corrflow.clients.secagg import secure_aggregation_mods
+
+        return secure_aggregation_mods
     if name == "RunConfig":
         from corrflow.config import RunConfig
 

@@ -473,6 +473,15 @@ class RunConfig(BaseModel):
         "an identity source",
         surfaces=("cli", "run_config", "wrapper"),
     )
+    secure_aggregation: bool = setting(
+        False,
+        "SecAgg+: clients clip and mask their updates, the server sees only the cohort's sum "
+        "(fixed-epoch or unamplified, cross-device; docs/how-to/secure-aggregation.md)",
+        "true or false",
+        surfaces=("cli", "run_config", "wrapper"),
+        names={"cli": "--secagg"},
+        strict=True,
+    )
     # -- operations (not part of the mechanism: a resumed run may change them) ---------------------
     state_dir: str = setting(
         "corrflow_run",
@@ -512,12 +521,34 @@ class RunConfig(BaseModel):
         surfaces=("cli", "run_config", "wrapper"),
     )
 
-    #: Settings a resumed run may change (they do not fix the mechanism or the data order).
+    noise_workers: int = setting(
+        0,
+        "generate the correlated noise on this many Ray actors, each holding a shard of the "
+        "model's coordinates and its noise state (0: in the server's process); the released "
+        "models are the same bits either way. A resumed run keeps its number",
+        "an integer ≥ 0",
+        ge=0,
+        le=4096,
+        surfaces=("cli", "run_config", "wrapper"),
+    )
+    ray_address: str = setting(
+        "",
+        "the Ray cluster the noise workers join, host:port of its head (default: the simulation's "
+        "Ray, or a local Ray instance)",
+        "a Ray address (host:port)",
+        surfaces=("cli", "run_config", "wrapper"),
+    )
+
+    #: Settings a resumed run may change (they do not fix the mechanism or the data order). The
+    # noise workers do not change the released bits; a resume with another number of them is
+    # refused by the noise stream, which says why (corrflow.run.noise_shards).
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "state_dir",
         "release_registry",
         "max_empty_rounds",
         "node_timeout",
+        "noise_workers",
+        "ray_address",
     )
 
     def __init__(self, **values: Any):
@@ -613,6 +644,7 @@ class RunConfig(BaseModel):
             "delta in cross-silo mode (a silo returns the sum of its per-item clipped updates)",
             self.replies,
         )
+        self._secure_aggregation_rules()
         require(
             not self.data_path or self.client in ("keras", "nextword"),
             "client",
@@ -632,6 +664,41 @@ class RunConfig(BaseModel):
             self.client,
         )
         return self
+
+    def _secure_aggregation_rules(self) -> None:
+        """SecAgg+ needs clients that clip (cross-device) and cohorts that need not be secret."""
+        if not self.secure_aggregation:
+            return
+        require(
+            self.mode == "cross-device",
+            "secure-aggregation",
+            "cross-device mode: under SecAgg+ the server sees only the sum, so it can no longer "
+            "check that a silo clipped each of its items",
+            self.mode,
+        )
+        require(
+            self.participation == "fixed-epoch" or self.accountant == "unamplified",
+            "secure-aggregation",
+            "an unamplified plan (fixed-epoch participation, or --accountant unamplified): in "
+            "SecAgg+'s share-keys stage every cohort member learns its neighbours' node ids, so "
+            "the cohort is no longer secret to participants and amplification by sampling does "
+            "not hold",
+            f"participation {self.participation}",
+        )
+        require(
+            self.participation != "fixed-epoch"
+            or self.num_users is None
+            or self.num_users >= 2 * self.b,
+            "secure-aggregation",
+            f"cohorts of at least 2 users (num-users ≥ 2 × rounds/epochs = {2 * self.b}): a "
+            "cohort's sum of one member is that member's update",
+            f"num-users {self.num_users}",
+        )
+        require(
+            not self.non_private,
+            "secure-aggregation",
+            "a private run (the non-private baseline adds no noise to protect)",
+        )
 
     def _participation_rules(self) -> None:
         if self.participation == "fixed-epoch":
@@ -716,6 +783,8 @@ class RunConfig(BaseModel):
         the vocabulary file's SHA-256: its privacy cost is composed into the run's total, so a
         resume must use the same file, not just the same path."""
         out = {k: v for k, v in self.to_dict().items() if k not in self.OPERATIONAL}
+        if not out.get("secure_aggregation"):  # runs before the setting keep their fingerprint
+            out.pop("secure_aggregation", None)
         if self.vocab_path:
             import hashlib
 

@@ -104,8 +104,11 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def write_json(path: str | os.PathLike, obj, *, private: bool = False, **dumps) -> Path:
-    """``json.dumps(obj, **dumps)`` written atomically (``private``: mode 0600)."""
-    return write_text(path, json.dumps(obj, **dumps), private=private)
+    """``json.dumps(obj, **dumps)`` written atomically (``private``: mode 0600), streamed to the
+    file as it is encoded: a report listing every user is never held as one string as well."""
+    with atomic_file(path, "w", private=private) as f:
+        json.dump(obj, f, **dumps)
+    return Path(path)
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:

@@ -3,7 +3,7 @@
 # SuperNode authentication, three registered SuperNodes running corrflow's ClientApp, and `flwr run` of the corrflow
 # app (deploy/app) for a few rounds. The last line printed is the path of the privacy report.
 #
-#   deploy/loopback.sh [--workdir DIR] [--rounds N] [--client numpy|nextword] [--drills]
+#   deploy/loopback.sh [--workdir DIR] [--rounds N] [--client numpy|nextword] [--secagg] [--drills]
 #
 # --workdir DIR  where keys, Flower homes, logs and the server's output go (default: a new temporary directory;
 #                it is kept, so the report can be read afterwards)
@@ -23,6 +23,8 @@
 #                three-round runs; ε = 16, clip norm 0.1 in 80 of 80 runs with a thin margin); at these settings
 #                the held-out loss fell in 160 of 160 simulations of 2 and 3 rounds. A run that does not
 #                learn fails (`flwr ls`: finished:failed) and so does this script.
+# --secagg       secure aggregation (SecAgg+): the SuperNodes clip and mask their updates, the server sees only
+#                each round's sum (corrflow.secure-aggregation=true); the report must state the trust model
 # --drills       also the failure drills: a fourth SuperNode with an unregistered key must be refused; after the
 #                first checkpoint the ServerApp is killed (SIGKILL), SuperNode sn1 is restarted, and a second
 #                `flwr run` must resume from the checkpoint with sn1 under the same identity
@@ -40,6 +42,7 @@ workdir=""
 rounds=3
 drills=0
 client=numpy
+secagg=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --workdir) [[ $# -ge 2 ]] || { echo "loopback.sh: --workdir needs a directory" >&2; exit 2; }
@@ -50,6 +53,7 @@ while [[ $# -gt 0 ]]; do
                 echo "loopback.sh: --client needs numpy or nextword" >&2; exit 2; }
               client="$2"; shift 2 ;;
     --drills) drills=1; shift ;;
+    --secagg) secagg=1; shift ;;
     -h|--help) awk 'NR >= 6 && /^# Ports/ {exit} NR >= 6 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "loopback.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -259,6 +263,7 @@ fi
 
 # -- the corrflow run ----------------------------------------------------------------------------------------
 run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$out\" corrflow.identity=\"node-key\"${task_config:+ $task_config}"
+[[ $secagg -eq 1 ]] && run_config+=" corrflow.secure-aggregation=true"
 submit() {  # submit LABEL: flwr run; prints the run id
   local answer
   answer=$(cd "$here/app" && flwr_cli run . loopback --run-config "$run_config" --format json 2>>"$logs/operator.log") \
@@ -348,5 +353,13 @@ if [[ $client == nextword ]]; then
 print("nextword: held-out loss %.3f -> %.3f (learned: %s)" % (r["initial_test_loss"], r["final_test_loss"], r["learned"]))' \
     "$report")"
 fi
-say "done: $rounds rounds of the $client client over TLS with authenticated SuperNodes"
+if [[ $secagg -eq 1 ]]; then
+  "$py" -c 'import json, sys; s = json.load(open(sys.argv[1])).get("secure_aggregation") or sys.exit(1)
+print("secagg: the server saw " + s["server_saw"].split(";")[0])' "$report" >>"$workdir/secagg.txt" \
+    || die "the privacy report of a --secagg run has no secure_aggregation section"
+  say "$(cat "$workdir/secagg.txt")"
+fi
+with=""
+[[ $secagg -eq 1 ]] && with=" and secure aggregation"
+say "done: $rounds rounds of the $client client over TLS with authenticated SuperNodes$with"
 echo "$report"

@@ -124,7 +124,9 @@ def test_lock_dies_with_a_killed_server(tmp_path):
     "fault, names",
     [
         ("delete-current", "CURRENT"),
-        ("edit-ledger", "state.json"),
+        ("edit-state", "state.json"),
+        ("edit-ledger", "ledger.jsonl"),
+        ("truncate-ledger", "ledger.jsonl"),
         ("old-state", "older than what was released"),
         ("empty-salt", "report_salt"),
         ("journal-truncated", JOURNAL),
@@ -138,13 +140,20 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     ckpt = _ckpt(tmp_path)
     if fault == "delete-current":
         (tmp_path / "state" / "CURRENT").unlink()
-    elif fault == "edit-ledger":
+    elif fault == "edit-state":
         public = json.loads((ckpt / "state.json").read_text())
-        user = sorted(public["ledger"]["selected"])[0]
-        public["ledger"]["selected"][user] = public["ledger"]["selected"][user][
-            :1
-        ]  # hide a participation
+        public["ledger_log"]["lines"] -= 1  # vouch for one round less of the ledger log
         (ckpt / "state.json").write_text(json.dumps(public, sort_keys=True))
+    elif fault in ("edit-ledger", "truncate-ledger"):  # the append-only ledger log
+        log_path = tmp_path / "state" / "ledger.jsonl"
+        lines = log_path.read_text().splitlines(keepends=True)
+        if fault == "edit-ledger":
+            entry = json.loads(lines[1])
+            entry["selected"] = entry["selected"][1:]  # hide a participation
+            lines[1] = json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n"
+        else:
+            lines = lines[:-1]
+        log_path.write_text("".join(lines))
     elif fault == "old-state":
         shutil.rmtree(tmp_path / "state")
         shutil.copytree(snapshot, tmp_path / "state")

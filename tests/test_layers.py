@@ -138,7 +138,9 @@ def test_the_flower_free_run_loads_without_flower():
 
 def test_strategies_is_the_flower_adapter_only():
     modules = sorted(p.name for p in (PACKAGE / "strategies").glob("*.py"))
-    assert len(modules) <= 8, modules
+    # 9: secagg.py, the SecAgg+ server driver, speaks Flower's message format (its Flower-free
+    # numbers live in corrflow/run/secure_sum.py)
+    assert len(modules) <= 9, modules
 
 
 def test_the_strategy_is_a_thin_shell():

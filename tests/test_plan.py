@@ -1,5 +1,6 @@
-"""corrflow plan: candidates ranked by the RMSE they report, budgets, the recipe in simulate --plan,
-plots, cache; and the registry of factorization kinds agrees with the noise engine and the CLI."""
+"""corrflow plan: candidates ranked by the score they report, budgets, the recipe in simulate
+--plan, plots, cache; and the registry of factorization kinds agrees with the noise engine and the
+CLI."""
 
 import json
 import subprocess
@@ -57,12 +58,18 @@ def planned(tmp_path_factory):
     return out, docs[1], [d["seconds"] for d in docs]
 
 
-def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
+def test_plan_ranks_by_reported_score_and_recomputes(planned):
     out, doc, _ = planned
     cands = doc["candidates"]
     fitting = [c for c in cands if c["fits"]]
     assert [c["rank"] for c in fitting] == list(range(1, len(fitting) + 1))
-    assert [c["rmse"] for c in fitting] == sorted(c["rmse"] for c in fitting)
+    # ranked by the closed-loop score (tests/test_plan_score.py recomputes it), with the plain-RMSE
+    # rank of each beside it
+    assert doc["score"]["name"] == "closed-loop final error" and doc["score"]["kappa"] == 0.1
+    assert [c["score"] for c in fitting] == sorted(c["score"] for c in fitting)
+    assert [c["rmse"] for c in sorted(fitting, key=lambda c: c["rmse_rank"])] == sorted(
+        c["rmse"] for c in fitting
+    )
     assert doc["participation"] == {
         **doc["participation"],
         "min_sep": 6,
@@ -74,6 +81,7 @@ def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
     assert doc["participation"]["band_grid"] == [1, 2, 4, 5, 6]
     rec = doc["recommended"]
     assert rec["kind"] == fitting[0]["kind"] and rec["rmse"] == fitting[0]["rmse"]
+    assert rec["score"]["value"] == fitting[0]["score"]
     fac = Factorization.load(out / "factorization.npz")
     assert fac.sha256() == rec["factorization_sha256"]
     # RMSE at the target: σ × √(Σ‖B_i‖²/n) from the written file; ε at that σ within the target
@@ -83,11 +91,11 @@ def test_plan_ranks_by_reported_rmse_and_recomputes(planned):
     assert (
         account(fac, delta=1e-5, noise_multiplier=rec["noise_multiplier"])["epsilon"] <= 4.0 + 1e-9
     )
-    # the dense optimum beats DP-SGD, and every DP-SGD ratio is relative to the best DP-SGD
-    # candidate
+    # the pick beats DP-SGD, and every DP-SGD ratio is relative to the best DP-SGD candidate
     dp = min(c["rmse"] for c in cands if c["kind"] == "dpsgd")
     assert all(c["rmse_ratio_vs_dpsgd"] == pytest.approx(c["rmse"] / dp) for c in cands)
     assert rec["rmse"] < dp
+    assert rec["score"]["value"] < min(c["score"] for c in cands if c["kind"] == "dpsgd")
     assert {s.get("accountant") for s in doc["skipped"]} >= {"mmcc", "monte-carlo"}
 
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from corrflow.accounting.tracking import PrivacyPlan, RealizedPrivacy, RunPrivacy
+from corrflow.accounting.tracking import (
+    IncrementalSensitivity,
+    PrivacyPlan,
+    RealizedPrivacy,
+    RunPrivacy,
+)
 from corrflow.factorization.base import Factorization
 
 #: Relative tolerance of the budget guard (ε computed twice from the same inputs may differ in the
@@ -114,19 +119,47 @@ class RunAccounting:
         return self.privacy.plan
 
     def realized(
-        self, selected: Mapping[str, Sequence[int]], overrides: Iterable[Mapping]
+        self,
+        selected: Mapping[str, Sequence[int]],
+        overrides: Iterable[Mapping],
+        tracker: IncrementalSensitivity | None = None,
     ) -> RealizedPrivacy:
         """ε of the participation so far: the plan's while an amplified plan's pattern is followed,
         else post hoc.
 
-        Args:
-            selected: user → rounds contributed to (with multiplicity).
-            overrides: the run's override records (see `pattern_followed`).
+        Args: selected: user → rounds contributed to (with multiplicity). overrides: the run's
+        override records (see `pattern_followed`). tracker: the run's incremental sensitivity at
+        ``selected`` (O(1); without it, a pass over every user).
 
         Returns: The `RealizedPrivacy`: sensitivity, whether it
         is exact, ε (None for a non-private run) and how ε was obtained.
         """
-        return self.privacy.realized(selected, pattern_followed=pattern_followed(overrides))
+        followed = pattern_followed(overrides)
+        if tracker is not None:
+            return self.privacy.of_sensitivity(tracker.value(), pattern_followed=followed)
+        return self.privacy.realized(selected, pattern_followed=followed)
+
+    def realized_after(
+        self,
+        tracker: IncrementalSensitivity,
+        selected: Mapping[str, Sequence[int]],
+        overrides: Iterable[Mapping],
+        round_index: int,
+        users: Iterable[str],
+    ) -> RealizedPrivacy:
+        """ε after a prospective round, in O(cohort) (nothing changes).
+
+        Args: tracker: the run's incremental sensitivity at ``selected``. selected: user → rounds
+        so far. overrides: the override records, the round's included. round_index: the round.
+        users: its cohort.
+
+        Returns:
+            The `RealizedPrivacy` after the round.
+        """
+        return self.privacy.of_sensitivity(
+            tracker.after(selected, round_index, users),
+            pattern_followed=pattern_followed(overrides),
+        )
 
     def budget_exceeded(
         self,
@@ -134,6 +167,7 @@ class RunAccounting:
         overrides: Iterable[Mapping],
         round_index: int,
         users: Iterable[str],
+        tracker: IncrementalSensitivity | None = None,
     ) -> float | None:
         """The budget guard: would this round take the realised ε above the target?
 
@@ -142,13 +176,17 @@ class RunAccounting:
             overrides: the run's override records.
             round_index: the prospective round, 0-based.
             users: its cohort.
+            tracker: the run's incremental sensitivity at ``selected`` (O(cohort)).
 
         Returns: The ε after the round when it exceeds the target (to a relative
         `BUDGET_TOLERANCE`), else None (also without a target).
         """
         if not self.target_epsilon:
             return None
-        eps = self.realized(with_round(selected, round_index, users), overrides).epsilon
+        if tracker is not None:
+            eps = self.realized_after(tracker, selected, overrides, round_index, users).epsilon
+        else:
+            eps = self.realized(with_round(selected, round_index, users), overrides).epsilon
         if eps is not None and eps > self.target_epsilon * (1 + BUDGET_TOLERANCE):
             return eps
         return None

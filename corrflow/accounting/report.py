@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from corrflow.accounting.noise_scale import noise_std_per_round
-from corrflow.accounting.posthoc import min_gap
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
+
+#: Version of privacy_report.json's layout. 2 (issue 34): the run's per-round record is an
+# append-only ledger log, and the report — complete, every user listed — is rewritten every
+# ``report_every`` rounds, at the last round and at every stop (1: after every round; no field).
+SCHEMA_VERSION = 2
 
 
 def hash_user_id(user_id: str, salt: bytes) -> str:
@@ -54,6 +58,7 @@ def participation_section(
     salt: bytes,
     policy: str | None = None,
     overrides: Sequence[dict] = (),
+    hashed: Callable[[str], str] | None = None,
 ) -> dict:
     """The report's participation section, with user ids hashed.
 
@@ -62,14 +67,13 @@ def participation_section(
         salt: the run's secret salt (`hash_user_id`).
         policy: the separation policy, or None.
         overrides: the override records.
+        hashed: user id → its `hash_user_id` under ``salt`` (a run's cache; default: computed).
 
     Returns: ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id:
     {"rounds", "min_gap"}}}``.
     """
-    users = {
-        hash_user_id(u, salt): {"rounds": sorted(int(r) for r in rs), "min_gap": min_gap(rs)}
-        for u, rs in user_rounds.items()
-    }
+    hashed = hashed or (lambda u: hash_user_id(u, salt))
+    users = {hashed(u): _user_entry(rs) for u, rs in user_rounds.items()}
     gaps = [u["min_gap"] for u in users.values() if u["min_gap"] is not None]
     return {
         "min_gap": min(gaps) if gaps else None,
@@ -78,6 +82,14 @@ def participation_section(
         "overrides": list(overrides),
         "users": users,
     }
+
+
+def _user_entry(rounds: Sequence[int]) -> dict:
+    """A user's ``{"rounds", "min_gap"}`` (``min_gap`` as `corrflow.accounting.posthoc.min_gap`),
+    in plain Python: a report lists every user, and numpy's per-call overhead would dominate."""
+    r = sorted(int(x) for x in rounds)
+    gaps = [b - a for a, b in zip(r, r[1:], strict=False) if b != a]
+    return {"rounds": r, "min_gap": min(gaps) if gaps else None}
 
 
 def privacy_report(
@@ -124,6 +136,7 @@ def privacy_report(
         # run's δ, whatever δ the plan's Monte Carlo verified (issue 21 item 6).
         verified = float(realized["delta"])
     return {
+        "schema_version": SCHEMA_VERSION,
         "mechanism": mechanism_section(factorization),
         "noise_multiplier": noise_multiplier,
         "noise_std_per_round": noise_std_per_round(factorization, noise_multiplier),

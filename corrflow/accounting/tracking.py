@@ -15,12 +15,16 @@ Two regimes, chosen by what the plan's accountant analysed, never by its name:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from corrflow.accounting.mechanisms import gaussian_epsilon
-from corrflow.accounting.posthoc import realized_sensitivity
+from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
 from corrflow.factorization.base import Factorization
+from corrflow.factorization.encoders import Encoder
+from corrflow.factorization.sensitivity import Sensitivity
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,25 @@ class RunPrivacy:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         sens, worst = realized_sensitivity(self.fac.encoder, selected, self._pattern_cache)
+        out = self.of_sensitivity(sens, pattern_followed=pattern_followed, worst=worst)
+        self._last = (key, out)
+        return out
+
+    def of_sensitivity(
+        self, sens: Sensitivity, *, pattern_followed: bool = True, worst: str | None = None
+    ) -> RealizedPrivacy:
+        """ε of a participation whose realised sensitivity is ``sens`` (kept incrementally by
+        `IncrementalSensitivity`, or recomputed by `realized`): the plan's when it is amplified
+        and its pattern was followed, else one Gaussian of ``sens`` (000 App. D.2).
+
+        Args:
+            sens: the realised sensitivity.
+            pattern_followed: whether the sampler's pattern was followed.
+            worst: the raw id of a user with the largest sensitivity, when known.
+
+        Returns:
+            The `RealizedPrivacy`.
+        """
         if self.plan.amplified and pattern_followed:
             planned_delta = float(self.plan.accountant.get("delta", self.delta))
             out = RealizedPrivacy(
@@ -145,5 +168,138 @@ class RunPrivacy:
                 worst,
                 self.delta,
             )
-        self._last = (key, out)
         return out
+
+
+class IncrementalSensitivity:
+    """The realised sensitivity max_u sens(π_u) (000 Def. 1 on the realised patterns,
+    `corrflow.accounting.posthoc.pattern_sensitivity`) kept from each round's cohort alone:
+    O(cohort · log) per round, never a pass over the population (issue 34).
+
+    It holds, for every pattern π some user has now (sorted rounds with multiplicity), its
+    sensitivity and how many users have it, and a max-heap of the patterns (stale entries are
+    dropped when they reach the top, and the heap is rebuilt once it holds twice the live
+    patterns, so its size stays O(patterns)). The value equals `realized_sensitivity` over the
+    whole ledger exactly — also for upper bounds, which need not grow with the pattern: a user
+    leaving π gives π up. Users' patterns are read from the ledger (``selected``) handed in, so no
+    second per-user copy is kept.
+
+    Args:
+        encoder: C, n × n (the run's normalised encoder).
+    """
+
+    def __init__(self, encoder: Encoder):
+        self.encoder = encoder
+        self._live: dict[tuple[int, ...], list] = {}  # π → [Sensitivity, users with π]
+        self._heap: list[tuple[float, tuple[int, ...]]] = []  # (−value, π); may hold stale π
+        self._heaped: set[tuple[int, ...]] = set()
+        self._inexact = 0  # users whose pattern's value is an upper bound
+        # the patterns the last prospective round computed (`after`): the round itself reuses them
+        self._recent: dict[tuple[int, ...], Sensitivity] = {}
+        self._recent_round: int | None = None
+
+    @classmethod
+    def of(cls, encoder: Encoder, selected: Mapping[str, Sequence[int]]) -> IncrementalSensitivity:
+        """The tracker of a whole ledger (a resumed run: one pass over the population).
+
+        Args:
+            encoder: C.
+            selected: user → rounds (ascending, with multiplicity).
+
+        Returns:
+            The tracker, at the ledger's participation.
+        """
+        out = cls(encoder)
+        for rounds in selected.values():
+            out._enter(tuple(rounds))
+        return out
+
+    def value(self) -> Sensitivity:
+        """The realised sensitivity now: exact only when every user's pattern value is."""
+        heap, live = self._heap, self._live
+        while heap and heap[0][1] not in live:
+            self._heaped.discard(heapq.heappop(heap)[1])
+        if not heap:
+            return Sensitivity(0.0, True, "no-participation")
+        top = live[heap[0][1]][0]
+        exact = self._inexact == 0
+        return Sensitivity(top.value, exact, top.method if exact else "realized-upper-bound")
+
+    def add(
+        self, selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]
+    ) -> None:
+        """Record round ``round_index`` for ``users`` (a user listed m times contributes m items).
+
+        Args: selected: user → rounds *before* this round (the ledger, not yet updated: the
+        caller appends the round to it after). round_index: a round after every recorded one.
+        users: the round's cohort.
+        """
+        for user, m in Counter(users).items():
+            old = tuple(selected.get(user, ()))
+            self._enter((*old, *(round_index,) * m))
+            if old:
+                self._leave(old)
+        self._recent, self._recent_round = {}, None
+
+    def after(
+        self, selected: Mapping[str, Sequence[int]], round_index: int, users: Iterable[str]
+    ) -> Sensitivity:
+        """The sensitivity a prospective round would give (the budget guard; nothing changes).
+
+        Args:
+            selected: user → rounds so far.
+            round_index: the prospective round.
+            users: its cohort.
+
+        Returns:
+            The realised sensitivity after the round.
+        """
+        if round_index != self._recent_round:  # the guard and the release ask about one round
+            self._recent, self._recent_round = {}, round_index
+        moves = [
+            (old := tuple(selected.get(u, ())), (*old, *(round_index,) * m))
+            for u, m in Counter(users).items()
+        ]
+        for old, new in moves:
+            self._enter(new, remember=True)
+            if old:
+                self._leave(old, remember=True)  # (its value is needed back right after)
+        try:
+            return self.value()
+        finally:
+            for old, new in moves:
+                if old:
+                    self._enter(old)
+                self._leave(new)
+
+    def _enter(self, pattern: tuple[int, ...], remember: bool = False) -> None:
+        slot = self._live.get(pattern)
+        if slot is None:
+            sens = self._recent.get(pattern)
+            if sens is None:
+                sens = pattern_sensitivity(self.encoder, pattern)
+                if remember:
+                    self._recent[pattern] = sens
+            slot = self._live[pattern] = [sens, 0]
+            if pattern not in self._heaped:
+                if len(self._heap) > 2 * len(self._live) + 1024:
+                    self._rebuild()
+                else:
+                    heapq.heappush(self._heap, (-slot[0].value, pattern))
+                    self._heaped.add(pattern)
+        slot[1] += 1
+        self._inexact += not slot[0].exact
+
+    def _leave(self, pattern: tuple[int, ...], remember: bool = False) -> None:
+        slot = self._live[pattern]
+        slot[1] -= 1
+        self._inexact -= not slot[0].exact
+        if slot[1] == 0:
+            del self._live[pattern]
+            if remember:
+                self._recent[pattern] = slot[0]
+
+    def _rebuild(self) -> None:
+        self._heap = [(-s.value, p) for p, (s, _) in self._live.items()]
+        heapq.heapify(self._heap)
+        self._heaped = set(self._live)

@@ -3,15 +3,18 @@ message is handled by the client the server's run config selects (``corrflow.cli
 message's ``client`` key: ``numpy``, ``nextword`` or ``keras``; ``numpy`` when absent). The
 next-word clients read their user's data from the SuperNode's own node config when it names a file
 (``data-path``, ``vocab-path``, as ``corrflow data partition`` prints them), else from the paths the
-server sends. Answers the identity probe like every corrflow ClientApp."""
+server sends. Answers the identity probe like every corrflow ClientApp, and SecAgg+'s stages when
+the server runs with ``corrflow.secure-aggregation`` (`corrflow.clients.secagg`)."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from corrflow.clients import keras_client, nextword_client, numpy_client
 from corrflow.clients.identity import register_identity
+from corrflow.clients.secagg import with_secure_aggregation
 
 app = register_identity(ClientApp())  # answers the server's identity probe
 _CLIENTS = {"numpy": numpy_client, "nextword": nextword_client, "keras": keras_client}
@@ -19,9 +22,19 @@ _CLIENTS = {"numpy": numpy_client, "nextword": nextword_client, "keras": keras_c
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    if RECORD_KEY_CONFIGS in msg.content.config_records:  # a SecAgg+ stage (secure-aggregation)
+        return _secure_train(msg, context)
+    return _train(msg, context)
+
+
+def _train(msg: Message, context: Context) -> Message:
     name = str(msg.content["config"].get("client", "numpy"))
     if name not in _CLIENTS:
         raise ValueError(
             f"client: expected one of {', '.join(_CLIENTS)} (corrflow.client), got {name!r}"
         )
     return _CLIENTS[name].train(msg, context)
+
+
+# Flower's secaggplus_mod around corrflow's clipping mod around the task (corrflow.clients.secagg)
+_secure_train = with_secure_aggregation(_train)

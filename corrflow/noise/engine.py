@@ -62,7 +62,11 @@ MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
 #: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the
 # checkpoint).
 STATEFUL_MODES = ("banded", "blt")
-DEFAULT_CHUNK = 1 << 20
+#: Coordinates per PRNG chunk: the unit of the counter-based stream and of a noise worker's shard
+# (`corrflow.noise.shards`): block j of row t is a function of (key, j, t) alone. Small enough
+# that a 2·10⁵-parameter model splits over a few workers; one PRNG setup per chunk costs nothing
+# measurable next to its 2¹⁶ draws.
+DEFAULT_CHUNK = 1 << 16
 
 
 def default_mode(factorization: Factorization) -> str:
@@ -115,7 +119,10 @@ class CorrelatedNoise:
     audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
     extra). mode: override the mode `default_mode` picks (``dense`` works for any encoder up
     to a size limit). chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream;
-    it is saved with the state).
+    it is saved with the state). first_chunk: the global index of the first chunk, for a shard of a
+    larger model (`corrflow.noise.shards`; shapes then cover the shard's coordinates). source:
+    instead of a key, a source that holds only the block keys of the shard's chunks (a noise
+    worker's: it never sees the key).
     """
 
     def __init__(
@@ -128,6 +135,8 @@ class CorrelatedNoise:
         prng: str = "philox",
         mode: str | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        first_chunk: int = 0,
+        source=None,
     ):
         require(isinstance(factorization, Factorization), "factorization", "a Factorization")
         require(
@@ -145,13 +154,26 @@ class CorrelatedNoise:
         self.dim = int(sum(self.sizes))
         self.stddev = float(stddev)
         self.prng = prng
-        self._key = new_secret(prng) if key is None else key
-        # Row Z_j comes from the key of its segment (corrflow.noise.segments): one key until a
-        # restart opens a new segment.
-        self._source = SegmentedSource(SegmentTable.single(self._key), partial(make_source, prng))
+        if source is not None:
+            require(key is None, "key", "no key with a shard's source (it holds block keys)")
+            self._key, self._source = None, source
+        else:
+            self._key = new_secret(prng) if key is None else key
+            # Row Z_j comes from the key of its segment (corrflow.noise.segments): one key until a
+            # restart opens a new segment.
+            self._source = SegmentedSource(
+                SegmentTable.single(self._key), partial(make_source, prng)
+            )
         self.mode = default_mode(factorization) if mode is None else mode
         require(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
         self.chunk_size = chunk_size
+        require(
+            isinstance(first_chunk, int) and first_chunk >= 0,
+            "first_chunk",
+            "a non-negative integer",
+            first_chunk,
+        )
+        self.first_chunk = first_chunk
         self.rounds = factorization.rounds
         self.next_round = 0
         enc = factorization.encoder
@@ -194,6 +216,11 @@ class CorrelatedNoise:
         )
 
     # -- public API --------------------------------------------------------------------------------
+    @property
+    def mac_key(self) -> bytes:
+        """The key of the ring rows' MACs (`save_state`), derived from the noise key."""
+        return ring_mac_key(self._key)
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of noise state kept between rounds: (bands − 1)·d·4 (banded), B·d·4 (BLT), else
@@ -301,7 +328,7 @@ class CorrelatedNoise:
 
     # -- modes -------------------------------------------------------------------------------------
     def _chunks(self):
-        for c, lo in enumerate(range(0, self.dim, self.chunk_size)):
+        for c, lo in enumerate(range(0, self.dim, self.chunk_size), start=self.first_chunk):
             yield c, lo, min(self.dim, lo + self.chunk_size)
 
     def _advance(self, t: int) -> np.ndarray:
@@ -427,7 +454,9 @@ class CorrelatedNoise:
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
-STATE_FORMAT = "corrflow.noise-state/1"
+#: /2: chunks are drawn with block keys (`corrflow.noise.prng.block_key`); a /1 state drew them
+# with the key itself, and resuming it would silently change its rows' bits.
+STATE_FORMAT = "corrflow.noise-state/2"
 PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
 #: The key segments with their keys (owner-only); the public state lists their fingerprints.
 SEGMENTS_FILE = "noise_segments.key"
@@ -449,12 +478,17 @@ class _HashingWriter:
         return self.f.write(data)
 
 
+def ring_mac_key(key: bytes) -> bytes:
+    """The key of the ring rows' MACs, derived from the noise key (a noise worker gets its own,
+    derived for its shard: `corrflow.noise.shards`)."""
+    return hashlib.sha256(_RING_MAC + key).digest()
+
+
 def _row_mac(gen: CorrelatedNoise, fac_sha256: str, round_index: int, row: np.ndarray) -> str:
     """HMAC-SHA256 of one ring row under a key derived from the noise key, bound to the
     factorization, the round whose output it holds and the model size: a row cannot be edited,
     swapped with another round's, or moved."""
-    key = hashlib.sha256(_RING_MAC + gen._key).digest()
-    mac = hmac.new(key, f"{fac_sha256}:{round_index}:{gen.dim}:".encode(), hashlib.sha256)
+    mac = hmac.new(gen.mac_key, f"{fac_sha256}:{round_index}:{gen.dim}:".encode(), hashlib.sha256)
     mac.update(memoryview(np.ascontiguousarray(row)).cast("B"))
     return mac.hexdigest()
 
@@ -538,15 +572,25 @@ def save_state(
     write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
     public["key_segments"] = gen.segments.public()
     write_bytes(d / SEGMENTS_FILE, gen.segments.to_private(), private=True)
-    if gen._buffer is not None and ring is not None and gen.mode == "banded":
-        public["ring"] = _save_ring(gen, Path(ring))
-    elif gen._buffer is not None:
-        with atomic_file(d / BUFFER_FILE, "wb", private=True) as f:
-            w = _HashingWriter(f)
-            np.save(w, gen._buffer, allow_pickle=False)
-        public["buffer_sha256"] = w.sha.hexdigest()
+    public.update(save_buffer(gen, d, ring))
     write_json(d / PUBLIC_FILE, public, indent=1, sort_keys=True)
     return d
+
+
+def save_buffer(gen: CorrelatedNoise, d: Path, ring: str | os.PathLike | None) -> dict:
+    """Write the model-sized state of ``gen`` (nothing for the regenerating modes): a banded
+    buffer's rows into ``ring`` in place when given, else the buffer into ``d`` (owner-only).
+
+    Returns: The public fields that name it: ``ring`` (rows with their MACs) or ``buffer_sha256``
+    (None without a buffer)."""
+    if gen._buffer is not None and ring is not None and gen.mode == "banded":
+        return {"ring": _save_ring(gen, Path(ring)), "buffer_sha256": None}
+    if gen._buffer is None:
+        return {"buffer_sha256": None}
+    with atomic_file(d / BUFFER_FILE, "wb", private=True) as f:
+        w = _HashingWriter(f)
+        np.save(w, gen._buffer, allow_pickle=False)
+    return {"buffer_sha256": w.sha.hexdigest()}
 
 
 def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) -> None:
@@ -648,7 +692,16 @@ def restore_state(
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"{d}: noise state is not valid JSON ({exc})") from exc
     if public.get("format") != STATE_FORMAT:
-        raise IntegrityError(f"{d}: format {public.get('format')!r}, expected {STATE_FORMAT!r}")
+        older = public.get("format") == "corrflow.noise-state/1"
+        raise IntegrityError(
+            f"{d}: format {public.get('format')!r}, expected {STATE_FORMAT!r}"
+            + (
+                " (written by an older corrflow, which drew noise without block keys: it cannot "
+                "continue bit for bit; start a new run with --fresh)"
+                if older
+                else ""
+            )
+        )
     try:
         key = bytes.fromhex(key_hex)
     except ValueError as exc:
@@ -675,6 +728,17 @@ def restore_state(
     gen.next_round = int(public["next_round"])
     if (d / SEGMENTS_FILE).exists() or "key_segments" in public:
         gen._source.table = _restore_segments(d, public, key)
+    restore_buffer(gen, public, d, ring)
+    return gen
+
+
+def restore_buffer(
+    gen: CorrelatedNoise, public: dict, d: Path, ring: str | os.PathLike | None
+) -> None:
+    """Fill ``gen``'s model-sized state from what `save_buffer` wrote (``public``: its fields),
+    every row or the whole buffer checked against its MAC or hash.
+
+    Raises: IntegrityError: a missing, torn, edited or misshapen buffer or ring row."""
     if gen._buffer is not None and "ring" in public:
         if gen.mode != "banded":
             raise IntegrityError(f"{d}: a ring of rows is only for the banded mode, not {gen.mode}")
@@ -697,4 +761,3 @@ def restore_state(
         gen._buffer[...] = buf
     if gen._buffer is not None and hasattr(gen, "load_buffer"):
         gen.load_buffer()
-    return gen

@@ -4,26 +4,76 @@ key, j, c).
 docs "Conventions", Randomness: no global RNG; noise is keyed by (secret seed, round, chunk), so any
 row can be regenerated in any order, exactly. Two sources:
 
-* ``philox`` (default): NumPy's Philox-4×64 with the 128-bit secret as its key and (0, 0, c, j) as
-  the starting counter. Each (j, c) stream owns 2¹²⁸ counter values, so streams never overlap. Fast;
-  statistically strong, not cryptographically secure.
+* ``philox`` (default): NumPy's Philox-4×64 with chunk c's block key (below) as its key and
+  (0, 0, c, j) as the starting counter. Each (j, c) stream owns 2¹²⁸ counter values, so streams
+  never overlap. Fast; statistically strong, not cryptographically secure.
 * ``chacha``: ChaCha20 from the maintained ``randomgen`` package (``pip install corrflow[secure]``),
-  256-bit key, (j, c) placed in the counter's high words — a cryptographically secure counter-based
-  generator.
+  256-bit block key, (j, c) placed in the counter's high words — a cryptographically secure
+  counter-based generator.
+
+Block keys: chunk c of every row is drawn with ``block_key(key, c)`` = HMAC-SHA256(key, label ‖ c),
+never with the secret key itself. A noise worker that generates a shard of the coordinates (McKenna,
+"Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
+2405.15913, §3.3) is given the block keys of its chunks only: it draws exactly the bits the single
+process draws for them, and learns nothing of the other chunks' noise (HMAC is a PRF).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
 
-from corrflow.errors import InvalidArgumentError, require
+from corrflow.errors import IntegrityError, InvalidArgumentError, require
 
 PRNGS = ("philox", "chacha")
 KEY_BYTES = {"philox": 16, "chacha": 32}
+_BLOCK_LABEL = b"corrflow.noise-block/1:"
+
+
+def block_key(key: bytes, chunk: int) -> bytes:
+    """The key that draws coordinate chunk ``chunk`` of every row: HMAC-SHA256(key, label ‖ c),
+    truncated to the key's length (module docstring, Block keys).
+
+    Args:
+        key: the secret key (16 bytes for philox, 32 for chacha).
+        chunk: c ≥ 0.
+
+    Returns:
+        ``len(key)`` bytes.
+    """
+    mac = hmac.new(key, _BLOCK_LABEL + int(chunk).to_bytes(8, "little"), hashlib.sha256)
+    return mac.digest()[: len(key)]
+
+
+class _BlockKeys:
+    """Block keys by chunk: derived from the secret key (and cached), or only the given ones (a
+    noise worker's)."""
+
+    def __init__(self, key: bytes | None, blocks: Mapping[int, bytes] | None, size: int, prng: str):
+        require(
+            (key is None) != (blocks is None), "seed", "either the secret key or its block keys"
+        )
+        given = [key] if key is not None else list(blocks.values())
+        require(
+            all(isinstance(k, bytes) and len(k) == size for k in given),
+            "seed",
+            f"{size} secret bytes for {prng}",
+        )
+        self._key = key
+        self._cache: dict[int, bytes] = {} if blocks is None else dict(blocks)
+
+    def get(self, chunk: int) -> bytes:
+        k = self._cache.get(chunk)
+        if k is None:
+            if self._key is None:
+                raise IntegrityError(f"noise chunk {chunk} is not one of this worker's blocks")
+            k = self._cache[chunk] = block_key(self._key, chunk)
+        return k
 
 
 class GaussianSource(Protocol):
@@ -44,18 +94,19 @@ class PhiloxSource:
     counter.
 
     Args:
-        key: the secret key.
+        key: the secret key (each chunk is drawn with its block key, `block_key`).
+        blocks: instead of the key, the block keys of some chunks (a noise worker's shard).
     """
 
     name = "philox"
 
-    def __init__(self, key: bytes):
-        require(isinstance(key, bytes) and len(key) == 16, "seed", "16 secret bytes for philox")
-        self._key = np.frombuffer(key, dtype="<u8").astype(np.uint64)
+    def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["philox"], "philox")
 
     def generator(self, round_index: int, chunk: int) -> np.random.Generator:
+        key = np.frombuffer(self._block_keys.get(chunk), dtype="<u8")
         counter = np.array([0, 0, chunk, round_index], dtype=np.uint64)
-        return np.random.Generator(np.random.Philox(key=self._key, counter=counter))
+        return np.random.Generator(np.random.Philox(key=key, counter=counter))
 
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
         return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
@@ -66,13 +117,14 @@ class ChaChaSource:
     source.
 
     Args:
-        key: the 32-byte secret key.
+        key: the 32-byte secret key (each chunk is drawn with its block key, `block_key`).
+        blocks: instead of the key, the block keys of some chunks (a noise worker's shard).
     """
 
     name = "chacha"
 
-    def __init__(self, key: bytes):
-        require(isinstance(key, bytes) and len(key) == 32, "seed", "32 secret bytes for chacha")
+    def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["chacha"], "chacha")
         try:
             from randomgen import ChaCha
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
@@ -80,13 +132,13 @@ class ChaChaSource:
                 "prng", "the randomgen package for chacha (pip install corrflow[secure])"
             ) from exc
         self._chacha = ChaCha
-        self._key = int.from_bytes(key, "little")
 
     def generator(self, round_index: int, chunk: int) -> np.random.Generator:
         # 128-bit block counter: high 64 bits = round, next 32 = chunk; a chunk uses far fewer than
         # 2³² blocks.
         counter = (round_index << 64) | (chunk << 32)
-        return np.random.Generator(self._chacha(key=self._key, counter=counter, rounds=20))
+        key = int.from_bytes(self._block_keys.get(chunk), "little")
+        return np.random.Generator(self._chacha(key=key, counter=counter, rounds=20))
 
     def normal(self, round_index: int, chunk: int, size: int) -> np.ndarray:
         return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
@@ -117,6 +169,21 @@ def make_source(prng: str, key: bytes) -> GaussianSource:
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return PhiloxSource(key) if prng == "philox" else ChaChaSource(key)
+
+
+def make_block_source(prng: str, blocks: Mapping[int, bytes]) -> GaussianSource:
+    """The Gaussian source of a noise worker: only the chunks whose block keys it holds.
+
+    Args:
+        prng: ``"philox"`` or ``"chacha"``.
+        blocks: chunk c → `block_key` (key, c).
+
+    Returns:
+        A source drawing those chunks with the same bits as `make_source` (key); any other chunk
+        raises IntegrityError.
+    """
+    require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
+    return PhiloxSource(blocks=blocks) if prng == "philox" else ChaChaSource(blocks=blocks)
 
 
 def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:

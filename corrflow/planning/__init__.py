@@ -3,7 +3,8 @@ calibration.
 
 `plan_privacy` turns a run's settings into its factorization, participation and calibrated σ
 (what the strategy runs); ``corrflow plan`` ranks candidate mechanisms
-(`corrflow.planning.candidates`) and writes the recommended one as a recipe
+(`corrflow.planning.candidates`) by the noise they leave in the trained model
+(`corrflow.planning.score`) and writes the recommended one as a recipe
 (`corrflow.planning.recipe`). How to use it: docs/how-to/plan.md.
 """
 
@@ -13,5 +14,20 @@ from corrflow.planning.run import (
     load_or_build_factorization,
     plan_privacy,
 )
+from corrflow.planning.score import (
+    Damping,
+    closed_loop_error,
+    closed_loop_response,
+    estimate_damping,
+)
 
-__all__ = ["build_planner", "load_graph", "load_or_build_factorization", "plan_privacy"]
+__all__ = [
+    "Damping",
+    "build_planner",
+    "closed_loop_error",
+    "closed_loop_response",
+    "estimate_damping",
+    "load_graph",
+    "load_or_build_factorization",
+    "plan_privacy",
+]

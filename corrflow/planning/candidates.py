@@ -48,6 +48,7 @@ from corrflow.participation.samplers import BMinSepSampler, clamp_probability
 from corrflow.planning.cache import PlanCache
 from corrflow.planning.recipe import Recipe
 from corrflow.planning.run import workload_for
+from corrflow.planning.score import Damping, closed_loop_error, closed_loop_response
 from corrflow.progress import Progress
 
 #: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
@@ -97,6 +98,9 @@ class PlanRequest:
     dense optimizer's duality-gap tolerance. time_budget: wall-clock seconds after which the plan
     aborts with no recipe (None: none). mc_samples: Monte Carlo samples per direction.
     dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
+    damping: κ of the trained task (`corrflow.planning.score.Damping`): the candidates are ranked
+    by the closed-loop error of the final model at κ; None: by RMSE at the target ε (the open-loop
+    score of the workload's iterates).
 
     Raises:
         InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
@@ -122,6 +126,7 @@ class PlanRequest:
     dense_iterations: int | None = (
         None  # the dense optimizer's iteration budget; None: dense_iterations(n)
     )
+    damping: Damping | None = None  # None: rank by RMSE at the target ε
 
     def __post_init__(self) -> None:
         require(
@@ -289,6 +294,10 @@ class Candidate:
     factorization_sha256: str = ""
     rank: int | None = None
     rmse_ratio_vs_dpsgd: float | None = None
+    # σ · sens · ‖C⁻ᵀ r_κ‖: the final model's noise under training's feedback (score module)
+    closed_loop_error: float | None = None
+    score: float | None = None  # what the plan ranks by: closed_loop_error, else rmse
+    rmse_rank: int | None = None  # the rank the plain RMSE gives (within the budgets)
     notes: dict = field(default_factory=dict)
 
     def label(self) -> str:
@@ -515,6 +524,11 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
     jobs.sort(key=lambda j: j[0] == "dense")  # dense last, with what is left of the time budget
     cands: list[Candidate] = []
     facs: dict = {}
+    response = (
+        None
+        if req.damping is None
+        else closed_loop_response(req.workload, req.rounds, req.damping.kappa)
+    )
 
     def cost_of(kind: str, bands: int | None) -> tuple[int, float]:
         spec = REGISTRY[kind]
@@ -639,6 +653,11 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                         }
                     )
                     continue
+                if response is not None:
+                    cand.closed_loop_error = cand.noise_multiplier * closed_loop_error(
+                        fac_a, response
+                    )
+                cand.score = cand.rmse if response is None else cand.closed_loop_error
                 cand.over_budget = _over_budget(req, mem, secs)
                 cand.fits = not cand.over_budget
                 facs[cand.key()] = fac_a
@@ -761,9 +780,10 @@ def _accounting_inputs(fac: Factorization, accountant: str) -> dict:
 
 
 def _rank(cands: list[Candidate], rounds: int) -> None:
-    """Sort by RMSE at the target ε (ties: less memory, then less noise work per round — counted in
-    draws and multiply-adds, not timed, so the order is the same on every machine); rank the ones
-    within the budgets."""
+    """Sort by the score (the closed-loop error at κ, or RMSE at the target ε without κ; ties: less
+    memory, then less noise work per round — counted in draws and multiply-adds, not timed, so the
+    order is the same on every machine); rank the ones within the budgets, and record the rank the
+    plain RMSE would give them (``rmse_rank``)."""
 
     def work(c: Candidate) -> float:
         spec = REGISTRY[c.kind]
@@ -772,7 +792,10 @@ def _rank(cands: list[Candidate], rounds: int) -> None:
             spec.multiply_adds_per_round(size, rounds), 0.0
         )
 
-    cands.sort(key=lambda c: (c.rmse, c.noise_state_bytes, work(c)))
+    by_rmse = sorted(cands, key=lambda c: (c.rmse, c.noise_state_bytes, work(c)))
+    for i, c in enumerate([c for c in by_rmse if c.fits], start=1):
+        c.rmse_rank = i
+    cands.sort(key=lambda c: (c.score, c.noise_state_bytes, work(c)))
     dpsgd = min((c.rmse for c in cands if c.kind == "dpsgd"), default=None)
     rank = 0
     for c in cands:
@@ -781,6 +804,84 @@ def _rank(cands: list[Candidate], rounds: int) -> None:
         if c.fits:
             rank += 1
             c.rank = rank
+
+
+#: What the closed-loop score assumes, printed by ``corrflow plan`` and kept in ``plan.json``.
+CLOSED_LOOP_ASSUMES = (
+    "training pulls a noisy model back like a quadratic: each round by κ = server lr × curvature, "
+    "the same κ in every round (the loss-weighted mean over directions)",
+    "the candidates differ only in their noise: the same cohort size, clipping and optimizer "
+    "(the Poisson samplers' varying cohort size is not modelled)",
+    "it predicts the order of the final loss, not its value; lower is better",
+)
+RMSE_ASSUMES = (
+    "the noise adds up in the model untouched (open loop: no feedback from training)",
+    "it ranks the workload's iterates (RMSE over all n), not the final model",
+)
+
+
+def _same_mechanism(a: Candidate, b: Candidate) -> bool:
+    """The same mechanism under another accountant: kind, bands and sampler separation (at the
+    same b the accountants differ only in how tightly they bound the same noise)."""
+    return (a.kind, a.bands, a.min_sep) == (b.kind, b.bands, b.min_sep)
+
+
+def score_summary(result: PlanResult, top: int = 5) -> dict:
+    """What the plan ranked by and why its recommendation wins: the score (closed-loop error of
+    the final model at κ, arXiv 2310.06771, or RMSE at the target ε without κ), κ and its source,
+    what the score assumes, the recommendation against the runner-up (the best-ranked candidate
+    of another kind, band count or sampler separation), and the ranking the plain RMSE gives
+    beside it.
+
+    Args:
+        result: the plan.
+        top: how many candidates of the plain-RMSE ranking to list.
+
+    Returns: ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes",
+    "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score over
+    the pick's, minus 1).
+    """
+    req, best = result.request, result.recommended
+    damping = req.damping
+    closed = damping is not None
+
+    def entry(c: Candidate | None) -> dict | None:
+        if c is None:
+            return None
+        return {
+            "candidate": c.label(),
+            "score": c.score,
+            "rank": c.rank,
+            "rmse": c.rmse,
+            "rmse_rank": c.rmse_rank,
+            "closed_loop_error": c.closed_loop_error,
+        }
+
+    ranked = [c for c in result.candidates if c.fits]
+    runner = (
+        None if best is None else next((c for c in ranked if not _same_mechanism(c, best)), None)
+    )
+    by_rmse = sorted(ranked, key=lambda c: c.rmse_rank)
+    return {
+        "name": "closed-loop final error" if closed else "rmse",
+        "formula": (
+            "σ · sens · ‖C⁻ᵀ r_κ‖: the final model's noise when training pulls it back by κ per "
+            "round (Choquette-Choo et al., arXiv 2310.06771, linear regression)"
+            if closed
+            else "σ · RMSE of B = A C⁻¹ over the n iterates (000 Eq. 4)"
+        ),
+        "kappa": damping.kappa if closed else None,
+        "kappa_source": damping.source if closed else None,
+        "kappa_described": damping.describe() if closed else None,
+        "kappa_details": damping.details if closed else None,
+        "assumes": list(CLOSED_LOOP_ASSUMES if closed else RMSE_ASSUMES),
+        "recommended": entry(best),
+        "runner_up": entry(runner),
+        "margin": None
+        if best is None or runner is None or not best.score
+        else runner.score / best.score - 1,
+        "rmse_ranking": [entry(c) for c in by_rmse[:top]],
+    }
 
 
 def write_plan(
@@ -835,6 +936,7 @@ def write_plan(
             model_params=req.model_params,
             noise_state_bytes=best.noise_state_bytes,
             noise_seconds_per_round=best.noise_seconds_per_round,
+            score=_recipe_score(result),
         )
         recipe.save(out / "recipe.json")
     t0 = time.perf_counter()
@@ -859,6 +961,7 @@ def write_plan(
             "band_grid": req.band_grid(),
         },
         "recommended": recipe.to_dict() if recipe else None,
+        "score": score_summary(result),
         "candidates": [c.to_dict() for c in result.candidates],
         "skipped": result.skipped,
         "noise_unit_costs": result.noise_cost,
@@ -876,6 +979,22 @@ def write_plan(
         out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n"
     )
     return doc
+
+
+def _recipe_score(result: PlanResult) -> dict:
+    """The recipe's record of the score it was chosen by and its inputs."""
+    best, damping = result.recommended, result.request.damping
+    return {
+        "name": "closed-loop final error" if damping else "rmse",
+        "value": best.score,
+        "kappa": None if damping is None else damping.kappa,
+        "kappa_source": None if damping is None else damping.source,
+        "kappa_inputs": None
+        if damping is None
+        else {k: v for k, v in damping.details.items() if k != "probes"},
+        "closed_loop_error": best.closed_loop_error,
+        "rmse_rank": best.rmse_rank,
+    }
 
 
 def _jsonable(x):

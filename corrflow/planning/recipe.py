@@ -52,6 +52,8 @@ class Recipe:
     noise_state_bytes: int
     noise_seconds_per_round: float
     format: str = RECIPE_FORMAT
+    # what the plan ranked by and its inputs (candidates.score_summary); None in older recipes
+    score: dict | None = None
 
     def to_dict(self) -> dict:
         """Returns:
@@ -175,7 +177,7 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
         str(path),
     )
     names = {f.name for f in fields(Recipe)}
-    missing = sorted(names - set(obj) - {"format"})
+    missing = sorted(names - set(obj) - {"format", "score"})
     require(not missing, "plan", "a complete recipe", f"missing {missing}")
     recipe = Recipe(**{k: v for k, v in obj.items() if k in names})
     fac_path = path.parent / recipe.factorization

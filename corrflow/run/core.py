@@ -11,8 +11,10 @@ noise stream, the secrets and the files — and is driven round by round::
 
 ``step`` is the one place the run's state changes (a round, a stop or an override goes through
 `Run._apply`); outside the run, the state is a read-only `RunView`.
-The order inside a step — clip → sum → noise → optimizer → finite check → checkpoint → release
-journal → registry → report → metrics — is the order that makes a kill at any point safe.
+The order inside a step — clip → sum → noise → optimizer → finite check → ledger log → checkpoint →
+release journal → registry → report and metrics (every `REPORT_EVERY` rounds, at the end and at
+every stop) — is the order that makes a kill at any point safe; a round's own writes are
+O(model + cohort), never O(population).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from corrflow.accounting.policy import RunAccounting, pattern_followed
+from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError, require
 from corrflow.fileio import write_text
@@ -34,11 +37,13 @@ from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
 from corrflow.run.disclosure import Disclosure, operator_log
 from corrflow.run.journal import GENESIS
+from corrflow.run.ledger import round_entry
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream
+from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
-from corrflow.run.recorder import Recorder, restore
+from corrflow.run.recorder import REPORT_EVERY, Recorder, restore
 from corrflow.run.registry import ReleaseRegistry
 from corrflow.run.resume import RUN_FILES, ResumePoint, archive_run, check_resume
 from corrflow.run.round import (
@@ -192,18 +197,32 @@ class Run:
         registry = ReleaseRegistry(plan.cfg.release_registry or None)
         initial_metrics = {"round": -1, **(evaluate(params) if evaluate else {})}
         if resume.checkpoint is None:
-            noise = NoiseStream.new(plan.factorization, plan.layout.trainable_shapes, noise_key)
-            state = RunState(params, [np.zeros_like(p) for p in params])
+            noise = open_noise(
+                plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key
+            )
+            state = RunState(
+                params,
+                [np.zeros_like(p) for p in params],
+                sensitivity=IncrementalSensitivity(plan.factorization.encoder),
+            )
             keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
             registry.claim(keys.run_id, recorder.run_dir)
         else:
             # A new key segment from the checkpoint's next round on: rounds after a restart never
             # repeat the noise of an earlier start (corrflow.noise.segments).
-            noise = NoiseStream.restore(resume.checkpoint, plan.factorization, noise_key)
-            state, keys = restore(plan, resume.checkpoint, noise, initial_sha256)
+            noise = open_noise(
+                plan.cfg,
+                plan.factorization,
+                plan.layout.trainable_shapes,
+                noise_key,
+                resume.checkpoint,
+            )
+            state, keys, ledger_log = restore(plan, resume.checkpoint, noise, initial_sha256)
             last = resume.journal[-1].hash if resume.journal else GENESIS
-            recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, last)
+            recorder = Recorder(
+                plan, state, keys, noise, registry, initial_metrics, last, ledger_log
+            )
             registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
             recorder.adoptions = registry.adoptions(keys.run_id)
             # Killed between the journal's append and the registry's record: record it now.
@@ -215,6 +234,10 @@ class Run:
                     "round %d was checkpointed but not released before the restart; released now",
                     resume.unreleased_round + 1,
                 )
+            # The report and metrics are complete every REPORT_EVERY rounds: after a kill they may
+            # lag the journal by up to REPORT_EVERY − 1 rounds; a restart completes them first.
+            recorder.write_report()
+            recorder.write_metrics()
         if keys.sampler_key is not None:
             plan.planner.seed_privately(keys.sampler_key)
         return cls(plan, state, keys, noise, recorder, evaluate, on_round_end)
@@ -314,7 +337,9 @@ class Run:
         plan = plan_round(
             self._plan, t, s.ledger.selected, s.pending_overrides.get(t, []), self.log.warning
         )
-        reason = budget_reason(self._plan, plan, s.ledger.selected, s.ledger.overrides)
+        reason = budget_reason(
+            self._plan, plan, s.ledger.selected, s.ledger.overrides, s.sensitivity
+        )
         if reason is not None:
             self._apply(Stop(reason))
             return None
@@ -418,6 +443,7 @@ class Run:
             )
         s.pending_overrides.pop(r.round, None)
         s.ledger.overrides.extend(r.overrides)
+        s.sensitivity.add(s.ledger.selected, r.round, r.users)  # reads the patterns before it
         s.ledger.select(r.round, r.users)
         for who, reason in r.rejections:
             s.ledger.reject(r.round, who, reason)
@@ -430,6 +456,12 @@ class Run:
         s.metrics_history.append(r.metrics)
         if r.asked:
             s.empty_streak = 0 if r.accepted else s.empty_streak + 1
+        # ledger log → checkpoint (which vouches for the log's new position) → journal
+        self._recorder.record_round(
+            round_entry(
+                r.round, r.users, r.accepted, r.rejections, r.overrides, r.epsilon, r.metrics
+            )
+        )
         self._recorder.journal(r.round, self._recorder.checkpoint(), r.users)
         if (
             followed_before
@@ -455,8 +487,11 @@ class Run:
                 "operator log)",
             )
             log.error("training stops: %s", s.stopped_reason)
-        self._recorder.write_report()
-        self._recorder.write_metrics()
+        # The report and metrics list every user and round: written every REPORT_EVERY rounds, at
+        # the last round and at every stop (the ledger log and journal hold each round at once).
+        if s.next_round % REPORT_EVERY == 0 or self.done:
+            self._recorder.write_report()
+            self._recorder.write_metrics()
         if self._on_round_end is not None:
             self._on_round_end(self._recorder.disclosure.public_metrics(r.metrics))
 

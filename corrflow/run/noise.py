@@ -3,9 +3,10 @@ saved with every checkpoint and restored bit for bit.
 
 `NoiseStream` is the one interface the round uses (`NoiseStream.add`,
 `NoiseStream.skip`, ``NoiseStream.next_round``, `NoiseStream.save`), so a different
-source of the same noise plugs in here without a second path through the round, e.g. a stream
-sharded by coordinates (``add`` then adds shard by shard into the sum, never materialising the whole
-model-sized noise). Today it wraps one `CorrelatedNoise`.
+source of the same noise plugs in here without a second path through the round: this one wraps one
+`CorrelatedNoise` in the server's process; `corrflow.run.noise_shards.ShardedNoiseStream` has
+noise workers generate it shard by shard (``add`` then adds each returned slice into the sum, never
+materialising the whole model-sized noise), and `corrflow.run.noise_shards.open_noise` picks one.
 
 Every process start that resumes a checkpoint draws the rows Z_j, j ≥ the checkpoint's next round,
 with a fresh key from the operating system (`NoiseStream.restore`; `corrflow.noise.segments`);

@@ -1,6 +1,7 @@
-"""Everything that persists a run, in the order that makes a kill at any point safe: checkpoint →
-release journal → release registry → privacy report → metrics, before a round's model leaves the
-server (docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
+"""Everything that persists a run, in the order that makes a kill at any point safe: ledger log →
+checkpoint → release journal → release registry → privacy report → metrics (those two every
+`REPORT_EVERY` rounds, at the end and at every stop), before a round's model leaves the server
+(docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
 `restore` reads a verified checkpoint back.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from corrflow.accounting.report import (
     privacy_report,
     write_report,
 )
+from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.fileio import write_json
 from corrflow.planning.learnability import learning_section
@@ -30,14 +33,26 @@ from corrflow.run.checkpoint import (
 )
 from corrflow.run.disclosure import Disclosure
 from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
-from corrflow.run.ledger import Ledger
+from corrflow.run.ledger import (
+    LEDGER_LOG,
+    Ledger,
+    LedgerLog,
+    LogPosition,
+    replay,
+)
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
 from corrflow.run.registry import ReleaseRegistry, lineage_section
 from corrflow.run.resume import settings_conflict
+from corrflow.run.secure_sum import trust_section
 from corrflow.run.state import RunSecrets, RunState
 
 log = logging.getLogger("corrflow")
+
+#: privacy_report.json and metrics.json list every user and every round, so they are rewritten every
+# REPORT_EVERY rounds, at the last round and at every stop (and on every start of a resumed run);
+# between, each round appends O(cohort) to the ledger log, journal and operator's rounds.jsonl.
+REPORT_EVERY = 10
 
 
 class Recorder:
@@ -54,13 +69,16 @@ class Recorder:
         registry: ReleaseRegistry,
         initial_metrics: dict,
         last_hash: str = GENESIS,
+        ledger_log: LedgerLog | None = None,
     ):
         self.plan, self.state, self.keys, self.noise = plan, state, keys, noise
         self.registry, self.initial_metrics = registry, initial_metrics
         self.run_dir = Path(plan.cfg.state_dir)
+        self.ledger_log = ledger_log or LedgerLog(self.checkpoint_dir / LEDGER_LOG)
         self.disclosure = Disclosure(plan.accounting.plan.amplified, self.run_dir)
         self._journal = ReleaseJournal(self.run_dir / JOURNAL)
         self._last_hash = last_hash
+        self._hashes: dict[str, str] = {}  # user → salted hash (hashed once per run start)
         self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
         self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
 
@@ -90,7 +108,14 @@ class Recorder:
         self.registry.record(self.keys.run_id, t, entry.noise_round, entry.hash)
         self._last_hash = entry.hash
 
+    def record_round(self, entry: dict) -> None:
+        """Append a released round's additions to the ledger log (before its checkpoint)."""
+        self.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.ledger_log.append(entry)
+
     def checkpoint(self) -> Path:
+        """Write the state after the last round: O(model + cohort) — the ledger and the metric
+        history are the ledger log's, whose position the checkpoint vouches for."""
         s, k, c = self.state, self.keys, self.plan
         public = {
             "next_round": s.next_round,
@@ -99,14 +124,13 @@ class Recorder:
             "run_id": k.run_id,
             "identity": c.identity,
             "factorization_sha256": c.factorization.sha256(),
-            "ledger": s.ledger.to_dict(),
+            "ledger_log": self.ledger_log.position.to_dict(),
             "noise_multiplier": c.accounting.plan.noise_multiplier,
             "planned_epsilon": c.accounting.plan.epsilon,
             "initial_sha256": k.initial_sha256,
             "amplified": c.accounting.plan.amplified,
             "accountant": c.accounting.plan.accountant.get("name"),
             "pending_overrides": {str(r): v for r, v in s.pending_overrides.items()},
-            "metrics_history": s.metrics_history,
             "empty_streak": s.empty_streak,
         }
         private = {
@@ -129,7 +153,7 @@ class Recorder:
         """The privacy report (docs "Conventions", Privacy report) of the run so far."""
         s, c = self.state, self.plan
         plan, salt = c.accounting.plan, self.keys.salt
-        real = c.accounting.realized(s.ledger.selected, s.ledger.overrides)
+        real = c.accounting.realized(s.ledger.selected, s.ledger.overrides, s.sensitivity)
         overrides = [
             {
                 **o,
@@ -160,7 +184,7 @@ class Recorder:
                 "delta": real.delta,
                 "guarantee": real.delta is not None and real.delta <= c.cfg.delta * (1 + 1e-12),
                 "participation": participation_section(
-                    s.ledger.selected, salt, c.cfg.policy, overrides
+                    s.ledger.selected, salt, c.cfg.policy, overrides, self._hashed
                 ),
                 "rejections": len(s.ledger.rejections),
             },
@@ -172,13 +196,23 @@ class Recorder:
             learning=self.learning(),
         )
         report["mechanism"]["notes"] = list(c.notes)
+        report["report_every"] = REPORT_EVERY
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
+        if c.cfg.secure_aggregation:
+            dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
+            report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
         if (
             plan.vocabulary is not None
         ):  # a run on a dataset file: how its vocabulary was built, and the total
             report["vocabulary"] = plan.vocabulary
             report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
         return report
+
+    def _hashed(self, user: str) -> str:
+        h = self._hashes.get(user)
+        if h is None:
+            h = self._hashes[user] = hash_user_id(user, self.keys.salt)
+        return h
 
     def learning(self) -> dict:
         return learning_section([self.initial_metrics, *self.state.metrics_history], self.plan.rho)
@@ -198,9 +232,10 @@ class Recorder:
 
 def restore(
     ctx: RunPlan, ckpt: Path, noise: NoiseStream, initial_sha256: str
-) -> tuple[RunState, RunSecrets]:
-    """The state and secrets of a verified checkpoint; refuses one of another run, factorization, σ,
-    model or initial model, naming what differs."""
+) -> tuple[RunState, RunSecrets, LedgerLog]:
+    """The state and secrets of a verified checkpoint, and the ledger log at its position (read and
+    checked: the ledger and metric history are rebuilt from it); refuses one of another run,
+    factorization, σ, model or initial model, naming what differs."""
     public = json.loads((ckpt / "state.json").read_text())
     cfg, sigma = ctx.cfg, ctx.accounting.plan.noise_multiplier
     if public["config_fingerprint"] != cfg.fingerprint():
@@ -243,15 +278,30 @@ def restore(
     params = load_arrays(ckpt, "model")
     if [tuple(p.shape) for p in params] != [tuple(s) for s in ctx.layout.trainable_shapes]:
         raise IntegrityError(f"{ckpt}: model shapes differ from the model being trained")
+    ledger_log = LedgerLog(ckpt.parent / LEDGER_LOG)
+    if "ledger_log" in public:
+        ledger_log.position = LogPosition.from_dict(public["ledger_log"])
+        ledger, history = replay(ledger_log.read())
+    else:
+        # A checkpoint of a corrflow before the ledger log held the whole ledger: it becomes the
+        # log's first line (a snapshot), vouched for by the next checkpoint.
+        ledger, history = Ledger.from_dict(public["ledger"]), public["metrics_history"]
+        ledger_log.append({"snapshot": {"ledger": ledger.to_dict(), "metrics_history": history}})
+    if ledger.rounds_completed != int(public["next_round"]):
+        raise IntegrityError(
+            f"{ledger_log.path}: records {ledger.rounds_completed} rounds, the checkpoint "
+            f"{public['next_round']}"
+        )
     state = RunState(
         params,
         load_arrays(ckpt, "optimizer"),
-        Ledger.from_dict(public["ledger"]),
-        public["metrics_history"],
+        ledger,
+        history,
         int(public["next_round"]),
         int(public.get("empty_streak", 0)),
         None,
         {int(r): list(v) for r, v in public.get("pending_overrides", {}).items()},
+        IncrementalSensitivity.of(ctx.factorization.encoder, ledger.selected),
     )
     if noise.next_round != state.next_round:
         raise IntegrityError(
@@ -265,7 +315,7 @@ def restore(
         public.get("initial_sha256", initial_sha256),
     )
     log.info("corrflow: resumed from %s at round %d", ckpt.name, state.next_round + 1)
-    return state, keys
+    return state, keys, ledger_log
 
 
 def _sampler_key(ctx: RunPlan, ckpt: Path) -> bytes | None:

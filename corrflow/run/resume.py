@@ -36,13 +36,15 @@ from corrflow.run.checkpoint import (
     remove_stale_temporaries,
 )
 from corrflow.run.journal import JOURNAL, JournalEntry, ReleaseJournal
+from corrflow.run.noise_shards import SHARD_ROOT
 
 log = logging.getLogger("corrflow")
 
 LOCK = ".corrflow.lock"
 STATE = "state"  # the checkpoints, inside the run directory
 MIN_SALT_BYTES = 16
-RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json")
+#: With the noise workers' states (`SHARD_ROOT`), which go with the run.
+RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json", SHARD_ROOT)
 
 
 class RunLockedError(CorrflowError):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from corrflow.accounting.policy import with_round
+from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.run.clipping import ClippedSum, RejectedReplyError
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
@@ -223,10 +224,12 @@ def budget_reason(
     plan: RoundPlan,
     selected: Mapping[str, Sequence[int]],
     overrides: Sequence[dict],
+    tracker: IncrementalSensitivity | None = None,
 ) -> str | None:
-    """Why round ``plan.round`` must not happen (it would exceed the target ε), else None."""
+    """Why round ``plan.round`` must not happen (it would exceed the target ε), else None.
+    ``tracker``: the run's incremental sensitivity (the guard in O(cohort))."""
     eps = run.accounting.budget_exceeded(
-        selected, [*overrides, *plan.overrides], plan.round, plan.users
+        selected, [*overrides, *plan.overrides], plan.round, plan.users, tracker
     )
     if eps is None:
         return None
@@ -407,8 +410,14 @@ def release(
     new_params, new_m = run.optimizer.step(
         state.params, state.momentum, noisy_update(run, plan, summed, noise), plan.round
     )
-    eps = run.accounting.realized(
-        with_round(ledger.selected, plan.round, plan.users), [*ledger.overrides, *plan.overrides]
+    overrides = [*ledger.overrides, *plan.overrides]
+    tracker = getattr(state, "sensitivity", None)
+    eps = (
+        run.accounting.realized(with_round(ledger.selected, plan.round, plan.users), overrides)
+        if tracker is None
+        else run.accounting.realized_after(
+            tracker, ledger.selected, overrides, plan.round, plan.users
+        )
     ).epsilon
     rejections = (*plan.rejections, *summed.rejections)
     reasons = Counter(reason_class(r) for _, r in rejections)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.run.ledger import Ledger
 
 
@@ -32,6 +33,9 @@ class RunState:
     empty_streak: int = 0
     stopped_reason: str | None = None
     pending_overrides: dict[int, list[str]] = field(default_factory=dict)
+    # the realised sensitivity, kept from each round's cohort (derived from ledger.selected: rebuilt
+    # on restore, never persisted)
+    sensitivity: IncrementalSensitivity | None = None
 
 
 @dataclass(frozen=True)

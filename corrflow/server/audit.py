@@ -62,6 +62,12 @@ def run_audit(
 
     require(cfg.mode == "cross-device", "mode", "cross-device (a canary is a SuperNode)", cfg.mode)
     require(
+        not cfg.secure_aggregation,
+        "--secagg",
+        "no secure aggregation in an audit (canaries answer in the clear; the mechanism, σ and ε "
+        "are those of the run without it)",
+    )
+    require(
         cfg.target_epsilon is not None or cfg.noise_multiplier is not None,
         "target-epsilon",
         "a private run (the audit compares against its ε)",

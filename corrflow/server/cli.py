@@ -5,6 +5,7 @@ name the argument."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -20,6 +21,7 @@ from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS
 from corrflow.paths import run_directory, writable_directory, writable_file
 from corrflow.progress import Progress
+from corrflow.run.journal import JOURNAL
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import (
@@ -461,6 +463,25 @@ def plan(
             "⌈1e12/n³⌉, at most 10000: the same on any machine)"
         ),
     ] = None,
+    kappa: Annotated[
+        float | None,
+        typer.Option(
+            help="κ of your task (server lr × loss curvature per round) for the planner's score, "
+            "the closed-loop error of the final model; default: measured on --proxy-data, else "
+            "the default 0.1 (assumed, and said so)"
+        ),
+    ] = None,
+    proxy_data: Annotated[
+        Path | None,
+        typer.Option(
+            help="PUBLIC data in a format --data reads, to measure κ by a short non-private run "
+            "(seconds to minutes; the time is printed). It is not accounted: never give the "
+            "private training data"
+        ),
+    ] = None,
+    proxy_vocab: Annotated[
+        Path | None, typer.Option(help="the vocabulary of --proxy-data (corrflow data vocab)")
+    ] = None,
     out: Annotated[
         Path,
         typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots"),
@@ -479,16 +500,37 @@ def plan(
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
     **settings,
 ) -> None:
-    """Choose the mechanism for a training run: build and calibrate every candidate, rank them by
-    RMSE at the target ε within the memory and noise-time budgets, and write the recommended recipe
-    (OUT/recipe.json, for `corrflow simulate --plan`), its factorization, plan.json and plots. Exit
-    1 when no candidate fits. The workload is the server optimizer's, as in simulate (--momentum:
-    the --client's default)."""
+    """Choose the mechanism for a training run: build and calibrate every candidate, rank them
+    within the memory and noise-time budgets by the closed-loop error of the final model (the noise
+    left when training pulls the model back by κ per round; κ from --kappa, measured on
+    --proxy-data, or assumed), print why the pick wins and the plain-RMSE ranking beside it, and
+    write the recommended recipe (OUT/recipe.json, for `corrflow simulate --plan`), its
+    factorization, plan.json and plots. Exit 1 when no candidate fits. The workload is the server
+    optimizer's, as in simulate (--momentum: the --client's default)."""
     from corrflow.planning.cache import PlanCache, default_cache_dir
     from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
+    from corrflow.planning.score import Damping
 
     try:
         cfg = config_from_cli(settings)
+        if kappa is not None:
+            Damping(kappa, "declared")  # refuses a negative or non-finite κ, naming --kappa
+        if proxy_data is not None and not proxy_data.is_file():
+            raise InvalidArgumentError(
+                "--proxy-data",
+                "an existing public dataset file (a format --data reads)",
+                str(proxy_data),
+            )
+        if proxy_data is not None and (proxy_vocab is None or not proxy_vocab.is_file()):
+            raise InvalidArgumentError(
+                "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
+            )
+        if proxy_data is None and proxy_vocab is not None:
+            raise InvalidArgumentError("--proxy-data", "a dataset file with --proxy-vocab", None)
+        if kappa is not None and proxy_data is not None:
+            raise InvalidArgumentError(
+                "--kappa", "either --kappa or --proxy-data (one source of κ)", kappa
+            )
         req = PlanRequest(
             rounds=cfg.num_rounds,
             population=population,
@@ -510,6 +552,24 @@ def plan(
     except InvalidArgumentError as exc:
         flag = exc.field if exc.field.startswith("--") else "--" + exc.field.replace("_", "-")
         _fail(InvalidArgumentError(flag, exc.expected, exc.got))
+    try:
+        from corrflow.server.proxy import damping_for
+
+        if proxy_data is not None and not quiet:
+            typer.echo("plan: measuring κ on the proxy data (a non-private run) …", err=True)
+        req = dataclasses.replace(
+            req,
+            damping=damping_for(
+                cfg,
+                population,
+                cohort_size,
+                kappa=kappa,
+                proxy_data=str(proxy_data or ""),
+                proxy_vocab=str(proxy_vocab or ""),
+            ),
+        )
+    except (CorrflowError, DataFormatError) as exc:
+        _fail(exc)
     try:
         from corrflow.planning.resources import check_fits, estimate
 
@@ -544,12 +604,17 @@ app.command()(with_settings(plan, "plan"))
 
 
 def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
-    part = doc["participation"]
+    part, score = doc["participation"], doc["score"]
+    closed = score["kappa"] is not None
     lines = [
         f"participation  b = {part['min_sep']}, k = {part['epochs']} "
         f"({'fixed-epoch' if part['fixed_epoch'] else 'min-sep'}); rule of thumb ε√n/k = "
         f"{part['rule_of_thumb_bands']:.1f} bands",
-        f"{'rank':>4} {'candidate':<32} {'b':>5} {'σ':>8} {'RMSE':>10} {'max err':>10} "
+        f"score          {score['name']}"
+        + (f" at {score['kappa_described']}" if closed else "")
+        + f": {score['formula']}",
+        f"{'rank':>4} {'candidate':<32} {'b':>5} {'σ':>8} {'score':>10} {'RMSE':>10} "
+        f"{'RMSE #':>6} {'max err':>10} "
         f"{'×DP-SGD':>8} {'noise MB':>10} "
         f"{'noise s/rd':>10} {'build s':>8}",
     ]
@@ -562,7 +627,7 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
         ratio = "" if c["rmse_ratio_vs_dpsgd"] is None else f"{c['rmse_ratio_vs_dpsgd']:.3f}"
         lines.append(
             f"{c['rank'] or '-':>4} {label:<32} {c['min_sep']:>5} {c['noise_multiplier']:>8.4g} "
-            f"{c['rmse']:>10.4g} "
+            f"{c['score']:>10.4g} {c['rmse']:>10.4g} {c['rmse_rank'] or '-':>6} "
             f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
             f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}"
         )
@@ -577,12 +642,39 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
             + f", {rec['participation']} participation, accountant {rec['accountant']}, σ = "
             f"{rec['noise_multiplier']:.4g} (ε = {rec['epsilon']:.4g}, δ = {rec['delta']:g})"
         )
+        lines += _why_lines(score)
         lines.append(
             f"plan           {out / 'recipe.json'} (corrflow simulate --plan); "
             f"{out / 'plan.json'}; "
             f"{doc['seconds']:.1f} s"
         )
     return "\n".join(lines)
+
+
+def _why_lines(score: dict) -> list[str]:
+    """Why the recommendation wins: its score against the runner-up's, what the score assumes, and
+    the plain-RMSE ranking beside it."""
+    best, runner = score["recommended"], score["runner_up"]
+    if runner is None:
+        why = f"why            {best['candidate']} is the only mechanism within the budgets"
+    else:
+        why = (
+            f"why            {best['candidate']}: {score['name']} {best['score']:.4g} against the "
+            f"runner-up {runner['candidate']}'s {runner['score']:.4g} ({score['margin']:.1%} more "
+            "noise in the final model)"
+        )
+    lines = [why]
+    lines += [f"assumes        {a}" for a in score["assumes"]]
+    if score["kappa"] is not None:
+        lines.append(
+            "plain RMSE     ranks "
+            + ", ".join(
+                f"{i}. {e['candidate']} ({e['rmse']:.4g})"
+                for i, e in enumerate(score["rmse_ranking"], start=1)
+            )
+            + f"; the pick is #{best['rmse_rank']} by RMSE"
+        )
+    return lines
 
 
 def simulate(
@@ -1134,6 +1226,27 @@ def _audit_summary(r: dict) -> str:
     )
 
 
+def _note_report_behind_journal(report: dict, run_dir: Path) -> bool:
+    """Say so when the release journal records more rounds than the report covers (and return
+    True): the report is complete every ``report_every`` rounds, and a server killed in between
+    leaves it behind until the run resumes."""
+    journal = run_dir / JOURNAL
+    if not journal.is_file():
+        return False
+    with open(journal, "rb") as f:
+        released = sum(1 for line in f if line.endswith(b"\n"))
+    covered = int(report.get("rounds_completed", 0))
+    if released > covered:
+        typer.echo(
+            f"note: the release journal records {released} released rounds, this report covers "
+            f"{covered}: the server stopped between two of its complete reports (every "
+            f"{report.get('report_every', 1)} rounds); rerun the run's command to resume it — it "
+            "completes the report first",
+            err=True,
+        )
+    return released > covered
+
+
 @app.command("report")
 def report_command(
     run_dir: Annotated[Path, typer.Argument(help="a run's directory (simulate's --out)")],
@@ -1166,7 +1279,10 @@ def report_command(
             _emit({**report, "held_out": held_out}, True)
         else:
             typer.echo(_summary(report, run_dir, held_out))
-        if report.get("rounds_completed", 0) < report.get("mechanism", {}).get("rounds", 0):
+        behind = _note_report_behind_journal(report, run_dir)
+        if not behind and report.get("rounds_completed", 0) < report.get("mechanism", {}).get(
+            "rounds", 0
+        ):
             typer.echo(
                 f"note: the run released {report['rounds_completed']} of "
                 f"{report['mechanism']['rounds']} rounds"
@@ -1272,6 +1388,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
             else []
         ),
         _users_line(realized, out),
+        *_secure_aggregation_lines(report),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed"
@@ -1279,6 +1396,20 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
+
+
+def _secure_aggregation_lines(report: dict) -> list[str]:
+    """The trust model of a ``--secagg`` run, in two summary lines."""
+    sa = report.get("secure_aggregation")
+    if not sa:
+        return []
+    return [
+        f"secagg      SecAgg+: the server saw {sa['server_saw'].split(';')[0]}; threshold "
+        f"{sa['reconstruction_threshold']} of {sa['neighbours']} neighbours",
+        "trust       honest-but-curious server (no consistency round); it holds each noiseless "
+        "sum — DP protects the released models; clients must run the clipping "
+        "(privacy_report.json: secure_aggregation)",
+    ]
 
 
 def _vocabulary_lines(report: dict) -> list[str]:

@@ -18,7 +18,9 @@ The arms at each ε:
   entry allows, with its own separation b < population/cohort chosen by the planner (at b =
   population/cohort the sampling probability is 1 and nothing is amplified);
 * ``plan`` — the recipe ``corrflow plan`` recommends for the same population, cohort, rounds, ε and
-  δ, run as is.
+  δ, run as is; it ranks by the closed-loop error of the final model with κ measured on public proxy
+  data (the synthetic generator with another seed for the presets, ``--proxy-data`` for ``--data``;
+  `preset_damping`).
 
 Every private arm's ε is the ε its run verified at δ (its privacy report), shown next to the target.
 Calibrations are shared: one plan per ε (cached in ``OUT/cache``, or ``$CORRFLOW_HOME/cache``) gives
@@ -55,11 +57,20 @@ from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS, REGISTRY
 from corrflow.fileio import save_figure, write_json, write_text
 from corrflow.planning.cache import PlanCache, default_cache_dir
-from corrflow.planning.candidates import DEFAULT_KINDS, PlanRequest, make_plan, write_plan
+from corrflow.planning.candidates import (
+    DEFAULT_KINDS,
+    PlanRequest,
+    make_plan,
+    score_summary,
+    write_plan,
+)
 from corrflow.planning.learnability import THRESHOLD
 from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
+from corrflow.planning.score import Damping
+from corrflow.run.journal import JOURNAL
+from corrflow.server.proxy import damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 
 log = logging.getLogger("corrflow")
@@ -87,6 +98,12 @@ class Preset:
         ""  # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
     )
     vocab_path: str = ""
+    # the planner's κ (plan arm): declared, or measured on PUBLIC proxy data (a file in the format
+    # of --data and its vocabulary); neither: measured on the synthetic generator with another seed
+    # for a synthetic task, assumed (planning.score.DEFAULT_KAPPA) for --data
+    kappa: float | None = None
+    proxy_data: str = ""
+    proxy_vocab: str = ""
 
     @property
     def cohort(self) -> int:
@@ -270,15 +287,17 @@ def plan_arms(
     cache,
     progress=None,
     training: tuple[float, float] | None = None,
+    damping: Damping | None = None,
 ) -> ArmPlan:
     """The arms at ``epsilon`` (see the module docstring), from one ``corrflow plan`` run (plus, for
     an amplified kind the default plan leaves out, a plan of that kind) sharing ``cache``.
     ``training``: the (ε, δ) left for training after a DP vocabulary
-    (`corrflow.planning.run.training_budget`, as ``simulate`` calibrates); default (ε, δ)."""
+    (`corrflow.planning.run.training_budget`, as ``simulate`` calibrates); default (ε, δ).
+    ``damping``: the κ the plan ranks by (`preset_damping`; None: by RMSE)."""
 
     started = time.perf_counter()
     train_eps, train_delta = training or (epsilon, preset.delta)
-    req = plan_request(preset, train_eps, train_delta)
+    req = plan_request(preset, train_eps, train_delta, damping=damping)
     plan = make_plan(req, cache, quiet=True)
     require(
         plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)"
@@ -399,8 +418,13 @@ def plan_arms(
             preset.delta,
         )
     )
+    summary = score_summary(plan)
+    summary["kappa_details"] = {
+        k: v for k, v in (summary["kappa_details"] or {}).items() if k != "probes"
+    }
     planner = {
         "recommended": plan.recommended.label(),
+        "score": summary,
         "seconds": time.perf_counter() - started,
         "rmse": {a.name: a.rmse for a in arms if a.rmse is not None},
         "cache": {"hits": cache.hits, "misses": cache.misses},
@@ -452,8 +476,9 @@ def run_arm(
 
     restarted = None
     if (out / "state").exists():
-        journal = out / "metrics.json"
-        restarted = len(json.loads(journal.read_text())) - 1 if journal.exists() else 0
+        # the journal, not metrics.json: that is complete every REPORT_EVERY rounds only
+        journal = out / JOURNAL
+        restarted = journal.read_bytes().count(b"\n") if journal.exists() else 0
     cfg = arm_config(preset, arm, seed, out)
     if arm.recipe is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -618,13 +643,24 @@ def compare(
     if settings is not None:  # what a rerun must match to continue this comparison
         write_json(out / SETTINGS_FILE, settings, indent=1)
     cache = PlanCache(default_cache_dir(out))
+    damping = preset_damping(preset, out)
+    if progress is not None:
+        progress(f"planner's score: closed-loop final error at {damping.describe()}")
     plans = {}
     for (
         eps
     ) in epsilons:  # every ε's arms are planned (and their settings checked) before any arm trains
         root = out / f"eps{epsilon_key(eps)}"
         plans[eps] = plan_arms(
-            preset, kinds, eps, amplified, root, cache, progress, training=training[eps]
+            preset,
+            kinds,
+            eps,
+            amplified,
+            root,
+            cache,
+            progress,
+            training=training[eps],
+            damping=damping,
         )
         for arm in plans[eps].arms:
             arm_config(preset, arm, 0, root / "runs" / arm.name)
@@ -720,6 +756,23 @@ def compare(
     result["cpu_seconds"] = _cpu_seconds() - cpu0
     write_json(out / "comparison.json", result, indent=1)
     return result
+
+
+def preset_damping(preset: Preset, out: Path) -> Damping:
+    """The κ the comparison's plan arm ranks by: the preset's declared κ; else measured on its
+    public proxy file; else, for a synthetic task, on the generator with another seed
+    (`corrflow.server.proxy.PROXY_SEED`); else (a private ``--data`` file and no proxy) the
+    default assumption — never measured on the data the arms train on."""
+    cfg = arm_config(preset, NONPRIVATE, 0, out)  # its data files are never read here
+    return damping_for(
+        cfg,
+        preset.users,
+        preset.cohort,
+        kappa=preset.kappa,
+        proxy_data=preset.proxy_data,
+        proxy_vocab=preset.proxy_vocab,
+        synthetic_proxy=not preset.data_path,
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -947,10 +1000,16 @@ def table(result: dict) -> str:
 
     rows = []
     for key, entry in result["epsilons"].items():
+        score = entry["planner"].get("score") or {}
         rows.append(
             f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner "
             "recommends "
             f"{entry['planner']['recommended']}"
+            + (
+                f" (closed-loop final error at {score['kappa_described']})"
+                if score.get("kappa") is not None
+                else ""
+            )
         )
         rows.append(
             f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "

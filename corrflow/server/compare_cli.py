@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -111,6 +112,22 @@ def compare_command(
     backend: Annotated[
         str, typer.Option(help="inprocess (deterministic, no Ray) or flower")
     ] = "inprocess",
+    kappa: Annotated[
+        float | None,
+        typer.Option(
+            help="κ for the plan arm's score (server lr × curvature per round); default: measured "
+            "on --proxy-data, on the synthetic generator with another seed (presets), else "
+            "assumed 0.1"
+        ),
+    ] = None,
+    proxy_data: Annotated[
+        Path | None,
+        typer.Option(
+            help="PUBLIC data (a format --data reads) on which the plan arm's κ is measured by a "
+            "short non-private run; not accounted: never the private --data"
+        ),
+    ] = None,
+    proxy_vocab: Annotated[Path | None, typer.Option(help="the vocabulary of --proxy-data")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     **settings,
 ) -> None:
@@ -182,6 +199,32 @@ def compare_command(
         writable_directory(out, "--out")
         if data is not None:
             users = _data_users(data, vocab, users)
+        if kappa is not None and not (math.isfinite(kappa) and kappa >= 0):
+            raise InvalidArgumentError("--kappa", "a finite number ≥ 0", kappa)
+        if proxy_data is not None:
+            if not proxy_data.is_file():
+                raise InvalidArgumentError(
+                    "--proxy-data",
+                    "an existing public dataset file (a format --data reads)",
+                    str(proxy_data),
+                )
+            if proxy_vocab is None or not proxy_vocab.is_file():
+                raise InvalidArgumentError(
+                    "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
+                )
+            if kappa is not None:
+                raise InvalidArgumentError(
+                    "--kappa", "either --kappa or --proxy-data (one source of κ)", kappa
+                )
+            if data is not None and proxy_data.resolve() == data.resolve():
+                raise InvalidArgumentError(
+                    "--proxy-data",
+                    "public data other than the private --data (κ measured on --data would "
+                    "spend privacy that no accountant counts)",
+                    str(proxy_data),
+                )
+        elif proxy_vocab is not None:
+            raise InvalidArgumentError("--proxy-data", "a dataset file with --proxy-vocab", None)
         chosen = with_overrides(
             PRESETS[preset],
             seeds=seeds,
@@ -192,6 +235,9 @@ def compare_command(
             client=client,
             data_path=None if data is None else str(data),
             vocab_path=None if vocab is None else str(vocab),
+            kappa=kappa,
+            proxy_data=None if proxy_data is None else str(proxy_data),
+            proxy_vocab=None if proxy_vocab is None else str(proxy_vocab),
         )
         if (
             client is not None and client != PRESETS[preset].client

@@ -60,6 +60,7 @@ class InProcessGrid(Grid):
         self.online = set(self.nodes)
         self._run = None
         self._replies: list[Message] = []
+        self._contexts: dict[int, Context] = {}
         self._next_id = first_node_id + 7919 * num_nodes
 
     def set_run(self, run) -> None:
@@ -112,17 +113,19 @@ class InProcessGrid(Grid):
                 ),
                 reply_to=msg,
             )
-        ctx = Context(
-            run_id=1,
-            node_id=node,
-            node_config={
-                "partition-id": self.nodes[node],
-                "num-partitions": len(self.nodes),
-                **self.node_config(self.nodes[node]),
-            },
-            state=RecordDict(),
-            run_config={},
-        )
+        ctx = self._contexts.get(node)
+        if ctx is None:  # one Context per node for the run, as Flower keeps it (mods keep state)
+            ctx = self._contexts[node] = Context(
+                run_id=1,
+                node_id=node,
+                node_config={
+                    "partition-id": self.nodes[node],
+                    "num-partitions": len(self.nodes),
+                    **self.node_config(self.nodes[node]),
+                },
+                state=RecordDict(),
+                run_config={},
+            )
         try:
             return handler(msg, ctx)
         except Exception as exc:  # as Flower does: a ClientApp exception becomes an error reply

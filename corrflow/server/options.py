@@ -46,7 +46,19 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "cooldown_fraction",
         "client",
     ),
-    "plan": ("num_rounds", "target_epsilon", "delta", "momentum", "cooldown_fraction", "client"),
+    "plan": (
+        "num_rounds",
+        "target_epsilon",
+        "delta",
+        "momentum",
+        "cooldown_fraction",
+        "client",
+        # the task's training, for κ measured on --proxy-data (the planner's score)
+        "server_lr",
+        "local_lr",
+        "local_steps",
+        "clip_norm",
+    ),
     "account": ("participation", "accountant", "noise_multiplier", "target_epsilon", "delta"),
     "compare": (
         "num_rounds",

@@ -18,6 +18,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from corrflow.clients.secagg import secure_client_app, with_secure_aggregation
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, data_format, train_clients_count
@@ -194,16 +195,20 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     verbose = kwargs.pop("verbose")
 
     task = task_for(cfg)
+    handlers, client_app = task.handlers, task.client_app
+    if cfg.secure_aggregation:  # the clients clip, quantize and mask (Flower's SecAgg+ mod)
+        handlers = {"train": with_secure_aggregation(task.handlers["train"])}
+        client_app = secure_client_app(task.handlers["train"])
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "inprocess":
-            run_server(InProcessGrid(task.handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
+            run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
             from flwr.simulation import run_simulation
 
             try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
                 run_simulation(
                     server_app=make_server_app(cfg, stop_event=stop, **kwargs),
-                    client_app=task.client_app,
+                    client_app=client_app,
                     num_supernodes=cfg.num_users,
                     backend_config=_backend_config(cfg, verbose),
                 )

@@ -37,6 +37,7 @@ from corrflow.strategies.messaging import (
     to_reply,
     train_messages,
 )
+from corrflow.strategies.secagg import secure_train
 
 log = logging.getLogger("corrflow")
 
@@ -327,11 +328,10 @@ def run_rounds(
         )
         if strategy.stopped_reason:
             break
-        replies = exchange(grid, messages, timeout, stop)
-        if replies is None:
-            strategy.inflight.put(None)  # abandoned: nothing of this round is committed or released
-            break
-        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        new_arrays, metrics = train_round(strategy, grid, server_round, messages, timeout, stop)
+        del (
+            messages
+        )  # the cohort's replies (cohort × model bytes) go now, not with the next round's
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
@@ -362,6 +362,19 @@ def run_rounds(
             f"{strategy.cfg.num_rounds}; nothing of that round was released"
         )
     return result
+
+
+def train_round(strategy, grid, server_round, messages, timeout, stop):
+    """One round's exchange and aggregation: (new model, metrics), or (None, None) when it was
+    abandoned (``stop``: nothing of it committed or released) or not released. Under
+    ``--secagg`` the server sees masked vectors and their sum only (`secure_train`)."""
+    if strategy.cfg.secure_aggregation:
+        return secure_train(strategy, grid, messages, timeout, stop) or (None, None)
+    replies = exchange(grid, messages, timeout, stop)
+    if replies is None:
+        strategy.inflight.put(None)
+        return None, None
+    return strategy.aggregate_train(server_round, replies)
 
 
 def inner_metrics(inner: Strategy, contents: list) -> MetricRecord | None:

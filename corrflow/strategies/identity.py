@@ -34,6 +34,7 @@ PROBE_FIX = (
 
 
 NO_ANSWER = "no answer to the identity probe"
+PROBE_CHUNK = 10_000  # nodes probed at once
 
 
 class IdentityError(CorrflowError):
@@ -127,16 +128,28 @@ def _probe(
     # A QUERY of corrflow's own action: an app without corrflow's handler answers with Flower's "no
     # query function registered" error before any of its code runs (a TRAIN probe would reach the
     # user's train function).
-    probes = [
-        Message(
-            content=RecordDict({"config": ConfigRecord({PROBE_KEY: source})}),
-            message_type=f"{MessageType.QUERY}.{PROBE_ACTION}",
-            dst_node_id=n,
-        )
-        for n in nodes
-    ]
     users, errors = {}, {n: NO_ANSWER for n in nodes}
-    for reply in grid.send_and_receive(probes, timeout=timeout):
+    deadline = time.monotonic() + timeout
+    # In chunks: a population's probes and replies at once would hold ~2 messages per user in memory
+    # (GBs at StackOverflow's 342,477 users); the chunks share the one deadline.
+    for start in range(0, len(nodes), PROBE_CHUNK):
+        probes = [
+            Message(
+                content=RecordDict({"config": ConfigRecord({PROBE_KEY: source})}),
+                message_type=f"{MessageType.QUERY}.{PROBE_ACTION}",
+                dst_node_id=n,
+            )
+            for n in nodes[start : start + PROBE_CHUNK]
+        ]
+        left = max(1.0, deadline - time.monotonic())
+        _read_probe_replies(grid.send_and_receive(probes, timeout=left), users, errors)
+    return users, errors
+
+
+def _read_probe_replies(replies, users: dict[int, str], errors: dict[int, str]) -> None:
+    """Move each node that answered with its identity from ``errors`` to ``users``, or say why
+    its answer is not one."""
+    for reply in replies:
         node = int(reply.metadata.src_node_id)
         if node not in errors:
             continue
@@ -158,4 +171,3 @@ def _probe(
             del errors[node]
         else:
             errors[node] = str(record.get("error", "no identity in the reply"))
-    return users, errors

@@ -76,7 +76,9 @@ class NodeDirectory:
     def refresh(self, grid: Grid) -> set[int]:
         """Map the nodes that appeared since the last round; returns the nodes online now."""
         online = {int(n) for n in grid.get_node_ids()}
-        new = sorted(online - set(self.node_to_user) - self._unmapped)
+        # membership tests only: no population-sized set is built per round
+        known, unmapped = self.node_to_user, self._unmapped
+        new = sorted(n for n in online if n not in known and n not in unmapped)
         if new and self._resolve is not None:
             for node, user in self._resolve(new).items():
                 old = self.user_to_node.get(user)

@@ -197,6 +197,13 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         self.canaries, self.audit_seed = canaries, audit_seed
         self._audits: list[dict] = []  # one per start() with canaries
         self._values = _from_keywords(settings, client="app")
+        require(
+            not (canaries and self._values.get("secure_aggregation")),
+            "canaries",
+            "0 with secure_aggregation=True (canaries answer in the clear; audit the run without "
+            "it: the mechanism, σ and ε are the same)",
+            canaries,
+        )
         self.plan = None
         if plan is not None:
             recipe, fac_path = load_recipe(plan)

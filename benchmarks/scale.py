@@ -1,0 +1,340 @@
+"""Server CPU per round at StackOverflow's scale (issue 34): 342,477 users, cohort 1,000, 2,052
+rounds, k = 6 participations at separation b = 342 (000 §5.3 and App. F; 001) — fixed-epoch, and the
+b-min-sep sampler (004 Alg. 2) at the same expected cohort — in process, with a client that returns
+precomputed updates of a d-parameter model (a pool of 8, the model sent added: a full-weight reply
+as a real client sends; its CPU is measured apart), so the server does all of its real work.
+
+Measured per round (process CPU, never wall: the machine is shared): the server's CPU (the round's
+CPU minus the clients'), split into scheduling (the cohort planner, min-sep monitor, routing, the
+train messages), identities (the node directory, replies matched to users), clipping (validate,
+subtract, clip, sum), noise ((C⁻¹Z)_t, the server optimizer), accounting (realised sensitivity
+and ε, the budget guard), checkpoint (ledger log + atomic checkpoint), journal (release journal
+and registry) and report (privacy_report.json and metrics.json, every `REPORT_EVERY` rounds and at
+the end); the bytes each round writes (``wchar`` of /proc/self/io); the peak RSS. σ is given
+(``--noise-multiplier``), so no calibration runs; building the factorization, the population's
+identities and the planner is ``setup`` and reported apart.
+
+``--rounds R`` releases only the first R of the 2,052 planned rounds: with fixed-epoch k = 6,
+b = 342 every user has trained by round 342, so R = 450 gives a first-100 and a last-100 median
+after the whole population is seen; the total is extrapolated linearly to 2,052 rounds (flat per
+round: the check is the last-100 / first-100 ratio). Targets: last-100 median ≤ 1.1× first-100;
+server CPU ≤ 45 minutes per sampling mode (2 cores).
+
+``python benchmarks/scale.py simulate ARGS…`` runs ``corrflow simulate ARGS…`` in this process and
+prints the process CPU of each round (between two rounds' ends: server and in-process clients), the
+means of rounds 2–9 and of the last 8 rounds, and the peak RSS — issue 34's check at 100,000 users:
+``python benchmarks/scale.py simulate --backend inprocess --users 100000 --rounds 40 --epochs 1
+--noise-multiplier 1 --out OUT``.
+
+Usage: python benchmarks/scale.py [--mode fixed-epoch|bminsep] [--rounds 2052] [--users 342477]
+       [--cohort 1000] [--params 100000] [--noise-multiplier 1.0]
+       python benchmarks/scale.py simulate ARGS…
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+import corrflow.run.core as core
+import corrflow.run.round as round_mod
+import corrflow.strategies.correlated as correlated
+from corrflow.accounting.policy import RunAccounting
+from corrflow.accounting.tracking import IncrementalSensitivity
+from corrflow.config import RunConfig
+from corrflow.run.recorder import REPORT_EVERY, Recorder
+from corrflow.run.resume import RunLock
+from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
+from corrflow.strategies.messaging import NodeDirectory
+from corrflow.strategies.session import RunSpec, prepare_run
+
+PHASES = (
+    "scheduling",
+    "identities",
+    "clipping",
+    "noise",
+    "accounting",
+    "checkpoint",
+    "journal",
+    "report",
+)
+
+
+class Split:
+    """Process CPU of each phase, exclusive of the timed phases nested in it."""
+
+    def __init__(self):
+        self.total: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t0 = time.process_time()
+            self._stack.append(0.0)
+            try:
+                return fn(*a, **kw)
+            finally:
+                elapsed = time.process_time() - t0
+                self.total[name] += elapsed - self._stack.pop()
+                if self._stack:
+                    self._stack[-1] += elapsed
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.total = dict(self.total), defaultdict(float)
+        return out
+
+
+def _install(split: Split) -> None:
+    """Time the server's phases (module- and class-level wrappers: this process only)."""
+    w = split.wrap
+    core.plan_round = w("scheduling", core.plan_round)
+    core.RoundPlan.route = w("scheduling", core.RoundPlan.route)
+    correlated.train_messages = w("scheduling", correlated.train_messages)
+    NodeDirectory.refresh = w("identities", NodeDirectory.refresh)
+    correlated.to_reply = w("identities", correlated.to_reply)
+    core.collect = w("clipping", core.collect)
+    round_mod.noisy_update = w("noise", round_mod.noisy_update)
+    for name in ("realized_after", "budget_exceeded", "realized"):
+        setattr(RunAccounting, name, w("accounting", getattr(RunAccounting, name)))
+    IncrementalSensitivity.add = w("accounting", IncrementalSensitivity.add)
+    Recorder.record_round = w("checkpoint", Recorder.record_round)
+    Recorder.checkpoint = w("checkpoint", Recorder.checkpoint)
+    Recorder.journal = w("journal", Recorder.journal)
+    Recorder.write_report = w("report", Recorder.write_report)
+    Recorder.write_metrics = w("report", Recorder.write_metrics)
+
+
+def _written() -> int:
+    """Bytes this process has written so far (``wchar``: every write call, page cache or not)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _config(args, tmp: Path) -> RunConfig:
+    fixed = args.mode == "fixed-epoch"
+    return RunConfig(
+        num_users=args.users,
+        num_rounds=args.planned_rounds,
+        epochs=args.epochs,
+        participation="fixed-epoch" if fixed else "bminsep",
+        min_sep=0 if fixed else args.planned_rounds // args.epochs,
+        # b-min-sep at the same expected cohort: the stationary rate p0 = cohort / population
+        participation_rate=0.0 if fixed else args.cohort / args.users,
+        kind=args.kind,
+        noise_multiplier=args.noise_multiplier,
+        accountant=args.accountant,
+        clip_norm=1.0,
+        state_dir=str(tmp / "run"),
+        release_registry=str(tmp / "registry.sqlite"),
+    )
+
+
+def run(args) -> dict:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    logging.getLogger("corrflow").setLevel(logging.WARNING)
+    enable_offline_messages()
+    rng = np.random.default_rng(0)
+    pool = [rng.standard_normal(args.params, dtype=np.float32) * 0.01 for _ in range(8)]
+    client_cpu = [0.0]
+
+    def train(msg, ctx):
+        t0 = time.process_time()
+        sent = msg.content["arrays"].to_numpy_ndarrays()[0]
+        j = (ctx.node_config["partition-id"] + int(msg.content["config"]["server-round"])) % 8
+        reply = Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord([sent + pool[j]]),
+                    "metrics": MetricRecord({"num-examples": 10}),
+                }
+            ),
+            reply_to=msg,
+        )
+        client_cpu[0] += time.process_time() - t0
+        return reply
+
+    tmp = Path(tempfile.mkdtemp(prefix="corrflow-bench-scale-"))
+    try:
+        cfg = _config(args, tmp)
+        t0 = time.process_time()
+        grid = InProcessGrid({"train": train}, cfg.num_users)
+        lock = RunLock(cfg.state_dir).__enter__()
+        strategy = prepare_run(grid, RunSpec(cfg, [np.zeros(args.params, np.float32)]))
+        setup = time.process_time() - t0
+        split = Split()
+        _install(split)
+        arrays = strategy.initial_arrays()
+        rows = []
+        for r in range(args.rounds):
+            c0, w0, client_cpu[0] = time.process_time(), _written(), 0.0
+            messages = list(strategy.configure_train(r + 1, arrays, None, grid))
+            grid.push_messages(messages)
+            replies = list(grid.pull_messages([]))
+            arrays, _ = strategy.aggregate_train(r + 1, replies)
+            cohort = len(messages)
+            del replies, messages  # as the strategy's own loop: one round's replies in memory
+            assert arrays is not None, f"round {r + 1} released no model"
+            cpu = time.process_time() - c0
+            rows.append(
+                {
+                    "server": cpu - client_cpu[0],
+                    "client": client_cpu[0],
+                    "bytes": _written() - w0,
+                    "cohort": cohort,
+                    **split.take(),
+                }
+            )
+            if (r + 1) % 50 == 0:  # progress on stderr: a long run can be read while it goes
+                done = [x["server"] for x in rows]
+                print(
+                    f"round {r + 1}: server CPU {statistics.median(done[-50:]):.3f} s/round "
+                    f"(median of the last 50), client {client_cpu[0]:.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        t1 = time.process_time()
+        strategy.run.write_report()  # what the end of a run (or a stop after --rounds) writes
+        strategy.run.write_metrics()
+        final_report = time.process_time() - t1
+        report_bytes = (Path(cfg.state_dir) / "privacy_report.json").stat().st_size
+        noise_buffer = strategy.run.noise.generator.buffer_bytes
+        lock.__exit__(None, None, None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer)
+
+
+def _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer) -> dict:
+    server = [r["server"] for r in rows]
+    w = min(100, max(1, len(rows) // 4))
+    first, last = statistics.median(server[1 : w + 1]), statistics.median(server[-w:])
+    total = sum(server)
+    per_round = total / len(rows)
+    return {
+        "mode": args.mode,
+        "users": cfg.num_users,
+        "cohort_expected": args.cohort,
+        "cohort_median": statistics.median(r["cohort"] for r in rows),
+        "rounds_planned": cfg.num_rounds,
+        "rounds_run": len(rows),
+        "epochs": cfg.epochs,
+        "min_sep": cfg.num_rounds // cfg.epochs,
+        "kind": cfg.kind,
+        "accountant": cfg.accountant,
+        "params": args.params,
+        "report_every": REPORT_EVERY,
+        "window": w,
+        "server_cpu_s": {
+            "first_median": first,
+            "last_median": last,
+            "last_over_first": last / first,
+            "mean": per_round,
+            "total_run": total,
+            "total_extrapolated_to_planned": per_round * cfg.num_rounds,
+            "final_report": final_report,
+        },
+        "phases_cpu_s_per_round": {
+            p: {
+                "first_mean": statistics.fmean(r.get(p, 0.0) for r in rows[1 : w + 1]),
+                "last_mean": statistics.fmean(r.get(p, 0.0) for r in rows[-w:]),
+            }
+            for p in PHASES
+        },
+        "client_cpu_s_per_round": statistics.median(r["client"] for r in rows),
+        "setup_cpu_s": setup,
+        "bytes_written_per_round": {
+            "median": statistics.median(r["bytes"] for r in rows),
+            "max": max(r["bytes"] for r in rows),
+            "privacy_report_json": report_bytes,
+        },
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # model-sized noise state kept between rounds (in the peak RSS; (bands − 1)·d·4 banded)
+        "noise_buffer_mb": noise_buffer / 2**20,
+        "targets": {
+            "last_over_first_le_1.1": last / first <= 1.1,
+            "server_cpu_le_45_min": per_round * cfg.num_rounds <= 45 * 60,
+        },
+    }
+
+
+def simulate(argv: list[str]) -> dict:
+    """``corrflow simulate argv`` with the process CPU at the end of every round (see the module
+    docstring)."""
+    from corrflow.server.cli import main as cli_main
+
+    ends: list[float] = []
+    step = core.Run.step
+
+    def timed_step(self, *a, **kw):
+        out = step(self, *a, **kw)
+        ends.append(time.process_time())
+        return out
+
+    core.Run.step = timed_step
+    start = time.process_time()
+    try:
+        sys.argv = ["corrflow", "simulate", *argv]
+        cli_main()
+    except SystemExit as exc:
+        code = exc.code
+    else:
+        code = 0
+    per_round = [b - a for a, b in zip([start, *ends], ends, strict=False)]
+    early, late = per_round[1:9], per_round[-8:]
+    return {
+        "command": "corrflow simulate " + " ".join(argv),
+        "exit_code": code,
+        "rounds": len(per_round),
+        "cpu_s_per_round": per_round,
+        "rounds_2_9_mean": statistics.fmean(early),
+        "last_8_mean": statistics.fmean(late),
+        "last_over_first": statistics.fmean(late) / statistics.fmean(early),
+        "cpu_s_total": time.process_time() - start,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["simulate"]:
+        result = simulate(sys.argv[2:])
+        print(json.dumps(result, indent=1))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("fixed-epoch", "bminsep"), default="fixed-epoch")
+    ap.add_argument("--users", type=int, default=342_477)
+    ap.add_argument("--cohort", type=int, default=1000)
+    ap.add_argument("--planned-rounds", type=int, default=2052)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds to run (default: all)")
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--params", type=int, default=100_000)
+    ap.add_argument("--kind", default="toeplitz")
+    ap.add_argument("--noise-multiplier", type=float, default=1.0)
+    ap.add_argument(
+        "--accountant",
+        default=None,
+        help="the planned ε's accountant (default corrflow's: for bminsep the tightest verified "
+        "bound, a Monte Carlo over 2,052 rounds; unamplified is the cheap worst-case bound)",
+    )
+    args = ap.parse_args()
+    args.rounds = args.rounds or args.planned_rounds
+    print(json.dumps(run(args), indent=1))
+
+
+if __name__ == "__main__":
+    main()

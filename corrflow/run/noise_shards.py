@@ -1,0 +1,450 @@
+"""The run's noise stream sharded over Ray actors (``--noise-workers N``; McKenna, arXiv 2405.15913,
+§3.3 "Distributed Noise Generation").
+
+Each `NoiseWorker` actor owns one shard of the model's coordinates (`corrflow.noise.shards`):
+it holds the block keys of its chunks (never the noise key), generates its slice of (C⁻¹Z)_t,
+keeps its slice of the noise state (banded ring rows, BLT buffers) and checkpoints it on its own
+disk; the server adds each returned slice into the sum and never holds model-sized noise state.
+`ShardedNoiseStream` has `corrflow.run.noise.NoiseStream`'s interface (add, skip, next_round,
+segments, save), so the round and the run core have one path for both; `open_noise` picks one.
+
+Faults: a worker that dies during a round is restarted from its last checkpoint (the state the
+server's published checkpoint recorded by digest), brought to the round and asked again — the round
+is completed with the same bits, nothing released twice; when that fails, the round is not released
+and the run stops with an error naming the worker. A worker whose saved state is not the one the
+server's checkpoint recorded is refused, naming it. A checkpoint resumes with the same number of
+workers only (a worker's state lives on its node's disk, shaped by its shard).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from corrflow.config import RunConfig
+from corrflow.errors import IntegrityError, InvalidArgumentError
+from corrflow.factorization.base import Factorization
+from corrflow.fileio import write_bytes, write_json
+from corrflow.noise import new_secret
+from corrflow.noise.engine import DEFAULT_CHUNK, PUBLIC_FILE, SEGMENTS_FILE, default_mode
+from corrflow.noise.segments import SegmentTable
+from corrflow.noise.shards import (
+    Shard,
+    ShardNoise,
+    ShardSecrets,
+    plan_shards,
+    restore_shard,
+    save_shard,
+    segment_blocks,
+    shard_secrets,
+)
+from corrflow.run.noise import NoiseStream, _add_scaled
+
+log = logging.getLogger("corrflow")
+
+SHARDS_FILE = "shards.json"
+SHARDS_FORMAT = "corrflow.noise-shards/1"
+#: The workers' state directories, beside the run's checkpoints (``state/`` keeps only its rounds).
+SHARD_ROOT = "noise-shards"
+#: Memory a worker reserves beyond its noise state and output slice: the Python process with
+# NumPy and the compiled kernels (measured: a worker of a small model peaks at ≈ 0.29 GB).
+RUNTIME_BYTES = 384 << 20
+
+
+class NoiseWorker:
+    """One shard's noise, in a Ray actor (``ray.remote(NoiseWorker)``): see the module docstring.
+
+    Args: factorization: the run's. shard: its coordinates. mode: the server's generator's mode.
+    chunk_size: the run's. root: its state directory (on the node it runs on).
+    """
+
+    def __init__(
+        self, factorization: Factorization, shard: Shard, mode: str, chunk_size: int, root: str
+    ):
+        self._fac, self._shard, self._mode = factorization, shard, mode
+        self._chunk, self._root = chunk_size, root
+        self._gen: ShardNoise | None = None
+
+    def open(self, secrets: ShardSecrets, next_round: int, digest: str | None) -> dict:
+        """Start at round 0 (``digest`` None) or restore the state the server recorded."""
+        if digest is None:
+            self._gen = ShardNoise(
+                self._fac, self._shard, secrets, mode=self._mode, chunk_size=self._chunk
+            )
+            self._gen.skip_to(next_round)
+        else:
+            self._gen = restore_shard(
+                self._root, self._fac, self._shard, secrets, next_round, digest
+            )
+        return self.info()
+
+    def info(self) -> dict:
+        """The worker's process id, next round, state bytes, CPU seconds and peak resident
+        memory."""
+        return {
+            "pid": os.getpid(),
+            "cpu_seconds": time.process_time(),
+            "next_round": None if self._gen is None else self._gen.next_round,
+            "buffer_bytes": 0 if self._gen is None else self._gen.buffer_bytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+
+    def next(self, t: int) -> np.ndarray:
+        """The shard's slice of (C⁻¹Z)_t (unit σ, float32)."""
+        return self._gen.next(t)[0]
+
+    def advance_to(self, t: int) -> int:
+        """Draw (and drop) the rounds before ``t``: a worker restored at an earlier round catches
+        up with the others."""
+        while self._gen.next_round < t:
+            self._gen.next(self._gen.next_round)
+        return self._gen.next_round
+
+    def skip(self, t: int) -> None:
+        self._gen.skip_round()
+
+    def add_segment(self, blocks: dict[int, bytes]) -> None:
+        """Rows from the next round on use a new key segment's block keys."""
+        self._gen.add_segment(blocks)
+
+    def save(self) -> str:
+        """Checkpoint the shard's state; returns its digest for the server's checkpoint."""
+        return save_shard(self._gen, self._root)
+
+
+def _ray():
+    # Ray is imported only by runs that shard their noise: importing it costs seconds and memory.
+    import ray
+
+    return ray
+
+
+class ShardedNoiseStream(NoiseStream):
+    """The run's (C⁻¹Z)_t generated by N Ray actors, one shard each (module docstring).
+
+    Args:
+        factorization: the run's.
+        shapes: the trainable arrays' shapes.
+        table: the run's key segments (the server keeps the keys; workers get block keys).
+        workers: N.
+        address: the Ray cluster to join ("": the running one, or a new local instance).
+        root: the workers' state directory (a path on every worker's node).
+        prng: the run's PRNG.
+        chunk_size: coordinates per PRNG chunk (a shard is whole chunks).
+        next_round: the round a resumed run's workers restore at (0: a new run).
+        digests: the SHA-256 of each worker's state at ``next_round``, from the server's
+            checkpoint (None: a new run).
+    """
+
+    def __init__(
+        self,
+        factorization: Factorization,
+        shapes: Sequence[tuple[int, ...]],
+        table: SegmentTable,
+        workers: int,
+        address: str,
+        root: Path,
+        *,
+        prng: str = "philox",
+        chunk_size: int = DEFAULT_CHUNK,
+        next_round: int = 0,
+        digests: Sequence[str] | None = None,
+    ):
+        # No single generator: NoiseStream's methods are all overridden here.
+        super().__init__(None)
+        self._fac, self._table, self._prng, self._chunk = factorization, table, prng, chunk_size
+        self._sizes = [int(np.prod(s)) for s in shapes]
+        self.dim = sum(self._sizes)
+        self.shards = plan_shards(self.dim, workers, chunk_size)
+        self.mode = default_mode(factorization)
+        self._root = str(Path(root).resolve())
+        self._next = self._saved_round = next_round
+        self._digests: list[str | None] = list(digests) if digests else [None] * workers
+        self._own_ray = False
+        ray = _ray()
+        if not ray.is_initialized():
+            if address and address != "auto":  # "auto": the cluster `ray start` left here
+                _check_reachable(address)
+            # "local": a new instance owned by this process, never a cluster some other program
+            # left running on this machine (ray.init's default would join it).
+            try:
+                ray.init(
+                    address=address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    **({} if address else {"object_store_memory": _object_store_bytes(self.dim)}),
+                )
+            except (ConnectionError, ValueError, RuntimeError) as exc:
+                raise InvalidArgumentError(
+                    "ray-address",
+                    f"the host:port of a running Ray cluster's head ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else 'no answer'})",
+                    address,
+                ) from None
+            self._own_ray = not address
+        self._remote = ray.remote(NoiseWorker)
+        self._actors = [None] * workers
+        self._pids = [0] * workers
+        for s in self.shards:
+            self._start(s.index)
+
+    # -- workers -----------------------------------------------------------------------------------
+    def share_bytes(self, shard: Shard) -> int:
+        """The memory a worker reserves: its noise state, its output slice and the slice's copy in
+        Ray's object store (shared memory mapped into the worker), the runtime.
+
+        Args:
+            shard: the worker's.
+
+        Returns:
+            Bytes.
+        """
+        rows = {"banded": max(self._fac.encoder.bands - 1, 0)}.get(self.mode, 0)
+        if self.mode == "blt":
+            rows = self._fac.encoder.buffers
+        return (rows + 2) * shard.size * 4 + RUNTIME_BYTES
+
+    def _start(self, i: int) -> None:
+        """Start (or restart) worker ``i`` and bring it to the stream's last checkpoint."""
+        ray, s = _ray(), self.shards[i]
+        actor = self._remote.options(
+            num_cpus=0, memory=self.share_bytes(s), max_restarts=0, max_concurrency=1
+        ).remote(self._fac, s, self.mode, self._chunk, self._root)
+        secrets = shard_secrets(self._table, s, self._prng)
+        try:
+            info = ray.get(actor.open.remote(secrets, self._saved_round, self._digests[i]))
+        except ray.exceptions.RayTaskError as exc:  # the worker's refusal, without Ray's traceback
+            ray.kill(actor)
+            if isinstance(exc.cause, IntegrityError | InvalidArgumentError):
+                raise exc.cause from None
+            raise
+        self._actors[i], self._pids[i] = actor, int(info["pid"])
+
+    def _recover(self, i: int, upto: int, exc: BaseException) -> None:
+        """Worker ``i`` died: restart it from its checkpoint and bring it to round ``upto``, or
+        stop the run naming it (nothing of the round is released either way until it answers)."""
+        who = f"{self.shards[i].describe()}, pid {self._pids[i]}"
+        log.warning(
+            "%s died in round %d (%s); restarting it from its checkpoint at round %d",
+            who,
+            upto + 1,
+            type(exc).__name__,
+            self._saved_round + 1,
+        )
+        try:
+            self._start(i)
+            _ray().get(self._actors[i].advance_to.remote(upto))
+        except Exception as again:  # a second death or a refused state: the run cannot go on
+            raise IntegrityError(
+                f"{who} died in round {upto + 1} and could not be restored from its checkpoint "
+                f"({again}); round {upto + 1} was not released"
+            ) from None
+
+    def _each(self, call: str, *args) -> list:
+        """Call every worker, restarting the ones that die (once each); results in shard order."""
+        ray = _ray()
+        out: list = [None] * len(self._actors)
+        refs = {getattr(a, call).remote(*args): i for i, a in enumerate(self._actors)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i = refs[done[0]]
+            try:
+                out[i] = ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self._recover(i, self._next, exc)
+                out[i] = ray.get(getattr(self._actors[i], call).remote(*args))
+        return out
+
+    def worker_info(self) -> list[dict]:
+        """Each worker's pid, next round, state bytes and peak RSS (benchmarks, tests)."""
+        return _ray().get([a.info.remote() for a in self._actors])
+
+    def close(self) -> None:
+        """Stop the workers (and the local Ray instance this stream started)."""
+        ray = _ray()
+        for a in self._actors:
+            if a is not None:
+                ray.kill(a)
+        self._actors = [None] * len(self._actors)
+        if self._own_ray:
+            ray.shutdown()
+
+    # -- NoiseStream's interface -------------------------------------------------------------------
+    @property
+    def next_round(self) -> int:
+        return self._next
+
+    @property
+    def segments(self) -> SegmentTable:
+        return self._table
+
+    @property
+    def generator(self):
+        raise InvalidArgumentError(
+            "noise-workers", "0 to measure the generator alone (the workers hold the shards)"
+        )
+
+    def add(self, total: Sequence[np.ndarray], t: int, scale: np.float32) -> None:
+        """total += scale·(C⁻¹Z)_t: every worker's slice added where its coordinates lie, in the
+        order they arrive (the slices are disjoint: the sum's bits do not depend on it)."""
+        if t != self._next:
+            raise InvalidArgumentError("round_index", f"{self._next}, the next round", t)
+        flats = [g.reshape(-1) for g in total]
+        for s, piece in zip(self.shards, self._each("next", t), strict=True):
+            self._add_range(flats, s.lo, piece, scale)
+        self._next = t + 1
+
+    def _add_range(self, flats: list[np.ndarray], lo: int, piece: np.ndarray, scale) -> None:
+        start = 0
+        for g in flats:
+            a, b = max(lo, start), min(lo + piece.size, start + g.size)
+            if a < b:
+                _add_scaled(g[a - start : b - start], piece[a - lo : b - lo], scale)
+            start += g.size
+
+    def skip(self, t: int) -> None:
+        self._each("skip", t)
+        self._next = t + 1
+
+    def save(self, checkpoint: Path, state_dir: Path) -> None:
+        """Each worker checkpoints its shard on its disk; the server's checkpoint records their
+        digests and the key segments (owner-only), never noise."""
+        digests = self._each("save")
+        d = Path(checkpoint) / "noise"
+        d.mkdir(parents=True, exist_ok=True)
+        write_bytes(d / SEGMENTS_FILE, self._table.to_private(), private=True)
+        write_json(
+            d / SHARDS_FILE,
+            {
+                "format": SHARDS_FORMAT,
+                "workers": len(self.shards),
+                "dim": self.dim,
+                "chunk_size": self._chunk,
+                "mode": self.mode,
+                "prng": self._prng,
+                "next_round": self._next,
+                "factorization_sha256": self._fac.sha256(),
+                "key_segments": self._table.public(),
+                "shards": [
+                    {"first_chunk": s.first_chunk, "chunks": s.chunks, "state_sha256": h}
+                    for s, h in zip(self.shards, digests, strict=True)
+                ],
+            },
+            indent=1,
+            sort_keys=True,
+        )
+        # From here the published checkpoint (once CURRENT names it) is where a worker restarts.
+        self._digests, self._saved_round = list(digests), self._next
+
+    def begin_segment(self, key: bytes | None) -> None:
+        """A resumed run's rows from its next round on use a fresh key (`corrflow.noise.segments`),
+        sent to each worker as its chunks' block keys."""
+        used = {s.key for s in self._table.segments}
+        key = key if key is not None and key not in used else new_secret(self._prng)
+        self._table = self._table.extend(self._next, key)
+        for s, a in zip(self.shards, self._actors, strict=True):
+            _ray().get(a.add_segment.remote(segment_blocks(key, s)))
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse an address whose head does not answer a TCP connect within 10 s (Ray itself retries
+    for minutes before it gives up)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=10):
+            return
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            "ray-address",
+            f"the host:port of a running Ray cluster's head (connecting failed: {exc})",
+            address,
+        ) from None
+
+
+def _object_store_bytes(dim: int) -> int:
+    """A local instance's object store: a few rounds of slices in flight (Ray's default, 30% of
+    the machine's memory, would claim what the workers' state needs)."""
+    return int(min(4 << 30, max(128 << 20, 4 * dim * 4)))
+
+
+def open_noise(
+    cfg: RunConfig,
+    factorization: Factorization,
+    shapes: Sequence[tuple[int, ...]],
+    key: bytes | None,
+    checkpoint: Path | None = None,
+) -> NoiseStream:
+    """The run's noise stream: in the server's process, or over ``cfg.noise_workers`` Ray actors;
+    new, or restored from ``checkpoint`` with a new key segment from its next round on.
+
+    Args: cfg: the run's settings (noise_workers, ray_address, state_dir). factorization: the
+    run's. shapes: the trainable arrays'. key: this start's noise key (tests and audits; default
+    fresh from the OS). checkpoint: the verified checkpoint a resumed run continues.
+
+    Raises: IntegrityError: a checkpoint whose noise was generated with another number of workers
+    (the reason and the number to resume with), or whose files do not verify.
+    """
+    workers = cfg.noise_workers
+    root = Path(cfg.state_dir) / SHARD_ROOT
+    if checkpoint is None:
+        if not workers:
+            return NoiseStream.new(factorization, shapes, key)
+        table = SegmentTable.single(key or new_secret())
+        return ShardedNoiseStream(
+            factorization, shapes, table, workers, cfg.ray_address, root, next_round=0
+        )
+    d = checkpoint / "noise"
+    sharded = (d / SHARDS_FILE).is_file()
+    if not sharded:
+        if workers and (d / PUBLIC_FILE).is_file():
+            raise IntegrityError(
+                f"{checkpoint}: this run generated its noise in the server's process; resume it "
+                f"without --noise-workers (corrflow.noise-workers 0): its noise state cannot move "
+                "to workers mid-run"
+            )
+        return NoiseStream.restore(checkpoint, factorization, key)
+    info = json.loads((d / SHARDS_FILE).read_text())
+    n = int(info["workers"])
+    if workers != n:
+        raise IntegrityError(
+            f"{checkpoint}: this run's noise state is sharded over {n} noise workers, each "
+            f"holding its shard on its own disk; resume it with --noise-workers {n} "
+            f"(corrflow.noise-workers {n}), not {workers}"
+        )
+    if info.get("format") != SHARDS_FORMAT or info.get("factorization_sha256") != (
+        factorization.sha256()
+    ):
+        raise IntegrityError(f"{d / SHARDS_FILE}: another format or factorization")
+    table = SegmentTable.from_private(
+        (d / SEGMENTS_FILE).read_bytes(), info.get("key_segments"), str(d / SEGMENTS_FILE)
+    )
+    stream = ShardedNoiseStream(
+        factorization,
+        shapes,
+        table,
+        n,
+        cfg.ray_address,
+        root,
+        prng=info["prng"],
+        chunk_size=int(info["chunk_size"]),
+        next_round=int(info["next_round"]),
+        digests=[s["state_sha256"] for s in info["shards"]],
+    )
+    if [(s.first_chunk, s.chunks) for s in stream.shards] != [
+        (s["first_chunk"], s["chunks"]) for s in info["shards"]
+    ]:
+        stream.close()
+        raise IntegrityError(f"{d / SHARDS_FILE}: its shards are not this model's")
+    if stream.next_round < factorization.rounds:
+        stream.begin_segment(key)
+    return stream

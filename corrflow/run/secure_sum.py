@@ -1,0 +1,209 @@
+"""The numbers behind a secure sum (SecAgg+), free of Flower: the protocol's parameters for a
+cohort, the client's clipping that keeps a quantized update within the accountant's sensitivity,
+and the server's plausibility check of an unmasked sum.
+
+SecAgg+ (Bell, Bonawitz, Gascón, Lepoint, Raykova, "Secure Single-Server Aggregation with
+(Poly)Logarithmic Overhead", CCS 2020) sums integers modulo M. Each client maps every coordinate of
+its update from [−r, r] onto [0, T] by stochastic rounding (step Δ = 2r/T), so the cohort's sum of
+m quantized vectors lies in [0, m·T]; choosing T per round with m·T < M means the modular sum never
+wraps. Stochastic rounding moves each coordinate by less than one step, so a quantized update of an
+update with ‖u‖₂ ≤ c − Δ√d has ‖·‖₂ ≤ c: the sensitivity the accountant uses holds for what is
+summed, and the secure sum differs from the plain sum by less than m·Δ per coordinate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from corrflow.errors import require
+
+#: M: the modulus of the masked sum (Flower's default; masks are drawn in [0, M − 1)).
+MODULUS = 1 << 32
+#: Flower's client rounds into int32 (``quantization._stochastic_round``): T must stay below 2³¹.
+MAX_QUANTIZATION_RANGE = (1 << 31) - 2
+#: Up to this cohort every member shares its secrets with all others (SecAgg); above it each
+# shares with 2·⌈2·log₂ m⌉ + 1 neighbours (SecAgg+'s logarithmic graph).
+FULL_GRAPH_COHORT = 32
+#: The fraction of a member's neighbourhood (itself included) whose shares reconstruct its secrets:
+# a neighbourhood tolerates losing a third of its members.
+THRESHOLD_FRACTION = 2 / 3
+#: Attempts of a round whose secure sum failed before anything was unmasked (too many dropouts, a
+# malformed message): the same scheduled cohort and the same, never released, noise each time.
+MAX_ATTEMPTS = 3
+#: The order of the per-client action counts summed inside the masked vector (no per-client metric
+# travels in the clear).
+ACTIONS = ("kept", "clipped", "zeroed")
+
+
+@dataclass(frozen=True)
+class SecureSumParams:
+    """One round's SecAgg+ parameters: cohort m, shares per member and reconstruction threshold,
+    clipping range r (= clip c: an ℓ2-clipped update never exceeds it per coordinate), quantization
+    range T and modulus M."""
+
+    cohort: int
+    num_shares: int
+    threshold: int
+    clipping_range: float
+    quantization_range: int
+    modulus: int = MODULUS
+
+    @property
+    def step(self) -> float:
+        """Δ = 2r/T: the quantization step, the most stochastic rounding moves one coordinate."""
+        return 2 * self.clipping_range / self.quantization_range
+
+    def client_bound(self, dim: int) -> float:
+        """c − Δ√d: the ℓ2 norm a client clips its update of ``dim`` coordinates to, so that its
+        quantized update has norm ≤ c = r."""
+        return self.clipping_range - self.step * math.sqrt(dim)
+
+    def sum_bound(self, active: int) -> float:
+        """‖Σ‖₂ of ``active`` honest clients: m·c, plus the quantization's m·Δ√d slack only as
+        float rounding (each quantized update is already ≤ c)."""
+        return active * self.clipping_range * (1 + 1e-6)
+
+    def dishonest_bound(self, dim: int) -> float:
+        """The most one client that skips the clipping can move the sum in ℓ2: r per coordinate
+        (Flower's quantization clips each coordinate to [−r, r]), r·√d in all."""
+        return self.clipping_range * math.sqrt(dim)
+
+    def to_dict(self) -> dict:
+        return {
+            "cohort": self.cohort,
+            "num_shares": self.num_shares,
+            "threshold": self.threshold,
+            "clipping_range": self.clipping_range,
+            "quantization_range": self.quantization_range,
+            "modulus": self.modulus,
+            "step": self.step,
+        }
+
+
+def secure_sum_params(cohort: int, clip: float, dim: int) -> SecureSumParams:
+    """The parameters of a round with ``cohort`` members, clip c and ``dim`` trainable coordinates.
+
+    T is the largest even integer with m·T < M (the sum of m values in [0, T] never wraps modulo
+    M; never a truncated cohort), capped where Flower's int32 rounding ends. Raises
+    `InvalidArgumentError` when c − Δ√d ≤ 0 (a model too large for the modulus)."""
+    require(
+        cohort >= 2,
+        "cohort",
+        "at least 2 members for a secure sum (one member's sum is its update)",
+        cohort,
+    )
+    t = min(MAX_QUANTIZATION_RANGE, (MODULUS - 1) // cohort)
+    t -= t % 2
+    shares = (
+        cohort
+        if cohort <= FULL_GRAPH_COHORT
+        else min(cohort, 2 * math.ceil(2 * math.log2(cohort)) + 1)
+    )
+    threshold = max(2, math.ceil(THRESHOLD_FRACTION * shares))
+    params = SecureSumParams(cohort, shares, threshold, float(clip), t)
+    require(
+        params.client_bound(dim) > 0,
+        "secure-aggregation",
+        f"a model whose quantization slack Δ√d = {params.step * math.sqrt(dim):.3g} stays below "
+        f"clip {clip:g} (cohort {cohort}, d = {dim})",
+    )
+    return params
+
+
+def bound_update(
+    update: Sequence[np.ndarray], bound: float, zeroing: float
+) -> tuple[list[np.ndarray], str]:
+    """A client's update as it enters the secure sum (000 App. F.3 zeroing, then ℓ2 clipping):
+    zeros when it is not finite or its ℓ∞ exceeds ``zeroing`` (> 0), else scaled to
+    ‖u‖₂ ≤ ``bound``. Returns the float32 arrays and "kept", "clipped" or "zeroed"."""
+    arrays = [np.asarray(a, dtype=np.float64) for a in update]
+    zeros = [np.zeros(a.shape, np.float32) for a in arrays]
+    if not all(np.isfinite(a).all() for a in arrays):
+        return zeros, "zeroed"
+    linf = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
+    if zeroing > 0 and linf > zeroing:
+        return zeros, "zeroed"
+    norm = math.sqrt(sum(float(np.sum(a * a)) for a in arrays))
+    if norm <= bound:
+        out = [a.astype(np.float32) for a in arrays]
+        # float32 rounding can push a norm at the bound over it: scale inside it
+        if math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in out)) <= bound:
+            return out, "kept"
+    scale = bound / norm * (1 - 1e-6)
+    return [(a * scale).astype(np.float32) for a in arrays], "clipped"
+
+
+def action_vector(action: str, clipping_range: float) -> np.ndarray:
+    """The one-hot of ``action`` (`ACTIONS`) scaled to r, summed inside the masked vector: its sum
+    decodes to the cohort's counts (`decode_counts`) and no client's action is seen alone."""
+    out = np.zeros(len(ACTIONS), np.float32)
+    out[ACTIONS.index(action)] = clipping_range
+    return out
+
+
+def decode_counts(total: np.ndarray, params: SecureSumParams) -> dict[str, int]:
+    """The cohort's action counts from the dequantized sum of `action_vector` s (each entry within
+    m·Δ ≪ r/2 of count·r)."""
+    counts = np.rint(np.asarray(total, np.float64) / params.clipping_range).astype(np.int64)
+    return dict(zip(ACTIONS, (int(c) for c in counts), strict=True))
+
+
+def implausible(
+    total: Sequence[np.ndarray], counts: dict[str, int], active: int, params: SecureSumParams
+) -> str | None:
+    """Why an unmasked sum of ``active`` contributions cannot be what honest clients sent (a
+    well-formed but wrong share cannot be attributed to anyone), or None: non-finite values, a norm
+    above m·c, or action counts that do not add up to m."""
+    if not all(np.isfinite(a).all() for a in total):
+        return "the unmasked sum is not finite"
+    norm = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in total))
+    if norm > params.sum_bound(active):
+        return (
+            f"the unmasked sum has ℓ2 norm {norm:.6g} > m·c = {active}·{params.clipping_range:g} "
+            "(a wrong share or a client that did not clip)"
+        )
+    if any(v < 0 for v in counts.values()) or sum(counts.values()) != active:
+        return f"the action counts {counts} do not add up to the {active} contributions"
+    return None
+
+
+def trust_section(clip: float, dim: int, cohort: float) -> dict:
+    """The privacy report's ``secure_aggregation`` section: what the server saw, whom SecAgg+
+    protects against, what DP protects, what a client that skips the clipping can do, and the
+    reconstruction threshold and dropout tolerance at the planned ``cohort`` (m ≥ 2; the
+    quantization range is chosen again each round from the cohort it sends to)."""
+    m = max(2, int(round(cohort)))
+    p = secure_sum_params(m, clip, dim)
+    return {
+        "protocol": "SecAgg+ (Bell et al., CCS 2020): Flower's secaggplus_mod, corrflow's driver",
+        "server_saw": "only masked vectors and each round's unmasked sum of the cohort's clipped "
+        "updates; never one user's update or per-user metric",
+        "threat_model": "honest-but-curious server: Flower's SecAgg+ has no consistency round, so "
+        "a server that lies about dropouts can unmask a client; clients are trusted to run "
+        "corrflow's mod (clipping) unchanged",
+        "noiseless_sum": "the server itself holds each round's noiseless cohort sum; DP protects "
+        "the released models, not the sum, from the server",
+        "client_clipping": f"each client clips its update to c − Δ√d = "
+        f"{p.client_bound(dim):.9g} so that its quantized update has ℓ2 norm ≤ c = {clip:g}",
+        "dishonest_client_bound": f"a client that skips the clipping moves each coordinate of the "
+        f"sum by at most the clipping range r = {p.clipping_range:g}: ℓ2 ≤ r·√d = "
+        f"{p.dishonest_bound(dim):.6g}, √d = {math.sqrt(dim):.4g} times the sensitivity the "
+        "accountant assumes",
+        "reconstruction_threshold": p.threshold,
+        "neighbours": p.num_shares,
+        "dropout_tolerance": f"each member's neighbourhood of {p.num_shares} may lose "
+        f"{p.num_shares - p.threshold} (at the planned cohort {m}); a round with more dropouts is "
+        f"not released and is redone (at most {MAX_ATTEMPTS} attempts, same cohort and noise) "
+        "unless its sum was already unmasked",
+        "dropouts": "a scheduled user who drops out counts as participating in the accounting",
+        "quantization": {
+            **p.to_dict(),
+            "rule": "T = the largest even integer with m·T < M for the round's cohort m (the "
+            "modular sum never wraps); the secure sum is within m·Δ per coordinate of the plain "
+            "sum (stochastic rounding: unbiased, not counted toward ε)",
+        },
+    }

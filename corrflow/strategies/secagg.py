@@ -1,0 +1,418 @@
+"""corrflow's server driver of SecAgg+ (``--secagg``): the four stages of Flower's protocol (setup →
+share keys → collect masked vectors → unmask) in the stock message format, over corrflow's
+interruptible exchange, with Flower's primitives (``flwr.common.secure_aggregation``: Shamir
+shares, key agreement, pseudo-random masks, modular sums, dequantization).
+
+What differs from Flower's ``SecAggPlusWorkflow``: the quantization range is chosen per round from
+the cohort size so the modular sum never wraps (`corrflow.run.secure_sum`); the result is the sum
+(weight exactly 1 per client, checked), not a weighted mean; a dropout is removed only through the
+pairwise masks it actually added; a failure is an outcome, not a log line. A round whose secure sum
+failed before anything was unmasked is redone with the same scheduled cohort and the same (never
+released) noise, at most `MAX_ATTEMPTS` times; a sum that was unmasked and fails the plausibility
+check stops the run (a second sum of the same cohort could tell members apart). The unmasked sum
+enters `Run.step` as `SummedReplies` and is never persisted before its round is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import bytes_to_ndarray
+from flwr.common.constant import ErrorCode
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+from flwr.common.secure_aggregation.ndarrays_arithmetic import parameters_mod
+from flwr.common.secure_aggregation.quantization import dequantize
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+from flwr.serverapp import Grid
+from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from corrflow.run.round import RoundPlan, SummedReplies
+from corrflow.run.secure_sum import (
+    ACTIONS,
+    MAX_ATTEMPTS,
+    SecureSumParams,
+    decode_counts,
+    implausible,
+    secure_sum_params,
+)
+from corrflow.strategies.messaging import exchange
+
+log = logging.getLogger("corrflow")
+
+#: The TRAIN config keys the collect stage adds for corrflow's client mod.
+REPLIES_KEY, ZEROING_KEY = "replies", "zeroing-factor"
+
+
+class SecureSumError(Exception):
+    """A round's secure sum did not produce a releasable sum; ``redo``: nothing was unmasked, so
+    the round may be attempted again with the same cohort and noise."""
+
+    def __init__(self, reason: str, redo: bool):
+        super().__init__(reason)
+        self.reason, self.redo = reason, redo
+
+
+@dataclass
+class _Attempt:
+    """One attempt's protocol state, in memory only (a killed server redoes the round)."""
+
+    params: SecureSumParams
+    shapes: list[tuple[int, ...]]
+    neighbours: dict[int, set[int]]
+    keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    u1: set[int] = field(default_factory=set)  # sent its shares (share keys)
+    u2: set[int] = field(default_factory=set)  # sent its masked vector
+    masked: list[np.ndarray] | None = None
+    dropped: dict[int, str] = field(default_factory=dict)  # node → the stage it dropped in
+    forward: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+
+
+def neighbour_graph(nodes: list[int], num_shares: int, rng: random.Random) -> dict[int, set[int]]:
+    """SecAgg+'s graph (as Flower's workflow builds it): the nodes in a random ring, each with the
+    ``num_shares`` nearest (itself included)."""
+    order = list(nodes)
+    rng.shuffle(order)
+    half, m = num_shares >> 1, len(order)
+    return {
+        nid: {order[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(order)
+    }
+
+
+class _Stage:
+    """Send one stage's messages and keep the well-formed replies (node → config record); a node
+    that does not answer has dropped out, a malformed answer fails the round naming the node."""
+
+    def __init__(self, grid: Grid, timeout: float, stop, check: Callable[[int, object], None]):
+        self.grid, self.timeout, self.stop, self.check = grid, timeout, stop, check
+
+    def __call__(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, ConfigRecord]:
+        messages = {
+            nid: Message(content=c, message_type=MessageType.TRAIN, dst_node_id=nid)
+            for nid, c in contents.items()
+        }
+        replies = exchange(self.grid, list(messages.values()), self.timeout, self.stop)
+        if replies is None:
+            raise InterruptedError
+        sent = {m.metadata.message_id: nid for nid, m in messages.items()}
+        out: dict[int, ConfigRecord] = {}
+        for reply in replies:
+            nid = sent.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
+            if nid not in contents:
+                continue
+            if reply.has_error():
+                if reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION:
+                    # the protocol failed inside the client (corrflow's mod turns a failed training
+                    # into a zero update): a ciphertext it could not decrypt, a config it refused
+                    first = (str(reply.error.reason).strip().splitlines() or [""])[-1][:200]
+                    raise SecureSumError(f"{stage}: node {nid} failed: {first}", True)
+                continue  # dropped out (offline, timed out, crashed)
+            if int(reply.metadata.src_node_id) != nid:
+                raise SecureSumError(f"{stage}: node {nid}'s reply came from another node", True)
+            record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+            clear = [k for k, r in reply.content.array_records.items() if len(r)]
+            if record is None or clear:
+                why = f"arrays in the clear ({clear})" if clear else "no secaggplus_configs record"
+                raise SecureSumError(f"{stage}: node {nid} replied {why}", True)
+            self.check(nid, record)
+            out[nid] = record
+        return out
+
+
+def _fail(stage: str, nid: int, what: str) -> SecureSumError:
+    return SecureSumError(f"{stage}: node {nid} sent {what}", True)
+
+
+def secure_sum(
+    grid: Grid,
+    messages: list[Message],
+    plan: RoundPlan,
+    clip: float,
+    shapes: list[tuple[int, ...]],
+    config: dict,
+    timeout: float,
+    stop,
+) -> SummedReplies:
+    """One attempt at round ``plan``'s secure sum over the routed train ``messages`` (one per
+    node). Returns the sum as `SummedReplies` (accepted: the items of the nodes whose masked
+    vectors are in it; the others rejected as dropped out); ``config`` joins the collect stage's
+    train config. A lone member is never asked to train (its sum would be its update): it is
+    rejected and the round releases noise only. Raises `SecureSumError`, or ``InterruptedError``
+    when ``stop`` was set."""
+    train = {int(m.metadata.dst_node_id): m.content for m in messages}
+    nodes = sorted(train)
+    dim = sum(int(np.prod(s)) for s in shapes)
+    if len(nodes) < 2:
+        alone = SummedReplies.empty(shapes)
+        alone.rejections = [
+            (str(plan.expected[n]), "alone online in its cohort: a secure sum needs another member")
+            for n in nodes
+        ]
+        return alone
+    params = secure_sum_params(len(nodes), clip, dim)
+    a = _Attempt(
+        params, list(shapes), neighbour_graph(nodes, params.num_shares, random.SystemRandom())
+    )
+    _setup(a, grid, nodes, timeout, stop)
+    _share_keys(a, grid, timeout, stop)
+    _collect(a, grid, train, config, timeout, stop)
+    total, counts = _unmask(a, grid, timeout, stop)
+    reason = implausible(total, counts, len(a.u2), params)
+    if reason is not None:
+        raise SecureSumError(reason + " — refused without naming anyone", False)
+    summed = SummedReplies.empty(shapes)
+    summed.total = [t.astype(np.float32) for t in total]
+    summed.counts.update(counts)
+    summed.accepted = sorted(str(plan.expected[n]) for n in a.u2)
+    summed.rejections = [
+        (str(plan.expected[n]), f"dropped out of the secure sum ({stage})")
+        for n, stage in sorted(a.dropped.items())
+    ]
+    return summed
+
+
+def _check_keys(nid: int, record) -> None:
+    if not all(isinstance(record.get(k), bytes) for k in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2)):
+        raise _fail(Stage.SETUP, nid, "no public keys")
+
+
+def _setup(a: _Attempt, grid: Grid, nodes: list[int], timeout: float, stop) -> None:
+    p = a.params
+    config = {
+        Key.STAGE: Stage.SETUP,
+        Key.SAMPLE_NUMBER: p.cohort,
+        Key.SHARE_NUMBER: p.num_shares,
+        Key.THRESHOLD: p.threshold,
+        Key.CLIPPING_RANGE: p.clipping_range,
+        Key.TARGET_RANGE: p.quantization_range,
+        Key.MOD_RANGE: p.modulus,
+        Key.MAX_WEIGHT: 1.0,  # the client mod sends weight 1: the sum is a sum, not a mean
+    }
+    got = _Stage(grid, timeout, stop, _check_keys)(
+        Stage.SETUP, {n: RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(config)}) for n in nodes}
+    )
+    a.keys = {n: (r[Key.PUBLIC_KEY_1], r[Key.PUBLIC_KEY_2]) for n, r in got.items()}
+    _drop(a, set(nodes) - set(got), Stage.SETUP)
+    _check_threshold(a, set(got), Stage.SETUP)
+
+
+def _share_keys(a: _Attempt, grid: Grid, timeout: float, stop) -> None:
+    alive = set(a.keys)
+
+    def check(nid: int, record) -> None:
+        dsts, texts = record.get(Key.DESTINATION_LIST), record.get(Key.CIPHERTEXT_LIST)
+        if not isinstance(dsts, list) or not isinstance(texts, list) or len(dsts) != len(texts):
+            raise _fail(Stage.SHARE_KEYS, nid, "destination and ciphertext lists that do not match")
+        if not set(dsts) <= (a.neighbours[nid] & alive) - {nid}:
+            raise _fail(Stage.SHARE_KEYS, nid, "shares for nodes that are not its neighbours")
+
+    contents = {}
+    for n in alive:
+        record = ConfigRecord({str(j): list(a.keys[j]) for j in a.neighbours[n] & alive})
+        record[Key.STAGE] = Stage.SHARE_KEYS
+        contents[n] = RecordDict({RECORD_KEY_CONFIGS: record})
+    got = _Stage(grid, timeout, stop, check)(Stage.SHARE_KEYS, contents)
+    a.u1 = set(got)
+    _drop(a, alive - a.u1, Stage.SHARE_KEYS)
+    _check_threshold(a, a.u1, Stage.SHARE_KEYS)
+    a.forward = {n: ([], []) for n in a.u1}  # destination → (sources, ciphertexts)
+    for src in sorted(a.u1):
+        for dst, text in zip(
+            got[src][Key.DESTINATION_LIST], got[src][Key.CIPHERTEXT_LIST], strict=True
+        ):
+            if dst in a.forward:
+                a.forward[dst][0].append(src)
+                a.forward[dst][1].append(text)
+
+
+def _collect(
+    a: _Attempt, grid: Grid, train: dict[int, RecordDict], extra: dict, timeout: float, stop
+) -> None:
+    shapes = [(1,), *a.shapes, (len(ACTIONS),)]
+    m = a.params.modulus
+
+    def check(nid: int, record) -> None:
+        data = record.get(Key.MASKED_PARAMETERS)
+        if not isinstance(data, list) or len(data) != len(shapes):
+            raise _fail(Stage.COLLECT_MASKED_VECTORS, nid, f"not {len(shapes)} masked arrays")
+        try:
+            arrays = [bytes_to_ndarray(b) for b in data]
+        except Exception as exc:  # any undecodable payload
+            raise _fail(Stage.COLLECT_MASKED_VECTORS, nid, f"undecodable arrays ({exc})") from None
+        for arr, shape in zip(arrays, shapes, strict=True):
+            if tuple(arr.shape) != tuple(shape) or arr.dtype.kind not in "iu":
+                raise _fail(
+                    Stage.COLLECT_MASKED_VECTORS,
+                    nid,
+                    f"a {arr.dtype} array of shape {arr.shape}, expected int {shape}",
+                )
+            if arr.size and (arr.min() < 0 or arr.max() >= m):
+                raise _fail(Stage.COLLECT_MASKED_VECTORS, nid, f"values outside [0, {m})")
+
+    contents = {}
+    for n in a.u1:
+        content = RecordDict(dict(train[n].items()))
+        content["config"] = ConfigRecord({**dict(content["config"]), **extra})
+        srcs, texts = a.forward[n]
+        content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(
+            {
+                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                Key.CIPHERTEXT_LIST: texts,
+                Key.SOURCE_LIST: srcs,
+            }
+        )
+        contents[n] = content
+    got = _Stage(grid, timeout, stop, check)(Stage.COLLECT_MASKED_VECTORS, contents)
+    a.u2 = set(got)
+    _drop(a, a.u1 - a.u2, Stage.COLLECT_MASKED_VECTORS)
+    _check_threshold(a, a.u2, Stage.COLLECT_MASKED_VECTORS, owners=a.u1)
+    total = None
+    for n in sorted(a.u2):
+        vec = [bytes_to_ndarray(b).astype(np.int64) for b in got[n][Key.MASKED_PARAMETERS]]
+        total = (
+            vec
+            if total is None
+            else parameters_mod([x + y for x, y in zip(total, vec, strict=True)], m)
+        )
+    a.masked = total
+
+
+def _unmask(a: _Attempt, grid: Grid, timeout: float, stop) -> tuple[list[np.ndarray], dict]:
+    dead = a.u1 - a.u2
+
+    def check(nid: int, record) -> None:
+        owners, shares = record.get(Key.NODE_ID_LIST), record.get(Key.SHARE_LIST)
+        if (
+            not isinstance(owners, list)
+            or not isinstance(shares, list)
+            or len(owners) != len(shares)
+        ):
+            raise _fail(Stage.UNMASK, nid, "node id and share lists that do not match")
+        if not set(owners) <= a.neighbours[nid] & a.u1:
+            raise _fail(Stage.UNMASK, nid, "shares of nodes that are not its neighbours")
+
+    contents = {
+        n: RecordDict(
+            {
+                RECORD_KEY_CONFIGS: ConfigRecord(
+                    {
+                        Key.STAGE: Stage.UNMASK,
+                        Key.ACTIVE_NODE_ID_LIST: sorted(a.neighbours[n] & a.u2),
+                        Key.DEAD_NODE_ID_LIST: sorted(a.neighbours[n] & dead),
+                    }
+                )
+            }
+        )
+        for n in a.u2
+    }
+    got = _Stage(grid, timeout, stop, check)(Stage.UNMASK, contents)
+    shares: dict[int, list[bytes]] = {n: [] for n in a.u1}
+    for n in sorted(got):
+        for owner, share in zip(got[n][Key.NODE_ID_LIST], got[n][Key.SHARE_LIST], strict=True):
+            shares[owner].append(share)
+    short = sorted(n for n, s in shares.items() if len(s) < a.params.threshold)
+    if short:  # checked before any secret is combined: nothing of this attempt is unmasked
+        raise SecureSumError(
+            f"{Stage.UNMASK}: fewer than {a.params.threshold} shares for {len(short)} node(s) "
+            f"({len(got)} of {len(a.u2)} answered)",
+            True,
+        )
+    return _remove_masks(a, shares)
+
+
+def _remove_masks(a: _Attempt, shares: dict[int, list[bytes]]) -> tuple[list[np.ndarray], dict]:
+    """The sum without masks (self-masks of contributors, pairwise masks of dropouts with the
+    contributors that added them), dequantized: Σ x = deq(Σ q) − (m − 1)·r."""
+    p, vec = a.params, a.masked
+    shapes = [v.shape for v in vec]
+    for nid in sorted(a.u1):
+        secret = combine_shares(shares[nid])
+        if nid in a.u2:
+            mask = pseudo_rand_gen(secret, p.modulus, shapes)
+            vec = [x - y for x, y in zip(vec, mask, strict=True)]
+            continue
+        for other in sorted(a.neighbours[nid] & a.u2):  # only they added a mask with nid
+            key = generate_shared_key(
+                bytes_to_private_key(secret), bytes_to_public_key(a.keys[other][0])
+            )
+            mask = pseudo_rand_gen(key, p.modulus, shapes)
+            sign = 1 if nid > other else -1  # undo `other`'s subtraction (other < nid) or addition
+            vec = [x + sign * y for x, y in zip(vec, mask, strict=True)]
+    vec = parameters_mod(vec, p.modulus)
+    m = len(a.u2)
+    if int(vec[0][0]) != m * p.quantization_range:
+        raise SecureSumError(
+            f"the unmasked weights add up to {int(vec[0][0])}, not {m} × {p.quantization_range} "
+            "(a client that did not send weight 1, or a wrong share) — refused without naming "
+            "anyone",
+            False,
+        )
+    values = dequantize(vec[1:], p.clipping_range, p.quantization_range)
+    values = [v - (m - 1) * p.clipping_range for v in values]
+    return values[:-1], decode_counts(values[-1], p)
+
+
+def _drop(a: _Attempt, nodes: set[int], stage: str) -> None:
+    for n in nodes:
+        a.dropped.setdefault(n, stage)
+
+
+def _check_threshold(
+    a: _Attempt, alive: set[int], stage: str, owners: set[int] | None = None
+) -> None:
+    """Every member whose secrets may be needed (``owners``, default ``alive``) needs ``threshold``
+    live neighbours (itself included), or they could not be reconstructed (Flower's
+    ``_check_threshold``)."""
+    short = [n for n in owners or alive if len(a.neighbours[n] & alive) < a.params.threshold]
+    if short or len(alive) < 2:
+        raise SecureSumError(
+            f"{stage}: {len(a.dropped)} of {a.params.cohort} cohort members dropped out; "
+            f"{len(short)} member(s) kept fewer than the threshold of {a.params.threshold} "
+            "live neighbours",
+            True,
+        )
+
+
+def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, stop):
+    """Round ``strategy``'s planned round through the secure sum, then `Run.step` (checkpoint →
+    journal → report → release): (the new model, the round's metrics), or None when the round was
+    abandoned (``stop``) or failed for good — then the run is stopped on the record and nothing of
+    the round was released."""
+    plan, _ = strategy.inflight.take()
+    cfg, run = strategy.cfg, strategy.run
+    if plan is None or plan.round != strategy.next_round or strategy.stopped_reason:
+        return None
+    extra = {REPLIES_KEY: cfg.reply_kind, ZEROING_KEY: cfg.zeroing_factor}
+    shapes = run.plan.layout.trainable_shapes
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            summed = secure_sum(grid, messages, plan, cfg.clip_norm, shapes, extra, timeout, stop)
+            break
+        except InterruptedError:
+            return None  # abandoned: nothing of this round is committed or released
+        except SecureSumError as exc:
+            log.warning(
+                "round %d, attempt %d of %d: the secure sum failed: %s",
+                plan.round + 1,
+                attempt,
+                MAX_ATTEMPTS,
+                exc.reason,
+            )
+            if not exc.redo or attempt == MAX_ATTEMPTS:
+                why = "refused after unmasking" if not exc.redo else f"failed {attempt} times"
+                run.stop(
+                    f"round {plan.round + 1} of {cfg.num_rounds}: the secure sum {why} "
+                    f"({exc.reason}); nothing of that round was released"
+                )
+                return None
+    record = run.step(plan, summed)
+    if record is None:
+        return None
+    metrics = {k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)}
+    return strategy.initial_arrays(), MetricRecord(metrics)

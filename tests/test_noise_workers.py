@@ -1,0 +1,227 @@
+"""Noise sharded over Ray actors (``--noise-workers``, corrflow.run.noise_shards), on a real Ray
+head started once for the module (its own session and temp directory, stopped by pid): the released
+models are bit-identical to the single process's with ε unchanged; a noise worker SIGKILLed mid-run
+is restored from its checkpoint and the run releases the same models, nothing twice; a worker whose
+state was edited stops the run naming it, and a resume with another number of workers is refused
+with the number to use."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corrflow.clients.tasks import task_for
+from corrflow.config import RunConfig
+from corrflow.errors import IntegrityError
+from corrflow.run.checkpoint import current_checkpoint, load_arrays
+from corrflow.run.journal import JOURNAL
+from corrflow.server.app import run_server
+from corrflow.server.inprocess import InProcessGrid
+
+KEY = bytes(range(16))
+BIN = Path(sys.executable).parent
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(proc.name)] = int(
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+    found, frontier = [], [root]
+    while frontier:
+        frontier = [p for p, pp in parents.items() if pp in frontier]
+        found += frontier
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """One Ray head for the module (``ray start --head --block`` in its own session, on loopback,
+    in its own temp directory: no other ray.init() on this machine finds it); this process joins
+    it; stopped by pid at the end."""
+    ray = pytest.importorskip("ray")
+    temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's unix sockets live here
+    port, *ports = _free_ports(5)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--object-store-memory=200000000",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={temp}",
+            f"--ray-client-server-port={ports[0]}",
+            f"--dashboard-agent-listen-port={ports[1]}",
+            f"--dashboard-agent-grpc-port={ports[2]}",
+            f"--metrics-export-port={ports[3]}",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        start = time.monotonic()
+        while True:
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+                break
+            except Exception:  # the head is not up yet
+                assert head.poll() is None and time.monotonic() - start < 180
+                time.sleep(1)
+        yield address
+    finally:
+        ray.shutdown()
+        children = _descendants(head.pid)
+        if head.poll() is None:
+            head.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=30)
+        for pid in [head.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+#: The issue's "Done when" model: d = 2·10⁵ (4 noise blocks of 2¹⁶); the fault tests use 2 blocks
+# (the numpy task's data generation grows with d and dominates these runs).
+DONE_WHEN_DIM, SMALL_DIM = 200_000, 70_000
+
+
+def _cfg(out: Path, workers: int = 0, address: str = "", dim: int = SMALL_DIM) -> RunConfig:
+    """The issue's "Done when" run: toeplitz, 8 bands."""
+    return RunConfig(
+        kind="toeplitz",
+        bands=8,
+        model_dim=dim,
+        num_users=16,
+        num_rounds=8,
+        epochs=2,
+        local_steps=1,
+        state_dir=str(out),
+        noise_workers=workers,
+        ray_address=address,
+    )
+
+
+def _run(cfg: RunConfig, on_round_end=None) -> None:
+    run_server(
+        InProcessGrid(task_for(cfg).handlers, cfg.num_users),
+        cfg,
+        noise_key=KEY,
+        quiet=True,
+        on_round_end=on_round_end,
+    )
+
+
+def _final(out: Path) -> tuple[np.ndarray, dict]:
+    ckpt = current_checkpoint(out / "state")
+    report = json.loads((out / "privacy_report.json").read_text())
+    return np.concatenate([p.ravel() for p in load_arrays(ckpt, "model")]), report
+
+
+def _journal_rounds(out: Path) -> list[int]:
+    return [json.loads(line)["round"] for line in (out / JOURNAL).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    _run(_cfg(out))
+    return _final(out)
+
+
+def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_address, tmp_path):
+    _run(_cfg(tmp_path / "single", dim=DONE_WHEN_DIM))
+    single = _final(tmp_path / "single")
+    out = tmp_path / "sharded"
+    _run(_cfg(out, 2, ray_address, DONE_WHEN_DIM))
+    model, report = _final(out)
+    np.testing.assert_array_equal(model, single[0])
+    assert report["realized"]["epsilon"] == single[1]["realized"]["epsilon"]
+    assert report["rounds_completed"] == 8 and report["planned"] == single[1]["planned"]
+    assert report["noise_multiplier"] == single[1]["noise_multiplier"]
+    # each worker's shard state is on its own disk; the server's checkpoint holds none of it
+    noise = current_checkpoint(out / "state") / "noise"
+    assert sorted(p.name for p in noise.iterdir()) == ["noise_segments.key", "shards.json"]
+    shards = sorted(p.name for p in (out / "noise-shards").iterdir())
+    assert shards == ["shard-000000-000002", "shard-000002-000002"]
+
+
+def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
+    ray_address, single, tmp_path, caplog
+):
+    killed = []
+
+    def kill_worker(strategy, metrics):
+        if metrics["round"] == 2:  # after round 3's release: round 4's noise needs a new worker
+            pid = strategy.run.noise.worker_info()[1]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    _run(_cfg(tmp_path, 2, ray_address), kill_worker)
+    model, report = _final(tmp_path)
+    assert killed and report["rounds_completed"] == 8 and report["stopped_reason"] is None
+    np.testing.assert_array_equal(model, single[0])
+    assert _journal_rounds(tmp_path) == list(range(8))
+    assert any(
+        # the numpy task's model: model_dim weights and a bias
+        f"noise worker 1 (coordinates 65536–70000), pid {killed[0]} died in round 4"
+        in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_same_workers(
+    ray_address, tmp_path
+):
+    def edit_and_kill(strategy, metrics):
+        if metrics["round"] == 1:
+            state = next((tmp_path / "noise-shards" / "shard-000001-000001").glob("round-000002"))
+            path = state / "shard_state.json"
+            path.write_text(path.read_text().replace('"rounds"', '"rounds" ', 1))
+            os.kill(strategy.run.noise.worker_info()[1]["pid"], signal.SIGKILL)
+
+    with pytest.raises(IntegrityError, match=r"noise worker 1 .* died in round 3.*disagrees"):
+        _run(_cfg(tmp_path, 2, ray_address), edit_and_kill)
+    # round 3 was not released; the checkpoint is round 2's
+    assert _journal_rounds(tmp_path) == [0, 1]
+    with pytest.raises(IntegrityError, match="sharded over 2 noise workers.*--noise-workers 2"):
+        _run(_cfg(tmp_path, 3, ray_address))
+    with pytest.raises(IntegrityError, match="sharded over 2 noise workers.*not 0"):
+        _run(_cfg(tmp_path, 0))
+    with pytest.raises(IntegrityError, match="noise worker 1 .*disagrees with the server's"):
+        _run(_cfg(tmp_path, 2, ray_address))
+    assert _journal_rounds(tmp_path) == [0, 1]
