@@ -306,7 +306,8 @@ if [[ $drills -eq 1 ]]; then
   app_pid=$(serverapp_pid) || die "no flwr-serverapp process found below the SuperLink"
   kill -KILL "$app_pid"
   killed_at=$(checkpoint_round)
-  cp "$out/metrics.json" "$workdir/metrics-at-kill.json"
+  # the rounds recorded so far (metrics.json is complete only every 10 rounds; the ledger log has every round)
+  cp "$state/ledger.jsonl" "$workdir/ledger-at-kill.jsonl"
   [[ $killed_at -lt $rounds ]] || die "the run finished before the ServerApp could be killed"
   say "ServerApp (pid $app_pid) killed with SIGKILL after round $killed_at of $rounds"
   printf 'killed-after-round %s\nfirst-run %s\n' "$killed_at" "$run1" >"$workdir/drills.txt"
