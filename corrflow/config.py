@@ -646,6 +646,12 @@ class RunConfig(BaseModel):
         )
         self._secure_aggregation_rules()
         require(
+            not self.ray_address or self.noise_workers > 0,
+            "ray-address",
+            "no Ray address without --noise-workers N (only the noise workers join a Ray cluster)",
+            self.ray_address,
+        )
+        require(
             not self.data_path or self.client in ("keras", "nextword"),
             "client",
             f"a next-word client (keras or nextword) to train on a data file ({self.data_path})",

@@ -56,7 +56,8 @@ def test_plan_shards_covers_the_model_in_whole_chunks():
         (5, 1, 5000, 5500),
     ]
     with pytest.raises(
-        InvalidArgumentError, match="noise-workers: expected an integer from 1 to 6.*6 noise block"
+        InvalidArgumentError,
+        match="noise-workers: expected 0 .* or an integer from 1 to 6.*6 noise block",
     ):
         plan_shards(DIM, 7, CHUNK)
 

@@ -91,8 +91,9 @@ def plan_shards(dim: int, workers: int, chunk_size: int = DEFAULT_CHUNK) -> tupl
     require(
         isinstance(workers, int) and 1 <= workers <= chunks,
         "noise-workers",
-        f"an integer from 1 to {chunks}: the model's {dim} coordinates make {chunks} noise "
-        f"block(s) of {chunk_size}, the smallest share a worker can take",
+        f"0 (the noise in the server's process) or an integer from 1 to {chunks}: the model's "
+        f"{dim} coordinates make {chunks} noise block(s) of {chunk_size}, the smallest share a "
+        "worker can take",
         workers,
     )
     base, extra = divmod(chunks, workers)
