@@ -631,6 +631,10 @@ def _plan_table(doc: dict, out: Path, top: int = 10) -> str:
             f"{c['max_error']:>10.4g} {ratio:>8} {c['noise_state_bytes'] / 1e6:>10.1f} "
             f"{c['noise_seconds_per_round']:>10.3g} {c['build_seconds']:>8.1f}"
         )
+    if len(doc["candidates"]) > top:
+        lines.append(
+            f"{'':>4} … {len(doc['candidates']) - top} more candidate(s) in {out / 'plan.json'}"
+        )
     for s in doc["skipped"]:
         what = s.get("kind") or s.get("accountant")
         lines.append(f"skipped        {what}: {s['reason']}")
