@@ -7,6 +7,7 @@ with the number to use."""
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -191,7 +192,15 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    _run(_cfg(tmp_path, 2, ray_address), kill_worker)
+    # an earlier command in the same process may have set the "corrflow" logger's level or
+    # handlers (compare's --quiet): listen on it directly, at INFO
+    logger = logging.getLogger("corrflow")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="corrflow"):
+            _run(_cfg(tmp_path, 2, ray_address), kill_worker)
+    finally:
+        logger.removeHandler(caplog.handler)
     model, report = _final(tmp_path)
     assert killed and report["rounds_completed"] == 8 and report["stopped_reason"] is None
     np.testing.assert_array_equal(model, single[0])
