@@ -8,7 +8,6 @@ config, and the held-out loss falls."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +22,7 @@ import dp_accounting
 import numpy as np
 import pytest
 from flwr.cli.supernode.register import try_load_public_key
+from process_support import stop_tree
 
 from corrflow.accounting.report import hash_user_id
 from corrflow.factorization import Factorization
@@ -367,39 +367,6 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 180.0) -
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM a process started in its own session (``ray start --block`` stops the Ray processes
-    it started), then SIGKILL its session and anything it left behind, by pid."""
-    import signal
-
-    children = _descendants(proc.pid)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-    for pid in [proc.pid, *children]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _descendants(root: int) -> list[int]:
-    parents = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                parents[int(proc.name)] = int(
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [root]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        found += frontier
-    return found
-
-
 RAY_DRIVER = """
 import sys
 from flwr.simulation import run_simulation
@@ -492,7 +459,7 @@ def ray_cluster():
         yield address, temp
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_tree(proc)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -606,5 +573,5 @@ def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
         )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     finally:
-        _stop(link)
+        stop_tree(link)
     _check_cluster_and_report(address, out, 2)

@@ -5,7 +5,6 @@ is restored from its checkpoint and the run releases the same models, nothing tw
 state was edited stops the run naming it, and a resume with another number of workers is refused
 with the number to use."""
 
-import contextlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from process_support import stop_tree
 
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
@@ -41,21 +41,6 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def _descendants(root: int) -> list[int]:
-    parents = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                parents[int(proc.name)] = int(
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-    found, frontier = [], [root]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        found += frontier
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +89,7 @@ def ray_address():
         yield address
     finally:
         ray.shutdown()
-        children = _descendants(head.pid)
-        if head.poll() is None:
-            head.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                head.wait(timeout=30)
-        for pid in [head.pid, *children]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        head.wait()
+        stop_tree(head)
         shutil.rmtree(temp, ignore_errors=True)
 
 
