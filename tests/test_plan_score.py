@@ -252,3 +252,79 @@ def test_compare_refuses_bad_score_inputs(tmp_path, extra, flag):
     )
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "cmp").exists()  # refused before anything is written
+
+
+def test_kappa_beyond_the_stable_limit_is_refused():
+    """Heavy-ball feedback on a quadratic is stable iff η·κ < 2(1 + β): just below the limit the
+    response decays, just above it grows without bound — and a plan refuses that κ, naming the
+    flag (declared) or the proxy data (measured)."""
+    from corrflow.planning.score import check_kappa, stable_kappa_limit
+
+    limit = stable_kappa_limit(WORKLOAD, 400)
+    assert limit == pytest.approx(2 * 1.9)
+    assert np.abs(closed_loop_response(WORKLOAD, 400, 0.97 * limit)[:100]).max() < 1e3
+    assert np.abs(closed_loop_response(WORKLOAD, 400, 1.03 * limit)[:100]).max() > 1e6
+    check_kappa(Damping(0.99 * limit, "declared"), WORKLOAD, 400)
+    for source, field in (("declared", "kappa"), ("proxy", "proxy-data")):
+        with pytest.raises(InvalidArgumentError) as exc:
+            check_kappa(Damping(limit, source), WORKLOAD, 400)
+        assert exc.value.field == field and "3.8" in exc.value.expected
+    with pytest.raises(InvalidArgumentError):
+        PlanRequest(
+            rounds=24,
+            population=60,
+            cohort_size=10,
+            target_epsilon=4.0,
+            delta=1e-5,
+            damping=Damping(5.0, "declared"),
+        )
+
+
+def test_measured_kappa_warns_where_the_score_is_weak():
+    assert Damping(0.12, "proxy", {"kappa_per_round": {"9": 0.15, "19": 0.11}}).warnings() == []
+    assert Damping(1.6, "default").warnings() == [] == Damping(1.6, "declared").warnings()
+    over = Damping(1.6, "proxy").warnings()
+    assert len(over) == 1 and "overshoots" in over[0]
+    spread = Damping(0.3, "proxy", {"kappa_per_round": {"9": 0.5, "19": 0.2}}).warnings()
+    assert len(spread) == 1 and "0.2 to 0.5" in spread[0]
+
+
+def test_a_one_band_encoder_is_dpsgd_for_the_runner_up(plans):
+    """toeplitz[1] adds DP-SGD's noise: the same score at the same separation, so the plan never
+    names it as DP-SGD's runner-up (or the reverse)."""
+    from corrflow.planning.candidates import _same_mechanism
+
+    _, closed = plans
+    for dp in (c for c in closed.candidates if c.kind == "dpsgd"):
+        twins = [
+            c
+            for c in closed.candidates
+            if c.kind == "toeplitz"
+            and c.bands == 1
+            and (c.min_sep, c.accountant) == (dp.min_sep, dp.accountant)
+        ]
+        for t in twins:
+            assert _same_mechanism(t, dp) and t.score == pytest.approx(dp.score, rel=1e-9)
+    assert any(c.kind == "toeplitz" and c.bands == 1 for c in closed.candidates)
+    s = score_summary(closed)
+    best = closed.recommended
+    runner = next(c for c in closed.candidates if c.label() == s["runner_up"]["candidate"])
+    assert not _same_mechanism(runner, best)
+
+
+@pytest.mark.parametrize("cmd", ["plan", "compare"])
+def test_cli_refuses_an_unstable_kappa(tmp_path, cmd):
+    if cmd == "plan":
+        r = _plan(tmp_path, "--kappa", "5")
+    else:
+        r = subprocess.run(
+            [sys.executable, "-m", "corrflow.server.cli", "compare", "--preset", "tiny"]
+            + ["--kappa", "5", "--out", str(tmp_path / "cmp")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert not (tmp_path / "cmp").exists()
+    limit = "κ < 3 = 2(1 + momentum 0.5)" if cmd == "plan" else "κ < 3.8 = 2(1 + momentum 0.9)"
+    assert r.returncode == 2 and "--kappa" in r.stderr and limit in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

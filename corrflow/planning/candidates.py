@@ -48,7 +48,12 @@ from corrflow.participation.samplers import BMinSepSampler, clamp_probability
 from corrflow.planning.cache import PlanCache
 from corrflow.planning.recipe import Recipe
 from corrflow.planning.run import workload_for
-from corrflow.planning.score import Damping, closed_loop_error, closed_loop_response
+from corrflow.planning.score import (
+    Damping,
+    check_kappa,
+    closed_loop_error,
+    closed_loop_response,
+)
 from corrflow.progress import Progress
 
 #: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
@@ -169,6 +174,8 @@ class PlanRequest:
             bad or self.accountants,
         )
         require(0 <= self.momentum < 1, "momentum", "a number in [0, 1)", self.momentum)
+        if self.damping is not None:
+            check_kappa(self.damping, self.workload, self.rounds)
         require(
             self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
             "time-budget",
@@ -820,10 +827,19 @@ RMSE_ASSUMES = (
 )
 
 
+def _mechanism(c: Candidate) -> tuple:
+    """What noise a candidate adds, whatever bounds it: a one-band encoder is the identity, so
+    every kind with one band is DP-SGD's mechanism; else the kind and its bands; and the sampler's
+    separation."""
+    if c.kind == "dpsgd" or c.bands == 1:
+        return ("dpsgd", None, c.min_sep)
+    return (c.kind, c.bands, c.min_sep)
+
+
 def _same_mechanism(a: Candidate, b: Candidate) -> bool:
-    """The same mechanism under another accountant: kind, bands and sampler separation (at the
-    same b the accountants differ only in how tightly they bound the same noise)."""
-    return (a.kind, a.bands, a.min_sep) == (b.kind, b.bands, b.min_sep)
+    """The same mechanism under another accountant (at the same b the accountants differ only in
+    how tightly they bound the same noise), or under another name (`_mechanism`)."""
+    return _mechanism(a) == _mechanism(b)
 
 
 def score_summary(result: PlanResult, top: int = 5) -> dict:
@@ -837,7 +853,7 @@ def score_summary(result: PlanResult, top: int = 5) -> dict:
         result: the plan.
         top: how many candidates of the plain-RMSE ranking to list.
 
-    Returns: ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes",
+    Returns: ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes", "warnings",
     "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score over
     the pick's, minus 1).
     """
@@ -875,6 +891,7 @@ def score_summary(result: PlanResult, top: int = 5) -> dict:
         "kappa_described": damping.describe() if closed else None,
         "kappa_details": damping.details if closed else None,
         "assumes": list(CLOSED_LOOP_ASSUMES if closed else RMSE_ASSUMES),
+        "warnings": damping.warnings() if closed else [],
         "recommended": entry(best),
         "runner_up": entry(runner),
         "margin": None
@@ -992,6 +1009,7 @@ def _recipe_score(result: PlanResult) -> dict:
         "kappa_inputs": None
         if damping is None
         else {k: v for k, v in damping.details.items() if k != "probes"},
+        "warnings": [] if damping is None else damping.warnings(),
         "closed_loop_error": best.closed_loop_error,
         "rmse_rank": best.rmse_rank,
     }

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from corrflow.errors import require
+from corrflow.errors import InvalidArgumentError, require
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.encoders import DENSE_LIMIT
 from corrflow.factorization.workloads import Workload
@@ -96,9 +96,85 @@ class Damping:
             "--proxy-data measures yours, --kappa declares it)"
         )
 
+    def warnings(self) -> list[str]:
+        """Returns: what makes a measured κ a weak basis for the ranking (empty when nothing
+        does): κ ≥ `OVERSHOOT_KAPPA`, or per-round values along the proxy run more than
+        `SPREAD_FACTOR` apart."""
+        if self.source != "proxy":
+            return []
+        out = []
+        if self.kappa >= OVERSHOOT_KAPPA:
+            out.append(
+                f"κ = {self.kappa:.3g} ≥ {OVERSHOOT_KAPPA:g}: on the proxy data one round pulls "
+                "the model back by more than its distance from the optimum (the loop overshoots), "
+                "where the score's one-quadratic model of training fits poorly; a small proxy (a "
+                "few users' text) overfits and measures a large κ — use a proxy the size of a "
+                "cohort or more, or declare --kappa"
+            )
+        per_round = [v for v in self.details.get("kappa_per_round", {}).values() if v > 0]
+        if per_round and max(per_round) > SPREAD_FACTOR * min(per_round):
+            out.append(
+                f"κ changes along the proxy run ({min(per_round):.3g} to {max(per_round):.3g} "
+                f"over the probed rounds, more than {SPREAD_FACTOR:g}× apart): one κ describes "
+                "this task poorly, and neighbouring candidates may swap"
+            )
+        return out
+
     def to_dict(self) -> dict:
         """Returns: the fields as a JSON-serialisable dict."""
         return asdict(self)
+
+
+#: A measured κ at or above this makes the plan say the score's linear model is a poor fit: the
+# proxy's loss pulls the model back by more than its own distance in one round (an over-damped,
+# overshooting loop the one-quadratic model of training describes badly).
+OVERSHOOT_KAPPA = 1.0
+#: A measured κ whose per-round values along the proxy run differ by more than this factor makes
+# the plan say κ is not one number for this task.
+SPREAD_FACTOR = 2.0
+
+
+def stable_kappa_limit(workload: Workload, n: int) -> float:
+    """The κ at and above which training's linear feedback diverges: heavy-ball momentum on a
+    quadratic, x ← x + η_t·m, m ← β·m − κ·x (+ noise), is stable iff 0 ≤ η_t·κ < 2(1 + β) (the
+    2×2 transition's spectral radius < 1; Polyak 1964), so κ < 2(1 + β) / max_t η_t.
+
+    Args:
+        workload: the server optimizer (momentum β, learning-rate multipliers η).
+        n: rounds.
+
+    Returns: 2(1 + β) / max η, the supremum of the κ `closed_loop_response` can score.
+    """
+    return 2.0 * (1.0 + workload.momentum) / float(np.max(workload.learning_rates(n)))
+
+
+def check_kappa(damping: Damping, workload: Workload, n: int) -> None:
+    """Refuse a κ at which the closed loop diverges (`stable_kappa_limit`): every candidate's score
+    would grow without bound and their order would say nothing.
+
+    Raises:
+        InvalidArgumentError: naming ``kappa`` for a declared κ, ``proxy-data`` for a measured one.
+    """
+    limit = stable_kappa_limit(workload, n)
+    if damping.kappa < limit:
+        return
+    bound = (
+        f"κ < {limit:.3g} = 2(1 + momentum {workload.momentum:g}) / max learning-rate multiplier "
+        f"{float(np.max(workload.learning_rates(n))):g}"
+    )
+    if damping.source == "proxy":
+        raise InvalidArgumentError(
+            "proxy-data",
+            f"public proxy data on which non-private training is stable: {bound} (above it, "
+            "training's feedback diverges and the score ranks nothing); check the proxy data and "
+            "its vocabulary, or declare --kappa",
+            f"κ = {damping.kappa:g} measured on {damping.details.get('proxy', 'the proxy data')}",
+        )
+    raise InvalidArgumentError(
+        "kappa",
+        f"{bound} (at or above it, training's feedback diverges and the score ranks nothing)",
+        damping.kappa,
+    )
 
 
 def closed_loop_response(workload: Workload, n: int, kappa: float) -> np.ndarray:

@@ -669,6 +669,7 @@ def _why_lines(score: dict) -> list[str]:
         )
     lines = [why]
     lines += [f"assumes        {a}" for a in score["assumes"]]
+    lines += [f"WARNING        {w}" for w in score.get("warnings") or ()]
     if score["kappa"] is not None:
         lines.append(
             "plain RMSE     ranks "

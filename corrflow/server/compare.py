@@ -1011,6 +1011,7 @@ def table(result: dict) -> str:
                 else ""
             )
         )
+        rows += [f"  WARNING: {w}" for w in score.get("warnings") or ()]
         rows.append(
             f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "
             f"{'accuracy':>9} "

@@ -37,6 +37,8 @@ _FLAGS = {
     "rounds": "--rounds",
     "data-path": "--data",
     "vocab-path": "--vocab",
+    "kappa": "--kappa",
+    "proxy-data": "--proxy-data",
 }
 
 
@@ -139,11 +141,13 @@ def compare_command(
     run moved aside); other settings are refused, naming what differs. --target-epsilon E is
     --epsilons E."""
     from corrflow.clients.tasks import training_defaults
+    from corrflow.planning.score import Damping
     from corrflow.server.compare import (
         PRESETS,
         compare,
         json_summary,
         parse_epsilons,
+        plan_request,
         settings_differences,
         stderr_progress,
         table,
@@ -243,6 +247,8 @@ def compare_command(
             client is not None and client != PRESETS[preset].client
         ):  # that client's optimizer settings
             chosen = with_overrides(chosen, **training_defaults(client))
+        if kappa is not None:  # a κ the preset's optimizer converges at, before any write
+            plan_request(chosen, chosen.epsilon, damping=Damping(kappa, "declared"))
         settings = {
             "preset": asdict(chosen),
             "kinds": kind_list,
