@@ -61,3 +61,19 @@ def test_compare_interrupted_then_resumed(tmp_path):
     assert rep.returncode == 0, rep.stderr
     assert "privacy     ε = " in rep.stdout and "40 completed" in rep.stdout
     assert (run / "run.png").stat().st_size > 0
+
+    # a kept result that ran another recipe (say, an older planner's pick) is not kept: the arm
+    # retrains and the old result is set aside, never mixed into the comparison
+    plan_result = out / "eps8" / "runs" / "plan-seed0" / "arm_result.json"
+    old = json.loads(plan_result.read_text())
+    plan_result.write_text(json.dumps({**old, "noise_multiplier": old["noise_multiplier"] * 2}))
+    third = subprocess.run(
+        [*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert third.returncode == 0, third.stderr
+    assert "plan, seed 0, ε = 8: its kept result ran another configuration (noise_multiplier" in (
+        third.stderr
+    )
+    assert "kept seed 0 ε = 8 toeplitz " in third.stderr and "arm 5 of 5" in third.stderr
+    assert json.loads(plan_result.read_text())["noise_multiplier"] == old["noise_multiplier"]
+    assert len(list(plan_result.parent.glob("arm_result.json.stale-*"))) == 1

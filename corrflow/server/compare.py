@@ -549,6 +549,27 @@ def run_arm(
     return result
 
 
+def stale_result(res: dict, preset: Preset, arm: Arm, seed: int, out: Path) -> list[str]:
+    """What a kept arm result ran that the arm, as planned now, would not: its sampling
+    (participation, separation b), target ε, and for a planned recipe its σ and bands — say a
+    newer planner recommends another recipe for the same comparison. Empty: the result is the
+    arm's."""
+    cfg = arm_config(preset, arm, seed, out)
+    want = {
+        "participation": cfg.participation,
+        "min_sep": cfg.b,
+        "target_epsilon": arm.settings.get("target_epsilon"),
+    }
+    if arm.recipe is not None:
+        recipe, _ = load_recipe(arm.recipe)
+        want.update(noise_multiplier=recipe.noise_multiplier, bands=recipe.bands)
+    return [
+        f"{key} {res.get(key)!r} (now {value!r})"
+        for key, value in want.items()
+        if res.get(key) != value
+    ]
+
+
 def gap_closed(value: float | None, dpsgd: float | None, nonprivate: float | None) -> float | None:
     """(arm − DP-SGD) / (non-private − DP-SGD): 1 when the arm matches non-private training, 0 when
     it is no better than DP-SGD; null when the two reference arms tie (no gap to close) or a value
@@ -691,7 +712,19 @@ def compare(
         kept = (run_dir / ARM_RESULT).exists()
         if kept:  # finished by an earlier, interrupted try of the same comparison
             res = json.loads((run_dir / ARM_RESULT).read_text())
-        else:
+            stale = stale_result(res, preset, arm, seed, run_dir)
+            if stale:  # the arm is planned otherwise now: its old result is set aside, not kept
+                kept = False
+                aside = run_dir / f"{ARM_RESULT}.stale-{time.strftime('%Y%m%dT%H%M%S')}"
+                (run_dir / ARM_RESULT).rename(aside)
+                if progress is not None:
+                    progress(
+                        f"{arm.name}, seed {seed}"
+                        + ("" if eps is None else f", ε = {eps:g}")
+                        + f": its kept result ran another configuration ({'; '.join(stale)}); "
+                        f"retrained (the old result is {aside.name})"
+                    )
+        if not kept:
             left = len(jobs) - i + 1
             eta = f", ~{_duration(trained_seconds / trained * left)} left" if trained else ""
             if progress is not None:

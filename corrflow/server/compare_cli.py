@@ -137,8 +137,9 @@ def compare_command(
     arms at the same (ε, δ), for each ε of a sweep, and compare held-out accuracy. Exit 1 when an
     arm's run did not verify its ε at the target δ or stopped before its planned rounds (the table
     says which and why), 2 bad arguments, 130 interrupted. Rerunning the same command continues an
-    interrupted comparison: finished arms are kept, unfinished ones restart afresh (their earlier
-    run moved aside); other settings are refused, naming what differs. --target-epsilon E is
+    interrupted comparison: finished arms are kept (unless the arm is now planned otherwise: then
+    it retrains, its old result set aside), unfinished ones restart afresh (their earlier run moved
+    aside); other settings are refused, naming what differs. --target-epsilon E is
     --epsilons E."""
     from corrflow.clients.tasks import training_defaults
     from corrflow.planning.score import Damping
