@@ -26,9 +26,14 @@ means of rounds 2–9 and of the last 8 rounds, and the peak RSS — issue 34's 
 ``python benchmarks/scale.py simulate --backend inprocess --users 100000 --rounds 40 --epochs 1
 --noise-multiplier 1 --out OUT``.
 
+``python benchmarks/scale.py engines [--users 20000] [--rounds 20]`` runs the same ``corrflow
+simulate`` (cohort = users / rounds, k = 1) on the in-process grid and on Flower's Ray engine and
+prints each one's wall clock and process-tree CPU per round and Ray's overhead over in-process.
+
 Usage: python benchmarks/scale.py [--mode fixed-epoch|bminsep] [--rounds 2052] [--users 342477]
        [--cohort 1000] [--params 100000] [--noise-multiplier 1.0]
        python benchmarks/scale.py simulate ARGS…
+       python benchmarks/scale.py engines [--users 20000] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -310,10 +317,89 @@ def simulate(argv: list[str]) -> dict:
     }
 
 
+def _tree_cpu(root: int) -> float:
+    """CPU seconds (user + system, and those of reaped children) of ``root`` and every process
+    below it, read from /proc: Ray's GCS, raylet and workers are descendants of the driver."""
+    parents, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(proc.name)] = int(fields[1])
+        cpu[int(proc.name)] = sum(int(v) for v in fields[11:15]) / tick
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [p for p, pp in parents.items() if pp in frontier]
+        tree += frontier
+    return sum(cpu.get(p, 0.0) for p in tree)
+
+
+def engines(argv: list[str]) -> dict:
+    """Flower's Ray engine against the in-process grid on the same run (issue 34: 20,000 users,
+    cohort 1,000, 20 rounds): each backend runs ``corrflow simulate`` as a child process, and every
+    round's end (its progress line) is stamped with the wall clock and the CPU of the whole process
+    tree (the driver, and for Ray its GCS, raylet and workers). Per round: the median over rounds
+    2…R of each; the overhead is Ray's minus in-process's."""
+    ap = argparse.ArgumentParser(prog="scale.py engines")
+    ap.add_argument("--users", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--noise-multiplier", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    out = {"users": args.users, "rounds": args.rounds, "cohort": args.users // args.rounds}
+    for backend in ("inprocess", "flower"):
+        tmp = Path(tempfile.mkdtemp(prefix=f"corrflow-bench-engines-{backend}-"))
+        cmd = [
+            sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", backend,
+            "--users", str(args.users), "--rounds", str(args.rounds), "--epochs", "1",
+            "--noise-multiplier", str(args.noise_multiplier), "--out", str(tmp / "run"),
+        ]  # fmt: skip
+        env = {**os.environ, "CORRFLOW_HOME": str(tmp / "home")}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        stamps, tail = [], []
+        for line in proc.stdout:
+            tail = (tail + [line])[-20:]
+            if line.startswith("round ") and "/" in line.split()[1]:
+                stamps.append((time.perf_counter() - t0, _tree_cpu(proc.pid)))
+        code = proc.wait()
+        wall = time.perf_counter() - t0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if code != 0 or len(stamps) != args.rounds:
+            raise SystemExit(f"{backend}: exit {code}, {len(stamps)} rounds\n{''.join(tail)}")
+        walls = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]
+        cpus = [b[1] - a[1] for a, b in zip(stamps, stamps[1:], strict=False)]
+        out[backend] = {
+            "wall_s_per_round_median": statistics.median(walls),
+            "cpu_s_per_round_median": statistics.median(cpus),
+            "until_round_1_wall_s": stamps[0][0],
+            "until_round_1_cpu_s": stamps[0][1],
+            "total_wall_s": wall,
+        }
+    ip, ray = out["inprocess"], out["flower"]
+    out["ray_overhead_per_round"] = {
+        "wall_s": ray["wall_s_per_round_median"] - ip["wall_s_per_round_median"],
+        "cpu_s": ray["cpu_s_per_round_median"] - ip["cpu_s_per_round_median"],
+        "wall_ratio": ray["wall_s_per_round_median"] / ip["wall_s_per_round_median"],
+        "cpu_ratio": ray["cpu_s_per_round_median"] / ip["cpu_s_per_round_median"],
+        "cpu_s_per_client": (ray["cpu_s_per_round_median"] - ip["cpu_s_per_round_median"])
+        / out["cohort"],
+    }
+    return out
+
+
 def main() -> None:
     if sys.argv[1:2] == ["simulate"]:
         result = simulate(sys.argv[2:])
         print(json.dumps(result, indent=1))
+        return
+    if sys.argv[1:2] == ["engines"]:
+        print(json.dumps(engines(sys.argv[2:]), indent=1))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=("fixed-epoch", "bminsep"), default="fixed-epoch")
