@@ -51,7 +51,7 @@ from corrflow.server.compare import (
     table,
     with_overrides,
 )
-from corrflow.server.simulation import quiet_native_logs
+from corrflow.server.simulation import RunInterruptedError, quiet_native_logs
 
 #: The full sweep per preset (smaller ones are ``reduced``): quick's five ε over 3 seeds; large's
 #: ε ∈ {2, 8} over 2 seeds (issue 34: about an hour of CPU on today's per-round cost).
@@ -172,14 +172,22 @@ def main() -> None:
         PRESETS[args.preset], seeds=args.seeds or full["seeds"], rounds=args.rounds
     )
     root = Path(args.out or tempfile.mkdtemp(prefix="corrflow-utility-"))
-    res = compare(
-        preset,
-        [k for k in args.kinds.split(",") if k],
-        root,
-        progress=stderr_progress,
-        epsilons=epsilons,
-        amplified=args.amplified,
-    )
+    try:
+        res = compare(
+            preset,
+            [k for k in args.kinds.split(",") if k],
+            root,
+            progress=stderr_progress,
+            epsilons=epsilons,
+            amplified=args.amplified,
+        )
+    except (RunInterruptedError, KeyboardInterrupt):
+        print(
+            f"interrupted: the finished arms are kept in {root}; rerun with --out {root} to "
+            "continue (unfinished arms restart afresh)",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     print(table(res), file=sys.stderr, flush=True)
     reduced = (
         epsilons != full["epsilons"]
