@@ -348,14 +348,26 @@ def engines(argv: list[str]) -> dict:
     ap.add_argument("--users", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--noise-multiplier", type=float, default=1.0)
+    ap.add_argument(
+        "--identity",
+        default="per-launch",
+        help="the identity source (default per-launch: no setup probe of every node; on Ray the "
+        "partition-id probe sends one message per user through the engine before round 1)",
+    )
     args = ap.parse_args(argv)
-    out = {"users": args.users, "rounds": args.rounds, "cohort": args.users // args.rounds}
+    out = {
+        "users": args.users,
+        "rounds": args.rounds,
+        "cohort": args.users // args.rounds,
+        "identity": args.identity,
+    }
     for backend in ("inprocess", "flower"):
         tmp = Path(tempfile.mkdtemp(prefix=f"corrflow-bench-engines-{backend}-"))
         cmd = [
             sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", backend,
             "--users", str(args.users), "--rounds", str(args.rounds), "--epochs", "1",
             "--noise-multiplier", str(args.noise_multiplier), "--out", str(tmp / "run"),
+            "--identity", args.identity,
         ]  # fmt: skip
         env = {**os.environ, "CORRFLOW_HOME": str(tmp / "home")}
         t0 = time.perf_counter()
