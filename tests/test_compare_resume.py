@@ -75,5 +75,7 @@ def test_compare_interrupted_then_resumed(tmp_path):
         third.stderr
     )
     assert "kept seed 0 ε = 8 toeplitz " in third.stderr and "arm 5 of 5" in third.stderr
+    assert "kept seed 0 ε = 8 dpsgd-poisson " in third.stderr  # a recipe arm planned the same
+    assert third.stderr.count("ran another configuration") == 1
     assert json.loads(plan_result.read_text())["noise_multiplier"] == old["noise_multiplier"]
     assert len(list(plan_result.parent.glob("arm_result.json.stale-*"))) == 1

@@ -562,7 +562,9 @@ def stale_result(res: dict, preset: Preset, arm: Arm, seed: int, out: Path) -> l
     }
     if arm.recipe is not None:
         recipe, _ = load_recipe(arm.recipe)
-        want.update(noise_multiplier=recipe.noise_multiplier, bands=recipe.bands)
+        want["noise_multiplier"] = recipe.noise_multiplier
+        if recipe.bands is not None:  # a kind without bands (DP-SGD, dense) reports its own count
+            want["bands"] = recipe.bands
     return [
         f"{key} {res.get(key)!r} (now {value!r})"
         for key, value in want.items()
