@@ -485,3 +485,27 @@ def test_a_restored_or_copied_run_directory_is_refused_by_the_release_registry(t
         ],
     )
     assert r.exit_code == 1 and "release_registry.sqlite" in r.output, r.output
+
+
+def test_flower_engine_at_scale_is_warned_of_its_cost(tmp_path, caplog, monkeypatch):
+    """From FLOWER_ENGINE_WARN_USERS users on, a run on Flower's simulation engine says on screen
+    that the engine's cost grows with population × cohort and names the in-process backend
+    (measured in docs/reference/benchmarks.md); a smaller one is not warned."""
+    import flwr.simulation
+
+    from corrflow.server import simulation
+
+    class EngineStartedError(Exception):
+        pass
+
+    def engine(**kwargs):
+        raise EngineStartedError(kwargs["num_supernodes"])
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", engine)
+    for users, warned in ((simulation.FLOWER_ENGINE_WARN_USERS, True), (12, False)):
+        caplog.clear()
+        cfg = _cfg(tmp_path / str(users), num_users=users, num_rounds=10, epochs=1)
+        with caplog.at_level(logging.WARNING, logger="corrflow"), pytest.raises(EngineStartedError):
+            simulation.simulate(cfg, backend="flower", quiet=True, verbose=False)
+        text = caplog.text
+        assert ("population × cohort" in text and "--backend inprocess" in text) == warned

@@ -191,8 +191,23 @@ def new_files_undo(out: Path):
     return undo
 
 
+#: From this population on, a run on Flower's simulation engine is warned of its cost (below).
+FLOWER_ENGINE_WARN_USERS = 5_000
+
+
 def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     verbose = kwargs.pop("verbose")
+    if backend != "inprocess" and cfg.num_users >= FLOWER_ENGINE_WARN_USERS:
+        # flwr 1.41/1.42: vce_api.add_messages_to_queue asks InMemoryLinkState.get_message_ins for
+        # every node in turn, and each call checks every stored message
+        log.warning(
+            "corrflow: Flower's simulation engine checks every pending message for every node on "
+            "each delivery sweep, so its cost grows with population × cohort: at 20,000 users and "
+            "cohort 1,000 about 35 CPU-s per round in the engine (1.4 s in process), and the "
+            "identity probe before round 1 (one message per user) did not finish within "
+            "node-timeout 600 s (docs/reference/benchmarks.md). --backend inprocess runs the same "
+            "strategy and clients without it"
+        )
 
     task = task_for(cfg)
     handlers, client_app = task.handlers, task.client_app
