@@ -168,6 +168,7 @@ def test_plan_prints_why_and_records_the_score(tmp_path):
     assert "κ = 0.1, ASSUMED" in out
     rec = next(line for line in out.splitlines() if line.startswith("why"))
     assert ": closed-loop final error" in rec and "runner-up" in rec
+    assert rec.count(" at b = ") == 2  # the pick's and the runner-up's sampler separation
     assert out.count("assumes        ") == 3 and "plain RMSE     ranks 1." in out
     recipe = json.loads((tmp_path / "plan" / "recipe.json").read_text())
     assert recipe["score"]["kappa"] == 0.1 and recipe["score"]["kappa_source"] == "default"

@@ -866,6 +866,7 @@ def score_summary(result: PlanResult, top: int = 5) -> dict:
             return None
         return {
             "candidate": c.label(),
+            "min_sep": c.min_sep,
             "score": c.score,
             "rank": c.rank,
             "rmse": c.rmse,

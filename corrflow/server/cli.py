@@ -515,6 +515,12 @@ def plan(
         cfg = config_from_cli(settings)
         if kappa is not None:
             Damping(kappa, "declared")  # refuses a negative or non-finite κ, naming --kappa
+        if proxy_data is not None and cfg.client not in ("nextword", "keras"):
+            raise InvalidArgumentError(
+                "--client",
+                "a client that trains on text files (nextword or keras) with --proxy-data",
+                cfg.client,
+            )
         if proxy_data is not None and not proxy_data.is_file():
             raise InvalidArgumentError(
                 "--proxy-data",
@@ -659,12 +665,16 @@ def _why_lines(score: dict) -> list[str]:
     """Why the recommendation wins: its score against the runner-up's, what the score assumes, and
     the plain-RMSE ranking beside it."""
     best, runner = score["recommended"], score["runner_up"]
+
+    def named(e: dict) -> str:  # the sampler's separation tells two same-kind candidates apart
+        return f"{e['candidate']} at b = {e['min_sep']}"
+
     if runner is None:
-        why = f"why            {best['candidate']} is the only mechanism within the budgets"
+        why = f"why            {named(best)} is the only mechanism within the budgets"
     else:
         why = (
-            f"why            {best['candidate']}: {score['name']} {best['score']:.4g} against the "
-            f"runner-up {runner['candidate']}'s {runner['score']:.4g} ({score['margin']:.1%} more "
+            f"why            {named(best)}: {score['name']} {best['score']:.4g} against the "
+            f"runner-up {named(runner)}'s {runner['score']:.4g} ({score['margin']:.1%} more "
             "noise in the final model)"
         )
     lines = [why]

@@ -1079,8 +1079,8 @@ def table(result: dict) -> str:
         "learn); learned: seeds whose final held-out loss is below the initial model's; gap "
         "closed: of "
         "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the "
-        "planner's score of "
-        "the arm's mechanism at its σ (per unit clip norm and coordinate)."
+        "workload's RMSE under the arm's mechanism at its σ (per unit clip norm and coordinate; "
+        "the planner ranks by the closed-loop error of the final model, above)."
     )
     for s in result["skipped"]:
         rows.append(f"skipped {s['arm']} at ε = {s['epsilon']:g}: {s['reason']}")
