@@ -1,4 +1,4 @@
-"""Server CPU per round at StackOverflow's scale (issue 34): 342,477 users, cohort 1,000, 2,052
+"""Server CPU per round at StackOverflow's scale: 342,477 users, cohort 1,000, 2,052
 rounds, k = 6 participations at separation b = 342 (000 §5.3 and App. F; 001) — fixed-epoch, and the
 b-min-sep sampler (004 Alg. 2) at the same expected cohort — in process, with a client that returns
 precomputed updates of a d-parameter model (a pool of 8, the model sent added: a full-weight reply
@@ -22,7 +22,7 @@ server CPU ≤ 45 minutes per sampling mode (2 cores).
 
 ``python benchmarks/scale.py simulate ARGS…`` runs ``corrflow simulate ARGS…`` in this process and
 prints the process CPU of each round (between two rounds' ends: server and in-process clients), the
-means of rounds 2–9 and of the last 8 rounds, and the peak RSS — issue 34's check at 100,000 users:
+means of rounds 2–9 and of the last 8 rounds, and the peak RSS — the check at 100,000 users:
 ``python benchmarks/scale.py simulate --backend inprocess --users 100000 --rounds 40 --epochs 1
 --noise-multiplier 1 --out OUT``.
 
@@ -342,7 +342,7 @@ def _tree_cpu(root: int) -> float:
 
 
 def engines(argv: list[str]) -> dict:
-    """Flower's Ray engine against the in-process grid on the same run (issue 34: 20,000 users,
+    """Flower's Ray engine against the in-process grid on the same run (20,000 users,
     cohort 1,000, 20 rounds): each backend runs ``corrflow simulate`` as a child process, and every
     round's end (its progress line) is stamped with the wall clock and the CPU of the whole process
     tree (the driver, and for Ray its GCS, raylet and workers). Per round: the median over rounds
