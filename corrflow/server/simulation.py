@@ -203,10 +203,10 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
         log.warning(
             "corrflow: Flower's simulation engine checks every pending message for every node on "
             "each delivery sweep, so its cost grows with population × cohort: at 20,000 users and "
-            "cohort 1,000 about 35 CPU-s per round in the engine (1.4 s in process), and the "
-            "identity probe before round 1 (one message per user) did not finish within "
-            "node-timeout 600 s (docs/reference/benchmarks.md). --backend inprocess runs the same "
-            "strategy and clients without it"
+            "cohort 1,000 about 53 CPU-s per round (0.6 s in process), and the identity probe "
+            "before round 1 (one message per user) did not finish within node-timeout 600 s "
+            "(docs/reference/benchmarks.md). --backend inprocess runs the same strategy and "
+            "clients without it"
         )
 
     task = task_for(cfg)
