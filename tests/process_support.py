@@ -4,6 +4,7 @@ process started and stop all of it by pid, so no test leaves processes behind.""
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -36,3 +37,15 @@ def stop_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now (bound, read and released: a SuperLink or Ray head
+    started next can take them)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

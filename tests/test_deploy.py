@@ -22,7 +22,7 @@ import dp_accounting
 import numpy as np
 import pytest
 from flwr.cli.supernode.register import try_load_public_key
-from process_support import stop_tree
+from process_support import free_ports, stop_tree
 
 from corrflow.accounting.report import hash_user_id
 from corrflow.factorization import Factorization
@@ -337,18 +337,6 @@ def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_
         assert (own / "vocab.txt").read_bytes() == (data / "vocab.txt").read_bytes()
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
     import socket
     import time
@@ -395,7 +383,7 @@ def ray_cluster():
     temp = Path(
         tempfile.mkdtemp(prefix="rc", dir="/tmp")
     )  # short: Ray's unix sockets live below it
-    head_port, *ports = _free_ports(8)
+    head_port, *ports = free_ports(8)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     common = [
@@ -515,7 +503,7 @@ def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
     """`flwr run` reaches an existing cluster only through the simulation SuperLink's RAY_ADDRESS
     environment."""
     address, temp = ray_cluster
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     home, cli, out = temp / "superlink-home", temp / "cli-home", temp / "flwr-run"
     cli.mkdir()
     (cli / "config.toml").write_text(

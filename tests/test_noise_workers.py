@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from process_support import stop_tree
+from process_support import free_ports, stop_tree
 
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
@@ -33,16 +32,6 @@ KEY = bytes(range(16))
 BIN = Path(sys.executable).parent
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def ray_address():
     """One Ray head for the module (``ray start --head --block`` in its own session, on loopback,
@@ -50,7 +39,7 @@ def ray_address():
     it; stopped by pid at the end."""
     ray = pytest.importorskip("ray")
     temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's unix sockets live here
-    port, *ports = _free_ports(5)
+    port, *ports = free_ports(5)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
