@@ -1,4 +1,4 @@
-"""Calibration and planning timings (issue 24): the PLD grid search that σ calibration used to be
+"""Calibration and planning timings: the PLD grid search that σ calibration used to be
 against what corrflow does now, measured in the same run, plus plan cold/warm and the README demo's
 accounting share.
 

@@ -1,5 +1,5 @@
 """Start-up cost of the CLI: wall time of `corrflow --help`, an argument error, `factorize` and
-`account` on a small problem (median of --repeat runs, fresh interpreters). Targets (issue 13, 2
+`account` on a small problem (median of --repeat runs, fresh interpreters). Targets (2
 cores): --help and argument errors < 1 s, factorize < 1.5 s, account < 2.5 s (dp-accounting alone
 imports in about 1.1 s).
 

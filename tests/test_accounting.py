@@ -232,7 +232,7 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, seed=1)
     unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
     acc = res["accountant"]
-    # The pair printed is verified at the target δ (issue 21): EVR's failure budget is inside it.
+    # The pair printed is verified at the target δ: EVR's failure budget is inside it.
     assert acc["verification_passed"] and res["delta"] == 1e-3 and res["guarantee"] is True
     assert acc["selected"] == "monte-carlo" and {b["accountant"] for b in acc["bounds"]} == {
         "monte-carlo",
@@ -550,9 +550,9 @@ def _forward_llr(y, C, sigma, b, p, warm):
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
-    # Issue 11 item 4: a Toeplitz encoder's band layout repeats θ past row n; with bands close to n
-    # the late columns' squared norms must count only the rows that exist (0.125 rather than 0.238
-    # in the issue's case).
+    # A Toeplitz encoder's band layout repeats θ past row n; with bands close to n the late
+    # columns' squared norms must count only the rows that exist (0.125 rather than 0.238 for the
+    # 5-band encoder over 7 rounds below).
     from corrflow.factorization.encoders import ToeplitzEncoder
 
     n, b, p, sigma = 7, 5, 0.3, 0.9
@@ -568,8 +568,7 @@ def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
     )
 
 
-# --- exact Gaussian curve (Balle & Wang 2018, arXiv 1805.06530) and few-probe calibration (issue
-# 24) -----------
+# --- exact Gaussian curve (Balle & Wang 2018, arXiv 1805.06530) and few-probe calibration ---
 
 
 def _mp_delta(eps, mu):

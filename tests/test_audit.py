@@ -276,7 +276,7 @@ def test_cli_audit_proves_omitted_noise(tmp_path, monkeypatch):
 
 
 def test_cli_audit_suspect_exits_5_and_names_the_ceiling(tmp_path, monkeypatch):
-    """Issue 33: zero noise at a claim of ε = 8 — above what 200 canaries can ever prove (ε_lo ≤
+    """Zero noise at a claim of ε = 8 — above what 200 canaries can ever prove (ε_lo ≤
     3.80) — is SUSPECT, and a pipeline sees it in the exit code; the note says no count helps."""
     _break(monkeypatch, "zeros")
     code, res, output = _cli(tmp_path, "suspect", epsilon="8")
@@ -389,7 +389,7 @@ def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
 
 def test_candidates_for_ceiling_lifts_the_ceiling_above_the_claim():
     """The count returned is the first grid point whose ceiling exceeds the claim; at δ = 1e-5 the
-    ceiling peaks below 8 (issue 33: 200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
+    ceiling peaks below 8 (200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
     from corrflow.accounting.audit import candidates_for_ceiling, lower_bound_ceiling
 
     assert abs(lower_bound_ceiling(200, delta=1e-5) - 3.80) < 0.01

@@ -1,5 +1,6 @@
-"""Every bad input of issue 33 is refused before anything runs: exit 2, the flag or file named, no
-traceback, nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
+"""Every bad input below (malformed data, vocabulary and attribution files, out-of-range numbers,
+unwritable outputs) is refused before anything runs: exit 2, the flag or file named, no traceback,
+nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
 
 import sqlite3
 from pathlib import Path

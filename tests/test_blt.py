@@ -155,7 +155,7 @@ def test_optimizer_reaches_the_peer_optima():
     np.testing.assert_allclose(
         [res.buf_decay[0], res.output_scale[0]], [0.864853933, 0.520967209], rtol=1e-5
     )
-    # Issue target: n = 1024, k = 4, b = 256, 2 buffers; the peer's 2-buffer BLT reaches total
+    # Target: n = 1024, k = 4, b = 256, 2 buffers; the peer's 2-buffer BLT reaches total
     # squared error 45,615 (its own loss evaluated on our optimum agrees to 1e-14: 45614.677891699).
     fac = factorize("blt", participation_for(1024, 4), buffers=2)
     s = fac.summary()

@@ -143,8 +143,7 @@ def test_early_return_accept_and_account(tmp_path, caplog):
     assert part["min_gap"] == 1
     assert part["max_participations"] == 3
     assert report["realized"]["accounting"].startswith("post-hoc")
-    # Issue 21 item 6: the post-hoc ε holds at the run's δ (one Gaussian, PLD), and the report says
-    # so.
+    # The post-hoc ε holds at the run's δ (one Gaussian, PLD), and the report says so.
     assert report["realized"]["delta"] == report["target_delta"] == report["delta"]
     assert report["realized"]["guarantee"] is True and report["guarantee"] is True
     eps = report["realized"]["epsilon"]

@@ -1,4 +1,4 @@
-"""Issue 21 item 3: every recipe `corrflow plan` recommends runs with `simulate --plan` — a small
+"""Every recipe `corrflow plan` recommends runs with `simulate --plan` — a small
 grid of settings with population/cohort = b exactly (the b-min-sep probability p = p0/(1 − p0(b −
 1)) is exactly 1 there), b = 1 and cohort = population, each recommended recipe run in-process to
 its end."""

@@ -51,7 +51,7 @@ def _last_json(res):
 
 
 def test_dp_vocab_cli_keeps_no_single_user_word(tmp_path):
-    """The issue's acceptance: `data vocab FILE --epsilon 1 --delta 1e-6 --size 10000 --out V` on a
+    """`data vocab FILE --epsilon 1 --delta 1e-6 --size 10000 --out V` on a
     file with planted single-user words writes none of them, keeps the words every user writes, and
     records how."""
     so = _planted_file(tmp_path / "so.sqlite")

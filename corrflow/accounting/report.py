@@ -13,7 +13,7 @@ from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-#: Version of privacy_report.json's layout. 2 (issue 34): the run's per-round record is an
+#: Version of privacy_report.json's layout. 2: the run's per-round record is an
 # append-only ledger log, and the report — complete, every user listed — is rewritten every
 # ``report_every`` rounds, at the last round and at every stop (1: after every round; no field).
 SCHEMA_VERSION = 2
@@ -133,7 +133,7 @@ def privacy_report(
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
         # The run's ε is the realised one; after post-hoc accounting (an override) it holds at the
-        # run's δ, whatever δ the plan's Monte Carlo verified (issue 21 item 6).
+        # run's δ, whatever δ the plan's Monte Carlo verified.
         verified = float(realized["delta"])
     return {
         "schema_version": SCHEMA_VERSION,

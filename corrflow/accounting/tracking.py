@@ -174,7 +174,7 @@ class RunPrivacy:
 class IncrementalSensitivity:
     """The realised sensitivity max_u sens(π_u) (000 Def. 1 on the realised patterns,
     `corrflow.accounting.posthoc.pattern_sensitivity`) kept from each round's cohort alone:
-    O(cohort · log) per round, never a pass over the population (issue 34).
+    O(cohort · log) per round, never a pass over the population.
 
     It holds, for every pattern π some user has now (sorted rounds with multiplicity), its
     sensitivity and how many users have it, and a max-heap of the patterns (stale entries are

@@ -3,7 +3,7 @@ computed with TensorFlow ops on the default device (a GPU when TensorFlow sees o
 
 Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk),
 so each (round, chunk) draw is a pure function of the secret key — deterministic for a key on a
-given device, but not bit-identical to the NumPy backend (the issue asks for the same distribution,
+given device, but not bit-identical to the NumPy backend (the promise is the same distribution,
 not the same bits).
 """
 

@@ -19,7 +19,7 @@ from corrflow.errors import IntegrityError
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-CACHE_FORMAT = 2  # 2: exact Gaussian and Brent-calibrated σ (issue 24)
+CACHE_FORMAT = 2  # 2: exact Gaussian curve and Brent-calibrated σ (1: PLD grid search)
 
 
 def default_cache_dir(out: Path | None) -> Path:

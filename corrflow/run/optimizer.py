@@ -54,8 +54,11 @@ class MomentumServerOptimizer:
 
 
 def check_workload_matches(workload: Workload, momentum: float, cooldown_fraction: float) -> None:
-    """Start-up check: the factorization's workload and the configured optimizer must agree (issue
-    5)."""
+    """Start-up check: the factorization's workload and the configured optimizer must agree.
+
+    A factorization optimized for one workload A (momentum, cooldown) is only optimal, and its
+    error figures only true, for that optimizer.
+    """
     require(
         abs(workload.momentum - momentum) < 1e-12
         and abs(workload.cooldown_fraction - cooldown_fraction) < 1e-12,
