@@ -80,16 +80,21 @@ GAUSSIAN_NAME = "analytic-gaussian"
 class SamplingSpec:
     """How the users of each round are chosen, as the accountants read it.
 
-    Attributes: kind: one of `SAMPLINGS` (``none``: deterministic participation, accounted
-    unamplified). dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
-    expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
-    ``none``). items_per_user: k_u, items a user may hold (multi-attribution only).
-    sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
-    accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of
-    every accountant that applies (`TightestAccountant`), for ``none`` the unamplified one.
+    Attributes:
+        kind: one of `SAMPLINGS` (``none``: deterministic participation, accounted unamplified).
+        dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
+        expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
+            ``none``).
+        items_per_user: k_u, items a user may hold (multi-attribution only).
+        sampling_probability: the sampler's Poisson probability p when known (else derived from
+            B/N).
+        accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest
+            of every accountant that applies (`TightestAccountant`), for ``none`` the unamplified
+            one.
 
-    Raises: InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error
-    names it).
+    Raises:
+        InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error names
+            it).
     """
 
     kind: str = "none"
@@ -153,15 +158,20 @@ class SamplingSpec:
 class AccountingOptions:
     """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own.
 
-    Attributes: mc_samples: Monte Carlo: the first batch per direction (None: what the target δ
-    needs). seed: the Monte Carlo seed. grid_ratio: Monte Carlo σ search: each candidate is the
-    previous one divided by this. max_candidates: Monte Carlo σ search: at most this many
-    candidates. verify_target: σ calibration (Monte Carlo): draw the samples per candidate the
-    target δ needs. max_samples: Monte Carlo: the sample budget per direction, all batches together.
-    time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
-    workers: Monte Carlo: sampler processes for ε (None: the CPU count).
-    mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256). delta_split: MMCC: the
-    share of δ spent on tail bounds. progress: progress lines on stderr for long runs.
+    Attributes:
+        mc_samples: Monte Carlo: the first batch per direction (None: what the target δ needs).
+        seed: the Monte Carlo seed.
+        grid_ratio: Monte Carlo σ search: each candidate is the previous one divided by this.
+        max_candidates: Monte Carlo σ search: at most this many candidates.
+        verify_target: σ calibration (Monte Carlo): draw the samples per candidate the target δ
+            needs.
+        max_samples: Monte Carlo: the sample budget per direction, all batches together.
+        time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None:
+            none).
+        workers: Monte Carlo: sampler processes for ε (None: the CPU count).
+        mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256).
+        delta_split: MMCC: the share of δ spent on tail bounds.
+        progress: progress lines on stderr for long runs.
     """
 
     mc_samples: int | None = (
@@ -207,9 +217,10 @@ class AccountingResult:
     def to_dict(self) -> dict:
         """The result in the privacy report's shape.
 
-        Returns: ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee",
-        "accountant": {"name", ... parameters, "slack", "delta", "guarantee"}}``, plus
-        ``target_epsilon`` when one was given.
+        Returns:
+            ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee", "accountant":
+            {"name", ... parameters, "slack", "delta", "guarantee"}}``, plus ``target_epsilon`` when
+            one was given.
         """
         out = {
             "epsilon": self.epsilon,
@@ -242,16 +253,19 @@ class Accountant(Protocol):
     ) -> AccountingResult:
         """ε at σ.
 
-        Args: fac: the factorization, normalised to sensitivity 1 under its participation.
-        noise_multiplier: σ (the noise's standard deviation per unit clip norm). delta: δ in (0, 1).
-        coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
-        searches and plots.
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            noise_multiplier: σ (the noise's standard deviation per unit clip norm).
+            delta: δ in (0, 1).
+            coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
+                searches and plots.
 
         Returns:
             The guaranteed (ε, δ) at σ and how it was obtained.
 
-        Raises: InvalidArgumentError: δ or σ out of range, or a factorization or sampling this
-        accountant cannot analyse.
+        Raises:
+            InvalidArgumentError: δ or σ out of range, or a factorization or sampling this
+                accountant cannot analyse.
         """
         ...
 
@@ -269,8 +283,9 @@ class Accountant(Protocol):
         Returns:
             The guaranteed (ε, δ) at the calibrated σ, with the target ε.
 
-        Raises: InvalidArgumentError: ε or δ out of range, or a factorization or sampling this
-        accountant cannot analyse.
+        Raises:
+            InvalidArgumentError: ε or δ out of range, or a factorization or sampling this
+                accountant cannot analyse.
         """
         ...
 
@@ -617,10 +632,11 @@ class MonteCarloEVRAccountant:
     004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv
     2602.09338.
 
-    Args: sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
-    `SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``,
-    ``workers`` and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target``
-    (σ).
+    Args:
+        sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
+            `SamplingSpec`.
+        options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``, ``workers`` and
+            ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
     """
 
     sampling: SamplingSpec
@@ -816,12 +832,14 @@ class MonteCarloEVRAccountant:
             noise_multiplier: σ.
             delta: the target δ in (0, 1).
 
-        Returns: The verified `AccountingResult`; when the sample budget was spent before a
-        verification passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point
-        estimate (never a released pair).
+        Returns:
+            The verified `AccountingResult`; when the sample budget was spent before a verification
+            passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point estimate (never
+            a released pair).
 
-        Raises: InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the
-        scheme cannot analyse.
+        Raises:
+            InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the
+                scheme cannot analyse.
         """
         check_delta(delta)
         check_sigma(noise_multiplier)
@@ -900,8 +918,9 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The `AccountingResult` (the fallback's carries the Monte Carlo attempt under
-        ``monte_carlo``).
+        Returns:
+            The `AccountingResult` (the fallback's carries the Monte Carlo attempt under
+            ``monte_carlo``).
         """
         res = self.verified_epsilon(fac, noise_multiplier, delta)
         if res.guarantee:
@@ -935,12 +954,14 @@ class MonteCarloEVRAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The `AccountingResult` at the last verified σ; the unamplified fallback σ
-        (named on stderr and in the result) when none passed, or when the samples per candidate
-        verify only a δ above the target.
+        Returns:
+            The `AccountingResult` at the last verified σ; the unamplified fallback σ (named on
+            stderr and in the result) when none passed, or when the samples per candidate verify
+            only a δ above the target.
 
-        Raises: InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out
-        of range.
+        Raises:
+            InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out of
+                range.
         """
         # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the
         # fallback (the unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without
@@ -1062,8 +1083,9 @@ def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
         fac: a banded factorization.
         delta: the target δ.
 
-    Returns: 2 directions × samples × n × 2^(bands−1), with the samples of the first verification at
-    ``delta``.
+    Returns:
+        2 directions × samples × n × 2^(bands−1), with the samples of the first verification at
+        ``delta``.
     """
     samples = 2 * first_verification_size(delta)
     return 2.0 * samples * fac.rounds * (1 << ((fac.bands or fac.rounds) - 1))
@@ -1161,8 +1183,9 @@ class TightestAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
-        ``skipped`` in its parameters.
+        Returns:
+            The selected `AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -1182,8 +1205,9 @@ class TightestAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
-        ``skipped`` in its parameters.
+        Returns:
+            The selected `AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -1275,12 +1299,14 @@ def _pick(
 def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
     """The accountant for a sampling description (module docstring).
 
-    Args: sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
-    tightest for an amplified sampling, unamplified for ``none``). options: the accountants' knobs
-    (default `AccountingOptions`).
+    Args:
+        sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
+            tightest for an amplified sampling, unamplified for ``none``).
+        options: the accountants' knobs (default `AccountingOptions`).
 
-    Returns: An `Accountant`: `TightestAccountant`, `UnamplifiedAccountant`,
-    `CyclicPoissonAccountant`, `MMCCAccountant` or `MonteCarloEVRAccountant`.
+    Returns:
+        An `Accountant`: `TightestAccountant`, `UnamplifiedAccountant`, `CyclicPoissonAccountant`,
+        `MMCCAccountant` or `MonteCarloEVRAccountant`.
     """
     options = options or AccountingOptions()
     if sampling.accountant is None and sampling.kind != "none":
@@ -1323,13 +1349,14 @@ def account(
         max_candidates: the Monte Carlo σ search's length.
         **options: further `AccountingOptions` fields.
 
-    Returns: `AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
-    ``sensitivity_exact``, ``factorization_sha256`` and ``noise_std_per_round`` (z_t =
-    σ·‖(C⁻¹)_{t,:}‖, the DP-SGD noise multiplier z of round t; module
-    ``corrflow.accounting.noise_scale``).
+    Returns:
+        `AccountingResult.to_dict` plus ``sampling``, ``sensitivity``, ``sensitivity_exact``,
+        ``factorization_sha256`` and ``noise_std_per_round`` (z_t = σ·‖(C⁻¹)_{t,:}‖, the DP-SGD
+        noise multiplier z of round t; module ``corrflow.accounting.noise_scale``).
 
-    Raises: InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or
-    a value out of range (the error names it).
+    Raises:
+        InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or a
+            value out of range (the error names it).
     """
     check_delta(delta)
     require(

@@ -53,8 +53,9 @@ def ziggurat_tables(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, floa
     Args:
         bits: 52 or 23.
 
-    Returns: (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit
-    magnitude and densities, and the base r.
+    Returns:
+        (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit
+        magnitude and densities, and the base r.
     """
     from scipy.special import erfc
 
@@ -226,12 +227,16 @@ def participation_exponents(
     participations of all runs are sorted by round (counting sort) and applied in that order, so the
     rows being changed stay in cache.
 
-    Args: st: the xoshiro256++ state, shape (4,), uint64 (advanced in place). window: shape (n,
-    2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0 outside 0..n − 1), the
-    exponents' dtype. min_sep: b. p: the Poisson probability among eligible rounds. warm: start from
-    the chain's stationary distribution. a_q: shape (n, S), the exponents of y = σz. a_p: shape (n,
-    S), written: the exponents of y = σz + Cx. x_out: shape (n, S), uint8, zeroed by the caller; set
-    to 1 where the example participates.
+    Args:
+        st: the xoshiro256++ state, shape (4,), uint64 (advanced in place).
+        window: shape (n, 2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0
+            outside 0..n − 1), the exponents' dtype.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        warm: start from the chain's stationary distribution.
+        a_q: shape (n, S), the exponents of y = σz.
+        a_p: shape (n, S), written: the exponents of y = σz + Cx.
+        x_out: shape (n, S), uint8, zeroed by the caller; set to 1 where the example participates.
     """
     n, S = a_q.shape
     half = (window.shape[1] - 1) // 2  # bands − 1

@@ -125,8 +125,9 @@ def check_pld_size(
         field: the name the error gives σ.
         discretization: the PLD's value discretisation interval.
 
-    Raises: InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when
-    more than `PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
+    Raises:
+        InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when more
+            than `PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
     """
     check_sigma(noise_multiplier, field)
     mu = sensitivity / noise_multiplier
@@ -166,8 +167,9 @@ def epsilon_of(
         accountant: ``"pld"`` or ``"rdp"`` (`ACCOUNTANTS`).
         discretization: the PLD's value discretisation interval.
 
-    Returns: ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (`gaussian_epsilon`), else
-    dp-accounting's PLD (pessimistic at ``discretization``) or RDP bound.
+    Returns:
+        ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (`gaussian_epsilon`), else
+        dp-accounting's PLD (pessimistic at ``discretization``) or RDP bound.
 
     Raises:
         InvalidArgumentError: δ out of range or an unknown accountant.
@@ -221,8 +223,9 @@ def gaussian_noise_multiplier(
         delta: δ in (0, 1).
         sensitivity: Δ > 0.
 
-    Returns: σ, rounded up; where double precision cannot certify the exact curve, the smallest σ on
-    a 1.001-ratio grid whose PLD ε meets the target.
+    Returns:
+        σ, rounded up; where double precision cannot certify the exact curve, the smallest σ on a
+        1.001-ratio grid whose PLD ε meets the target.
 
     Raises:
         InvalidArgumentError: ε, δ or Δ out of range.
@@ -381,8 +384,9 @@ def calibrate_on_grid(
     Returns:
         (σ, ε(σ)) for the smallest grid σ with ε(σ) ≤ target.
 
-    Raises: InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a
-    bad ``guess``.
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad
+            ``guess``.
     """
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
@@ -458,8 +462,9 @@ def calibrate_log_sigma(
     Returns:
         The `Calibration`: σ, its verified ε and the numbers of probes and verifications.
 
-    Raises: InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a
-    bad ``guess``.
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad
+            ``guess``.
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 

@@ -60,8 +60,9 @@ def check_encoder(C: np.ndarray) -> None:
     Args:
         C: the encoder, shape (n, n).
 
-    Raises: InvalidArgumentError: (field ``factorization``) C is not square, has a negative entry or
-    an entry above the diagonal (beyond 1e-12 of its largest).
+    Raises:
+        InvalidArgumentError: (field ``factorization``) C is not square, has a negative entry or an
+            entry above the diagonal (beyond 1e-12 of its largest).
     """
     require(
         C.ndim == 2 and C.shape[0] == C.shape[1], "factorization", "a square encoder C", C.shape
@@ -95,9 +96,10 @@ def block_problem(C: np.ndarray, start: int, cycle: int) -> tuple[np.ndarray, np
         start: the group's first round k (0 ≤ k < b).
         cycle: b.
 
-    Returns: (H, Cb): H = C[start:, start::b] clipped at 0, shape (n − start, columns) (rows in
-    release order, the kept columns), and Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities,
-    shape (⌈(n − start)/b⌉, columns).
+    Returns:
+        (H, Cb): H = C[start:, start::b] clipped at 0, shape (n − start, columns) (rows in release
+        order, the kept columns), and Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities, shape
+        (⌈(n − start)/b⌉, columns).
     """
     H = np.clip(C[start:, start::cycle], 0.0, None)
     m = H.shape[0]
@@ -124,11 +126,13 @@ def tail_bounds(
         sigma: σ.
         delta1: the δ share of the tail bounds, split evenly over the pairs that use one.
 
-    Returns: (p̃ of Cb's shape, number of pairs that used a tail bound); entries where Cb is 0 are
-    irrelevant and left at q.
+    Returns:
+        (p̃ of Cb's shape, number of pairs that used a tail bound); entries where Cb is 0 are
+        irrelevant and left at q.
 
-    Raises: InvalidArgumentError: (field ``delta_split``) ``delta1`` is 0 while some pair needs a
-    tail bound.
+    Raises:
+        InvalidArgumentError: (field ``delta_split``) ``delta1`` is 0 while some pair needs a tail
+            bound.
     """
     from scipy.stats import binom, norm  # lazy: scipy's import slows every CLI start
 
@@ -201,8 +205,9 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
         idx: the sensitivities in grid units, int, shape (m,).
         probs: the Bernoulli probabilities p̃_j, shape (m,).
 
-    Returns: (support, masses): the support points in grid units and their probabilities (summing to
-    1), with masses below `MASS_FLOOR` moved to the largest support point.
+    Returns:
+        (support, masses): the support points in grid units and their probabilities (summing to 1),
+        with masses below `MASS_FLOOR` moved to the largest support point.
     """
     total = int(idx.sum())
     pmf = np.zeros(total + 1)
@@ -286,20 +291,26 @@ def mmcc_epsilon(
 ) -> MMCCRun:
     """ε of an amplified matrix mechanism by MMCC (002 Alg. 1) or Generalized-MMCC (002 Alg. 3).
 
-    Args: C: the encoder, shape (n, n), non-negative, lower-triangular. q: the sampling probability:
-    every round (cycle = 1) or of a group when its turn comes. sigma: the noise multiplier σ, per
-    unit clip norm. delta: δ in (0, 1). cycle: b, the cyclic Poisson groups (1: Poisson sampling in
-    every round). groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
-    delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail
-    bound is needed. grid: Δ2 (default: the largest block sensitivity / 256; at most
-    1/`MIN_GRID_STEPS` of it). discretization: the row PLDs' value discretisation. workers:
-    processes for the row PLDs (default: the CPU count). progress: progress lines on stderr.
+    Args:
+        C: the encoder, shape (n, n), non-negative, lower-triangular.
+        q: the sampling probability: every round (cycle = 1) or of a group when its turn comes.
+        sigma: the noise multiplier σ, per unit clip norm.
+        delta: δ in (0, 1).
+        cycle: b, the cyclic Poisson groups (1: Poisson sampling in every round).
+        groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
+        delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail
+            bound is needed.
+        grid: Δ2 (default: the largest block sensitivity / 256; at most 1/`MIN_GRID_STEPS` of it).
+        discretization: the row PLDs' value discretisation.
+        workers: processes for the row PLDs (default: the CPU count).
+        progress: progress lines on stderr.
 
     Returns:
         The `MMCCRun` of the worst group: ε at δ2, with the guarantee (ε, δ1 + δ2).
 
-    Raises: InvalidArgumentError: an encoder MMCC cannot analyse (`check_encoder`), or a
-    parameter out of range (the error names it).
+    Raises:
+        InvalidArgumentError: an encoder MMCC cannot analyse (`check_encoder`), or a parameter out
+            of range (the error names it).
     """
     C = np.asarray(C, dtype=np.float64)
     check_encoder(C)

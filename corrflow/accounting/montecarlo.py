@@ -76,17 +76,22 @@ def log_likelihood_ratio(
     """ln P(y)/Q(y) for every column of y by the recursion of 004 Eq. 1 (Thm 5.1; Thm 6.1 for k_u >
     1).
 
-    Args: y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its
-    dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored),
-    bands ≤ min_sep, entries ≥ 0. sigma: the noise multiplier σ. min_sep: b. p: the Poisson
-    probability among eligible rounds (1: balls-in-bins). warm: the warm-start mixture of 004 Alg. 2
-    (else cold start, Alg. 1). k_u: items per user (multi-attribution, 004 §6; cold start only).
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored), bands
+            ≤ min_sep, entries ≥ 0.
+        sigma: the noise multiplier σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds (1: balls-in-bins).
+        warm: the warm-start mixture of 004 Alg. 2 (else cold start, Alg. 1).
+        k_u: items per user (multi-attribution, 004 §6; cold start only).
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
 
-    Raises: InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with
-    k_u > 1.
+    Raises:
+        InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u >
+            1.
     """
     y = np.asarray(y)
     n, S = y.shape
@@ -152,10 +157,14 @@ def linear_log_likelihood_ratio(
     as f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls
     back to the log-space recursion where e^{a_i} would overflow or a run's result is not finite.
 
-    Args: y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are
-    in its dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥
-    0. sigma: σ. min_sep: b. p: the Poisson probability among eligible rounds. warm: the warm-start
-    mixture of 004 Alg. 2.
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are in
+            its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥ 0.
+        sigma: σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        warm: the warm-start mixture of 004 Alg. 2.
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
@@ -339,8 +348,9 @@ def column_gram_bands(band: np.ndarray) -> np.ndarray:
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
 
-    Returns: G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns
-    truncated at row n.
+    Returns:
+        G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns
+        truncated at row n.
     """
     band = truncate_band(band)
     n, L = band.shape
@@ -361,8 +371,9 @@ def participation_window(band: np.ndarray, sigma: float) -> np.ndarray:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
         sigma: σ.
 
-    Returns: W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where
-    i is outside 0..n − 1); W[j, bands − 1] = ‖c_j‖²/σ².
+    Returns:
+        W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where i is
+        outside 0..n − 1); W[j, bands − 1] = ‖c_j‖²/σ².
     """
     band = truncate_band(band)
     n, L = band.shape
@@ -537,8 +548,9 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
     Returns:
         The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; `overall_delta`).
 
-    Raises: InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than
-    2^50 samples needed.
+    Raises:
+        InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than 2^50
+            samples needed.
     """
     require(
         0 < delta_prime < delta_target < 1,
@@ -596,8 +608,8 @@ class MonteCarloEstimate:
         Args:
             other: another estimate at the same σ.
 
-        Returns: The pooled `MonteCarloEstimate`: counts added, losses stored above the
-        higher floor.
+        Returns:
+            The pooled `MonteCarloEstimate`: counts added, losses stored above the higher floor.
         """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
 
@@ -642,11 +654,14 @@ class MonteCarloEstimate:
     def epsilon(self, delta: float, z: float = 0.0) -> float:
         """The ε at which the estimated δ meets ``delta``.
 
-        Args: delta: δ. z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper
-        confidence end of ε).
+        Args:
+            delta: δ.
+            z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper confidence end
+                of ε).
 
-        Returns: ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is
-        returned when it already meets δ.
+        Returns:
+            ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is
+            returned when it already meets δ.
         """
         from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
@@ -700,17 +715,21 @@ class MonteCarloAccountant:
     ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1).
     ``scheme="balls-in-bins"``: ``min_sep`` is the number of bins T (``p`` = 1).
 
-    Args: band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
-    min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
-    number of bins T (balls-in-bins). p: the Poisson probability among eligible rounds (b-min-sep),
-    or per round (Poisson). warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
-    k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only). dtype: the dtype of
-    the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in float64).
-    batch: samples per batch (a batch's draws depend only on its child seed). scheme: one of
-    `SCHEMES`.
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
+            min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson).
+        min_sep: b (b-min-sep), or the number of bins T (balls-in-bins).
+        p: the Poisson probability among eligible rounds (b-min-sep), or per round (Poisson).
+        warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
+        k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only).
+        dtype: the dtype of the sampled outputs and of the exponents (the compiled b-min-sep
+            recursion runs in float64).
+        batch: samples per batch (a batch's draws depend only on its child seed).
+        scheme: one of `SCHEMES`.
 
-    Raises: InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than
-    the scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
+    Raises:
+        InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than the
+            scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
     """
 
     def __init__(
@@ -810,10 +829,14 @@ class MonteCarloAccountant:
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count
         for large runs); the result depends only on (seed, samples, batch size).
 
-        Args: sigma: σ > 0. samples: per direction, ≥ 2. seed: an integer or a ``SeedSequence``.
-        workers: processes (None: up to the CPU count, one per 50,000 samples). progress: a progress
-        line on stderr. keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no
-        others; the count of all samples is kept), to bound memory.
+        Args:
+            sigma: σ > 0.
+            samples: per direction, ≥ 2.
+            seed: an integer or a ``SeedSequence``.
+            workers: processes (None: up to the CPU count, one per 50,000 samples).
+            progress: a progress line on stderr.
+            keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no others; the
+                count of all samples is kept), to bound memory.
 
         Returns:
             The `MonteCarloEstimate`.
@@ -1016,8 +1039,9 @@ def first_verification_size(
         share_of_failure: the share β/δ of the target spent on the verifier's failure probability.
         ratio: the first attempt's threshold δ' must reach this fraction of the target.
 
-    Returns: The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches
-    ``ratio``·δ_target.
+    Returns:
+        The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches
+        ``ratio``·δ_target.
     """
     beta = share_of_failure * delta_target
     delta_v = delta_target - beta
@@ -1158,7 +1182,7 @@ class EVRRun:
     attempts: list[EVRAttempt]
 
     def to_dict(self) -> dict:
-        """Returns: The run's fields for the report's ``accountant`` section
+        """The run's fields for the report's ``accountant`` section
         (``verification_passed``, ``delta_mechanism``, ``verifier_failure_budget``,
         ``epsilon_estimate``, samples and attempts).
         """

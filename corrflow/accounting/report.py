@@ -38,8 +38,9 @@ def mechanism_section(factorization: Factorization) -> dict:
     Args:
         factorization: the run's factorization.
 
-    Returns: ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload",
-    "factorization_sha256"}``.
+    Returns:
+        ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload",
+        "factorization_sha256"}``.
     """
     return {
         "kind": factorization.kind,
@@ -69,8 +70,9 @@ def participation_section(
         overrides: the override records.
         hashed: user id → its `hash_user_id` under ``salt`` (a run's cache; default: computed).
 
-    Returns: ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id:
-    {"rounds", "min_gap"}}}``.
+    Returns:
+        ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id: {"rounds",
+        "min_gap"}}}``.
     """
     hashed = hashed or (lambda u: hash_user_id(u, salt))
     users = {hashed(u): _user_entry(rs) for u, rs in user_rounds.items()}

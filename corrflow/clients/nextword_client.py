@@ -53,8 +53,9 @@ def own_sentences(source, context: Context) -> np.ndarray:
     writes it without ``--partitions``: a manifest with several users per node is a cross-silo
     layout, under which this node would silently train one user of its group.
 
-    Raises: InvalidArgumentError: (field ``num-partitions``) the node config's count differs from
-    the file's.
+    Raises:
+        InvalidArgumentError: (field ``num-partitions``) the node config's count differs from the
+            file's.
     """
     part = partition_id(context)
     node = context.node_config

@@ -500,8 +500,9 @@ def optimize_blt(
     Returns:
         `BLTResult` with θ, ω (C) and θ̂, ω̂ (C⁻¹), un-normalised (c₀ = 1).
 
-    Raises: InvalidArgumentError: when no buffer stays alive (independent noise is optimal for this
-    participation).
+    Raises:
+        InvalidArgumentError: when no buffer stays alive (independent noise is optimal for this
+            participation).
     """
     n = participation.rounds
     require(n >= 2, "rounds", "at least 2 for a BLT", n)

@@ -29,12 +29,16 @@ def participation_for(
 ) -> Participation:
     """The participation pattern for ``rounds`` rounds (000 §2; b-min-sep as in 004).
 
-    Args: rounds: n. epochs: k, the most participations of one user. min_sep: b, the fewest rounds
-    between two participations (default n/k: fixed-epoch). kind: ``"fixed-epoch"`` or ``"min-sep"``
-    to force one; default inferred (fixed-epoch when b·k = n).
+    Args:
+        rounds: n.
+        epochs: k, the most participations of one user.
+        min_sep: b, the fewest rounds between two participations (default n/k: fixed-epoch).
+        kind: ``"fixed-epoch"`` or ``"min-sep"`` to force one; default inferred (fixed-epoch when
+            b·k = n).
 
-    Returns: Fixed-epoch (k, n/k) participation unless a different min-sep is given, then
-    b-min-separation with at most k participations.
+    Returns:
+        Fixed-epoch (k, n/k) participation unless a different min-sep is given, then
+        b-min-separation with at most k participations.
     """
     if kind == "fixed-epoch" or (kind is None and (min_sep is None or min_sep * epochs == rounds)):
         p = Participation.fixed_epoch(rounds, epochs)
@@ -67,17 +71,23 @@ def factorize(
 ) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
-    Args: kind: one of `KINDS` (the registry, `corrflow.factorization.registry`).
-    participation: the (k, b) pattern the sensitivity is computed for (`participation_for`).
-    workload: A (default: prefix sums). bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr,
-    bifr); default the kind's own. stamps: repeat a rounds/stamps mechanism along the diagonal (see
-    below). gamma: γ for bifr, bsr and lambda-cgd (see below). taper: b₀ of the 001 App. H taper
-    (toeplitz only). search_gamma: bsr: search γ (the γ-BFR family of 003). tol: the optimizers'
-    relative tolerance. time_budget: dense only: seconds after which the optimizer stops. buffers:
-    blt only: B, the BLT's buffers. callback: progress callback of the iterative optimizers.
+    Args:
+        kind: one of `KINDS` (the registry, `corrflow.factorization.registry`).
+        participation: the (k, b) pattern the sensitivity is computed for (`participation_for`).
+        workload: A (default: prefix sums).
+        bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); default the kind's own.
+        stamps: repeat a rounds/stamps mechanism along the diagonal (see below).
+        gamma: γ for bifr, bsr and lambda-cgd (see below).
+        taper: b₀ of the 001 App. H taper (toeplitz only).
+        search_gamma: bsr: search γ (the γ-BFR family of 003).
+        tol: the optimizers' relative tolerance.
+        time_budget: dense only: seconds after which the optimizer stops.
+        buffers: blt only: B, the BLT's buffers.
+        callback: progress callback of the iterative optimizers.
 
-    Returns: A `Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper
-    bound as labelled.
+    Returns:
+        A `Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper bound as
+        labelled.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
     [b₀, bands]; the encoder is then left column-unnormalised, as in 001 App. H. ``stamps`` > 1

@@ -151,13 +151,20 @@ def optimize_dense(
     whose dual point is positive definite (the start included), so the gap stays finite when the
     optimizer stops early.
 
-    Args: workload: A. participation: fixed-epoch (k, b). tol: the relative duality-gap tolerance.
-    max_iterations: L-BFGS iterations (the deterministic budget). memory: L-BFGS history. X0: a
-    starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided
-    by k). callback: progress callback. time_budget: seconds, or None.
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b).
+        tol: the relative duality-gap tolerance.
+        max_iterations: L-BFGS iterations (the deterministic budget).
+        memory: L-BFGS history.
+        X0: a starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands,
+            divided by k).
+        callback: progress callback.
+        time_budget: seconds, or None.
 
-    Returns: X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and
-    the iterations.
+    Returns:
+        X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and the
+        iterations.
     """
     require(
         participation.kind == "fixed-epoch",

@@ -347,8 +347,9 @@ def noise_mode_for(structure: str) -> str:
     structure declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated
     draws; dense → dense).
 
-    Args: structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``,
-    ``dense``).
+    Args:
+        structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``,
+            ``dense``).
 
     Returns:
         The mode of `corrflow.noise.CorrelatedNoise`.

@@ -94,18 +94,26 @@ class PlanRequest:
     """What ``corrflow plan`` is asked: the run's size, its privacy target and the budgets a recipe
     must fit.
 
-    Attributes: rounds: n. population: P, the users (≥ cohort_size). cohort_size: B, the users per
-    round. target_epsilon: ε > 0. delta: δ in (0, 1). memory_budget: bytes of noise state (inf:
-    none). noise_time_budget: seconds of noise generation per round (inf: none). model_params: d.
-    kinds: the factorization kinds to plan (`DEFAULT_KINDS`). accountants: the accountants
-    (None: the cheap defaults, `accountant_list`). momentum: the server optimizer's momentum
-    β. cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown. tol: the
-    dense optimizer's duality-gap tolerance. time_budget: wall-clock seconds after which the plan
-    aborts with no recipe (None: none). mc_samples: Monte Carlo samples per direction.
-    dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
-    damping: κ of the trained task (`corrflow.planning.score.Damping`): the candidates are ranked
-    by the closed-loop error of the final model at κ; None: by RMSE at the target ε (the open-loop
-    score of the workload's iterates).
+    Attributes:
+        rounds: n.
+        population: P, the users (≥ cohort_size).
+        cohort_size: B, the users per round.
+        target_epsilon: ε > 0.
+        delta: δ in (0, 1).
+        memory_budget: bytes of noise state (inf: none).
+        noise_time_budget: seconds of noise generation per round (inf: none).
+        model_params: d.
+        kinds: the factorization kinds to plan (`DEFAULT_KINDS`).
+        accountants: the accountants (None: the cheap defaults, `accountant_list`).
+        momentum: the server optimizer's momentum β.
+        cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown.
+        tol: the dense optimizer's duality-gap tolerance.
+        time_budget: wall-clock seconds after which the plan aborts with no recipe (None: none).
+        mc_samples: Monte Carlo samples per direction.
+        dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
+        damping: κ of the trained task (`corrflow.planning.score.Damping`): the candidates are
+            ranked by the closed-loop error of the final model at κ; None: by RMSE at the target ε
+            (the open-loop score of the workload's iterates).
 
     Raises:
         InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
@@ -220,9 +228,9 @@ class PlanRequest:
     def accountant_list(self) -> tuple[list[str], list[dict]]:
         """The accountants the plan runs.
 
-        Returns: (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the
-        requested ones, or unamplified, cyclic-poisson and MMCC up to
-        `MMCC_DEFAULT_MAX_ROUNDS` rounds.
+        Returns:
+            (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the requested
+            ones, or unamplified, cyclic-poisson and MMCC up to `MMCC_DEFAULT_MAX_ROUNDS` rounds.
         """
         if self.accountants is not None:
             return list(self.accountants), [
@@ -264,8 +272,9 @@ class PlanRequest:
     def band_grid(self) -> list[int]:
         """The band counts the plan tries.
 
-        Returns: Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule
-        of thumb r (within [1, b]).
+        Returns:
+            Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of
+            thumb r (within [1, b]).
         """
         b = self.min_sep
         grid = {2**i for i in range(int(math.log2(b)) + 1)} | {b}
@@ -322,7 +331,7 @@ class Candidate:
         )
 
     def key(self) -> tuple:
-        """Returns: (kind, bands, accountant, min_sep): the candidate's identity in
+        """(kind, bands, accountant, min_sep): the candidate's identity in
         `PlanResult.factorizations`.
         """
         return (self.kind, self.bands, self.accountant, self.min_sep)
@@ -394,8 +403,11 @@ def participation_of(
 ) -> tuple[Participation, str, float]:
     """The participation an accountant analyses (module docstring).
 
-    Args: req: the plan request. accountant: one of `PLAN_ACCOUNTANTS`. min_sep: the sampler's
-    b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
+    Args:
+        req: the plan request.
+        accountant: one of `PLAN_ACCOUNTANTS`.
+        min_sep: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling
+            every round).
 
     Returns:
         (factorization participation, strategy participation name, participation rate p0 = B/P).
@@ -420,8 +432,9 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
         accountant: one of `PLAN_ACCOUNTANTS`.
         min_sep: the sampler's b (default ⌊P/B⌋).
 
-    Returns: The `SamplingSpec` (b-min-sep for Monte Carlo,
-    004 §1.5; cyclic Poisson with q = b·B/P otherwise; none for unamplified).
+    Returns:
+        The `SamplingSpec` (b-min-sep for Monte Carlo, 004 §1.5; cyclic Poisson with q = b·B/P
+        otherwise; none for unamplified).
     """
     if accountant == "unamplified":
         return SamplingSpec()
@@ -453,8 +466,9 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
         fac: the candidate's factorization.
         accountant: one of `PLAN_ACCOUNTANTS`.
 
-    Returns: None when it can, else the reason it cannot (the encoder's structure, more than b
-    bands, or negative entries for MMCC).
+    Returns:
+        None when it can, else the reason it cannot (the encoder's structure, more than b bands, or
+        negative entries for MMCC).
     """
     spec = REGISTRY[fac.kind]
     if accountant not in spec.accountants:
@@ -853,9 +867,10 @@ def score_summary(result: PlanResult, top: int = 5) -> dict:
         result: the plan.
         top: how many candidates of the plain-RMSE ranking to list.
 
-    Returns: ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes", "warnings",
-    "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score over
-    the pick's, minus 1).
+    Returns:
+        ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes", "warnings",
+        "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score
+        over the pick's, minus 1).
     """
     req, best = result.request, result.recommended
     damping = req.damping
@@ -919,8 +934,9 @@ def write_plan(
         cache: the plan cache, for the plots.
         quiet: no progress bars.
 
-    Returns: ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
-    recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
+    Returns:
+        ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
+        recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
     """
 
     out = Path(out)

@@ -60,9 +60,12 @@ def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
     """The pre-flight noise-to-signal ratio ρ = σ·√d·‖B_{n−1}‖ / (cohort·(A·1)_{n−1}) (module
     docstring).
 
-    Args: fac: a `Factorization` normalised to sensitivity 1
-    (its per-query error gives ‖B_t‖², its workload A). sigma: the noise multiplier σ. dim: d, the
-    number of model parameters. cohort: the number the summed update is divided by.
+    Args:
+        fac: a `Factorization` normalised to sensitivity 1 (its per-query error gives ‖B_t‖², its
+            workload A).
+        sigma: the noise multiplier σ.
+        dim: d, the number of model parameters.
+        cohort: the number the summed update is divided by.
 
     Returns:
         ρ (0 without noise).
@@ -113,13 +116,15 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
 def held_out_summary(entries: list[dict]) -> dict:
     """Initial, final and best held-out loss (and accuracy) and the loss's relative improvement.
 
-    Args: entries: ``metrics.json``'s entries, non-empty: the initial model as ``"round": -1``, then
-    one entry per round, each with ``test_loss`` (and optionally ``test_accuracy``).
+    Args:
+        entries: ``metrics.json``'s entries, non-empty: the initial model as ``"round": -1``, then
+            one entry per round, each with ``test_loss`` (and optionally ``test_accuracy``).
 
-    Returns: ``{"initial_test_loss", "final_test_loss", "rounds_evaluated"}`` (non-finite losses as
-    None), plus ``initial_test_accuracy``/``final_test_accuracy`` when both ends report accuracy,
-    ``loss_improvement`` (1 − final/initial), ``best_test_loss``/``best_round`` and
-    ``drift_above_best`` (final/best − 1) when they are defined.
+    Returns:
+        ``{"initial_test_loss", "final_test_loss", "rounds_evaluated"}`` (non-finite losses as
+        None), plus ``initial_test_accuracy``/``final_test_accuracy`` when both ends report
+        accuracy, ``loss_improvement`` (1 − final/initial), ``best_test_loss``/``best_round`` and
+        ``drift_above_best`` (final/best − 1) when they are defined.
     """
     first, last = entries[0], entries[-1]
     out = {
@@ -161,9 +166,10 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         entries: ``metrics.json``'s entries (see `held_out_summary`); may be empty.
         noise_to_signal: the run's pre-flight ρ.
 
-    Returns: ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus
-    `held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
-    held-out set and has trained at least one round (else ``learned`` is None).
+    Returns:
+        ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus
+        `held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
+        held-out set and has trained at least one round (else ``learned`` is None).
     """
     out = {
         "noise_to_signal": noise_to_signal,

@@ -43,9 +43,13 @@ class MemoryEstimate:
 def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) -> MemoryEstimate:
     """Bytes the server needs for a run, estimated high (module docstring).
 
-    Args: users: simulated users. rounds: n, the factorization's size. kind: the factorization kind;
-    `BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
-    the band count (0: the default, n; clipped to [1, n]). model_params: d, the model's parameters.
+    Args:
+        users: simulated users.
+        rounds: n, the factorization's size.
+        kind: the factorization kind; `BANDED_KINDS` work in O(n·bands), the others keep three n × n
+            float64 matrices.
+        bands: the band count (0: the default, n; clipped to [1, n]).
+        model_params: d, the model's parameters.
 
     Returns:
         The estimate, by part.
@@ -58,8 +62,9 @@ def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) 
 def available_memory() -> int | None:
     """The memory available to a new run.
 
-    Returns: Bytes: ``MemAvailable`` from ``/proc/meminfo`` (Linux), else the free physical pages;
-    None when neither can be read.
+    Returns:
+        Bytes: ``MemAvailable`` from ``/proc/meminfo`` (Linux), else the free physical pages; None
+        when neither can be read.
     """
     try:
         with open("/proc/meminfo") as f:
@@ -78,11 +83,14 @@ def check_fits(need: MemoryEstimate, names: dict[str, str]) -> None:
     """Refuse a run whose estimate exceeds 90% of the memory available (no check when that cannot be
     read).
 
-    Args: need: the run's `MemoryEstimate`. names: part (``"users"``, ``"factorization"``,
-    ``"noise"``) → the flag or setting behind it, named in the error.
+    Args:
+        need: the run's `MemoryEstimate`.
+        names: part (``"users"``, ``"factorization"``, ``"noise"``) → the flag or setting behind it,
+            named in the error.
 
-    Raises: InvalidArgumentError: naming the setting behind the largest part, with the estimate and
-    what is available.
+    Raises:
+        InvalidArgumentError: naming the setting behind the largest part, with the estimate and what
+            is available.
     """
     have = available_memory()
     if have is None or need.total <= 0.9 * have:
@@ -101,7 +109,8 @@ def check_disk(need: int, directory: str | os.PathLike, flag: str) -> None:
     """Refuse a file of ≈ ``need`` bytes that would not fit in the free space under ``directory``
     (its nearest existing parent).
 
-    Raises: InvalidArgumentError: naming ``flag``, with the estimate and the free space.
+    Raises:
+        InvalidArgumentError: naming ``flag``, with the estimate and the free space.
     """
     import shutil
     from pathlib import Path

@@ -54,8 +54,9 @@ def participation_of(cfg: RunConfig):
     Args:
         cfg: the run's settings.
 
-    Returns: (k, n/k) fixed-epoch participation, or any b-separated pattern with at most
-    ``max_participations`` participations (min-sep).
+    Returns:
+        (k, n/k) fixed-epoch participation, or any b-separated pattern with at most
+        ``max_participations`` participations (min-sep).
     """
     if cfg.participation == "fixed-epoch":
         return participation_for(cfg.num_rounds, cfg.epochs)
@@ -69,8 +70,9 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
         cfg: the run's settings (kind, bands, taper, buffers, workload and participation).
         out_dir: the run directory.
 
-    Returns: ``out_dir/factorization.npz`` when it matches the settings, else a new factorization,
-    saved there.
+    Returns:
+        ``out_dir/factorization.npz`` when it matches the settings, else a new factorization, saved
+        there.
 
     Raises:
         IntegrityError: the stored file is corrupted.
@@ -154,8 +156,9 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
 def load_graph(path: str) -> AttributionGraph:
     """Read an attribution graph (items and the users behind them; 004 §6, multi-attribution).
 
-    Args: path: an attribution file (CSV ``item,user`` or JSON lines ``{"item", "users"}``), or
-    arXiv metadata JSON lines (items = paper ids, users = normalised authors).
+    Args:
+        path: an attribution file (CSV ``item,user`` or JSON lines ``{"item", "users"}``), or arXiv
+            metadata JSON lines (items = paper ids, users = normalised authors).
 
     Returns:
         The `AttributionGraph`.
@@ -183,12 +186,14 @@ def build_planner(
         cfg: the run's settings (mode, participation, manifest, attribution, data, bounding, seed).
         identities: the node identities online (SuperNodes, or the silos of a cross-silo run).
 
-    Returns: (planner, item → silo identity (None unless cross-silo), bounding info ``{"items",
-    "users", ...}``).
+    Returns:
+        (planner, item → silo identity (None unless cross-silo), bounding info ``{"items", "users",
+        ...}``).
 
-    Raises: InvalidArgumentError: a manifest partition without its silo online, an item missing from
-    the attribution graph, or an arXiv data file without multi-attribution participation (the error
-    names the setting).
+    Raises:
+        InvalidArgumentError: a manifest partition without its silo online, an item missing from the
+            attribution graph, or an arXiv data file without multi-attribution participation (the
+            error names the setting).
     """
     item_home = None
     if cfg.mode == "cross-silo":
@@ -273,8 +278,9 @@ def vocabulary_section(vocab_path: str) -> dict:
     Args:
         vocab_path: the vocabulary file (its provenance is recorded with it).
 
-    Returns: ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus
-    the DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
+    Returns:
+        ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus the
+        DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
     """
 
     prov = read_provenance(vocab_path)
@@ -315,8 +321,9 @@ def training_budget(cfg: RunConfig) -> TrainingBudget:
     Returns:
         The `TrainingBudget` (the run's (ε, δ) when there is no DP vocabulary).
 
-    Raises: InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole
-    budget.
+    Raises:
+        InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole
+            budget.
     """
     if not cfg.data_path or not cfg.vocab_path:
         return TrainingBudget(cfg.target_epsilon, cfg.delta, None)
@@ -355,8 +362,9 @@ def total_privacy(
         training_delta: the training's δ.
         vocabulary: the report's ``vocabulary`` section (`vocabulary_section`), or None.
 
-    Returns: ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public
-    vocabulary).
+    Returns:
+        ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public
+        vocabulary).
     """
     if vocabulary is None or vocabulary["source"] == "public":
         return {
@@ -393,11 +401,12 @@ def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> 
         fac: the run's factorization.
         planner: the run's cohort planner (`build_planner`).
 
-    Returns: The `PrivacyPlan`, carrying the training's δ and
-    target ε and the vocabulary section.
+    Returns:
+        The `PrivacyPlan`, carrying the training's δ and target ε and the vocabulary section.
 
-    Raises: InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot
-    analyse this run.
+    Raises:
+        InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot
+            analyse this run.
     """
     budget = training_budget(cfg)
     if budget.vocabulary is not None and not budget.vocabulary["inside_guarantee"]:
@@ -454,11 +463,12 @@ def plan_training_privacy(
         fac: the run's factorization.
         planner: the run's cohort planner.
 
-    Returns: The `PrivacyPlan` (σ 0 and ε None for a
-    non-private baseline).
+    Returns:
+        The `PrivacyPlan` (σ 0 and ε None for a non-private baseline).
 
-    Raises: InvalidArgumentError: several items per user without multi-attribution participation, or
-    a setting the accountant refuses.
+    Raises:
+        InvalidArgumentError: several items per user without multi-attribution participation, or a
+            setting the accountant refuses.
     """
     k_u = planner.items_per_user
     if cfg.non_private:
@@ -567,12 +577,14 @@ def selection_line(acc: dict) -> str:
     """One line naming the bound a run uses and the others, from the report's ``accountant``
     section.
 
-    Args: acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was
-    selected).
+    Args:
+        acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was
+            selected).
 
-    Returns: e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ
-    1); others: unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected
-    among several.
+    Returns:
+        e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ 1);
+        others: unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected
+        among several.
     """
     if "bounds" not in acc:
         return f"accountant {acc.get('name', 'none')}"

@@ -83,7 +83,7 @@ class Damping:
         )
 
     def describe(self) -> str:
-        """Returns: one line saying κ and where it came from (``ASSUMED`` for the default)."""
+        """One line saying κ and where it came from (``ASSUMED`` for the default)."""
         if self.source == "declared":
             return f"κ = {self.kappa:.3g}, declared (--kappa)"
         if self.source == "proxy":
@@ -97,7 +97,7 @@ class Damping:
         )
 
     def warnings(self) -> list[str]:
-        """Returns: what makes a measured κ a weak basis for the ranking (empty when nothing
+        """What makes a measured κ a weak basis for the ranking (empty when nothing
         does): κ ≥ `OVERSHOOT_KAPPA`, or per-round values along the proxy run more than
         `SPREAD_FACTOR` apart."""
         if self.source != "proxy":
@@ -121,7 +121,7 @@ class Damping:
         return out
 
     def to_dict(self) -> dict:
-        """Returns: the fields as a JSON-serialisable dict."""
+        """The fields as a JSON-serialisable dict."""
         return asdict(self)
 
 
@@ -143,7 +143,8 @@ def stable_kappa_limit(workload: Workload, n: int) -> float:
         workload: the server optimizer (momentum β, learning-rate multipliers η).
         n: rounds.
 
-    Returns: 2(1 + β) / max η, the supremum of the κ `closed_loop_response` can score.
+    Returns:
+        2(1 + β) / max η, the supremum of the κ `closed_loop_response` can score.
     """
     return 2.0 * (1.0 + workload.momentum) / float(np.max(workload.learning_rates(n)))
 

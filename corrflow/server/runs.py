@@ -38,13 +38,16 @@ def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
         run_dir: the run directory (its checkpoint and release journal are verified first).
         registry: the registry file (default: ``$CORRFLOW_HOME/release_registry.sqlite``).
 
-    Returns: the adoption: run id, registry, directory, the directory the registry had (None when it
-    did not know the run), the journal's and the registry's release counts, and the rounds the run
-    will release again with fresh noise.
+    Returns:
+        the adoption: run id, registry, directory, the directory the registry had (None when it did
+        not know the run), the journal's and the registry's release counts, and the rounds the run
+        will release again with fresh noise.
 
-    Raises: InvalidArgumentError: not a run directory with a checkpoint. IntegrityError: the
-    directory does not agree with its journal, or the registry is damaged, locked or emptied.
-    RunLockedError: a server is running on it.
+    Raises:
+        InvalidArgumentError: not a run directory with a checkpoint.
+        IntegrityError: the directory does not agree with its journal, or the registry is damaged,
+            locked or emptied.
+        RunLockedError: a server is running on it.
     """
     from corrflow.run.registry import ReleaseRegistry
     from corrflow.run.resume import STATE, RunLock, check_resume
