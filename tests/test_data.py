@@ -190,8 +190,7 @@ def test_sqlite_malformed_inputs(tmp_path):
         StackOverflowSQLite(bad) as db,
         pytest.raises(
             DataFormatError,
-            match=r"bad.sqlite:examples row 6 "
-            r"\(client 00000002\)",
+            match=r"bad.sqlite:examples row 6 \(client 00000002\)",
         ),
     ):
         db.client_posts("00000002")

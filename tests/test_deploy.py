@@ -330,8 +330,8 @@ def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_
         log = (logs / f"sn{i + 1}.log").read_text()
         assert (
             f"partition-id {i} trains on the SuperNode's own data file "
-            f"{own / 'stackoverflow.sqlite'} "
-            f"(node config data-path), vocabulary {own / 'vocab.txt'}"
+            f"{own / 'stackoverflow.sqlite'} (node config data-path), vocabulary "
+            f"{own / 'vocab.txt'}"
         ) in log
         assert str(data / "stackoverflow.sqlite") not in log
         assert (own / "vocab.txt").read_bytes() == (data / "vocab.txt").read_bytes()

@@ -461,15 +461,14 @@ class CyclicPoissonAccountant(_Calibrating):
             "cycle": cp.cycle,
             "compositions": cp.compositions,
             "sampling_probability": cp.sampling_probability,
-            "normalisation": "max column norm = 1 "
-            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)",
+            "normalisation": f"max column norm = 1 (noise multiplier divided by {col:.6g}, 001 "
+            "Prop. 2.1)",
         }
         if exact:
             params["method"] = (
                 "q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
                 "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & "
-                "Wang "
-                "2018, arXiv 1805.06530, Thm. 8)"
+                "Wang 2018, arXiv 1805.06530, Thm. 8)"
             )
         return AccountingResult(
             GAUSSIAN_NAME if exact else "pld",
@@ -671,8 +670,8 @@ class MonteCarloEVRAccountant:
             require(
                 band.shape[1] <= MAX_FORWARD_BANDS,
                 "factorization",
-                f"at most {MAX_FORWARD_BANDS} bands for "
-                "the Monte Carlo accountant under Poisson sampling (2^(bands−1) states; use mmcc)",
+                f"at most {MAX_FORWARD_BANDS} bands for the Monte Carlo accountant under Poisson "
+                "sampling (2^(bands−1) states; use mmcc)",
                 band.shape[1],
             )
             params = {
@@ -681,8 +680,8 @@ class MonteCarloEVRAccountant:
                 "sampling_probability": p,
                 "participation_rate": p,
                 "items_per_user": 1,
-                "likelihood": f"exact: forward algorithm over the last "
-                f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)",
+                "likelihood": f"exact: forward algorithm over the last {band.shape[1] - 1} "
+                f"participation bits ({1 << (band.shape[1] - 1)} states)",
             }
             return MonteCarloAccountant(band, 1, p, scheme="poisson"), params
         b = fac.participation.min_sep
@@ -728,10 +727,8 @@ class MonteCarloEVRAccountant:
         if needed > o.max_samples:
             print(
                 f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, "
-                "above "
-                f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is "
-                "what they "
-                "verify)",
+                f"above --max-samples {o.max_samples}; verifying with {o.max_samples} (the δ "
+                "reported is what they verify)",
                 file=sys.stderr,
             )
         return max(base, min(needed, o.max_samples)), needed
@@ -928,10 +925,9 @@ class MonteCarloEVRAccountant:
         fb = self.fallback(fac, noise_multiplier, delta)
         note = (
             f"monte carlo: no verification passed within --max-samples {self.options.max_samples} "
-            "per direction "
-            f"(estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); releasing the "
-            f"{fb.accountant} "
-            f"bound ε = {fb.epsilon:.4g} — raise --max-samples for the Monte Carlo bound"
+            f"per direction (estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); "
+            f"releasing the {fb.accountant} bound ε = {fb.epsilon:.4g} — raise --max-samples for "
+            "the Monte Carlo bound"
         )
         print(note, file=sys.stderr)
         return replace(
@@ -1018,10 +1014,8 @@ class MonteCarloEVRAccountant:
             # at the target, and name both (never an unverified pair).
             note = (
                 f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
-                "= "
-                f"{d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
-                "(--verify-target "
-                f"draws the {needed} samples per candidate the target needs)"
+                f"= {d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
+                f"(--verify-target draws the {needed} samples per candidate the target needs)"
             )
             print(note, file=sys.stderr)
             fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
@@ -1135,8 +1129,7 @@ def candidate_accountants(
             if work > MC_AFFORDABLE_WORK:
                 why = (
                     f"too costly by default (~{work:.2g} state updates for δ = {delta:g}; name "
-                    "--accountant "
-                    "monte-carlo to run it)"
+                    "--accountant monte-carlo to run it)"
                 )
         return (
             (["mmcc"], [{"accountant": "monte-carlo", "reason": why}])
@@ -1280,8 +1273,7 @@ def _pick(
     for b in unverified:
         print(
             f"accounting: {b['accountant']} did not verify δ = {delta:g} within its sample budget "
-            "(estimate "
-            f"ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}",
+            f"(estimate ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}",
             file=sys.stderr,
         )
     return replace(

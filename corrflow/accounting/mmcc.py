@@ -72,10 +72,10 @@ def check_encoder(C: np.ndarray) -> None:
     if C[i, j] < -1e-12 * scale:
         raise InvalidArgumentError(
             "factorization",
-            "an encoder with non-negative entries for MMCC (002 Lemma C.3 assumes C ≥ 0); its most "
-            f"negative entry is C[{i}, {j}] = {C[i, j]:.4g} — use a non-negative kind such as "
-            "dpsgd, banded Toeplitz "
-            "with non-negative coefficients, or a single-epoch (k = 1) factorization",
+            "an encoder with non-negative entries for MMCC (002 Lemma C.3 assumes C ≥ 0); its "
+            f"most negative entry is C[{i}, {j}] = {C[i, j]:.4g} — use a non-negative kind such as "
+            "dpsgd, banded Toeplitz with non-negative coefficients, or a single-epoch (k = 1) "
+            "factorization",
         )
     upper = np.triu(np.abs(C), 1)
     if upper.max() > 1e-12 * scale:

@@ -769,8 +769,8 @@ class MonteCarloAccountant:
             require(
                 band.shape[1] <= MAX_FORWARD_BANDS,
                 "factorization",
-                f"at most {MAX_FORWARD_BANDS} bands for "
-                "the exact Poisson likelihood (use the MMCC accountant above)",
+                f"at most {MAX_FORWARD_BANDS} bands for the exact Poisson likelihood (use the MMCC "
+                "accountant above)",
                 band.shape[1],
             )
             require(

@@ -207,8 +207,7 @@ class StackOverflowSQLite:
             if not self._warned:
                 log.warning(
                     "%s: skipping malformed examples (first at row %d, client %s: %s); the count "
-                    "is in "
-                    "'skipped'",
+                    "is in 'skipped'",
                     self.path,
                     rowid,
                     client,

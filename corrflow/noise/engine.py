@@ -218,8 +218,7 @@ class CorrelatedNoise:
     def __repr__(self) -> str:  # the key stays out of logs
         return (
             f"CorrelatedNoise(mode={self.mode!r}, prng={self.prng!r}, dim={self.dim}, "
-            f"rounds={self.rounds}, "
-            f"next_round={self.next_round})"
+            f"rounds={self.rounds}, next_round={self.next_round})"
         )
 
     # -- public API --------------------------------------------------------------------------------

@@ -95,12 +95,10 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
     rho = noise_to_signal(fac, sigma, dim, cohort)
     if rho > THRESHOLD:
         log.warning(
-            "this configuration %s learn: the model will carry noise %.2f× the largest "
-            "signal the clipped updates can give it (σ = %.3f, %d parameters, cohort %g; a "
-            "heuristic: most measured runs at ≤ %.2f learned, though DP-SGD on the quick preset "
-            "did not at 0.17; runs above went both ways, above 1.5 only a 54-word drill "
-            "learned). "
-            "Raise the cohort "
+            "this configuration %s learn: the model will carry noise %.2f× the largest signal the "
+            "clipped updates can give it (σ = %.3f, %d parameters, cohort %g; a heuristic: most "
+            "measured runs at ≤ %.2f learned, though DP-SGD on the quick preset did not at 0.17; "
+            "runs above went both ways, above 1.5 only a 54-word drill learned). Raise the cohort "
             "(users per round), lower ε's noise (higher target ε), use a smaller model or a "
             "correlated-noise kind with lower error.",
             "is unlikely to" if rho > 1.5 else "may not",
@@ -206,8 +204,7 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         at = "the initial model" if held["best_round"] < 0 else f"round {held['best_round'] + 1}"
         verdict += (
             f"; the final loss is {drift:.0%} above the run's best {held['best_test_loss']:.4g} "
-            f"({at}): "
-            "it drifted"
+            f"({at}): it drifted"
             if drift is not None
             else f"; the run's best loss was {held['best_test_loss']:.4g} ({at})"
         )

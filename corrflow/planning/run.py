@@ -134,9 +134,8 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
         return [
             f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD "
-            "(independent noise "
-            "in every round); give bands above 1 (--bands, corrflow.bands) to correlate the noise "
-            "across rounds"
+            "(independent noise in every round); give bands above 1 (--bands, corrflow.bands) to "
+            "correlate the noise across rounds"
         ]
     if (
         cfg.participation != "fixed-epoch"
@@ -147,8 +146,8 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     ):
         return [
             f"kind {cfg.kind}: {fac.bands} bands, cut to the sampler's min-sep b = {cfg.b} "
-            "(participations b "
-            "apart touch disjoint rows, which the amplified accountants need); --bands sets it"
+            "(participations b apart touch disjoint rows, which the amplified accountants need); "
+            "--bands sets it"
         ]
     return []
 
@@ -222,8 +221,8 @@ def build_planner(
         require(
             cfg.participation == "multi-attribution",
             "participation",
-            "multi-attribution with an arXiv "
-            "data file (a paper belongs to all its authors, 004 §6)",
+            "multi-attribution with an arXiv data file (a paper belongs to all its authors, 004 "
+            "§6)",
             cfg.participation,
         )
         graph = TextSource(
@@ -414,8 +413,7 @@ def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> 
     if budget.vocabulary is not None and budget.vocabulary["source"] == "dp":
         log.info(
             "corrflow: the vocabulary spent (ε, δ) = (%g, %g); training is calibrated to the rest "
-            "of the "
-            "budget: ε = %s, δ = %g",
+            "of the budget: ε = %s, δ = %g",
             budget.vocabulary["epsilon"],
             budget.vocabulary["delta"],
             "n/a" if budget.epsilon is None else f"{budget.epsilon:g}",
@@ -500,10 +498,8 @@ def plan_training_privacy(
         if accountant is None:
             log.info(
                 "corrflow: no accountant named: computing every bound that applies to %s sampling "
-                "and using "
-                "the tightest verified at δ = %g (Monte Carlo at a small δ can take minutes; "
-                "--accountant "
-                "picks one)",
+                "and using the tightest verified at δ = %g (Monte Carlo at a small δ can take "
+                "minutes; --accountant picks one)",
                 planner.kind,
                 cfg.delta,
             )
@@ -565,8 +561,7 @@ def _run_accountant(cfg: RunConfig, planner: CohortPlanner) -> tuple[str | None,
                 "accountant": "amplified (monte-carlo, mmcc, cyclic-poisson)",
                 "reason": (
                     f"a user holds up to {k_u} items: only multi-attribution sampling (004 §6) "
-                    "analyses "
-                    "several items per user"
+                    "analyses several items per user"
                 ),
             }
         ]

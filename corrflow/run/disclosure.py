@@ -114,9 +114,8 @@ class Disclosure:
                 "metrics": [],
                 "why": (
                     "amplified ε: nothing public depends on the secret cohorts; the operator's "
-                    "files "
-                    f"in {OPERATOR_DIR}/ hold the per-user participation, the per-round counts and "
-                    "rejections"
+                    f"files in {OPERATOR_DIR}/ hold the per-user participation, the per-round "
+                    "counts and rejections"
                     + (
                         ", and operator.log the app's aggregated metrics ("
                         + ", ".join(app_metrics)

@@ -327,8 +327,7 @@ def _sampler_key(ctx: RunPlan, ckpt: Path) -> bytes | None:
     if not path.is_file():
         raise IntegrityError(
             f"{path}: missing from a checkpoint its manifest vouches for (written by a corrflow "
-            "that "
-            "drew amplified cohorts from the public schedule seed): the amplified ε would not hold "
-            "for its cohorts. Start a new run with --fresh"
+            "that drew amplified cohorts from the public schedule seed): the amplified ε would "
+            "not hold for its cohorts. Start a new run with --fresh"
         )
     return path.read_bytes()

@@ -360,9 +360,8 @@ def plan_arms(
                 skipped.append(
                     {
                         "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"{kind}'s registry entry allows no "
-                        "cyclic-Poisson accounting (its encoder is not banded): no amplified "
-                        "variant",
+                        "reason": f"{kind}'s registry entry allows no cyclic-Poisson accounting "
+                        "(its encoder is not banded): no amplified variant",
                     }
                 )
                 continue
@@ -390,8 +389,8 @@ def plan_arms(
                 skipped.append(
                     {
                         "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"no {kind} candidate with a sampler "
-                        f"separation b < population/cohort = {req.min_sep}",
+                        "reason": f"no {kind} candidate with a sampler separation b < "
+                        f"population/cohort = {req.min_sep}",
                     }
                 )
                 continue
@@ -630,8 +629,7 @@ def compare(
         all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
         "kinds",
         f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, "
-        "dpsgd-poisson and "
-        "plan always run)",
+        "dpsgd-poisson and plan always run)",
         kinds,
     )
     epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
@@ -691,8 +689,7 @@ def compare(
             planner = plans[eps].planner
             progress(
                 f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in "
-                f"{planner['seconds']:.1f} s "
-                f"(recommended: {planner['recommended']})"
+                f"{planner['seconds']:.1f} s (recommended: {planner['recommended']})"
             )
     per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
     free: list[dict] = []
@@ -835,10 +832,9 @@ def _progress(
         "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
     )
     progress(
-        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  "
-        f"loss {res['loss']:.4f}  σ "
-        f"{res['noise_multiplier']:.3f}"
-        f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
+        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  loss "
+        f"{res['loss']:.4f}  σ {res['noise_multiplier']:.3f}{spent}  "
+        f"{'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
     )
 
 
@@ -1017,8 +1013,7 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         ax.set_ylabel(f"final {ylabel}")
         ax.set_title(
             f"{result['preset']} ({result['client']}): {result['users']} users, cohort "
-            f"{result['cohort']}, "
-            f"{result['rounds']} rounds, {result['seeds']} seed(s)",
+            f"{result['cohort']}, {result['rounds']} rounds, {result['seeds']} seed(s)",
             fontsize=9,
         )
         ax.grid(alpha=0.3, which="both")
@@ -1038,8 +1033,7 @@ def table(result: dict) -> str:
         score = entry["planner"].get("score") or {}
         rows.append(
             f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner "
-            "recommends "
-            f"{entry['planner']['recommended']}"
+            f"recommends {entry['planner']['recommended']}"
             + (
                 f" (closed-loop final error at {score['kappa_described']})"
                 if score.get("kappa") is not None
@@ -1049,8 +1043,7 @@ def table(result: dict) -> str:
         rows += [f"  WARNING: {w}" for w in score.get("warnings") or ()]
         rows.append(
             f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "
-            f"{'accuracy':>9} "
-            f"{'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}"
+            f"{'accuracy':>9} {'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}"
         )
         for name, arm in entry["arms"].items():
             acct = (
@@ -1067,20 +1060,17 @@ def table(result: dict) -> str:
                 f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                 f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
                 f"{fmt(arm['noise_to_signal'], '.2f'):>5} {fmt(arm['accuracy']):>9} "
-                f"{fmt(arm['rmse'], '.2f'):>7} "
-                f"{fmt(arm['loss']):>8} "
+                f"{fmt(arm['rmse'], '.2f'):>7} {fmt(arm['loss']):>8} "
                 f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
             )
     rows.append(
         "ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's "
-        "turns (the "
-        f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm "
-        "may not "
-        "learn); learned: seeds whose final held-out loss is below the initial model's; gap "
-        "closed: of "
-        "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the "
-        "workload's RMSE under the arm's mechanism at its σ (per unit clip norm and coordinate; "
-        "the planner ranks by the closed-loop error of the final model, above)."
+        f"turns (the sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns "
+        "that an arm may not learn); learned: seeds whose final held-out loss is below the "
+        "initial model's; gap closed: of the accuracy gap between the best DP-SGD arm and "
+        "non-private training; RMSE: the workload's RMSE under the arm's mechanism at its σ (per "
+        "unit clip norm and coordinate; the planner ranks by the closed-loop error of the final "
+        "model, above)."
     )
     for s in result["skipped"]:
         rows.append(f"skipped {s['arm']} at ε = {s['epsilon']:g}: {s['reason']}")

@@ -209,8 +209,7 @@ class CorrelatedNoiseStrategy(Strategy):
             self._said.add("inner-config")
             log.warning(
                 "the inner strategy's configure_train sent no message (fraction_train = 0?): "
-                "corrflow's "
-                "cohort trains with the train_config alone"
+                "corrflow's cohort trains with the train_config alone"
             )
         plan = plan.route(self.directory.user_to_node, online, self.run.plan.item_home)
         messages = train_messages(self.cfg, plan, arrays, user_config)

@@ -140,10 +140,9 @@ def check_inner_population(strategy: Strategy, users: int) -> None:
         require(
             value <= users,
             name,
-            f"at most the run's {users} users (Flower's node sampling for federated "
-            "evaluation would wait for nodes the run does not have): lower it, set "
-            "fraction_evaluate=0.0, "
-            "or raise num_users",
+            f"at most the run's {users} users (Flower's node sampling for federated evaluation "
+            "would wait for nodes the run does not have): lower it, set fraction_evaluate=0.0, or "
+            "raise num_users",
             value,
         )
 
@@ -334,8 +333,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"),
             "canaries",
             "a simulation (Flower's simulation engine or corrflow's in-process grid, identity "
-            "partition-id): "
-            "canaries are simulated SuperNodes and cannot join a deployment of real devices",
+            "partition-id): canaries are simulated SuperNodes and cannot join a deployment of "
+            "real devices",
             self.canaries,
         )
         require(
@@ -373,9 +372,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         result["plot"] = str(write_plot(result, capture.scores, self.run_dir / "audit.png"))
         write_json(self.run_dir / "audit.json", result, sort_keys=True)
         log.info(
-            "corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g with "
-            "%d canaries: "
-            "%s",
+            "corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g "
+            "with %d canaries: %s",
             report["realized"]["epsilon"],
             result["epsilon_estimate"],
             result["epsilon_lower"],
@@ -412,9 +410,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         if self.core is None:
             raise CorrflowError(
                 "DifferentialPrivacyCorrelatedNoise factorizes its noise for the run's total "
-                "number "
-                "of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as Flower's "
-                "strategies are driven"
+                "number of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as "
+                "Flower's strategies are driven"
             )
         return self.core
 
