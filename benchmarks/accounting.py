@@ -70,9 +70,8 @@ def verified_case(sigma: float) -> dict:
     import resource
 
     fac = factorize("toeplitz", participation_for(2048, 128, 16, kind="min-sep"), bands=16)
-    spec = SamplingSpec(
-        "bminsep", 3200, 100
-    )  # p0 = B/N = 1/32; b = N/B/2 = 16 by the planner's rule
+    # p0 = B/N = 1/32; b = N/B/2 = 16 by the planner's rule
+    spec = SamplingSpec("bminsep", 3200, 100)
 
     def cpu():
         own, kids = (

@@ -174,9 +174,8 @@ def main() -> None:
         )
         base = _payloads(args.params)
         ours, theirs = [], []
-        for r in range(
-            args.rounds
-        ):  # ABBA: the one that runs first alternates, so load drifts hit both
+        # ABBA: the one that runs first alternates, so load drifts hit both
+        for r in range(args.rounds):
             if r % 2 == 0:
                 ours.append(_corrflow_round(strategy, grid, r))
                 gc.collect()

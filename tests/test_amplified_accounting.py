@@ -91,9 +91,8 @@ def test_verify_threshold_is_the_chernoff_boundary():
         t = verify_threshold(s, share, dv)
         assert 0 < t < dv
         assert math.exp(-s * bernoulli_kl(t, dv)) == pytest.approx(share, rel=1e-6)
-    assert (
-        verify_threshold(1000, 1e-6, 1e-5) == 0.0
-    )  # even δ' = 0 cannot fail that rarely with 1000 samples
+    # even δ' = 0 cannot fail that rarely with 1000 samples
+    assert verify_threshold(1000, 1e-6, 1e-5) == 0.0
 
 
 def test_adaptive_evr_is_deterministic_and_seed_stable():
@@ -110,9 +109,8 @@ def test_adaptive_evr_is_deterministic_and_seed_stable():
     for r in runs:
         assert r.delta_verified + r.failure_budget == pytest.approx(1e-2)
         assert sum(a.failure_share for a in r.attempts) <= r.failure_budget
-        assert (
-            r.estimate < r.epsilon < r.estimate + 0.2
-        )  # the price of verifying at δ' ≈ 0.4·δ with z = 3
+        # the price of verifying at δ' ≈ 0.4·δ with z = 3
+        assert r.estimate < r.epsilon < r.estimate + 0.2
     # A wall clock may only abort: nothing is returned.
     ticks = iter(range(0, 10**6, 100))
     with pytest.raises(CorrflowError, match="nothing is released"):

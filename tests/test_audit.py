@@ -80,9 +80,8 @@ def test_lower_bound_is_zero_without_signal_and_saturates_with_perfect_separatio
     assert lb.guesses_in + lb.guesses_out == 200 and lb.correct == 200 - abs(
         int(inserted.sum()) - 100
     )
-    assert (
-        3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0
-    )  # "about ε 4 at 200 canaries"
+    # "about ε 4 at 200 canaries"
+    assert 3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0
 
 
 # -- the estimator under correlated noise: a Gaussian toy with a known ε ---------------------------
@@ -243,9 +242,8 @@ def _cli(tmp_path, name: str, epsilon: str = "1") -> tuple[int, dict, str]:
 
 
 def test_cli_audit_of_the_default_mechanism(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "corrflow.run.noise.new_secret", lambda: bytes(16)
-    )  # a reproducible noise key
+    # a reproducible noise key
+    monkeypatch.setattr("corrflow.run.noise.new_secret", lambda: bytes(16))
     code, res, output = _cli(tmp_path, "ok")
     assert code == 0, output
     for key in (
@@ -350,9 +348,8 @@ def test_wrapper_canaries_refused_outside_simulation(tmp_path):
     from corrflow.server.inprocess import InProcessGrid
     from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 
-    class DeviceGrid(
-        InProcessGrid
-    ):  # any grid that is not a simulation engine's: node-key identities
+    # any grid that is not a simulation engine's: node-key identities
+    class DeviceGrid(InProcessGrid):
         pass
 
     task = get_task("nextword", seed=0)

@@ -380,9 +380,8 @@ def ray_cluster():
     import tempfile
 
     ray = tool("ray")
-    temp = Path(
-        tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    )  # short: Ray's unix sockets live below it
+    # short: Ray's unix sockets live below it
+    temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
     head_port, *ports = free_ports(8)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)

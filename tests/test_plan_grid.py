@@ -55,9 +55,8 @@ def test_recommended_recipe_runs(setting, tmp_path):
             "--json",
         ],
     )
-    assert out.exit_code in (0, 3), (
-        out.output
-    )  # 3: ran to the end but did not learn (tiny runs may not)
+    # 3: ran to the end but did not learn (tiny runs may not)
+    assert out.exit_code in (0, 3), out.output
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["rounds_completed"] == setting["rounds"] and report["stopped_reason"] is None
     assert report["noise_multiplier"] == pytest.approx(res.recommended.noise_multiplier)

@@ -101,9 +101,8 @@ class SamplingSpec:
     dataset_size: int | None = None
     expected_batch_size: float | None = None
     items_per_user: int = 1  # k_u (multi-attribution)
-    sampling_probability: float | None = (
-        None  # the sampler's Poisson p, when known (else derived from B/N)
-    )
+    # the sampler's Poisson p, when known (else derived from B/N)
+    sampling_probability: float | None = None
     accountant: str | None = None  # one of ACCOUNTANTS_FOR[kind]; None: the default
 
     def __post_init__(self) -> None:
@@ -174,17 +173,15 @@ class AccountingOptions:
         progress: progress lines on stderr for long runs.
     """
 
-    mc_samples: int | None = (
-        None  # Monte Carlo: first batch per direction (None: what the target δ needs)
-    )
+    # Monte Carlo: first batch per direction (None: what the target δ needs)
+    mc_samples: int | None = None
     seed: int = 0
     grid_ratio: float = 1.02
     max_candidates: int = 40
     verify_target: bool = False  # σ calibration (Monte Carlo): draw the samples the target δ needs
     max_samples: int = DEFAULT_MAX_SAMPLES  # Monte Carlo: sample budget per direction, all batches
-    time_limit: float | None = (
-        None  # Monte Carlo: seconds after which the search aborts (nothing released)
-    )
+    # Monte Carlo: seconds after which the search aborts (nothing released)
+    time_limit: float | None = None
     workers: int | None = None  # Monte Carlo: sampler processes (None: the CPU count)
     mmcc_grid: float | None = None  # Δ2; None: the largest sensitivity entry / 256
     delta_split: float = 0.5  # MMCC: share of δ spent on tail bounds
@@ -380,9 +377,8 @@ class UnamplifiedAccountant:
             },
         )
 
-    def epsilon(
-        self, fac, noise_multiplier, delta, *, coarse=False
-    ):  # exact: nothing coarser is cheaper
+    # exact: nothing coarser is cheaper
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
         """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see
         `Accountant.epsilon`).
 
@@ -550,9 +546,8 @@ class MMCCAccountant(_Calibrating):
             return 1, p, None
         cycle = fac.participation.min_sep
         q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
-        q = (
-            1.0 if 1.0 < q <= 1.0 + 1e-9 else q
-        )  # N/B = cycle exactly: rounding must not leave [0, 1]
+        # N/B = cycle exactly: rounding must not leave [0, 1]
+        q = 1.0 if 1.0 < q <= 1.0 + 1e-9 else q
         require(
             q <= 1,
             "expected_batch_size",
@@ -691,9 +686,8 @@ class MonteCarloEVRAccountant:
             f"at most dataset_size/min_sep = {sampling.dataset_size / b:g} for b-min-sep sampling",
             sampling.expected_batch_size,
         )
-        p = sampling.sampling_probability or min(
-            1.0, 1.0 / (1.0 / p0 - (b - 1))
-        )  # 004 §1.5: 1/p0 = 1/p + b − 1
+        # 004 §1.5: 1/p0 = 1/p + b − 1
+        p = sampling.sampling_probability or min(1.0, 1.0 / (1.0 / p0 - (b - 1)))
         require(
             band.shape[1] <= b,
             "factorization",
@@ -842,9 +836,8 @@ class MonteCarloEVRAccountant:
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
         o = self.options
-        if (
-            self.sampling.kind != "poisson"
-        ):  # the fallback is a PLD: refuse a σ it cannot represent first
+        # the fallback is a PLD: refuse a σ it cannot represent first
+        if self.sampling.kind != "poisson":
             k = math.ceil(fac.rounds / self._separation(fac))
             check_pld_size(
                 noise_multiplier,
@@ -1002,9 +995,8 @@ class MonteCarloEVRAccountant:
                 "σ multiplies the clip norm; per-participation sensitivity = column norm of C"
             ),
         }
-        if (
-            chosen == fallback
-        ):  # no candidate below the fallback verified: release the bound that holds without one
+        # no candidate below the fallback verified: release the bound that holds without one
+        if chosen == fallback:
             res = self.fallback_noise_multiplier(fac, target_epsilon, delta)
             return replace(
                 res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc}
@@ -1217,9 +1209,8 @@ class TightestAccountant:
         results = []
         for n in names:
             if n == "unamplified" and self.sampling.kind != "none":
-                if (
-                    "monte-carlo" not in names
-                ):  # else the Monte Carlo calibration starts from and falls back to it
+                # else the Monte Carlo calibration starts from and falls back to it
+                if "monte-carlo" not in names:
                     results.append(
                         (
                             n,

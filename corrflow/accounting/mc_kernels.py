@@ -215,9 +215,7 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def participation_exponents(
-    st, window, min_sep, p, warm, a_q, a_p, x_out
-):  # pragma: no cover - compiled
+def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):
     """The exponents of the mechanism with the differing example (y = σz + Cx) from those without it
     (y = σz).
 
@@ -316,9 +314,8 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
         for s in range(S):
             out[i, s] = o
         k = 0
-        while (
-            k + 4 <= top
-        ):  # four bands per pass over the row: a quarter of the loads and stores of out
+        # four bands per pass over the row: a quarter of the loads and stores of out
+        while k + 4 <= top:
             c0, c1 = band_over_var[i, k], band_over_var[i, k + 1]
             c2, c3 = band_over_var[i, k + 2], band_over_var[i, k + 3]
             for s in range(S):

@@ -326,9 +326,8 @@ class CyclicPoisson:
     def sampling_probability(self) -> float:
         """q = cycle·B/N (1 where rounding puts it within 1e-9 above 1)."""
         q = self.cycle * self.expected_batch_size / self.dataset_size
-        return (
-            1.0 if 1.0 < q <= 1.0 + 1e-9 else q
-        )  # N/B = cycle exactly: rounding must not leave [0, 1]
+        # N/B = cycle exactly: rounding must not leave [0, 1]
+        return 1.0 if 1.0 < q <= 1.0 + 1e-9 else q
 
     @property
     def compositions(self) -> int:
@@ -507,9 +506,8 @@ def calibrate_log_sigma(
     sigma = math.exp(log_s)
     eps = v(sigma)
     up = rtol
-    while (
-        eps > target_epsilon
-    ):  # the fine PLD above the coarse one (rare): step up until it verifies
+    # the fine PLD above the coarse one (rare): step up until it verifies
+    while eps > target_epsilon:
         sigma *= 1 + up
         up *= 2
         eps = v(sigma)

@@ -236,9 +236,8 @@ def _row_pld(args):
         return pld_lib.from_gaussian_mechanism(
             sigma, sensitivity=float(sens[0]), value_discretization_interval=vdi
         )
-    if (
-        support.size == 2 and support[0] == 0
-    ):  # a Poisson-subsampled Gaussian: closed-form inverse, much faster
+    # a Poisson-subsampled Gaussian: closed-form inverse, much faster
+    if support.size == 2 and support[0] == 0:
         return pld_lib.from_gaussian_mechanism(
             sigma,
             sensitivity=float(sens[1]),

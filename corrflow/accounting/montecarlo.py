@@ -106,9 +106,8 @@ def log_likelihood_ratio(
     rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
     log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
     log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
-    band32 = (band * (2.0 * inv2s2)).astype(
-        dtype
-    )  # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
+    # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
+    band32 = (band * (2.0 * inv2s2)).astype(dtype)
     offset = (log_pmf[0] - sq * inv2s2).astype(dtype)
     block = 64  # rows of ⟨c_i, y_{i:i+L}⟩ computed at a time, so the L passes stay in cache
     dots = np.empty((block, S), dtype=dtype)
@@ -377,9 +376,8 @@ def participation_window(band: np.ndarray, sigma: float) -> np.ndarray:
     """
     band = truncate_band(band)
     n, L = band.shape
-    G = np.concatenate(
-        [np.sum(band**2, axis=1)[:, None], column_gram_bands(band)], axis=1
-    )  # ⟨c_j, c_{j+d}⟩
+    # ⟨c_j, c_{j+d}⟩
+    G = np.concatenate([np.sum(band**2, axis=1)[:, None], column_gram_bands(band)], axis=1)
     W = np.zeros((n, 2 * L - 1))
     W[:, L - 1 :] = G  # i = j + d ≥ j
     for d in range(1, L):  # i = j − d: ⟨c_{j−d}, c_j⟩ = G[j − d, d]
@@ -425,9 +423,8 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
     sq = np.sum(band**2, axis=1)
     dots = np.zeros((n, S))
     _block_dots(y, band, 0, n, dots, np.empty((n, S)))
-    a = (dots - 0.5 * sq[:, None]) * inv + math.log(
-        p / (1 - p)
-    )  # log-odds of joining, before interactions
+    # log-odds of joining, before interactions
+    a = (dots - 0.5 * sq[:, None]) * inv + math.log(p / (1 - p))
     G = column_gram_bands(band) * inv
     K = 1 << (L - 1)
     bits = (np.arange(K)[:, None] >> np.arange(L - 1)[None, :]) & 1  # bit d−1 of state s: x_{j−d}
@@ -891,9 +888,8 @@ class MonteCarloAccountant:
             z += self._phase_means[:, rng.integers(0, self.min_sep, size=S)].astype(z.dtype)
         elif self.scheme == "poisson":
             rows, pos, counts = sample_participations(S, n, 1, self.p, rng)
-            for k in range(
-                self.band.shape[1]
-            ):  # participations may be closer than the bands: accumulate
+            # participations may be closer than the bands: accumulate
+            for k in range(self.band.shape[1]):
                 ok = pos + k < n
                 np.add.at(z, (pos[ok] + k, rows[ok]), self.band[pos[ok], k].astype(z.dtype))
         else:
@@ -917,9 +913,8 @@ class MonteCarloAccountant:
         band_v, offset = _exponent_terms(band, sigma, self.p, dtype)
         window = participation_window(band, sigma).astype(dtype)
         add, remove = np.empty(S), np.empty(S)
-        state = rng.integers(
-            1, 2**63, size=4, dtype=np.uint64
-        )  # xoshiro256++'s state: never all zero
+        # xoshiro256++'s state: never all zero
+        state = rng.integers(1, 2**63, size=4, dtype=np.uint64)
         runs = max(64, KERNEL_CHUNK // n)
         buffers: dict[int, tuple] = {}  # per chunk width (all chunks but the last share one set)
         for lo in range(0, S, runs):
@@ -1020,9 +1015,8 @@ def verify_threshold(samples: int, share: float, delta_v: float) -> float:
         return 0.0
     d = brentq(lambda x: bernoulli_kl(x, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9)
     step = delta_v * 1e-9
-    while (
-        d > 0 and bernoulli_kl(d, delta_v) < need
-    ):  # brentq may land just above the root: step to its safe side
+    # brentq may land just above the root: step to its safe side
+    while d > 0 and bernoulli_kl(d, delta_v) < need:
         d, step = max(0.0, d - step), 2 * step
     return float(d)
 

@@ -48,14 +48,12 @@ class PrivacyPlan:
     accountant: dict = field(default_factory=dict)
     amplified: bool = False  # ε from the sampler's randomness (valid while its pattern is followed)
     items_per_user: int = 1  # k_u: the sensitivity of a user's sum of items is ≤ k_u
-    delta: float | None = (
-        None  # δ of the training's ε (None: the run's δ; less when a DP vocabulary
-    )
+    # δ of the training's ε (None: the run's δ; less when a DP vocabulary
+    delta: float | None = None
     #                                       spent part of it — the report's ``total`` composes the
     #                                       two)
-    target_epsilon: float | None = (
-        None  # the training's share of the run's target ε (the budget guard's limit)
-    )
+    # the training's share of the run's target ε (the budget guard's limit)
+    target_epsilon: float | None = None
     vocabulary: dict | None = None  # the report's ``vocabulary`` section (a run on a dataset file)
 
     @property

@@ -320,9 +320,8 @@ class ArxivSpec:
         j = np.arange(cap + 1)
         body = np.where(j >= 1, poisson.pmf(j - 1, self.authors_mean - 1), 0.0)
         body[cap] += poisson.sf(cap - 1, self.authors_mean - 1)
-        surv = np.minimum(
-            1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha
-        )  # P(X ≥ j)
+        # P(X ≥ j)
+        surv = np.minimum(1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha)
         tail = np.zeros(cap + 1)
         tail[1:cap] = surv[1:cap] - surv[2 : cap + 1]
         tail[cap] = surv[cap]

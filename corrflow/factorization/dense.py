@@ -355,9 +355,8 @@ def solve_constrained(
         H[nonneg, nonneg] += mu / x[nonneg] ** 2
         return f, g, H
 
-    X0 = (
-        np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n
-    )  # strictly feasible: slack ≥ 1/2, entries > 0
+    # strictly feasible: slack ≥ 1/2, entries > 0
+    X0 = np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n
     x = X0[li, lj]
     mu = 1.0
     for _ in range(60):

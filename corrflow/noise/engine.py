@@ -430,9 +430,8 @@ class CorrelatedNoise:
                         dst += zb
 
     def _replay(self, t: int) -> np.ndarray:
-        if (
-            self.mode == "blt"
-        ):  # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+        # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+        if self.mode == "blt":
             buf = np.zeros_like(self._buffer)
             out = np.empty(self.dim, dtype=np.float32)
             for s in range(t + 1):

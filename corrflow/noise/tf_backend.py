@@ -89,9 +89,8 @@ class TFCorrelatedNoise(CorrelatedNoise):
                 if p > 1:
                     buf[t % (p - 1), lo:hi].assign(acc)
                 parts.append(acc)
-        elif (
-            self.mode == "blt"
-        ):  # the engine's recursion, in float64 with a float32 state (engine docstring)
+        # the engine's recursion, in float64 with a float32 state (engine docstring)
+        elif self.mode == "blt":
             enc = self.factorization.encoder
             for c, lo, hi in self._chunks():
                 y = tf.cast(self._source.normal(t, c, hi - lo), tf.float64)

@@ -159,9 +159,8 @@ class BoundingReport:
 
     kept: list[int]  # item indices kept
     dropped: int
-    dropped_by_full_user: dict[str, int] = field(
-        default_factory=dict
-    )  # user id -> items refused for it
+    # user id -> items refused for it
+    dropped_by_full_user: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {

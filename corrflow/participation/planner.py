@@ -223,9 +223,8 @@ class CohortPlanner:
         require(0 <= t < self.rounds, "round", f"in [0, {self.rounds})", t)
         if self.kind == "fixed-epoch":
             return sorted(self.items[i] for i in self.groups[t % self.min_sep])
-        if (
-            t not in self._cohorts and t < self._sampler.next_round
-        ):  # an old round: replay from the seed
+        # an old round: replay from the seed
+        if t not in self._cohorts and t < self._sampler.next_round:
             self._sampler, self._cohorts = self._new_sampler(), {}
         while self._sampler.next_round <= t:
             r = self._sampler.next_round

@@ -225,9 +225,8 @@ class MultiAttributionSampler:
         mask = _check_available(available, self.n)
         if mask is not None:
             chosen = chosen[mask[chosen]]
-        self.user_last[users] = (
-            t  # every user of every sampled item starts a cooldown, selected or not
-        )
+        # every user of every sampled item starts a cooldown, selected or not
+        self.user_last[users] = t
         self.next_round += 1
         return chosen
 

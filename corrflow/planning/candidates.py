@@ -132,13 +132,11 @@ class PlanRequest:
     momentum: float = 0.9
     cooldown_fraction: float = 0.25
     tol: float = 5e-4
-    time_budget: float | None = (
-        None  # wall-clock seconds after which the plan aborts (no recipe); None: none
-    )
+    # wall-clock seconds after which the plan aborts (no recipe); None: none
+    time_budget: float | None = None
     mc_samples: int = 100_000
-    dense_iterations: int | None = (
-        None  # the dense optimizer's iteration budget; None: dense_iterations(n)
-    )
+    # the dense optimizer's iteration budget; None: dense_iterations(n)
+    dense_iterations: int | None = None
     damping: Damping | None = None  # None: rank by RMSE at the target ε
 
     def __post_init__(self) -> None:
@@ -366,9 +364,8 @@ class PlanResult:
     seconds: float
     cache_hits: int
     cache_misses: int
-    factorizations: dict = field(
-        default_factory=dict
-    )  # (kind, bands, participation kind) → Factorization
+    # (kind, bands, participation kind) → Factorization
+    factorizations: dict = field(default_factory=dict)
     noise_cost: dict = field(default_factory=dict)
 
 
@@ -577,9 +574,8 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                     }
                 )
                 continue
-            if (
-                kind == "dense" and over
-            ):  # the one build too slow to make only to report it over budget
+            # the one build too slow to make only to report it over budget
+            if kind == "dense" and over:
                 skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
                 continue
             deadline_check(f"before building {kind}" + (f"[{bands}]" if bands else ""))
@@ -741,9 +737,8 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
             and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9)
             and 0 < r["delta"] <= 1
         )
-        if (
-            ok and cand.accountant == "unamplified"
-        ):  # exact and microseconds: re-derive ε from the cached σ
+        # exact and microseconds: re-derive ε from the cached σ
+        if ok and cand.accountant == "unamplified":
             ok = (
                 r["epsilon"]
                 == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon

@@ -107,9 +107,8 @@ class Recipe:
         for key, want in mine.items():
             if key not in settings:
                 continue
-            got = getattr(
-                settings[key], "value", settings[key]
-            )  # an enum member (a CLI choice) by its value
+            # an enum member (a CLI choice) by its value
+            got = getattr(settings[key], "value", settings[key])
             if key == "min_sep":
                 rounds, epochs = (
                     settings.get("num_rounds", self.rounds),

@@ -478,9 +478,8 @@ def plan_training_privacy(
         else {"target_epsilon": cfg.target_epsilon}
     )
     accountant, skipped = _run_accountant(cfg, planner)
-    if (
-        accountant != "unamplified"
-    ):  # the sampler's own accountant (004, 002), or the tightest of them (None)
+    # the sampler's own accountant (004, 002), or the tightest of them (None)
+    if accountant != "unamplified":
         require(
             k_u == 1 or planner.kind == "multi-attribution",
             "accountant",
@@ -594,9 +593,8 @@ def selection_line(acc: dict) -> str:
         if b is not used
     ]
     others += [f"{s['accountant']} not computed ({s['reason']})" for s in acc.get("skipped", [])]
-    fallback = (
-        acc.get("released") == "fallback"
-    )  # Monte Carlo verified nothing better: its fallback bound stands
+    # Monte Carlo verified nothing better: its fallback bound stands
+    fallback = acc.get("released") == "fallback"
     return (
         f"accountant {acc['selected']}"
         + (f" (released its fallback, {acc['name']})" if fallback else "")

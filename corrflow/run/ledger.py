@@ -18,9 +18,8 @@ from corrflow.errors import IntegrityError
 @dataclass
 class Ledger:
     selected: dict[str, list[int]] = field(default_factory=dict)  # user -> rounds selected
-    replied: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # user -> rounds with an accepted update
+    # user -> rounds with an accepted update
+    replied: dict[str, list[int]] = field(default_factory=dict)
     rejections: list[dict] = field(default_factory=list)  # {"round", "user", "reason"}
     overrides: list[dict] = field(default_factory=list)
     rounds_completed: int = 0

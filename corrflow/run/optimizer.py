@@ -40,9 +40,8 @@ class MomentumServerOptimizer:
         new_m, new_p = [], []
         for p, m, u in zip(params, momentum, update, strict=True):
             if self.momentum:
-                nm = np.multiply(
-                    m, self.momentum, dtype=np.float32
-                )  # new arrays: the inputs stay as they were
+                # new arrays: the inputs stay as they were
+                nm = np.multiply(m, self.momentum, dtype=np.float32)
                 nm += u
             else:
                 nm = np.array(u, dtype=np.float32)

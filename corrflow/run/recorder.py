@@ -201,9 +201,8 @@ class Recorder:
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
             report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
-        if (
-            plan.vocabulary is not None
-        ):  # a run on a dataset file: how its vocabulary was built, and the total
+        # a run on a dataset file: how its vocabulary was built, and the total
+        if plan.vocabulary is not None:
             report["vocabulary"] = plan.vocabulary
             report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
         return report

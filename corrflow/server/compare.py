@@ -94,9 +94,8 @@ class Preset:
     momentum: float = 0.9
     local_lr: float = 2.0
     local_steps: int = 2
-    data_path: str = (
-        ""  # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
-    )
+    # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
+    data_path: str = ""
     vocab_path: str = ""
     # the planner's κ (plan arm): declared, or measured on PUBLIC proxy data (a file in the format
     # of --data and its vocabulary); neither: measured on the synthetic generator with another seed
@@ -506,9 +505,8 @@ def run_arm(
     )
     rounds = [m for m in curve if m["round"] >= 0]
     rmse = None
-    if (
-        private
-    ):  # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+    # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+    if private:
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
     result = {

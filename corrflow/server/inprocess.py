@@ -34,9 +34,8 @@ def enable_offline_messages() -> None:
 
 
 class InProcessGrid(Grid):
-    synchronous = (
-        True  # every reply exists once push_messages returns (replies may answer no request id)
-    )
+    # every reply exists once push_messages returns (replies may answer no request id)
+    synchronous = True
 
     def __init__(
         self,

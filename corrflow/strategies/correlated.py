@@ -334,9 +334,8 @@ def run_rounds(
         if strategy.stopped_reason:
             break
         new_arrays, metrics = train_round(strategy, grid, server_round, messages, timeout, stop)
-        del (
-            messages
-        )  # the cohort's replies (cohort × model bytes) go now, not with the next round's
+        # the cohort's replies (cohort × model bytes) go now, not with the next round's
+        del messages
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
