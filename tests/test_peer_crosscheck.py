@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-jp = pytest.importorskip("jax_privacy.matrix_factorization")
+pytest.importorskip("jax_privacy.matrix_factorization")
 jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
 

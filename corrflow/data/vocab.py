@@ -69,9 +69,6 @@ class Vocabulary:
         """Size of the model's input/output layer: specials + OOV buckets + words."""
         return self.first_word + len(self.words)
 
-    def is_oov(self, ids: np.ndarray) -> np.ndarray:
-        return (ids >= 3) & (ids < self.first_word)
-
     def lookup(self, word: str) -> int:
         i = self._index.get(word)
         return i if i is not None else 3 + zlib.crc32(word.encode()) % self.oov_buckets

@@ -24,10 +24,6 @@ class MomentumServerOptimizer:
         self.schedule = workload.learning_rates(rounds)
         self.momentum = np.float32(workload.momentum)
 
-    @staticmethod
-    def initial_momentum(shapes) -> list[np.ndarray]:
-        return [np.zeros(s, dtype=np.float32) for s in shapes]
-
     def step(
         self,
         params: list[np.ndarray],

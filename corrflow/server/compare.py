@@ -122,8 +122,6 @@ PRESETS = {
     "large": Preset("large", users=50_000, rounds=100, epochs=1, seeds=2, delta=1e-6),
 }
 
-#: Arms that always run (the correlated kinds and their amplified variants are added to them).
-FIXED_ARMS = ("nonprivate", "dpsgd", "dpsgd-poisson", "plan")
 DPSGD_ARMS = ("dpsgd", "dpsgd-poisson")
 AMPLIFIED_SUFFIX = "-amplified"
 
