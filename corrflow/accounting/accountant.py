@@ -51,6 +51,7 @@ from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
 from corrflow.accounting.montecarlo import (
     DEFAULT_MAX_SAMPLES,
     MAX_FORWARD_BANDS,
+    EVRRun,
     MonteCarloAccountant,
     adaptive_evr,
     first_verification_size,
@@ -861,12 +862,17 @@ class MonteCarloEVRAccountant:
             progress=o.progress,
             workers=o.workers,
         )
+        return self._evr_result(run, params, noise_multiplier, delta)
+
+    def _evr_result(self, run: EVRRun, params: dict, noise_multiplier, delta) -> AccountingResult:
+        """The `AccountingResult` of an Estimate-Verify-Release run: the verified pair, or the
+        unverified estimate with δ = 1 when the sample budget ran out."""
         acc = {
             **params,
             **run.to_dict(),
             "directions": "add and remove",
             "release_z": RELEASE_Z,
-            "seed": o.seed,
+            "seed": self.options.seed,
             "verify_rule": (
                 "attempt i: fresh samples, sized from the earlier ones; threshold δ' with "
                 "wrong-pass probability ≤ β/2^(i+1); released δ = δ_mechanism + β"
@@ -968,18 +974,10 @@ class MonteCarloEVRAccountant:
         o = self.options
         delta_prime = delta / 2
         verify_n, needed = self._verify_samples(delta_prime, delta)
-        sens_fb = self.fallback_sensitivity(fac)[
-            0
-        ]  # the same rule as fallback(): √k only where bands ≤ b
+        # the same rule as fallback(): √k only where bands ≤ b
+        sens_fb = self.fallback_sensitivity(fac)[0]
         fallback = gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
-        chosen, tried = fallback, []
-        for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
-            cand = chosen / o.grid_ratio
-            passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, verify_n, child)
-            tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
-            if not passed:
-                break
-            chosen = cand
+        chosen, tried = self._verify_candidates(mc, fallback, target_epsilon, delta_prime, verify_n)
         d_overall = overall_delta(verify_n, delta_prime)
         acc = {
             **params,
@@ -1002,29 +1000,8 @@ class MonteCarloEVRAccountant:
                 res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc}
             )
         if d_overall > delta * (1 + 1e-12):
-            # The samples per candidate verify only a larger δ: release the fallback σ, which holds
-            # at the target, and name both (never an unverified pair).
-            note = (
-                f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
-                f"= {d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
-                f"(--verify-target draws the {needed} samples per candidate the target needs)"
-            )
-            print(note, file=sys.stderr)
-            fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
-            return AccountingResult(
-                "analytic-gaussian",
-                fb_eps,
-                delta,
-                fallback,
-                delta,
-                target_epsilon,
-                parameters={
-                    **acc,
-                    "released": "fallback",
-                    "fallback_reason": note,
-                    "monte_carlo_noise_multiplier": chosen,
-                    "sensitivity": sens_fb,
-                },
+            return self._larger_delta_fallback(
+                acc, chosen, fallback, sens_fb, target_epsilon, delta
             )
         return AccountingResult(
             "monte-carlo",
@@ -1035,6 +1012,49 @@ class MonteCarloEVRAccountant:
             target_epsilon,
             slack=d_overall - delta_prime,
             parameters=acc,
+        )
+
+    def _verify_candidates(self, mc, fallback, target_epsilon, delta_prime, verify_n):
+        """Candidates from ``fallback`` down by ``grid_ratio``, each verified on fresh samples,
+        until one fails; returns the last verified σ (``fallback`` when none passed) and every
+        candidate tried."""
+        o = self.options
+        chosen, tried = fallback, []
+        for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
+            cand = chosen / o.grid_ratio
+            passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, verify_n, child)
+            tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
+            if not passed:
+                break
+            chosen = cand
+        return chosen, tried
+
+    def _larger_delta_fallback(self, acc, chosen, fallback, sens_fb, target_epsilon, delta):
+        """The samples per candidate verify only a larger δ than the target: release the fallback
+        σ, which holds at the target, and name both (never an unverified pair)."""
+        verify_n, d_overall = acc["samples"], acc["overall_delta"]
+        needed = acc["samples_needed_for_target_delta"]
+        note = (
+            f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
+            f"= {d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
+            f"(--verify-target draws the {needed} samples per candidate the target needs)"
+        )
+        print(note, file=sys.stderr)
+        fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
+        return AccountingResult(
+            "analytic-gaussian",
+            fb_eps,
+            delta,
+            fallback,
+            delta,
+            target_epsilon,
+            parameters={
+                **acc,
+                "released": "fallback",
+                "fallback_reason": note,
+                "monte_carlo_noise_multiplier": chosen,
+                "sensitivity": sens_fb,
+            },
         )
 
 

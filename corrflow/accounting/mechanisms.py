@@ -469,19 +469,56 @@ def calibrate_log_sigma(
 
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
-    calls = {"probe": 0, "verify": 0}
-    probed: dict[float, float] = {}
+    calls = _CountedCalls(probe, verify, target_epsilon)
+    lo, hi = _bracket(calls.p, guess, limit, target_epsilon)
+    if calls.p(lo) <= 0:
+        log_s = lo
+    else:
+        log_s = brentq(calls.p, lo, hi, xtol=rtol / 2, rtol=4 * np.finfo(float).eps)
+        if calls.p(log_s) > 0:  # brentq's answer may sit just below the root: take the safe end
+            log_s = min(
+                (x for x, e in calls.probed.items() if e <= target_epsilon and x >= log_s),
+                default=hi,
+            )
+    sigma = math.exp(log_s)
+    eps = calls.v(sigma)
+    up = rtol
+    # the fine PLD above the coarse one (rare): step up until it verifies
+    while eps > target_epsilon:
+        sigma *= 1 + up
+        up *= 2
+        eps = calls.v(sigma)
+        if sigma > limit:
+            raise InvalidArgumentError(
+                "target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon
+            )
+    sigma, eps = _secant_step(calls, sigma, eps, log_s, target_epsilon, rtol)
+    return Calibration(sigma, eps, calls.probes, calls.verifications)
 
-    def p(log_s: float) -> float:
-        if log_s not in probed:
-            calls["probe"] += 1
-            probed[log_s] = probe(math.exp(log_s))
-        return probed[log_s] - target_epsilon
 
-    def v(sigma: float) -> float:
-        calls["verify"] += 1
-        return verify(sigma)
+class _CountedCalls:
+    """`calibrate_log_sigma`'s accountant calls, counted: ``p(log σ)`` = probe(σ) − target (each
+    log σ probed once, kept in ``probed`` as log σ → ε) and ``v(σ)`` = verify(σ)."""
 
+    def __init__(self, probe, verify, target_epsilon: float):
+        self.probe, self.verify, self.target = probe, verify, target_epsilon
+        self.probed: dict[float, float] = {}
+        self.probes = self.verifications = 0
+
+    def p(self, log_s: float) -> float:
+        if log_s not in self.probed:
+            self.probes += 1
+            self.probed[log_s] = self.probe(math.exp(log_s))
+        return self.probed[log_s] - self.target
+
+    def v(self, sigma: float) -> float:
+        self.verifications += 1
+        return self.verify(sigma)
+
+
+def _bracket(p, guess: float, limit: float, target_epsilon: float) -> tuple[float, float]:
+    """(lo, hi) in log σ with p(hi) ≤ 0 < p(lo), stepping ×1.25 from ``guess``; lo = hi when σ
+    reaches 1e-6 with p still ≤ 0."""
     step = math.log(1.25)
     hi = math.log(guess)
     while p(hi) > 0:
@@ -495,35 +532,20 @@ def calibrate_log_sigma(
         lo, hi = lo - step, lo
         if lo < math.log(1e-6):
             break
-    if p(lo) <= 0:
-        log_s = hi = lo
-    else:
-        log_s = brentq(p, lo, hi, xtol=rtol / 2, rtol=4 * np.finfo(float).eps)
-        if p(log_s) > 0:  # brentq's answer may sit just below the root: take the bracket's safe end
-            log_s = min(
-                (x for x, e in probed.items() if e <= target_epsilon and x >= log_s), default=hi
-            )
-    sigma = math.exp(log_s)
-    eps = v(sigma)
-    up = rtol
-    # the fine PLD above the coarse one (rare): step up until it verifies
-    while eps > target_epsilon:
-        sigma *= 1 + up
-        up *= 2
-        eps = v(sigma)
-        if sigma > limit:
-            raise InvalidArgumentError(
-                "target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon
-            )
+    return lo, hi
+
+
+def _secant_step(calls: _CountedCalls, sigma, eps, log_s, target_epsilon, rtol):
+    """When the verified ε leaves more than ``rtol`` of the target unused: one secant step on the
+    verified curve, with the slope dε/dlog σ of the two probes closest to the root; kept only if
+    it verifies."""
     unused = (target_epsilon - eps) / target_epsilon
-    if unused > rtol and len(probed) >= 2:
-        # slope dε/dlog σ from the two probes closest to the root, then one secant step on the
-        # verified curve
-        (x0, e0), (x1, e1) = sorted(probed.items(), key=lambda kv: abs(kv[0] - log_s))[:2]
+    if unused > rtol and len(calls.probed) >= 2:
+        (x0, e0), (x1, e1) = sorted(calls.probed.items(), key=lambda kv: abs(kv[0] - log_s))[:2]
         slope = (e1 - e0) / (x1 - x0) if x1 != x0 else 0.0
         if slope < 0:
             cand = sigma * math.exp((target_epsilon - eps) / slope * (1 - rtol))
-            e_c = v(cand)
+            e_c = calls.v(cand)
             if e_c <= target_epsilon:
                 sigma, eps = cand, e_c
-    return Calibration(sigma, eps, calls["probe"], calls["verify"])
+    return sigma, eps

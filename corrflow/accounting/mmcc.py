@@ -313,6 +313,37 @@ def mmcc_epsilon(
     """
     C = np.asarray(C, dtype=np.float64)
     check_encoder(C)
+    groups, problems, grid = _block_problems(C, q, delta, delta_split, cycle, groups, grid)
+    best = None
+    for k, (H, Cb) in zip(groups, problems, strict=True):
+        run = _group_epsilon(
+            H,
+            Cb,
+            cycle,
+            q,
+            sigma,
+            delta,
+            delta_split,
+            grid,
+            discretization,
+            workers,
+            progress,
+            groups,
+        )
+        if best is None or run.epsilon > best.epsilon:
+            best = run
+        if progress:
+            print(
+                f"MMCC group {k}: ε = {run.epsilon:.6g} ({run.distinct_rows} distinct of "
+                f"{run.rows} rows)",
+                file=sys.stderr,
+            )
+    return best
+
+
+def _block_problems(C, q, delta, delta_split, cycle, groups, grid):
+    """Check `mmcc_epsilon`'s parameters; return the groups, their block problems
+    (`block_problem`) and the grid Δ2 (default: the largest block entry / 256)."""
     n = C.shape[0]
     require(
         isinstance(cycle, int) and 1 <= cycle <= n,
@@ -336,55 +367,60 @@ def mmcc_epsilon(
         f"entry {top:.4g} in ≥ {MIN_GRID_STEPS} steps; a coarser grid rounds C up too far)",
         grid,
     )
+    return groups, problems, grid
 
-    best = None
-    for k, (H, Cb) in zip(groups, problems, strict=True):
-        check_pld_size(sigma, float(Cb.sum(axis=1).max()), discretization=discretization)
-        # δ1 is needed only when some block sees a column with history (never for cycle-banded C).
-        hist = np.vstack([np.zeros(H.shape[1]), np.cumsum(H**2, axis=0)])[
-            np.minimum(np.arange(Cb.shape[0]) * cycle, H.shape[0])
-        ]
-        trivial = not bool(((Cb > 0) & (hist > 0)).any())
-        delta1 = 0.0 if trivial else delta * delta_split
-        pt, pairs = tail_bounds(H, Cb, cycle, q, sigma, delta1)
-        pt = _round_up_probability(pt)
-        idx = np.ceil(Cb / grid - 1e-12).astype(np.int64)  # round up: pessimistic (Lemma B.2)
-        keys: dict[bytes, int] = {}
-        rows, counts = [], []
-        for i in range(Cb.shape[0]):
-            J = np.flatnonzero(idx[i])
-            if not J.size:
-                continue
-            order = np.lexsort((pt[i, J], idx[i, J]))
-            key = idx[i, J][order].tobytes() + pt[i, J][order].tobytes()
-            if key in keys:
-                counts[keys[key]] += 1
-            else:
-                keys[key] = len(rows)
-                rows.append((idx[i, J][order], pt[i, J][order]))
-                counts.append(1)
-        jobs = [(sigma, grid, *row_pmf(a, b), discretization) for a, b in rows]
-        plds = _build_plds(jobs, workers, progress)
-        eps = float(_compose(plds, counts).get_epsilon_for_delta(delta - delta1))
-        run = MMCCRun(
-            eps,
-            delta1,
-            delta - delta1,
-            grid,
-            int(sum(counts)),
-            len(rows),
-            pairs,
-            float(pt[Cb > 0].max()),
-            len(groups),
-        )
-        if best is None or run.epsilon > best.epsilon:
-            best = run
-        if progress:
-            print(
-                f"MMCC group {k}: ε = {eps:.6g} ({len(rows)} distinct of {sum(counts)} rows)",
-                file=sys.stderr,
-            )
-    return best
+
+def _group_epsilon(
+    H, Cb, cycle, q, sigma, delta, delta_split, grid, discretization, workers, progress, groups
+) -> MMCCRun:
+    """ε of one cyclic Poisson group's block problem (``block_problem``): tail bounds where a
+    column has history, then the composition of its distinct rows' PLDs (002 Alg. 3); ``groups``
+    are the groups analysed in all."""
+    check_pld_size(sigma, float(Cb.sum(axis=1).max()), discretization=discretization)
+    # δ1 is needed only when some block sees a column with history (never for cycle-banded C).
+    hist = np.vstack([np.zeros(H.shape[1]), np.cumsum(H**2, axis=0)])[
+        np.minimum(np.arange(Cb.shape[0]) * cycle, H.shape[0])
+    ]
+    trivial = not bool(((Cb > 0) & (hist > 0)).any())
+    delta1 = 0.0 if trivial else delta * delta_split
+    pt, pairs = tail_bounds(H, Cb, cycle, q, sigma, delta1)
+    pt = _round_up_probability(pt)
+    idx = np.ceil(Cb / grid - 1e-12).astype(np.int64)  # round up: pessimistic (Lemma B.2)
+    rows, counts = _distinct_rows(idx, pt)
+    jobs = [(sigma, grid, *row_pmf(a, b), discretization) for a, b in rows]
+    plds = _build_plds(jobs, workers, progress)
+    eps = float(_compose(plds, counts).get_epsilon_for_delta(delta - delta1))
+    return MMCCRun(
+        eps,
+        delta1,
+        delta - delta1,
+        grid,
+        int(sum(counts)),
+        len(rows),
+        pairs,
+        float(pt[Cb > 0].max()),
+        len(groups),
+    )
+
+
+def _distinct_rows(idx: np.ndarray, pt: np.ndarray) -> tuple[list, list[int]]:
+    """The distinct non-empty rows of the rounded block (grid indices and tail probabilities,
+    in a canonical order) and how many times each occurs: equal rows have equal PLDs."""
+    keys: dict[bytes, int] = {}
+    rows, counts = [], []
+    for i in range(idx.shape[0]):
+        J = np.flatnonzero(idx[i])
+        if not J.size:
+            continue
+        order = np.lexsort((pt[i, J], idx[i, J]))
+        key = idx[i, J][order].tobytes() + pt[i, J][order].tobytes()
+        if key in keys:
+            counts[keys[key]] += 1
+        else:
+            keys[key] = len(rows)
+            rows.append((idx[i, J][order], pt[i, J][order]))
+            counts.append(1)
+    return rows, counts
 
 
 def _build_plds(jobs: list, workers: int | None, progress: bool) -> list:

@@ -102,10 +102,7 @@ def log_likelihood_ratio(
     sq = np.sum(band**2, axis=1)
     inv2s2 = 1.0 / (2.0 * sigma * sigma)
     log_skip = dtype.type(k_u * math.log1p(-p) if p < 1 else -np.inf)
-    js = np.arange(1, k_u + 1)
-    rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
-    log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
-    log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
+    js, log_pmf = _joined_items_log_pmf(k_u, p)
     # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
     band32 = (band * (2.0 * inv2s2)).astype(dtype)
     offset = (log_pmf[0] - sq * inv2s2).astype(dtype)
@@ -134,6 +131,22 @@ def log_likelihood_ratio(
                 buf[i % b] = join
     if not warm:
         return buf[0].astype(np.float64)
+    return _warm_start_mixture(buf, b, p, k_u)
+
+
+def _joined_items_log_pmf(k_u: int, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """j = 1..k_u and log P(j of a user's k_u items join) under Binomial(k_u, p)
+    (004 Thm 6.1)."""
+    js = np.arange(1, k_u + 1)
+    rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
+    log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
+    log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
+    return js, log_pmf
+
+
+def _warm_start_mixture(buf: np.ndarray, b: int, p: float, k_u: int) -> np.ndarray:
+    """The warm-start likelihood ratio (004 Alg. 2): the cold-start ratios of the b start phases
+    mixed with the stationary weights (1, p, …, p)/(1 + (b − 1)p)."""
     require(
         k_u == 1,
         "k_u",
@@ -141,7 +154,7 @@ def log_likelihood_ratio(
         k_u,
     )
     if b > 1:
-        buf[1:b] += dtype.type(math.log(p))
+        buf[1:b] += buf.dtype.type(math.log(p))
     top = buf.max(axis=0)
     return (top + np.log(np.exp(buf - top).sum(axis=0))).astype(np.float64) - math.log1p(
         (b - 1) * p
@@ -1253,97 +1266,118 @@ def adaptive_evr(
 
     clock = clock or time.monotonic
     start = clock()
-    beta = EVR_FAILURE_SHARE * delta_target
-    delta_v = delta_target - beta
+    search = _EVRSearch(mc, sigma, delta_target, seed, max_samples, release_z, workers, progress)
     if first_samples is None:
         s0 = min(first_verification_size(delta_target), FIRST_BATCH_CAP)
     else:
         s0 = int(first_samples)
-    s0 = max(2, min(s0, max_samples // 2))
-    est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
-    est_seeds, children = est_root.spawn(64), ver_root.spawn(64)
-
-    def draw(size, child, floor=None):
-        return mc.sample_losses(
-            sigma, size, child, workers=workers, progress=progress, keep_above=floor
-        )
-
-    pool = draw(s0, est_seeds[0])
-    # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing
-    # contributes to δ̂ at the thresholds used; a floor set too high only makes ε larger, never
-    # invalid.
-    level = max(100 * delta_target, 50 / pool.samples)
-    floor = pool.epsilon(level) if level < 0.5 else None
-    if floor is not None:
-        pool = MonteCarloEstimate(
-            sigma,
-            pool.add[pool.add > floor],
-            pool.remove[pool.remove > floor],
-            count=pool.samples,
-            floor=floor,
-        )
-    drawn = s0
-    attempts: list[EVRAttempt] = []
-    i, j = 0, 1
-    while i < len(children) and j < len(est_seeds):
+    search.estimate(max(2, min(s0, max_samples // 2)))
+    while search.i < len(search.children) and search.j < len(search.est_seeds):
         if time_limit is not None and clock() - start > time_limit:
             raise CorrflowError(
                 f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
-                f"{time_limit:g} s) with {drawn} samples per direction; nothing is released"
+                f"{time_limit:g} s) with {search.drawn} samples per direction; nothing is released"
             )
-        left = max_samples - drawn
-        share = beta / 2 ** (i + 1)
+        step = search.step()
+        if step == "passed":
+            return search.result(True, search.attempts[-1].epsilon)
+        if step == "spent":
+            break
+    return search.result(False, None)
+
+
+class _EVRSearch:
+    """The state of one `adaptive_evr` search: the pool of samples drawn so far (losses below the
+    floor dropped), the attempts made, and the child seeds of estimation batch j and attempt i."""
+
+    def __init__(self, mc, sigma, delta_target, seed, max_samples, release_z, workers, progress):
+        self.mc, self.sigma, self.delta_target = mc, sigma, delta_target
+        self.max_samples, self.release_z = max_samples, release_z
+        self.workers, self.progress = workers, progress
+        self.beta = EVR_FAILURE_SHARE * delta_target
+        self.delta_v = delta_target - self.beta
+        est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
+        self.est_seeds, self.children = est_root.spawn(64), ver_root.spawn(64)
+        self.attempts: list[EVRAttempt] = []
+        self.i, self.j = 0, 1
+        self.floor = None
+
+    def draw(self, size, child, floor=None):
+        return self.mc.sample_losses(
+            self.sigma,
+            size,
+            child,
+            workers=self.workers,
+            progress=self.progress,
+            keep_above=floor,
+        )
+
+    def estimate(self, s0: int) -> None:
+        """Draw the estimation batch of ``s0`` samples and set the floor."""
+        pool = self.draw(s0, self.est_seeds[0])
+        # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it)
+        # nothing contributes to δ̂ at the thresholds used; a floor set too high only makes ε
+        # larger, never invalid.
+        level = max(100 * self.delta_target, 50 / pool.samples)
+        floor = pool.epsilon(level) if level < 0.5 else None
+        if floor is not None:
+            pool = MonteCarloEstimate(
+                self.sigma,
+                pool.add[pool.add > floor],
+                pool.remove[pool.remove > floor],
+                count=pool.samples,
+                floor=floor,
+            )
+        self.pool, self.floor, self.drawn, self.s0 = pool, floor, s0, s0
+
+    def step(self) -> str:
+        """Plan and run the next attempt: ``"passed"``, ``"failed"``, ``"spent"`` (no affordable
+        attempt) or ``"estimated"`` (the first attempt could not be sized: the pool doubled)."""
+        i, pool, delta_v, z = self.i, self.pool, self.delta_v, self.release_z
+        left = self.max_samples - self.drawn
+        share = self.beta / 2 ** (i + 1)
         if i == 0:
-            plan = plan_attempt(
-                pool, share, delta_v, min(s0, left), pool.epsilon(delta_v), release_z
-            )
+            plan = plan_attempt(pool, share, delta_v, min(self.s0, left), pool.epsilon(delta_v), z)
         else:
-            eps_min = attempts[-1].epsilon * (1 + EPSILON_STEP)
-            plan = plan_attempt(pool, share, delta_v, left, eps_min, release_z)
+            eps_min = self.attempts[-1].epsilon * (1 + EPSILON_STEP)
+            plan = plan_attempt(pool, share, delta_v, left, eps_min, z)
         if plan is None:
             if i > 0 or left < 2:
-                break  # no affordable attempt: the budget is spent
+                return "spent"
             # The estimation batch is too small to size a first attempt: estimation only (no share
             # of β spent), doubling the pool.
-            size = min(drawn, left)
-            pool = pool.merged(draw(size, est_seeds[j], floor))
-            drawn, j, s0 = drawn + size, j + 1, drawn + size
-            continue
+            size = min(self.drawn, left)
+            self.pool = pool.merged(self.draw(size, self.est_seeds[self.j], self.floor))
+            self.drawn, self.j, self.s0 = self.drawn + size, self.j + 1, self.drawn + size
+            return "estimated"
         eps, size, upper = plan
         threshold = verify_threshold(size, share, delta_v)
-        ver = draw(size, children[i], floor)
-        drawn += size
+        ver = self.draw(size, self.children[i], self.floor)
+        self.drawn += size
         d_hat, _ = ver.delta(eps)
         passed = bool(d_hat <= threshold)
-        attempts.append(EVRAttempt(size, threshold, share, eps, upper, d_hat, passed))
-        if progress:
+        self.attempts.append(EVRAttempt(size, threshold, share, eps, upper, d_hat, passed))
+        if self.progress:
             print(
                 f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
                 f"({'passed' if passed else 'failed'}, {size} samples)",
                 file=sys.stderr,
             )
-        pool = pool.merged(ver)
+        self.pool = pool.merged(ver)
         if passed:
-            return EVRRun(
-                True,
-                eps,
-                delta_target,
-                delta_v,
-                beta,
-                pool.epsilon(delta_v),
-                drawn,
-                max_samples,
-                attempts,
-            )
-        i += 1
-    return EVRRun(
-        False,
-        None,
-        delta_target,
-        delta_v,
-        beta,
-        pool.epsilon(delta_v),
-        drawn,
-        max_samples,
-        attempts,
-    )
+            return "passed"
+        self.i += 1
+        return "failed"
+
+    def result(self, passed: bool, eps: float | None) -> EVRRun:
+        return EVRRun(
+            passed,
+            eps,
+            self.delta_target,
+            self.delta_v,
+            self.beta,
+            self.pool.epsilon(self.delta_v),
+            self.drawn,
+            self.max_samples,
+            self.attempts,
+        )

@@ -102,7 +102,46 @@ def factorize(
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
     workload = workload or Workload.prefix()
-    n = participation.rounds
+    _check_options(kind, participation.rounds, bands, stamps, taper, buffers, gamma)
+    inner = _inner_participation(participation, stamps)
+    spec = kind_spec(kind)
+    m = inner.rounds
+    p = bands if bands is not None else min(inner.min_sep, m)
+    start = time.perf_counter()
+    enc, built = spec.build(
+        BuildRequest(
+            workload,
+            inner,
+            p,
+            buffers=buffers,
+            gamma=gamma,
+            search_gamma=search_gamma,
+            taper=taper,
+            tol=tol,
+            time_budget=time_budget,
+            callback=callback,
+            max_iterations=max_iterations,
+        )
+    )
+    meta: dict = {"stamps": stamps, **built}
+    if stamps != 1 and "lower_bound" in meta:
+        meta["lower_bound"] = None  # the dual bound bounds the unstamped problem only
+    enc = stamp_encoder(enc, stamps)
+    meta["seconds"] = time.perf_counter() - start
+    return normalized(kind, workload, participation, enc, meta)
+
+
+def _check_options(
+    kind: str,
+    n: int,
+    bands: int | None,
+    stamps: int,
+    taper: int | None,
+    buffers: int | None,
+    gamma: float | None,
+) -> None:
+    """Refuse, naming the option, a ``factorize`` option that ``kind`` does not take or a value out
+    of its range."""
     require(
         isinstance(stamps, int | np.integer) and stamps >= 1 and n % stamps == 0,
         "stamps",
@@ -136,32 +175,6 @@ def factorize(
     if gamma is not None:
         require(kind in GAMMA_KINDS, "gamma", f"only with kinds {', '.join(GAMMA_KINDS)}", gamma)
         require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
-    inner = _inner_participation(participation, stamps)
-    spec = kind_spec(kind)
-    m = inner.rounds
-    p = bands if bands is not None else min(inner.min_sep, m)
-    start = time.perf_counter()
-    enc, built = spec.build(
-        BuildRequest(
-            workload,
-            inner,
-            p,
-            buffers=buffers,
-            gamma=gamma,
-            search_gamma=search_gamma,
-            taper=taper,
-            tol=tol,
-            time_budget=time_budget,
-            callback=callback,
-            max_iterations=max_iterations,
-        )
-    )
-    meta: dict = {"stamps": stamps, **built}
-    if stamps != 1 and "lower_bound" in meta:
-        meta["lower_bound"] = None  # the dual bound bounds the unstamped problem only
-    enc = stamp_encoder(enc, stamps)
-    meta["seconds"] = time.perf_counter() - start
-    return normalized(kind, workload, participation, enc, meta)
 
 
 def _inner_participation(participation: Participation, stamps: int) -> Participation:

@@ -183,8 +183,12 @@ class CorrelatedNoise:
         self.first_chunk = first_chunk
         self.rounds = factorization.rounds
         self.next_round = 0
-        enc = factorization.encoder
         self._buffer: np.ndarray | None = None
+        self._prepare_mode(factorization.encoder)
+
+    def _prepare_mode(self, enc) -> None:
+        """Check that the mode fits the encoder and allocate its state: the banded or BLT buffer
+        (zeros), the banded inverse's coefficients, or the dense mode's C⁻¹."""
         if self.mode == "banded":
             require(
                 isinstance(enc, ToeplitzEncoder | BandedEncoder),

@@ -175,6 +175,58 @@ def load_graph(path: str) -> AttributionGraph:
     return load_attribution(p)
 
 
+def _items_of(cfg: RunConfig, identities: list[str]) -> tuple[list[str], dict[str, str] | None]:
+    """The items a run samples, sorted: its node identities, or (cross-silo) the examples of the
+    manifest, each with the silo that holds it."""
+    if cfg.mode != "cross-silo":
+        return sorted(identities), None
+    manifest = load_manifest(cfg.manifest_path)
+    item_home = {
+        str(item): f"partition-{part['partition_id']}"
+        for part in manifest["partitions"]
+        for item in part.get("items", part.get("users", []))
+    }
+    missing = sorted({h for h in item_home.values()} - set(identities))
+    require(
+        not missing,
+        "manifest-path",
+        "a silo (partition) online for every manifest partition",
+        missing[:5],
+    )
+    return sorted(item_home), item_home
+
+
+def _graph_of(cfg: RunConfig, items: list[str]) -> AttributionGraph:
+    """The users behind ``items``: the attribution file's, an arXiv data file's authors, or one
+    user per item."""
+    graph = None
+    if cfg.attribution_path:
+        graph = load_graph(cfg.attribution_path)
+    elif (
+        cfg.data_path and cfg.mode == "cross-device" and data_format(cfg.data_path) == "arxiv-jsonl"
+    ):
+        require(
+            cfg.participation == "multi-attribution",
+            "participation",
+            "multi-attribution with an arXiv data file (a paper belongs to all its authors, "
+            "004 §6)",
+            cfg.participation,
+        )
+        # items: partition-<i>
+        graph = TextSource(cfg.data_path, cfg.vocab_path or "-").attribution()
+    if graph is None:
+        return AttributionGraph(items, items, [[i] for i in range(len(items))])
+    index = {item: i for i, item in enumerate(graph.item_ids)}
+    unknown = [i for i in items if i not in index]
+    require(
+        not unknown,
+        "attribution-path",
+        "every item (node identity or example id) in the graph",
+        unknown[:5],
+    )
+    return AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
+
+
 def build_planner(
     cfg: RunConfig, identities: list[str]
 ) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
@@ -194,52 +246,8 @@ def build_planner(
             attribution graph, or an arXiv data file without multi-attribution participation (the
             error names the setting).
     """
-    item_home = None
-    if cfg.mode == "cross-silo":
-        manifest = load_manifest(cfg.manifest_path)
-        item_home = {
-            str(item): f"partition-{part['partition_id']}"
-            for part in manifest["partitions"]
-            for item in part.get("items", part.get("users", []))
-        }
-        missing = sorted({h for h in item_home.values()} - set(identities))
-        require(
-            not missing,
-            "manifest-path",
-            "a silo (partition) online for every manifest partition",
-            missing[:5],
-        )
-        items = sorted(item_home)
-    else:
-        items = sorted(identities)
-    graph = None
-    if cfg.attribution_path:
-        graph = load_graph(cfg.attribution_path)
-    elif (
-        cfg.data_path and cfg.mode == "cross-device" and data_format(cfg.data_path) == "arxiv-jsonl"
-    ):
-        require(
-            cfg.participation == "multi-attribution",
-            "participation",
-            "multi-attribution with an arXiv data file (a paper belongs to all its authors, 004 "
-            "§6)",
-            cfg.participation,
-        )
-        graph = TextSource(
-            cfg.data_path, cfg.vocab_path or "-"
-        ).attribution()  # items: partition-<i>
-    if graph is not None:
-        index = {item: i for i, item in enumerate(graph.item_ids)}
-        unknown = [i for i in items if i not in index]
-        require(
-            not unknown,
-            "attribution-path",
-            "every item (node identity or example id) in the graph",
-            unknown[:5],
-        )
-        graph = AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
-    else:
-        graph = AttributionGraph(items, items, [[i] for i in range(len(items))])
+    items, item_home = _items_of(cfg, identities)
+    graph = _graph_of(cfg, items)
     info = {"items": graph.num_items, "users": graph.num_users}
     if cfg.max_items_per_user:
         bound = bound_contributions(graph, cfg.max_items_per_user, seed=cfg.schedule_seed)
@@ -468,7 +476,6 @@ def plan_training_privacy(
         InvalidArgumentError: several items per user without multi-attribution participation, or a
             setting the accountant refuses.
     """
-    k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
         return PrivacyPlan(0.0, None, {"name": "none", "sampling": "none", "slack": 0.0})
@@ -480,52 +487,74 @@ def plan_training_privacy(
     accountant, skipped = _run_accountant(cfg, planner)
     # the sampler's own accountant (004, 002), or the tightest of them (None)
     if accountant != "unamplified":
-        require(
-            k_u == 1 or planner.kind == "multi-attribution",
-            "accountant",
-            "participation multi-attribution when a user holds several items (k_u > 1)",
-            k_u,
-        )
-        spec = SamplingSpec(
+        return _amplified_plan(cfg, fac, planner, accountant, target)
+    return _unamplified_plan(cfg, fac, planner, target, skipped)
+
+
+def _amplified_plan(
+    cfg: RunConfig,
+    fac: Factorization,
+    planner: CohortPlanner,
+    accountant: str | None,
+    target: dict,
+) -> PrivacyPlan:
+    """The plan under the sampler's own accountant, or (``accountant`` None) the tightest verified
+    bound that applies; planned unamplified when that bound is the sampler's unamplified one."""
+    k_u = planner.items_per_user
+    require(
+        k_u == 1 or planner.kind == "multi-attribution",
+        "accountant",
+        "participation multi-attribution when a user holds several items (k_u > 1)",
+        k_u,
+    )
+    spec = SamplingSpec(
+        planner.kind,
+        planner.summary().items,
+        planner.expected,
+        items_per_user=k_u,
+        sampling_probability=planner.p,
+        accountant=accountant,
+    )
+    if accountant is None:
+        log.info(
+            "corrflow: no accountant named: computing every bound that applies to %s sampling "
+            "and using the tightest verified at δ = %g (Monte Carlo at a small δ can take "
+            "minutes; --accountant picks one)",
             planner.kind,
-            planner.summary().items,
-            planner.expected,
-            items_per_user=k_u,
-            sampling_probability=planner.p,
-            accountant=accountant,
+            cfg.delta,
         )
-        if accountant is None:
-            log.info(
-                "corrflow: no accountant named: computing every bound that applies to %s sampling "
-                "and using the tightest verified at δ = %g (Monte Carlo at a small δ can take "
-                "minutes; --accountant picks one)",
-                planner.kind,
-                cfg.delta,
-            )
-        res = account(
-            fac,
-            delta=cfg.delta,
-            sampling=spec,
-            mc_samples=cfg.mc_samples,
-            seed=cfg.schedule_seed,
-            **target,
-        )
-        acc = res["accountant"]
-        if accountant is None:
-            log.info("corrflow: %s", selection_line(acc))
-        # The regime follows what the bound used analysed (tracking module): the sampler's
-        # unamplified worst-case pattern (the exact Gaussian curve) needs no secret cohorts, and its
-        # realised pattern is accounted post hoc.
-        amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
-        if not amplified:
-            acc = {
-                **acc,
-                "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
-                "items_per_user": k_u,
-            }
-        return PrivacyPlan(
-            res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u
-        )
+    res = account(
+        fac,
+        delta=cfg.delta,
+        sampling=spec,
+        mc_samples=cfg.mc_samples,
+        seed=cfg.schedule_seed,
+        **target,
+    )
+    acc = res["accountant"]
+    if accountant is None:
+        log.info("corrflow: %s", selection_line(acc))
+    # The regime follows what the bound used analysed (tracking module): the sampler's
+    # unamplified worst-case pattern (the exact Gaussian curve) needs no secret cohorts, and its
+    # realised pattern is accounted post hoc.
+    amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
+    if not amplified:
+        acc = {
+            **acc,
+            "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
+            "items_per_user": k_u,
+        }
+    return PrivacyPlan(
+        res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u
+    )
+
+
+def _unamplified_plan(
+    cfg: RunConfig, fac: Factorization, planner: CohortPlanner, target: dict, skipped: list[dict]
+) -> PrivacyPlan:
+    """The plan under one Gaussian with sensitivity k_u (σ scaled by k_u), listing the amplified
+    bounds ``skipped`` and why."""
+    k_u = planner.items_per_user
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
         sigma = cfg.noise_multiplier
