@@ -31,7 +31,10 @@ Reports per ε the final held-out accuracy and loss per arm (means and per seed)
 gap between the best DP-SGD arm and non-private training each arm closes (000 Fig. 3 measures the
 same on StackOverflow), the planner's score (RMSE at the target ε) of the planned arms, per-round
 curves and plots, and across ε the plots accuracy_vs_epsilon.png and loss_vs_epsilon.png (mean and
-min–max over seeds, as in 001 Fig. 1).
+min–max over seeds, as in 001 Fig. 1). Each ε's verdict (`corrflow.server.verdict`) says whether
+the comparison decides anything — *inconclusive* when non-private training does not beat every
+private arm or two arms sit inside their paired seed interval, *unpaired* with one seed — in the
+table, the JSON and the plots.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import logging
 import math
 import resource
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -72,6 +76,7 @@ from corrflow.planning.score import Damping
 from corrflow.run.journal import JOURNAL
 from corrflow.server.proxy import damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
+from corrflow.server.verdict import DECIDED, undecided, verdict, verdict_lines
 
 log = logging.getLogger("corrflow")
 
@@ -755,12 +760,9 @@ def compare(
         arms = {"nonprivate": _summarise(NONPRIVATE, free)}
         for arm in plans[eps].arms:
             arms[arm.name] = _summarise(arm, per_seed[key][arm.name])
-        result["epsilons"][key] = {
-            "epsilon": eps,
-            "arms": arms,
-            **gaps(arms),
-            "planner": plans[eps].planner,
-        }
+        entry = {"epsilon": eps, "arms": arms, **gaps(arms), "planner": plans[eps].planner}
+        entry["verdict"] = verdict(entry, rounds=preset.rounds, users=preset.users, epsilon=eps)
+        result["epsilons"][key] = entry
         result["skipped"] += [{**s, "epsilon": eps} for s in plans[eps].skipped]
     result["unverified"] = [
         f"{name} at ε = {key}"
@@ -774,6 +776,7 @@ def compare(
         for name, a in e["arms"].items()
         for s in a["stopped"]
     ]
+    result["inconclusive"] = undecided(result)
     plots = []
     for key, entry in result["epsilons"].items():
         plots += plot_rounds(result, entry, out, key)
@@ -911,10 +914,21 @@ def _pyplot():
     return plt
 
 
-def _finish_plot(plt, fig, ax, path: Path) -> str:
-    """Legend, layout, write ``path`` (PNG) and close the figure; the path written."""
+def _finish_plot(plt, fig, ax, path: Path, entries: list[dict]) -> str:
+    """Legend, the verdict of each of ``entries`` (ε) that is not decided under the axes, layout,
+    write ``path`` (PNG) and close the figure; the path written."""
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    notes = [
+        f"ε = {e['epsilon']:g}: {e['verdict']['status'].upper()} — {e['verdict']['reasons'][0]}"
+        for e in entries
+        if e["verdict"]["status"] != DECIDED
+    ]
+    if notes:
+        text = "\n".join(textwrap.fill(n, 150) for n in notes)
+        fig.text(0.01, 0.01, text, fontsize=6, color="firebrick", va="bottom", ha="left")
+        fig.tight_layout(rect=(0, 0.03 + 0.025 * (text.count("\n") + 1), 1, 1))
+    else:
+        fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
     return str(path)
@@ -958,11 +972,11 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
         ax.set_ylabel(ylabel)
         ax.set_title(
             f"{result['preset']} ({result['client']}): ε = {key}, δ = {result['delta']:g}, "
-            f"cohort {result['cohort']}, {result['seeds']} seed(s)",
+            f"cohort {result['cohort']}, {result['seeds']} seed(s)" + _verdict_title(entry),
             fontsize=9,
         )
         ax.grid(alpha=0.3)
-        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png"))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png", [entry]))
     return paths
 
 
@@ -1009,12 +1023,23 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         ax.set_ylabel(f"final {ylabel}")
         ax.set_title(
             f"{result['preset']} ({result['client']}): {result['users']} users, cohort "
-            f"{result['cohort']}, {result['rounds']} rounds, {result['seeds']} seed(s)",
+            f"{result['cohort']}, {result['rounds']} rounds, {result['seeds']} seed(s)"
+            + "".join(
+                f"\nε = {e['epsilon']:g}{_verdict_title(e)}"
+                for e in entries
+                if e["verdict"]["status"] != DECIDED
+            ),
             fontsize=9,
         )
         ax.grid(alpha=0.3, which="both")
-        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png"))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png", entries))
     return paths
+
+
+def _verdict_title(entry: dict) -> str:
+    """ " — INCONCLUSIVE" or " — UNPAIRED" for a plot title; "" when the ε is decided."""
+    status = entry["verdict"]["status"]
+    return "" if status == DECIDED else f" — {status.upper()}"
 
 
 def table(result: dict) -> str:
@@ -1059,6 +1084,7 @@ def table(result: dict) -> str:
                 f"{fmt(arm['rmse'], '.2f'):>7} {fmt(arm['loss']):>8} "
                 f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
             )
+        rows += verdict_lines(entry)
     rows.append(
         "ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's "
         f"turns (the sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns "
@@ -1093,6 +1119,7 @@ def json_summary(result: dict) -> dict:
         "skipped",
         "unverified",
         "stopped",
+        "inconclusive",
     )
     eps = {}
     for key, entry in result["epsilons"].items():
