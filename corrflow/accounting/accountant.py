@@ -371,8 +371,9 @@ class UnamplifiedAccountant:
             target_epsilon,
             parameters={
                 "sampling": "none",
-                "method": "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, "
-                "Thm. 8)",
+                "method": (
+                    "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, Thm. 8)"
+                ),
                 "normalisation": "sensitivity 1 under the factorization's participation "
                 f"({fac.participation.describe()})",
             },
@@ -458,8 +459,9 @@ class CyclicPoissonAccountant(_Calibrating):
             "cycle": cp.cycle,
             "compositions": cp.compositions,
             "sampling_probability": cp.sampling_probability,
-            "normalisation": f"max column norm = 1 (noise multiplier divided by {col:.6g}, 001 "
-            "Prop. 2.1)",
+            "normalisation": (
+                f"max column norm = 1 (noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"
+            ),
         }
         if exact:
             params["method"] = (
