@@ -48,9 +48,8 @@ def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     theta = [np.zeros(s_, np.float32) for s_ in shapes]
     for t in range(6):
         w = gen.next(t)
-        upd = [
-            (np.float32(0) + np.float32(0.7 * 0.3) * wi) / np.float32(4) for wi in w
-        ]  # cohort 12/3 = 4
+        # cohort 12/3 = 4
+        upd = [(np.float32(0) + np.float32(0.7 * 0.3) * wi) / np.float32(4) for wi in w]
         m = [np.float32(0.9) * mi + ui for mi, ui in zip(m, upd, strict=True)]
         theta = [
             (th + np.float32(0.5 * eta[t]) * mi).astype(np.float32)

@@ -158,13 +158,8 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
                 xx = -math.log1p(-u) / _R
                 yy = -math.log1p(-v)
                 if yy + yy > xx * xx:
-                    return (
-                        math.copysign(_R + xx, x),
-                        s0,
-                        s1,
-                        s2,
-                        s3,
-                    )  # the proposal's sign (also for ±0)
+                    # the proposal's sign (also for ±0)
+                    return (math.copysign(_R + xx, x), s0, s1, s2, s3)
         u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
         if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
             return x, s0, s1, s2, s3

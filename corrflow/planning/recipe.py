@@ -99,10 +99,8 @@ class Recipe:
         Returns:
             One ``"name: plan X, run Y"`` per difference (empty when the run matches).
         """
-        mine = {
-            **self.strategy_settings(),
-            "target_epsilon": self.target_epsilon,
-        }  # σ was calibrated for it
+        # σ was calibrated for the target ε
+        mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}
         out = []
         for key, want in mine.items():
             if key not in settings:

@@ -265,11 +265,8 @@ def _recipe_arm(
 
     write_plan(replace(plan, recommended=cand), out, plots=False)
     recipe, _ = load_recipe(out / "recipe.json")
-    settings = {
-        **recipe.strategy_settings(),
-        "target_epsilon": epsilon,
-        "delta": delta,
-    }  # the total: the run's budget guard subtracts a DP vocabulary's share
+    # the total: the run's budget guard subtracts a DP vocabulary's share
+    settings = {**recipe.strategy_settings(), "target_epsilon": epsilon, "delta": delta}
     return Arm(
         name,
         cand.kind,

@@ -51,9 +51,8 @@ class InProcessGrid(Grid):
             **handlers,
             **({f"query.{PROBE_ACTION}": answer_probe} if identity else {}),
         }
-        self.nodes = {
-            first_node_id + 7919 * i: i for i in range(num_nodes)
-        }  # large ids, like Flower's uint64s
+        # large ids, like Flower's uint64s
+        self.nodes = {first_node_id + 7919 * i: i for i in range(num_nodes)}
         self.tamper = tamper
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
