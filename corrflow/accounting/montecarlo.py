@@ -1189,9 +1189,12 @@ class EVRRun:
     attempts: list[EVRAttempt]
 
     def to_dict(self) -> dict:
-        """The run's fields for the report's ``accountant`` section
-        (``verification_passed``, ``delta_mechanism``, ``verifier_failure_budget``,
-        ``epsilon_estimate``, samples and attempts).
+        """The run as the report shows it.
+
+        Returns:
+            The run's fields for the report's ``accountant`` section (``verification_passed``,
+            ``delta_mechanism``, ``verifier_failure_budget``, ``epsilon_estimate``, samples and
+            attempts).
         """
         return {
             "verification_passed": self.passed,

@@ -146,8 +146,11 @@ class BMinSepSampler:
         return chosen
 
     def state(self) -> dict:
-        """The sampler's small state: the next round and each item's last selected round
-        (int64, (num_items,)).
+        """The sampler's small state, for checkpoints.
+
+        Returns:
+            ``{"next_round", "last"}``: the next round and each item's last selected round (int64,
+            (num_items,)).
         """
         return {"next_round": self.next_round, "last": self.last.copy()}
 

@@ -329,8 +329,10 @@ class Candidate:
         )
 
     def key(self) -> tuple:
-        """(kind, bands, accountant, min_sep): the candidate's identity in
-        `PlanResult.factorizations`.
+        """The candidate's identity in `PlanResult.factorizations`.
+
+        Returns:
+            (kind, bands, accountant, min_sep).
         """
         return (self.kind, self.bands, self.accountant, self.min_sep)
 

@@ -111,8 +111,11 @@ class CorrelatedNoiseStrategy(Strategy):
         return model_record(self.run.plan.layout, self.params)
 
     def report(self) -> dict:
-        """The privacy report as the operator holds it (before the amplified-run redactions
-        of the published file).
+        """The run's privacy report.
+
+        Returns:
+            The report as the operator holds it (before the amplified-run redactions of the
+            published file).
         """
         return self.run.report()
 
