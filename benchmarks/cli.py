@@ -23,7 +23,7 @@ def timed(args: list[str], repeat: int) -> float:
     for _ in range(repeat):
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, check=False
+            [sys.executable, "-m", "corrflow.cli", *args], capture_output=True, check=False
         )
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -38,7 +38,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "corrflow.server.cli",
+            "corrflow.cli",
             "factorize",
             "--kind",
             "toeplitz",

@@ -71,7 +71,7 @@ def main() -> None:
         "-v",
         sys.executable,
         "-m",
-        "corrflow.server.cli",
+        "corrflow.cli",
         "simulate",
         "--data",
         str(data),

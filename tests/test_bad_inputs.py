@@ -100,14 +100,13 @@ CASES = [
     ),
     (
         "plan-target-epsilon",
-        "plan --population 100 --cohort-size 10 --rounds 4 --delta 1e-5 "
-        "--target-epsilon 1e308 --out OUT",
+        "plan --users 100 --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 1e308 --out OUT",
         "--target-epsilon",
     ),
     ("audit-canaries", f"audit --canaries {BIG} --out OUT", "--canaries"),
     (
         "plan-rounds",
-        "plan --population 100 --cohort-size 10 --rounds 1000000000 --delta 1e-5 "
+        "plan --users 100 --cohort 10 --rounds 1000000000 --delta 1e-5 "
         "--target-epsilon 8 --out OUT",
         "--rounds",
     ),
@@ -116,9 +115,8 @@ CASES = [
     ("generate-users", f"data generate stackoverflow --users {BIG} --out OUT/x.sqlite", "--users"),
     (
         "plan-population",
-        f"plan --population {10**30} --cohort-size 10 --rounds 4 --delta 1e-5 "
-        "--target-epsilon 8 --out OUT",
-        "--population",
+        f"plan --users {10**30} --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 8 --out OUT",
+        "--users",
     ),
     (
         "cmp-no-examples",

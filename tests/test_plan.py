@@ -20,15 +20,15 @@ from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
 SMALL = [
     "--rounds",
     "24",
-    "--population",
+    "--users",
     "60",
-    "--cohort-size",
+    "--cohort",
     "10",
     "--target-epsilon",
     "4",
     "--delta",
     "1e-5",
-    "--model-params",
+    "--model-dim",
     "1000",
     "--kinds",
     "dpsgd,toeplitz,bifr,dense",
@@ -330,9 +330,9 @@ def test_plan_bad_arguments(tmp_path):
         "plan",
         "--rounds",
         "24",
-        "--population",
+        "--users",
         "5",
-        "--cohort-size",
+        "--cohort",
         "10",
         "--target-epsilon",
         "4",
@@ -341,7 +341,7 @@ def test_plan_bad_arguments(tmp_path):
         "--out",
         str(tmp_path),
     )
-    assert r.returncode == 2 and "--population" in r.stderr
+    assert r.returncode == 2 and "--users" in r.stderr
     r = run("plan", *SMALL[:10], "--kinds", "toeplitz,nope", "--out", str(tmp_path))
     assert r.returncode == 2 and "--kinds" in r.stderr and "nope" in r.stderr
     r = run("plan", *SMALL[:10], "--memory-budget", "lots", "--out", str(tmp_path))
