@@ -179,8 +179,15 @@ def _note_ceiling(result: dict) -> None:
 
 
 def audit_summary(r: dict) -> str:
-    """The audit in seven lines: claim, estimate, lower bound, final-model estimate, canaries,
-    verdict and files."""
+    """The audit for people.
+
+    Args:
+        r: the audit (audit.json's content).
+
+    Returns:
+        Seven lines: claim, estimate, lower bound, final-model estimate, canaries, verdict and
+        files.
+    """
     st, c = r["statistics"], r["canaries"]
     lb = st["lower_bound"]
     lo, hi = r["epsilon_estimate_interval"]

@@ -19,7 +19,13 @@ AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 
 
 def emit(obj: dict, as_json: bool) -> None:
-    """Print ``obj`` as one JSON object (``as_json``) or as aligned ``key: value`` lines."""
+    """Print a command's result.
+
+    Args:
+        obj: the result.
+        as_json: one JSON object on one line (numpy values as plain ones), else aligned
+            ``key: value`` lines.
+    """
     if as_json:
         print(json.dumps(obj, default=jsonable, sort_keys=True))
     else:
@@ -28,7 +34,17 @@ def emit(obj: dict, as_json: bool) -> None:
 
 
 def jsonable(x):
-    """numpy scalars and arrays as plain JSON values (``json.dumps``'s ``default``)."""
+    """A numpy value as a plain JSON value (``json.dumps``'s ``default``).
+
+    Args:
+        x: a value ``json`` cannot serialise itself.
+
+    Returns:
+        The scalar (numpy scalar) or nested list (numpy array).
+
+    Raises:
+        TypeError: anything else.
+    """
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):
@@ -37,8 +53,18 @@ def jsonable(x):
 
 
 def load_factorization(path: Path, flag: str) -> Factorization:
-    """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming
-    the flag."""
+    """A user-given factorization file.
+
+    Args:
+        path: the file.
+        flag: the flag that named it.
+
+    Returns:
+        The factorization.
+
+    Raises:
+        InvalidArgumentError: a file that cannot be read, naming ``flag`` (exit 2).
+    """
     try:
         return Factorization.load(path)
     except (IntegrityError, InvalidArgumentError) as exc:
@@ -69,8 +95,14 @@ def fail(exc: Exception, files: dict | None = None) -> NoReturn:
 
 
 def as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
-    """The same error naming the command-line flag rather than the library's field or run-config
-    key."""
+    """The same error naming the command-line flag.
+
+    Args:
+        exc: an error naming a library field, a run-config key or a setting.
+
+    Returns:
+        The error naming the setting's flag, or ``--field`` for a field that is no setting.
+    """
     if exc.field.startswith("--"):
         return exc
     named = renamed(exc, "cli")

@@ -106,13 +106,27 @@ def _cli_type(name: str, annotation: Any) -> Any:
 
 
 def param_name(name: str) -> str:
-    """The Python parameter behind a setting's flag (``--users`` → ``users``)."""
+    """The Python parameter behind a setting's flag.
+
+    Args:
+        name: the setting (a `RunConfig` field).
+
+    Returns:
+        The keyword a command receives it as (``num_users``, flag ``--users`` → ``users``).
+    """
     return surface_name(name, "cli")[2:].replace("-", "_")
 
 
 def settings_parameters(command: str | None = None) -> list[inspect.Parameter]:
-    """One keyword-only parameter per CLI setting ``command`` takes (None: every one), annotated
-    with its typer option."""
+    """The options a command takes from the settings model.
+
+    Args:
+        command: the command, as `COMMAND_SETTINGS` names it (None or absent: every CLI setting).
+
+    Returns:
+        One keyword-only parameter per setting, annotated with its typer option (flag, type,
+        choices, the command's default and help; a default of ``...`` is required).
+    """
     names = COMMAND_SETTINGS.get(command or "")
     params = []
     for name, info in settings_on("cli").items():
@@ -140,8 +154,16 @@ def settings_parameters(command: str | None = None) -> list[inspect.Parameter]:
 
 
 def with_settings(command: Callable, name: str | None = None) -> Callable:
-    """``command(**kwargs)`` with the settings' options added after its own parameters (its own come
-    first): every CLI setting, or those `COMMAND_SETTINGS` lists for the command ``name``."""
+    """A command with the settings' options added after its own parameters.
+
+    Args:
+        command: the command function; it receives the settings in ``**settings``.
+        name: the command, as `COMMAND_SETTINGS` names it (None: every CLI setting).
+
+    Returns:
+        The function typer registers (its signature: the command's own parameters, then the
+        settings').
+    """
     own = list(inspect.signature(command).parameters.values())
     own = [p for p in own if p.kind != inspect.Parameter.VAR_KEYWORD]
     own = [
@@ -162,8 +184,15 @@ def with_settings(command: Callable, name: str | None = None) -> Callable:
 
 
 def cli_values(params: dict[str, Any]) -> dict[str, Any]:
-    """Setting → value for the CLI settings among ``params`` that are not None (enum members as
-    their values)."""
+    """The settings a command received.
+
+    Args:
+        params: the command's keyword arguments.
+
+    Returns:
+        Setting → value for the CLI settings among ``params`` that are not None (enum members as
+        their values).
+    """
     out = {}
     for name in settings_on("cli"):
         value = params.get(param_name(name))
@@ -173,13 +202,30 @@ def cli_values(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_cli(params: dict[str, Any], **overrides: Any) -> RunConfig:
-    """The validated run configuration of a command's CLI settings (``overrides`` win); errors name
-    the flag."""
+    """The validated run configuration of a command's settings.
+
+    Args:
+        params: the command's keyword arguments.
+        overrides: settings that win over the flags.
+
+    Returns:
+        The run configuration.
+
+    Raises:
+        InvalidArgumentError: a bad value or combination, naming the flag.
+    """
     return validated({**cli_values(params), **overrides}, "cli")
 
 
 def given_on_command_line(ctx: typer.Context) -> set[str]:
-    """The settings the user typed (not defaults)."""
+    """The settings the user typed.
+
+    Args:
+        ctx: the command's context.
+
+    Returns:
+        The settings given on the command line (not defaults, not filled by a preset).
+    """
     return {
         name
         for name in settings_on("cli")
@@ -207,8 +253,16 @@ Verbosity = Annotated[
 
 
 def file_error_message(exc: Exception, params: dict[str, Any]) -> str:
-    """``exc``'s message, led by the flag whose file it is about when it is a `DataFormatError` on
-    one of the command's input files (``--vocab: v.txt:302: expected UTF-8 text …``)."""
+    """An error's message for the command line.
+
+    Args:
+        exc: the error.
+        params: the command's settings (keyword arguments or field names).
+
+    Returns:
+        ``exc``'s message, led by the flag whose file it is about when it is a `DataFormatError` on
+        one of the command's input files (``--vocab: v.txt:302: expected UTF-8 text …``).
+    """
     text = str(exc)
     if isinstance(exc, DataFormatError):
         for name in FILE_SETTINGS:

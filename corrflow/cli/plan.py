@@ -294,7 +294,16 @@ def byte_size(text: str | None, flag: str) -> float:
 
 
 def plan_table(doc: dict, out: Path, top: int = 10) -> str:
-    """The plan for people: the candidates ranked, what was skipped, the pick and why."""
+    """The plan for people.
+
+    Args:
+        doc: plan.json's content.
+        out: the plan's directory.
+        top: the candidates listed (the rest are counted).
+
+    Returns:
+        The candidates ranked, what was skipped, the pick and why, as aligned text.
+    """
     part, score = doc["participation"], doc["score"]
     closed = score["kappa"] is not None
     lines = [
@@ -305,9 +314,8 @@ def plan_table(doc: dict, out: Path, top: int = 10) -> str:
         + (f" at {score['kappa_described']}" if closed else "")
         + f": {score['formula']}",
         f"{'rank':>4} {'candidate':<32} {'b':>5} {'σ':>8} {'score':>10} {'RMSE':>10} "
-        f"{'RMSE #':>6} {'max err':>10} "
-        f"{'×DP-SGD':>8} {'noise MB':>10} "
-        f"{'noise s/rd':>10} {'build s':>8}",
+        f"{'RMSE #':>6} {'max err':>10} {'×DP-SGD':>8} {'noise MB':>10} {'noise s/rd':>10} "
+        f"{'build s':>8}",
     ]
     for c in doc["candidates"][:top]:
         label = (
@@ -340,8 +348,7 @@ def plan_table(doc: dict, out: Path, top: int = 10) -> str:
         lines += _why_lines(score)
         lines.append(
             f"plan           {out / 'recipe.json'} (corrflow simulate --plan); "
-            f"{out / 'plan.json'}; "
-            f"{doc['seconds']:.1f} s"
+            f"{out / 'plan.json'}; {doc['seconds']:.1f} s"
         )
     return "\n".join(lines)
 

@@ -76,9 +76,16 @@ def apply_preset(preset: str | None, settings: dict, typed: set[str], plan: Path
 
 @contextlib.contextmanager
 def refusal_leaves(out: Path):
-    """A refusal (exit 2) leaves --out as it found it: the lock, .gitignore and engine.log a start
-    wrote are removed, and the directory if the start created it (nothing once a round was
-    checkpointed or journaled)."""
+    """Leave --out as it was found when the start is refused.
+
+    Args:
+        out: the run's directory.
+
+    Yields:
+        Nothing; a refusal (exit 2) inside removes the lock, .gitignore and engine.log the start
+        wrote, and the directory if the start created it (nothing once a round was checkpointed
+        or journaled).
+    """
     # The simulation module loads Flower; a refusal before training needs only its undo.
     from corrflow.server.simulation import new_files_undo
 
@@ -92,13 +99,20 @@ def refusal_leaves(out: Path):
 
 
 def check_first_round(cfg: RunConfig) -> None:
-    """Refuse (naming the flags) a fixed σ whose first round alone would already spend more than
-    --target-epsilon, the budget guard's limit: known before anything is written. The same ε the
-    in-run guard computes (`RunAccounting.budget_exceeded` for round 1 of a fresh run), here only
-    where the plan alone fixes it and cheaply: fixed-epoch participation (unamplified, no Monte
-    Carlo) of simulated cross-device users with no attribution or dataset file (the guard in the
-    run covers the rest). Only with both flags given; the factorization is built here and again
-    by the run."""
+    """Refuse a fixed σ whose first round alone spends more than --target-epsilon.
+
+    The same ε the in-run budget guard computes (`RunAccounting.budget_exceeded` for round 1 of a
+    fresh run), known before anything is written, here only where the plan alone fixes it and
+    cheaply: fixed-epoch participation (unamplified, no Monte Carlo) of simulated cross-device
+    users with no attribution or dataset file (the guard in the run covers the rest). Only with
+    both flags given; the factorization is built here and again by the run.
+
+    Args:
+        cfg: the run's settings.
+
+    Raises:
+        InvalidArgumentError: round 1 alone exceeds the target, naming both flags.
+    """
     if (
         cfg.noise_multiplier is None
         or cfg.target_epsilon is None

@@ -23,7 +23,16 @@ from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.planning.learnability import held_out_summary
 from corrflow.run.resume import preflight, settings_conflict
 
-Backend = Annotated[str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")]
+#: The engines a simulation runs on (`corrflow.server.simulation.simulate`'s ``backend``): a new
+# one is a line here.
+BACKENDS = {
+    "flower": "Flower's simulation engine, Ray",
+    "inprocess": "one process, Flower's messages without Ray",
+}
+Backend = Annotated[
+    str,
+    typer.Option(help="; ".join(f"{name}: {what}" for name, what in BACKENDS.items())),
+]
 Fresh = Annotated[
     bool,
     typer.Option(
@@ -65,8 +74,8 @@ def simulate(
     (held-out loss not below the initial model's; the report's `learning` has the verdict), 130
     interrupted (state and report are complete; rerun to continue)."""
     try:
-        if backend not in ("flower", "inprocess"):
-            raise InvalidArgumentError("--backend", "flower or inprocess", backend)
+        if backend not in BACKENDS:
+            raise InvalidArgumentError("--backend", f"one of {', '.join(BACKENDS)}", backend)
         if preset is not None and settings.get(param_name("mode")) == "cross-silo":
             raise InvalidArgumentError(
                 "--preset",

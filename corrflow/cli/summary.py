@@ -15,8 +15,16 @@ def _loss(value: float | None) -> str:
 
 
 def run_summary(report: dict, out: Path, held_out: dict) -> str:
-    """The run in a few lines: held-out progress and the privacy report (whole:
-    OUT/privacy_report.json)."""
+    """The run for people (the whole report: OUT/privacy_report.json).
+
+    Args:
+        report: the privacy report.
+        out: the run's directory.
+        held_out: the held-out summary of its metrics.
+
+    Returns:
+        A few lines: held-out progress, mechanism, privacy, users, notes and files.
+    """
     mech, planned, realized = report["mechanism"], report["planned"], report["realized"]
     part = planned["participation"]
     eps = realized["epsilon"]
@@ -48,12 +56,12 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
     bands = "" if mech["bands"] is None else f", bands={mech['bands']}"
     lines = [
         f"held-out    loss {_loss(held_out['initial_test_loss'])} → "
-        f"{_loss(held_out['final_test_loss'])}{change}{acc} "
-        f"over {held_out['rounds_evaluated']} rounds{failed}",
+        f"{_loss(held_out['final_test_loss'])}{change}{acc} over {held_out['rounds_evaluated']} "
+        f"rounds{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
-        f"b={mech['min_sep']}{bands}), "
-        f"{mech['rounds']} rounds; {part['kind']} ({part['mode']}) participation, expected "
-        f"cohort {part['expected_cohort']:g}, k_u = {part['items_per_user']}",
+        f"b={mech['min_sep']}{bands}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) "
+        f"participation, expected cohort {part['expected_cohort']:g}, k_u = "
+        f"{part['items_per_user']}",
         f"privacy     ε = {'n/a (non-private)' if eps is None else f'{eps:.4f}'} realised (planned "
         f"{'n/a' if planned['epsilon'] is None else format(planned['epsilon'], '.4f')}), "
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
@@ -118,9 +126,8 @@ def _users_line(realized: dict, out: Path) -> str:
     if "users" not in users:  # an amplified run: nothing public depends on the secret cohorts
         return (
             "users       secret cohorts (amplified ε): who trained, and the per-round reply "
-            "counts, are in "
-            f"{out / users['operator_only']} and {out / 'operator'} (owner-only); policy "
-            f"{users['policy']}"
+            f"counts, are in {out / users['operator_only']} and {out / 'operator'} (owner-only); "
+            f"policy {users['policy']}"
         )
     count = users["max_participations"]
     gap = (
@@ -128,7 +135,6 @@ def _users_line(realized: dict, out: Path) -> str:
     )
     return (
         f"users       {len(users['users'])}, at most {count} round{'' if count == 1 else 's'} "
-        f"each, {gap}; "
-        f"{realized['rejections']} rejection(s), {len(users['overrides'])} override(s), "
-        f"policy {users['policy']}"
+        f"each, {gap}; {realized['rejections']} rejection(s), {len(users['overrides'])} "
+        f"override(s), policy {users['policy']}"
     )
