@@ -22,6 +22,7 @@ from corrflow.factorization.registry import KINDS
 from corrflow.paths import run_directory, writable_directory, writable_file
 from corrflow.progress import Progress
 from corrflow.run.journal import JOURNAL
+from corrflow.run.noise_trust import noise_worker_lines
 from corrflow.server.compare_cli import compare_command
 from corrflow.server.data_cli import data_app
 from corrflow.server.options import (
@@ -1404,6 +1405,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
         ),
         _users_line(realized, out),
         *_secure_aggregation_lines(report),
+        *noise_worker_lines(report),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed"
