@@ -71,9 +71,12 @@ SHARD_ROOT = "noise-shards"
 RUNTIME_BYTES = 384 << 20
 #: Restarts of one worker within one call before the run stops naming it.
 RESTARTS = 2
-#: Seconds a worker may take to answer one call (a round's slice, a restore) before it counts as
+#: Seconds a worker may take to answer one call (a round's slice, a save) before it counts as
 # lost: generous, since a large shard's round takes seconds on a loaded node.
 CALL_TIMEOUT_S = 300.0
+#: Seconds a worker may take to start, restore its state and catch up: a new process imports
+# NumPy and corrflow, and a restored worker may redraw many rounds.
+START_TIMEOUT_S = 600.0
 #: The head watchdog's period and the misses in a row that make the head lost (≈ 6 s: well
 # within Ray's own 60 s, after which it ends the driver's process).
 HEAD_CHECK_S, HEAD_MISSES = 2.0, 3
@@ -182,7 +185,7 @@ class ShardedNoiseStream(NoiseStream):
         chunk_size: int = DEFAULT_CHUNK,
         next_round: int = 0,
         digests: Sequence[str] | None = None,
-        call_timeout: float = CALL_TIMEOUT_S,
+        call_timeout: float | None = None,
     ):
         # No single generator: NoiseStream's methods are all overridden here.
         super().__init__(None)
@@ -191,7 +194,7 @@ class ShardedNoiseStream(NoiseStream):
         self.dim = sum(self._sizes)
         self.shards = plan_shards(self.dim, workers, chunk_size)
         self.mode = default_mode(factorization)
-        self.call_timeout = call_timeout
+        self.call_timeout = CALL_TIMEOUT_S if call_timeout is None else call_timeout
         self._root = str(Path(root).resolve())
         self._next = self._saved_round = next_round
         self._digests: list[str | None] = list(digests) if digests else [None] * workers
@@ -204,12 +207,18 @@ class ShardedNoiseStream(NoiseStream):
         self._remote = ray.remote(NoiseWorker)
         self._actors = [None] * workers
         self._pids = [0] * workers
-        for s in self.shards:
-            self._start(s.index)
         head = ray.get_runtime_context().gcs_address
         threading.Thread(
             target=self._watch_head, args=(head,), name="corrflow-ray-head", daemon=True
         ).start()
+        for s in self.shards:
+            try:
+                self._start(s.index)
+            except ray.exceptions.RayError as exc:  # e.g. a cluster without the memory it asks
+                raise NoiseWorkerLostError(
+                    f"{s.describe()} did not start ({self._loss(exc)[0]}; it reserves "
+                    f"{self.share_bytes(s) / 2**30:.2f} GiB of the cluster's memory)"
+                ) from None
 
     # -- workers -----------------------------------------------------------------------------------
     def share_bytes(self, shard: Shard) -> int:
@@ -248,7 +257,7 @@ class ShardedNoiseStream(NoiseStream):
         secrets = shard_secrets(self._table, s, self._prng)
         try:
             ref = actor.open.remote(secrets, self._saved_round, self._digests[i])
-            info = ray.get(ref, timeout=self.call_timeout)
+            info = self._get(ref, START_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             _kill(actor)
             cause = _refusal(exc)
@@ -276,14 +285,30 @@ class ShardedNoiseStream(NoiseStream):
             )
             try:
                 self._start(i)
-                ray.get(self._actors[i].advance_to.remote(t), timeout=self.call_timeout)
-                ref = getattr(self._actors[i], call).remote(*args)
-                return ray.get(ref, timeout=self.call_timeout)
+                self._get(self._actors[i].advance_to.remote(t), START_TIMEOUT_S)
+                return self._get(getattr(self._actors[i], call).remote(*args))
             except ray.exceptions.RayError as exc:
                 why, heals = self._loss(exc)
             except (IntegrityError, InvalidArgumentError) as refused:  # a state that never heals
                 why, heals = str(refused), False
         raise self._lost_error(i, why, tries)
+
+    def _get(self, ref, timeout: float | None = None):
+        """``ray.get(ref)`` within ``timeout`` seconds (default ``call_timeout``), given up at once
+        when the head is lost (Ray would wait for it until it ends the process).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: no answer in time.
+            NoiseWorkerLostError: the head is lost.
+        """
+        ray = _ray()
+        timeout = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not ray.wait([ref], timeout=min(1.0, timeout))[0]:
+            self._check_head()
+            if time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:g} s")
+        return ray.get(ref)
 
     def _lost_error(self, i: int, why: str, tries: int) -> NoiseWorkerLostError:
         t = self._next
@@ -306,7 +331,7 @@ class ShardedNoiseStream(NoiseStream):
                 raise exc
             exc = exc.cause  # e.g. an OutOfMemoryError raised inside the worker's call
         if isinstance(exc, ray.exceptions.GetTimeoutError):
-            return f"no answer within {self.call_timeout:g} s", True
+            return str(exc), True
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return (f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__), True
 
@@ -372,7 +397,7 @@ class ShardedNoiseStream(NoiseStream):
 
     def worker_info(self) -> list[dict]:
         """Each worker's pid, next round, state bytes and peak RSS (benchmarks, tests)."""
-        return _ray().get([a.info.remote() for a in self._actors], timeout=self.call_timeout)
+        return [self._get(a.info.remote()) for a in self._actors]
 
     def trust(self) -> dict:
         """The workers as the privacy report names them: shards, pids and state digests at the
@@ -483,7 +508,7 @@ class ShardedNoiseStream(NoiseStream):
         key = key if key is not None and key not in used else new_secret(self._prng)
         self._table = self._table.extend(self._next, key)
         for s, a in zip(self.shards, self._actors, strict=True):
-            _ray().get(a.add_segment.remote(segment_blocks(key, s)), timeout=self.call_timeout)
+            self._get(a.add_segment.remote(segment_blocks(key, s)))
 
 
 def _join(address: str, store_bytes: int) -> bool:
