@@ -422,10 +422,10 @@ class ShardedNoiseStream(NoiseStream):
     def close(self) -> None:
         """Stop the workers (and the local Ray instance this stream started)."""
         self._closed.set()
-        if self.lost is None:
+        if self.lost is None:  # a lost head cannot be asked
             for a in self._actors:
                 if a is not None:
-                    _kill(a)
+                    _ray().kill(a)
         self._actors = [None] * len(self._actors)
         if self._own_ray:
             _ray().shutdown()
@@ -551,11 +551,16 @@ def _refusal(exc: BaseException) -> BaseException | None:
 
 
 def _kill(actor) -> None:
-    """Kill a worker, whatever state it (or its node) is in."""
-    try:
-        _ray().kill(actor)
-    except Exception as exc:  # already gone, or its node unreachable: nothing left to stop
-        log.debug("killing a noise worker: %s", exc)
+    """Kill a worker, whatever state it (or its node) is in, without waiting: ray.kill asks the
+    head, and a lost head would hold the caller until Ray ends the process."""
+
+    def kill() -> None:
+        try:
+            _ray().kill(actor)
+        except Exception as exc:  # already gone, or its node unreachable: nothing left to stop
+            log.debug("killing a noise worker: %s", exc)
+
+    threading.Thread(target=kill, name="corrflow-kill-worker", daemon=True).start()
 
 
 def _answers(address: str, timeout: float = 2.0) -> bool:
