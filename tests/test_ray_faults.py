@@ -147,7 +147,7 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
 
 # -- noise workers on a lost Ray head; signals with and without workers ---------------------------
 def _cli(out: Path, log, *extra: str) -> subprocess.Popen:
-    args = ["--users", "16", "--rounds", "40", "--epochs", "2", "--local-steps", "1"]
+    args = ["--users", "40", "--rounds", "40", "--epochs", "2", "--local-steps", "1"]
     return subprocess.Popen(
         [sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess"]
         + args
@@ -212,9 +212,10 @@ def test_a_lost_head_stops_the_run_within_30_s_and_a_new_head_resumes_it(tmp_pat
     text = log_path.read_text()
     report = json.loads((out / "privacy_report.json").read_text())
     assert rc == 1 and took < 30, (rc, took, text[-3000:])
+    print(f"lost head: the run exited {took:.1f} s after the head was killed")
     assert "Traceback" not in text and "Failed to connect to GCS" not in text, text[-3000:]
     reason = report["stopped_reason"]
-    assert f"the Ray cluster's head at {address}" in reason or "was lost in round" in reason, reason
+    assert f"the Ray cluster's head at {address} stopped answering" in reason, reason
     assert reason.endswith("was not released") and reason in text
     assert 2 <= report["rounds_completed"] == _released(out) < 40
     assert report["trust"]["noise_workers"]["count"] == 2

@@ -207,9 +207,10 @@ class ShardedNoiseStream(NoiseStream):
         self._remote = ray.remote(NoiseWorker)
         self._actors = [None] * workers
         self._pids = [0] * workers
-        head = ray.get_runtime_context().gcs_address
+        gcs = ray.get_runtime_context().gcs_address  # the head's own idea of its host
+        shown = address if address and address != "auto" else gcs
         threading.Thread(
-            target=self._watch_head, args=(head,), name="corrflow-ray-head", daemon=True
+            target=self._watch_head, args=(gcs, shown), name="corrflow-ray-head", daemon=True
         ).start()
         for s in self.shards:
             try:
@@ -377,13 +378,15 @@ class ShardedNoiseStream(NoiseStream):
         if self.lost is not None:
             on_lost()
 
-    def _watch_head(self, address: str) -> None:
+    def _watch_head(self, gcs: str, shown: str) -> None:
+        """Connect to the head's GCS port every `HEAD_CHECK_S` s; after `HEAD_MISSES` misses in a
+        row set ``lost`` (naming the head as ``shown``) and call the ``watch`` callbacks."""
         misses = 0
         while not self._closed.wait(HEAD_CHECK_S):
-            misses = 0 if _answers(address) else misses + 1
+            misses = 0 if _answers(gcs) else misses + 1
             if misses >= HEAD_MISSES:
                 self.lost = (
-                    f"the Ray cluster's head at {address} stopped answering (no connection for "
+                    f"the Ray cluster's head at {shown} stopped answering (no connection for "
                     f"{HEAD_MISSES * HEAD_CHECK_S:g} s): the noise workers are out of reach"
                 )
                 log.error("corrflow: %s; the run stops", self.lost)
