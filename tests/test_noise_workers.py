@@ -233,7 +233,7 @@ def test_an_oom_a_death_during_the_retry_and_a_hung_worker_are_recovered(
     assert [s["state_sha256"] for s in workers["shards"]] == [
         s["state_sha256"] for s in shards["shards"]
     ]
-    assert "nothing of the run's noise key" in workers["compromised_worker_learns"]
+    assert "Nothing of the run's noise key" in workers["compromised_worker_learns"]
 
 
 def test_a_worker_lost_for_good_stops_the_run_naming_it_with_nothing_of_the_round_released(
