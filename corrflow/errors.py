@@ -55,3 +55,8 @@ def require(condition: bool, field: str, expected: str, got: Any = None) -> None
     """Raise `InvalidArgumentError` unless ``condition`` holds."""
     if not condition:
         raise InvalidArgumentError(field, expected, got)
+
+
+class NoiseWorkerLostError(CorrflowError):
+    """A noise worker (or the Ray cluster holding it) was lost and could not be restored from its
+    checkpoint: the round in progress is not released and the run stops, naming the worker."""

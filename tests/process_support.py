@@ -49,3 +49,57 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def start_ray_head(temp: Path, num_cpus: int = 1) -> tuple[subprocess.Popen, str]:
+    """``ray start --head --block`` in its own session, on loopback, with free ports and its own
+    temp directory ``temp`` (keep it short: Ray's unix sockets live there), so that no other
+    ray.init() on this machine finds it; returns the process and the head's address once it
+    answers a TCP connect. Stop it with `stop_tree` (or SIGKILL every pid of it: a lost head)."""
+    import sys
+    import time
+
+    port, *ports = free_ports(5)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--num-cpus={num_cpus}",
+            "--object-store-memory=100000000",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={temp}",
+            f"--ray-client-server-port={ports[0]}",
+            f"--dashboard-agent-listen-port={ports[1]}",
+            f"--dashboard-agent-grpc-port={ports[2]}",
+            f"--metrics-export-port={ports[3]}",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return head, f"127.0.0.1:{port}"
+        except OSError:
+            if head.poll() is not None or time.monotonic() > deadline:
+                stop_tree(head)
+                raise RuntimeError("the Ray head did not start") from None
+            time.sleep(1)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and everything below it at once, by pid (a crashed machine)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()

@@ -78,3 +78,49 @@ if __name__ == "__main__":
         run(out, sys.argv[2] if len(sys.argv) > 2 else "flower")
     params = load_arrays(current_checkpoint(os.path.join(out, "state")), "model")
     np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in params]))
+
+
+class FaultyWorker:
+    """Mixed into a `corrflow.run.noise_shards.NoiseWorker` subclass by `faulty_worker`: before
+    drawing round t, worker i meets the next unused fault of ``PLAN["i:t"]`` — "oom" (raises
+    Ray's OutOfMemoryError, as a call the memory monitor killed does), "die" (the process exits),
+    "hang" (it stops itself with SIGSTOP: an unreachable worker). Faults are counted in files
+    under ``DIR``, so a restarted worker meets the next one."""
+
+    PLAN: dict = {}
+    DIR = ""
+
+    def draw(self, t: int):
+        from pathlib import Path
+
+        faults = self.PLAN.get(f"{self._shard.index}:{t}", [])
+        d = Path(self.DIR) / f"{self._shard.index}-{t}"
+        met = len(list(d.glob("*"))) if d.is_dir() else 0
+        if met < len(faults):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / str(met)).touch()
+            self._meet(faults[met])
+        return super().draw(t)
+
+    @staticmethod
+    def _meet(fault: str) -> None:
+        import signal
+
+        import ray
+
+        if fault == "oom":
+            raise ray.exceptions.OutOfMemoryError("killed by the memory monitor (injected)")
+        if fault == "die":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def faulty_worker(plan: dict[str, list[str]], directory: str):
+    """A NoiseWorker class that meets ``plan``'s faults (see `FaultyWorker`), sent to Ray's
+    workers by value (this module is not on their path)."""
+    import ray
+
+    from corrflow.run.noise_shards import NoiseWorker
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return type("Faulty", (FaultyWorker, NoiseWorker), {"PLAN": plan, "DIR": directory})

@@ -188,3 +188,30 @@ def test_a_state_from_before_block_keys_is_refused_with_the_reason(facs, tmp_pat
     path.write_text(path.read_text().replace("noise-state/2", "noise-state/1"))
     with pytest.raises(IntegrityError, match="older corrflow.*without block keys.*--fresh"):
         restore_state(tmp_path, facs["banded"])
+
+
+def test_the_summary_names_each_noise_worker_and_what_a_compromised_one_learns(facs):
+    from corrflow.run.noise import NoiseStream
+    from corrflow.run.noise_trust import noise_worker_lines, noise_workers_trust
+
+    assert noise_workers_trust(NoiseStream(_single(facs["banded"]))) == {}
+    assert noise_worker_lines({"trust": {}}) == [] and noise_worker_lines({}) == []
+    shards = plan_shards(DIM, 2, CHUNK)  # 6 chunks: 3 each
+    report = {
+        "trust": {
+            "noise_workers": {
+                "count": 2,
+                "checkpoint_round": 5,
+                "shards": [
+                    {"worker": s.index, "coordinates": [s.lo, s.hi], "chunks": s.chunks}
+                    | {"state_sha256": h}
+                    for s, h in zip(shards, ["ab" * 32, None], strict=True)
+                ],
+            }
+        }
+    }
+    lines = noise_worker_lines(report)
+    assert lines[0].startswith("trust       2 noise workers (Ray)") and "round 5" in lines[0]
+    assert lines[1].endswith("worker 0: coordinates 0–2999 (3 chunks), state " + "ab" * 8)
+    assert lines[2].endswith("worker 1: coordinates 3000–5499 (3 chunks), state none saved yet")
+    assert "nothing of the run key or the other shards" in lines[3]

@@ -1,13 +1,16 @@
 """Noise sharded over Ray actors (``--noise-workers``, corrflow.run.noise_shards), on a real Ray
 head started once for the module (its own session and temp directory, stopped by pid): the released
-models are bit-identical to the single process's with ε unchanged; a noise worker SIGKILLed mid-run
-is restored from its checkpoint and the run releases the same models, nothing twice; a worker whose
-state was edited stops the run naming it, and a resume with another number of workers is refused
-with the number to use."""
+models are bit-identical to the single process's with ε unchanged; a noise worker SIGKILLed mid-run,
+one whose call fails with Ray's OutOfMemoryError and then dies again during the retried call, and
+one that stops answering are restored from their checkpoints and the run releases the same models,
+nothing twice; a worker lost for good, or whose state was edited, stops the run on the record
+naming it with nothing of the round released; a resume with another number of workers is refused
+with the number to use. The report names the workers (trust.noise_workers)."""
 
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,13 +26,19 @@ from process_support import free_ports, stop_tree
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError
+from corrflow.run import noise_shards
 from corrflow.run.checkpoint import current_checkpoint, load_arrays
 from corrflow.run.journal import JOURNAL
+from corrflow.schemas import validate
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
 KEY = bytes(range(16))
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).parent))
+from ray_fault_run import faulty_worker  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("processes")]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +58,8 @@ def ray_address():
             "--head",
             "--block",
             f"--port={port}",
-            "--num-cpus=2",
-            "--object-store-memory=200000000",
+            "--num-cpus=1",
+            "--object-store-memory=100000000",
             "--include-dashboard=false",
             "--disable-usage-stats",
             "--node-ip-address=127.0.0.1",
@@ -173,10 +182,73 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     assert _journal_rounds(tmp_path) == list(range(8))
     assert any(
         # the numpy task's model: model_dim weights and a bias
-        f"noise worker 1 (coordinates 65536–70000), pid {killed[0]} died in round 4"
+        f"noise worker 1 (coordinates 65536–70000), pid {killed[0]} was lost in round 4"
         in r.getMessage()
         for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
+
+
+def _listen(caplog):
+    # an earlier command in the same process may have set the "corrflow" logger's level or
+    # handlers (compare's --quiet): listen on it directly, at INFO
+    logger = logging.getLogger("corrflow")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="corrflow")
+    return lambda: logger.removeHandler(caplog.handler)
+
+
+def test_an_oom_a_death_during_the_retry_and_a_hung_worker_are_recovered(
+    ray_address, single, tmp_path, caplog, monkeypatch
+):
+    # worker 1's round-3 call fails with OutOfMemoryError, its restart dies in the retried call,
+    # the second restart answers; worker 0 stops answering in round 6 (SIGSTOP)
+    plan = {"1:2": ["oom", "die"], "0:5": ["hang"]}
+    monkeypatch.setattr(noise_shards, "NoiseWorker", faulty_worker(plan, str(tmp_path / "f")))
+    monkeypatch.setattr(noise_shards, "CALL_TIMEOUT_S", 20.0)
+    stop_listening = _listen(caplog)
+    try:
+        _run(_cfg(tmp_path / "run", 2, ray_address))
+    finally:
+        stop_listening()
+    model, report = _final(tmp_path / "run")
+    assert report["rounds_completed"] == 8 and report["stopped_reason"] is None
+    np.testing.assert_array_equal(model, single[0])
+    assert _journal_rounds(tmp_path / "run") == list(range(8))
+    # the handler may see a record twice (on the logger and through the root): once each
+    lost = list(dict.fromkeys(m for m in caplog.messages if "was lost in round" in m))
+    assert len(lost) == 3, lost
+    assert "noise worker 1 (coordinates 65536–70000)" in lost[0] and "round 3" in lost[0]
+    assert "OutOfMemoryError" in lost[0] and "try 1 of 2" in lost[0]
+    assert "ActorDiedError" in lost[1] and "try 2 of 2" in lost[1]
+    assert "noise worker 0 (coordinates 0–65535)" in lost[2] and "round 6" in lost[2]
+    assert "no answer within 20 s" in lost[2]
+    # the report names the workers as trust parties, each with its state at the checkpoint
+    validate("privacy-report", report)
+    workers = report["trust"]["noise_workers"]
+    assert workers["count"] == 2 and workers["checkpoint_round"] == 8
+    assert [s["coordinates"] for s in workers["shards"]] == [[0, 65536], [65536, 70001]]
+    shards = json.loads(
+        (current_checkpoint(tmp_path / "run" / "state") / "noise" / "shards.json").read_text()
+    )
+    assert [s["state_sha256"] for s in workers["shards"]] == [
+        s["state_sha256"] for s in shards["shards"]
+    ]
+    assert "Nothing of the run's noise key" in workers["compromised_worker_learns"]
+
+
+def test_a_worker_lost_for_good_stops_the_run_naming_it_with_nothing_of_the_round_released(
+    ray_address, tmp_path, monkeypatch
+):
+    plan = {"1:2": ["oom", "die", "die"]}  # RESTARTS = 2: the second restart dies too
+    monkeypatch.setattr(noise_shards, "NoiseWorker", faulty_worker(plan, str(tmp_path / "f")))
+    _run(_cfg(tmp_path / "run", 2, ray_address))
+    _, report = _final(tmp_path / "run")
+    reason = report["stopped_reason"]
+    assert reason.startswith("noise worker 1 (coordinates 65536–70000), pid "), reason
+    assert "was lost in round 3" in reason and "2 restart(s); ActorDiedError" in reason
+    assert reason.endswith("round 3 was not released")
+    assert report["rounds_completed"] == 2 and _journal_rounds(tmp_path / "run") == [0, 1]
+    validate("privacy-report", report)
 
 
 @pytest.mark.slow  # ~35 s on 2 cores; the suite keeps the SIGKILL case
@@ -190,10 +262,11 @@ def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_sam
             path.write_text(path.read_text().replace('"rounds"', '"rounds" ', 1))
             os.kill(strategy.run.noise.worker_info()[1]["pid"], signal.SIGKILL)
 
-    with pytest.raises(IntegrityError, match=r"noise worker 1 .* died in round 3.*disagrees"):
-        _run(_cfg(tmp_path, 2, ray_address), edit_and_kill)
+    _run(_cfg(tmp_path, 2, ray_address), edit_and_kill)
+    _, report = _final(tmp_path)
+    assert re.search(r"noise worker 1 .* lost in round 3.*disagrees", report["stopped_reason"])
     # round 3 was not released; the checkpoint is round 2's
-    assert _journal_rounds(tmp_path) == [0, 1]
+    assert _journal_rounds(tmp_path) == [0, 1] and report["rounds_completed"] == 2
     with pytest.raises(IntegrityError, match="sharded over 2 noise workers.*--noise-workers 2"):
         _run(_cfg(tmp_path, 3, ray_address))
     with pytest.raises(IntegrityError, match="sharded over 2 noise workers.*not 0"):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,3 +143,115 @@ def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
         epsilon_of(unamplified_event(0.7, sens.value), 1e-5), rel=1e-12
     )
     assert report["rounds_completed"] == 24 and KEY.hex() not in json.dumps(report)
+
+
+# -- noise workers on a lost Ray head; signals with and without workers ---------------------------
+def _cli(out: Path, log, *extra: str) -> subprocess.Popen:
+    args = ["--users", "40", "--rounds", "40", "--epochs", "2", "--local-steps", "1"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "inprocess"]
+        + args
+        + ["--out", str(out), *extra],
+        env=ENV,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+
+
+def _interrupt(out: Path, log_path: Path, signum: int, *extra: str) -> str:
+    """Start a run (or resume it), send ``signum`` to its process once it released a round, and
+    return its output; it must exit 130 with corrflow's message."""
+    before = _released(out)
+    with open(log_path, "w") as log:
+        proc = _cli(out, log, *extra)
+        try:
+            _wait_for_releases(proc, out, before + 1)
+            os.kill(proc.pid, signum)
+            assert proc.wait(timeout=120) == 130, log_path.read_text()[-3000:]
+        finally:
+            _kill_session(proc)
+    text = log_path.read_text()
+    assert "interrupted: interrupted by the operator (SIGINT/SIGTERM)" in text, text[-3000:]
+    assert "Traceback" not in text
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["stopped_reason"].startswith("interrupted by the operator")
+    assert report["rounds_completed"] == _released(out) < 40
+    return text
+
+
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
+def test_sigterm_and_sigint_exit_130_without_noise_workers(tmp_path):
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        _interrupt(tmp_path / "run", tmp_path / "log.txt", signum, "--model-dim", "6")
+
+
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
+@pytest.mark.slow  # two Ray heads and five starts of the CLI: ~2–3 min on 2 busy cores
+def test_a_lost_head_stops_the_run_within_30_s_and_a_new_head_resumes_it(tmp_path):
+    from process_support import kill_tree, start_ray_head, stop_tree
+
+    out, log_path = tmp_path / "run", tmp_path / "log.txt"
+    workers = ["--model-dim", "70000", "--noise-workers", "2", "--ray-address"]
+    head, address = start_ray_head(Path(tempfile.mkdtemp(prefix="rh", dir="/tmp")))
+    try:
+        with open(log_path, "w") as log:
+            proc = _cli(out, log, *workers, address)
+            try:
+                _wait_for_releases(proc, out, 2, timeout=240)
+                kill_tree(head)  # the head's GCS, raylet and the workers on its node
+                killed = time.monotonic()
+                rc = proc.wait(timeout=90)
+                took = time.monotonic() - killed
+            finally:
+                _kill_session(proc)
+    finally:
+        kill_tree(head)
+    text = log_path.read_text()
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert rc == 1 and took < 30, (rc, took, text[-3000:])
+    print(f"lost head: the run exited {took:.1f} s after the head was killed")
+    assert "Traceback" not in text and "Failed to connect to GCS" not in text, text[-3000:]
+    reason = report["stopped_reason"]
+    assert f"the Ray cluster's head at {address} stopped answering" in reason, reason
+    assert reason.endswith("was not released") and reason in text
+    assert 2 <= report["rounds_completed"] == _released(out) < 40
+    assert report["trust"]["noise_workers"]["count"] == 2
+    # A new head: the run resumes with its workers' states on disk; SIGTERM and SIGINT exit 130
+    # with the workers too (Ray's own SIGTERM handler would exit 15); then it finishes.
+    head, address = start_ray_head(Path(tempfile.mkdtemp(prefix="rh", dir="/tmp")))
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            _interrupt(out, log_path, signum, *workers, address)
+        with open(log_path, "w") as log:
+            proc = _cli(out, log, *workers, address)
+            try:
+                assert proc.wait(timeout=300) in (0, 3), log_path.read_text()[-3000:]
+            finally:
+                _kill_session(proc)
+    finally:
+        stop_tree(head)
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 40 and report["stopped_reason"] is None
+    assert [e.round for e in ReleaseJournal(out / JOURNAL).read()] == list(range(40))
+    table = segments(out)  # every start drew its rows with a fresh key
+    assert len(table) == 4 and len({k for _, k in table}) == 4
+    assert report["lineage"]["rounds_released_twice"] == []
+
+
+def test_noise_workers_on_flowers_engine_are_refused_naming_both_flags(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", "flower"]
+        + ["--noise-workers", "2", "--model-dim", "70000", "--users", "8", "--rounds", "4"]
+        + ["--epochs", "2", "--out", str(tmp_path / "run")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--noise-workers: expected 0 with --backend flower" in r.stderr
+    assert "--backend inprocess" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()  # a refusal writes nothing

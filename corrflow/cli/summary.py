@@ -7,6 +7,7 @@ from pathlib import Path
 
 from corrflow.accounting.noise_scale import describe as describe_noise
 from corrflow.planning.run import selection_line
+from corrflow.run.noise_trust import noise_worker_lines
 
 
 def _loss(value: float | None) -> str:
@@ -79,6 +80,7 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
         ),
         _users_line(realized, out),
         *_secure_aggregation_lines(report),
+        *noise_worker_lines(report),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),
         f"rounds      {report['rounds_completed']} completed"

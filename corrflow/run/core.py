@@ -30,7 +30,7 @@ import numpy as np
 from corrflow.accounting.policy import RunAccounting, pattern_followed
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.config import RunConfig
-from corrflow.errors import IntegrityError, require
+from corrflow.errors import IntegrityError, NoiseWorkerLostError, require
 from corrflow.fileio import write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
@@ -365,7 +365,8 @@ class Run:
 
         Returns:
             The round's `RoundRecord`; None when the round is refused because its model is not
-            finite (NaN or Inf): the run stops, nothing of the round is released.
+            finite (NaN or Inf), or its noise could not be drawn (a noise worker lost for good):
+            the run stops, nothing of the round is released.
 
         Raises:
             InvalidArgumentError: a plan that is not the run's next round, or a stopped run.
@@ -382,9 +383,13 @@ class Run:
             if isinstance(replies, SummedReplies)
             else collect(self._plan, plan, replies, s.params, self.log.warning)
         )
-        record = release(
-            self._plan, plan, summed, s, self._noise, lambda: time.perf_counter() - started
-        )
+        try:
+            record = release(
+                self._plan, plan, summed, s, self._noise, lambda: time.perf_counter() - started
+            )
+        except NoiseWorkerLostError as lost:  # nothing of the round was released
+            self._apply(Stop(str(lost)))
+            return None
         # Nothing non-finite is ever released: the update's noise, a client update near float32's
         # range or a large server learning rate can overflow, and a NaN model would be checkpointed,
         # journaled and sent — training would go on from garbage without a word.

@@ -35,8 +35,14 @@ _BLOCK = 1 << 16
 class NoiseStream:
     """The run's (C⁻¹Z)_t, one round at a time (see the module docstring)."""
 
+    #: Why the stream can draw no more (a lost Ray head); None while it can.
+    lost: str | None = None
+
     def __init__(self, generator: CorrelatedNoise):
         self._gen = generator
+
+    def watch(self, on_lost) -> None:
+        """Call ``on_lost`` once the stream is lost; one in the server's process never is."""
 
     @classmethod
     def new(

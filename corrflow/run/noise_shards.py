@@ -8,12 +8,22 @@ disk; the server adds each returned slice into the sum and never holds model-siz
 `ShardedNoiseStream` has `corrflow.run.noise.NoiseStream`'s interface (add, skip, next_round,
 segments, save), so the round and the run core have one path for both; `open_noise` picks one.
 
-Faults: a worker that dies during a round is restarted from its last checkpoint (the state the
-server's published checkpoint recorded by digest), brought to the round and asked again — the round
-is completed with the same bits, nothing released twice; when that fails, the round is not released
-and the run stops with an error naming the worker. A worker whose saved state is not the one the
-server's checkpoint recorded is refused, naming it. A checkpoint resumes with the same number of
-workers only (a worker's state lives on its node's disk, shaped by its shard).
+Faults: every loss of a worker — Ray's memory monitor killing it (``OutOfMemoryError``), its
+process or node dying (``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``), a second
+death while the restarted worker is asked again, a worker that does not answer within
+``call_timeout`` (an unreachable node) — takes one path: the worker is restarted from its last
+checkpoint (the state the server's published checkpoint recorded by digest), brought to the round
+and asked again, at most `RESTARTS` times; the round is completed with the same bits, nothing
+released twice. When that fails, `NoiseWorkerLostError` names the worker: the round is not
+released and the run stops on the record (``stopped_reason``). A watchdog connects to the
+cluster's head every `HEAD_CHECK_S` seconds; once it has not answered `HEAD_MISSES` times in a row
+the stream is lost (``lost`` says why), the run is told to stop (`ShardedNoiseStream.watch`) and
+no call waits on the cluster again — Ray itself ends a driver 60 s after it loses the head, with no
+handler of the run's running. A worker whose saved state is not the one the server's checkpoint
+recorded is refused, naming it. A checkpoint resumes with the same number of workers only (a
+worker's state lives on its node's disk, shaped by its shard). Each worker checkpoints its state
+right after it draws (or skips) a round, so no worker is called between a round's noise and the
+server's checkpoint that records it.
 """
 
 from __future__ import annotations
@@ -22,15 +32,17 @@ import json
 import logging
 import os
 import resource
+import signal
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from corrflow.config import RunConfig
-from corrflow.errors import IntegrityError, InvalidArgumentError
+from corrflow.errors import IntegrityError, InvalidArgumentError, NoiseWorkerLostError
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_bytes, write_json
 from corrflow.noise import new_secret
@@ -57,6 +69,17 @@ SHARD_ROOT = "noise-shards"
 #: Memory a worker reserves beyond its noise state and output slice: the Python process with
 # NumPy and the compiled kernels (measured: a worker of a small model peaks at ≈ 0.29 GB).
 RUNTIME_BYTES = 384 << 20
+#: Restarts of one worker within one call before the run stops naming it.
+RESTARTS = 2
+#: Seconds a worker may take to answer one call (a round's slice, a save) before it counts as
+# lost: generous, since a large shard's round takes seconds on a loaded node.
+CALL_TIMEOUT_S = 300.0
+#: Seconds a worker may take to start, restore its state and catch up: a new process imports
+# NumPy and corrflow, and a restored worker may redraw many rounds.
+START_TIMEOUT_S = 600.0
+#: The head watchdog's period and the misses in a row that make the head lost (≈ 6 s: well
+# within Ray's own 60 s, after which it ends the driver's process).
+HEAD_CHECK_S, HEAD_MISSES = 2.0, 3
 
 
 class NoiseWorker:
@@ -101,9 +124,11 @@ class NoiseWorker:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
 
-    def next(self, t: int) -> np.ndarray:
-        """The shard's slice of (C⁻¹Z)_t (unit σ, float32)."""
-        return self._gen.next(t)[0]
+    def draw(self, t: int) -> tuple[np.ndarray, str]:
+        """The shard's slice of (C⁻¹Z)_t (unit σ, float32), and the digest of the state it saved
+        after it (at round t + 1)."""
+        piece = self._gen.next(t)[0]
+        return piece, self.save()
 
     def advance_to(self, t: int) -> int:
         """Draw (and drop) the rounds before ``t``: a worker restored at an earlier round catches
@@ -112,8 +137,11 @@ class NoiseWorker:
             self._gen.next(self._gen.next_round)
         return self._gen.next_round
 
-    def skip(self, t: int) -> None:
+    def skip(self, t: int) -> str:
+        """Skip round ``t`` (a non-private baseline draws no noise); returns the saved state's
+        digest."""
         self._gen.skip_round()
+        return self.save()
 
     def add_segment(self, blocks: dict[int, bytes]) -> None:
         """Rows from the next round on use a new key segment's block keys."""
@@ -161,6 +189,7 @@ class ShardedNoiseStream(NoiseStream):
         chunk_size: int = DEFAULT_CHUNK,
         next_round: int = 0,
         digests: Sequence[str] | None = None,
+        call_timeout: float | None = None,
     ):
         # No single generator: NoiseStream's methods are all overridden here.
         super().__init__(None)
@@ -169,37 +198,32 @@ class ShardedNoiseStream(NoiseStream):
         self.dim = sum(self._sizes)
         self.shards = plan_shards(self.dim, workers, chunk_size)
         self.mode = default_mode(factorization)
+        self.call_timeout = CALL_TIMEOUT_S if call_timeout is None else call_timeout
         self._root = str(Path(root).resolve())
         self._next = self._saved_round = next_round
         self._digests: list[str | None] = list(digests) if digests else [None] * workers
-        self._own_ray = False
+        self._drawn: tuple[int, list[str]] | None = None  # (next round, the workers' digests)
+        self.lost: str | None = None
+        self._on_lost: list[Callable[[], None]] = []
+        self._closed = threading.Event()
+        self._own_ray = _join(address, _object_store_bytes(self.dim))
         ray = _ray()
-        if not ray.is_initialized():
-            if address and address != "auto":  # "auto": the cluster `ray start` left here
-                _check_reachable(address)
-            # "local": a new instance owned by this process, never a cluster some other program
-            # left running on this machine (ray.init's default would join it).
-            try:
-                ray.init(
-                    address=address or "local",
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                    **({} if address else {"object_store_memory": _object_store_bytes(self.dim)}),
-                )
-            except (ConnectionError, ValueError, RuntimeError) as exc:
-                raise InvalidArgumentError(
-                    "ray-address",
-                    f"the host:port of a running Ray cluster's head ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else 'no answer'})",
-                    address,
-                ) from None
-            self._own_ray = not address
         self._remote = ray.remote(NoiseWorker)
         self._actors = [None] * workers
         self._pids = [0] * workers
+        gcs = ray.get_runtime_context().gcs_address  # the head's own idea of its host
+        shown = address if address and address != "auto" else gcs
+        threading.Thread(
+            target=self._watch_head, args=(gcs, shown), name="corrflow-ray-head", daemon=True
+        ).start()
         for s in self.shards:
-            self._start(s.index)
+            try:
+                self._start(s.index)
+            except ray.exceptions.RayError as exc:  # e.g. a cluster without the memory it asks
+                raise NoiseWorkerLostError(
+                    f"{s.describe()} did not start ({self._loss(exc)[0]}; it reserves "
+                    f"{self.share_bytes(s) / 2**30:.2f} GiB of the cluster's memory)"
+                ) from None
 
     # -- workers -----------------------------------------------------------------------------------
     def share_bytes(self, shard: Shard) -> int:
@@ -217,71 +241,201 @@ class ShardedNoiseStream(NoiseStream):
             rows = self._fac.encoder.buffers
         return (rows + 2) * shard.size * 4 + RUNTIME_BYTES
 
+    def _who(self, i: int) -> str:
+        return f"{self.shards[i].describe()}, pid {self._pids[i]}"
+
     def _start(self, i: int) -> None:
-        """Start (or restart) worker ``i`` and bring it to the stream's last checkpoint."""
+        """Start (or restart) worker ``i`` and bring it to the stream's last checkpoint.
+
+        Raises:
+            IntegrityError: the worker refused its saved state (named).
+            InvalidArgumentError: the worker refused its settings.
+            ray.exceptions.RayError: it was lost or did not answer within ``call_timeout``.
+        """
         ray, s = _ray(), self.shards[i]
+        if self._actors[i] is not None:  # a hung worker must not come back beside its successor
+            _kill(self._actors[i])
+            self._actors[i] = None
         actor = self._remote.options(
             num_cpus=0, memory=self.share_bytes(s), max_restarts=0, max_concurrency=1
         ).remote(self._fac, s, self.mode, self._chunk, self._root)
         secrets = shard_secrets(self._table, s, self._prng)
         try:
-            info = ray.get(actor.open.remote(secrets, self._saved_round, self._digests[i]))
-        except ray.exceptions.RayTaskError as exc:  # the worker's refusal, without Ray's traceback
-            ray.kill(actor)
-            if isinstance(exc.cause, IntegrityError | InvalidArgumentError):
-                raise exc.cause from None
+            ref = actor.open.remote(secrets, self._saved_round, self._digests[i])
+            info = self._get(ref, START_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:
+            _kill(actor)
+            cause = _refusal(exc)
+            if cause is not None:  # the worker's refusal, without Ray's traceback
+                raise cause from None
             raise
         self._actors[i], self._pids[i] = actor, int(info["pid"])
 
-    def _recover(self, i: int, upto: int, exc: BaseException) -> None:
-        """Worker ``i`` died: restart it from its checkpoint and bring it to round ``upto``, or
-        stop the run naming it (nothing of the round is released either way until it answers)."""
-        who = f"{self.shards[i].describe()}, pid {self._pids[i]}"
-        log.warning(
-            "%s died in round %d (%s); restarting it from its checkpoint at round %d",
-            who,
-            upto + 1,
-            type(exc).__name__,
-            self._saved_round + 1,
+    def _retry(self, i: int, call: str, args: tuple, why: str):
+        """Worker ``i`` was lost (``why``): restart it from its checkpoint, bring it to the
+        stream's round and ask it ``call`` again, at most `RESTARTS` times.
+
+        Raises:
+            NoiseWorkerLostError: it could not be restored (named; nothing of the round released).
+        """
+        ray, t, tries = _ray(), self._next, 0
+        heals = True
+        while heals and tries < RESTARTS:
+            self._check_head()
+            tries += 1
+            log.warning(
+                "%s was lost in round %d (%s); restarting it from its checkpoint at round %d "
+                "(try %d of %d)",
+                *(self._who(i), t + 1, why, self._saved_round + 1, tries, RESTARTS),
+            )
+            try:
+                self._start(i)
+                self._get(self._actors[i].advance_to.remote(t), START_TIMEOUT_S)
+                return self._get(getattr(self._actors[i], call).remote(*args))
+            except ray.exceptions.RayError as exc:
+                why, heals = self._loss(exc)
+            except (IntegrityError, InvalidArgumentError) as refused:  # a state that never heals
+                why, heals = str(refused), False
+        raise self._lost_error(i, why, tries)
+
+    def _get(self, ref, timeout: float | None = None):
+        """``ray.get(ref)`` within ``timeout`` seconds (default ``call_timeout``), given up at once
+        when the head is lost (Ray would wait for it until it ends the process).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: no answer in time.
+            NoiseWorkerLostError: the head is lost.
+        """
+        ray = _ray()
+        timeout = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not ray.wait([ref], timeout=min(1.0, timeout))[0]:
+            self._check_head()
+            if time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:g} s")
+        return ray.get(ref)
+
+    def _lost_error(self, i: int, why: str, tries: int) -> NoiseWorkerLostError:
+        t = self._next
+        return NoiseWorkerLostError(
+            f"{self._who(i)} was lost in round {t + 1} and could not be restored from its "
+            f"checkpoint at round {self._saved_round + 1} ({tries} restart(s); {why}); round "
+            f"{t + 1} was not released"
         )
-        try:
-            self._start(i)
-            _ray().get(self._actors[i].advance_to.remote(upto))
-        except Exception as again:  # a second death or a refused state: the run cannot go on
-            raise IntegrityError(
-                f"{who} died in round {upto + 1} and could not be restored from its checkpoint "
-                f"({again}); round {upto + 1} was not released"
-            ) from None
+
+    def _loss(self, exc: BaseException) -> tuple[str, bool]:
+        """Why a worker's call failed (one line), and whether a restart can heal it (a lost
+        worker: yes; its refusal of its state: no); a fault in the worker's own code is raised,
+        with its traceback."""
+        ray = _ray()
+        cause = _refusal(exc)
+        if cause is not None:
+            return str(cause), False
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            if not isinstance(exc.cause, ray.exceptions.RayError):
+                raise exc
+            exc = exc.cause  # e.g. an OutOfMemoryError raised inside the worker's call
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            return str(exc), True
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return (f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__), True
 
     def _each(self, call: str, *args) -> list:
-        """Call every worker, restarting the ones that die (once each); results in shard order."""
+        """Call every worker; a lost one is restored (`_retry`); results in shard order.
+
+        Raises:
+            NoiseWorkerLostError: a worker could not be restored, or the head is lost.
+        """
         ray = _ray()
+        self._check_head()
         out: list = [None] * len(self._actors)
         refs = {getattr(a, call).remote(*args): i for i, a in enumerate(self._actors)}
-        pending = list(refs)
+        pending, deadline = list(refs), time.monotonic() + self.call_timeout
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            i = refs[done[0]]
-            try:
-                out[i] = ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                self._recover(i, self._next, exc)
-                out[i] = ray.get(getattr(self._actors[i], call).remote(*args))
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(1.0, left)))
+            self._check_head()
+            if not done and left <= 0:  # unreachable workers: each is restored in turn
+                for ref in pending:
+                    i = refs[ref]
+                    out[i] = self._retry(i, call, args, f"no answer within {self.call_timeout:g} s")
+                break
+            for ref in done:
+                i = refs[ref]
+                try:
+                    out[i] = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    why, heals = self._loss(exc)
+                    if not heals:
+                        raise self._lost_error(i, why, 0) from None
+                    out[i] = self._retry(i, call, args, why)
         return out
+
+    # -- the cluster's head ------------------------------------------------------------------------
+    def watch(self, on_lost: Callable[[], None]) -> None:
+        """Call ``on_lost`` (from the watchdog's thread) once the cluster's head is lost.
+
+        Args:
+            on_lost: e.g. the run's stop event's ``set``; the run then stops with ``lost``.
+        """
+        self._on_lost.append(on_lost)
+        if self.lost is not None:
+            on_lost()
+
+    def _watch_head(self, gcs: str, shown: str) -> None:
+        """Connect to the head's GCS port every `HEAD_CHECK_S` s; after `HEAD_MISSES` misses in a
+        row set ``lost`` (naming the head as ``shown``) and call the ``watch`` callbacks."""
+        misses = 0
+        while not self._closed.wait(HEAD_CHECK_S):
+            misses = 0 if _answers(gcs) else misses + 1
+            if misses >= HEAD_MISSES:
+                self.lost = (
+                    f"the Ray cluster's head at {shown} stopped answering (no connection for "
+                    f"{HEAD_MISSES * HEAD_CHECK_S:g} s): the noise workers are out of reach"
+                )
+                log.error("corrflow: %s; the run stops", self.lost)
+                for on_lost in self._on_lost:
+                    on_lost()
+                return
+
+    def _check_head(self) -> None:
+        if self.lost is not None:
+            raise NoiseWorkerLostError(f"{self.lost}; round {self._next + 1} was not released")
 
     def worker_info(self) -> list[dict]:
         """Each worker's pid, next round, state bytes and peak RSS (benchmarks, tests)."""
-        return _ray().get([a.info.remote() for a in self._actors])
+        return [self._get(a.info.remote()) for a in self._actors]
+
+    def trust(self) -> dict:
+        """The workers as the privacy report names them: shards, pids and state digests at the
+        last checkpoint (no call to the workers: a report is written after they are lost too)."""
+        return {
+            "count": len(self.shards),
+            "mode": self.mode,
+            "shards": [
+                {
+                    "worker": s.index,
+                    "coordinates": [s.lo, s.hi],
+                    "first_chunk": s.first_chunk,
+                    "chunks": s.chunks,
+                    "pid": self._pids[s.index],
+                    "state_sha256": self._digests[s.index],
+                }
+                for s in self.shards
+            ],
+            "checkpoint_round": self._saved_round,
+        }
 
     def close(self) -> None:
         """Stop the workers (and the local Ray instance this stream started)."""
-        ray = _ray()
-        for a in self._actors:
-            if a is not None:
-                ray.kill(a)
+        self._closed.set()
+        if self.lost is None:  # a lost head cannot be asked
+            for a in self._actors:
+                if a is not None:
+                    _ray().kill(a)
         self._actors = [None] * len(self._actors)
         if self._own_ray:
-            ray.shutdown()
+            _ray().shutdown()
 
     # -- NoiseStream's interface -------------------------------------------------------------------
     @property
@@ -304,9 +458,11 @@ class ShardedNoiseStream(NoiseStream):
         if t != self._next:
             raise InvalidArgumentError("round_index", f"{self._next}, the next round", t)
         flats = [g.reshape(-1) for g in total]
-        for s, piece in zip(self.shards, self._each("next", t), strict=True):
+        drawn = self._each("draw", t)
+        for s, (piece, _) in zip(self.shards, drawn, strict=True):
             self._add_range(flats, s.lo, piece, scale)
         self._next = t + 1
+        self._drawn = (self._next, [h for _, h in drawn])
 
     def _add_range(self, flats: list[np.ndarray], lo: int, piece: np.ndarray, scale) -> None:
         start = 0
@@ -317,13 +473,15 @@ class ShardedNoiseStream(NoiseStream):
             start += g.size
 
     def skip(self, t: int) -> None:
-        self._each("skip", t)
+        digests = self._each("skip", t)
         self._next = t + 1
+        self._drawn = (self._next, digests)
 
     def save(self, checkpoint: Path, state_dir: Path) -> None:
         """Each worker checkpoints its shard on its disk; the server's checkpoint records their
         digests and the key segments (owner-only), never noise."""
-        digests = self._each("save")
+        drawn = self._drawn
+        digests = drawn[1] if drawn is not None and drawn[0] == self._next else self._each("save")
         d = Path(checkpoint) / "noise"
         d.mkdir(parents=True, exist_ok=True)
         write_bytes(d / SEGMENTS_FILE, self._table.to_private(), private=True)
@@ -357,7 +515,69 @@ class ShardedNoiseStream(NoiseStream):
         key = key if key is not None and key not in used else new_secret(self._prng)
         self._table = self._table.extend(self._next, key)
         for s, a in zip(self.shards, self._actors, strict=True):
-            _ray().get(a.add_segment.remote(segment_blocks(key, s)))
+            self._get(a.add_segment.remote(segment_blocks(key, s)))
+
+
+def _join(address: str, store_bytes: int) -> bool:
+    """Join the Ray cluster at ``address`` ("": a new local instance owned by this process, never
+    a cluster some other program left running on this machine, which ray.init's default would
+    join; "auto": the one `ray start` left here), keeping the signal handlers the run installed
+    (ray.init replaces SIGTERM's with one that exits 15). Returns whether this process owns it."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    if address and address != "auto":
+        _check_reachable(address)
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ray.init(
+            address=address or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            **({} if address else {"object_store_memory": store_bytes}),
+        )
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(
+            "ray-address",
+            f"the host:port of a running Ray cluster's head ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no answer'})",
+            address,
+        ) from None
+    if threading.current_thread() is threading.main_thread():
+        for s, handler in kept.items():
+            if handler is not None:
+                signal.signal(s, handler)
+    return not address
+
+
+def _refusal(exc: BaseException) -> BaseException | None:
+    """The worker's own refusal (IntegrityError, InvalidArgumentError) inside a Ray error."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, IntegrityError | InvalidArgumentError) else None
+
+
+def _kill(actor) -> None:
+    """Kill a worker, whatever state it (or its node) is in, without waiting: ray.kill asks the
+    head, and a lost head would hold the caller until Ray ends the process."""
+
+    def kill() -> None:
+        try:
+            _ray().kill(actor)
+        except Exception as exc:  # already gone, or its node unreachable: nothing left to stop
+            log.debug("killing a noise worker: %s", exc)
+
+    threading.Thread(target=kill, name="corrflow-kill-worker", daemon=True).start()
+
+
+def _answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``address`` (host:port) accepts a TCP connection within ``timeout`` seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _check_reachable(address: str) -> None:

@@ -41,6 +41,7 @@ from corrflow.run.ledger import (
     replay,
 )
 from corrflow.run.noise import NoiseStream
+from corrflow.run.noise_trust import noise_workers_trust
 from corrflow.run.plan import RunPlan
 from corrflow.run.registry import ReleaseRegistry, lineage_section
 from corrflow.run.resume import settings_conflict
@@ -198,6 +199,7 @@ class Recorder:
         report["mechanism"]["notes"] = list(c.notes)
         report["report_every"] = REPORT_EVERY
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
+        report.update(noise_workers_trust(self.noise))
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
             report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)

@@ -26,6 +26,7 @@ from corrflow.errors import DataFormatError, InvalidArgumentError, require
 from corrflow.paths import run_directory
 from corrflow.server.app import make_server_app, run_server
 from corrflow.server.inprocess import InProcessGrid
+from corrflow.strategies.correlated import INTERRUPTED
 
 log = logging.getLogger("corrflow")
 
@@ -114,6 +115,24 @@ def engine_output(log_path: Path, verbose: bool):
             flwr_log.addHandler(h)
 
 
+def check_backend(cfg: RunConfig, backend: str) -> None:
+    """Refuse noise workers on Flower's simulation engine: the engine starts its own Ray instance
+    in the server's process, which the workers would join instead of ``--ray-address``, sharing
+    its resources with the simulated clients and outliving none of its faults.
+
+    Raises:
+        InvalidArgumentError (``noise-workers``): noise workers with ``backend`` "flower".
+    """
+    require(
+        backend == "inprocess" or not cfg.noise_workers,
+        "noise-workers",
+        "0 with --backend flower (Flower's simulation engine runs its own Ray instance, which "
+        "the noise workers would join instead of --ray-address); run --noise-workers N with "
+        "--backend inprocess",
+        cfg.noise_workers,
+    )
+
+
 def check_data_population(cfg: RunConfig, flag: str = "num-users") -> None:
     """A run on a dataset file trains at most the file's training partitions (StackOverflow train
     clients, arXiv training papers): more simulated users would ask for partitions that do not exist
@@ -156,6 +175,7 @@ def simulate(
     checkpoint on); a real run draws a fresh secret key on every start."""
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
+    check_backend(cfg, backend)
     check_data_population(cfg)
     created = new_files_undo(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,8 +257,14 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
             f"the simulation produced no privacy report in {out} (see the log above)"
         )
     report = json.loads(report_path.read_text())
-    if stop.is_set() and report["rounds_completed"] < cfg.num_rounds:
-        raise RunInterruptedError(report.get("stopped_reason") or "interrupted")
+    why = report.get("stopped_reason") or INTERRUPTED
+    # the stop event is also set by a lost Ray head (noise workers): that stop is no interrupt
+    if (
+        stop.is_set()
+        and report["rounds_completed"] < cfg.num_rounds
+        and why.startswith(INTERRUPTED)
+    ):
+        raise RunInterruptedError(why)
     if report["rounds_completed"] < cfg.num_rounds:
         raise RunStoppedEarlyError(report)
     return report

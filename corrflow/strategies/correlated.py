@@ -364,8 +364,9 @@ def run_rounds(
         and not strategy.stopped_reason
         and strategy.next_round < strategy.cfg.num_rounds
     ):
+        why = strategy.run.noise.lost or INTERRUPTED  # the noise workers' head, or a signal
         strategy.run.stop(
-            f"{INTERRUPTED} before round {strategy.next_round + 1} of "
+            f"{why} before round {strategy.next_round + 1} of "
             f"{strategy.cfg.num_rounds}; nothing of that round was released"
         )
     return result

@@ -142,6 +142,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
             server,
         )
     )
+    run.noise.watch(strategies[0].stop_event.set)  # a lost Ray head stops the run (noise_shards)
     return strategies[0]
 
 
