@@ -105,6 +105,13 @@ def test_blocks_zeroing_rejections_and_the_overflow_guard():
     with pytest.raises(RejectedReplyError, match="exact sum is full"):
         acc.add(u, None, 2.0 * 2.0 ** (62 - s), 0.0)
     assert np.abs(acc.sums[0]).max() < 2**63
+    # a scale beyond float32's exponent range converts in float64, with the same truncation
+    tiny = [np.array([3e-30, -7e-31, 1e-45, 0.0], np.float32)]
+    wide = ExactSum([(4,)], fixed_point_scale(2, 1e-29))
+    assert wide.scale > 127 and wide.add(tiny, None, 1e-29, 0.0) == "kept"
+    assert [int(q) for q in wide.sums[0]] == [
+        math.trunc(Fraction(float(v)) * 2**wide.scale) for v in tiny[0]
+    ]
     with pytest.raises(ValueError, match="positive and finite"):
         fixed_point_scale(0, 1.0)
     assert fixed_point_scale(342_477, 1.0) == 43

@@ -173,7 +173,7 @@ class ExactSum(_Clipper):
     """g = Σ_i clip(u_i), exactly associative: int64 fixed point at scale 2^s.
 
     Each clipped float32 update u_i is converted as q_i = trunc(u_i · 2^s) (multiplying by a power
-    of two is exact in float64; truncation toward zero), and Q = Σ_i q_i is an integer sum: the same
+    of two is exact; truncation toward zero), and Q = Σ_i q_i is an integer sum: the same
     bits for any order of addition, so for any arrival order and after any restart. Only checked
     updates are converted (NaN/Inf are rejected before), a zeroed one adds nothing.
 
@@ -203,7 +203,11 @@ class ExactSum(_Clipper):
         self.sums = [np.zeros(s, dtype=np.int64) for s in shapes]
         self._limit = math.ldexp(1.0, 63 - self.scale)
         self._admitted = 0.0  # Σ b_i over the updates added so far
-        self._to_int = np.float64(math.ldexp(1.0, self.scale))
+        # u · 2^s is exact in float32 too (a power-of-two scaling of a float32; a product ≥ 1 is a
+        # normal float32, a smaller one truncates to 0 either way) and float32 is faster: float64
+        # only where 2^s itself is not a float32
+        wide = np.float32 if -126 <= self.scale <= 127 else np.float64
+        self._to_int = wide(math.ldexp(1.0, self.scale))
         self._ints = np.empty(_BLOCK, dtype=np.int64)
 
     def _admit(self, bound: float) -> None:
@@ -221,9 +225,13 @@ class ExactSum(_Clipper):
                 ub = u[lo : lo + _BLOCK]
                 if scale is not None:
                     ub *= scale  # float32, as `ClippedSum`: the ℓ2 bound is met before conversion
-                # float64 product (exact: a power of two), truncated toward zero by the cast
+                # the exact product, truncated toward zero by the cast
                 np.multiply(
-                    ub, self._to_int, out=self._ints[: ub.size], dtype=np.float64, casting="unsafe"
+                    ub,
+                    self._to_int,
+                    out=self._ints[: ub.size],
+                    dtype=self._to_int.dtype,
+                    casting="unsafe",
                 )
                 q[lo : lo + _BLOCK] += self._ints[: ub.size]
 
