@@ -195,3 +195,52 @@ def test_collect_is_order_free_first_accepted_wins_and_streams(tmp_path):
         out = collect(run.plan, routed, pulled(), run.state.params, lambda *a: None)
         assert len(out.accepted) == len(nodes)
         assert sum_scale(run.plan) == fixed_point_scale(12, 0.5) == 59
+
+
+# -- the transport side: replies pulled a few ids at a time ----------------------------------------
+
+
+def test_reply_stream_pulls_a_few_ids_at_a_time_and_the_grid_delivers_on_pull():
+    """The in-process grid runs a handler when its reply is pulled, not at push; `ReplyStream` asks
+    for at most ``batch`` ids per pull and yields every reply once; a stop raises before the next
+    pull (the round is abandoned, nothing summed is kept)."""
+    import threading
+
+    from flwr.app import ConfigRecord, MessageType, RecordDict
+    from flwr.app import Message as FlowerMessage
+
+    from corrflow.server.inprocess import InProcessGrid
+    from corrflow.strategies.messaging import ReplyStream, RoundAbandonedError
+
+    calls: list[int] = []
+
+    def handler(msg, ctx):
+        calls.append(int(ctx.node_config["partition-id"]))
+        return FlowerMessage(RecordDict({"c": ConfigRecord({"p": calls[-1]})}), reply_to=msg)
+
+    grid = InProcessGrid({"train": handler}, 10, identity=False)
+    asked: list[int] = []
+    pull = grid.pull_messages
+    grid.pull_messages = lambda ids: (asked.append(len(list(ids))), pull(ids))[1]
+
+    def messages():
+        return [
+            FlowerMessage(RecordDict({}), message_type=MessageType.TRAIN, dst_node_id=n)
+            for n in grid.get_node_ids()
+        ]
+
+    stream = ReplyStream(grid, messages(), 60.0, threading.Event(), batch=3)
+    assert calls == [] and asked == []  # pushed, nothing delivered yet
+    seen = []
+    for reply in stream:
+        seen.append(int(reply.content["c"]["p"]))
+        assert len(calls) <= -(-len(seen) // 3) * 3  # never more delivered than pulled
+    assert sorted(seen) == list(range(10)) and asked == [3, 3, 3, 1]
+
+    stop = threading.Event()
+    stream = ReplyStream(grid, messages(), 60.0, stop, batch=4)
+    got = iter(stream)
+    next(got)
+    stop.set()
+    with pytest.raises(RoundAbandonedError):
+        list(got)
