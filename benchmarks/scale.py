@@ -26,13 +26,19 @@ means of rounds 2–9 and of the last 8 rounds, and the peak RSS — the check a
 ``python benchmarks/scale.py simulate --backend inprocess --users 100000 --rounds 40 --epochs 1
 --noise-multiplier 1 --out OUT``.
 
+``python benchmarks/scale.py sums [--params 4000000] [--replies 40]`` prints the per-reply CPU of
+the run's exact clip-and-sum (int64 fixed point, `corrflow.run.clipping.ExactSum`), the float32
+clip-and-sum (`ClippedSum`) and a bare float32 sum at d parameters.
+
 ``python benchmarks/scale.py engines [--users 20000] [--rounds 20]`` runs the same ``corrflow
 simulate`` (cohort = users / rounds, k = 1) on the in-process grid and on Flower's Ray engine and
 prints each one's wall clock and process-tree CPU per round and Ray's overhead over in-process.
 
 Usage: python benchmarks/scale.py [--mode fixed-epoch|bminsep] [--rounds 2052] [--users 342477]
        [--cohort 1000] [--params 100000] [--noise-multiplier 1.0]
+       [--rows FILE] [--reference-every 50]
        python benchmarks/scale.py simulate ARGS…
+       python benchmarks/scale.py sums [--params 4000000] [--replies 40]
        python benchmarks/scale.py engines [--users 20000] [--rounds 20]
 """
 
@@ -62,10 +68,11 @@ from corrflow.accounting.policy import RunAccounting
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
+from corrflow.run.clipping import ClippedSum, ExactSum, fixed_point_scale
 from corrflow.run.recorder import REPORT_EVERY, Recorder
 from corrflow.run.resume import RunLock
 from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
-from corrflow.strategies.messaging import NodeDirectory
+from corrflow.strategies.messaging import NodeDirectory, ReplyStream, pull_batch
 from corrflow.strategies.session import RunSpec, prepare_run
 
 PHASES = (
@@ -181,22 +188,27 @@ def run(args) -> dict:
     try:
         cfg = _config(args, tmp)
         t0 = time.process_time()
-        grid = InProcessGrid({"train": train}, cfg.num_users)
+        split = Split()
+        # the grid runs the handler when its reply is pulled, inside the server's collection: timed
+        # as its own phase, so the server's phases exclude it
+        grid = InProcessGrid({"train": split.wrap("client", train)}, cfg.num_users)
         lock = RunLock(cfg.state_dir).__enter__()
         strategy = prepare_run(grid, RunSpec(cfg, [np.zeros(args.params, np.float32)]))
         setup = time.process_time() - t0
-        split = Split()
         _install(split)
+        split.take()
         arrays = strategy.initial_arrays()
-        rows = []
+        batch = pull_batch(strategy.run.plan.layout)
+        rows, reference = [], []
         for r in range(args.rounds):
             c0, w0, client_cpu[0] = time.process_time(), _written(), 0.0
             messages = list(strategy.configure_train(r + 1, arrays, None, grid))
-            grid.push_messages(messages)
-            replies = list(grid.pull_messages([]))
-            arrays, _ = strategy.aggregate_train(r + 1, replies)
             cohort = len(messages)
-            del replies, messages  # as the strategy's own loop: one round's replies in memory
+            # corrflow's own loop: pushed at once, pulled `batch` ids at a time, each reply summed
+            # (and its buffer freed) as it arrives
+            replies = ReplyStream(grid, messages, 600.0, None, batch)
+            arrays, _ = strategy.aggregate_train(r + 1, replies)
+            del replies, messages
             assert arrays is not None, f"round {r + 1} released no model"
             cpu = time.process_time() - c0
             rows.append(
@@ -208,11 +220,19 @@ def run(args) -> dict:
                     **split.take(),
                 }
             )
-            if (r + 1) % 50 == 0:  # progress on stderr: a long run can be read while it goes
+            if r == 0 or (r + 1) % args.reference_every == 0:
+                reference.append(_reference_sums(args.params, cohort, pool))
+                if args.rows:
+                    _append(args.rows, {"round": r + 1, "reference": reference[-1]})
+            if args.rows:  # each round as it ends: a run stopped early still has its rows
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                _append(args.rows, {"round": r + 1, **rows[-1], "peak_rss_mb": rss})
+            if (r + 1) % 50 == 0 or r < 3:  # progress on stderr: a long run can be read as it goes
                 done = [x["server"] for x in rows]
                 print(
                     f"round {r + 1}: server CPU {statistics.median(done[-50:]):.3f} s/round "
-                    f"(median of the last 50), client {client_cpu[0]:.3f} s",
+                    f"(median of the last 50), client {client_cpu[0]:.3f} s, peak RSS "
+                    f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -225,7 +245,47 @@ def run(args) -> dict:
         lock.__exit__(None, None, None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer)
+    out = _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer)
+    out["reference_cpu_s_per_round"] = _reference_summary(rows, reference)
+    return out
+
+
+def _append(path: str, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _reference_sums(d: int, cohort: int, pool: list[np.ndarray]) -> dict[str, float]:
+    """The CPU of one cohort's clip-and-sum on the float32 reference path (`ClippedSum`: full-weight
+    replies, ℓ2 clip 1) and of a bare float32 sum of the same updates, replies built outside the
+    timed part."""
+    sent = np.zeros(d, np.float32)
+    clipped, bare = ClippedSum([(d,)]), np.zeros(d, np.float32)
+    t_clip = t_bare = 0.0
+    for i in range(cohort):
+        reply = sent + pool[i % 8]
+        t0 = time.process_time()
+        clipped.add([reply], [sent], 1.0, 0.0)
+        t1 = time.process_time()
+        bare += reply
+        t_clip, t_bare = t_clip + t1 - t0, t_bare + time.process_time() - t1
+    return {"clipped_sum": t_clip, "bare_sum": t_bare}
+
+
+def _reference_summary(rows: list[dict], reference: list[dict[str, float]]) -> dict:
+    clip = statistics.median(x["clipped_sum"] for x in reference)
+    bare = statistics.median(x["bare_sum"] for x in reference)
+    server = statistics.median(r["server"] for r in rows)
+    exact = statistics.median(r.get("clipping", 0.0) for r in rows)
+    return {
+        "samples": len(reference),
+        "clipped_sum": clip,
+        "bare_float32_sum": bare,
+        "clipped_over_bare": clip / bare,
+        "exact_clipping_over_clipped": exact / clip,
+        "server_over_clipped": server / clip,
+        "server_over_bare": server / bare,
+    }
 
 
 def _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer) -> dict:
@@ -273,6 +333,8 @@ def _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer) -
             "privacy_report_json": report_bytes,
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_less_noise_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        - noise_buffer / 2**20,
         # model-sized noise state kept between rounds (in the peak RSS; (bands − 1)·d·4 banded)
         "noise_buffer_mb": noise_buffer / 2**20,
         "targets": {
@@ -408,7 +470,50 @@ def engines(argv: list[str]) -> dict:
     return out
 
 
+def sums(argv: list[str]) -> dict:
+    """Per-reply process CPU of the run's exact clip-and-sum (`ExactSum`), the float32 one
+    (`ClippedSum`) and a bare float32 sum, on the same full-weight replies of d parameters (half of
+    them clipped), and the peak RSS."""
+    ap = argparse.ArgumentParser(prog="scale.py sums")
+    ap.add_argument("--params", type=int, default=4_000_000)
+    ap.add_argument("--replies", type=int, default=40)
+    args = ap.parse_args(argv)
+    d, rng = args.params, np.random.default_rng(0)
+    sent = rng.standard_normal(d, dtype=np.float32)
+    pool = [rng.standard_normal(d, dtype=np.float32) * s for s in (1e-4, 1e-3)]  # kept, clipped
+    exact = ExactSum([(d,)], fixed_point_scale(342_477, 1.0))
+    clipped, bare = ClippedSum([(d,)]), np.zeros(d, np.float32)
+    cpu = {"exact_sum": 0.0, "clipped_sum": 0.0, "bare_sum": 0.0}
+    for i in range(args.replies):
+        reply = sent + pool[i % 2]
+        for name, add in (
+            ("exact_sum", lambda r: exact.add([r], [sent], 1.0, 0.0)),
+            ("clipped_sum", lambda r: clipped.add([r], [sent], 1.0, 0.0)),
+            ("bare_sum", lambda r: bare.__iadd__(r)),
+        ):
+            t0 = time.process_time()
+            add(reply)
+            cpu[name] += time.process_time() - t0
+    t0 = time.process_time()
+    exact.total()
+    to_float = time.process_time() - t0
+    per = {k: v / args.replies for k, v in cpu.items()}
+    return {
+        "params": d,
+        "replies": args.replies,
+        "cpu_s_per_reply": per,
+        "exact_total_to_float32_s": to_float,
+        "exact_over_clipped": per["exact_sum"] / per["clipped_sum"],
+        "clipped_over_bare": per["clipped_sum"] / per["bare_sum"],
+        "exact_over_bare": per["exact_sum"] / per["bare_sum"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["sums"]:
+        print(json.dumps(sums(sys.argv[2:]), indent=1))
+        return
     if sys.argv[1:2] == ["simulate"]:
         result = simulate(sys.argv[2:])
         print(json.dumps(result, indent=1))
@@ -455,15 +560,30 @@ def main() -> None:
         "--noise-multiplier", type=float, default=1.0, help="σ, given (default %(default)s)"
     )
     ap.add_argument(
+        "--rows",
+        default=None,
+        help="append each round's CPU split, bytes and peak RSS to this file as a JSON line",
+    )
+    ap.add_argument(
+        "--reference-every",
+        type=int,
+        default=50,
+        help="time the float32 clip-and-sum (ClippedSum) and a bare float32 sum of a cohort at the "
+        "same d after round 1 and every N rounds (default %(default)s)",
+    )
+    ap.add_argument(
         "--accountant",
         default=None,
         help="the planned ε's accountant (default corrflow's: for bminsep the tightest verified "
         "bound, a Monte Carlo over the planned rounds; unamplified is the cheap worst-case bound)",
     )
     args = ap.parse_args()
-    for name in ("users", "cohort", "epochs", "params"):
+    for name in ("users", "cohort", "epochs", "params", "reference_every"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+            ap.error(
+                f"--{name.replace('_', '-')}: expected a positive integer, "
+                f"got {getattr(args, name)}"
+            )
     if args.cohort > args.users:
         ap.error(f"--cohort: expected at most --users ({args.users}), got {args.cohort}")
     args.min_sep = args.users // args.cohort

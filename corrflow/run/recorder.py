@@ -82,6 +82,13 @@ class Recorder:
         self._hashes: dict[str, str] = {}  # user → salted hash (hashed once per run start)
         self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
         self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
+        # Facts of the frozen plan every checkpoint records: computed once per start, not per round
+        # (the factorization's hash reads all of its arrays).
+        self._facts = {
+            "config_fingerprint": plan.cfg.fingerprint(),
+            "settings": plan.cfg.run_settings(),
+            "factorization_sha256": plan.factorization.sha256(),
+        }
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -120,11 +127,9 @@ class Recorder:
         s, k, c = self.state, self.keys, self.plan
         public = {
             "next_round": s.next_round,
-            "config_fingerprint": c.cfg.fingerprint(),
-            "settings": c.cfg.run_settings(),
+            **self._facts,
             "run_id": k.run_id,
             "identity": c.identity,
-            "factorization_sha256": c.factorization.sha256(),
             "ledger_log": self.ledger_log.position.to_dict(),
             "noise_multiplier": c.accounting.plan.noise_multiplier,
             "planned_epsilon": c.accounting.plan.epsilon,

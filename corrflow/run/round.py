@@ -3,11 +3,12 @@ flow); nothing here changes the run's state:
 
 1. `plan_round` — the sampled items plus operator overrides, after the separation policy, and
    `RoundPlan.route` — which node trains which item(s) (a new plan: a plan is never changed);
-2. `collect` — every `Reply` validated, zeroed if ℓ∞ > zeroing·clip (000 App. F.3) and
-   clipped to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must already
-   be within m·clip), and summed in place into g_t = Σ clipped (in id order, so a restart
-   reproduces it bit for bit) — a `SummedReplies`, which a secure-aggregation adapter may
-   hand in instead (a sum arriving instead of individual replies);
+2. `collect` — each `Reply`, as it arrives, validated, zeroed if ℓ∞ > zeroing·clip (000 App.
+   F.3) and clipped to ℓ2 ≤ clip on the server (a cross-silo sum of m per-item-clipped updates must
+   already be within m·clip), and added at once into g_t = Σ clipped, an exact int64 fixed-point
+   sum (`corrflow.run.clipping.ExactSum`: the same bits for any arrival order, so a restart
+   reproduces it bit for bit; memory O(model), not O(cohort · model)) — a `SummedReplies`, which a
+   secure-aggregation adapter may hand in instead (a sum arriving instead of individual replies);
 3. `release` — x̂_t = (g_t + σ·clip·(C⁻¹Z)_t) / planned cohort size, the workload's server
    optimizer step, and the `RoundRecord` that `corrflow.run.core.Run.step` applies.
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from corrflow.accounting.policy import with_round
 from corrflow.accounting.tracking import IncrementalSensitivity
-from corrflow.run.clipping import ClippedSum, RejectedReplyError
+from corrflow.run.clipping import ExactSum, RejectedReplyError, fixed_point_scale
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
 
@@ -266,6 +267,21 @@ def check_reply(plan: RoundPlan, reply: Reply) -> tuple[str, int]:
     return key, items
 
 
+def sum_scale(run: RunPlan) -> int:
+    """The exponent s of the run's exact sum (`ExactSum`): fixed for the run, from the clip norm and
+    the cohort cap — every item of the population once, the most a round can accept (a reply per
+    item id at most; a Poisson or b-min-sep cohort and operator overrides have no smaller hard
+    bound).
+
+    Args:
+        run: the run's plan.
+
+    Returns:
+        s = ⌊62 − log₂(items · clip)⌋.
+    """
+    return fixed_point_scale(len(run.planner.items), run.cfg.clip_norm)
+
+
 def collect(
     run: RunPlan,
     plan: RoundPlan,
@@ -273,64 +289,102 @@ def collect(
     params: Sequence[np.ndarray],
     log_warning: Callable[..., None],
 ) -> SummedReplies:
-    """Validate, zero or clip every reply and sum the clipped updates in place, in id order (so that
-    the same replies give the same bits whatever order they arrived in); the first well-formed reply
-    of an id counts, any later one is a duplicate. A node that was sent a request
-    (``plan.expected``) and did not answer is recorded as timed out. Changes no state."""
-    clip, silo, layout = run.cfg.clip_norm, run.item_home is not None, run.layout
-    clipped = ClippedSum(layout.trainable_shapes, layout.trainable_names)
-    out = SummedReplies(
-        [], clipped.total, {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}, []
-    )
+    """Validate, zero or clip each reply as it arrives and add it at once into the round's exact sum
+    (`ExactSum`: the same bits for any arrival order), keeping nothing of it: ``replies`` may be a
+    generator that pulls them from a transport, and memory stays O(model). The first reply of an id
+    that is accepted counts; any later one is a duplicate, and a rejected one never enters the sum.
+    A node that was sent a request (``plan.expected``) and did not answer is recorded as timed out.
+    Accepted ids are listed in id order, rejections in (who, reason) order. Changes no state."""
+    layout = run.layout
+    exact = ExactSum(layout.trainable_shapes, sum_scale(run), layout.trainable_names)
+    counts = {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}
+    rejections: list[tuple[str | None, str]] = []
     model_sent = layout.sent(params) if run.cfg.reply_kind == "weights" else None
     answered: set[int] = set()
-    candidates: dict[str, list[tuple[int, Reply, int]]] = {}
-    for index, reply in enumerate(replies):
+    accepted: dict[str, int] = {}  # id → the position of the reply that counts
+    take = _Take(run, plan, exact, model_sent, counts, rejections, log_warning)
+    index = 0  # not enumerate: its cached tuple would hold the last reply during the next pull
+    for reply in replies:
         answered.add(reply.node)
-        try:
-            key, items = check_reply(plan, reply)
-        except RejectedReplyError as exc:
-            _reject(out, reply.user, exc.reason, plan.round, reply.node, log_warning, reply.details)
-            continue
-        candidates.setdefault(key, []).append((index, reply, items))
-    for key in sorted(candidates):
-        done = False
-        for index, reply, items in candidates[key]:
-            try:
-                if done:
-                    raise RejectedReplyError("duplicate reply")
-                action = _add(run, clipped, reply, model_sent, items, clip, silo)
-            except RejectedReplyError as exc:
-                _reject(out, key, exc.reason, plan.round, reply.node, log_warning)
-                continue
-            done = True
-            if action == "zeroed":
-                log_warning(
-                    "round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)",
-                    plan.round + 1,
-                    key,
-                    run.cfg.zeroing_factor,
-                )
-            out.counts[action] += 1
-            out.accepted.append(key)
-            out.accepted_replies.append(index)
+        take(index, reply, accepted)
+        index += 1  # noqa: SIM113
+        reply = None  # noqa: PLW2901 - its buffers go before the transport is asked for the next
+    rejections.sort(key=lambda r: (r[0] is None, str(r[0]), r[1]))
     for node in sorted(set(plan.expected) - answered):
         expected = plan.expected[node]
         who = expected if isinstance(expected, str) else plan.owners.get(node)
         _reject(
-            out,
+            counts,
+            rejections,
             who,
             f"timed out: no reply within node-timeout {run.cfg.node_timeout:g} s",
             plan.round,
             node,
             log_warning,
         )
-    return out
+    keys = sorted(accepted)
+    total = exact.total()
+    del exact
+    return SummedReplies(keys, total, counts, rejections, [accepted[k] for k in keys])
+
+
+@dataclass
+class _Take:
+    """Checks one reply and adds it into the round's exact sum, or records why not."""
+
+    run: RunPlan
+    plan: RoundPlan
+    exact: ExactSum
+    model_sent: Sequence[np.ndarray] | None
+    counts: dict[str, int]
+    rejections: list[tuple[str | None, str]]
+    log_warning: Callable[..., None]
+
+    def __call__(self, index: int, reply: Reply, accepted: dict[str, int]) -> None:
+        run, t, warn = self.run, self.plan.round, self.log_warning
+        try:
+            key, items = check_reply(self.plan, reply)
+        except RejectedReplyError as exc:
+            _reject(
+                self.counts,
+                self.rejections,
+                reply.user,
+                exc.reason,
+                t,
+                reply.node,
+                warn,
+                reply.details,
+            )
+            return
+        try:
+            if key in accepted:
+                raise RejectedReplyError("duplicate reply")
+            action = _add(
+                run,
+                self.exact,
+                reply,
+                self.model_sent,
+                items,
+                run.cfg.clip_norm,
+                run.item_home is not None,
+            )
+        except RejectedReplyError as exc:
+            _reject(self.counts, self.rejections, key, exc.reason, t, reply.node, warn)
+            return
+        if action == "zeroed":
+            warn(
+                "round %d: zeroed reply from %s: ℓ∞ above %g × clip-norm (000 App. F.3)",
+                t + 1,
+                key,
+                run.cfg.zeroing_factor,
+            )
+        self.counts[action] += 1
+        accepted[key] = index
 
 
 def _add(
     run: RunPlan,
-    clipped: ClippedSum,
+    clipped: ExactSum,
     reply: Reply,
     model_sent: Sequence[np.ndarray] | None,
     items: int,
@@ -361,7 +415,8 @@ def _add(
 
 
 def _reject(
-    out: SummedReplies,
+    counts: dict[str, int],
+    rejections: list[tuple[str | None, str]],
     who: str | None,
     reason: str,
     t: int,
@@ -369,8 +424,8 @@ def _reject(
     log_warning: Callable[..., None],
     details: str | None = None,
 ) -> None:
-    out.counts["rejected"] += 1
-    out.rejections.append((who, reason))
+    counts["rejected"] += 1
+    rejections.append((who, reason))
     log_warning(
         "round %d: rejected reply from node %d: %s%s",
         t + 1,

@@ -3,12 +3,15 @@ no network).
 
 For tests, comparisons and debugging of the strategy: deterministic, fast, and able to inject faults
 (drop, corrupt, duplicate, foreign senders) through ``tamper`` and node restarts through
-`restart_node`. Messages are routed as a ClientApp routes them (``category`` or
-``category.action``); corrflow's identity handler is registered as in corrflow's ClientApps
-(``identity=False`` emulates an app without it). Production uses Flower's own engines: ``corrflow
-simulate`` without ``--backend inprocess`` runs Flower's simulation engine
-(docs/tutorials/first-simulation.md), and deployments run SuperLink and SuperNodes
-(docs/how-to/deploy.md).
+`restart_node`. A pushed message is delivered — its handler run — when its id is pulled, so a
+round that pulls a few ids at a time holds only those replies; with ``tamper`` set, the first pull
+of a push's training messages delivers all of them and hands the whole list to ``tamper`` (a fault
+may duplicate, reorder or drop across the cohort), as a test expects. Messages are routed as a
+ClientApp routes them (``category`` or ``category.action``); corrflow's identity handler is
+registered as in corrflow's ClientApps (``identity=False`` emulates an app without it).
+Production uses Flower's own engines: ``corrflow simulate`` without ``--backend inprocess`` runs
+Flower's simulation engine (docs/tutorials/first-simulation.md), and deployments run SuperLink and
+SuperNodes (docs/how-to/deploy.md).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class InProcessGrid(Grid):
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
         self._run = None
-        self._replies: list[Message] = []
+        self._pending: dict[str, Message] = {}  # pushed, not delivered yet (push order)
+        self._ready: list[Message] = []  # delivered, not pulled yet (tampered replies)
         self._contexts: dict[int, Context] = {}
         self._next_id = first_node_id + 7919 * num_nodes
 
@@ -133,25 +137,49 @@ class InProcessGrid(Grid):
             )
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids, replies, kinds = [], [], set()
+        ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
             ids.append(msg.metadata.message_id)
-            kinds.add(msg.metadata.message_type.split(".")[0])
-            replies.append(self._deliver(msg))
-        if self.tamper and kinds == {"train"}:
-            replies = self.tamper(replies)
-        self._replies.extend(replies)
+            self._pending[msg.metadata.message_id] = msg
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        # Everything delivered, tampered replies (foreign senders, duplicates) included: they answer
-        # no id.
-        out, self._replies = self._replies, []
+        """The replies to ``message_ids`` (every pushed message when empty), each handler run now in
+        push order; a tampered push's replies all come with its first pull, those that answer no id
+        included.
+        """
+        asked = set(message_ids)
+        wanted = [m for i, m in self._pending.items() if not asked or i in asked]
+        for m in wanted:
+            del self._pending[m.metadata.message_id]
+        if self.tamper and wanted and all(_is_train(m) for m in wanted):
+            rest = [i for i, m in self._pending.items() if _is_train(m)]
+            wanted += [self._pending.pop(i) for i in rest]
+            self._ready.extend(self.tamper([self._deliver(m) for m in wanted]))
+            wanted = []
+        out, self._ready = self._ready, []
+        out.extend(self._deliver(m) for m in wanted)
         return out
+
+    @property
+    def _replies(self) -> list[Message]:
+        """Every reply not pulled yet, delivering whatever is still pending first (for a test grid
+        that inspects or drops the replies of a push before they are pulled)."""
+        if self._pending:  # a pull returns the replies already delivered too
+            self._ready = list(self.pull_messages(list(self._pending)))
+        return self._ready
+
+    @_replies.setter
+    def _replies(self, replies: list[Message]) -> None:
+        self._ready = list(replies)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         self.push_messages(messages)
         return self.pull_messages([])
+
+
+def _is_train(msg: Message) -> bool:
+    return msg.metadata.message_type.split(".")[0] == "train"

@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from corrflow.errors import InvalidArgumentError, require
 from corrflow.run import Run
-from corrflow.run.round import RoundPlan
+from corrflow.run.round import Reply, RoundPlan
 from corrflow.strategies.app_metrics import AppMetrics, ServerEvaluation
 from corrflow.strategies.messaging import (
     NodeDirectory,
+    ReplyStream,
+    RoundAbandonedError,
     exchange,
     inner_train_config,
     model_record,
     model_sha256,
+    pull_batch,
     to_reply,
     train_messages,
 )
@@ -225,7 +228,8 @@ class CorrelatedNoiseStrategy(Strategy):
 
         Args:
             server_round: Flower's 1-based round number.
-            replies: the cohort's reply messages.
+            replies: the cohort's reply messages: a list, or a `ReplyStream` that pulls them
+                while each is summed (corrflow's own round loop).
 
         Returns:
             (the new global model, the round's metrics), or (None, None) for a round that was not
@@ -234,29 +238,30 @@ class CorrelatedNoiseStrategy(Strategy):
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
             return None, None
-        replies = list(replies)
         node_to_user = self.directory.node_to_user
-        record = self.run.step(
-            plan,
-            [
+        # Each reply is summed as it arrives (``replies`` may pull them); the inner strategy's
+        # metric aggregation keeps the replies' records without their arrays.
+        kept: list[RecordDict] | None = [] if self.inner is not None else None
+
+        def converted() -> Iterator[Reply]:
+            for msg in replies:
+                if kept is not None:
+                    kept.append(_without_arrays(msg))
                 # a reply is matched by the message it answers (an error the SuperLink makes for an
                 # offline node comes from the SuperLink, not the node)
-                to_reply(
-                    msg,
-                    sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id)),
-                    node_to_user,
-                )
-                for msg in replies
-            ],
-        )
+                node = sent.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+                yield to_reply(msg, node, node_to_user)
+                msg = None  # noqa: PLW2901 - summed: its bytes go before the next pull
+
+        record = self.run.step(plan, converted())
         if record is None:  # refused (a non-finite model): the run stopped, nothing was released
             return None, None
         metrics = MetricRecord(
             {k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)}
         )
-        if self.inner is not None and record.accepted_replies:
+        if kept is not None and record.accepted_replies:
             # the user's strategy aggregates the accepted replies' metrics
-            contents = [replies[i].content for i in record.accepted_replies]
+            contents = [kept[i] for i in record.accepted_replies]
             metrics = inner_metrics(self.inner, contents) or metrics
         return self.initial_arrays(), metrics
 
@@ -378,11 +383,13 @@ def train_round(strategy, grid, server_round, messages, timeout, stop):
     ``--secagg`` the server sees masked vectors and their sum only (`secure_train`)."""
     if strategy.cfg.secure_aggregation:
         return secure_train(strategy, grid, messages, timeout, stop) or (None, None)
-    replies = exchange(grid, messages, timeout, stop)
-    if replies is None:
-        strategy.inflight.put(None)
+    # pushed now (the in-flight round needs the message ids); pulled a few at a time while summed
+    replies = ReplyStream(grid, messages, timeout, stop, pull_batch(strategy.run.plan.layout))
+    try:
+        return strategy.aggregate_train(server_round, replies)
+    except RoundAbandonedError:
+        strategy.inflight.put(None)  # nothing of the round was committed or released
         return None, None
-    return strategy.aggregate_train(server_round, replies)
 
 
 def inner_metrics(inner: Strategy, contents: list) -> MetricRecord | None:
@@ -396,3 +403,10 @@ def inner_metrics(inner: Strategy, contents: list) -> MetricRecord | None:
     except Exception as exc:  # a user's aggregation function; the round itself is already recorded
         log.warning("the inner strategy's train-metrics aggregation failed: %s", exc)
         return None
+
+
+def _without_arrays(msg: Message) -> RecordDict:
+    """A reply's records less its arrays (what a metric aggregation reads); empty for an error."""
+    if msg.has_error():
+        return RecordDict()
+    return RecordDict({k: v for k, v in msg.content.items() if not isinstance(v, ArrayRecord)})

@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from flwr.app import (
@@ -32,6 +32,85 @@ from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.round import Reply, RoundPlan
 
 log = logging.getLogger("corrflow")
+
+
+#: The reply bytes one pull may bring at once (`ReplyStream`): replies are summed as they arrive,
+#: so at most this much of the cohort's replies is held, whatever the cohort.
+PULL_BYTES = 128 << 20
+
+
+class RoundAbandonedError(Exception):
+    """The operator's stop arrived while the round's replies were being pulled: nothing of the round
+    is committed or released."""
+
+
+class ReplyStream:
+    """The round's training messages, pushed at once; iterating pulls their replies at most
+    ``batch`` ids per call and yields each reply as it arrives, until every request was answered
+    or ``timeout`` passed (the rest time out). Flower's Grid pushes and pulls separately, but one
+    pull returns every ready reply it is asked for, inflated: asking for a few ids at a time bounds
+    what is held to ``batch`` replies. Raises `RoundAbandonedError` when ``stop`` is set.
+
+    A synchronous grid (the in-process one) answers each id on its first pull: each id is pulled
+    once, and replies that answer no id (injected faults) are yielded as they come.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        messages: Sequence[Message],
+        timeout: float,
+        stop: threading.Event | None,
+        batch: int,
+    ):
+        self.grid, self.timeout, self.stop, self.batch = grid, timeout, stop, max(1, int(batch))
+        self.pending = dict.fromkeys(grid.push_messages(messages) if messages else ())
+        self.deadline = time.monotonic() + timeout
+
+    def __iter__(self) -> Iterator[Message]:
+        synchronous = getattr(self.grid, "synchronous", False)
+        while self.pending and time.monotonic() < self.deadline:
+            arrived = False
+            for ids in _chunks(list(self.pending), self.batch):
+                if self.stop is not None and self.stop.is_set():
+                    raise RoundAbandonedError
+                if not synchronous and time.monotonic() >= self.deadline:
+                    return
+                if synchronous:
+                    for i in ids:
+                        self.pending.pop(i, None)
+                got = list(self.grid.pull_messages(ids))
+                got.reverse()  # popped from the end: each reply is held only until it is summed
+                while got:
+                    msg = got.pop()
+                    self.pending.pop(msg.metadata.reply_to_message_id, None)
+                    arrived = True
+                    yield msg
+                    msg = None  # noqa: F841 - release it before the next pull
+            if self.pending and not arrived and not synchronous:
+                if self.stop is not None and self.stop.wait(0.05):
+                    raise RoundAbandonedError
+                if self.stop is None:
+                    time.sleep(0.05)
+
+
+def pull_batch(layout: ModelLayout) -> int:
+    """How many replies one pull asks for: `PULL_BYTES` of float32 replies of ``layout``'s size,
+    between 1 and 256.
+
+    Args:
+        layout: the model's layout.
+
+    Returns:
+        The number of ids per pull.
+    """
+    size = 4 * max(1, sum(math.prod(s) for s in layout.shapes))
+    return max(1, min(256, PULL_BYTES // size))
+
+
+def _chunks(ids: list[str], n: int) -> Iterator[list[str]]:
+    for i in range(0, len(ids), n):
+        yield ids[i : i + n]
 
 
 def exchange(
