@@ -192,3 +192,38 @@ def test_limits_name_the_estimate(tmp_path):
     text = res.output
     assert "GiB" in text and "available" in text
     assert Path(tmp_path / "o").exists() is False
+
+
+def test_memory_check_uses_the_processs_own_address_space_limit():
+    """Under `ulimit -v 8 GiB` the memory a run may use is the room under RLIMIT_AS, not the
+    machine's free memory; a model size whose one band of noise state alone exceeds it is blamed on
+    the model size, a larger band count on the bands."""
+    import subprocess
+    import sys
+
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))
+from corrflow.errors import InvalidArgumentError
+from corrflow.planning.resources import check_fits, estimate, memory_limit
+have, source = memory_limit()
+assert have < 8 * 2**30 and "RLIMIT_AS" in source, (have, source)
+names = {"users": "--users", "factorization": "--rounds", "noise": ("--bands", "--model-dim")}
+for d, bands, flag in ((2_000_000_000, 4, "--model-dim"), (200_000_000, 64, "--bands")):
+    try:
+        check_fits(estimate(10, 64, "toeplitz", bands, d), names)
+    except InvalidArgumentError as exc:
+        assert exc.field == flag and "RLIMIT_AS" in str(exc), (flag, str(exc))
+    else:
+        raise AssertionError(f"d = {d} fits under 8 GiB")
+check_fits(estimate(10, 64, "toeplitz", 4, 1000), names)
+print("ok")
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
