@@ -56,6 +56,9 @@ from corrflow.planning.score import (
 )
 from corrflow.progress import Progress
 
+#: The largest --time-budget (a week): beyond it a deadline is no limit at all, and 1e308 s once
+# planned without end.
+MAX_TIME_BUDGET = 7 * 24 * 3600.0
 #: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
 # are opt-in).
 DEFAULT_KINDS = ("dpsgd", "toeplitz", "bifr", "dense")
@@ -141,16 +144,16 @@ class PlanRequest:
             self.rounds,
         )
         require(
-            isinstance(self.cohort_size, int) and self.cohort_size >= 1,
-            "cohort-size",
-            "a positive integer",
-            self.cohort_size,
+            isinstance(self.population, int) and 1 <= self.population <= MAX_USERS,
+            "population",
+            f"an integer in [1, {MAX_USERS:.0e}]",
+            self.population,
         )
         require(
-            isinstance(self.population, int) and self.cohort_size <= self.population <= MAX_USERS,
-            "population",
-            f"an integer in [cohort-size = {self.cohort_size}, {MAX_USERS:.0e}]",
-            self.population,
+            isinstance(self.cohort_size, int) and 1 <= self.cohort_size <= self.population,
+            "cohort-size",
+            f"an integer in [1, population = {self.population}]",
+            self.cohort_size,
         )
         check_epsilon(self.target_epsilon, "target-epsilon")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
@@ -177,9 +180,9 @@ class PlanRequest:
         if self.damping is not None:
             check_kappa(self.damping, self.workload, self.rounds)
         require(
-            self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
+            self.time_budget is None or 0 < self.time_budget <= MAX_TIME_BUDGET,
             "time-budget",
-            "a positive number of seconds",
+            f"seconds in (0, {MAX_TIME_BUDGET:g}] (a week; leave it out for no limit)",
             self.time_budget,
         )
         require(

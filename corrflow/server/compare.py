@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corrflow.accounting.mechanisms import MAX_EPSILON, check_epsilon
+from corrflow.accounting.mechanisms import MAX_EPSILON, MIN_EPSILON, check_epsilon
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import data_format
@@ -601,9 +601,9 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
     except ValueError:
         values = []
     require(
-        bool(values) and all(math.isfinite(v) and 0 < v <= MAX_EPSILON for v in values),
+        bool(values) and all(math.isfinite(v) and MIN_EPSILON <= v <= MAX_EPSILON for v in values),
         "epsilons",
-        f"comma-separated finite ε in (0, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
+        f"comma-separated finite ε in [{MIN_EPSILON:g}, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
         text,
     )
     return tuple(sorted(set(values)))
