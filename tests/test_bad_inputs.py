@@ -227,3 +227,38 @@ print("ok")
         timeout=120,
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("peer", ["closed port", "grpc, not ray"])
+def test_an_unreachable_ray_address_is_refused_first_within_seconds(tmp_path, peer):
+    """--ray-address is checked before any data, factorization or registry work: a closed port,
+    or a gRPC server that is not a Ray head (as a proxy that accepts every connection is), is
+    refused with exit 2 naming the flag, in well under 15 s, with nothing written."""
+    import time
+    from concurrent import futures
+
+    import grpc
+    from process_support import free_ports
+
+    server = None
+    if peer == "closed port":
+        address = f"127.0.0.1:{free_ports(1)[0]}"
+    else:
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+    out = tmp_path / "out"
+    try:
+        start = time.monotonic()
+        res = invoke(
+            "simulate", "--rounds", "4", "--users", "10", "--model-dim", "140000",
+            "--noise-workers", "2", "--ray-address", address,
+            "--release-registry", tmp_path / "registry.sqlite", "--out", out,
+        )  # fmt: skip
+        took = time.monotonic() - start
+    finally:
+        if server is not None:
+            server.stop(None)
+    assert res.exit_code == 2 and "--ray-address" in res.output, res.output
+    assert "Traceback" not in res.output and took < 15, took
+    assert not out.exists() and not (tmp_path / "registry.sqlite").exists()

@@ -154,6 +154,9 @@ def simulate(
     `RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
     tests that compare runs bit for bit (the key of this start's rows: a resumed run's rows from its
     checkpoint on); a real run draws a fresh secret key on every start."""
+    from corrflow.run.noise_shards import check_ray_address
+
+    check_ray_address(cfg.ray_address)  # first: an unreachable head is refused in 10 s, not 100
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_data_population(cfg)
