@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -495,6 +496,13 @@ def _for_participation(fac: Factorization, part: Participation, cache: PlanCache
     )[0]
 
 
+def _say(quiet: bool, line: str) -> None:
+    """One plain progress line on stderr: a progress bar shows only on a terminal, and a plan
+    takes minutes."""
+    if not quiet:
+        print(line, file=sys.stderr, flush=True)
+
+
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
     """Build, calibrate and rank every candidate (module docstring).
 
@@ -572,6 +580,12 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
                 skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
                 continue
             deadline_check(f"before building {kind}" + (f"[{bands}]" if bands else ""))
+            _say(
+                quiet,
+                f"plan: candidate {done + 1} of {len(jobs)}: {kind}"
+                + (f"[{bands}]" if bands else "")
+                + " (build, cached after the first plan; calibrate σ for each accountant)",
+            )
             try:
                 with Progress(
                     f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet

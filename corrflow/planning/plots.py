@@ -82,6 +82,10 @@ def _draw(result, out: Path, cache, quiet: bool) -> dict:
     import matplotlib.pyplot as plt
 
     files = {}
+    if not quiet:
+        import sys
+
+        print(f"plan: drawing {len(NAMES)} plots into {out}", file=sys.stderr, flush=True)
     with Progress("plan: plots", total=3, quiet=quiet, unit="plots") as tick:
         files["rmse_vs_bands"] = _rmse_vs_bands(plt, result, out / NAMES["rmse_vs_bands"])
         tick(1)
@@ -340,3 +344,24 @@ def write_run_plot(metrics: list[dict], report: dict, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def try_write_run_plot(metrics: list[dict], report: dict, path: Path) -> tuple[Path | None, str]:
+    """`write_run_plot`, or — where the run's directory cannot be written (a read-only mount, an
+    archive, another user's run) — nothing and a note that says so: the summary was still read.
+
+    Args:
+        metrics: the run's metrics.json.
+        report: the run's privacy report.
+        path: the PNG to write.
+
+    Returns:
+        ``(path, "")`` when written, else ``(None, the note)``.
+    """
+    try:
+        return write_run_plot(metrics, report, path), ""
+    except OSError as exc:
+        return None, (
+            f"note: {path.name} not written ({path.parent}: {exc.strerror or exc}); the summary "
+            "above is complete (--no-plot skips the plot)"
+        )
