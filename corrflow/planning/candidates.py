@@ -144,17 +144,19 @@ class PlanRequest:
             f"a positive integer ≤ {MAX_ROUNDS}",
             self.rounds,
         )
+        # Each flag's own range first (a cohort of 10³⁰ is the cohort's fault), then the pair: a
+        # population smaller than a possible cohort is the population's.
         require(
-            isinstance(self.population, int) and 1 <= self.population <= MAX_USERS,
-            "population",
+            isinstance(self.cohort_size, int) and 1 <= self.cohort_size <= MAX_USERS,
+            "cohort-size",
             f"an integer in [1, {MAX_USERS:.0e}]",
-            self.population,
+            self.cohort_size,
         )
         require(
-            isinstance(self.cohort_size, int) and 1 <= self.cohort_size <= self.population,
-            "cohort-size",
-            f"an integer in [1, population = {self.population}]",
-            self.cohort_size,
+            isinstance(self.population, int) and self.cohort_size <= self.population <= MAX_USERS,
+            "population",
+            f"an integer in [cohort-size = {self.cohort_size}, {MAX_USERS:.0e}]",
+            self.population,
         )
         check_epsilon(self.target_epsilon, "target-epsilon")
         require(0 < self.delta < 1, "delta", "a number in (0, 1)", self.delta)
