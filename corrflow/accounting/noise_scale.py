@@ -122,6 +122,40 @@ def both_conventions(factorization: Factorization, noise_multiplier: float) -> s
     )
 
 
+def resolve_noise_multiplier(
+    factorization: Factorization,
+    noise_multiplier: float | None,
+    per_participation: float | None,
+    flags: tuple[str, str] = ("--noise-multiplier", "--noise-multiplier-per-participation"),
+) -> float | None:
+    """corrflow's σ from either convention: ``noise_multiplier`` as is, or ``per_participation``
+    (the papers' noise multiplier) converted through this factorization.
+
+    Args:
+        factorization: the normalised factorization the run or account uses.
+        noise_multiplier: σ in corrflow's convention, or None.
+        per_participation: σ_pp in the papers' convention, or None.
+        flags: the two inputs' names, for the error.
+
+    Returns:
+        σ, or None when neither is given.
+
+    Raises:
+        InvalidArgumentError: both given, or σ_pp not a finite positive number (naming the flag).
+    """
+    import math
+
+    from corrflow.errors import InvalidArgumentError
+
+    if per_participation is None:
+        return noise_multiplier
+    if noise_multiplier is not None:
+        raise InvalidArgumentError(flags[1], f"at most one of {flags[0]} and {flags[1]}")
+    if not (math.isfinite(per_participation) and per_participation > 0):
+        raise InvalidArgumentError(flags[1], "a finite, positive σ", per_participation)
+    return noise_multiplier_from_per_participation(factorization, per_participation)
+
+
 def describe(summary: dict | None) -> str:
     """One line for people: the DP-SGD z, or the range of z_t over the rounds (1-based rounds).
 
@@ -150,4 +184,5 @@ __all__ = [
     "noise_std_per_round",
     "per_participation_factor",
     "per_participation_noise_multiplier",
+    "resolve_noise_multiplier",
 ]
