@@ -39,6 +39,8 @@ def files(tmp_path_factory):
     empty_data.write_bytes(so.read_bytes())
     with sqlite3.connect(empty_data) as db:
         db.execute("DELETE FROM examples")
+    garbage = d / "garbage.sqlite"
+    garbage.write_bytes(b"not a dataset\n")
     fac = d / "fac.npz"
     assert invoke("factorize", "--kind", "toeplitz", "--rounds", "8", "--out", fac).exit_code == 0
     return {
@@ -50,6 +52,7 @@ def files(tmp_path_factory):
         "bad_csv": bad_csv,
         "empty_vocab": empty_vocab,
         "empty_data": empty_data,
+        "garbage": garbage,
     }
 
 
@@ -156,6 +159,30 @@ CASES = [
         "--bands",
     ),
     ("audit-bands-blt", "audit --rounds 4 --kind blt --bands 3 --out OUT", "--bands"),
+    (
+        "sim-target-epsilon-tiny",
+        "simulate --rounds 4 --target-epsilon 1e-300 --out OUT",
+        (
+            "--target-epsilon",
+            "[1e-06, 1000]",
+        ),
+    ),
+    (
+        "account-target-epsilon-tiny",
+        "account --factorization {fac} --delta 1e-5 --target-epsilon 1e-9",
+        ("--target-epsilon", "[1e-06, 1000]"),
+    ),
+    (
+        "sim-noise-workers-over-blocks",  # refused after the factorization was built: removed
+        "simulate --backend inprocess --rounds 4 --users 10 --noise-workers 2 --out OUT",
+        "--noise-workers",
+    ),
+    ("cmp-data-garbage", "compare --rounds 4 --data {garbage} --vocab {vocab} --out OUT", "--data"),
+    (
+        "cmp-data-missing",
+        "compare --rounds 4 --data OUT/none.sqlite --vocab {vocab} --out OUT",
+        "--data",
+    ),
     ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
     ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
 ]

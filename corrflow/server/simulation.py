@@ -172,9 +172,9 @@ def simulate(
 
 
 def new_files_undo(out: Path):
-    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore and
-    engine.log; the directory itself if this start created it) — nothing once a round was
-    checkpointed or journaled."""
+    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore,
+    engine.log and the factorization it built, a cache rebuilt on the next start; the directory
+    itself if this start created it) — nothing once a round was checkpointed or journaled."""
     before = set(os.listdir(out)) if out.is_dir() else None
 
     def undo() -> None:
@@ -184,7 +184,9 @@ def new_files_undo(out: Path):
             return
         for name in set(os.listdir(out)) - (before or set()):
             path = out / name
-            if name in (".gitignore", "engine.log") or name.startswith(".corrflow.lock"):
+            if name in (".gitignore", "engine.log", "factorization.npz") or name.startswith(
+                ".corrflow.lock"
+            ):
                 path.unlink(missing_ok=True)
             elif path.is_dir() and not any(path.rglob("*")):
                 path.rmdir()
