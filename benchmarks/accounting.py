@@ -1,11 +1,11 @@
 """Accounting timings: unamplified calibration, cyclic Poisson at n = 2052, the b-min-sep Monte
-Carlo accountant at n = 2052 with 10⁶ samples (issue 4 target: under 60 s on 2 cores), Monte Carlo
-``verify_target`` at δ = 1e-5 (issue 11), and MMCC (issue 15): Poisson MMCC for non-negative 16-band
-Toeplitz encoders at n ∈ {128, 512, 2048} (target: n = 2048 in under 10 minutes on 2 cores) and for
-a non-Toeplitz banded encoder at n = 512; and issue 21 item 2 (section ``verified``): a b-min-sep ε
-verified at δ = 1e-5 for n = 2048 rounds and 16 bands (target: ≤ 120 s on 2 idle cores), with its
-samples per second, against the bounds without Monte Carlo for the same encoder: MMCC under Poisson
-sampling at the same rate (``--verified-mmcc``; minutes) and the cyclic Poisson PLD. Prints one JSON
+Carlo accountant at n = 2052 with 10⁶ samples (target: under 60 s on 2 cores), Monte Carlo
+``verify_target`` at δ = 1e-5, and MMCC: Poisson MMCC for non-negative 16-band Toeplitz encoders at
+n ∈ {128, 512, 2048} (target: n = 2048 in under 10 minutes on 2 cores) and for a non-Toeplitz
+banded encoder at n = 512; and (section ``verified``) a b-min-sep ε verified at δ = 1e-5 for
+n = 2048 rounds and 16 bands (target: ≤ 120 s on 2 idle cores), with its samples per second,
+against the bounds without Monte Carlo for the same encoder: MMCC under Poisson sampling at the
+same rate (``--verified-mmcc``; minutes) and the cyclic Poisson PLD. Prints one JSON
 object.
 
 Usage: python benchmarks/accounting.py [--sections
@@ -64,15 +64,14 @@ def mmcc_case(kind: str, n: int, sigma: float, p: float) -> dict:
 
 
 def verified_case(sigma: float) -> dict:
-    """Issue 21 item 2: `account` at δ = 1e-5 under b-min-sep (b = 16, p0 = 1/32) for a 16-band
+    """`account` at δ = 1e-5 under b-min-sep (b = 16, p0 = 1/32) for a 16-band
     Toeplitz encoder over 2048 rounds, wall and CPU seconds (the Monte Carlo's worker processes
     included), against the bounds that need no Monte Carlo for the same encoder and rate."""
     import resource
 
     fac = factorize("toeplitz", participation_for(2048, 128, 16, kind="min-sep"), bands=16)
-    spec = SamplingSpec(
-        "bminsep", 3200, 100
-    )  # p0 = B/N = 1/32; b = N/B/2 = 16 by the planner's rule
+    # p0 = B/N = 1/32; b = N/B/2 = 16 by the planner's rule
+    spec = SamplingSpec("bminsep", 3200, 100)
 
     def cpu():
         own, kids = (
@@ -167,8 +166,8 @@ def main() -> None:
             "workers": min(os.cpu_count() or 1, max(1, args.mc_samples // 50_000)),
         }
     if "verify" in sections:
-        # Issue 11's example: 48 rounds, 4-band Toeplitz, b = 12, δ = 1e-5 — default samples, then
-        # the target.
+        # A small verification case: 48 rounds, 4-band Toeplitz, b = 12, δ = 1e-5 — default
+        # samples, then the target.
         small = factorize("toeplitz", participation_for(48, 4, 12, kind="min-sep"), bands=4)
         spec = SamplingSpec("bminsep", 48_000, 400)
         r, t = timed(lambda: account(small, delta=1e-5, noise_multiplier=1.0, sampling=spec))
@@ -183,7 +182,7 @@ def main() -> None:
             "bounds": {b["accountant"]: b["epsilon"] for b in a["bounds"]},
         }
     if "throughput" in sections:
-        # Issue 21 item 2's case: n = 2048, 16 bands, b-min-sep b = 16, p0 = 1/32; one process, both
+        # The ``verified`` case: n = 2048, 16 bands, b-min-sep b = 16, p0 = 1/32; one process, both
         # directions.
         big = factorize("toeplitz", participation_for(2048, 128, 16, kind="min-sep"), bands=16)
         p0, b = 1 / 32, 16

@@ -133,9 +133,8 @@ def forward_losses(
     add, remove = [], []
     for lo in range(0, samples, chunk):
         S = min(chunk, samples - lo)
-        d = np.where(
-            rng.random(S) < start[b], b, rng.integers(0, b - 1, size=S)
-        )  # the state before round 0
+        # the state before round 0
+        d = np.where(rng.random(S) < start[b], b, rng.integers(0, b - 1, size=S))
         y = sigma * rng.standard_normal((n, S))
         for i in range(n):
             free = d >= b - 1

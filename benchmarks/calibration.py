@@ -1,4 +1,4 @@
-"""Calibration and planning timings (issue 24): the PLD grid search that σ calibration used to be
+"""Calibration and planning timings: the PLD grid search that σ calibration used to be
 against what corrflow does now, measured in the same run, plus plan cold/warm and the README demo's
 accounting share.
 
@@ -12,7 +12,7 @@ Sections (one JSON object on stdout, with ratios ``old / new``):
 * ``mmcc``: Generalized-MMCC σ for a small Toeplitz encoder: the old 1.01 grid vs the Brent search.
 * ``cli``: CPU seconds (user + sys, start-up included) of ``corrflow account --factorization F
   --target-epsilon 8 --delta 1e-6`` for the n = 2052 F (target ≤ 2 s).
-* ``plan``: ``corrflow plan --rounds 20 --population 100 --cohort-size 10 --target-epsilon 8 --delta
+* ``plan``: ``corrflow plan --rounds 20 --users 100 --cohort 10 --target-epsilon 8 --delta
   1e-5``: two cold runs (fresh $CORRFLOW_HOME each) and one warm: CPU seconds (target ≤ 15 s cold)
   and whether the recipes agree.
 * ``demo``: the README demo (``corrflow simulate --users 100 --rounds 20 --epochs 2 --target-epsilon
@@ -45,7 +45,7 @@ from corrflow.accounting.mechanisms import CyclicPoisson
 from corrflow.factorization import factorize, participation_for
 
 SECTIONS = ("unamplified", "cyclic", "mmcc", "cli", "plan", "demo")
-CLI = [sys.executable, "-m", "corrflow.server.cli"]
+CLI = [sys.executable, "-m", "corrflow.cli"]
 
 
 def timed(fn):
@@ -232,9 +232,9 @@ PLAN = [
     "plan",
     "--rounds",
     "20",
-    "--population",
+    "--users",
     "100",
-    "--cohort-size",
+    "--cohort",
     "10",
     "--target-epsilon",
     "8",
@@ -290,7 +290,7 @@ def demo(tmp: Path) -> dict:
         "-o",
         str(prof),
         "-m",
-        "corrflow.server.cli",
+        "corrflow.cli",
         "simulate",
         "--users",
         "100",

@@ -1,5 +1,5 @@
 """Start-up cost of the CLI: wall time of `corrflow --help`, an argument error, `factorize` and
-`account` on a small problem (median of --repeat runs, fresh interpreters). Targets (issue 13, 2
+`account` on a small problem (median of --repeat runs, fresh interpreters). Targets (2
 cores): --help and argument errors < 1 s, factorize < 1.5 s, account < 2.5 s (dp-accounting alone
 imports in about 1.1 s).
 
@@ -23,7 +23,7 @@ def timed(args: list[str], repeat: int) -> float:
     for _ in range(repeat):
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "corrflow.server.cli", *args], capture_output=True, check=False
+            [sys.executable, "-m", "corrflow.cli", *args], capture_output=True, check=False
         )
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -38,7 +38,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "corrflow.server.cli",
+            "corrflow.cli",
             "factorize",
             "--kind",
             "toeplitz",

@@ -1,7 +1,7 @@
 """Factorization quality and speed against the peer (jax-privacy), measured in the same run.
 
 Prints one JSON object: for each case, our total squared error (sensitivity 1) and seconds next to
-the peer's, with the ratios the issue targets (loss ratio ≤ 1.001; speed-up ≥ 5× for dense n=256, ≥
+the peer's, with the target ratios (loss ratio ≤ 1.001; speed-up ≥ 5× for dense n=256, ≥
 3× for Toeplitz n=16384). ``--large`` adds the scale targets: dense n=2000, k=20 within 0.5% of its
 dual lower bound in under 15 minutes, and banded Toeplitz n=100000, 64 bands in under 60 s. The peer
 columns are null when jax-privacy is not installed (``pip install -e ".[peer]"``).
@@ -128,9 +128,8 @@ def main() -> None:
         big = toeplitz_case(100_000, 64, None)
         cases.append(big)
         targets["toeplitz_100000_64_seconds"] = big["ours_seconds"]
-        d = dense_case(
-            2000, 20, None, tol=5e-3
-        )  # the issue's criterion: within 0.5% of the dual bound
+        # The criterion: within 0.5% of the dual bound.
+        d = dense_case(2000, 20, None, tol=5e-3)
         cases.append(d)
         targets.update(
             dense_2000_seconds=d["ours_seconds"],

@@ -46,7 +46,7 @@ import numpy as np
 # corrflow and jax are imported inside the functions that use them: each child process loads only
 # its own library, so its peak memory is its own.
 BANDS = 16
-#: The targets the banded generator is held to.
+#: Targets of the noise engine (2 CPU cores).
 MAX_RATIO_TO_IID = 2.5
 MIN_SPEEDUP_VS_PEER = 3.0
 MAX_BANDED_INVERSE_RATIO_OVER_P = 1.5

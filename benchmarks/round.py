@@ -9,7 +9,7 @@ optimizer, and — before the model may leave the server — writes the atomic c
 release-journal entry, the release registry record, the privacy report and metrics. A banded noise
 buffer's checkpoint writes one new row per round into a ring file (O(d) bytes, not (bands−1)·d).
 Reported: corrflow's round with the checkpoint, without it and without any bookkeeping, each as a
-ratio to Flower's round (medians over the rounds), and the time of each phase. Target (issue 24):
+ratio to Flower's round (medians over the rounds), and the time of each phase. Target:
 the round with the checkpoint ≤ 1.0× Flower's.
 
 Usage: python benchmarks/round.py [--clients 100] [--params 4000000] [--rounds 3] [--bands 10]
@@ -174,9 +174,8 @@ def main() -> None:
         )
         base = _payloads(args.params)
         ours, theirs = [], []
-        for r in range(
-            args.rounds
-        ):  # ABBA: the one that runs first alternates, so load drifts hit both
+        # ABBA: the one that runs first alternates, so load drifts hit both
+        for r in range(args.rounds):
             if r % 2 == 0:
                 ours.append(_corrflow_round(strategy, grid, r))
                 gc.collect()

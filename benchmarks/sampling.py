@@ -1,4 +1,4 @@
-"""Sampling speed (issue 7): 10⁶ items attributed to 10⁵ users, multi-attribution b-min-sep (004
+"""Sampling speed: 10⁶ items attributed to 10⁵ users, multi-attribution b-min-sep (004
 Alg. 3), and plain b-min-sep over 10⁶ items; milliseconds per round (target < 50 ms on 2 cores).
 Prints one JSON object.
 

@@ -286,7 +286,7 @@ def _summary(args, cfg, rows, setup, final_report, report_bytes, noise_buffer) -
 def simulate(argv: list[str]) -> dict:
     """``corrflow simulate argv`` with the process CPU at the end of every round (see the module
     docstring)."""
-    from corrflow.server.cli import main as cli_main
+    from corrflow.cli import main as cli_main
 
     ends: list[float] = []
     step = core.Run.step
@@ -367,7 +367,7 @@ def engines(argv: list[str]) -> dict:
     for backend in ("inprocess", "flower"):
         tmp = Path(tempfile.mkdtemp(prefix=f"corrflow-bench-engines-{backend}-"))
         cmd = [
-            sys.executable, "-m", "corrflow.server.cli", "simulate", "--backend", backend,
+            sys.executable, "-m", "corrflow.cli", "simulate", "--backend", backend,
             "--users", str(args.users), "--rounds", str(args.rounds), "--epochs", "1",
             "--noise-multiplier", str(args.noise_multiplier), "--out", str(tmp / "run"),
             "--identity", args.identity,

@@ -1,5 +1,5 @@
 """Round cost with SecAgg+ (``--secagg``) against the plain exchange, cohorts 10 and 100, a model of
-10⁵ parameters (issue 35 item 7), on the in-process grid (no network: protocol and crypto only).
+10⁵ parameters, on the in-process grid (no network: protocol and crypto only).
 
 plain: the train messages, the replies (weights), and the server's validate → zero → clip → sum
 (`corrflow.run.clipping.ClippedSum`). secagg: the four SecAgg+ stages (`corrflow.strategies.secagg

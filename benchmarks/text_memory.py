@@ -1,6 +1,6 @@
 """Peak memory of a Keras next-word simulation at the papers' scale: a 10,000-word vocabulary (+ 4
 special tokens) on a TFF-format StackOverflow SQLite with ≥ 500 train users and ≥ 4,000 held-out
-sequences (the issue's target: ≤ 4 GB peak RSS for the whole simulation).
+sequences (target: ≤ 4 GB peak RSS for the whole simulation).
 
     PYTHONPATH=$PWD python benchmarks/text_memory.py [--users 1500] [--rounds 2] [--client keras]
     [--keep DIR]
@@ -71,7 +71,7 @@ def main() -> None:
         "-v",
         sys.executable,
         "-m",
-        "corrflow.server.cli",
+        "corrflow.cli",
         "simulate",
         "--data",
         str(data),

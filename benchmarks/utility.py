@@ -5,7 +5,7 @@ Toeplitz MF (fixed-epoch and, with --amplified, under the cyclic Poisson sampler
 separation) and the recipe ``corrflow plan`` recommends — same users, data, initialisation,
 evaluation set, optimizer and clipping per seed.
 
-Targets (issues "the evidence users ask for" and "a plan that trains best"): at each ε the ``plan``
+Targets (the evidence against DP-SGD, and a plan that trains best): at each ε the ``plan``
 arm runs the configuration of the best-mean private arm, or its mean accuracy is within 0.01 of
 that arm's, or within the two-sided 95% interval of the paired per-seed differences (Student t with
 seeds − 1 degrees of freedom: seeds spread ±0.03, so a bare max over arms is biased up); its mean
@@ -14,7 +14,7 @@ gap between the best DP-SGD arm and non-private training (moonshot: two thirds; 
 the same gap on StackOverflow; 001 Fig. 1 plots accuracy against ε).
 
 With ``--preset large`` (50,000 users, cohort 500: the papers' q ≈ 0.01 of 000 §5.3 and 001) the
-targets of issue 34 are reported too (``correlated_beats_poisson``, ``every_private_arm_learned``):
+large-scale targets are reported too (``correlated_beats_poisson``, ``every_private_arm_learned``):
 at ε = 2 and 8 a correlated-noise arm beats Poisson-sampled DP-SGD, and at ε = 8 every private arm
 learns (000 Fig. 1, 001 Fig. 1 report both at StackOverflow scale).
 
@@ -54,7 +54,7 @@ from corrflow.server.compare import (
 from corrflow.server.simulation import RunInterruptedError, quiet_native_logs
 
 #: The full sweep per preset (smaller ones are ``reduced``): quick's five ε over 3 seeds; large's
-#: ε ∈ {2, 8} over 2 seeds (issue 34: about an hour of CPU on today's per-round cost).
+#: ε ∈ {2, 8} over 2 seeds (about an hour of CPU at the measured per-round cost).
 FULL = {
     "quick": {"epsilons": (1.0, 2.0, 4.0, 8.0, 16.0), "seeds": 3},
     "large": {"epsilons": (2.0, 8.0), "seeds": 2},
@@ -127,7 +127,7 @@ def targets(result: dict) -> dict:
 
 
 def correlated_against_poisson(entry: dict) -> dict:
-    """The large preset's targets at one ε (issue 34, after 000 Fig. 1 and 001): the best
+    """The large preset's targets at one ε (after 000 Fig. 1 and 001): the best
     correlated-noise arm (mean accuracy) against Poisson-sampled DP-SGD, in accuracy and loss, and
     whether every private arm learned (final held-out loss below the initial model's) in every
     seed."""

@@ -44,9 +44,8 @@ class IntegrityError(CorrflowError):
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    if (
-        isinstance(value, str) and len(value) <= 1000
-    ):  # a message's own text (e.g. every setting that differs)
+    # a message's own text (e.g. every setting that differs)
+    if isinstance(value, str) and len(value) <= 1000:
         return repr(value)
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

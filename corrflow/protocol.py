@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-PROBE_ACTION = (
-    "corrflow_identity"  # the probe is a QUERY message of this action (query.corrflow_identity)
-)
-PROBE_KEY = (
-    "corrflow.identity-probe"  # config key of a probe; its value is the identity source asked for
-)
+# The probe is a QUERY message of this action (query.corrflow_identity).
+PROBE_ACTION = "corrflow_identity"
+# The config key of a probe; its value is the identity source asked for.
+PROBE_KEY = "corrflow.identity-probe"
 REPLY_KEY = "corrflow.identity"  # reply record: {"value": id} or {"error": why}
 
 

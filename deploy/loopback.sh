@@ -201,7 +201,7 @@ task_config=""
 if [[ $client == nextword ]]; then
   data="$workdir/data"
   mkdir -p "$data"
-  corrflow_cli() { "$py" -m corrflow.server.cli "$@"; }
+  corrflow_cli() { "$py" -m corrflow.cli "$@"; }
   # The federated dataset (seed 2: 3 users in the train split, 2 held out) and, for the vocabulary, a public corpus
   # from the same generator with other users (seed 1000): counting it costs no privacy.
   corrflow_cli data generate stackoverflow --users 5 --seed 2 --out "$data/stackoverflow.sqlite" --quiet --json \

@@ -21,7 +21,7 @@ def cli_reference() -> str:
     import click
     import typer
 
-    from corrflow.server.cli import app
+    from corrflow.cli import app
 
     root = typer.main.get_command(app)
     out: list[str] = []

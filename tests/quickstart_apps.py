@@ -82,9 +82,8 @@ def torch_style_train(msg: Message, context: Context) -> Message:
         w = w - lr * (2 * (X.T @ r)[None, :] / len(y) + mu * (w - w0))
         b = b - lr * (2 * r.mean() + mu * (b - b0))
     state["fc.weight"], state["fc.bias"] = w.astype(np.float32), b.astype(np.float32)
-    state["bn.num_batches_tracked"] = np.asarray(
-        state["bn.num_batches_tracked"] + 5
-    )  # the server keeps its own
+    # the server keeps its own
+    state["bn.num_batches_tracked"] = np.asarray(state["bn.num_batches_tracked"] + 5)
     return Message(
         RecordDict(
             {

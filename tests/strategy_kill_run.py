@@ -21,9 +21,8 @@ kill_in_ring = int(os.environ.get("KILL_IN_RING", "-1"))
 if kill_in_ring >= 0:
     real_pwrite, rows_written = os.pwrite, [0]
 
-    def torn_pwrite(
-        fd, data, offset
-    ):  # one ring row per round: the round's row is write number `round`
+    # one ring row per round: the round's row is write number `round`
+    def torn_pwrite(fd, data, offset):
         if rows_written[0] == kill_in_ring:
             real_pwrite(fd, bytes(data)[: len(data) // 2], offset)
             os.kill(os.getpid(), signal.SIGKILL)

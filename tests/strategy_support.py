@@ -42,7 +42,6 @@ def forget_last_release(run_dir) -> None:
     with sqlite3.connect(default_registry()) as db:
         db.execute(
             "DELETE FROM releases WHERE run_id = ? AND round = (SELECT MAX(round) FROM releases "
-            "WHERE "
-            "run_id = ?)",
+            "WHERE run_id = ?)",
             (run_id, run_id),
         )

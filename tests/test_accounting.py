@@ -46,9 +46,8 @@ def test_table3_mf_column(z, eps):
     # 1.9995).
     got = epsilon_of(unamplified_event(z), 1e-6)
     assert got == pytest.approx(eps, abs=1.5e-3)
-    assert got == pytest.approx(
-        dpa.get_epsilon_gaussian(z, 1e-6), rel=1e-3
-    )  # analytic Gaussian (Balle–Wang)
+    # analytic Gaussian (Balle–Wang)
+    assert got == pytest.approx(dpa.get_epsilon_gaussian(z, 1e-6), rel=1e-3)
 
 
 def test_calibration_returns_smallest_grid_sigma():
@@ -232,7 +231,7 @@ def test_bminsep_beats_unamplified_and_calibrates(rng):
     res = account(fac, delta=1e-3, noise_multiplier=1.0, sampling=spec, seed=1)
     unamp = account(fac, delta=1e-3, noise_multiplier=1.0)["epsilon"]
     acc = res["accountant"]
-    # The pair printed is verified at the target δ (issue 21): EVR's failure budget is inside it.
+    # The pair printed is verified at the target δ: EVR's failure budget is inside it.
     assert acc["verification_passed"] and res["delta"] == 1e-3 and res["guarantee"] is True
     assert acc["selected"] == "monte-carlo" and {b["accountant"] for b in acc["bounds"]} == {
         "monte-carlo",
@@ -351,9 +350,8 @@ def test_bad_sampling_input():
     )
     assert res["guarantee"] and res["accountant"]["selected"] == "unamplified"
     assert res["accountant"]["skipped"][0]["accountant"] == "monte-carlo"
-    neg = factorize(
-        "bsr", participation_for(16, 2), gamma=0.9
-    )  # still banded; make C negative by hand below
+    # still banded; make C negative by hand below
+    neg = factorize("bsr", participation_for(16, 2), gamma=0.9)
     band = -neg.encoder.band_array()
     with pytest.raises(InvalidArgumentError, match="non-negative"):
         MonteCarloAccountant(band, 8, 0.1)
@@ -378,9 +376,8 @@ def test_posthoc_sensitivity_matches_brute_force(rng):
 
 
 def test_posthoc_early_return_raises_epsilon():
-    fac = factorize(
-        "toeplitz", participation_for(32, 4)
-    )  # fixed-epoch b = 8, bands 8: planned sensitivity 1
+    # fixed-epoch b = 8, bands 8: planned sensitivity 1
+    fac = factorize("toeplitz", participation_for(32, 4))
     planned = account(fac, delta=1e-6, noise_multiplier=3.0)["epsilon"]
     on_plan = {"a": [0, 8, 16, 24], "b": [3, 11, 19, 27]}
     s, _ = realized_sensitivity(fac.encoder, on_plan)
@@ -524,9 +521,8 @@ def _forward_llr(y, C, sigma, b, p, warm):
     dense C — independent of the library's backward recursion and band layout."""
     n = len(y)
     alpha = np.zeros(b + 1)
-    if (
-        warm
-    ):  # stationary start: available w.p. 1/(1 + (b−1)p), else barred for U{1..b−1} more rounds
+    # stationary start: available w.p. 1/(1 + (b−1)p), else barred for U{1..b−1} more rounds
+    if warm:
         alpha[b] = 1.0 / (1.0 + (b - 1) * p)
         if b > 1:
             alpha[: b - 1] = (1.0 - alpha[b]) / (b - 1)
@@ -550,9 +546,9 @@ def _forward_llr(y, C, sigma, b, p, warm):
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
-    # Issue 11 item 4: a Toeplitz encoder's band layout repeats θ past row n; with bands close to n
-    # the late columns' squared norms must count only the rows that exist (0.125 rather than 0.238
-    # in the issue's case).
+    # A Toeplitz encoder's band layout repeats θ past row n; with bands close to n the late
+    # columns' squared norms must count only the rows that exist (0.125 rather than 0.238 for the
+    # 5-band encoder over 7 rounds below).
     from corrflow.factorization.encoders import ToeplitzEncoder
 
     n, b, p, sigma = 7, 5, 0.3, 0.9
@@ -568,8 +564,7 @@ def test_monte_carlo_band_is_cut_at_round_n(warm, rng):
     )
 
 
-# --- exact Gaussian curve (Balle & Wang 2018, arXiv 1805.06530) and few-probe calibration (issue
-# 24) -----------
+# --- exact Gaussian curve (Balle & Wang 2018, arXiv 1805.06530) and few-probe calibration ---
 
 
 def _mp_delta(eps, mu):

@@ -1,4 +1,4 @@
-"""Issue 21: amplified accounting users can count on — exact likelihoods for Poisson and
+"""Amplified accounting users can count on — exact likelihoods for Poisson and
 balls-in-bins sampling of a banded encoder, adaptive Estimate-Verify-Release at the target δ, and
 the tightest verified bound by default."""
 
@@ -91,9 +91,8 @@ def test_verify_threshold_is_the_chernoff_boundary():
         t = verify_threshold(s, share, dv)
         assert 0 < t < dv
         assert math.exp(-s * bernoulli_kl(t, dv)) == pytest.approx(share, rel=1e-6)
-    assert (
-        verify_threshold(1000, 1e-6, 1e-5) == 0.0
-    )  # even δ' = 0 cannot fail that rarely with 1000 samples
+    # even δ' = 0 cannot fail that rarely with 1000 samples
+    assert verify_threshold(1000, 1e-6, 1e-5) == 0.0
 
 
 def test_adaptive_evr_is_deterministic_and_seed_stable():
@@ -105,15 +104,13 @@ def test_adaptive_evr_is_deterministic_and_seed_stable():
     again = adaptive_evr(mc, 1.0, 1e-2, 1)
     assert again.epsilon == runs[0].epsilon and again.samples_drawn == runs[0].samples_drawn
     eps = [r.epsilon for r in runs]
-    assert (
-        max(eps) / min(eps) < 1.10
-    )  # issue 21: seeds within 10% (6% here at a few thousand samples)
+    # Seeds agree within 10% (6% here at a few thousand samples).
+    assert max(eps) / min(eps) < 1.10
     for r in runs:
         assert r.delta_verified + r.failure_budget == pytest.approx(1e-2)
         assert sum(a.failure_share for a in r.attempts) <= r.failure_budget
-        assert (
-            r.estimate < r.epsilon < r.estimate + 0.2
-        )  # the price of verifying at δ' ≈ 0.4·δ with z = 3
+        # the price of verifying at δ' ≈ 0.4·δ with z = 3
+        assert r.estimate < r.epsilon < r.estimate + 0.2
     # A wall clock may only abort: nothing is returned.
     ticks = iter(range(0, 10**6, 100))
     with pytest.raises(CorrflowError, match="nothing is released"):
@@ -194,7 +191,7 @@ def test_issue_case_verifies_at_a_small_delta_scale_within_its_default_budget():
 
 
 def test_poisson_four_band_monte_carlo_beats_mmcc():
-    # Issue 21: a Poisson-sampled 4-band Toeplitz encoder gets a verified Monte Carlo ε below its
+    # A Poisson-sampled 4-band Toeplitz encoder gets a verified Monte Carlo ε below its
     # MMCC ε, and the default accountant uses it and lists MMCC's.
     fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4)
     spec = SamplingSpec("poisson", 1000, 100)

@@ -80,9 +80,8 @@ def test_lower_bound_is_zero_without_signal_and_saturates_with_perfect_separatio
     assert lb.guesses_in + lb.guesses_out == 200 and lb.correct == 200 - abs(
         int(inserted.sum()) - 100
     )
-    assert (
-        3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0
-    )  # "about ε 4 at 200 canaries"
+    # "about ε 4 at 200 canaries"
+    assert 3.0 < lb.epsilon <= st.lower_bound_ceiling(200, delta=DELTA) < 4.0
 
 
 # -- the estimator under correlated noise: a Gaussian toy with a known ε ---------------------------
@@ -243,9 +242,8 @@ def _cli(tmp_path, name: str, epsilon: str = "1") -> tuple[int, dict, str]:
 
 
 def test_cli_audit_of_the_default_mechanism(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "corrflow.run.noise.new_secret", lambda: bytes(16)
-    )  # a reproducible noise key
+    # a reproducible noise key
+    monkeypatch.setattr("corrflow.run.noise.new_secret", lambda: bytes(16))
     code, res, output = _cli(tmp_path, "ok")
     assert code == 0, output
     for key in (
@@ -276,7 +274,7 @@ def test_cli_audit_proves_omitted_noise(tmp_path, monkeypatch):
 
 
 def test_cli_audit_suspect_exits_5_and_names_the_ceiling(tmp_path, monkeypatch):
-    """Issue 33: zero noise at a claim of ε = 8 — above what 200 canaries can ever prove (ε_lo ≤
+    """Zero noise at a claim of ε = 8 — above what 200 canaries can ever prove (ε_lo ≤
     3.80) — is SUSPECT, and a pipeline sees it in the exit code; the note says no count helps."""
     _break(monkeypatch, "zeros")
     code, res, output = _cli(tmp_path, "suspect", epsilon="8")
@@ -350,9 +348,8 @@ def test_wrapper_canaries_refused_outside_simulation(tmp_path):
     from corrflow.server.inprocess import InProcessGrid
     from corrflow.strategies.wrapper import DifferentialPrivacyCorrelatedNoise
 
-    class DeviceGrid(
-        InProcessGrid
-    ):  # any grid that is not a simulation engine's: node-key identities
+    # any grid that is not a simulation engine's: node-key identities
+    class DeviceGrid(InProcessGrid):
         pass
 
     task = get_task("nextword", seed=0)
@@ -389,7 +386,7 @@ def test_amplified_run_is_audited_without_its_secret_cohorts(tmp_path):
 
 def test_candidates_for_ceiling_lifts_the_ceiling_above_the_claim():
     """The count returned is the first grid point whose ceiling exceeds the claim; at δ = 1e-5 the
-    ceiling peaks below 8 (issue 33: 200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
+    ceiling peaks below 8 (200 canaries cap ε_lo at 3.80), so no count proves ε = 8."""
     from corrflow.accounting.audit import candidates_for_ceiling, lower_bound_ceiling
 
     assert abs(lower_bound_ceiling(200, delta=1e-5) - 3.80) < 0.01

@@ -1,5 +1,6 @@
-"""Every bad input of issue 33 is refused before anything runs: exit 2, the flag or file named, no
-traceback, nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
+"""Every bad input below (malformed data, vocabulary and attribution files, out-of-range numbers,
+unwritable outputs) is refused before anything runs: exit 2, the flag or file named, no traceback,
+nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
 
 import sqlite3
 from pathlib import Path
@@ -102,14 +103,13 @@ CASES = [
     ),
     (
         "plan-target-epsilon",
-        "plan --population 100 --cohort-size 10 --rounds 4 --delta 1e-5 "
-        "--target-epsilon 1e308 --out OUT",
+        "plan --users 100 --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 1e308 --out OUT",
         "--target-epsilon",
     ),
     ("audit-canaries", f"audit --canaries {BIG} --out OUT", "--canaries"),
     (
         "plan-rounds",
-        "plan --population 100 --cohort-size 10 --rounds 1000000000 --delta 1e-5 "
+        "plan --users 100 --cohort 10 --rounds 1000000000 --delta 1e-5 "
         "--target-epsilon 8 --out OUT",
         "--rounds",
     ),
@@ -118,9 +118,8 @@ CASES = [
     ("generate-users", f"data generate stackoverflow --users {BIG} --out OUT/x.sqlite", "--users"),
     (
         "plan-population",
-        f"plan --population {10**30} --cohort-size 10 --rounds 4 --delta 1e-5 "
-        "--target-epsilon 8 --out OUT",
-        "--population",
+        f"plan --users {10**30} --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 8 --out OUT",
+        "--users",
     ),
     (
         "cmp-no-examples",

@@ -123,9 +123,8 @@ def test_taper_heuristic_check_values():
     np.testing.assert_allclose(theta[:3], [0.53541, 0.27003, 0.20397], atol=2e-5)
     tapered = taper_coefficients(theta, 200)
     assert tapered.size == 399 and np.linalg.norm(tapered) == pytest.approx(1.0)
-    np.testing.assert_allclose(
-        tapered[:199] / theta[:199], tapered[0] / theta[0]
-    )  # untouched below b₀
+    # untouched below b₀
+    np.testing.assert_allclose(tapered[:199] / theta[:199], tapered[0] / theta[0])
 
     def rmse(coef, s):
         err = ToeplitzEncoder(coef, 2000).per_query_error(Workload.prefix()).sum()

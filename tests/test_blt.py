@@ -59,9 +59,8 @@ def test_closed_forms_of_example_e():
     np.testing.assert_allclose(theta_hat, np.sort(np.roots([1, -1.1, 0.22]))[::-1], rtol=1e-14)
     omega_hat = pole_weights(theta_hat, THETA)
     assert np.all(omega_hat < 0)
-    np.testing.assert_allclose(
-        pole_weights(THETA, theta_hat), OMEGA, rtol=1e-13
-    )  # Lemma 5.2 both ways
+    # Lemma 5.2 both ways
+    np.testing.assert_allclose(pole_weights(THETA, theta_hat), OMEGA, rtol=1e-13)
     chat = blt_coefs(theta_hat, omega_hat, 16)
     np.testing.assert_allclose(chat[:6], [1, -0.3, -0.1, -0.044, -0.0264, -0.01936], atol=1e-15)
     # C⁻¹ is the BLT of the inverse: T(ĉ) T(c) = I.
@@ -155,7 +154,7 @@ def test_optimizer_reaches_the_peer_optima():
     np.testing.assert_allclose(
         [res.buf_decay[0], res.output_scale[0]], [0.864853933, 0.520967209], rtol=1e-5
     )
-    # Issue target: n = 1024, k = 4, b = 256, 2 buffers; the peer's 2-buffer BLT reaches total
+    # Target: n = 1024, k = 4, b = 256, 2 buffers; the peer's 2-buffer BLT reaches total
     # squared error 45,615 (its own loss evaluated on our optimum agrees to 1e-14: 45614.677891699).
     fac = factorize("blt", participation_for(1024, 4), buffers=2)
     s = fac.summary()
@@ -208,9 +207,8 @@ def test_auto_buffers_and_cooldown_workload():
     losses = {int(b): v for b, v in auto.metadata["loss_by_buffers"].items()}
     B = auto.encoder.buffers
     assert B == max(b for b in losses if b == 1 or losses[b] * 1.01 < losses[b - 1])
-    assert (
-        auto.metadata["optimized_for"] == wl.to_dict()
-    )  # the exact cooldown loss, not its Toeplitz part
+    # the exact cooldown loss, not its Toeplitz part
+    assert auto.metadata["optimized_for"] == wl.to_dict()
     # The reported total is the dense ‖A C⁻¹‖_F² at sensitivity 1, and the optimiser's loss.
     C = auto.encoder.matrix()
     B_dense = wl.matrix(64) @ np.linalg.inv(C)
@@ -295,9 +293,8 @@ def test_streamed_noise_equals_dense_inverse_and_resumes_bit_for_bit(blt_fac, tm
     save_state(first, tmp_path / "state")
     resumed = restore_state(tmp_path / "state", fac)
     np.testing.assert_array_equal(np.vstack([head, _rows(resumed, range(7, 16))]), rows)
-    np.testing.assert_array_equal(
-        np.concatenate(resumed.next(4, replay=True)), rows[4]
-    )  # recomputed from the key
+    # recomputed from the key
+    np.testing.assert_array_equal(np.concatenate(resumed.next(4, replay=True)), rows[4])
     late = CorrelatedNoise(fac, [(d,)], stddev=sigma, key=KEY, chunk_size=chunk)
     late.skip_to(11)
     np.testing.assert_array_equal(_rows(late, range(11, 16)), rows[11:])

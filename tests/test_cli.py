@@ -99,7 +99,7 @@ def test_factorize_momentum_toeplitz_min_sep():
         (["--kind", "toeplitz", "--rounds", "8", "--min-sep", "3"], "--min-sep"),  # fixed-epoch
         (["--kind", "dense", "--rounds", "8", "--momentum", "nan"], "--momentum"),
         (["--kind", "magic", "--rounds", "8"], "kind"),
-        (["--rounds", "8", "--participation", "min-sep"], "--participation"),  # the old spelling
+        (["--rounds", "8", "--participation", "nope"], "--participation"),
     ],
 )
 def test_bad_arguments_exit_2(args, needle):
@@ -155,9 +155,9 @@ def _bad_input_cases():
         "plan",
         "--rounds",
         "8",
-        "--population",
+        "--users",
         "20",
-        "--cohort-size",
+        "--cohort",
         "10",
         "--target-epsilon",
         "8",
@@ -278,16 +278,16 @@ def test_audit_help_shows_audits_own_defaults():
 
 
 def test_shared_settings_help_is_per_command():
-    """A command's help names only what it has: no noise multiplier in plan's or compare's
-    --target-epsilon, no server waiting in compare's --users; the accountants in one order;
+    """A command's help names only what it has: no noise multiplier in plan's --target-epsilon or
+    compare's --epsilons, no server waiting in compare's --users; the accountants in one order;
     account's --mc-samples declares how it differs from a run's."""
 
     def help_of(command):
         res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"})
         return " ".join(res.output.replace("│", " ").split())
 
-    for command in ("plan", "compare"):
-        line = help_of(command).split("--target-epsilon", 1)[1].split("--", 1)[0]
+    for command, flag in (("plan", "--target-epsilon"), ("compare", "--epsilons")):
+        line = help_of(command).split(flag, 1)[1].split("--", 1)[0]
         assert "noise multiplier" not in line, line
     assert "server waits" not in help_of("compare")
     order = "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo"

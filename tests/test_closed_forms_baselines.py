@@ -71,14 +71,14 @@ def test_table6_of_003_nonamplified():
     n, part, sigma = 2048, Participation.min_separation(2048, 256), 0.600197
     g, rmse = best_gamma(lambda x: bifr_encoder(PREFIX, n, 2, x), PREFIX, part)
     assert round(rmse * sigma, 2) == 9.68 and g == pytest.approx(0.9691, abs=1e-3)  # DP-λCGD
+    # BISR
     assert (
         round(unamplified_rmse(bifr_encoder(PREFIX, n, 128, 0.5), PREFIX, part) * sigma, 2) == 6.75
-    )  # BISR
+    )
     g, rmse = best_gamma(lambda x: bifr_encoder(PREFIX, n, 128, x), PREFIX, part)
     assert round(rmse * sigma, 2) == 6.69 and g == pytest.approx(0.5252, abs=1e-3)  # γ-BIFR
-    assert (
-        round(unamplified_rmse(bsr_encoder(PREFIX, n, 256), PREFIX, part) * sigma, 2) == 6.57
-    )  # BSR
+    # BSR
+    assert round(unamplified_rmse(bsr_encoder(PREFIX, n, 256), PREFIX, part) * sigma, 2) == 6.57
     g, rmse = best_gamma(lambda x: bsr_encoder(PREFIX, n, 256, x), PREFIX, part)
     assert round(rmse * sigma, 2) == 6.38  # γ-BFR
     res = __import__("scipy.optimize", fromlist=["x"]).minimize_scalar(
@@ -89,9 +89,8 @@ def test_table6_of_003_nonamplified():
         method="bounded",
         options={"xatol": 1e-7},
     )
-    assert round(res.fun * sigma, 2) == 6.90 and res.x == pytest.approx(
-        0.99802, abs=2e-5
-    )  # ν-DP-FTRL
+    # ν-DP-FTRL
+    assert round(res.fun * sigma, 2) == 6.90 and res.x == pytest.approx(0.99802, abs=2e-5)
 
 
 def _thm21_sq(X, part):

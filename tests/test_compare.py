@@ -133,9 +133,8 @@ def test_json_contract_and_shared_setup(tiny):
     )
     saved = json.loads((out / "comparison.json").read_text())
     curve = saved["epsilons"]["8"]["arms"]["dpsgd"]["per_seed"][0]["curve"]
-    assert (
-        curve[0]["round"] == -1 and len(curve) == p.rounds + 1
-    )  # curves start at the initial model
+    # curves start at the initial model
+    assert curve[0]["round"] == -1 and len(curve) == p.rounds + 1
 
 
 def _independent(
@@ -218,9 +217,8 @@ def test_gap_closed_and_planner_scores(tiny):
         for name in ("dpsgd", "dpsgd-poisson", "toeplitz-amplified", "plan"):
             assert a[name]["per_seed"][0]["rmse"] == pytest.approx(rmse[name], rel=1e-9)
         assert a["toeplitz"]["rmse"] == a["toeplitz"]["per_seed"][0]["rmse"] > 0
-    assert (
-        "dpsgd-poisson" in stderr and "gap closed" in stderr and "ε = 2" in stderr
-    )  # the table, on stderr
+    # the table, on stderr
+    assert "dpsgd-poisson" in stderr and "gap closed" in stderr and "ε = 2" in stderr
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -293,9 +291,8 @@ def test_gap_closed_and_bad_arguments(tmp_path):
             parse_epsilons(bad)
     with pytest.raises(InvalidArgumentError, match="kinds"):
         compare(PRESETS["tiny"], ["dpsgd"], tmp_path)
-    with pytest.raises(
-        InvalidArgumentError, match="epochs"
-    ):  # every arm is checked before any trains
+    # every arm is checked before any trains
+    with pytest.raises(InvalidArgumentError, match="epochs"):
         compare(replace(PRESETS["tiny"], epochs=3), ["toeplitz"], tmp_path / "z")
     assert not (tmp_path / "z").exists()
 

@@ -190,8 +190,7 @@ def test_sqlite_malformed_inputs(tmp_path):
         StackOverflowSQLite(bad) as db,
         pytest.raises(
             DataFormatError,
-            match=r"bad.sqlite:examples row 6 "
-            r"\(client 00000002\)",
+            match=r"bad.sqlite:examples row 6 \(client 00000002\)",
         ),
     ):
         db.client_posts("00000002")
@@ -354,9 +353,8 @@ def test_tiny_arxiv_file_loads_and_builds_the_graph(tmp_path):
     g = arxiv_attribution(papers)
     assert g.num_items == 4 and g.num_users == 7
     per_user = dict(zip(g.user_ids, g.items_per_user(), strict=True))
-    assert (
-        per_user["balazs|c"] == 2 and per_user["theran|louis"] == 2
-    )  # same person across the two fields
+    # same person across the two fields
+    assert per_user["balazs|c"] == 2 and per_user["theran|louis"] == 2
     reader = ArxivReader(path, min_authors=2)
     assert len(list(reader)) == 3 and reader.filtered == 1
     assert normalize_author("Müller-Lüdenscheidt", "J.-P.", "Jr") == "muller ludenscheidt jr|j p"
@@ -411,9 +409,8 @@ def test_generated_arxiv_round_trip_and_shape(tmp_path):
     assert np.all(np.abs(observed - pmf[1:8]) < 5 * se + 1e-3)  # the team-size mixture, body
     assert sizes.max() >= spec.big_collab_min  # and its long tail
     assert stats["examples_per_user"]["p50"] == 2  # arXiv's median k_u = 2 (004 §3.5)
-    assert (
-        stats["examples_per_user"]["p100"] > 10 * stats["examples_per_user"]["p50"]
-    )  # prolific authors
+    # prolific authors
+    assert stats["examples_per_user"]["p100"] > 10 * stats["examples_per_user"]["p50"]
     assert stats["repeat_coauthorship_fraction"] > 0.2
     # Without repeat co-authorship, repeated pairs are rare.
     generate_arxiv(tmp_path / "norepeat.jsonl", ArxivSpec(users=3000, seed=2, repeat_p=0.0))

@@ -91,7 +91,7 @@ def test_optimal_decoder_loss_identity(rng):
 
 
 def test_stopped_optimizer_reports_a_finite_valid_gap():
-    # Issue 25 item 7: an early stop used to report an infinite gap when the primal's dual point was
+    # An early stop used to report an infinite gap when the primal's dual point was
     # not positive definite (here n = 64, k = 4, momentum: at 1 iteration). The bound must be finite
     # and below the optimum.
     wl = Workload.sgd_momentum(0.9, 0.25)

@@ -330,8 +330,8 @@ def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_
         log = (logs / f"sn{i + 1}.log").read_text()
         assert (
             f"partition-id {i} trains on the SuperNode's own data file "
-            f"{own / 'stackoverflow.sqlite'} "
-            f"(node config data-path), vocabulary {own / 'vocab.txt'}"
+            f"{own / 'stackoverflow.sqlite'} (node config data-path), vocabulary "
+            f"{own / 'vocab.txt'}"
         ) in log
         assert str(data / "stackoverflow.sqlite") not in log
         assert (own / "vocab.txt").read_bytes() == (data / "vocab.txt").read_bytes()
@@ -380,9 +380,8 @@ def ray_cluster():
     import tempfile
 
     ray = tool("ray")
-    temp = Path(
-        tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    )  # short: Ray's unix sockets live below it
+    # short: Ray's unix sockets live below it
+    temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
     head_port, *ports = free_ports(8)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)

@@ -299,9 +299,8 @@ def test_deployment_steps_are_the_commands_the_loopback_test_runs(snippet):
                         f"corrflow.{k}": v
                         for k, v in app["tool"]["flwr"]["app"]["config"]["corrflow"].items()
                     }
-                    from_run_config(
-                        {**base, **parsed, "corrflow.state-dir": "run"}
-                    )  # corrflow accepts them
+                    # corrflow accepts them
+                    from_run_config({**base, **parsed, "corrflow.state-dir": "run"})
         else:
             pytest.fail(f"{snippet.where}: {program} is not a step of deploy/loopback.sh")
 

@@ -53,9 +53,8 @@ def _ckpt(tmp_path) -> Path:
 
 
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
-    hold = (
-        tmp_path.parent / f"{tmp_path.name}.hold"
-    )  # the first server's replies wait while it exists
+    # the first server's replies wait while it exists
+    hold = tmp_path.parent / f"{tmp_path.name}.hold"
     hold.touch()
     first = subprocess.Popen(
         [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],
@@ -79,9 +78,8 @@ def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
             text=True,
             timeout=600,
         )
-        assert (
-            first.poll() is None
-        )  # refused while the first server still runs, not queued behind it
+        # refused while the first server still runs, not queued behind it
+        assert first.poll() is None
         assert second.returncode != 0
         assert (
             "in use by another corrflow server" in second.stderr
@@ -192,9 +190,8 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
 def test_unreleased_checkpoint_is_released_on_resume_and_fresh_moves_the_run_aside(tmp_path):
     cfg, _ = _finished_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
-    (tmp_path / JOURNAL).write_text(
-        "".join(lines[:-1])
-    )  # killed between round 7's checkpoint and its entry
+    # killed between round 7's checkpoint and its entry
+    (tmp_path / JOURNAL).write_text("".join(lines[:-1]))
     forget_last_release(tmp_path)  # (so the registry never recorded it either)
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8 and len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
@@ -293,9 +290,8 @@ def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
     restarted = {}
 
     def restart(strategy, metrics):
-        if (
-            metrics["round"] == 1
-        ):  # partition 0 trains in rounds r and r + 3: give it a new node id in between
+        # partition 0 trains in rounds r and r + 3: give it a new node id in between
+        if metrics["round"] == 1:
             restarted["node"] = grid.restart_node(0)
 
     s = run_server(grid, cfg, noise_key=KEY, quiet=True, on_round_end=restart)
@@ -346,9 +342,8 @@ def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
     assert report["realized"]["epsilon"] == pytest.approx(
         epsilon_of(unamplified_event(0.7, sens.value), 1e-5)
     )
-    with pytest.raises(
-        RunStoppedEarlyError, match="budget guard"
-    ):  # `corrflow simulate` exits 1 on it
+    # `corrflow simulate` exits 1 on it
+    with pytest.raises(RunStoppedEarlyError, match="budget guard"):
         simulate(
             _cfg(tmp_path / "b", target_epsilon=0.1, noise_multiplier=0.5),
             backend="inprocess",
@@ -357,9 +352,8 @@ def test_all_nan_replies_stop_the_run_on_the_record(tmp_path, caplog):
 
 
 def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
-    cfg = _cfg(
-        tmp_path, noise_multiplier=0.5, target_epsilon=0.1
-    )  # σ fixed, target far below one round's ε
+    # σ fixed, target far below one round's ε
+    cfg = _cfg(tmp_path, noise_multiplier=0.5, target_epsilon=0.1)
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 0 and report["rounds_completed"] == 0

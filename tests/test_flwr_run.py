@@ -100,15 +100,13 @@ def test_flwr_run_completes_the_default_app(tmp_path):
             text=True,
             timeout=600,
         )
-        _wait_for_completion(
-            run_dir / "privacy_report.json", rounds=10, timeout=300
-        )  # `--stream` can end early
+        # `--stream` can end early
+        _wait_for_completion(run_dir / "privacy_report.json", rounds=10, timeout=300)
     finally:
         _stop_processes_with_home(home)
         deadline = time.monotonic() + 30
-        while (
-            _stop_processes_with_home(home) and time.monotonic() < deadline
-        ):  # until none is alive
+        # until none is alive
+        while _stop_processes_with_home(home) and time.monotonic() < deadline:
             time.sleep(0.5)
     assert not _stop_processes_with_home(home), "a Flower process of this test survived"
     log = r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""The run's record kept per round in O(cohort) (issue 34): the incremental realised sensitivity
+"""The run's record kept per round in O(cohort): the incremental realised sensitivity
 equals a recomputation over the whole ledger, the append-only ledger log adds up to the ledger, and
 a run killed (SIGKILL) at any moment and resumed reports what an uninterrupted run reports."""
 

@@ -47,9 +47,8 @@ def test_local_training_learns_word_order_and_returns_new_weights():
     _, y_held = xy(SYNTHETIC.held_out(100))
     unigram = float(-np.log((counts / counts.sum())[y_held[y_held != PAD]]).mean())
     before, after = task.evaluate(w), task.evaluate(new)
-    assert before["test_loss"] == pytest.approx(
-        np.log(KERAS_TASK.num_tokens), abs=0.01
-    )  # zero output kernel
+    # zero output kernel
+    assert before["test_loss"] == pytest.approx(np.log(KERAS_TASK.num_tokens), abs=0.01)
     assert after["test_loss"] < unigram - 0.2 and after["test_accuracy"] > 0.02
 
 

@@ -210,18 +210,16 @@ def test_learning_verdict_from_metrics():
         {"round": -1, "test_loss": np.float32(5.0)},
         {"round": 0, "test_loss": np.float32(4.0)},
     ]
-    assert (
-        learning_section(numpy_floats, 0.1)["learned"] is True
-    )  # a plain bool, whatever evaluate returns
+    # a plain bool, whatever evaluate returns
+    assert learning_section(numpy_floats, 0.1)["learned"] is True
     json.dumps(learning_section(numpy_floats, 0.1))
     # accuracy rose but the loss did too (over-confident noisy logits): not learned, and the verdict
     # names both
     rose = learning_section([hist[0], {"round": 0, "test_loss": 6.0, "test_accuracy": 0.1}], 0.4)
     assert rose["learned"] is False and "accuracy from 0 to 0.1" in rose["verdict"]
     assert learning_section([hist[0]], 0.0)["learned"] is None  # no round trained
-    assert (
-        learning_section([{"round": -1}, {"round": 0}], 0.0)["learned"] is None
-    )  # no held-out evaluation
+    # no held-out evaluation
+    assert learning_section([{"round": -1}, {"round": 0}], 0.0)["learned"] is None
 
 
 def test_a_run_that_does_not_learn_says_so_and_exits_3(tmp_path):
@@ -262,6 +260,5 @@ def test_a_run_that_does_not_learn_says_so_and_exits_3(tmp_path):
         text=True,
         timeout=300,
     )
-    assert (
-        again.returncode == 3 and "did not learn (exit 3)" in again.stdout
-    )  # already complete: same verdict
+    # already complete: same verdict
+    assert again.returncode == 3 and "did not learn (exit 3)" in again.stdout

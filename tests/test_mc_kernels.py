@@ -198,6 +198,5 @@ def test_tiny_sigma_batches_equal_the_small_noise_limit():
     stay = 1 / (1 + (b - 1) * p)  # warm start: available, else barred for s = 1..b−1 more rounds
     never = stay * (1 - p) ** n + sum(p * stay * (1 - p) ** (n - s) for s in range(1, b))
     np.testing.assert_allclose(est.remove, -math.log(never), rtol=1e-9)
-    assert (
-        np.all(np.isfinite(est.add)) and est.add.min() > 100
-    )  # ‖Cx‖²/(2σ²) dominates with x drawn from P
+    # ‖Cx‖²/(2σ²) dominates with x drawn from P
+    assert np.all(np.isfinite(est.add)) and est.add.min() > 100

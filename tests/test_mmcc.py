@@ -336,9 +336,8 @@ def test_planner_poisson_and_cyclic_poisson():
     for t in range(60):
         for item in cyc.cohort(t):
             seen.setdefault(item, []).append(t)
-    assert all(
-        len({r % 4 for r in rs}) == 1 for rs in seen.values()
-    )  # an item trains only in its part's rounds
+    # an item trains only in its part's rounds
+    assert all(len({r % 4 for r in rs}) == 1 for rs in seen.values())
     assert abs(sum(map(len, seen.values())) / 60 - 20) < 3 * np.sqrt(100 * 0.2 * 0.8 / 60)
     with pytest.raises(InvalidArgumentError, match="min-sep"):
         CohortPlanner("poisson", ids, [[i] for i in range(n)], ids, rounds=60, min_sep=2, rate=0.05)

@@ -116,9 +116,8 @@ def test_ring_writes_one_row_per_round_and_every_saved_state_resumes(facs, name,
     for t in (10, 11):  # the last state, and the one a torn write of round 12 would leave
         back = restore_state(tmp_path / f"s{t}", fac, ring=ring)
         np.testing.assert_array_equal(_rows(back, range(t + 1, 16)), expected[t + 1 :])
-    old = (
-        tmp_path / f"s{11 - kept}"
-    )  # its oldest row has been overwritten since: refused, never used
+    # its oldest row has been overwritten since: refused, never used
+    old = tmp_path / f"s{11 - kept}"
     with pytest.raises(IntegrityError, match="MAC"):
         restore_state(old, fac, ring=ring)
     with pytest.raises(IntegrityError, match="ring file"):

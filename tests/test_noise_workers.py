@@ -82,13 +82,13 @@ def ray_address():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-#: The issue's "Done when" model: d = 2·10⁵ (4 noise blocks of 2¹⁶); the fault tests use 2 blocks
+#: The acceptance model: d = 2·10⁵ (4 noise blocks of 2¹⁶); the fault tests use 2 blocks
 # (the numpy task's data generation grows with d and dominates these runs).
-DONE_WHEN_DIM, SMALL_DIM = 200_000, 70_000
+FULL_DIM, SMALL_DIM = 200_000, 70_000
 
 
 def _cfg(out: Path, workers: int = 0, address: str = "", dim: int = SMALL_DIM) -> RunConfig:
-    """The issue's "Done when" run: toeplitz, 8 bands."""
+    """The sharded-noise run: toeplitz, 8 bands."""
     return RunConfig(
         kind="toeplitz",
         bands=8,
@@ -131,10 +131,10 @@ def single(tmp_path_factory):
 
 
 def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_address, tmp_path):
-    _run(_cfg(tmp_path / "single", dim=DONE_WHEN_DIM))
+    _run(_cfg(tmp_path / "single", dim=FULL_DIM))
     single = _final(tmp_path / "single")
     out = tmp_path / "sharded"
-    _run(_cfg(out, 2, ray_address, DONE_WHEN_DIM))
+    _run(_cfg(out, 2, ray_address, FULL_DIM))
     model, report = _final(out)
     np.testing.assert_array_equal(model, single[0])
     assert report["realized"]["epsilon"] == single[1]["realized"]["epsilon"]
@@ -179,7 +179,7 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     ), [r.getMessage() for r in caplog.records]
 
 
-@pytest.mark.slow  # ~35 s on 2 cores; the suite keeps the SIGKILL case (issue 37's "Done when")
+@pytest.mark.slow  # ~35 s on 2 cores; the suite keeps the SIGKILL case
 def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_same_workers(
     ray_address, tmp_path
 ):

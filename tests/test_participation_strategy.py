@@ -143,8 +143,7 @@ def test_early_return_accept_and_account(tmp_path, caplog):
     assert part["min_gap"] == 1
     assert part["max_participations"] == 3
     assert report["realized"]["accounting"].startswith("post-hoc")
-    # Issue 21 item 6: the post-hoc ε holds at the run's δ (one Gaussian, PLD), and the report says
-    # so.
+    # The post-hoc ε holds at the run's δ (one Gaussian, PLD), and the report says so.
     assert report["realized"]["delta"] == report["target_delta"] == report["delta"]
     assert report["realized"]["guarantee"] is True and report["guarantee"] is True
     eps = report["realized"]["epsilon"]
@@ -209,12 +208,10 @@ def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
         "participation"
     ]
     assert part["min_gap"] >= 3 and part["overrides"] == []
-    assert (
-        rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
-    )  # the sampler's pattern was followed
-    assert rep["planned"]["epsilon"] < epsilon_of(
-        unamplified_event(1.5, 1.0), cfg.delta
-    )  # amplification
+    # the sampler's pattern was followed
+    assert rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
+    # amplification
+    assert rep["planned"]["epsilon"] < epsilon_of(unamplified_event(1.5, 1.0), cfg.delta)
     assert all(m["cohort"] == pytest.approx(8.0) for m in s.metrics_history)
     # The selections are exactly the sampler's, replayed from the private key in the checkpoint
     # (0600) — and not from the public schedule seed, which would let anyone who knows it name the
@@ -323,9 +320,7 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
         sampling=SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p),
     )
     assert cal["accountant"]["released"] == "fallback"
-    assert "monte-carlo (released its fallback, unamplified)" in selection_line(
-        cal["accountant"]
-    )
+    assert "monte-carlo (released its fallback, unamplified)" in selection_line(cal["accountant"])
     # The same in a run: the bound used is the sampler's unamplified one, so the run is planned
     # unamplified — public cohorts and post-hoc accounting of the realised pattern (recomputed from
     # the ledger).
@@ -587,9 +582,8 @@ def test_poisson_run_accounted_by_mmcc_keeps_its_planned_epsilon(tmp_path):
         rep["accountant"]["name"] == "mmcc"
         and rep["realized"]["epsilon"] == rep["planned"]["epsilon"]
     )
-    assert (
-        "selected" not in rep["accountant"]
-    )  # a named accountant is honoured: nothing else is computed
+    # a named accountant is honoured: nothing else is computed
+    assert "selected" not in rep["accountant"]
     assert rep["realized"]["accounting"].startswith("as planned")
     fac = Factorization.load(tmp_path / "factorization.npz")
     posthoc = RunPrivacy(fac, PrivacyPlan(1.0, rep["planned"]["epsilon"]), 1e-5).realized(
@@ -617,9 +611,8 @@ def test_an_operator_override_ends_amplification(tmp_path):
     assert planned["realized"]["epsilon"] == pytest.approx(planned["planned"]["epsilon"], rel=1e-12)
 
     def force(strategy, metrics):
-        if (
-            metrics["round"] == 0
-        ):  # a user in neither round 0 nor round 1, forced into round 1 (no gap broken)
+        # a user in neither round 0 nor round 1, forced into round 1 (no gap broken)
+        if metrics["round"] == 0:
             p = strategy.planner
             strategy.override(
                 1, [next(i for i in sorted(p.items) if i not in p.cohort(0) + p.cohort(1))]
@@ -661,9 +654,8 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     with pytest.raises(KeyboardInterrupt):
         run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, on_round_end=crash)
     journal = tmp_path / "b" / JOURNAL
-    journal.write_text(
-        "".join(journal.read_text().splitlines(keepends=True)[:-1])
-    )  # killed before the append
+    # killed before the append
+    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:-1]))
     forget_last_release(tmp_path / "b")
     state = tmp_path / "b" / "state"
     key = (state / (state / "CURRENT").read_text() / "sampler_secret.key").read_bytes()
@@ -678,9 +670,8 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     assert cohorts == {
         t: sorted(i for i, rs in s.ledger.selected.items() if t in rs) for t in range(8)
     }
-    assert (
-        len({len(c) for c in cohorts.values()}) > 1
-    )  # Poisson cohorts: drawn per round, not fixed
+    # Poisson cohorts: drawn per round, not fixed
+    assert len({len(c) for c in cohorts.values()}) > 1
 
     ckpt = state / (state / "CURRENT").read_text()
     (ckpt / "sampler_secret.key").unlink()

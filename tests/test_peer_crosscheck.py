@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-jp = pytest.importorskip("jax_privacy.matrix_factorization")
+pytest.importorskip("jax_privacy.matrix_factorization")
 jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
 
@@ -67,7 +67,7 @@ def _check_blt_against_peer(n: int, buffers: int) -> None:
 
 
 def test_blt_fixed_buffers_reach_the_peer_optimum():
-    # the case: n = 256, k = 4, B = 2 (peer 8,580.01; corrflow had 8,822.79)
+    # A reported case: n = 256, k = 4, B = 2 (peer 8,580.01; corrflow had 8,822.79)
     _check_blt_against_peer(256, 2)
 
 

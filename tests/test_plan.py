@@ -20,15 +20,15 @@ from corrflow.planning.candidates import PlanRequest, make_plan, write_plan
 SMALL = [
     "--rounds",
     "24",
-    "--population",
+    "--users",
     "60",
-    "--cohort-size",
+    "--cohort",
     "10",
     "--target-epsilon",
     "4",
     "--delta",
     "1e-5",
-    "--model-params",
+    "--model-dim",
     "1000",
     "--kinds",
     "dpsgd,toeplitz,bifr,dense",
@@ -102,9 +102,8 @@ def test_plan_ranks_by_reported_score_and_recomputes(planned):
 def test_repeated_plan_is_cached(planned):
     _, doc, (first, second) = planned
     assert doc["cache"]["misses"] == 0 and doc["cache"]["hits"] > 0
-    assert (
-        second < 0.1 * first
-    )  # the plan's own time (building, calibrating, plotting), not interpreter start-up
+    # the plan's own time (building, calibrating, plotting), not interpreter start-up
+    assert second < 0.1 * first
 
 
 def test_plots_are_pngs(planned):
@@ -190,9 +189,8 @@ def test_budgets(tmp_path):
     )
     fac = res.factorizations[best.key()]
     assert CorrelatedNoise(fac, [(1000,)]).buffer_bytes == 0
-    assert any(
-        not c.fits and c.kind == "toeplitz" for c in res.candidates
-    )  # the better banded C is excluded
+    # the better banded C is excluded
+    assert any(not c.fits and c.kind == "toeplitz" for c in res.candidates)
     # room for 2 buffers of d floats: a banded C with at most 3 bands, whose engine buffer is what
     # the plan says
     res = make_plan(PlanRequest(**base, memory_budget=2 * 4 * 1000), cache, quiet=True)
@@ -225,14 +223,12 @@ def test_cyclic_poisson_recipe_matches_run_accounting(tmp_path):
         accountants=("cyclic-poisson",),
     )
     res = make_plan(req, cache, quiet=True)
-    c = next(
-        c for c in res.candidates if c.min_sep == 5
-    )  # the best with the cyclic sampler at b = ⌊P/B⌋
+    # the best with the cyclic sampler at b = ⌊P/B⌋
+    c = next(c for c in res.candidates if c.min_sep == 5)
     assert c.participation == "cyclic-poisson" and c.participation_rate == pytest.approx(20 / 110)
     fac = res.factorizations[c.key()]
-    assert fac.participation == participation_for(
-        16, 4, 5, kind="min-sep"
-    )  # what the strategy builds
+    # what the strategy builds
+    assert fac.participation == participation_for(16, 4, 5, kind="min-sep")
     # b = ⌊110/20⌋ = 5: each round samples its fifth of the users with q = 5·20/110 (the strategy's
     # CohortPlanner)
     spec = SamplingSpec(
@@ -267,9 +263,8 @@ def test_banded_kinds_are_also_planned_with_their_own_sampler_separation(tmp_pat
     for c in own:
         b = c.min_sep
         fac = res.factorizations[c.key()]
-        assert fac.participation == participation_for(
-            16, -(-16 // b), b, kind="min-sep"
-        )  # what the run builds
+        # what the run builds
+        assert fac.participation == participation_for(16, -(-16 // b), b, kind="min-sep")
         spec = SamplingSpec(
             "cyclic-poisson",
             110,
@@ -335,9 +330,9 @@ def test_plan_bad_arguments(tmp_path):
         "plan",
         "--rounds",
         "24",
-        "--population",
+        "--users",
         "5",
-        "--cohort-size",
+        "--cohort",
         "10",
         "--target-epsilon",
         "4",
@@ -346,7 +341,7 @@ def test_plan_bad_arguments(tmp_path):
         "--out",
         str(tmp_path),
     )
-    assert r.returncode == 2 and "--population" in r.stderr
+    assert r.returncode == 2 and "--users" in r.stderr
     r = run("plan", *SMALL[:10], "--kinds", "toeplitz,nope", "--out", str(tmp_path))
     assert r.returncode == 2 and "--kinds" in r.stderr and "nope" in r.stderr
     r = run("plan", *SMALL[:10], "--memory-budget", "lots", "--out", str(tmp_path))
@@ -420,9 +415,8 @@ def test_an_edited_calibration_is_recomputed_not_printed(tmp_path):
     stored["result"]["epsilon"] = 80.0
     path.write_text(json.dumps(stored))
     assert cache.calibration(params, compute, valid)[0]["epsilon"] == 7.9 and len(calls) == 2
-    assert (
-        cache.calibration(params, compute, valid)[1] is True and len(calls) == 2
-    )  # the rewritten entry is served
+    # the rewritten entry is served
+    assert cache.calibration(params, compute, valid)[1] is True and len(calls) == 2
 
 
 def test_same_inputs_same_recipe_and_the_time_budget_only_aborts(tmp_path):

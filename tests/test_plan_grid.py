@@ -1,4 +1,4 @@
-"""Issue 21 item 3: every recipe `corrflow plan` recommends runs with `simulate --plan` — a small
+"""Every recipe `corrflow plan` recommends runs with `simulate --plan` — a small
 grid of settings with population/cohort = b exactly (the b-min-sep probability p = p0/(1 − p0(b −
 1)) is exactly 1 there), b = 1 and cohort = population, each recommended recipe run in-process to
 its end."""
@@ -55,9 +55,8 @@ def test_recommended_recipe_runs(setting, tmp_path):
             "--json",
         ],
     )
-    assert out.exit_code in (0, 3), (
-        out.output
-    )  # 3: ran to the end but did not learn (tiny runs may not)
+    # 3: ran to the end but did not learn (tiny runs may not)
+    assert out.exit_code in (0, 3), out.output
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["rounds_completed"] == setting["rounds"] and report["stopped_reason"] is None
     assert report["noise_multiplier"] == pytest.approx(res.recommended.noise_multiplier)

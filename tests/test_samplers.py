@@ -73,9 +73,8 @@ def test_multi_attribution_blocks_every_shared_user(seed, b):
         for i in chosen.tolist():
             for u in item_users[i]:
                 assert t - user_last.get(u, -(10**9)) >= b
-        for i in (
-            chosen.tolist()
-        ):  # a user may contribute several items in one round, never in two within b
+        # a user may contribute several items in one round, never in two within b
+        for i in chosen.tolist():
             for u in item_users[i]:
                 user_last[u] = t
 

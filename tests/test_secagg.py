@@ -176,9 +176,8 @@ def test_secure_sum_is_the_plain_sum_within_m_delta(identical):
         content = reply.content
         assert not reply.has_error()
         assert all(len(r) == 0 for r in content.array_records.values())
-        assert all(
-            dict(r) == {"num_examples": 1} for r in content.metric_records.values()
-        )  # the constant weight 1, nothing else
+        # the constant weight 1, nothing else
+        assert all(dict(r) == {"num_examples": 1} for r in content.metric_records.values())
         others = {k: dict(r) for k, r in content.config_records.items() if k != RECORD_KEY_CONFIGS}
         assert others in ({}, {"fitres.metrics": {}, "fitres.status": {"code": 0, "message": ""}})
         if stage == Stage.COLLECT_MASKED_VECTORS:

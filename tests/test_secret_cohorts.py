@@ -86,9 +86,8 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
     assert a.ledger.selected != b.ledger.selected  # the two runs sampled other cohorts
     assert a.ledger.rejections and b.ledger.rejections  # and rejected replies
     assert _public(dir_a) == _public(dir_b)
-    if (
-        "accountant" not in AMPLIFIED[sampling]
-    ):  # the selection and every bound are public, and cohort-free
+    # the selection and every bound are public, and cohort-free
+    if "accountant" not in AMPLIFIED[sampling]:
         acc = json.loads((dir_a / "privacy_report.json").read_text())["accountant"]
         assert acc["selected"] and {b["accountant"] for b in acc["bounds"]} == {
             "monte-carlo",
@@ -115,9 +114,8 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
         assert stat.S_IMODE(operator.stat().st_mode) == 0o700
         for name in ("participation.json", "rounds.jsonl", "operator.log"):
             assert stat.S_IMODE((operator / name).stat().st_mode) == 0o600
-        assert (
-            "rejected reply" in (operator / "operator.log").read_text()
-        )  # the sender, for the operator
+        # the sender, for the operator
+        assert "rejected reply" in (operator / "operator.log").read_text()
         rounds = [json.loads(line) for line in (operator / "rounds.jsonl").read_text().splitlines()]
         assert [r["rejected"] for r in rounds] == [
             sum(x["round"] == t for x in run.ledger.rejections) for t in range(6)

@@ -48,9 +48,8 @@ def test_zero_updates_release_exactly_the_noise_stream(tmp_path):
     theta = [np.zeros(s_, np.float32) for s_ in shapes]
     for t in range(6):
         w = gen.next(t)
-        upd = [
-            (np.float32(0) + np.float32(0.7 * 0.3) * wi) / np.float32(4) for wi in w
-        ]  # cohort 12/3 = 4
+        # cohort 12/3 = 4
+        upd = [(np.float32(0) + np.float32(0.7 * 0.3) * wi) / np.float32(4) for wi in w]
         m = [np.float32(0.9) * mi + ui for mi, ui in zip(m, upd, strict=True)]
         theta = [
             (th + np.float32(0.5 * eta[t]) * mi).astype(np.float32)
@@ -225,9 +224,8 @@ def test_budget_guard_stops_before_exceeding_target(tmp_path):
     cfg = _cfg(tmp_path, noise_multiplier=None, target_epsilon=5.0)
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "privacy_report.json").read_text())
-    assert (
-        rep["realized"]["epsilon"] <= 5.0 + 1e-9 and s.next_round == 6
-    )  # calibrated σ: the plan fits exactly
+    # calibrated σ: the plan fits exactly
+    assert rep["realized"]["epsilon"] <= 5.0 + 1e-9 and s.next_round == 6
     # The same σ with a target that one round already exceeds: round 1 is refused before anything is
     # sent.
     tight = _cfg(tmp_path / "tight", noise_multiplier=s.sigma, target_epsilon=1.0)
@@ -305,9 +303,8 @@ def _check_run(tmp_path, cfg, report):
     users = on_disk["realized"]["participation"]["users"]
     assert len(users) == 12
     rounds = sorted(tuple(u["rounds"]) for u in users.values())
-    assert all(
-        len(r) == 2 and r[1] - r[0] == 3 for r in rounds
-    )  # fixed-epoch: b = 3, same slot every epoch
+    # fixed-epoch: b = 3, same slot every epoch
+    assert all(len(r) == 2 and r[1] - r[0] == 3 for r in rounds)
     assert sorted({r[0] for r in rounds}) == [0, 1, 2]
     fac = Factorization.load(tmp_path / "factorization.npz")
     sens, _ = realized_sensitivity(fac.encoder, {str(i): list(r) for i, r in enumerate(rounds)})
@@ -333,13 +330,11 @@ def test_checkpoint_is_private(tmp_path):
     ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
     for name in ("report_salt", "server_secret", "noise/noise_secret.key", "../noise_ring.bin"):
-        assert (
-            stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
-        )  # the ring: the banded buffer's rows
+        # the ring: the banded buffer's rows
+        assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
     report = (tmp_path / "privacy_report.json").read_text()
-    assert (
-        not re.search(r"partition-\d", report) and KEY.hex() not in report
-    )  # no raw user id, no key
+    # no raw user id, no key
+    assert not re.search(r"partition-\d", report) and KEY.hex() not in report
 
 
 def test_non_private_baseline_adds_no_noise(tmp_path):
@@ -365,9 +360,8 @@ def test_run_config_parsing():
             "num-users": 99,
         }
     )
-    assert (
-        cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"
-    )  # the user's keys are theirs
+    # the user's keys are theirs
+    assert cfg.num_users == 20 and cfg.target_epsilon == 4.0 and cfg.kind == "bisr"
     assert unprefixed_keys({"num-users": 99, "local-epochs": 3}) == ["num-users"]
     for bad in (
         {"non-private": "false"},

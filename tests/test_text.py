@@ -51,7 +51,7 @@ def _last_json(res):
 
 
 def test_dp_vocab_cli_keeps_no_single_user_word(tmp_path):
-    """The issue's acceptance: `data vocab FILE --epsilon 1 --delta 1e-6 --size 10000 --out V` on a
+    """`data vocab FILE --epsilon 1 --delta 1e-6 --size 10000 --out V` on a
     file with planted single-user words writes none of them, keeps the words every user writes, and
     records how."""
     so = _planted_file(tmp_path / "so.sqlite")
@@ -132,9 +132,8 @@ def test_dp_vocab_noise_and_threshold_recomputed():
     assert acc.get_delta(eps) == pytest.approx(delta / 2, rel=1e-3)
     rho = threshold(sigma, delta, cap)
     worst = max(1 - norm.cdf((rho - 1 / math.sqrt(t)) / sigma) ** t for t in range(1, cap + 1))
-    assert (
-        worst <= delta / 2 * (1 + 1e-6) and worst >= delta / 2 * 0.999
-    )  # tight at the maximising t
+    # tight at the maximising t
+    assert worst <= delta / 2 * (1 + 1e-6) and worst >= delta / 2 * 0.999
     # counts: a word used by n users each keeping t words has n/√t before noise; the cap truncates a
     # user's set
     res = dp_vocabulary(
@@ -145,9 +144,8 @@ def test_dp_vocab_noise_and_threshold_recomputed():
         max_words_per_user=2,
         rng=np.random.default_rng(0),
     )
-    assert (
-        res.vocabulary.words[0] == "a" and "c" not in res.vocabulary.words
-    )  # c: beyond the cap of 2
+    # c: beyond the cap of 2
+    assert res.vocabulary.words[0] == "a" and "c" not in res.vocabulary.words
 
 
 def test_vocabulary_provenance_header():
@@ -337,9 +335,8 @@ def test_stats_count_distinct_users_across_splits(tmp_path):
         and stats["train_users"] == 10
     )
     assert stats["splits"]["train"]["users"] == 10 and stats["splits"]["heldout"]["users"] == 5
-    assert (
-        stats["examples_per_user"]["p100"] == 4 and stats["examples_per_user"]["p0"] == 1
-    )  # u0000: 3 + 1
+    # u0000: 3 + 1
+    assert stats["examples_per_user"]["p100"] == 4 and stats["examples_per_user"]["p0"] == 1
 
 
 def test_oov_buckets_are_not_accuracy(tmp_path):

@@ -52,9 +52,8 @@ def test_bad_workloads(kwargs, field):
 
 def test_fixed_epoch_patterns():
     p = Participation.fixed_epoch(6, 3)
-    np.testing.assert_array_equal(
-        p.patterns(), [[0, 2, 4], [1, 3, 5]]
-    )  # 000 §2: {{1,3,5},{2,4,6}} 1-based
+    # 000 §2: {{1,3,5},{2,4,6}} 1-based
+    np.testing.assert_array_equal(p.patterns(), [[0, 2, 4], [1, 3, 5]])
     H = p.contribution_matrix()
     assert H.shape == (6, 2) and H.sum() == 6
     m = p.same_pattern_mask()

@@ -115,9 +115,8 @@ def test_quickstart_apps_train_unchanged_under_the_wrapper(runs, name):
         a.dtype for a in init.to_numpy_ndarrays()
     ]
     assert _loss(result.arrays) < 0.5 * _loss(init)  # the model learns
-    assert (
-        "train_loss" in result.train_metrics_clientapp[ROUNDS]
-    )  # the inner metric aggregation is kept
+    # the inner metric aggregation is kept
+    assert "train_loss" in result.train_metrics_clientapp[ROUNDS]
     report = json.loads(strategy.report_path.read_text())
     users = report["realized"]["participation"]["users"]
     assert len(users) == USERS and report["rounds_completed"] == ROUNDS

@@ -51,6 +51,7 @@ from corrflow.accounting.mmcc import MMCC_DISCRETIZATION, mmcc_epsilon
 from corrflow.accounting.montecarlo import (
     DEFAULT_MAX_SAMPLES,
     MAX_FORWARD_BANDS,
+    EVRRun,
     MonteCarloAccountant,
     adaptive_evr,
     first_verification_size,
@@ -83,25 +84,29 @@ LEGACY_NAMES = {"analytic-gaussian": GAUSSIAN_NAME}
 class SamplingSpec:
     """How the users of each round are chosen, as the accountants read it.
 
-    Attributes: kind: one of `SAMPLINGS` (``none``: deterministic participation, accounted
-    unamplified). dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
-    expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
-    ``none``). items_per_user: k_u, items a user may hold (multi-attribution only).
-    sampling_probability: the sampler's Poisson probability p when known (else derived from B/N).
-    accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest of
-    every accountant that applies (`TightestAccountant`), for ``none`` the unamplified one.
+    Attributes:
+        kind: one of `SAMPLINGS` (``none``: deterministic participation, accounted unamplified).
+        dataset_size: N, the items sampled from (required unless ``kind`` is ``none``).
+        expected_batch_size: B, the expected items per round, in (0, N] (required unless ``kind`` is
+            ``none``).
+        items_per_user: k_u, items a user may hold (multi-attribution only).
+        sampling_probability: the sampler's Poisson probability p when known (else derived from
+            B/N).
+        accountant: one of ``ACCOUNTANTS_FOR[kind]``; None: for an amplified sampling, the tightest
+            of every accountant that applies (`TightestAccountant`), for ``none`` the unamplified
+            one.
 
-    Raises: InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error
-    names it).
+    Raises:
+        InvalidArgumentError: a field is out of range or inconsistent with ``kind`` (the error names
+            it).
     """
 
     kind: str = "none"
     dataset_size: int | None = None
     expected_batch_size: float | None = None
     items_per_user: int = 1  # k_u (multi-attribution)
-    sampling_probability: float | None = (
-        None  # the sampler's Poisson p, when known (else derived from B/N)
-    )
+    # the sampler's Poisson p, when known (else derived from B/N)
+    sampling_probability: float | None = None
     accountant: str | None = None  # one of ACCOUNTANTS_FOR[kind]; None: the default
 
     def __post_init__(self) -> None:
@@ -156,28 +161,31 @@ class SamplingSpec:
 class AccountingOptions:
     """Knobs of the accountants that have them (Monte Carlo, MMCC); each accountant reads its own.
 
-    Attributes: mc_samples: Monte Carlo: the first batch per direction (None: what the target δ
-    needs). seed: the Monte Carlo seed. grid_ratio: Monte Carlo σ search: each candidate is the
-    previous one divided by this. max_candidates: Monte Carlo σ search: at most this many
-    candidates. verify_target: σ calibration (Monte Carlo): draw the samples per candidate the
-    target δ needs. max_samples: Monte Carlo: the sample budget per direction, all batches together.
-    time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None: none).
-    workers: Monte Carlo: sampler processes for ε (None: the CPU count).
-    mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256). delta_split: MMCC: the
-    share of δ spent on tail bounds. progress: progress lines on stderr for long runs.
+    Attributes:
+        mc_samples: Monte Carlo: the first batch per direction (None: what the target δ needs).
+        seed: the Monte Carlo seed.
+        grid_ratio: Monte Carlo σ search: each candidate is the previous one divided by this.
+        max_candidates: Monte Carlo σ search: at most this many candidates.
+        verify_target: σ calibration (Monte Carlo): draw the samples per candidate the target δ
+            needs.
+        max_samples: Monte Carlo: the sample budget per direction, all batches together.
+        time_limit: Monte Carlo: seconds after which the search aborts, releasing nothing (None:
+            none).
+        workers: Monte Carlo: sampler processes for ε (None: the CPU count).
+        mmcc_grid: MMCC's Δ2 grid (None: the largest sensitivity entry / 256).
+        delta_split: MMCC: the share of δ spent on tail bounds.
+        progress: progress lines on stderr for long runs.
     """
 
-    mc_samples: int | None = (
-        None  # Monte Carlo: first batch per direction (None: what the target δ needs)
-    )
+    # Monte Carlo: first batch per direction (None: what the target δ needs)
+    mc_samples: int | None = None
     seed: int = 0
     grid_ratio: float = 1.02
     max_candidates: int = 40
     verify_target: bool = False  # σ calibration (Monte Carlo): draw the samples the target δ needs
     max_samples: int = DEFAULT_MAX_SAMPLES  # Monte Carlo: sample budget per direction, all batches
-    time_limit: float | None = (
-        None  # Monte Carlo: seconds after which the search aborts (nothing released)
-    )
+    # Monte Carlo: seconds after which the search aborts (nothing released)
+    time_limit: float | None = None
     workers: int | None = None  # Monte Carlo: sampler processes (None: the CPU count)
     mmcc_grid: float | None = None  # Δ2; None: the largest sensitivity entry / 256
     delta_split: float = 0.5  # MMCC: share of δ spent on tail bounds
@@ -210,9 +218,10 @@ class AccountingResult:
     def to_dict(self) -> dict:
         """The result in the privacy report's shape.
 
-        Returns: ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee",
-        "accountant": {"name", ... parameters, "slack", "delta", "guarantee"}}``, plus
-        ``target_epsilon`` when one was given.
+        Returns:
+            ``{"epsilon", "delta", "noise_multiplier", "target_delta", "guarantee", "accountant":
+            {"name", ... parameters, "slack", "delta", "guarantee"}}``, plus ``target_epsilon`` when
+            one was given.
         """
         out = {
             "epsilon": self.epsilon,
@@ -245,16 +254,19 @@ class Accountant(Protocol):
     ) -> AccountingResult:
         """ε at σ.
 
-        Args: fac: the factorization, normalised to sensitivity 1 under its participation.
-        noise_multiplier: σ (the noise's standard deviation per unit clip norm). delta: δ in (0, 1).
-        coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
-        searches and plots.
+        Args:
+            fac: the factorization, normalised to sensitivity 1 under its participation.
+            noise_multiplier: σ (the noise's standard deviation per unit clip norm).
+            delta: δ in (0, 1).
+            coarse: a cheaper, possibly looser bound that is still valid (a coarser PLD grid), for σ
+                searches and plots.
 
         Returns:
             The guaranteed (ε, δ) at σ and how it was obtained.
 
-        Raises: InvalidArgumentError: δ or σ out of range, or a factorization or sampling this
-        accountant cannot analyse.
+        Raises:
+            InvalidArgumentError: δ or σ out of range, or a factorization or sampling this
+                accountant cannot analyse.
         """
         ...
 
@@ -272,8 +284,9 @@ class Accountant(Protocol):
         Returns:
             The guaranteed (ε, δ) at the calibrated σ, with the target ε.
 
-        Raises: InvalidArgumentError: ε or δ out of range, or a factorization or sampling this
-        accountant cannot analyse.
+        Raises:
+            InvalidArgumentError: ε or δ out of range, or a factorization or sampling this
+                accountant cannot analyse.
         """
         ...
 
@@ -361,16 +374,16 @@ class UnamplifiedAccountant:
             target_epsilon,
             parameters={
                 "sampling": "none",
-                "method": "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, "
-                "Thm. 8)",
+                "method": (
+                    "exact Gaussian (ε, δ) curve (Balle & Wang 2018, arXiv 1805.06530, Thm. 8)"
+                ),
                 "normalisation": "sensitivity 1 under the factorization's participation "
                 f"({fac.participation.describe()})",
             },
         )
 
-    def epsilon(
-        self, fac, noise_multiplier, delta, *, coarse=False
-    ):  # exact: nothing coarser is cheaper
+    # exact: nothing coarser is cheaper
+    def epsilon(self, fac, noise_multiplier, delta, *, coarse=False):
         """ε at σ from the exact Gaussian curve at sensitivity ``fac.sensitivity`` (see
         `Accountant.epsilon`).
 
@@ -449,15 +462,15 @@ class CyclicPoissonAccountant(_Calibrating):
             "cycle": cp.cycle,
             "compositions": cp.compositions,
             "sampling_probability": cp.sampling_probability,
-            "normalisation": "max column norm = 1 "
-            f"(noise multiplier divided by {col:.6g}, 001 Prop. 2.1)",
+            "normalisation": (
+                f"max column norm = 1 (noise multiplier divided by {col:.6g}, 001 Prop. 2.1)"
+            ),
         }
         if exact:
             params["method"] = (
                 "q = 1 (no amplification): the ⌈n/b⌉ Gaussians compose to one Gaussian with "
                 "sensitivity √⌈n/b⌉ · max column norm, through its exact (ε, δ) curve (Balle & "
-                "Wang "
-                "2018, arXiv 1805.06530, Thm. 8)"
+                "Wang 2018, arXiv 1805.06530, Thm. 8)"
             )
         return AccountingResult(
             GAUSSIAN_NAME if exact else "pld",
@@ -539,9 +552,8 @@ class MMCCAccountant(_Calibrating):
             return 1, p, None
         cycle = fac.participation.min_sep
         q = s.sampling_probability or cycle * s.expected_batch_size / s.dataset_size
-        q = (
-            1.0 if 1.0 < q <= 1.0 + 1e-9 else q
-        )  # N/B = cycle exactly: rounding must not leave [0, 1]
+        # N/B = cycle exactly: rounding must not leave [0, 1]
+        q = 1.0 if 1.0 < q <= 1.0 + 1e-9 else q
         require(
             q <= 1,
             "expected_batch_size",
@@ -620,10 +632,11 @@ class MonteCarloEVRAccountant:
     004: Dong & Ganesh, "Privacy Amplification for BandMF via b-Min-Sep Subsampling", arXiv
     2602.09338.
 
-    Args: sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
-    `SamplingSpec`. options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``,
-    ``workers`` and ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target``
-    (σ).
+    Args:
+        sampling: a ``bminsep``, ``multi-attribution``, ``balls-in-bins`` or ``poisson``
+            `SamplingSpec`.
+        options: reads ``mc_samples``, ``seed``, ``max_samples``, ``time_limit``, ``workers`` and
+            ``progress`` (ε), and ``grid_ratio``, ``max_candidates`` and ``verify_target`` (σ).
     """
 
     sampling: SamplingSpec
@@ -658,8 +671,8 @@ class MonteCarloEVRAccountant:
             require(
                 band.shape[1] <= MAX_FORWARD_BANDS,
                 "factorization",
-                f"at most {MAX_FORWARD_BANDS} bands for "
-                "the Monte Carlo accountant under Poisson sampling (2^(bands−1) states; use mmcc)",
+                f"at most {MAX_FORWARD_BANDS} bands for the Monte Carlo accountant under Poisson "
+                "sampling (2^(bands−1) states; use mmcc)",
                 band.shape[1],
             )
             params = {
@@ -668,8 +681,8 @@ class MonteCarloEVRAccountant:
                 "sampling_probability": p,
                 "participation_rate": p,
                 "items_per_user": 1,
-                "likelihood": f"exact: forward algorithm over the last "
-                f"{band.shape[1] - 1} participation bits ({1 << (band.shape[1] - 1)} states)",
+                "likelihood": f"exact: forward algorithm over the last {band.shape[1] - 1} "
+                f"participation bits ({1 << (band.shape[1] - 1)} states)",
             }
             return MonteCarloAccountant(band, 1, p, scheme="poisson"), params
         b = fac.participation.min_sep
@@ -679,9 +692,8 @@ class MonteCarloEVRAccountant:
             f"at most dataset_size/min_sep = {sampling.dataset_size / b:g} for b-min-sep sampling",
             sampling.expected_batch_size,
         )
-        p = sampling.sampling_probability or min(
-            1.0, 1.0 / (1.0 / p0 - (b - 1))
-        )  # 004 §1.5: 1/p0 = 1/p + b − 1
+        # 004 §1.5: 1/p0 = 1/p + b − 1
+        p = sampling.sampling_probability or min(1.0, 1.0 / (1.0 / p0 - (b - 1)))
         require(
             band.shape[1] <= b,
             "factorization",
@@ -715,10 +727,8 @@ class MonteCarloEVRAccountant:
         if needed > o.max_samples:
             print(
                 f"monte carlo: the target δ = {delta:g} needs {needed} samples per direction, "
-                "above "
-                f"--max-samples {o.max_samples}; verifying with {o.max_samples} (the δ reported is "
-                "what they "
-                "verify)",
+                f"above --max-samples {o.max_samples}; verifying with {o.max_samples} (the δ "
+                "reported is what they verify)",
                 file=sys.stderr,
             )
         return max(base, min(needed, o.max_samples)), needed
@@ -819,20 +829,21 @@ class MonteCarloEVRAccountant:
             noise_multiplier: σ.
             delta: the target δ in (0, 1).
 
-        Returns: The verified `AccountingResult`; when the sample budget was spent before a
-        verification passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point
-        estimate (never a released pair).
+        Returns:
+            The verified `AccountingResult`; when the sample budget was spent before a verification
+            passed, ``guarantee`` is False, ``delta`` is 1 and ``epsilon`` the point estimate (never
+            a released pair).
 
-        Raises: InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the
-        scheme cannot analyse.
+        Raises:
+            InvalidArgumentError: δ, σ or ``max_samples`` out of range, or a factorization the
+                scheme cannot analyse.
         """
         check_delta(delta)
         check_sigma(noise_multiplier)
         mc, params = self._mc(fac)
         o = self.options
-        if (
-            self.sampling.kind != "poisson"
-        ):  # the fallback is a PLD: refuse a σ it cannot represent first
+        # the fallback is a PLD: refuse a σ it cannot represent first
+        if self.sampling.kind != "poisson":
             k = math.ceil(fac.rounds / self._separation(fac))
             check_pld_size(
                 noise_multiplier,
@@ -856,12 +867,17 @@ class MonteCarloEVRAccountant:
             progress=o.progress,
             workers=o.workers,
         )
+        return self._evr_result(run, params, noise_multiplier, delta)
+
+    def _evr_result(self, run: EVRRun, params: dict, noise_multiplier, delta) -> AccountingResult:
+        """The `AccountingResult` of an Estimate-Verify-Release run: the verified pair, or the
+        unverified estimate with δ = 1 when the sample budget ran out."""
         acc = {
             **params,
             **run.to_dict(),
             "directions": "add and remove",
             "release_z": RELEASE_Z,
-            "seed": o.seed,
+            "seed": self.options.seed,
             "verify_rule": (
                 "attempt i: fresh samples, sized from the earlier ones; threshold δ' with "
                 "wrong-pass probability ≤ β/2^(i+1); released δ = δ_mechanism + β"
@@ -903,8 +919,9 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The `AccountingResult` (the fallback's carries the Monte Carlo attempt under
-        ``monte_carlo``).
+        Returns:
+            The `AccountingResult` (the fallback's carries the Monte Carlo attempt under
+            ``monte_carlo``).
         """
         res = self.verified_epsilon(fac, noise_multiplier, delta)
         if res.guarantee:
@@ -912,10 +929,9 @@ class MonteCarloEVRAccountant:
         fb = self.fallback(fac, noise_multiplier, delta)
         note = (
             f"monte carlo: no verification passed within --max-samples {self.options.max_samples} "
-            "per direction "
-            f"(estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); releasing the "
-            f"{fb.accountant} "
-            f"bound ε = {fb.epsilon:.4g} — raise --max-samples for the Monte Carlo bound"
+            f"per direction (estimate ε ≈ {res.epsilon:.4g} at δ = {delta:g}, not a guarantee); "
+            f"releasing the {fb.accountant} bound ε = {fb.epsilon:.4g} — raise --max-samples for "
+            "the Monte Carlo bound"
         )
         print(note, file=sys.stderr)
         return replace(
@@ -938,12 +954,14 @@ class MonteCarloEVRAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The `AccountingResult` at the last verified σ; the unamplified fallback σ
-        (named on stderr and in the result) when none passed, or when the samples per candidate
-        verify only a δ above the target.
+        Returns:
+            The `AccountingResult` at the last verified σ; the unamplified fallback σ (named on
+            stderr and in the result) when none passed, or when the samples per candidate verify
+            only a δ above the target.
 
-        Raises: InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out
-        of range.
+        Raises:
+            InvalidArgumentError: Poisson sampling (calibrate σ with MMCC there), or ε or δ out of
+                range.
         """
         # Estimate-Verify-Release over candidates from the fallback σ down by ``grid_ratio``; the
         # fallback (the unamplified σ for ≤ ⌈n/b⌉ participations of each of k_u items, DP without
@@ -961,18 +979,10 @@ class MonteCarloEVRAccountant:
         o = self.options
         delta_prime = delta / 2
         verify_n, needed = self._verify_samples(delta_prime, delta)
-        sens_fb = self.fallback_sensitivity(fac)[
-            0
-        ]  # the same rule as fallback(): √k only where bands ≤ b
+        # the same rule as fallback(): √k only where bands ≤ b
+        sens_fb = self.fallback_sensitivity(fac)[0]
         fallback = gaussian_noise_multiplier(target_epsilon, delta, sens_fb)
-        chosen, tried = fallback, []
-        for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
-            cand = chosen / o.grid_ratio
-            passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, verify_n, child)
-            tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
-            if not passed:
-                break
-            chosen = cand
+        chosen, tried = self._verify_candidates(mc, fallback, target_epsilon, delta_prime, verify_n)
         d_overall = overall_delta(verify_n, delta_prime)
         acc = {
             **params,
@@ -988,39 +998,15 @@ class MonteCarloEVRAccountant:
                 "σ multiplies the clip norm; per-participation sensitivity = column norm of C"
             ),
         }
-        if (
-            chosen == fallback
-        ):  # no candidate below the fallback verified: release the bound that holds without one
+        # no candidate below the fallback verified: release the bound that holds without one
+        if chosen == fallback:
             res = self.fallback_noise_multiplier(fac, target_epsilon, delta)
             return replace(
                 res, parameters={**res.parameters, "released": "fallback", "monte_carlo": acc}
             )
         if d_overall > delta * (1 + 1e-12):
-            # The samples per candidate verify only a larger δ: release the fallback σ, which holds
-            # at the target, and name both (never an unverified pair).
-            note = (
-                f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
-                "= "
-                f"{d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
-                "(--verify-target "
-                f"draws the {needed} samples per candidate the target needs)"
-            )
-            print(note, file=sys.stderr)
-            fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
-            return AccountingResult(
-                GAUSSIAN_NAME,
-                fb_eps,
-                delta,
-                fallback,
-                delta,
-                target_epsilon,
-                parameters={
-                    **acc,
-                    "released": "fallback",
-                    "fallback_reason": note,
-                    "monte_carlo_noise_multiplier": chosen,
-                    "sensitivity": sens_fb,
-                },
+            return self._larger_delta_fallback(
+                acc, chosen, fallback, sens_fb, target_epsilon, delta
             )
         return AccountingResult(
             "monte-carlo",
@@ -1031,6 +1017,49 @@ class MonteCarloEVRAccountant:
             target_epsilon,
             slack=d_overall - delta_prime,
             parameters=acc,
+        )
+
+    def _verify_candidates(self, mc, fallback, target_epsilon, delta_prime, verify_n):
+        """Candidates from ``fallback`` down by ``grid_ratio``, each verified on fresh samples,
+        until one fails; returns the last verified σ (``fallback`` when none passed) and every
+        candidate tried."""
+        o = self.options
+        chosen, tried = fallback, []
+        for child in np.random.SeedSequence(o.seed).spawn(o.max_candidates):
+            cand = chosen / o.grid_ratio
+            passed, d_hat = mc.verify(cand, target_epsilon, delta_prime, verify_n, child)
+            tried.append({"noise_multiplier": cand, "delta_hat": d_hat, "passed": bool(passed)})
+            if not passed:
+                break
+            chosen = cand
+        return chosen, tried
+
+    def _larger_delta_fallback(self, acc, chosen, fallback, sens_fb, target_epsilon, delta):
+        """The samples per candidate verify only a larger δ than the target: release the fallback
+        σ, which holds at the target, and name both (never an unverified pair)."""
+        verify_n, d_overall = acc["samples"], acc["overall_delta"]
+        needed = acc["samples_needed_for_target_delta"]
+        note = (
+            f"monte carlo: {verify_n} samples per candidate verify σ = {chosen:.4g} only at δ "
+            f"= {d_overall:.3g} > {delta:g}; releasing the unamplified σ = {fallback:.4g} "
+            f"(--verify-target draws the {needed} samples per candidate the target needs)"
+        )
+        print(note, file=sys.stderr)
+        fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
+        return AccountingResult(
+            GAUSSIAN_NAME,
+            fb_eps,
+            delta,
+            fallback,
+            delta,
+            target_epsilon,
+            parameters={
+                **acc,
+                "released": "fallback",
+                "fallback_reason": note,
+                "monte_carlo_noise_multiplier": chosen,
+                "sensitivity": sens_fb,
+            },
         )
 
 
@@ -1065,8 +1094,9 @@ def poisson_monte_carlo_work(fac: Factorization, delta: float) -> float:
         fac: a banded factorization.
         delta: the target δ.
 
-    Returns: 2 directions × samples × n × 2^(bands−1), with the samples of the first verification at
-    ``delta``.
+    Returns:
+        2 directions × samples × n × 2^(bands−1), with the samples of the first verification at
+        ``delta``.
     """
     samples = 2 * first_verification_size(delta)
     return 2.0 * samples * fac.rounds * (1 << ((fac.bands or fac.rounds) - 1))
@@ -1116,8 +1146,7 @@ def candidate_accountants(
             if work > MC_AFFORDABLE_WORK:
                 why = (
                     f"too costly by default (~{work:.2g} state updates for δ = {delta:g}; name "
-                    "--accountant "
-                    "monte-carlo to run it)"
+                    "--accountant monte-carlo to run it)"
                 )
         return (
             (["mmcc"], [{"accountant": "monte-carlo", "reason": why}])
@@ -1164,8 +1193,9 @@ class TightestAccountant:
             delta: δ in (0, 1).
             coarse: ignored.
 
-        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
-        ``skipped`` in its parameters.
+        Returns:
+            The selected `AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -1185,8 +1215,9 @@ class TightestAccountant:
             target_epsilon: ε > 0.
             delta: δ in (0, 1).
 
-        Returns: The selected `AccountingResult`, with ``selected``, ``bounds`` and
-        ``skipped`` in its parameters.
+        Returns:
+            The selected `AccountingResult`, with ``selected``, ``bounds`` and ``skipped`` in its
+            parameters.
 
         Raises:
             InvalidArgumentError: no accountant verified the target δ.
@@ -1203,9 +1234,8 @@ class TightestAccountant:
         results = []
         for n in names:
             if n == "unamplified" and self.sampling.kind != "none":
-                if (
-                    "monte-carlo" not in names
-                ):  # else the Monte Carlo calibration starts from and falls back to it
+                # else the Monte Carlo calibration starts from and falls back to it
+                if "monte-carlo" not in names:
                     results.append(
                         (
                             n,
@@ -1259,8 +1289,7 @@ def _pick(
     for b in unverified:
         print(
             f"accounting: {b['accountant']} did not verify δ = {delta:g} within its sample budget "
-            "(estimate "
-            f"ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}",
+            f"(estimate ε ≈ {b['epsilon']:.4g}); using {name} ε = {best.epsilon:.4g}",
             file=sys.stderr,
         )
     return replace(
@@ -1278,12 +1307,14 @@ def _pick(
 def accountant_for(sampling: SamplingSpec, options: AccountingOptions | None = None) -> Accountant:
     """The accountant for a sampling description (module docstring).
 
-    Args: sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
-    tightest for an amplified sampling, unamplified for ``none``). options: the accountants' knobs
-    (default `AccountingOptions`).
+    Args:
+        sampling: the sampling; ``sampling.accountant`` picks among the valid ones (None: the
+            tightest for an amplified sampling, unamplified for ``none``).
+        options: the accountants' knobs (default `AccountingOptions`).
 
-    Returns: An `Accountant`: `TightestAccountant`, `UnamplifiedAccountant`,
-    `CyclicPoissonAccountant`, `MMCCAccountant` or `MonteCarloEVRAccountant`.
+    Returns:
+        An `Accountant`: `TightestAccountant`, `UnamplifiedAccountant`, `CyclicPoissonAccountant`,
+        `MMCCAccountant` or `MonteCarloEVRAccountant`.
     """
     options = options or AccountingOptions()
     if sampling.accountant is None and sampling.kind != "none":
@@ -1326,13 +1357,14 @@ def account(
         max_candidates: the Monte Carlo σ search's length.
         **options: further `AccountingOptions` fields.
 
-    Returns: `AccountingResult.to_dict` plus ``sampling``, ``sensitivity``,
-    ``sensitivity_exact``, ``factorization_sha256`` and ``noise_std_per_round`` (z_t =
-    σ·‖(C⁻¹)_{t,:}‖, the DP-SGD noise multiplier z of round t; module
-    ``corrflow.accounting.noise_scale``).
+    Returns:
+        `AccountingResult.to_dict` plus ``sampling``, ``sensitivity``, ``sensitivity_exact``,
+        ``factorization_sha256`` and ``noise_std_per_round`` (z_t = σ·‖(C⁻¹)_{t,:}‖, the DP-SGD
+        noise multiplier z of round t; module ``corrflow.accounting.noise_scale``).
 
-    Raises: InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or
-    a value out of range (the error names it).
+    Raises:
+        InvalidArgumentError: not exactly one of ``noise_multiplier`` and ``target_epsilon``, or a
+            value out of range (the error names it).
     """
     check_delta(delta)
     require(

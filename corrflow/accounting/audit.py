@@ -142,9 +142,11 @@ def whitened_scores(
     Σ̂ = D Dᵀ/d; eigenvalues below 1e-12 of the largest are floored (noise omitted: Σ̂ is the users'
     updates alone and may be singular).
 
-    Args: deltas: D, shape (n', d): the model changes of the n' released rounds. projections: p_j =
-    D c_j, shape (m, n'), one row per candidate canary. patterns: a_j = M u_j, shape (m, n'): each
-    canary's (possibly hypothetical) rounds mapped through the server optimizer.
+    Args:
+        deltas: D, shape (n', d): the model changes of the n' released rounds.
+        projections: p_j = D c_j, shape (m, n'), one row per candidate canary.
+        patterns: a_j = M u_j, shape (m, n'): each canary's (possibly hypothetical) rounds mapped
+            through the server optimizer.
 
     Returns:
         s, shape (m,): N(0, 1) for a held-out canary, N(‖C u_j‖/σ, 1) for an inserted one.
@@ -209,12 +211,13 @@ def gaussian_fit_epsilon(inserted: np.ndarray, delta: float) -> float:
         inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
         delta: δ in (0, 1).
 
-    Returns: ε̂ with μ̂, σ̂ the mean and standard deviation (ddof 1) of the scores; 0 when μ̂ ≤ 0,
-    inf when σ̂ = 0 < μ̂.
+    Returns:
+        ε̂ with μ̂, σ̂ the mean and standard deviation (ddof 1) of the scores; 0 when μ̂ ≤ 0, inf
+        when σ̂ = 0 < μ̂.
 
-    Raises: InvalidArgumentError: fewer than two inserted scores, or ``delta`` not in (0, 1) when σ̂
-    > 0.
-
+    Raises:
+        InvalidArgumentError: fewer than two inserted scores, or ``delta`` not in (0, 1) when σ̂ >
+            0.
     """
     s = np.asarray(inserted, dtype=np.float64)
     require(s.size >= 2, "inserted", "at least two inserted canaries", s.size)
@@ -235,10 +238,14 @@ def one_shot_estimate(
     """ε̂ (`gaussian_fit_epsilon`) with a percentile bootstrap interval over the inserted
     scores (``scipy.stats.bootstrap``; Andrew et al., arXiv 2302.03098).
 
-    Args: inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2. held_out: the held-out
-    canaries' scores, shape (m₋,) (reported as the null's mean and spread). delta: δ in (0, 1).
-    confidence: the bootstrap interval's level. resamples: bootstrap resamples. seed: the
-    bootstrap's seed.
+    Args:
+        inserted: the inserted canaries' scores, shape (m₊,), m₊ ≥ 2.
+        held_out: the held-out canaries' scores, shape (m₋,) (reported as the null's mean and
+            spread).
+        delta: δ in (0, 1).
+        confidence: the bootstrap interval's level.
+        resamples: bootstrap resamples.
+        seed: the bootstrap's seed.
 
     Returns:
         The `Estimate`.
@@ -302,8 +309,9 @@ def one_run_epsilon(
         delta: the run's δ.
         significance: the test's level.
 
-    Returns: A lower bound on the run's ε at confidence 1 − significance (to 1e-7; 0 when even ε = 0
-    is not rejected, inf above 1000).
+    Returns:
+        A lower bound on the run's ε at confidence 1 − significance (to 1e-7; 0 when even ε = 0 is
+        not rejected, inf above 1000).
     """
     if guesses == 0 or one_run_p_value(m, guesses, correct, 0.0, delta) > significance:
         return 0.0
@@ -379,8 +387,9 @@ def one_run_lower_bound(
     Returns:
         The `LowerBound`.
 
-    Raises: InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of
-    another shape.
+    Raises:
+        InvalidArgumentError: (field ``scores``) fewer than two scores, or ``inserted`` of another
+            shape.
     """
     scores = np.asarray(scores, dtype=np.float64)
     inserted = np.asarray(inserted, dtype=bool)

@@ -126,11 +126,12 @@ def epsilon(mu: float, target_delta: float) -> float:
         mu: μ = sensitivity/σ.
         target_delta: δ in (0, 1).
 
-    Returns: ε to ~1e-12 relative, on the safe side of the certified bound; 0 when δ(0) ≤ δ already,
-    inf when no ε ≤ 1e12 suffices.
+    Returns:
+        ε to ~1e-12 relative, on the safe side of the certified bound; 0 when δ(0) ≤ δ already, inf
+        when no ε ≤ 1e12 suffices.
 
-    Raises: IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller
-    uses a PLD).
+    Raises:
+        IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller uses a PLD).
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
@@ -165,8 +166,8 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sensitivity: fl
     Returns:
         σ to ~1e-12 relative, rounded up (on the safe side of the certified bound).
 
-    Raises: IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller
-    uses a PLD).
+    Raises:
+        IllConditionedError: δ cannot be certified to `MAX_LOG_ERROR` there (the caller uses a PLD).
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 

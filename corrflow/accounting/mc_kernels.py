@@ -53,8 +53,9 @@ def ziggurat_tables(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, floa
     Args:
         bits: 52 or 23.
 
-    Returns: (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit
-    magnitude and densities, and the base r.
+    Returns:
+        (ki, wi, fi, r): shapes (256,), int64 acceptance bounds, float64 layer widths per unit
+        magnitude and densities, and the base r.
     """
     from scipy.special import erfc
 
@@ -157,13 +158,8 @@ def _normal_rare(s0, s1, s2, s3, half, idx, x):  # pragma: no cover - compiled
                 xx = -math.log1p(-u) / _R
                 yy = -math.log1p(-v)
                 if yy + yy > xx * xx:
-                    return (
-                        math.copysign(_R + xx, x),
-                        s0,
-                        s1,
-                        s2,
-                        s3,
-                    )  # the proposal's sign (also for ±0)
+                    # the proposal's sign (also for ±0)
+                    return (math.copysign(_R + xx, x), s0, s1, s2, s3)
         u, s0, s1, s2, s3 = _next_double(s0, s1, s2, s3)
         if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
             return x, s0, s1, s2, s3
@@ -214,9 +210,7 @@ def sample_noise(st, sigma, z_out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def participation_exponents(
-    st, window, min_sep, p, warm, a_q, a_p, x_out
-):  # pragma: no cover - compiled
+def participation_exponents(st, window, min_sep, p, warm, a_q, a_p, x_out):
     """The exponents of the mechanism with the differing example (y = σz + Cx) from those without it
     (y = σz).
 
@@ -226,12 +220,16 @@ def participation_exponents(
     participations of all runs are sorted by round (counting sort) and applied in that order, so the
     rows being changed stay in cache.
 
-    Args: st: the xoshiro256++ state, shape (4,), uint64 (advanced in place). window: shape (n,
-    2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0 outside 0..n − 1), the
-    exponents' dtype. min_sep: b. p: the Poisson probability among eligible rounds. warm: start from
-    the chain's stationary distribution. a_q: shape (n, S), the exponents of y = σz. a_p: shape (n,
-    S), written: the exponents of y = σz + Cx. x_out: shape (n, S), uint8, zeroed by the caller; set
-    to 1 where the example participates.
+    Args:
+        st: the xoshiro256++ state, shape (4,), uint64 (advanced in place).
+        window: shape (n, 2·bands − 1), ``window[j, t]`` = ⟨c_j, c_{j − bands + 1 + t}⟩/σ² (0
+            outside 0..n − 1), the exponents' dtype.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        warm: start from the chain's stationary distribution.
+        a_q: shape (n, S), the exponents of y = σz.
+        a_p: shape (n, S), written: the exponents of y = σz + Cx.
+        x_out: shape (n, S), uint8, zeroed by the caller; set to 1 where the example participates.
     """
     n, S = a_q.shape
     half = (window.shape[1] - 1) // 2  # bands − 1
@@ -311,9 +309,8 @@ def exponents(y, band_over_var, offset, out):  # pragma: no cover - compiled
         for s in range(S):
             out[i, s] = o
         k = 0
-        while (
-            k + 4 <= top
-        ):  # four bands per pass over the row: a quarter of the loads and stores of out
+        # four bands per pass over the row: a quarter of the loads and stores of out
+        while k + 4 <= top:
             c0, c1 = band_over_var[i, k], band_over_var[i, k + 1]
             c2, c3 = band_over_var[i, k + 2], band_over_var[i, k + 3]
             for s in range(S):

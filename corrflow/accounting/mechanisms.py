@@ -130,8 +130,9 @@ def check_pld_size(
         field: the name the error gives σ.
         discretization: the PLD's value discretisation interval.
 
-    Raises: InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when
-    more than `PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
+    Raises:
+        InvalidArgumentError: naming ``field``, with the smallest σ that can be accounted, when more
+            than `PLD_MAX_POINTS` grid points would be needed (or σ is not a positive number).
     """
     check_sigma(noise_multiplier, field)
     mu = sensitivity / noise_multiplier
@@ -171,8 +172,9 @@ def epsilon_of(
         accountant: ``"pld"`` or ``"rdp"`` (`ACCOUNTANTS`).
         discretization: the PLD's value discretisation interval.
 
-    Returns: ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (`gaussian_epsilon`), else
-    dp-accounting's PLD (pessimistic at ``discretization``) or RDP bound.
+    Returns:
+        ε: exact for one ``GaussianDpEvent`` under ``"pld"`` (`gaussian_epsilon`), else
+        dp-accounting's PLD (pessimistic at ``discretization``) or RDP bound.
 
     Raises:
         InvalidArgumentError: δ out of range or an unknown accountant.
@@ -226,8 +228,9 @@ def gaussian_noise_multiplier(
         delta: δ in (0, 1).
         sensitivity: Δ > 0.
 
-    Returns: σ, rounded up; where double precision cannot certify the exact curve, the smallest σ on
-    a 1.001-ratio grid whose PLD ε meets the target.
+    Returns:
+        σ, rounded up; where double precision cannot certify the exact curve, the smallest σ on a
+        1.001-ratio grid whose PLD ε meets the target.
 
     Raises:
         InvalidArgumentError: ε, δ or Δ out of range.
@@ -328,9 +331,8 @@ class CyclicPoisson:
     def sampling_probability(self) -> float:
         """q = cycle·B/N (1 where rounding puts it within 1e-9 above 1)."""
         q = self.cycle * self.expected_batch_size / self.dataset_size
-        return (
-            1.0 if 1.0 < q <= 1.0 + 1e-9 else q
-        )  # N/B = cycle exactly: rounding must not leave [0, 1]
+        # N/B = cycle exactly: rounding must not leave [0, 1]
+        return 1.0 if 1.0 < q <= 1.0 + 1e-9 else q
 
     @property
     def compositions(self) -> int:
@@ -386,8 +388,9 @@ def calibrate_on_grid(
     Returns:
         (σ, ε(σ)) for the smallest grid σ with ε(σ) ≤ target.
 
-    Raises: InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a
-    bad ``guess``.
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad
+            ``guess``.
     """
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
@@ -463,26 +466,64 @@ def calibrate_log_sigma(
     Returns:
         The `Calibration`: σ, its verified ε and the numbers of probes and verifications.
 
-    Raises: InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a
-    bad ``guess``.
+    Raises:
+        InvalidArgumentError: (field ``target_epsilon``) not reachable with σ ≤ ``limit``; or a bad
+            ``guess``.
     """
     from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
     check_epsilon(target_epsilon)
     require(np.isfinite(guess) and guess > 0, "guess", "a positive number", guess)
-    calls = {"probe": 0, "verify": 0}
-    probed: dict[float, float] = {}
+    calls = _CountedCalls(probe, verify, target_epsilon)
+    lo, hi = _bracket(calls.p, guess, limit, target_epsilon)
+    if calls.p(lo) <= 0:
+        log_s = lo
+    else:
+        log_s = brentq(calls.p, lo, hi, xtol=rtol / 2, rtol=4 * np.finfo(float).eps)
+        if calls.p(log_s) > 0:  # brentq's answer may sit just below the root: take the safe end
+            log_s = min(
+                (x for x, e in calls.probed.items() if e <= target_epsilon and x >= log_s),
+                default=hi,
+            )
+    sigma = math.exp(log_s)
+    eps = calls.v(sigma)
+    up = rtol
+    # the fine PLD above the coarse one (rare): step up until it verifies
+    while eps > target_epsilon:
+        sigma *= 1 + up
+        up *= 2
+        eps = calls.v(sigma)
+        if sigma > limit:
+            raise InvalidArgumentError(
+                "target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon
+            )
+    sigma, eps = _secant_step(calls, sigma, eps, log_s, target_epsilon, rtol)
+    return Calibration(sigma, eps, calls.probes, calls.verifications)
 
-    def p(log_s: float) -> float:
-        if log_s not in probed:
-            calls["probe"] += 1
-            probed[log_s] = probe(math.exp(log_s))
-        return probed[log_s] - target_epsilon
 
-    def v(sigma: float) -> float:
-        calls["verify"] += 1
-        return verify(sigma)
+class _CountedCalls:
+    """`calibrate_log_sigma`'s accountant calls, counted: ``p(log σ)`` = probe(σ) − target (each
+    log σ probed once, kept in ``probed`` as log σ → ε) and ``v(σ)`` = verify(σ)."""
 
+    def __init__(self, probe, verify, target_epsilon: float):
+        self.probe, self.verify, self.target = probe, verify, target_epsilon
+        self.probed: dict[float, float] = {}
+        self.probes = self.verifications = 0
+
+    def p(self, log_s: float) -> float:
+        if log_s not in self.probed:
+            self.probes += 1
+            self.probed[log_s] = self.probe(math.exp(log_s))
+        return self.probed[log_s] - self.target
+
+    def v(self, sigma: float) -> float:
+        self.verifications += 1
+        return self.verify(sigma)
+
+
+def _bracket(p, guess: float, limit: float, target_epsilon: float) -> tuple[float, float]:
+    """(lo, hi) in log σ with p(hi) ≤ 0 < p(lo), stepping ×1.25 from ``guess``; lo = hi when σ
+    reaches 1e-6 with p still ≤ 0."""
     step = math.log(1.25)
     hi = math.log(guess)
     while p(hi) > 0:
@@ -496,36 +537,20 @@ def calibrate_log_sigma(
         lo, hi = lo - step, lo
         if lo < math.log(1e-6):
             break
-    if p(lo) <= 0:
-        log_s = hi = lo
-    else:
-        log_s = brentq(p, lo, hi, xtol=rtol / 2, rtol=4 * np.finfo(float).eps)
-        if p(log_s) > 0:  # brentq's answer may sit just below the root: take the bracket's safe end
-            log_s = min(
-                (x for x, e in probed.items() if e <= target_epsilon and x >= log_s), default=hi
-            )
-    sigma = math.exp(log_s)
-    eps = v(sigma)
-    up = rtol
-    while (
-        eps > target_epsilon
-    ):  # the fine PLD above the coarse one (rare): step up until it verifies
-        sigma *= 1 + up
-        up *= 2
-        eps = v(sigma)
-        if sigma > limit:
-            raise InvalidArgumentError(
-                "target_epsilon", f"reachable with σ ≤ {limit:g}", target_epsilon
-            )
+    return lo, hi
+
+
+def _secant_step(calls: _CountedCalls, sigma, eps, log_s, target_epsilon, rtol):
+    """When the verified ε leaves more than ``rtol`` of the target unused: one secant step on the
+    verified curve, with the slope dε/dlog σ of the two probes closest to the root; kept only if
+    it verifies."""
     unused = (target_epsilon - eps) / target_epsilon
-    if unused > rtol and len(probed) >= 2:
-        # slope dε/dlog σ from the two probes closest to the root, then one secant step on the
-        # verified curve
-        (x0, e0), (x1, e1) = sorted(probed.items(), key=lambda kv: abs(kv[0] - log_s))[:2]
+    if unused > rtol and len(calls.probed) >= 2:
+        (x0, e0), (x1, e1) = sorted(calls.probed.items(), key=lambda kv: abs(kv[0] - log_s))[:2]
         slope = (e1 - e0) / (x1 - x0) if x1 != x0 else 0.0
         if slope < 0:
             cand = sigma * math.exp((target_epsilon - eps) / slope * (1 - rtol))
-            e_c = v(cand)
+            e_c = calls.v(cand)
             if e_c <= target_epsilon:
                 sigma, eps = cand, e_c
-    return Calibration(sigma, eps, calls["probe"], calls["verify"])
+    return sigma, eps

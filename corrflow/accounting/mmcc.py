@@ -60,8 +60,9 @@ def check_encoder(C: np.ndarray) -> None:
     Args:
         C: the encoder, shape (n, n).
 
-    Raises: InvalidArgumentError: (field ``factorization``) C is not square, has a negative entry or
-    an entry above the diagonal (beyond 1e-12 of its largest).
+    Raises:
+        InvalidArgumentError: (field ``factorization``) C is not square, has a negative entry or an
+            entry above the diagonal (beyond 1e-12 of its largest).
     """
     require(
         C.ndim == 2 and C.shape[0] == C.shape[1], "factorization", "a square encoder C", C.shape
@@ -71,10 +72,10 @@ def check_encoder(C: np.ndarray) -> None:
     if C[i, j] < -1e-12 * scale:
         raise InvalidArgumentError(
             "factorization",
-            "an encoder with non-negative entries for MMCC (002 Lemma C.3 assumes C ≥ 0); its most "
-            f"negative entry is C[{i}, {j}] = {C[i, j]:.4g} — use a non-negative kind such as "
-            "dpsgd, banded Toeplitz "
-            "with non-negative coefficients, or a single-epoch (k = 1) factorization",
+            "an encoder with non-negative entries for MMCC (002 Lemma C.3 assumes C ≥ 0); its "
+            f"most negative entry is C[{i}, {j}] = {C[i, j]:.4g} — use a non-negative kind such as "
+            "dpsgd, banded Toeplitz with non-negative coefficients, or a single-epoch (k = 1) "
+            "factorization",
         )
     upper = np.triu(np.abs(C), 1)
     if upper.max() > 1e-12 * scale:
@@ -95,9 +96,10 @@ def block_problem(C: np.ndarray, start: int, cycle: int) -> tuple[np.ndarray, np
         start: the group's first round k (0 ≤ k < b).
         cycle: b.
 
-    Returns: (H, Cb): H = C[start:, start::b] clipped at 0, shape (n − start, columns) (rows in
-    release order, the kept columns), and Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities,
-    shape (⌈(n − start)/b⌉, columns).
+    Returns:
+        (H, Cb): H = C[start:, start::b] clipped at 0, shape (n − start, columns) (rows in release
+        order, the kept columns), and Cb[i, j] = ‖H[ib:(i+1)b, j]‖₂, the block sensitivities, shape
+        (⌈(n − start)/b⌉, columns).
     """
     H = np.clip(C[start:, start::cycle], 0.0, None)
     m = H.shape[0]
@@ -124,11 +126,13 @@ def tail_bounds(
         sigma: σ.
         delta1: the δ share of the tail bounds, split evenly over the pairs that use one.
 
-    Returns: (p̃ of Cb's shape, number of pairs that used a tail bound); entries where Cb is 0 are
-    irrelevant and left at q.
+    Returns:
+        (p̃ of Cb's shape, number of pairs that used a tail bound); entries where Cb is 0 are
+        irrelevant and left at q.
 
-    Raises: InvalidArgumentError: (field ``delta_split``) ``delta1`` is 0 while some pair needs a
-    tail bound.
+    Raises:
+        InvalidArgumentError: (field ``delta_split``) ``delta1`` is 0 while some pair needs a tail
+            bound.
     """
     from scipy.stats import binom, norm  # lazy: scipy's import slows every CLI start
 
@@ -201,8 +205,9 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
         idx: the sensitivities in grid units, int, shape (m,).
         probs: the Bernoulli probabilities p̃_j, shape (m,).
 
-    Returns: (support, masses): the support points in grid units and their probabilities (summing to
-    1), with masses below `MASS_FLOOR` moved to the largest support point.
+    Returns:
+        (support, masses): the support points in grid units and their probabilities (summing to 1),
+        with masses below `MASS_FLOOR` moved to the largest support point.
     """
     total = int(idx.sum())
     pmf = np.zeros(total + 1)
@@ -231,9 +236,8 @@ def _row_pld(args):
         return pld_lib.from_gaussian_mechanism(
             sigma, sensitivity=float(sens[0]), value_discretization_interval=vdi
         )
-    if (
-        support.size == 2 and support[0] == 0
-    ):  # a Poisson-subsampled Gaussian: closed-form inverse, much faster
+    # a Poisson-subsampled Gaussian: closed-form inverse, much faster
+    if support.size == 2 and support[0] == 0:
         return pld_lib.from_gaussian_mechanism(
             sigma,
             sensitivity=float(sens[1]),
@@ -286,23 +290,60 @@ def mmcc_epsilon(
 ) -> MMCCRun:
     """ε of an amplified matrix mechanism by MMCC (002 Alg. 1) or Generalized-MMCC (002 Alg. 3).
 
-    Args: C: the encoder, shape (n, n), non-negative, lower-triangular. q: the sampling probability:
-    every round (cycle = 1) or of a group when its turn comes. sigma: the noise multiplier σ, per
-    unit clip norm. delta: δ in (0, 1). cycle: b, the cyclic Poisson groups (1: Poisson sampling in
-    every round). groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
-    delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail
-    bound is needed. grid: Δ2 (default: the largest block sensitivity / 256; at most
-    1/`MIN_GRID_STEPS` of it). discretization: the row PLDs' value discretisation. workers:
-    processes for the row PLDs (default: the CPU count). progress: progress lines on stderr.
+    Args:
+        C: the encoder, shape (n, n), non-negative, lower-triangular.
+        q: the sampling probability: every round (cycle = 1) or of a group when its turn comes.
+        sigma: the noise multiplier σ, per unit clip norm.
+        delta: δ in (0, 1).
+        cycle: b, the cyclic Poisson groups (1: Poisson sampling in every round).
+        groups: the groups (0..cycle−1) to analyse, the worst taken (default all).
+        delta_split: the share of δ spent on the tail bounds (δ1); all of δ goes to δ2 when no tail
+            bound is needed.
+        grid: Δ2 (default: the largest block sensitivity / 256; at most 1/`MIN_GRID_STEPS` of it).
+        discretization: the row PLDs' value discretisation.
+        workers: processes for the row PLDs (default: the CPU count).
+        progress: progress lines on stderr.
 
     Returns:
         The `MMCCRun` of the worst group: ε at δ2, with the guarantee (ε, δ1 + δ2).
 
-    Raises: InvalidArgumentError: an encoder MMCC cannot analyse (`check_encoder`), or a
-    parameter out of range (the error names it).
+    Raises:
+        InvalidArgumentError: an encoder MMCC cannot analyse (`check_encoder`), or a parameter out
+            of range (the error names it).
     """
     C = np.asarray(C, dtype=np.float64)
     check_encoder(C)
+    groups, problems, grid = _block_problems(C, q, delta, delta_split, cycle, groups, grid)
+    best = None
+    for k, (H, Cb) in zip(groups, problems, strict=True):
+        run = _group_epsilon(
+            H,
+            Cb,
+            cycle,
+            q,
+            sigma,
+            delta,
+            delta_split,
+            grid,
+            discretization,
+            workers,
+            progress,
+            groups,
+        )
+        if best is None or run.epsilon > best.epsilon:
+            best = run
+        if progress:
+            print(
+                f"MMCC group {k}: ε = {run.epsilon:.6g} ({run.distinct_rows} distinct of "
+                f"{run.rows} rows)",
+                file=sys.stderr,
+            )
+    return best
+
+
+def _block_problems(C, q, delta, delta_split, cycle, groups, grid):
+    """Check `mmcc_epsilon`'s parameters; return the groups, their block problems
+    (`block_problem`) and the grid Δ2 (default: the largest block entry / 256)."""
     n = C.shape[0]
     require(
         isinstance(cycle, int) and 1 <= cycle <= n,
@@ -326,55 +367,60 @@ def mmcc_epsilon(
         f"entry {top:.4g} in ≥ {MIN_GRID_STEPS} steps; a coarser grid rounds C up too far)",
         grid,
     )
+    return groups, problems, grid
 
-    best = None
-    for k, (H, Cb) in zip(groups, problems, strict=True):
-        check_pld_size(sigma, float(Cb.sum(axis=1).max()), discretization=discretization)
-        # δ1 is needed only when some block sees a column with history (never for cycle-banded C).
-        hist = np.vstack([np.zeros(H.shape[1]), np.cumsum(H**2, axis=0)])[
-            np.minimum(np.arange(Cb.shape[0]) * cycle, H.shape[0])
-        ]
-        trivial = not bool(((Cb > 0) & (hist > 0)).any())
-        delta1 = 0.0 if trivial else delta * delta_split
-        pt, pairs = tail_bounds(H, Cb, cycle, q, sigma, delta1)
-        pt = _round_up_probability(pt)
-        idx = np.ceil(Cb / grid - 1e-12).astype(np.int64)  # round up: pessimistic (Lemma B.2)
-        keys: dict[bytes, int] = {}
-        rows, counts = [], []
-        for i in range(Cb.shape[0]):
-            J = np.flatnonzero(idx[i])
-            if not J.size:
-                continue
-            order = np.lexsort((pt[i, J], idx[i, J]))
-            key = idx[i, J][order].tobytes() + pt[i, J][order].tobytes()
-            if key in keys:
-                counts[keys[key]] += 1
-            else:
-                keys[key] = len(rows)
-                rows.append((idx[i, J][order], pt[i, J][order]))
-                counts.append(1)
-        jobs = [(sigma, grid, *row_pmf(a, b), discretization) for a, b in rows]
-        plds = _build_plds(jobs, workers, progress)
-        eps = float(_compose(plds, counts).get_epsilon_for_delta(delta - delta1))
-        run = MMCCRun(
-            eps,
-            delta1,
-            delta - delta1,
-            grid,
-            int(sum(counts)),
-            len(rows),
-            pairs,
-            float(pt[Cb > 0].max()),
-            len(groups),
-        )
-        if best is None or run.epsilon > best.epsilon:
-            best = run
-        if progress:
-            print(
-                f"MMCC group {k}: ε = {eps:.6g} ({len(rows)} distinct of {sum(counts)} rows)",
-                file=sys.stderr,
-            )
-    return best
+
+def _group_epsilon(
+    H, Cb, cycle, q, sigma, delta, delta_split, grid, discretization, workers, progress, groups
+) -> MMCCRun:
+    """ε of one cyclic Poisson group's block problem (``block_problem``): tail bounds where a
+    column has history, then the composition of its distinct rows' PLDs (002 Alg. 3); ``groups``
+    are the groups analysed in all."""
+    check_pld_size(sigma, float(Cb.sum(axis=1).max()), discretization=discretization)
+    # δ1 is needed only when some block sees a column with history (never for cycle-banded C).
+    hist = np.vstack([np.zeros(H.shape[1]), np.cumsum(H**2, axis=0)])[
+        np.minimum(np.arange(Cb.shape[0]) * cycle, H.shape[0])
+    ]
+    trivial = not bool(((Cb > 0) & (hist > 0)).any())
+    delta1 = 0.0 if trivial else delta * delta_split
+    pt, pairs = tail_bounds(H, Cb, cycle, q, sigma, delta1)
+    pt = _round_up_probability(pt)
+    idx = np.ceil(Cb / grid - 1e-12).astype(np.int64)  # round up: pessimistic (Lemma B.2)
+    rows, counts = _distinct_rows(idx, pt)
+    jobs = [(sigma, grid, *row_pmf(a, b), discretization) for a, b in rows]
+    plds = _build_plds(jobs, workers, progress)
+    eps = float(_compose(plds, counts).get_epsilon_for_delta(delta - delta1))
+    return MMCCRun(
+        eps,
+        delta1,
+        delta - delta1,
+        grid,
+        int(sum(counts)),
+        len(rows),
+        pairs,
+        float(pt[Cb > 0].max()),
+        len(groups),
+    )
+
+
+def _distinct_rows(idx: np.ndarray, pt: np.ndarray) -> tuple[list, list[int]]:
+    """The distinct non-empty rows of the rounded block (grid indices and tail probabilities,
+    in a canonical order) and how many times each occurs: equal rows have equal PLDs."""
+    keys: dict[bytes, int] = {}
+    rows, counts = [], []
+    for i in range(idx.shape[0]):
+        J = np.flatnonzero(idx[i])
+        if not J.size:
+            continue
+        order = np.lexsort((pt[i, J], idx[i, J]))
+        key = idx[i, J][order].tobytes() + pt[i, J][order].tobytes()
+        if key in keys:
+            counts[keys[key]] += 1
+        else:
+            keys[key] = len(rows)
+            rows.append((idx[i, J][order], pt[i, J][order]))
+            counts.append(1)
+    return rows, counts
 
 
 def _build_plds(jobs: list, workers: int | None, progress: bool) -> list:

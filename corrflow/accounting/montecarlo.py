@@ -76,17 +76,22 @@ def log_likelihood_ratio(
     """ln P(y)/Q(y) for every column of y by the recursion of 004 Eq. 1 (Thm 5.1; Thm 6.1 for k_u >
     1).
 
-    Args: y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its
-    dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored),
-    bands ≤ min_sep, entries ≥ 0. sigma: the noise multiplier σ. min_sep: b. p: the Poisson
-    probability among eligible rounds (1: balls-in-bins). warm: the warm-start mixture of 004 Alg. 2
-    (else cold start, Alg. 1). k_u: items per user (multi-attribution, 004 §6; cold start only).
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64; the recursion runs in its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]`` (entries past row n are ignored), bands
+            ≤ min_sep, entries ≥ 0.
+        sigma: the noise multiplier σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds (1: balls-in-bins).
+        warm: the warm-start mixture of 004 Alg. 2 (else cold start, Alg. 1).
+        k_u: items per user (multi-attribution, 004 §6; cold start only).
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
 
-    Raises: InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with
-    k_u > 1.
+    Raises:
+        InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u >
+            1.
     """
     y = np.asarray(y)
     n, S = y.shape
@@ -97,13 +102,9 @@ def log_likelihood_ratio(
     sq = np.sum(band**2, axis=1)
     inv2s2 = 1.0 / (2.0 * sigma * sigma)
     log_skip = dtype.type(k_u * math.log1p(-p) if p < 1 else -np.inf)
-    js = np.arange(1, k_u + 1)
-    rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
-    log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
-    log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
-    band32 = (band * (2.0 * inv2s2)).astype(
-        dtype
-    )  # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
+    js, log_pmf = _joined_items_log_pmf(k_u, p)
+    # 2⟨c_i, y⟩/(2σ²) comes out of the block products directly
+    band32 = (band * (2.0 * inv2s2)).astype(dtype)
     offset = (log_pmf[0] - sq * inv2s2).astype(dtype)
     block = 64  # rows of ⟨c_i, y_{i:i+L}⟩ computed at a time, so the L passes stay in cache
     dots = np.empty((block, S), dtype=dtype)
@@ -130,6 +131,22 @@ def log_likelihood_ratio(
                 buf[i % b] = join
     if not warm:
         return buf[0].astype(np.float64)
+    return _warm_start_mixture(buf, b, p, k_u)
+
+
+def _joined_items_log_pmf(k_u: int, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """j = 1..k_u and log P(j of a user's k_u items join) under Binomial(k_u, p)
+    (004 Thm 6.1)."""
+    js = np.arange(1, k_u + 1)
+    rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
+    log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
+    log_pmf = gammaln(k_u + 1) - gammaln(js + 1) - gammaln(rest + 1) + js * math.log(p) + log_rest
+    return js, log_pmf
+
+
+def _warm_start_mixture(buf: np.ndarray, b: int, p: float, k_u: int) -> np.ndarray:
+    """The warm-start likelihood ratio (004 Alg. 2): the cold-start ratios of the b start phases
+    mixed with the stationary weights (1, p, …, p)/(1 + (b − 1)p)."""
     require(
         k_u == 1,
         "k_u",
@@ -137,7 +154,7 @@ def log_likelihood_ratio(
         k_u,
     )
     if b > 1:
-        buf[1:b] += dtype.type(math.log(p))
+        buf[1:b] += buf.dtype.type(math.log(p))
     top = buf.max(axis=0)
     return (top + np.log(np.exp(buf - top).sum(axis=0))).astype(np.float64) - math.log1p(
         (b - 1) * p
@@ -152,10 +169,14 @@ def linear_log_likelihood_ratio(
     as f_i = (1 − p)·f_{i+1} + e^{a_i}·f_{i+b} in float64 with exact power-of-two rescaling. Falls
     back to the log-space recursion where e^{a_i} would overflow or a run's result is not finite.
 
-    Args: y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are
-    in its dtype). band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥
-    0. sigma: σ. min_sep: b. p: the Poisson probability among eligible rounds. warm: the warm-start
-    mixture of 004 Alg. 2.
+    Args:
+        y: outputs, shape (n, S), round-major (float32 or float64: the exponents and e^{a_i} are in
+            its dtype).
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, bands ≤ min_sep, entries ≥ 0.
+        sigma: σ.
+        min_sep: b.
+        p: the Poisson probability among eligible rounds.
+        warm: the warm-start mixture of 004 Alg. 2.
 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
@@ -339,8 +360,9 @@ def column_gram_bands(band: np.ndarray) -> np.ndarray:
     Args:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
 
-    Returns: G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns
-    truncated at row n.
+    Returns:
+        G, shape (n, bands − 1), G[j, d − 1] = ⟨c_j, c_{j+d}⟩ for d = 1..bands − 1, columns
+        truncated at row n.
     """
     band = truncate_band(band)
     n, L = band.shape
@@ -361,14 +383,14 @@ def participation_window(band: np.ndarray, sigma: float) -> np.ndarray:
         band: shape (n, bands), ``band[i, k] = C[i + k, i]``.
         sigma: σ.
 
-    Returns: W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where
-    i is outside 0..n − 1); W[j, bands − 1] = ‖c_j‖²/σ².
+    Returns:
+        W, shape (n, 2·bands − 1), W[j, t] = ⟨c_j, c_i⟩/σ² with i = j − bands + 1 + t (0 where i is
+        outside 0..n − 1); W[j, bands − 1] = ‖c_j‖²/σ².
     """
     band = truncate_band(band)
     n, L = band.shape
-    G = np.concatenate(
-        [np.sum(band**2, axis=1)[:, None], column_gram_bands(band)], axis=1
-    )  # ⟨c_j, c_{j+d}⟩
+    # ⟨c_j, c_{j+d}⟩
+    G = np.concatenate([np.sum(band**2, axis=1)[:, None], column_gram_bands(band)], axis=1)
     W = np.zeros((n, 2 * L - 1))
     W[:, L - 1 :] = G  # i = j + d ≥ j
     for d in range(1, L):  # i = j − d: ⟨c_{j−d}, c_j⟩ = G[j − d, d]
@@ -414,9 +436,8 @@ def poisson_banded_llr(y: np.ndarray, band: np.ndarray, sigma: float, p: float) 
     sq = np.sum(band**2, axis=1)
     dots = np.zeros((n, S))
     _block_dots(y, band, 0, n, dots, np.empty((n, S)))
-    a = (dots - 0.5 * sq[:, None]) * inv + math.log(
-        p / (1 - p)
-    )  # log-odds of joining, before interactions
+    # log-odds of joining, before interactions
+    a = (dots - 0.5 * sq[:, None]) * inv + math.log(p / (1 - p))
     G = column_gram_bands(band) * inv
     K = 1 << (L - 1)
     bits = (np.arange(K)[:, None] >> np.arange(L - 1)[None, :]) & 1  # bit d−1 of state s: x_{j−d}
@@ -537,8 +558,9 @@ def minimum_samples(delta_prime: float, delta_target: float) -> int:
     Returns:
         The smallest s with overall_delta(s, δ') ≤ δ_target (binary search; `overall_delta`).
 
-    Raises: InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than
-    2^50 samples needed.
+    Raises:
+        InvalidArgumentError: (field ``delta``) δ' ≥ δ_target or out of (0, 1), or more than 2^50
+            samples needed.
     """
     require(
         0 < delta_prime < delta_target < 1,
@@ -596,8 +618,8 @@ class MonteCarloEstimate:
         Args:
             other: another estimate at the same σ.
 
-        Returns: The pooled `MonteCarloEstimate`: counts added, losses stored above the
-        higher floor.
+        Returns:
+            The pooled `MonteCarloEstimate`: counts added, losses stored above the higher floor.
         """
         floor = max((f for f in (self.floor, other.floor) if f is not None), default=None)
 
@@ -642,11 +664,14 @@ class MonteCarloEstimate:
     def epsilon(self, delta: float, z: float = 0.0) -> float:
         """The ε at which the estimated δ meets ``delta``.
 
-        Args: delta: δ. z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper
-        confidence end of ε).
+        Args:
+            delta: δ.
+            z: standard errors added to δ̂ (0: the point estimate; z > 0: the upper confidence end
+                of ε).
 
-        Returns: ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is
-        returned when it already meets δ.
+        Returns:
+            ε with δ̂(ε) + z·se(ε) = δ (to 1e-9), at least the stored floor (or 0), which is
+            returned when it already meets δ.
         """
         from scipy.optimize import brentq  # lazy: scipy's import slows every CLI start
 
@@ -700,17 +725,21 @@ class MonteCarloAccountant:
     ``scheme="poisson"``: ``p`` is the per-round probability, ``min_sep`` is ignored (1).
     ``scheme="balls-in-bins"``: ``min_sep`` is the number of bins T (``p`` = 1).
 
-    Args: band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
-    min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson). min_sep: b (b-min-sep), or the
-    number of bins T (balls-in-bins). p: the Poisson probability among eligible rounds (b-min-sep),
-    or per round (Poisson). warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
-    k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only). dtype: the dtype of
-    the sampled outputs and of the exponents (the compiled b-min-sep recursion runs in float64).
-    batch: samples per batch (a batch's draws depend only on its child seed). scheme: one of
-    `SCHEMES`.
+    Args:
+        band: shape (n, bands), ``band[i, k] = C[i + k, i]``, entrywise non-negative (bands ≤
+            min_sep for b-min-sep; ≤ `MAX_FORWARD_BANDS` for Poisson).
+        min_sep: b (b-min-sep), or the number of bins T (balls-in-bins).
+        p: the Poisson probability among eligible rounds (b-min-sep), or per round (Poisson).
+        warm: warm start (004 Alg. 2; b-min-sep only, and False when k_u > 1).
+        k_u: items per user (multi-attribution, 004 §6; cold-start b-min-sep only).
+        dtype: the dtype of the sampled outputs and of the exponents (the compiled b-min-sep
+            recursion runs in float64).
+        batch: samples per batch (a batch's draws depend only on its child seed).
+        scheme: one of `SCHEMES`.
 
-    Raises: InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than
-    the scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
+    Raises:
+        InvalidArgumentError: an unknown scheme, a negative or malformed band, more bands than the
+            scheme allows, p out of range, or k_u > 1 outside cold-start b-min-sep.
     """
 
     def __init__(
@@ -750,8 +779,8 @@ class MonteCarloAccountant:
             require(
                 band.shape[1] <= MAX_FORWARD_BANDS,
                 "factorization",
-                f"at most {MAX_FORWARD_BANDS} bands for "
-                "the exact Poisson likelihood (use the MMCC accountant above)",
+                f"at most {MAX_FORWARD_BANDS} bands for the exact Poisson likelihood (use the MMCC "
+                "accountant above)",
                 band.shape[1],
             )
             require(
@@ -810,10 +839,14 @@ class MonteCarloAccountant:
         Batches get child seeds and are spread over ``workers`` processes (default: the CPU count
         for large runs); the result depends only on (seed, samples, batch size).
 
-        Args: sigma: σ > 0. samples: per direction, ≥ 2. seed: an integer or a ``SeedSequence``.
-        workers: processes (None: up to the CPU count, one per 50,000 samples). progress: a progress
-        line on stderr. keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no
-        others; the count of all samples is kept), to bound memory.
+        Args:
+            sigma: σ > 0.
+            samples: per direction, ≥ 2.
+            seed: an integer or a ``SeedSequence``.
+            workers: processes (None: up to the CPU count, one per 50,000 samples).
+            progress: a progress line on stderr.
+            keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no others; the
+                count of all samples is kept), to bound memory.
 
         Returns:
             The `MonteCarloEstimate`.
@@ -868,9 +901,8 @@ class MonteCarloAccountant:
             z += self._phase_means[:, rng.integers(0, self.min_sep, size=S)].astype(z.dtype)
         elif self.scheme == "poisson":
             rows, pos, counts = sample_participations(S, n, 1, self.p, rng)
-            for k in range(
-                self.band.shape[1]
-            ):  # participations may be closer than the bands: accumulate
+            # participations may be closer than the bands: accumulate
+            for k in range(self.band.shape[1]):
                 ok = pos + k < n
                 np.add.at(z, (pos[ok] + k, rows[ok]), self.band[pos[ok], k].astype(z.dtype))
         else:
@@ -894,9 +926,8 @@ class MonteCarloAccountant:
         band_v, offset = _exponent_terms(band, sigma, self.p, dtype)
         window = participation_window(band, sigma).astype(dtype)
         add, remove = np.empty(S), np.empty(S)
-        state = rng.integers(
-            1, 2**63, size=4, dtype=np.uint64
-        )  # xoshiro256++'s state: never all zero
+        # xoshiro256++'s state: never all zero
+        state = rng.integers(1, 2**63, size=4, dtype=np.uint64)
         runs = max(64, KERNEL_CHUNK // n)
         buffers: dict[int, tuple] = {}  # per chunk width (all chunks but the last share one set)
         for lo in range(0, S, runs):
@@ -997,9 +1028,8 @@ def verify_threshold(samples: int, share: float, delta_v: float) -> float:
         return 0.0
     d = brentq(lambda x: bernoulli_kl(x, delta_v) - need, 0.0, delta_v, xtol=delta_v * 1e-9)
     step = delta_v * 1e-9
-    while (
-        d > 0 and bernoulli_kl(d, delta_v) < need
-    ):  # brentq may land just above the root: step to its safe side
+    # brentq may land just above the root: step to its safe side
+    while d > 0 and bernoulli_kl(d, delta_v) < need:
         d, step = max(0.0, d - step), 2 * step
     return float(d)
 
@@ -1016,8 +1046,9 @@ def first_verification_size(
         share_of_failure: the share β/δ of the target spent on the verifier's failure probability.
         ratio: the first attempt's threshold δ' must reach this fraction of the target.
 
-    Returns: The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches
-    ``ratio``·δ_target.
+    Returns:
+        The smallest s (to 1%) whose first-attempt threshold (failure share β/2) reaches
+        ``ratio``·δ_target.
     """
     beta = share_of_failure * delta_target
     delta_v = delta_target - beta
@@ -1158,9 +1189,12 @@ class EVRRun:
     attempts: list[EVRAttempt]
 
     def to_dict(self) -> dict:
-        """Returns: The run's fields for the report's ``accountant`` section
-        (``verification_passed``, ``delta_mechanism``, ``verifier_failure_budget``,
-        ``epsilon_estimate``, samples and attempts).
+        """The run as the report shows it.
+
+        Returns:
+            The run's fields for the report's ``accountant`` section (``verification_passed``,
+            ``delta_mechanism``, ``verifier_failure_budget``, ``epsilon_estimate``, samples and
+            attempts).
         """
         return {
             "verification_passed": self.passed,
@@ -1235,97 +1269,118 @@ def adaptive_evr(
 
     clock = clock or time.monotonic
     start = clock()
-    beta = EVR_FAILURE_SHARE * delta_target
-    delta_v = delta_target - beta
+    search = _EVRSearch(mc, sigma, delta_target, seed, max_samples, release_z, workers, progress)
     if first_samples is None:
         s0 = min(first_verification_size(delta_target), FIRST_BATCH_CAP)
     else:
         s0 = int(first_samples)
-    s0 = max(2, min(s0, max_samples // 2))
-    est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
-    est_seeds, children = est_root.spawn(64), ver_root.spawn(64)
-
-    def draw(size, child, floor=None):
-        return mc.sample_losses(
-            sigma, size, child, workers=workers, progress=progress, keep_above=floor
-        )
-
-    pool = draw(s0, est_seeds[0])
-    # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it) nothing
-    # contributes to δ̂ at the thresholds used; a floor set too high only makes ε larger, never
-    # invalid.
-    level = max(100 * delta_target, 50 / pool.samples)
-    floor = pool.epsilon(level) if level < 0.5 else None
-    if floor is not None:
-        pool = MonteCarloEstimate(
-            sigma,
-            pool.add[pool.add > floor],
-            pool.remove[pool.remove > floor],
-            count=pool.samples,
-            floor=floor,
-        )
-    drawn = s0
-    attempts: list[EVRAttempt] = []
-    i, j = 0, 1
-    while i < len(children) and j < len(est_seeds):
+    search.estimate(max(2, min(s0, max_samples // 2)))
+    while search.i < len(search.children) and search.j < len(search.est_seeds):
         if time_limit is not None and clock() - start > time_limit:
             raise CorrflowError(
                 f"monte carlo accounting aborted after {clock() - start:.0f} s (time limit "
-                f"{time_limit:g} s) with {drawn} samples per direction; nothing is released"
+                f"{time_limit:g} s) with {search.drawn} samples per direction; nothing is released"
             )
-        left = max_samples - drawn
-        share = beta / 2 ** (i + 1)
+        step = search.step()
+        if step == "passed":
+            return search.result(True, search.attempts[-1].epsilon)
+        if step == "spent":
+            break
+    return search.result(False, None)
+
+
+class _EVRSearch:
+    """The state of one `adaptive_evr` search: the pool of samples drawn so far (losses below the
+    floor dropped), the attempts made, and the child seeds of estimation batch j and attempt i."""
+
+    def __init__(self, mc, sigma, delta_target, seed, max_samples, release_z, workers, progress):
+        self.mc, self.sigma, self.delta_target = mc, sigma, delta_target
+        self.max_samples, self.release_z = max_samples, release_z
+        self.workers, self.progress = workers, progress
+        self.beta = EVR_FAILURE_SHARE * delta_target
+        self.delta_v = delta_target - self.beta
+        est_root, ver_root = np.random.SeedSequence(seed).spawn(2)
+        self.est_seeds, self.children = est_root.spawn(64), ver_root.spawn(64)
+        self.attempts: list[EVRAttempt] = []
+        self.i, self.j = 0, 1
+        self.floor = None
+
+    def draw(self, size, child, floor=None):
+        return self.mc.sample_losses(
+            self.sigma,
+            size,
+            child,
+            workers=self.workers,
+            progress=self.progress,
+            keep_above=floor,
+        )
+
+    def estimate(self, s0: int) -> None:
+        """Draw the estimation batch of ``s0`` samples and set the floor."""
+        pool = self.draw(s0, self.est_seeds[0])
+        # Keep only losses that can matter: below the ε at 100·δ (at least 50 samples above it)
+        # nothing contributes to δ̂ at the thresholds used; a floor set too high only makes ε
+        # larger, never invalid.
+        level = max(100 * self.delta_target, 50 / pool.samples)
+        floor = pool.epsilon(level) if level < 0.5 else None
+        if floor is not None:
+            pool = MonteCarloEstimate(
+                self.sigma,
+                pool.add[pool.add > floor],
+                pool.remove[pool.remove > floor],
+                count=pool.samples,
+                floor=floor,
+            )
+        self.pool, self.floor, self.drawn, self.s0 = pool, floor, s0, s0
+
+    def step(self) -> str:
+        """Plan and run the next attempt: ``"passed"``, ``"failed"``, ``"spent"`` (no affordable
+        attempt) or ``"estimated"`` (the first attempt could not be sized: the pool doubled)."""
+        i, pool, delta_v, z = self.i, self.pool, self.delta_v, self.release_z
+        left = self.max_samples - self.drawn
+        share = self.beta / 2 ** (i + 1)
         if i == 0:
-            plan = plan_attempt(
-                pool, share, delta_v, min(s0, left), pool.epsilon(delta_v), release_z
-            )
+            plan = plan_attempt(pool, share, delta_v, min(self.s0, left), pool.epsilon(delta_v), z)
         else:
-            eps_min = attempts[-1].epsilon * (1 + EPSILON_STEP)
-            plan = plan_attempt(pool, share, delta_v, left, eps_min, release_z)
+            eps_min = self.attempts[-1].epsilon * (1 + EPSILON_STEP)
+            plan = plan_attempt(pool, share, delta_v, left, eps_min, z)
         if plan is None:
             if i > 0 or left < 2:
-                break  # no affordable attempt: the budget is spent
+                return "spent"
             # The estimation batch is too small to size a first attempt: estimation only (no share
             # of β spent), doubling the pool.
-            size = min(drawn, left)
-            pool = pool.merged(draw(size, est_seeds[j], floor))
-            drawn, j, s0 = drawn + size, j + 1, drawn + size
-            continue
+            size = min(self.drawn, left)
+            self.pool = pool.merged(self.draw(size, self.est_seeds[self.j], self.floor))
+            self.drawn, self.j, self.s0 = self.drawn + size, self.j + 1, self.drawn + size
+            return "estimated"
         eps, size, upper = plan
         threshold = verify_threshold(size, share, delta_v)
-        ver = draw(size, children[i], floor)
-        drawn += size
+        ver = self.draw(size, self.children[i], self.floor)
+        self.drawn += size
         d_hat, _ = ver.delta(eps)
         passed = bool(d_hat <= threshold)
-        attempts.append(EVRAttempt(size, threshold, share, eps, upper, d_hat, passed))
-        if progress:
+        self.attempts.append(EVRAttempt(size, threshold, share, eps, upper, d_hat, passed))
+        if self.progress:
             print(
                 f"monte carlo attempt {i}: ε = {eps:.6g}, δ̂ = {d_hat:.3g} vs δ' = {threshold:.3g} "
                 f"({'passed' if passed else 'failed'}, {size} samples)",
                 file=sys.stderr,
             )
-        pool = pool.merged(ver)
+        self.pool = pool.merged(ver)
         if passed:
-            return EVRRun(
-                True,
-                eps,
-                delta_target,
-                delta_v,
-                beta,
-                pool.epsilon(delta_v),
-                drawn,
-                max_samples,
-                attempts,
-            )
-        i += 1
-    return EVRRun(
-        False,
-        None,
-        delta_target,
-        delta_v,
-        beta,
-        pool.epsilon(delta_v),
-        drawn,
-        max_samples,
-        attempts,
-    )
+            return "passed"
+        self.i += 1
+        return "failed"
+
+    def result(self, passed: bool, eps: float | None) -> EVRRun:
+        return EVRRun(
+            passed,
+            eps,
+            self.delta_target,
+            self.delta_v,
+            self.beta,
+            self.pool.epsilon(self.delta_v),
+            self.drawn,
+            self.max_samples,
+            self.attempts,
+        )

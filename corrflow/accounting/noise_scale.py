@@ -39,9 +39,10 @@ def noise_std_per_round(
         factorization: the normalised factorization (sensitivity-1 C, n rounds).
         noise_multiplier: σ; None gives None.
 
-    Returns: ``{"z", "min", "max", "rms", "first", "last", "min_round", "max_round"}``: ``z`` is
-    the one value when z_t is the same in every round (to ``CONSTANT_RTOL``), else None; ``rms`` =
-    √(mean_t z_t²); rounds are 0-based.
+    Returns:
+        ``{"z", "min", "max", "rms", "first", "last", "min_round", "max_round"}``: ``z`` is the one
+        value when z_t is the same in every round (to ``CONSTANT_RTOL``), else None; ``rms`` =
+        √(mean_t z_t²); rounds are 0-based.
     """
     if noise_multiplier is None:
         return None

@@ -34,8 +34,9 @@ def pattern_followed(overrides: Iterable[Mapping]) -> bool:
     Args:
         overrides: the run's override records, each with ``"action"`` and ``"source"``.
 
-    Returns: False once the pattern was left: a min-sep break was accepted and accounted, or an
-    operator forced an item in (an override that was not rejected); else True.
+    Returns:
+        False once the pattern was left: a min-sep break was accepted and accounted, or an operator
+        forced an item in (an override that was not rejected); else True.
     """
     return not any(
         o["action"] == "accepted-and-accounted"
@@ -54,8 +55,9 @@ def with_round(
         round_index: the round, 0-based.
         users: the round's cohort (a user listed twice contributes twice).
 
-    Returns: A user → rounds mapping with ``round_index`` added for each of ``users``: a read-only
-    overlay on ``selected`` built in O(cohort) (a round never copies the population's ledger).
+    Returns:
+        A user → rounds mapping with ``round_index`` added for each of ``users``: a read-only
+        overlay on ``selected`` built in O(cohort) (a round never copies the population's ledger).
     """
     extra: dict[str, list[int]] = {}
     for u in users:
@@ -104,9 +106,12 @@ class RunAccounting:
     ) -> RunAccounting:
         """The accounting of one run.
 
-        Args: factorization: the run's normalised factorization (its encoder C gives realised
-        sensitivities). plan: σ, the planned ε and whether it is amplified. delta: the training's δ.
-        target_epsilon: the budget guard's limit (None: no guard).
+        Args:
+            factorization: the run's normalised factorization (its encoder C gives realised
+                sensitivities).
+            plan: σ, the planned ε and whether it is amplified.
+            delta: the training's δ.
+            target_epsilon: the budget guard's limit (None: no guard).
 
         Returns:
             The `RunAccounting`.
@@ -127,12 +132,15 @@ class RunAccounting:
         """ε of the participation so far: the plan's while an amplified plan's pattern is followed,
         else post hoc.
 
-        Args: selected: user → rounds contributed to (with multiplicity). overrides: the run's
-        override records (see `pattern_followed`). tracker: the run's incremental sensitivity at
-        ``selected`` (O(1); without it, a pass over every user).
+        Args:
+            selected: user → rounds contributed to (with multiplicity).
+            overrides: the run's override records (see `pattern_followed`).
+            tracker: the run's incremental sensitivity at ``selected`` (O(1); without it, a pass
+                over every user).
 
-        Returns: The `RealizedPrivacy`: sensitivity, whether it
-        is exact, ε (None for a non-private run) and how ε was obtained.
+        Returns:
+            The `RealizedPrivacy`: sensitivity, whether it is exact, ε (None for a non-private run)
+            and how ε was obtained.
         """
         followed = pattern_followed(overrides)
         if tracker is not None:
@@ -149,9 +157,12 @@ class RunAccounting:
     ) -> RealizedPrivacy:
         """ε after a prospective round, in O(cohort) (nothing changes).
 
-        Args: tracker: the run's incremental sensitivity at ``selected``. selected: user → rounds
-        so far. overrides: the override records, the round's included. round_index: the round.
-        users: its cohort.
+        Args:
+            tracker: the run's incremental sensitivity at ``selected``.
+            selected: user → rounds so far.
+            overrides: the override records, the round's included.
+            round_index: the round.
+            users: its cohort.
 
         Returns:
             The `RealizedPrivacy` after the round.
@@ -178,8 +189,9 @@ class RunAccounting:
             users: its cohort.
             tracker: the run's incremental sensitivity at ``selected`` (O(cohort)).
 
-        Returns: The ε after the round when it exceeds the target (to a relative
-        `BUDGET_TOLERANCE`), else None (also without a target).
+        Returns:
+            The ε after the round when it exceeds the target (to a relative `BUDGET_TOLERANCE`),
+            else None (also without a target).
         """
         if not self.target_epsilon:
             return None

@@ -35,9 +35,9 @@ def pattern_sensitivity(encoder: Encoder, rounds: Iterable[int]) -> Sensitivity:
         encoder: C, an n × n encoder (only the columns of these rounds are read).
         rounds: 0-based round indices in [0, n), repeated for multiplicity.
 
-    Returns: The `Sensitivity`: its value, whether it is
-    exact and the method (``"realized-nonnegative-gram"``, ``"realized-upper-bound"`` or
-    ``"no-participation"``).
+    Returns:
+        The `Sensitivity`: its value, whether it is exact and the method
+        (``"realized-nonnegative-gram"``, ``"realized-upper-bound"`` or ``"no-participation"``).
 
     Raises:
         InvalidArgumentError: (field ``rounds``) a round outside [0, n).
@@ -71,12 +71,15 @@ def realized_sensitivity(
 
     Users with the same rounds (and multiplicities) share one computation.
 
-    Args: encoder: C, n × n. user_rounds: user id → the rounds the user contributed to (with
-    multiplicity). cache: pattern (sorted rounds) → sensitivity, for this ``encoder`` only; updated
-    in place, so a run recomputes only the patterns a round changed.
+    Args:
+        encoder: C, n × n.
+        user_rounds: user id → the rounds the user contributed to (with multiplicity).
+        cache: pattern (sorted rounds) → sensitivity, for this ``encoder`` only; updated in place,
+            so a run recomputes only the patterns a round changed.
 
-    Returns: (sensitivity, raw id of a worst user or None without participation); exact only when
-    every pattern's value is.
+    Returns:
+        (sensitivity, raw id of a worst user or None without participation); exact only when every
+        pattern's value is.
     """
     by_pattern: dict[tuple[int, ...], str] = {}
     for user, rounds in user_rounds.items():

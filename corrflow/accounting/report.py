@@ -13,7 +13,7 @@ from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-#: Version of privacy_report.json's layout. 2 (issue 34): the run's per-round record is an
+#: Version of privacy_report.json's layout. 2: the run's per-round record is an
 # append-only ledger log, and the report — complete, every user listed — is rewritten every
 # ``report_every`` rounds, at the last round and at every stop (1: after every round; no field).
 SCHEMA_VERSION = 2
@@ -38,8 +38,9 @@ def mechanism_section(factorization: Factorization) -> dict:
     Args:
         factorization: the run's factorization.
 
-    Returns: ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload",
-    "factorization_sha256"}``.
+    Returns:
+        ``{"kind", "rounds", "epochs", "min_sep", "bands", "participation", "workload",
+        "factorization_sha256"}``.
     """
     return {
         "kind": factorization.kind,
@@ -69,8 +70,9 @@ def participation_section(
         overrides: the override records.
         hashed: user id → its `hash_user_id` under ``salt`` (a run's cache; default: computed).
 
-    Returns: ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id:
-    {"rounds", "min_gap"}}}``.
+    Returns:
+        ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id: {"rounds",
+        "min_gap"}}}``.
     """
     hashed = hashed or (lambda u: hash_user_id(u, salt))
     users = {hashed(u): _user_entry(rs) for u, rs in user_rounds.items()}
@@ -133,7 +135,7 @@ def privacy_report(
     verified = float(accountant.get("delta", delta)) if isinstance(accountant, dict) else delta
     if isinstance(realized, dict) and realized.get("delta") is not None:
         # The run's ε is the realised one; after post-hoc accounting (an override) it holds at the
-        # run's δ, whatever δ the plan's Monte Carlo verified (issue 21 item 6).
+        # run's δ, whatever δ the plan's Monte Carlo verified.
         verified = float(realized["delta"])
     return {
         "schema_version": SCHEMA_VERSION,

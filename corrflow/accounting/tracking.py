@@ -31,13 +31,16 @@ from corrflow.factorization.sensitivity import Sensitivity
 class PrivacyPlan:
     """σ and the planned ε of a run, with the report's ``accountant`` section.
 
-    Attributes: noise_multiplier: σ (0 for a non-private baseline). epsilon: the planned ε (None:
-    non-private). accountant: the report's ``accountant`` section. amplified: ε comes from the
-    sampler's randomness (valid while its pattern is followed). items_per_user: k_u: the sensitivity
-    of a user's sum of items is ≤ k_u. delta: δ of the training's ε (None: the run's δ; less when a
-    DP vocabulary spent part of it). target_epsilon: the training's share of the run's target ε (the
-    budget guard's limit). vocabulary: the report's ``vocabulary`` section (a run on a dataset
-    file), or None.
+    Attributes:
+        noise_multiplier: σ (0 for a non-private baseline).
+        epsilon: the planned ε (None: non-private).
+        accountant: the report's ``accountant`` section.
+        amplified: ε comes from the sampler's randomness (valid while its pattern is followed).
+        items_per_user: k_u: the sensitivity of a user's sum of items is ≤ k_u.
+        delta: δ of the training's ε (None: the run's δ; less when a DP vocabulary spent part of
+            it).
+        target_epsilon: the training's share of the run's target ε (the budget guard's limit).
+        vocabulary: the report's ``vocabulary`` section (a run on a dataset file), or None.
     """
 
     noise_multiplier: float  # 0 for a non-private baseline
@@ -45,14 +48,12 @@ class PrivacyPlan:
     accountant: dict = field(default_factory=dict)
     amplified: bool = False  # ε from the sampler's randomness (valid while its pattern is followed)
     items_per_user: int = 1  # k_u: the sensitivity of a user's sum of items is ≤ k_u
-    delta: float | None = (
-        None  # δ of the training's ε (None: the run's δ; less when a DP vocabulary
-    )
+    # δ of the training's ε (None: the run's δ; less when a DP vocabulary
+    delta: float | None = None
     #                                       spent part of it — the report's ``total`` composes the
     #                                       two)
-    target_epsilon: float | None = (
-        None  # the training's share of the run's target ε (the budget guard's limit)
-    )
+    # the training's share of the run's target ε (the budget guard's limit)
+    target_epsilon: float | None = None
     vocabulary: dict | None = None  # the report's ``vocabulary`` section (a run on a dataset file)
 
     @property
@@ -65,11 +66,14 @@ class PrivacyPlan:
 class RealizedPrivacy:
     """ε of the participation recorded so far.
 
-    Attributes: sensitivity: the realised sensitivity (000 Def. 1 on the realised patterns).
-    sensitivity_exact: whether it is exact (else an upper bound). epsilon: ε (None for a non-private
-    run). accounting: how ε was obtained, for the report. worst_user: the raw id of a user with the
-    largest sensitivity, or None. delta: the δ at which ``epsilon`` holds, verified (the run's δ, or
-    the larger δ an amplified plan's accountant verified).
+    Attributes:
+        sensitivity: the realised sensitivity (000 Def. 1 on the realised patterns).
+        sensitivity_exact: whether it is exact (else an upper bound).
+        epsilon: ε (None for a non-private run).
+        accounting: how ε was obtained, for the report.
+        worst_user: the raw id of a user with the largest sensitivity, or None.
+        delta: the δ at which ``epsilon`` holds, verified (the run's δ, or the larger δ an amplified
+            plan's accountant verified).
     """
 
     sensitivity: float
@@ -174,7 +178,7 @@ class RunPrivacy:
 class IncrementalSensitivity:
     """The realised sensitivity max_u sens(π_u) (000 Def. 1 on the realised patterns,
     `corrflow.accounting.posthoc.pattern_sensitivity`) kept from each round's cohort alone:
-    O(cohort · log) per round, never a pass over the population (issue 34).
+    O(cohort · log) per round, never a pass over the population.
 
     It holds, for every pattern π some user has now (sorted rounds with multiplicity), its
     sensitivity and how many users have it, and a max-heap of the patterns (stale entries are
@@ -230,9 +234,11 @@ class IncrementalSensitivity:
     ) -> None:
         """Record round ``round_index`` for ``users`` (a user listed m times contributes m items).
 
-        Args: selected: user → rounds *before* this round (the ledger, not yet updated: the
-        caller appends the round to it after). round_index: a round after every recorded one.
-        users: the round's cohort.
+        Args:
+            selected: user → rounds *before* this round (the ledger, not yet updated: the caller
+                appends the round to it after).
+            round_index: a round after every recorded one.
+            users: the round's cohort.
         """
         for user, m in Counter(users).items():
             old = tuple(selected.get(user, ()))

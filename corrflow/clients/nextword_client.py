@@ -53,8 +53,9 @@ def own_sentences(source, context: Context) -> np.ndarray:
     writes it without ``--partitions``: a manifest with several users per node is a cross-silo
     layout, under which this node would silently train one user of its group.
 
-    Raises: InvalidArgumentError: (field ``num-partitions``) the node config's count differs from
-    the file's.
+    Raises:
+        InvalidArgumentError: (field ``num-partitions``) the node config's count differs from the
+            file's.
     """
     part = partition_id(context)
     node = context.node_config
@@ -63,10 +64,9 @@ def own_sentences(source, context: Context) -> np.ndarray:
         require(
             int(node["num-partitions"]) == count,
             "num-partitions",
-            f"{count} in the node config (one node per "
-            f"train partition of {node['data-path']}: write the node configs with `corrflow data "
-            "partition` "
-            "without --partitions; a node trains user partition-id only)",
+            f"{count} in the node config (one node per train partition of {node['data-path']}: "
+            "write the node configs with `corrflow data partition` without --partitions; a node "
+            "trains user partition-id only)",
             node["num-partitions"],
         )
     return source.user_sentences(part)
@@ -77,8 +77,7 @@ def _announce(partition: int, data: str, vocab: str) -> None:
     log(
         INFO,
         "corrflow: partition-id %d trains on the SuperNode's own data file %s (node config "
-        "data-path), "
-        "vocabulary %s",
+        "data-path), vocabulary %s",
         partition,
         data,
         vocab,

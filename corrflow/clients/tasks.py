@@ -34,9 +34,8 @@ class Task:
     handlers: dict
     initial_weights: Any  # () -> list[np.ndarray]
     evaluate: Any  # (weights) -> dict of metrics
-    user_data: Any = (
-        None  # (partition) -> the arrays that user trains on (fingerprints in comparisons)
-    )
+    # (partition) -> the arrays that user trains on (fingerprints in comparisons)
+    user_data: Any = None
 
 
 def task_for(cfg, seed: int | None = None) -> Task:
@@ -90,9 +89,8 @@ def get_task(
             data = lambda u: (source.user_sentences(u),)  # noqa: E731
         else:
             text = nw.task_for(seed)
-            held = np.concatenate(
-                [user_sentences(text, 1_000_000 + i) for i in range(200)]
-            )  # never trained on
+            # never trained on
+            held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])
             first_word, tokens = SPECIAL, text.num_tokens
             data = lambda u: (user_sentences(text, u),)  # noqa: E731
 
@@ -111,9 +109,8 @@ def get_task(
     from corrflow.clients import keras_client as k  # here: Flower, TensorFlow only to train
 
     source = text_source(data_path, vocab_path, seq_len, seed)
-    held_out = source.held_out(
-        max_sequences=eval_sequences
-    )  # synthetic: 100 unseen users; a file: its held-out split
+    # synthetic: 100 unseen users; a file: its held-out split
+    held_out = source.held_out(max_sequences=eval_sequences)
 
     def evaluate(w):
         loss, acc = k.evaluate_weights(w, held_out, source.first_word)

@@ -320,9 +320,8 @@ class ArxivSpec:
         j = np.arange(cap + 1)
         body = np.where(j >= 1, poisson.pmf(j - 1, self.authors_mean - 1), 0.0)
         body[cap] += poisson.sf(cap - 1, self.authors_mean - 1)
-        surv = np.minimum(
-            1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha
-        )  # P(X ≥ j)
+        # P(X ≥ j)
+        surv = np.minimum(1.0, (self.big_collab_min / np.maximum(j, 1)) ** self.big_collab_alpha)
         tail = np.zeros(cap + 1)
         tail[1:cap] = surv[1:cap] - surv[2 : cap + 1]
         tail[cap] = surv[cap]
@@ -346,84 +345,102 @@ def generate_arxiv(path: str | os.PathLike, spec: ArxivSpec, progress=None) -> d
     rings, never O(papers)."""
     rng = np.random.default_rng([spec.seed, 21])
     n = spec.users
-    productivity = (1.0 - rng.random(n)) ** (-1.0 / spec.productivity_alpha)
-    cdf = np.cumsum(productivity)
-    cdf /= cdf[-1]
-    ring = np.full((n, spec.memory), -1, dtype=np.int32)
-    ring_pos = np.zeros(n, dtype=np.int16)
-    seen = np.zeros(n, dtype=bool)
-    unseen_next = 0  # newcomers join in index order (productivity is random per index)
-    lex = spec.lexicon
+    authors = _Authors(rng, spec)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     links = papers = 0
-
-    def newcomer() -> int | None:
-        nonlocal unseen_next
-        while unseen_next < n and seen[unseen_next]:
-            unseen_next += 1
-        return unseen_next if unseen_next < n else None
-
-    def draw(lead: int | None) -> int:
-        if lead is not None and rng.random() < spec.repeat_p:
-            known = ring[lead][ring[lead] >= 0]
-            if known.size:
-                return int(known[rng.integers(known.size)])
-        if rng.random() < spec.newcomer_p and (a := newcomer()) is not None:
-            return a
-        return int(np.searchsorted(cdf, rng.random(), side="right").clip(0, n - 1))
-
     with atomic_file(path, "w") as f:
-        while newcomer() is not None:
+        while authors.newcomer() is not None:
             if rng.random() < spec.big_collab_p:
                 k = int(
                     spec.big_collab_min * (1.0 - rng.random()) ** (-1.0 / spec.big_collab_alpha)
                 )
             else:
                 k = 1 + int(rng.poisson(spec.authors_mean - 1))
-            k = min(k, spec.authors_max, n)
-            lead = draw(None)
-            team = [lead]
-            members = {lead}
-            for _ in range(10 * k):
-                if len(team) == k:
-                    break
-                a = draw(lead)
-                if a not in members:
-                    members.add(a)
-                    team.append(a)
-            seen[team] = True
-            for a in team:  # everyone remembers (up to `memory` of) the others
-                for b in team[: spec.memory + 1]:
-                    if b != a:
-                        ring[a, ring_pos[a]] = b
-                        ring_pos[a] = (ring_pos[a] + 1) % spec.memory
+            team = authors.team(min(k, spec.authors_max, n))
             links += len(team)
-            topic = lead % lex.topics
-            n_abstract = int(rng.integers(*spec.abstract_words))
-            draws = lex.sample(rng, topic, 10 + n_abstract)
-            words = lex.word_array[
-                lex.chain(rng, draws, np.array([topic, topic]), np.array([10, n_abstract]))
-            ]
-            names = [author_name(a) for a in team]
-            cats = [_CATEGORIES[topic % len(_CATEGORIES)]]
-            if rng.random() < 0.3:
-                cats.append(_CATEGORIES[int(rng.integers(len(_CATEGORIES)))])
-            p = papers
-            record = {
-                "id": f"{(7 + p // 99_999 // 12) % 100:02d}{p // 99_999 % 12 + 1:02d}"
-                f".{p % 99_999 + 1:05d}",
-                "submitter": " ".join(reversed(names[0])),
-                "authors": ", ".join(f"{first} {last}" for last, first in names[:-1])
-                + (" and " if len(names) > 1 else "")
-                + f"{names[-1][1]} {names[-1][0]}",
-                "title": " ".join(words[:10]).capitalize(),
-                "categories": " ".join(dict.fromkeys(cats)),
-                "abstract": " ".join(words[10:]).capitalize() + ".",
-                "authors_parsed": [[last, first, ""] for last, first in names],
-            }
+            record = _paper_record(rng, spec, team, papers)
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             papers += 1
             if progress is not None:
-                progress(int(seen.sum()) if papers % 1000 == 0 else None)
+                progress(int(authors.seen.sum()) if papers % 1000 == 0 else None)
     return {"papers": papers, "users": n, "links": links}
+
+
+class _Authors:
+    """The generator's authors: a heavy-tailed productivity (drawn by its CDF), newcomers joining
+    in index order, and each author's ring of up to ``spec.memory`` remembered collaborators."""
+
+    def __init__(self, rng: np.random.Generator, spec: ArxivSpec):
+        self.rng, self.spec, self.n = rng, spec, spec.users
+        productivity = (1.0 - rng.random(self.n)) ** (-1.0 / spec.productivity_alpha)
+        self.cdf = np.cumsum(productivity)
+        self.cdf /= self.cdf[-1]
+        self.ring = np.full((self.n, spec.memory), -1, dtype=np.int32)
+        self.ring_pos = np.zeros(self.n, dtype=np.int16)
+        self.seen = np.zeros(self.n, dtype=bool)
+        self.unseen_next = 0  # newcomers join in index order (productivity is random per index)
+
+    def newcomer(self) -> int | None:
+        while self.unseen_next < self.n and self.seen[self.unseen_next]:
+            self.unseen_next += 1
+        return self.unseen_next if self.unseen_next < self.n else None
+
+    def draw(self, lead: int | None) -> int:
+        rng, ring = self.rng, self.ring
+        if lead is not None and rng.random() < self.spec.repeat_p:
+            known = ring[lead][ring[lead] >= 0]
+            if known.size:
+                return int(known[rng.integers(known.size)])
+        if rng.random() < self.spec.newcomer_p and (a := self.newcomer()) is not None:
+            return a
+        return int(np.searchsorted(self.cdf, rng.random(), side="right").clip(0, self.n - 1))
+
+    def team(self, k: int) -> list[int]:
+        """A paper's k authors (fewer when 10·k draws find no more), the lead first; each then
+        remembers the others."""
+        lead = self.draw(None)
+        team = [lead]
+        members = {lead}
+        for _ in range(10 * k):
+            if len(team) == k:
+                break
+            a = self.draw(lead)
+            if a not in members:
+                members.add(a)
+                team.append(a)
+        self.seen[team] = True
+        memory = self.spec.memory
+        for a in team:  # everyone remembers (up to `memory` of) the others
+            for b in team[: memory + 1]:
+                if b != a:
+                    self.ring[a, self.ring_pos[a]] = b
+                    self.ring_pos[a] = (self.ring_pos[a] + 1) % memory
+        return team
+
+
+def _paper_record(rng: np.random.Generator, spec: ArxivSpec, team: list[int], p: int) -> dict:
+    """Paper number ``p``'s metadata line: a title and abstract from the lead author's topic, its
+    categories and the authors in arXiv's formats."""
+    lex = spec.lexicon
+    topic = team[0] % lex.topics
+    n_abstract = int(rng.integers(*spec.abstract_words))
+    draws = lex.sample(rng, topic, 10 + n_abstract)
+    words = lex.word_array[
+        lex.chain(rng, draws, np.array([topic, topic]), np.array([10, n_abstract]))
+    ]
+    names = [author_name(a) for a in team]
+    cats = [_CATEGORIES[topic % len(_CATEGORIES)]]
+    if rng.random() < 0.3:
+        cats.append(_CATEGORIES[int(rng.integers(len(_CATEGORIES)))])
+    return {
+        "id": f"{(7 + p // 99_999 // 12) % 100:02d}{p // 99_999 % 12 + 1:02d}.{p % 99_999 + 1:05d}",
+        "submitter": " ".join(reversed(names[0])),
+        "authors": ", ".join(f"{first} {last}" for last, first in names[:-1])
+        + (" and " if len(names) > 1 else "")
+        + f"{names[-1][1]} {names[-1][0]}",
+        "title": " ".join(words[:10]).capitalize(),
+        "categories": " ".join(dict.fromkeys(cats)),
+        "abstract": " ".join(words[10:]).capitalize() + ".",
+        "authors_parsed": [[last, first, ""] for last, first in names],
+    }

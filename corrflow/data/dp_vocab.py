@@ -134,9 +134,8 @@ def dp_vocabulary(
             w = 1.0 / math.sqrt(len(words))
             for word in words:
                 weights[word] += w
-    vocab_words = sorted(
-        weights
-    )  # a fixed order, so the noise draw does not depend on insertion order
+    # a fixed order, so the noise draw does not depend on insertion order
+    vocab_words = sorted(weights)
     counts = np.fromiter((weights[w] for w in vocab_words), np.float64, len(vocab_words))
     noisy = counts + (rng or np.random.default_rng()).normal(0.0, sigma, size=len(counts))
     above = np.flatnonzero(noisy > rho)

@@ -146,9 +146,8 @@ class Lexicon:
     follow: float = 0.6  # P(a word is a successor of the previous word rather than a fresh draw)
     successors: int = 3  # successors per word, Zipf(successor_zipf)-weighted
     successor_zipf: float = 1.5
-    topic_specific: float = (
-        0.25  # fraction of successor rows each topic redraws from its own distribution
-    )
+    # fraction of successor rows each topic redraws from its own distribution
+    topic_specific: float = 0.25
 
     @property
     def successor_weights(self) -> np.ndarray:
@@ -207,9 +206,8 @@ class Lexicon:
         base = np.cumsum(1.0 / np.arange(1, self.size + 1) ** self.zipf)
         base /= base[-1]
         shared = np.searchsorted(base, rng.random((self.size, self.successors)), side="right")
-        for t, own in enumerate(
-            self.topic_words
-        ):  # a topic word leads on to its topic: chains keep the skew
+        # a topic word leads on to its topic: chains keep the skew
+        for t, own in enumerate(self.topic_words):
             shared[own] = self.sample(rng, t, own.size * self.successors).reshape(
                 own.size, self.successors
             )

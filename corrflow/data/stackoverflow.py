@@ -207,8 +207,7 @@ class StackOverflowSQLite:
             if not self._warned:
                 log.warning(
                     "%s: skipping malformed examples (first at row %d, client %s: %s); the count "
-                    "is in "
-                    "'skipped'",
+                    "is in 'skipped'",
                     self.path,
                     rowid,
                     client,
@@ -296,9 +295,8 @@ class StackOverflowSpec:
     tokens_median: float = 12.0  # log-normal post length
     tokens_sigma: float = 0.6
     tokens_max: int = 80
-    topic_concentration: float = (
-        0.2  # Dirichlet α of each user's topic mixture (small = strong skew)
-    )
+    # Dirichlet α of each user's topic mixture (small = strong skew)
+    topic_concentration: float = 0.2
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
     lexicon: Lexicon = field(default_factory=Lexicon)
 

@@ -81,9 +81,8 @@ def user_sentences(task: TextTask, user: int, max_sentences: int = 48) -> np.nda
     )
     pick = np.minimum(pick, task.successors - 1)
     words = fresh.copy()
-    for i in range(
-        1, task.seq_len
-    ):  # the chain is sequential in position, vectorised over sentences
+    # the chain is sequential in position, vectorised over sentences
+    for i in range(1, task.seq_len):
         chained = successor[topics, words[:, i - 1], pick[:, i]]
         words[:, i] = np.where(follow[:, i], chained, fresh[:, i])
     tokens = np.where(rng.random((count, task.seq_len)) < task.oov_rate, OOV, words + SPECIAL)

@@ -69,9 +69,6 @@ class Vocabulary:
         """Size of the model's input/output layer: specials + OOV buckets + words."""
         return self.first_word + len(self.words)
 
-    def is_oov(self, ids: np.ndarray) -> np.ndarray:
-        return (ids >= 3) & (ids < self.first_word)
-
     def lookup(self, word: str) -> int:
         i = self._index.get(word)
         return i if i is not None else 3 + zlib.crc32(word.encode()) % self.oov_buckets
@@ -208,8 +205,6 @@ def build_vocabulary(
         InvalidArgumentError: (``vocab_size``) size < 1, or (``data``) no word counted.
     """
     require(size >= 1, "vocab_size", "at least 1", size)
-    require(
-        bool(counts), "data", "a file with training examples to count words from", "no words"
-    )
+    require(bool(counts), "data", "a file with training examples to count words from", "no words")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
     return Vocabulary([w for w, _ in ranked], oov_buckets, {"source": source})

@@ -66,14 +66,12 @@ def banded_loss_and_grad(
         hi = min(n, j1 + p - 1)
         E = np.zeros((n, hi - j0))
         E[np.arange(j0, hi), np.arange(hi - j0)] = 1.0
-        B = workload.apply(
-            solve_banded((p - 1, 0), ab, E, check_finite=False)
-        )  # columns j0..hi−1 of B
+        # columns j0..hi−1 of B
+        B = workload.apply(solve_banded((p - 1, 0), ab, E, check_finite=False))
         loss += float(np.sum(B[:, : j1 - j0] ** 2))
         V = solve_banded((0, p - 1), ab_upper, E[:, : j1 - j0], check_finite=False)  # C⁻ᵀ e_j
-        W = workload.apply(
-            solve_banded((p - 1, 0), ab, V, check_finite=False)
-        )  # columns j0..j1−1 of W
+        # columns j0..j1−1 of W
+        W = workload.apply(solve_banded((p - 1, 0), ab, V, check_finite=False))
         for r in range(p):
             cols = min(j1, n - r) - j0
             if cols <= 0:

@@ -36,14 +36,16 @@ class Factorization:
     The decoder is B = A C⁻¹ (never stored); the error of the mechanism is sens²·‖B‖²_F (000 Eq. 4,
     arXiv 2211.06530) and the noise the server adds in round t is σ·clip·(C⁻¹Z)_t.
 
-    Attributes: kind: the registry kind that built it (``dpsgd``, ``toeplitz``, ``dense``, …).
-    workload: the workload A (n × n, lower-triangular; streamed, never stored). participation: the
-    (k, b) pattern the sensitivity is computed for. encoder: C, n × n lower-triangular, in one of
-    the structured forms (Toeplitz, banded, banded-inverse, BLT, dense), scaled so that its
-    sensitivity is 1. sensitivity: the sensitivity after normalisation (value 1) and whether it is
-    exact or an upper bound. raw_sensitivity: the sensitivity before normalisation (informative
-    only). metadata: the construction's parameters (γ, stamps, solver statistics, dual lower bound,
-    …).
+    Attributes:
+        kind: the registry kind that built it (``dpsgd``, ``toeplitz``, ``dense``, …).
+        workload: the workload A (n × n, lower-triangular; streamed, never stored).
+        participation: the (k, b) pattern the sensitivity is computed for.
+        encoder: C, n × n lower-triangular, in one of the structured forms (Toeplitz, banded,
+            banded-inverse, BLT, dense), scaled so that its sensitivity is 1.
+        sensitivity: the sensitivity after normalisation (value 1) and whether it is exact or an
+            upper bound.
+        raw_sensitivity: the sensitivity before normalisation (informative only).
+        metadata: the construction's parameters (γ, stamps, solver statistics, dual lower bound, …).
     """
 
     kind: str
@@ -74,17 +76,19 @@ class Factorization:
     def errors(self) -> ErrorReport:
         """The mechanism's errors at unit σ (000 Eq. 4).
 
-        Returns: `ErrorReport` with the total squared error
-        sens²·‖B‖²_F, RMSE = √(total/n) and max error sens·maxᵢ‖Bᵢ‖.
+        Returns:
+            `ErrorReport` with the total squared error sens²·‖B‖²_F, RMSE = √(total/n) and max error
+            sens·maxᵢ‖Bᵢ‖.
         """
         return error_report(self.per_query_error(), self.sensitivity.value)
 
     def summary(self) -> dict:
         """The JSON summary printed by ``corrflow factorize --json``.
 
-        Returns: A JSON-serialisable dict: kind, rounds, epochs, min_sep, participation, bands,
-        structure, workload, the errors, the sensitivity (value, exact, method), raw_sensitivity,
-        lower_bound, sha256 and the metadata.
+        Returns:
+            A JSON-serialisable dict: kind, rounds, epochs, min_sep, participation, bands,
+            structure, workload, the errors, the sensitivity (value, exact, method),
+            raw_sensitivity, lower_bound, sha256 and the metadata.
         """
         err = self.errors()
         out = {
@@ -140,8 +144,9 @@ class Factorization:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file + rename) to exactly ``path``.
 
-        Args: path: the file to write: an ``.npz`` archive (no pickles) whatever its suffix, with
-        the JSON metadata and the SHA-256 of the arrays inside.
+        Args:
+            path: the file to write: an ``.npz`` archive (no pickles) whatever its suffix, with the
+                JSON metadata and the SHA-256 of the arrays inside.
 
         Returns:
             ``path`` as a `Path`.
@@ -160,8 +165,9 @@ class Factorization:
         Args:
             path: a factorization ``.npz`` file.
 
-        Returns: The factorization, after checking its format, the SHA-256 of its arrays and their
-        shapes.
+        Returns:
+            The factorization, after checking its format, the SHA-256 of its arrays and their
+            shapes.
 
         Raises:
             InvalidArgumentError: ``path`` does not exist.

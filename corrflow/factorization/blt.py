@@ -500,8 +500,9 @@ def optimize_blt(
     Returns:
         `BLTResult` with θ, ω (C) and θ̂, ω̂ (C⁻¹), un-normalised (c₀ = 1).
 
-    Raises: InvalidArgumentError: when no buffer stays alive (independent noise is optimal for this
-    participation).
+    Raises:
+        InvalidArgumentError: when no buffer stays alive (independent noise is optimal for this
+            participation).
     """
     n = participation.rounds
     require(n >= 2, "rounds", "at least 2 for a BLT", n)
@@ -517,51 +518,12 @@ def optimize_blt(
     target = workload if exact else toeplitz
     fast = BLTLoss.build(toeplitz, participation)
     final = BLTLoss.build(target, participation) if target is not toeplitz else None
-    results: dict[int, tuple[np.ndarray, float]] = {}
-    its = 0
-
-    def solve(B: int, previous) -> tuple[np.ndarray, float] | None:
-        """The optimum with B buffers, or None when one of its buffers is dead (the B − 1 optimum is
-        as good)."""
-        nonlocal its
-        x, val, k = _optimize_fixed(fast, B, previous, max_iterations, callback, its)
-        its += k
-        if final is not None:
-            res = lbfgs(
-                _x_objective(final),
-                x,
-                max_iterations=max_iterations,
-                memory=20,
-                rel_improvement=1e-12,
-                window=10,
-            )
-            its += res.iterations
-            x, val = res.x, float(np.exp(res.f))
-        if not _usable(*_from_x(x)):
-            return None
-        results[B] = (x, val)
-        return x, val
-
-    chosen = None
+    solver = _BufferSolver(fast, final, max_iterations, callback)
     if buffers is not None:
-        # B = 1, 2, …, the given B, each warm-started from the best fewer-buffer optimum (and the
-        # preset starts); then the fewest buffers within MERGE_RTOL of the best loss: a buffer that
-        # duplicates another's pole or is (nearly) dead is memory for nothing.
-        previous = None
-        for B in range(1, int(buffers) + 1):
-            got = solve(B, previous)
-            if got is not None:
-                previous = _from_x(got[0])
-        if results:
-            best = min(v for _, v in results.values())
-            chosen = min(b for b, (_, v) in results.items() if v <= (1 + MERGE_RTOL) * best)
-    else:  # add buffers while each lowers the loss by more than the factor rtol
-        previous = None
-        for B in range(1, max_buffers + 1):
-            got = solve(B, previous)
-            if got is None or (chosen is not None and not rtol * got[1] < results[chosen][1]):
-                break
-            chosen, previous = B, _from_x(got[0])
+        chosen = _fewest_buffers_near_best(solver, int(buffers))
+    else:
+        chosen = _buffers_while_improving(solver, max_buffers, rtol)
+    results, its = solver.results, solver.iterations
     if chosen is None:
         raise InvalidArgumentError(
             "kind",
@@ -582,6 +544,69 @@ def optimize_blt(
         target,
         {b: v for b, (_, v) in results.items()},
     )
+
+
+class _BufferSolver:
+    """Optimises a BLT at a given number of buffers B (fast loss, then the exact loss when
+    ``final`` is given), keeping every usable optimum in ``results`` (B → (x, loss)) and the
+    L-BFGS iterations spent."""
+
+    def __init__(self, fast, final, max_iterations: int, callback: ProgressCallback | None):
+        self.fast, self.final = fast, final
+        self.max_iterations, self.callback = max_iterations, callback
+        self.results: dict[int, tuple[np.ndarray, float]] = {}
+        self.iterations = 0
+
+    def solve(self, B: int, previous) -> tuple[np.ndarray, float] | None:
+        """The optimum with B buffers, or None when one of its buffers is dead (the B − 1 optimum is
+        as good)."""
+        x, val, k = _optimize_fixed(
+            self.fast, B, previous, self.max_iterations, self.callback, self.iterations
+        )
+        self.iterations += k
+        if self.final is not None:
+            res = lbfgs(
+                _x_objective(self.final),
+                x,
+                max_iterations=self.max_iterations,
+                memory=20,
+                rel_improvement=1e-12,
+                window=10,
+            )
+            self.iterations += res.iterations
+            x, val = res.x, float(np.exp(res.f))
+        if not _usable(*_from_x(x)):
+            return None
+        self.results[B] = (x, val)
+        return x, val
+
+
+def _fewest_buffers_near_best(solver: _BufferSolver, buffers: int) -> int | None:
+    """B = 1, 2, …, ``buffers``, each warm-started from the best fewer-buffer optimum (and the
+    preset starts); then the fewest buffers within MERGE_RTOL of the best loss: a buffer that
+    duplicates another's pole or is (nearly) dead is memory for nothing. None: none usable."""
+    previous = None
+    for B in range(1, buffers + 1):
+        got = solver.solve(B, previous)
+        if got is not None:
+            previous = _from_x(got[0])
+    results = solver.results
+    if not results:
+        return None
+    best = min(v for _, v in results.values())
+    return min(b for b, (_, v) in results.items() if v <= (1 + MERGE_RTOL) * best)
+
+
+def _buffers_while_improving(solver: _BufferSolver, max_buffers: int, rtol: float) -> int | None:
+    """Add buffers while each lowers the loss by more than the factor ``rtol``; None: none
+    usable."""
+    chosen, previous = None, None
+    for B in range(1, max_buffers + 1):
+        got = solver.solve(B, previous)
+        if got is None or (chosen is not None and not rtol * got[1] < solver.results[chosen][1]):
+            break
+        chosen, previous = B, _from_x(got[0])
+    return chosen
 
 
 def _usable(theta: np.ndarray, theta_hat: np.ndarray) -> bool:

@@ -29,12 +29,16 @@ def participation_for(
 ) -> Participation:
     """The participation pattern for ``rounds`` rounds (000 §2; b-min-sep as in 004).
 
-    Args: rounds: n. epochs: k, the most participations of one user. min_sep: b, the fewest rounds
-    between two participations (default n/k: fixed-epoch). kind: ``"fixed-epoch"`` or ``"min-sep"``
-    to force one; default inferred (fixed-epoch when b·k = n).
+    Args:
+        rounds: n.
+        epochs: k, the most participations of one user.
+        min_sep: b, the fewest rounds between two participations (default n/k: fixed-epoch).
+        kind: ``"fixed-epoch"`` or ``"min-sep"`` to force one; default inferred (fixed-epoch when
+            b·k = n).
 
-    Returns: Fixed-epoch (k, n/k) participation unless a different min-sep is given, then
-    b-min-separation with at most k participations.
+    Returns:
+        Fixed-epoch (k, n/k) participation unless a different min-sep is given, then
+        b-min-separation with at most k participations.
     """
     if kind == "fixed-epoch" or (kind is None and (min_sep is None or min_sep * epochs == rounds)):
         p = Participation.fixed_epoch(rounds, epochs)
@@ -67,17 +71,23 @@ def factorize(
 ) -> Factorization:
     """Build and normalise (sensitivity 1 under ``participation``) a factorization of ``kind``.
 
-    Args: kind: one of `KINDS` (the registry, `corrflow.factorization.registry`).
-    participation: the (k, b) pattern the sensitivity is computed for (`participation_for`).
-    workload: A (default: prefix sums). bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr,
-    bifr); default the kind's own. stamps: repeat a rounds/stamps mechanism along the diagonal (see
-    below). gamma: γ for bifr, bsr and lambda-cgd (see below). taper: b₀ of the 001 App. H taper
-    (toeplitz only). search_gamma: bsr: search γ (the γ-BFR family of 003). tol: the optimizers'
-    relative tolerance. time_budget: dense only: seconds after which the optimizer stops. buffers:
-    blt only: B, the BLT's buffers. callback: progress callback of the iterative optimizers.
+    Args:
+        kind: one of `KINDS` (the registry, `corrflow.factorization.registry`).
+        participation: the (k, b) pattern the sensitivity is computed for (`participation_for`).
+        workload: A (default: prefix sums).
+        bands: bands of C (banded, toeplitz, bsr) or of C⁻¹ (bisr, bifr); default the kind's own.
+        stamps: repeat a rounds/stamps mechanism along the diagonal (see below).
+        gamma: γ for bifr, bsr and lambda-cgd (see below).
+        taper: b₀ of the 001 App. H taper (toeplitz only).
+        search_gamma: bsr: search γ (the γ-BFR family of 003).
+        tol: the optimizers' relative tolerance.
+        time_budget: dense only: seconds after which the optimizer stops.
+        buffers: blt only: B, the BLT's buffers.
+        callback: progress callback of the iterative optimizers.
 
-    Returns: A `Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper
-    bound as labelled.
+    Returns:
+        A `Factorization` whose encoder C (n × n) has sensitivity 1, exact or an upper bound as
+        labelled.
 
     ``taper`` = b₀ (toeplitz only) applies the 001 App. H taper for a min-sep known only to lie in
     [b₀, bands]; the encoder is then left column-unnormalised, as in 001 App. H. ``stamps`` > 1
@@ -92,7 +102,46 @@ def factorize(
     """
     require(kind in KINDS, "kind", f"one of {KINDS}", kind)
     workload = workload or Workload.prefix()
-    n = participation.rounds
+    _check_options(kind, participation.rounds, bands, stamps, taper, buffers, gamma)
+    inner = _inner_participation(participation, stamps)
+    spec = kind_spec(kind)
+    m = inner.rounds
+    p = bands if bands is not None else min(inner.min_sep, m)
+    start = time.perf_counter()
+    enc, built = spec.build(
+        BuildRequest(
+            workload,
+            inner,
+            p,
+            buffers=buffers,
+            gamma=gamma,
+            search_gamma=search_gamma,
+            taper=taper,
+            tol=tol,
+            time_budget=time_budget,
+            callback=callback,
+            max_iterations=max_iterations,
+        )
+    )
+    meta: dict = {"stamps": stamps, **built}
+    if stamps != 1 and "lower_bound" in meta:
+        meta["lower_bound"] = None  # the dual bound bounds the unstamped problem only
+    enc = stamp_encoder(enc, stamps)
+    meta["seconds"] = time.perf_counter() - start
+    return normalized(kind, workload, participation, enc, meta)
+
+
+def _check_options(
+    kind: str,
+    n: int,
+    bands: int | None,
+    stamps: int,
+    taper: int | None,
+    buffers: int | None,
+    gamma: float | None,
+) -> None:
+    """Refuse, naming the option, a ``factorize`` option that ``kind`` does not take or a value out
+    of its range."""
     require(
         isinstance(stamps, int | np.integer) and stamps >= 1 and n % stamps == 0,
         "stamps",
@@ -126,32 +175,6 @@ def factorize(
     if gamma is not None:
         require(kind in GAMMA_KINDS, "gamma", f"only with kinds {', '.join(GAMMA_KINDS)}", gamma)
         require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
-    inner = _inner_participation(participation, stamps)
-    spec = kind_spec(kind)
-    m = inner.rounds
-    p = bands if bands is not None else min(inner.min_sep, m)
-    start = time.perf_counter()
-    enc, built = spec.build(
-        BuildRequest(
-            workload,
-            inner,
-            p,
-            buffers=buffers,
-            gamma=gamma,
-            search_gamma=search_gamma,
-            taper=taper,
-            tol=tol,
-            time_budget=time_budget,
-            callback=callback,
-            max_iterations=max_iterations,
-        )
-    )
-    meta: dict = {"stamps": stamps, **built}
-    if stamps != 1 and "lower_bound" in meta:
-        meta["lower_bound"] = None  # the dual bound bounds the unstamped problem only
-    enc = stamp_encoder(enc, stamps)
-    meta["seconds"] = time.perf_counter() - start
-    return normalized(kind, workload, participation, enc, meta)
 
 
 def _inner_participation(participation: Participation, stamps: int) -> Participation:

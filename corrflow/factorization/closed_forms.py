@@ -27,9 +27,11 @@ from corrflow.factorization.workloads import Workload
 def workload_power_series(workload: Workload, power: float, p: int) -> np.ndarray:
     """Power series of the workload's generating function (003 §2, arXiv 2605.18379).
 
-    Args: workload: A, with a(x) = 1/((1 − x)(1 − βx)) (prefix: β = 0); its learning-rate schedule
-    is ignored. power: the exponent (1/2: square root; −γ: γ-BIFR's noising). p: how many
-    coefficients.
+    Args:
+        workload: A, with a(x) = 1/((1 − x)(1 − βx)) (prefix: β = 0); its learning-rate schedule is
+            ignored.
+        power: the exponent (1/2: square root; −γ: γ-BIFR's noising).
+        p: how many coefficients.
 
     Returns:
         float64 array of shape (p,): the first p coefficients of (1−x)^(−power)·(1−βx)^(−power).
@@ -49,8 +51,9 @@ def bifr_noising(workload: Workload, gamma: float, bands: int) -> np.ndarray:
         gamma: γ in [0, 1] (1/2: BISR; 0: DP-SGD).
         bands: p, the bands of C⁻¹.
 
-    Returns: r, float64 of shape (bands,): the first column of the banded Toeplitz C⁻¹ (prefix
-    workload: r_0 = 1, r_j = r_{j−1}(j − 1 − γ)/j).
+    Returns:
+        r, float64 of shape (bands,): the first column of the banded Toeplitz C⁻¹ (prefix workload:
+        r_0 = 1, r_j = r_{j−1}(j − 1 − γ)/j).
     """
     require(0.0 <= gamma <= 1.0, "gamma", "a number in [0, 1]", gamma)
     return workload_power_series(workload, -gamma, bands)
@@ -65,8 +68,8 @@ def bifr_encoder(workload: Workload, n: int, bands: int, gamma: float) -> Invers
         bands: p, the bands of C⁻¹.
         gamma: γ in [0, 1].
 
-    Returns: The encoder (n × n, unnormalised: `factorize`
-    scales it).
+    Returns:
+        The encoder (n × n, unnormalised: `factorize` scales it).
     """
     return InverseToeplitzEncoder(bifr_noising(workload, gamma, bands), n)
 

@@ -151,13 +151,20 @@ def optimize_dense(
     whose dual point is positive definite (the start included), so the gap stays finite when the
     optimizer stops early.
 
-    Args: workload: A. participation: fixed-epoch (k, b). tol: the relative duality-gap tolerance.
-    max_iterations: L-BFGS iterations (the deterministic budget). memory: L-BFGS history. X0: a
-    starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands, divided
-    by k). callback: progress callback. time_budget: seconds, or None.
+    Args:
+        workload: A.
+        participation: fixed-epoch (k, b).
+        tol: the relative duality-gap tolerance.
+        max_iterations: L-BFGS iterations (the deterministic budget).
+        memory: L-BFGS history.
+        X0: a starting Gram matrix, shape (n, n) (default: the banded Toeplitz optimum with b bands,
+            divided by k).
+        callback: progress callback.
+        time_budget: seconds, or None.
 
-    Returns: X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and
-    the iterations.
+    Returns:
+        X (n × n, sensitivity 1 under ``participation``), its loss, the dual lower bound and the
+        iterations.
     """
     require(
         participation.kind == "fixed-epoch",
@@ -165,81 +172,104 @@ def optimize_dense(
         "fixed-epoch (k, b) for the dense multi-epoch optimizer (use banded/toeplitz for min-sep)",
         participation.kind,
     )
-    n, k = participation.rounds, participation.epochs
+    n = participation.rounds
     A = workload.matrix(n)
-    At = np.ascontiguousarray(A.T)
-    pid = _pattern_index(participation)
-    free = ~participation.same_pattern_mask()
-    b = participation.min_sep
-
-    def project(D: np.ndarray) -> np.ndarray:
-        D = np.where(free, D, 0.0)
-        d = np.diag(D)
-        np.fill_diagonal(D, d - (np.bincount(pid, weights=d, minlength=b) / k)[pid])
-        return D
-
-    def evaluate(X: np.ndarray, need_grad: bool):
-        try:
-            R = cholesky(X, lower=True, check_finite=False)
-        except LinAlgError:
-            return np.inf, None
-        Y = solve_triangular(R, At, lower=True, check_finite=False)  # R⁻¹Aᵀ
-        f = float(np.einsum("ij,ij->", Y, Y))
-        if not need_grad:
-            return f, None
-        Z = solve_triangular(R, Y, lower=True, trans="T", check_finite=False)  # X⁻¹Aᵀ
-        return f, Z @ Z.T  # X⁻¹AᵀAX⁻¹
-
-    def fun(X: np.ndarray, need_grad: bool):
-        f, G = evaluate(X, need_grad)
-        if G is None:
-            return f, None
-        state["G"] = G
-        return f, project(-G)
-
+    objective = _Objective(A, participation)
     # A dual bound costs about as much as a few iterations at small n and ~25 at n = 2000 (an SVD):
     # checks every ``every`` iterations, a function of n alone, keep them near 20% of the time and
     # the result a function of the inputs (no clock). Until one iterate gives a positive-definite
     # dual point (a finite bound), every iterate is tried, so a stopped run still reports a finite
     # gap from the best such iterate.
     every = max(10, min(125, n // 16))
-    state: dict = {"bound": -np.inf, "next_check": every}
     deadline = None if time_budget is None else time.perf_counter() + time_budget
-
-    def check(G: np.ndarray) -> None:
-        state["bound"] = max(state["bound"], _dual_bound_from_primal(G, A, participation))
-
-    def on_iteration(it: int, X: np.ndarray, f: float, g: np.ndarray) -> bool:
-        if callback is not None:
-            callback(it, f)
-        if deadline is not None and time.perf_counter() > deadline:
-            return True
-        if it < state["next_check"] and np.isfinite(state["bound"]):
-            return False
-        check(state["G"])
-        state["next_check"] = it + every
-        return (f - state["bound"]) / f <= tol
-
+    stop = _DualGapStop(objective, participation, every, tol, deadline, callback)
     X = _warm_start(workload, participation) if X0 is None else np.array(X0, dtype=np.float64)
-    f0, G0 = evaluate(X, True)
+    f0, G0 = objective.evaluate(X, True)
     require(np.isfinite(f0), "X0", "a positive definite starting point")
     # Small matrices: BLAS thread wake-ups cost more than they save (measured 3× at n = 256 on 2
     # cores).
     with threadpool_limits(limits=1 if n < 768 else None):
-        check(G0)  # the starting point's dual point: a finite gap however early the optimizer stops
+        # the starting point's dual point: a finite gap however early the optimizer stops
+        stop.check(G0)
         res = lbfgs(
-            fun,
+            objective,
             X,
             max_iterations=max_iterations,
             memory=memory,
             rel_improvement=1e-9,
             window=25,
-            on_iteration=on_iteration,
+            on_iteration=stop,
         )
-        f, G = evaluate(res.x, True)
-        check(G)
-    bound = state["bound"]
+        f, G = objective.evaluate(res.x, True)
+        stop.check(G)
+    bound = stop.bound
     return DenseResult(res.x, f, bound, res.iterations, (f - bound) / f <= tol)
+
+
+class _Objective:
+    """The loss tr(AᵀA X⁻¹) for L-BFGS: its value and its gradient projected onto the constraints
+    (zero off the free entries, each pattern's diagonal summing to a constant); keeps the last
+    unprojected gradient −X⁻¹AᵀAX⁻¹ for the dual bound."""
+
+    def __init__(self, A: np.ndarray, participation: Participation):
+        self.A = A
+        self.At = np.ascontiguousarray(A.T)
+        self.pid = _pattern_index(participation)
+        self.free = ~participation.same_pattern_mask()
+        self.b, self.k = participation.min_sep, participation.epochs
+        self.G: np.ndarray | None = None
+
+    def project(self, D: np.ndarray) -> np.ndarray:
+        D = np.where(self.free, D, 0.0)
+        d = np.diag(D)
+        pid = self.pid
+        np.fill_diagonal(D, d - (np.bincount(pid, weights=d, minlength=self.b) / self.k)[pid])
+        return D
+
+    def evaluate(self, X: np.ndarray, need_grad: bool):
+        try:
+            R = cholesky(X, lower=True, check_finite=False)
+        except LinAlgError:
+            return np.inf, None
+        Y = solve_triangular(R, self.At, lower=True, check_finite=False)  # R⁻¹Aᵀ
+        f = float(np.einsum("ij,ij->", Y, Y))
+        if not need_grad:
+            return f, None
+        Z = solve_triangular(R, Y, lower=True, trans="T", check_finite=False)  # X⁻¹Aᵀ
+        return f, Z @ Z.T  # X⁻¹AᵀAX⁻¹
+
+    def __call__(self, X: np.ndarray, need_grad: bool):
+        f, G = self.evaluate(X, need_grad)
+        if G is None:
+            return f, None
+        self.G = G
+        return f, self.project(-G)
+
+
+class _DualGapStop:
+    """L-BFGS's per-iteration hook: reports progress, stops at the deadline, and every ``every``
+    iterations raises the best dual bound and stops once the relative gap is within ``tol``."""
+
+    def __init__(self, objective, participation, every, tol, deadline, callback):
+        self.objective, self.participation = objective, participation
+        self.every, self.tol, self.deadline, self.callback = every, tol, deadline, callback
+        self.bound = -np.inf
+        self.next_check = every
+
+    def check(self, G: np.ndarray) -> None:
+        bound = _dual_bound_from_primal(G, self.objective.A, self.participation)
+        self.bound = max(self.bound, bound)
+
+    def __call__(self, it: int, X: np.ndarray, f: float, g: np.ndarray) -> bool:
+        if self.callback is not None:
+            self.callback(it, f)
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            return True
+        if it < self.next_check and np.isfinite(self.bound):
+            return False
+        self.check(self.objective.G)
+        self.next_check = it + self.every
+        return (f - self.bound) / f <= self.tol
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,30 +330,44 @@ def solve_constrained(
         n <= 16, "rounds", "at most 16 for the exact constrained solver (use optimize_dense)", n
     )
     A = workload.matrix(n)
-    T = A.T @ A
-    U = _constraint_vectors(participation, constraints)
-    li, lj = np.tril_indices(n)
-    if constraints == "sign":
-        nonneg = np.zeros(len(li), dtype=bool)
-    elif constraints == "pattern-nonneg":
-        nonneg = participation.same_pattern_mask()[li, lj]
-    else:
-        nonneg = li != lj
+    barrier = _Barrier(A.T @ A, participation, constraints)
+    # strictly feasible: slack ≥ 1/2, entries > 0
+    X0 = np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n
+    X = barrier.to_mat(_central_path(barrier, X0[barrier.li, barrier.lj]))
+    return ConstrainedResult(optimal_decoder_loss(A, X), X, constraints)
 
-    def to_mat(x):
-        X = np.zeros((n, n))
-        X[li, lj] = x
-        X[lj, li] = x
+
+class _Barrier:
+    """The log-barrier problem of 000 Eq. 6 under one constraint set, in the lower-triangular
+    coordinates x of X: tr(AᵀA X⁻¹) − μ(Σ log slack + Σ log x_nonneg + log det X)."""
+
+    def __init__(self, T: np.ndarray, participation: Participation, constraints: str):
+        n = participation.rounds
+        self.n, self.T = n, T
+        self.U = U = _constraint_vectors(participation, constraints)
+        self.li, self.lj = li, lj = np.tril_indices(n)
+        if constraints == "sign":
+            self.nonneg = np.zeros(len(li), dtype=bool)
+        elif constraints == "pattern-nonneg":
+            self.nonneg = participation.same_pattern_mask()[li, lj]
+        else:
+            self.nonneg = li != lj
+        basis = np.zeros((len(li), n, n))
+        basis[np.arange(len(li)), li, lj] = 1.0
+        basis[np.arange(len(li)), lj, li] = 1.0
+        self.basis = basis
+        self.cu = np.einsum("ui,aij,uj->ua", U, basis, U)  # d(uᵀXu)/dx_a
+
+    def to_mat(self, x: np.ndarray) -> np.ndarray:
+        X = np.zeros((self.n, self.n))
+        X[self.li, self.lj] = x
+        X[self.lj, self.li] = x
         return X
 
-    basis = np.zeros((len(li), n, n))
-    basis[np.arange(len(li)), li, lj] = 1.0
-    basis[np.arange(len(li)), lj, li] = 1.0
-    cu = np.einsum("ui,aij,uj->ua", U, basis, U)  # d(uᵀXu)/dx_a
-
-    def barrier(x, mu, need):
-        """Barrier objective, gradient and Hessian in the lower-triangular coordinates x of X."""
-        X = to_mat(x)
+    def __call__(self, x, mu, need):
+        """Barrier objective, gradient and Hessian at x (inf outside the feasible set)."""
+        n, T, U, nonneg, basis, cu = self.n, self.T, self.U, self.nonneg, self.basis, self.cu
+        X = self.to_mat(x)
         slack = 1.0 - np.einsum("ui,ij,uj->u", U, X, U)
         if np.any(slack <= 0) or np.any(x[nonneg] <= 0):
             return np.inf, None, None
@@ -348,10 +392,11 @@ def solve_constrained(
         H[nonneg, nonneg] += mu / x[nonneg] ** 2
         return f, g, H
 
-    X0 = (
-        np.eye(n) / (2.0 * participation.epochs) + 1e-3 / n
-    )  # strictly feasible: slack ≥ 1/2, entries > 0
-    x = X0[li, lj]
+
+def _central_path(barrier: _Barrier, x: np.ndarray) -> np.ndarray:
+    """Follow the central path from a strictly feasible x: damped Newton on each barrier problem,
+    μ divided by 10 until the duality-gap bound is below 1e-11 of tr(AᵀA)."""
+    n, U, nonneg, T = barrier.n, barrier.U, barrier.nonneg, barrier.T
     mu = 1.0
     for _ in range(60):
         for _ in range(100):  # damped Newton on the barrier problem
@@ -367,5 +412,4 @@ def solve_constrained(
         if mu * (len(U) + nonneg.sum() + n) < 1e-11 * np.trace(T):
             break
         mu *= 0.1
-    X = to_mat(x)
-    return ConstrainedResult(optimal_decoder_loss(A, X), X, constraints)
+    return x

@@ -664,9 +664,8 @@ class BLTEncoder(_ToeplitzByFirstColumn):
 
     def _structured_sensitivity(self, participation):
         c = self.strategy_coefs()
-        if not is_nonneg_nonincreasing(
-            c
-        ):  # cannot happen for a validated BLT; the general bound then applies
+        # cannot happen for a validated BLT; the general bound then applies
+        if not is_nonneg_nonincreasing(c):
             return None
         value = toeplitz_min_sep_sensitivity(
             c, self.n, participation.min_sep, participation.max_participations

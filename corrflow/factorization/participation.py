@@ -24,9 +24,12 @@ class Participation:
     """A participation schema over ``rounds`` rounds: at most ``epochs`` (k) times, ``min_sep`` (b)
     apart.
 
-    Attributes: kind: ``"fixed-epoch"`` (000 §2: b = n/k, the same order every epoch) or
-    ``"min-sep"`` (b-min-separation with at most k participations, 004). rounds: n. epochs: k.
-    min_sep: b.
+    Attributes:
+        kind: ``"fixed-epoch"`` (000 §2: b = n/k, the same order every epoch) or ``"min-sep"``
+            (b-min-separation with at most k participations, 004).
+        rounds: n.
+        epochs: k.
+        min_sep: b.
     """
 
     kind: str
@@ -164,8 +167,9 @@ class Participation:
     def same_pattern_mask(self) -> np.ndarray:
         """The pairs of rounds one user can both contribute to (Π̂ of 000 Eq. 36).
 
-        Returns: bool array of shape (n, n), True at (i, j), i ≠ j, when one user can train in both
-        rounds.
+        Returns:
+            bool array of shape (n, n), True at (i, j), i ≠ j, when one user can train in both
+            rounds.
         """
         idx = np.arange(self.rounds)
         if self.kind == "fixed-epoch":

@@ -44,12 +44,10 @@ class BuildRequest:
     search_gamma: bool = False
     taper: int | None = None
     tol: float = 5e-4
-    time_budget: float | None = (
-        None  # dense: stop the optimizer after this many seconds (gap reported)
-    )
-    max_iterations: int | None = (
-        None  # dense: stop the optimizer after this many iterations (deterministic)
-    )
+    # dense: stop the optimizer after this many seconds (gap reported)
+    time_budget: float | None = None
+    # dense: stop the optimizer after this many iterations (deterministic)
+    max_iterations: int | None = None
     callback: ProgressCallback | None = None
 
 
@@ -347,8 +345,9 @@ def noise_mode_for(structure: str) -> str:
     structure declare (banded and Toeplitz C → the banded recursion; banded inverse → regenerated
     draws; dense → dense).
 
-    Args: structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``,
-    ``dense``).
+    Args:
+        structure: an encoder structure (``toeplitz``, ``banded``, ``banded-inverse``, ``blt``,
+            ``dense``).
 
     Returns:
         The mode of `corrflow.noise.CorrelatedNoise`.

@@ -104,8 +104,9 @@ def fixed_epoch_sensitivity_from_gram(X: np.ndarray, participation: Participatio
         X: CᵀC, float64 of shape (n, n).
         participation: a fixed-epoch schema over n rounds.
 
-    Returns: Exact (Eq. 3) when X ≥ 0 on every pattern block, else the tighter of the Thm. 2.1 and
-    VecSens upper bounds.
+    Returns:
+        Exact (Eq. 3) when X ≥ 0 on every pattern block, else the tighter of the Thm. 2.1 and
+        VecSens upper bounds.
     """
     require(participation.kind == "fixed-epoch", "participation", "fixed-epoch", participation.kind)
     blocks = _pattern_blocks(X, participation)
@@ -209,8 +210,12 @@ def toeplitz_min_sep_sensitivity(
     """Exact b-min-sep sensitivity of a lower-triangular Toeplitz C in O(n) (003 Thm. 1; arXiv
     2405.13763 Thm. 2).
 
-    Args: coef: the first column of C (its leading entries; the rest are zero), non-negative and
-    non-increasing. n: rounds. min_sep: b. max_participations: k.
+    Args:
+        coef: the first column of C (its leading entries; the rest are zero), non-negative and
+            non-increasing.
+        n: rounds.
+        min_sep: b.
+        max_participations: k.
 
     Returns:
         ‖Σ_{j<k} C[:, j·b]‖.

@@ -31,8 +31,9 @@ def sqrt_coefs(p: int) -> np.ndarray:
     Args:
         p: how many.
 
-    Returns: float64 array of shape (p,): the first p coefficients of (1 − x)^(−1/2), C(2j, j)/4^j =
-    1, 1/2, 3/8, ….
+    Returns:
+        float64 array of shape (p,): the first p coefficients of (1 − x)^(−1/2), C(2j, j)/4^j = 1,
+        1/2, 3/8, ….
     """
     return binomial_series(-0.5, p)
 

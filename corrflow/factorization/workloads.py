@@ -118,8 +118,9 @@ class Workload:
         Args:
             n: rounds.
 
-        Returns: η, float64 of shape (n,): ones, then a linear decay to ``cooldown_final`` over the
-        cooldown rounds.
+        Returns:
+            η, float64 of shape (n,): ones, then a linear decay to ``cooldown_final`` over the
+            cooldown rounds.
         """
         _check_rounds(n)
         eta = np.ones(n)

@@ -2,7 +2,8 @@
 
 Counter-based Gaussian sources (`prng`), the generation modes (`engine`), owner-only,
 hash-checked checkpoints that resume bit for bit, and key segments (`segments`): a restarted
-server draws the rows after its checkpoint with a fresh key. Knows nothing of Flower.
+server draws the rows after its checkpoint with a fresh key; a model too large for one process is
+split into coordinate shards (`shards`). Knows nothing of Flower.
 """
 
 from corrflow.noise.engine import MODES, CorrelatedNoise, default_mode, restore_state, save_state

@@ -75,9 +75,10 @@ def default_mode(factorization: Factorization) -> str:
     Args:
         factorization: a normalised factorization.
 
-    Returns: One of `MODES`: the registry's mode for the encoder's structure
-    (`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
-    DP-SGD's ``identity``.
+    Returns:
+        One of `MODES`: the registry's mode for the encoder's structure
+        (`corrflow.factorization.registry`); a diagonal banded C (one band, not column-rescaled) is
+        DP-SGD's ``identity``.
     """
 
     enc = factorization.encoder
@@ -112,17 +113,23 @@ class CorrelatedNoise:
     banded C, 003 for banded C⁻¹, arXiv 2408.08868 Alg. 3 for BLTs) decides what state is kept
     between rounds.
 
-    Args: factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number
-    of rounds n. shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise
-    comes back in them. stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
-    key: the secret key (default: a fresh one from the OS, `new_secret`); pass one only for
-    audits and restores. prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure``
-    extra). mode: override the mode `default_mode` picks (``dense`` works for any encoder up
-    to a size limit). chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream;
-    it is saved with the state). first_chunk: the global index of the first chunk, for a shard of a
-    larger model (`corrflow.noise.shards`; shapes then cover the shard's coordinates). source:
-    instead of a key, a source that holds only the block keys of the shard's chunks (a noise
-    worker's: it never sees the key).
+    Args:
+        factorization: the mechanism; its encoder C (n × n) fixes the correlation and the number of
+            rounds n.
+        shapes: the model's array shapes, e.g. ``[(784, 10), (10,)]``; each round's noise comes back
+            in them.
+        stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
+        key: the secret key (default: a fresh one from the OS, `new_secret`); pass one only for
+            audits and restores.
+        prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure`` extra).
+        mode: override the mode `default_mode` picks (``dense`` works for any encoder up to a size
+            limit).
+        chunk_size: coordinates per PRNG chunk (the unit of the counter-based stream; it is saved
+            with the state).
+        first_chunk: the global index of the first chunk, for a shard of a larger model
+            (`corrflow.noise.shards`; shapes then cover the shard's coordinates).
+        source: instead of a key, a source that holds only the block keys of the shard's chunks (a
+            noise worker's: it never sees the key).
     """
 
     def __init__(
@@ -176,8 +183,12 @@ class CorrelatedNoise:
         self.first_chunk = first_chunk
         self.rounds = factorization.rounds
         self.next_round = 0
-        enc = factorization.encoder
         self._buffer: np.ndarray | None = None
+        self._prepare_mode(factorization.encoder)
+
+    def _prepare_mode(self, enc) -> None:
+        """Check that the mode fits the encoder and allocate its state: the banded or BLT buffer
+        (zeros), the banded inverse's coefficients, or the dense mode's C⁻¹."""
         if self.mode == "banded":
             require(
                 isinstance(enc, ToeplitzEncoder | BandedEncoder),
@@ -211,8 +222,7 @@ class CorrelatedNoise:
     def __repr__(self) -> str:  # the key stays out of logs
         return (
             f"CorrelatedNoise(mode={self.mode!r}, prng={self.prng!r}, dim={self.dim}, "
-            f"rounds={self.rounds}, "
-            f"next_round={self.next_round})"
+            f"rounds={self.rounds}, next_round={self.next_round})"
         )
 
     # -- public API --------------------------------------------------------------------------------
@@ -244,8 +254,9 @@ class CorrelatedNoise:
         Returns:
             σ·(C⁻¹Z)_t as float32 arrays, one per shape.
 
-        Raises: InvalidArgumentError: a round out of order (without ``replay``) or past the
-        factorization's n.
+        Raises:
+            InvalidArgumentError: a round out of order (without ``replay``) or past the
+                factorization's n.
         """
         if shapes is not None and _normalize_shapes(shapes) != self.shapes:
             raise InvalidArgumentError(
@@ -291,7 +302,8 @@ class CorrelatedNoise:
         earlier rows keep the key that drew them. A server calls this on every start that resumes a
         checkpoint, so that rounds after a restart never repeat the noise of an earlier start.
 
-        Args: key: for tests only; a key the table already holds is refused.
+        Args:
+            key: for tests only; a key the table already holds is refused.
         """
         key = new_secret(self.prng) if key is None else key
         require(
@@ -309,8 +321,9 @@ class CorrelatedNoise:
     def skip_to(self, round_index: int) -> None:
         """Fast-forward a fresh generator so that ``round_index`` is the next round.
 
-        Args: round_index: the next round to release, in [0, n]; the banded or BLT buffer is
-        recomputed from the key (O(round_index · d) work), the regenerating modes need none.
+        Args:
+            round_index: the next round to release, in [0, n]; the banded or BLT buffer is
+                recomputed from the key (O(round_index · d) work), the regenerating modes need none.
         """
         require(
             self.next_round == 0,
@@ -421,9 +434,8 @@ class CorrelatedNoise:
                         dst += zb
 
     def _replay(self, t: int) -> np.ndarray:
-        if (
-            self.mode == "blt"
-        ):  # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+        # the state holds sums, not past outputs: recompute from the key, O(t·B·d)
+        if self.mode == "blt":
             buf = np.zeros_like(self._buffer)
             out = np.empty(self.dim, dtype=np.float32)
             for s in range(t + 1):
@@ -543,16 +555,20 @@ def save_state(
     """Write the generator's state to ``directory``: public JSON (no key) plus the key and the
     model-sized buffer, both owner-only (0600).
 
-    Args: gen: the generator. directory: created if missing. ring: a banded generator in a server's
-    state directory: the buffer's rows go into that file in place, one new row per round instead of
-    the whole (p−1)·d buffer, each with its own MAC in the public JSON (see `_save_ring`). A
-    BLT's B·d state changes in full every round and is written in full.
+    Args:
+        gen: the generator.
+        directory: created if missing.
+        ring: a banded generator in a server's state directory: the buffer's rows go into that file
+            in place, one new row per round instead of the whole (p−1)·d buffer, each with its own
+            MAC in the public JSON (see `_save_ring`). A BLT's B·d state changes in full every round
+            and is written in full.
 
     Returns:
         ``directory`` as a `Path`.
 
     Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
-    that tie them together, so a torn write is detected on restore, never used."""
+    that tie them together, so a torn write is detected on restore, never used.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     public = {
@@ -581,8 +597,10 @@ def save_buffer(gen: CorrelatedNoise, d: Path, ring: str | os.PathLike | None) -
     """Write the model-sized state of ``gen`` (nothing for the regenerating modes): a banded
     buffer's rows into ``ring`` in place when given, else the buffer into ``d`` (owner-only).
 
-    Returns: The public fields that name it: ``ring`` (rows with their MACs) or ``buffer_sha256``
-    (None without a buffer)."""
+    Returns:
+        The public fields that name it: ``ring`` (rows with their MACs) or ``buffer_sha256`` (None
+        without a buffer).
+    """
     if gen._buffer is not None and ring is not None and gen.mode == "banded":
         return {"ring": _save_ring(gen, Path(ring)), "buffer_sha256": None}
     if gen._buffer is None:
@@ -680,8 +698,9 @@ def restore_state(
     Returns:
         The generator, positioned at the saved next round.
 
-    Raises: IntegrityError: a missing, corrupted, torn or foreign file (a ring row that fails its
-    MAC included), or another factorization.
+    Raises:
+        IntegrityError: a missing, corrupted, torn or foreign file (a ring row that fails its MAC
+            included), or another factorization.
     """
     d = Path(directory)
     try:
@@ -738,7 +757,9 @@ def restore_buffer(
     """Fill ``gen``'s model-sized state from what `save_buffer` wrote (``public``: its fields),
     every row or the whole buffer checked against its MAC or hash.
 
-    Raises: IntegrityError: a missing, torn, edited or misshapen buffer or ring row."""
+    Raises:
+        IntegrityError: a missing, torn, edited or misshapen buffer or ring row.
+    """
     if gen._buffer is not None and "ring" in public:
         if gen.mode != "banded":
             raise IntegrityError(f"{d}: a ring of rows is only for the banded mode, not {gen.mode}")

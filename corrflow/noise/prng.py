@@ -150,8 +150,8 @@ def new_secret(prng: str = "philox") -> bytes:
     Args:
         prng: ``"philox"`` or ``"chacha"``; fixes the key length.
 
-    Returns: The key bytes (never logged; stored owner-only by
-    `save_state`).
+    Returns:
+        The key bytes (never logged; stored owner-only by `save_state`).
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
     return secrets.token_bytes(KEY_BYTES[prng])
@@ -189,8 +189,10 @@ def make_block_source(prng: str, blocks: Mapping[int, bytes]) -> GaussianSource:
 def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
     """An audit key from a user-given seed (``corrflow noise sample --seed``).
 
-    Args: seed: bytes of the key's length, hex of the key's length (taken as the key), or any other
-    text or integer (hashed with SHA-256). prng: ``"philox"`` or ``"chacha"``.
+    Args:
+        seed: bytes of the key's length, hex of the key's length (taken as the key), or any other
+            text or integer (hashed with SHA-256).
+        prng: ``"philox"`` or ``"chacha"``.
 
     Returns:
         The key bytes.

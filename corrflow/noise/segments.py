@@ -104,8 +104,10 @@ class SegmentTable:
     def from_private(cls, data: bytes, public: list[dict] | None, where: str) -> SegmentTable:
         """Parse `to_private`'s bytes and check them against the public fingerprints.
 
-        Raises: IntegrityError naming ``where``: unreadable, or keys that do not match the
-        fingerprints recorded beside them."""
+        Raises:
+            IntegrityError: (naming ``where``) unreadable, or keys that do not match the
+                fingerprints recorded beside them.
+        """
         try:
             rows = json.loads(data)
             table = cls(tuple(KeySegment(int(r), bytes.fromhex(k)) for r, k in rows))

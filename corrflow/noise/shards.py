@@ -85,7 +85,8 @@ def plan_shards(dim: int, workers: int, chunk_size: int = DEFAULT_CHUNK) -> tupl
     Returns:
         N shards covering [0, d) in order.
 
-    Raises: InvalidArgumentError (``noise-workers``): more workers than the model has chunks.
+    Raises:
+        InvalidArgumentError: (``noise-workers``) more workers than the model has chunks.
     """
     chunks = max(1, math.ceil(dim / chunk_size))
     require(
@@ -171,8 +172,12 @@ class ShardNoise(CorrelatedNoise):
     """`CorrelatedNoise` of one shard's coordinates, drawn from block keys only: its rounds are
     the single process's σ·(C⁻¹Z)_t restricted to [shard.lo, shard.hi), bit for bit.
 
-    Args: factorization: the run's. shard: the worker's coordinates. secrets: its block keys and
-    MAC key (`shard_secrets`). mode: as the server's generator's. chunk_size: the run's.
+    Args:
+        factorization: the run's.
+        shard: the worker's coordinates.
+        secrets: its block keys and MAC key (`shard_secrets`).
+        mode: as the server's generator's.
+        chunk_size: the run's.
     """
 
     def __init__(
@@ -264,12 +269,17 @@ def restore_shard(
 ) -> ShardNoise:
     """The worker's generator at ``next_round``, from the state `save_shard` wrote there.
 
-    Args: root: the worker's state directory. factorization: the run's. shard: the worker's.
-    secrets: its secrets (`shard_secrets`). next_round: the server's checkpoint's. digest: the
-    SHA-256 the server's checkpoint recorded for this shard.
+    Args:
+        root: the worker's state directory.
+        factorization: the run's.
+        shard: the worker's.
+        secrets: its secrets (`shard_secrets`).
+        next_round: the server's checkpoint's.
+        digest: the SHA-256 the server's checkpoint recorded for this shard.
 
-    Raises: IntegrityError naming the worker: a missing state, one that is not the one the server
-    recorded (another round, an edited file), or a ring row that fails its MAC.
+    Raises:
+        IntegrityError: (naming the worker) a missing state, one that is not the one the server
+            recorded (another round, an edited file), or a ring row that fails its MAC.
     """
     who = shard.describe()
     d = _round_dir(Path(root), shard, next_round)

@@ -3,7 +3,7 @@ computed with TensorFlow ops on the default device (a GPU when TensorFlow sees o
 
 Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk),
 so each (round, chunk) draw is a pure function of the secret key — deterministic for a key on a
-given device, but not bit-identical to the NumPy backend (the issue asks for the same distribution,
+given device, but not bit-identical to the NumPy backend (the promise is the same distribution,
 not the same bits).
 """
 
@@ -89,9 +89,8 @@ class TFCorrelatedNoise(CorrelatedNoise):
                 if p > 1:
                     buf[t % (p - 1), lo:hi].assign(acc)
                 parts.append(acc)
-        elif (
-            self.mode == "blt"
-        ):  # the engine's recursion, in float64 with a float32 state (engine docstring)
+        # the engine's recursion, in float64 with a float32 state (engine docstring)
+        elif self.mode == "blt":
             enc = self.factorization.encoder
             for c, lo, hi in self._chunks():
                 y = tf.cast(self._source.normal(t, c, hi - lo), tf.float64)

@@ -70,8 +70,9 @@ class AttributionGraph:
     def from_pairs(cls, pairs: Iterable[tuple[object, object]]) -> AttributionGraph:
         """Build a graph from links.
 
-        Args: pairs: iterable of (item id, user id); ids are converted to strings and repeated pairs
-        merged.
+        Args:
+            pairs: iterable of (item id, user id); ids are converted to strings and repeated pairs
+                merged.
 
         Returns:
             The graph, items and users indexed in order of first appearance.
@@ -89,14 +90,16 @@ class AttributionGraph:
 def load_attribution(path: str | os.PathLike) -> AttributionGraph:
     """Read an attribution file (``--attribution``).
 
-    Args: path: ``.csv`` with header ``item,user`` (one row per link), or ``.jsonl`` with ``{"item":
-    id, "users": [ids]}`` per line.
+    Args:
+        path: ``.csv`` with header ``item,user`` (one row per link), or ``.jsonl`` with ``{"item":
+            id, "users": [ids]}`` per line.
 
     Returns:
         The attribution graph.
 
-    Raises: InvalidArgumentError: a missing file, another format, or a malformed row (naming the
-    file and line).
+    Raises:
+        InvalidArgumentError: a missing file, another format, or a malformed row (naming the file
+            and line).
     """
     path = Path(path)
     require(path.is_file(), "attribution", "an existing .csv or .jsonl file", str(path))
@@ -156,9 +159,8 @@ class BoundingReport:
 
     kept: list[int]  # item indices kept
     dropped: int
-    dropped_by_full_user: dict[str, int] = field(
-        default_factory=dict
-    )  # user id -> items refused for it
+    # user id -> items refused for it
+    dropped_by_full_user: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -174,12 +176,15 @@ def bound_contributions(
     """Greedy contribution bounding (004 §6, arXiv 2602.09338): visit items in a seeded random order
     and keep an item iff all its users hold fewer than ``max_items_per_user`` kept items.
 
-    Args: graph: items → users. max_items_per_user: k_u ≥ 1; after bounding each user is behind at
-    most k_u kept items, which is the planned sensitivity of a multi-attribution run. seed: seeds
-    the visiting order (public).
+    Args:
+        graph: items → users.
+        max_items_per_user: k_u ≥ 1; after bounding each user is behind at most k_u kept items,
+            which is the planned sensitivity of a multi-attribution run.
+        seed: seeds the visiting order (public).
 
-    Returns: The kept item indices (sorted), the number dropped, and per user at the cap the items
-    refused for it.
+    Returns:
+        The kept item indices (sorted), the number dropped, and per user at the cap the items
+        refused for it.
     """
     require(
         isinstance(max_items_per_user, int) and max_items_per_user >= 1,

@@ -70,13 +70,17 @@ class CohortPlanner:
     """Who trains in each round: the fixed-epoch schedule (000 §2) or one of the samplers (004, 001
     Alg. 2).
 
-    Args: kind: one of `PARTICIPATIONS` (``fixed-epoch``, ``bminsep``, ``multi-attribution``,
-    ``poisson``, ``cyclic-poisson``). items: the item ids (SuperNodes' user ids, or examples in
-    cross-silo mode), distinct. item_users: for each item, the indices of its users in ``users``.
-    users: the user ids. rounds: n. min_sep: b (fixed-epoch: n/k; poisson: 1). rate: p0, the
-    probability an item is offered in a round (samplers; 0: 1/(2b)); the sampler's own p follows
-    (b-min-sep: 1/p0 = 1/p + (b − 1); cyclic Poisson: q = b·p0). seed: the public schedule seed
-    (amplified runs replace it with `seed_privately`).
+    Args:
+        kind: one of `PARTICIPATIONS` (``fixed-epoch``, ``bminsep``, ``multi-attribution``,
+            ``poisson``, ``cyclic-poisson``).
+        items: the item ids (SuperNodes' user ids, or examples in cross-silo mode), distinct.
+        item_users: for each item, the indices of its users in ``users``.
+        users: the user ids.
+        rounds: n.
+        min_sep: b (fixed-epoch: n/k; poisson: 1).
+        rate: p0, the probability an item is offered in a round (samplers; 0: 1/(2b)); the sampler's
+            own p follows (b-min-sep: 1/p0 = 1/p + (b − 1); cyclic Poisson: q = b·p0).
+        seed: the public schedule seed (amplified runs replace it with `seed_privately`).
     """
 
     def __init__(
@@ -212,15 +216,15 @@ class CohortPlanner:
         Args:
             t: the round, 0-based, in [0, n).
 
-        Returns: The item ids of round t, sorted. Rounds are drawn in order; an earlier round is
-        replayed from the seed.
+        Returns:
+            The item ids of round t, sorted. Rounds are drawn in order; an earlier round is replayed
+            from the seed.
         """
         require(0 <= t < self.rounds, "round", f"in [0, {self.rounds})", t)
         if self.kind == "fixed-epoch":
             return sorted(self.items[i] for i in self.groups[t % self.min_sep])
-        if (
-            t not in self._cohorts and t < self._sampler.next_round
-        ):  # an old round: replay from the seed
+        # an old round: replay from the seed
+        if t not in self._cohorts and t < self._sampler.next_round:
             self._sampler, self._cohorts = self._new_sampler(), {}
         while self._sampler.next_round <= t:
             r = self._sampler.next_round

@@ -75,10 +75,13 @@ class BMinSepSampler:
     """b-min-sep Poisson sampling (004 Alg. 1/2, arXiv 2602.09338): each item not selected in the
     last b − 1 rounds is selected with probability p.
 
-    Args: num_items: N. min_sep: b. p: the Poisson probability among eligible items
-    (`probability_for_rate` from a rate p0). seed: round t draws from ``default_rng([seed, 0,
-    t])``. warm: start from the stationary distribution (004 Alg. 2) so that every round has rate
-    p0; else cold (Alg. 1: every item eligible at round 0).
+    Args:
+        num_items: N.
+        min_sep: b.
+        p: the Poisson probability among eligible items (`probability_for_rate` from a rate p0).
+        seed: round t draws from ``default_rng([seed, 0, t])``.
+        warm: start from the stationary distribution (004 Alg. 2) so that every round has rate p0;
+            else cold (Alg. 1: every item eligible at round 0).
     """
 
     def __init__(self, num_items: int, min_sep: int, p: float, seed: int, warm: bool = True):
@@ -110,8 +113,9 @@ class BMinSepSampler:
             p0: the per-round participation rate, in (0, 1/b].
             min_sep: b.
 
-        Returns: p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1). At p0 = 1/b (population/cohort =
-        b exactly) the algebra gives p = 1, returned exactly (rounding never leaves [0, 1]).
+        Returns:
+            p = p0/(1 − p0(b − 1)), i.e. 1/p0 = 1/p + (b − 1). At p0 = 1/b (population/cohort = b
+            exactly) the algebra gives p = 1, returned exactly (rounding never leaves [0, 1]).
         """
         require(
             0 < p0 <= rate_limit(min_sep),
@@ -124,8 +128,9 @@ class BMinSepSampler:
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """Draw the next round's cohort.
 
-        Args: available: optional bool mask of shape (num_items,): the items reachable this round
-        (offline items are not selected).
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round
+                (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -141,8 +146,11 @@ class BMinSepSampler:
         return chosen
 
     def state(self) -> dict:
-        """Returns: The sampler's small state: the next round and each item's last selected round
-        (int64, (num_items,)).
+        """The sampler's small state, for checkpoints.
+
+        Returns:
+            ``{"next_round", "last"}``: the next round and each item's last selected round (int64,
+            (num_items,)).
         """
         return {"next_round": self.next_round, "last": self.last.copy()}
 
@@ -202,8 +210,9 @@ class MultiAttributionSampler:
         """Draw the next round's cohort: the interim Poisson sample minus items with a user in
         cooldown.
 
-        Args: available: optional bool mask of shape (num_items,): the items reachable this round
-        (offline items are not selected).
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round
+                (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -219,9 +228,8 @@ class MultiAttributionSampler:
         mask = _check_available(available, self.n)
         if mask is not None:
             chosen = chosen[mask[chosen]]
-        self.user_last[users] = (
-            t  # every user of every sampled item starts a cooldown, selected or not
-        )
+        # every user of every sampled item starts a cooldown, selected or not
+        self.user_last[users] = t
         self.next_round += 1
         return chosen
 
@@ -249,8 +257,9 @@ class BallsInBinsSampler:
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """The next round's bin.
 
-        Args: available: optional bool mask of shape (num_items,): the items reachable this round
-        (offline items are not selected).
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round
+                (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).
@@ -287,8 +296,9 @@ class CyclicPoissonSampler:
     def sample(self, available: Sequence[bool] | None = None) -> np.ndarray:
         """Draw the next round's cohort from part t mod cycle.
 
-        Args: available: optional bool mask of shape (num_items,): the items reachable this round
-        (offline items are not selected).
+        Args:
+            available: optional bool mask of shape (num_items,): the items reachable this round
+                (offline items are not selected).
 
         Returns:
             The selected item indices, int64, sorted, shape (cohort,).

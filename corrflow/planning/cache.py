@@ -19,7 +19,7 @@ from corrflow.errors import IntegrityError
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-CACHE_FORMAT = 2  # 2: exact Gaussian and Brent-calibrated σ (issue 24)
+CACHE_FORMAT = 2  # 2: exact Gaussian curve and Brent-calibrated σ (1: PLD grid search)
 
 
 def default_cache_dir(out: Path | None) -> Path:
@@ -43,8 +43,9 @@ def cache_key(params: dict) -> str:
     Args:
         params: JSON-serialisable parameters (values that are not are written with ``str``).
 
-    Returns: The SHA-256 hex digest of the canonical (sorted-key) JSON of ``params`` and the cache
-    format.
+    Returns:
+        The SHA-256 hex digest of the canonical (sorted-key) JSON of ``params`` and the cache
+        format.
     """
     return hashlib.sha256(
         json.dumps({"format": CACHE_FORMAT, **params}, sort_keys=True, default=str).encode()
@@ -72,9 +73,10 @@ class PlanCache:
 
         A stored file that fails its integrity check is deleted and rebuilt, never used.
 
-        Args: params: every parameter the factorization depends on (kind, rounds, epochs, min-sep,
-        bands, workload, γ, taper, stamps, tolerance, ...). build: builds the factorization on a
-        miss.
+        Args:
+            params: every parameter the factorization depends on (kind, rounds, epochs, min-sep,
+                bands, workload, γ, taper, stamps, tolerance, ...).
+            build: builds the factorization on a miss.
 
         Returns:
             (factorization, cached): ``cached`` is True when it was read from the cache.
@@ -100,9 +102,11 @@ class PlanCache:
         A stored entry is used only when its params match and its result passes ``valid`` (an edited
         or corrupted file is recomputed, never printed); a fresh result is written atomically.
 
-        Args: params: every input of the calibration (factorization hash, accountant, sampling,
-        target, ...). compute: computes the JSON-serialisable result on a miss. valid: an optional
-        check of a stored result.
+        Args:
+            params: every input of the calibration (factorization hash, accountant, sampling,
+                target, ...).
+            compute: computes the JSON-serialisable result on a miss.
+            valid: an optional check of a stored result.
 
         Returns:
             (result, cached): ``cached`` is True when it was read from the cache.

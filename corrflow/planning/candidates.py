@@ -98,18 +98,26 @@ class PlanRequest:
     """What ``corrflow plan`` is asked: the run's size, its privacy target and the budgets a recipe
     must fit.
 
-    Attributes: rounds: n. population: P, the users (≥ cohort_size). cohort_size: B, the users per
-    round. target_epsilon: ε > 0. delta: δ in (0, 1). memory_budget: bytes of noise state (inf:
-    none). noise_time_budget: seconds of noise generation per round (inf: none). model_params: d.
-    kinds: the factorization kinds to plan (`DEFAULT_KINDS`). accountants: the accountants
-    (None: the cheap defaults, `accountant_list`). momentum: the server optimizer's momentum
-    β. cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown. tol: the
-    dense optimizer's duality-gap tolerance. time_budget: wall-clock seconds after which the plan
-    aborts with no recipe (None: none). mc_samples: Monte Carlo samples per direction.
-    dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
-    damping: κ of the trained task (`corrflow.planning.score.Damping`): the candidates are ranked
-    by the closed-loop error of the final model at κ; None: by RMSE at the target ε (the open-loop
-    score of the workload's iterates).
+    Attributes:
+        rounds: n.
+        population: P, the users (≥ cohort_size).
+        cohort_size: B, the users per round.
+        target_epsilon: ε > 0.
+        delta: δ in (0, 1).
+        memory_budget: bytes of noise state (inf: none).
+        noise_time_budget: seconds of noise generation per round (inf: none).
+        model_params: d.
+        kinds: the factorization kinds to plan (`DEFAULT_KINDS`).
+        accountants: the accountants (None: the cheap defaults, `accountant_list`).
+        momentum: the server optimizer's momentum β.
+        cooldown_fraction: the fraction of rounds with a linear learning-rate cooldown.
+        tol: the dense optimizer's duality-gap tolerance.
+        time_budget: wall-clock seconds after which the plan aborts with no recipe (None: none).
+        mc_samples: Monte Carlo samples per direction.
+        dense_iterations: the dense optimizer's iteration budget (None: `dense_iterations` of n).
+        damping: κ of the trained task (`corrflow.planning.score.Damping`): the candidates are
+            ranked by the closed-loop error of the final model at κ; None: by RMSE at the target ε
+            (the open-loop score of the workload's iterates).
 
     Raises:
         InvalidArgumentError: a field out of range, naming its CLI flag (without ``--``).
@@ -128,13 +136,11 @@ class PlanRequest:
     momentum: float = 0.9
     cooldown_fraction: float = 0.25
     tol: float = 5e-4
-    time_budget: float | None = (
-        None  # wall-clock seconds after which the plan aborts (no recipe); None: none
-    )
+    # wall-clock seconds after which the plan aborts (no recipe); None: none
+    time_budget: float | None = None
     mc_samples: int = 100_000
-    dense_iterations: int | None = (
-        None  # the dense optimizer's iteration budget; None: dense_iterations(n)
-    )
+    # the dense optimizer's iteration budget; None: dense_iterations(n)
+    dense_iterations: int | None = None
     damping: Damping | None = None  # None: rank by RMSE at the target ε
 
     def __post_init__(self) -> None:
@@ -226,9 +232,9 @@ class PlanRequest:
     def accountant_list(self) -> tuple[list[str], list[dict]]:
         """The accountants the plan runs.
 
-        Returns: (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the
-        requested ones, or unamplified, cyclic-poisson and MMCC up to
-        `MMCC_DEFAULT_MAX_ROUNDS` rounds.
+        Returns:
+            (accountants to run, skipped accountants as ``{"accountant", "reason"}``): the requested
+            ones, or unamplified, cyclic-poisson and MMCC up to `MMCC_DEFAULT_MAX_ROUNDS` rounds.
         """
         if self.accountants is not None:
             return list(self.accountants), [
@@ -270,8 +276,9 @@ class PlanRequest:
     def band_grid(self) -> list[int]:
         """The band counts the plan tries.
 
-        Returns: Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule
-        of thumb r (within [1, b]).
+        Returns:
+            Sorted: powers of two up to b, b itself, and ⌈r⌉, ⌈1.5r⌉, ⌈2r⌉, ⌈3r⌉ for the rule of
+            thumb r (within [1, b]).
         """
         b = self.min_sep
         grid = {2**i for i in range(int(math.log2(b)) + 1)} | {b}
@@ -328,8 +335,10 @@ class Candidate:
         )
 
     def key(self) -> tuple:
-        """Returns: (kind, bands, accountant, min_sep): the candidate's identity in
-        `PlanResult.factorizations`.
+        """The candidate's identity in `PlanResult.factorizations`.
+
+        Returns:
+            (kind, bands, accountant, min_sep).
         """
         return (self.kind, self.bands, self.accountant, self.min_sep)
 
@@ -363,9 +372,8 @@ class PlanResult:
     seconds: float
     cache_hits: int
     cache_misses: int
-    factorizations: dict = field(
-        default_factory=dict
-    )  # (kind, bands, participation kind) → Factorization
+    # (kind, bands, participation kind) → Factorization
+    factorizations: dict = field(default_factory=dict)
     noise_cost: dict = field(default_factory=dict)
 
 
@@ -400,8 +408,11 @@ def participation_of(
 ) -> tuple[Participation, str, float]:
     """The participation an accountant analyses (module docstring).
 
-    Args: req: the plan request. accountant: one of `PLAN_ACCOUNTANTS`. min_sep: the sampler's
-    b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling every round).
+    Args:
+        req: the plan request.
+        accountant: one of `PLAN_ACCOUNTANTS`.
+        min_sep: the sampler's b for amplified accountants (default ⌊P/B⌋; 1 = Poisson sampling
+            every round).
 
     Returns:
         (factorization participation, strategy participation name, participation rate p0 = B/P).
@@ -426,8 +437,9 @@ def sampling_of(req: PlanRequest, accountant: str, min_sep: int | None = None) -
         accountant: one of `PLAN_ACCOUNTANTS`.
         min_sep: the sampler's b (default ⌊P/B⌋).
 
-    Returns: The `SamplingSpec` (b-min-sep for Monte Carlo,
-    004 §1.5; cyclic Poisson with q = b·B/P otherwise; none for unamplified).
+    Returns:
+        The `SamplingSpec` (b-min-sep for Monte Carlo, 004 §1.5; cyclic Poisson with q = b·B/P
+        otherwise; none for unamplified).
     """
     if accountant == "unamplified":
         return SamplingSpec()
@@ -459,8 +471,9 @@ def applicable(req: PlanRequest, fac: Factorization, accountant: str) -> str | N
         fac: the candidate's factorization.
         accountant: one of `PLAN_ACCOUNTANTS`.
 
-    Returns: None when it can, else the reason it cannot (the encoder's structure, more than b
-    bands, or negative entries for MMCC).
+    Returns:
+        None when it can, else the reason it cannot (the encoder's structure, more than b bands, or
+        negative entries for MMCC).
     """
     spec = REGISTRY[fac.kind]
     if accountant not in spec.accountants:
@@ -498,6 +511,182 @@ def _for_participation(fac: Factorization, part: Participation, cache: PlanCache
     )[0]
 
 
+class _Deadline:
+    """The plan's ``--time-budget``: called between steps, it stops the plan once spent."""
+
+    def __init__(self, budget: float | None):
+        self.start = time.perf_counter()
+        self.budget = budget
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, where: str) -> None:
+        spent = self.spent()
+        if self.budget is not None and spent > self.budget:
+            raise PlanStoppedError(
+                f"plan stopped by --time-budget {self.budget:g} s after {spent:.0f} s, "
+                f"{where}; no recipe written (a plan's recipe depends on its inputs only, so it "
+                "is never cut short: rerun without --time-budget or with a larger one — the "
+                "cache keeps what was built)"
+            )
+
+
+def _build_jobs(req: PlanRequest) -> list[tuple[str, int | None]]:
+    """Every (kind, bands) to build: each banded kind over the band grid, dense last (it gets what
+    is left of the time budget)."""
+    jobs: list[tuple[str, int | None]] = []
+    for kind in req.kinds:
+        if REGISTRY[kind].takes_bands:
+            jobs += [(kind, p) for p in req.band_grid()]
+        else:
+            jobs.append((kind, None))
+    jobs.sort(key=lambda j: j[0] == "dense")
+    return jobs
+
+
+def _noise_cost(req: PlanRequest, costs: dict, kind: str, bands: int | None) -> tuple[int, float]:
+    """The noise state's bytes and seconds per round of ``kind`` at ``bands`` for the model."""
+    spec = REGISTRY[kind]
+    d = req.model_params
+    mem = spec.noise_state_bytes(bands, d, req.rounds)
+    secs = d * (
+        spec.draws_per_round(bands, req.rounds) * costs["seconds_per_draw"]
+        + max(spec.multiply_adds_per_round(bands, req.rounds), 0.0)
+        * costs["seconds_per_multiply_add"]
+    )
+    return mem, secs
+
+
+def _build(
+    req: PlanRequest,
+    cache: PlanCache,
+    kind: str,
+    bands: int | None,
+    base_part: Participation,
+    deadline: _Deadline,
+    quiet: bool,
+) -> tuple[Factorization, bool]:
+    """Build (or load from the cache) the unamplified factorization of one job, checking the
+    deadline at every optimizer iteration; returns it and whether it came from the cache."""
+    with Progress(f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet) as cb:
+
+        def guarded(it, f):
+            deadline(f"while building {kind} (iteration {it})")
+            cb(it, f)
+
+        return cache.factorization(
+            _build_params(req, kind, bands, base_part),
+            lambda: factorize(
+                kind,
+                base_part,
+                req.workload,
+                bands=bands,
+                tol=req.tol,
+                callback=guarded,
+                max_iterations=req.dense_iteration_budget if kind == "dense" else None,
+            ),
+        )
+
+
+def _variants(
+    req: PlanRequest, accountants: list[str], kind: str, fac: Factorization
+) -> list[tuple[str, int | None]]:
+    """The (accountant, sampler separation) pairs to plan a built factorization under.
+
+    With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified, so a
+    p-banded C (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its own separation
+    b = p, the largest the reduction allows for p bands (001 Prop. 2.1), q = p·B/P. For p = 1
+    (DP-SGD) that is Poisson sampling in every round (b = 1, q = B/P): the amplified DP-SGD
+    baseline.
+    """
+    variants: list[tuple[str, int | None]] = [(acc, None) for acc in accountants]
+    own_b = fac.bands or 1
+    if (
+        "cyclic-poisson" in accountants
+        and "cyclic-poisson" in REGISTRY[kind].accountants
+        and own_b < req.min_sep
+    ):
+        variants.append(("cyclic-poisson", own_b))
+    return variants
+
+
+def _candidate_notes(req: PlanRequest, kind: str, fac: Factorization) -> dict:
+    """What the ranking table shows beside a candidate: dense's convergence, γ, BLT buffers."""
+    notes: dict = {}
+    if kind == "dense":
+        notes = {k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")}
+        notes["max_iterations"] = req.dense_iteration_budget
+    if "gamma" in fac.metadata:
+        notes["gamma"] = fac.metadata["gamma"]
+    if "buffers" in fac.metadata:  # blt: B buffers of d float32 (noise_state_bytes)
+        notes["buffers"] = fac.metadata["buffers"]
+    return notes
+
+
+@dataclass
+class _Planning:
+    """What every candidate of one plan shares: the request, cache, deadline, the closed-loop
+    response the score uses (None: rank by RMSE) and the lists being filled."""
+
+    req: PlanRequest
+    cache: PlanCache
+    deadline: _Deadline
+    response: np.ndarray | None
+    skipped: list[dict]
+    cands: list[Candidate] = field(default_factory=list)
+    facs: dict = field(default_factory=dict)
+
+    def add(self, kind, bands, fac, cached, acc, sampler_b, mem, secs) -> None:
+        """Plan ``fac`` under accountant ``acc`` (and sampler separation ``sampler_b``): adapt it to
+        the participation, calibrate σ and score it; a failure is recorded in ``skipped``."""
+        req = self.req
+        part, strategy, p0 = participation_of(req, acc, sampler_b)
+        try:
+            fac_a = _for_participation(fac, part, self.cache)
+        except CorrflowError as exc:
+            self.skipped.append(
+                {"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)}
+            )
+            return
+        if applicable(req, fac_a, acc) is not None:
+            return
+        cand = Candidate(
+            kind,
+            fac.bands if REGISTRY[kind].takes_bands else None,
+            acc,
+            strategy,
+            p0 if strategy != "fixed-epoch" else 0.0,
+            part.min_sep,
+            noise_state_bytes=mem,
+            noise_seconds_per_round=secs,
+            build_seconds=float(fac.metadata.get("seconds", 0.0)),
+            cached=cached,
+            factorization_sha256=fac_a.sha256(),
+        )
+        cand.notes = _candidate_notes(req, kind, fac)
+        self.deadline(f"before calibrating {cand.label()}")
+        try:
+            _calibrate(req, self.cache, cand, fac_a)
+        except CorrflowError as exc:
+            self.skipped.append(
+                {
+                    "kind": kind,
+                    "bands": bands,
+                    "accountant": acc,
+                    "reason": f"calibration failed: {exc}",
+                }
+            )
+            return
+        if self.response is not None:
+            cand.closed_loop_error = cand.noise_multiplier * closed_loop_error(fac_a, self.response)
+        cand.score = cand.rmse if self.response is None else cand.closed_loop_error
+        cand.over_budget = _over_budget(req, mem, secs)
+        cand.fits = not cand.over_budget
+        self.facs[cand.key()] = fac_a
+        self.cands.append(cand)
+
+
 def _say(quiet: bool, line: str) -> None:
     """One plain progress line on stderr: a progress bar shows only on a terminal, and a plan
     takes minutes."""
@@ -519,176 +708,29 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
     Raises:
         PlanStoppedError: the plan ran past ``req.time_budget``.
     """
-    start = time.perf_counter()
-
-    def deadline_check(where: str) -> None:
-        spent = time.perf_counter() - start
-        if req.time_budget is not None and spent > req.time_budget:
-            raise PlanStoppedError(
-                f"plan stopped by --time-budget {req.time_budget:g} s after {spent:.0f} s, "
-                f"{where}; no recipe written (a plan's recipe depends on its inputs only, so it "
-                "is never cut short: rerun without --time-budget or with a larger one — the "
-                "cache keeps what was built)"
-            )
-
+    deadline = _Deadline(req.time_budget)
     accountants, skipped = req.accountant_list()
     costs = noise_unit_costs()
     base_part = participation_of(req, "unamplified")[0]
-    jobs: list[tuple[str, int | None]] = []
-    for kind in req.kinds:
-        spec = REGISTRY[kind]
-        if spec.takes_bands:
-            jobs += [(kind, p) for p in req.band_grid()]
-        else:
-            jobs.append((kind, None))
-    jobs.sort(key=lambda j: j[0] == "dense")  # dense last, with what is left of the time budget
-    cands: list[Candidate] = []
-    facs: dict = {}
+    jobs = _build_jobs(req)
     response = (
         None
         if req.damping is None
         else closed_loop_response(req.workload, req.rounds, req.damping.kappa)
     )
-
-    def cost_of(kind: str, bands: int | None) -> tuple[int, float]:
-        spec = REGISTRY[kind]
-        d = req.model_params
-        mem = spec.noise_state_bytes(bands, d, req.rounds)
-        secs = d * (
-            spec.draws_per_round(bands, req.rounds) * costs["seconds_per_draw"]
-            + max(spec.multiply_adds_per_round(bands, req.rounds), 0.0)
-            * costs["seconds_per_multiply_add"]
-        )
-        return mem, secs
-
+    planning = _Planning(req, cache, deadline, response, skipped)
     with Progress("plan: candidates", total=len(jobs), quiet=quiet, unit="candidates") as tick:
         for done, (kind, bands) in enumerate(jobs):
             tick(done)
-            spec = REGISTRY[kind]
-            mem, secs = cost_of(kind, bands)
-            over = _over_budget(req, mem, secs)
-            if spec.fixed_epoch_only and not req.fixed_epoch:
-                skipped.append(
-                    {
-                        "kind": kind,
-                        "reason": f"needs fixed-epoch participation (b·k = n); here "
-                        f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}",
-                    }
-                )
-                continue
-            if (
-                kind == "dense" and over
-            ):  # the one build too slow to make only to report it over budget
-                skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
-                continue
-            deadline_check(f"before building {kind}" + (f"[{bands}]" if bands else ""))
             _say(
                 quiet,
                 f"plan: candidate {done + 1} of {len(jobs)}: {kind}"
                 + (f"[{bands}]" if bands else "")
-                + " (build, cached after the first plan; calibrate σ for each accountant)",
+                + " (built once, then cached; σ calibrated for each accountant)",
             )
-            try:
-                with Progress(
-                    f"plan: build {kind}" + (f" bands={bands}" if bands else ""), quiet=quiet
-                ) as cb:
-
-                    def guarded(it, f, cb=cb, kind=kind):
-                        deadline_check(f"while building {kind} (iteration {it})")
-                        cb(it, f)
-
-                    fac, cached = cache.factorization(
-                        _build_params(req, kind, bands, base_part),
-                        lambda kind=kind, bands=bands, cb=guarded: factorize(
-                            kind,
-                            base_part,
-                            req.workload,
-                            bands=bands,
-                            tol=req.tol,
-                            callback=cb,
-                            max_iterations=req.dense_iteration_budget if kind == "dense" else None,
-                        ),
-                    )
-            except CorrflowError as exc:
-                skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
-                continue
-            eff_bands = fac.bands if spec.takes_bands else None
-            mem, secs = cost_of(
-                kind,
-                spec.size_of(fac.encoder)
-                if spec.noise_mode in ("banded", "banded-inverse", "blt")
-                else bands,
-            )
-            # With b = ⌊P/B⌋ the cyclic sampler's q = b·B/P is close to 1 and nothing is amplified,
-            # so a p-banded C (p < ⌊P/B⌋) is also planned under the cyclic Poisson sampler with its
-            # own separation b = p, the largest the reduction allows for p bands (001 Prop. 2.1), q
-            # = p·B/P. For p = 1 (DP-SGD) that is Poisson sampling in every round (b = 1, q = B/P):
-            # the amplified DP-SGD baseline.
-            variants = [(acc, None) for acc in accountants]
-            own_b = fac.bands or 1
-            if (
-                "cyclic-poisson" in accountants
-                and "cyclic-poisson" in spec.accountants
-                and own_b < req.min_sep
-            ):
-                variants.append(("cyclic-poisson", own_b))
-            for acc, sampler_b in variants:
-                part, strategy, p0 = participation_of(req, acc, sampler_b)
-                try:
-                    fac_a = _for_participation(fac, part, cache)
-                except CorrflowError as exc:
-                    skipped.append(
-                        {"kind": kind, "bands": bands, "accountant": acc, "reason": str(exc)}
-                    )
-                    continue
-                why = applicable(req, fac_a, acc)
-                if why is not None:
-                    continue
-                cand = Candidate(
-                    kind,
-                    eff_bands,
-                    acc,
-                    strategy,
-                    p0 if strategy != "fixed-epoch" else 0.0,
-                    part.min_sep,
-                    noise_state_bytes=mem,
-                    noise_seconds_per_round=secs,
-                    build_seconds=float(fac.metadata.get("seconds", 0.0)),
-                    cached=cached,
-                    factorization_sha256=fac_a.sha256(),
-                )
-                if kind == "dense":
-                    cand.notes = {
-                        k: fac.metadata.get(k) for k in ("converged", "relative_gap", "iterations")
-                    }
-                    cand.notes["max_iterations"] = req.dense_iteration_budget
-                if "gamma" in fac.metadata:
-                    cand.notes["gamma"] = fac.metadata["gamma"]
-                if "buffers" in fac.metadata:  # blt: B buffers of d float32 (noise_state_bytes)
-                    cand.notes["buffers"] = fac.metadata["buffers"]
-                deadline_check(f"before calibrating {cand.label()}")
-                try:
-                    _calibrate(req, cache, cand, fac_a)
-                except CorrflowError as exc:
-                    skipped.append(
-                        {
-                            "kind": kind,
-                            "bands": bands,
-                            "accountant": acc,
-                            "reason": f"calibration failed: {exc}",
-                        }
-                    )
-                    continue
-                if response is not None:
-                    cand.closed_loop_error = cand.noise_multiplier * closed_loop_error(
-                        fac_a, response
-                    )
-                cand.score = cand.rmse if response is None else cand.closed_loop_error
-                cand.over_budget = _over_budget(req, mem, secs)
-                cand.fits = not cand.over_budget
-                facs[cand.key()] = fac_a
-                cands.append(cand)
+            _plan_job(planning, kind, bands, base_part, accountants, costs, quiet)
         tick(len(jobs))
+    cands = planning.cands
     _rank(cands, req.rounds)
     best = next((c for c in cands if c.fits), None)
     return PlanResult(
@@ -696,12 +738,55 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
         cands,
         best,
         skipped,
-        time.perf_counter() - start,
+        deadline.spent(),
         cache.hits,
         cache.misses,
-        facs,
+        planning.facs,
         costs,
     )
+
+
+def _plan_job(
+    planning: _Planning,
+    kind: str,
+    bands: int | None,
+    base_part: Participation,
+    accountants: list[str],
+    costs: dict,
+    quiet: bool,
+) -> None:
+    """Build one (kind, bands) job and plan it under every accountant variant that applies."""
+    req, skipped = planning.req, planning.skipped
+    spec = REGISTRY[kind]
+    over = _over_budget(req, *_noise_cost(req, costs, kind, bands))
+    if spec.fixed_epoch_only and not req.fixed_epoch:
+        skipped.append(
+            {
+                "kind": kind,
+                "reason": f"needs fixed-epoch participation (b·k = n); here "
+                f"b = {req.min_sep}, k = {req.epochs}, n = {req.rounds}",
+            }
+        )
+        return
+    # the one build too slow to make only to report it over budget
+    if kind == "dense" and over:
+        skipped.append({"kind": kind, "reason": "not built: " + "; ".join(over)})
+        return
+    planning.deadline(f"before building {kind}" + (f"[{bands}]" if bands else ""))
+    try:
+        fac, cached = _build(req, planning.cache, kind, bands, base_part, planning.deadline, quiet)
+    except CorrflowError as exc:
+        skipped.append({"kind": kind, "bands": bands, "reason": f"build failed: {exc}"})
+        return
+    # the built encoder's own size (its bands, or a BLT's buffers) sets its noise cost
+    sized = (
+        spec.size_of(fac.encoder)
+        if spec.noise_mode in ("banded", "banded-inverse", "blt")
+        else bands
+    )
+    mem, secs = _noise_cost(req, costs, kind, sized)
+    for acc, sampler_b in _variants(req, accountants, kind, fac):
+        planning.add(kind, bands, fac, cached, acc, sampler_b, mem, secs)
 
 
 def _over_budget(req: PlanRequest, mem: int, secs: float) -> list[str]:
@@ -746,9 +831,8 @@ def _calibrate(req: PlanRequest, cache: PlanCache, cand: Candidate, fac: Factori
             and 0 <= r["epsilon"] <= req.target_epsilon * (1 + 1e-9)
             and 0 < r["delta"] <= 1
         )
-        if (
-            ok and cand.accountant == "unamplified"
-        ):  # exact and microseconds: re-derive ε from the cached σ
+        # exact and microseconds: re-derive ε from the cached σ
+        if ok and cand.accountant == "unamplified":
             ok = (
                 r["epsilon"]
                 == accountant_for(spec, opts).epsilon(fac, r["noise_multiplier"], req.delta).epsilon
@@ -872,9 +956,10 @@ def score_summary(result: PlanResult, top: int = 5) -> dict:
         result: the plan.
         top: how many candidates of the plain-RMSE ranking to list.
 
-    Returns: ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes", "warnings",
-    "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score over
-    the pick's, minus 1).
+    Returns:
+        ``{"name", "formula", "kappa", "kappa_source", "kappa_details", "assumes", "warnings",
+        "recommended", "runner_up", "margin", "rmse_ranking"}`` (``margin``: the runner-up's score
+        over the pick's, minus 1).
     """
     req, best = result.request, result.recommended
     damping = req.damping
@@ -938,44 +1023,14 @@ def write_plan(
         cache: the plan cache, for the plots.
         quiet: no progress bars.
 
-    Returns: ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
-    recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
+    Returns:
+        ``plan.json``'s content. ``recipe.json`` (the recommended recipe, ``corrflow schema
+        recipe``) and ``factorization.npz`` are written when a candidate fits the budgets.
     """
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    req, best = result.request, result.recommended
-    recipe = None
-    if best is not None:
-        fac = result.factorizations[best.key()]
-        fac.save(out / "factorization.npz")
-        recipe = Recipe(
-            kind=best.kind,
-            bands=best.bands,
-            rounds=req.rounds,
-            epochs=fac.participation.epochs,
-            min_sep=best.min_sep,
-            participation=best.participation,
-            participation_rate=best.participation_rate,
-            accountant=best.accountant,
-            noise_multiplier=best.noise_multiplier,
-            epsilon=best.epsilon,
-            delta=req.delta,
-            target_epsilon=req.target_epsilon,
-            population=req.population,
-            cohort_size=req.cohort_size,
-            momentum=req.momentum,
-            cooldown_fraction=req.cooldown_fraction,
-            factorization="factorization.npz",
-            factorization_sha256=fac.sha256(),
-            rmse=best.rmse,
-            max_error=best.max_error,
-            model_params=req.model_params,
-            noise_state_bytes=best.noise_state_bytes,
-            noise_seconds_per_round=best.noise_seconds_per_round,
-            score=_recipe_score(result),
-        )
-        recipe.save(out / "recipe.json")
+    recipe = _write_recipe(result, out)
     t0 = time.perf_counter()
     files = {}
     if plots and result.candidates:
@@ -983,6 +1038,55 @@ def write_plan(
         from corrflow.planning.plots import write_plots
 
         files = write_plots(result, out, cache=cache, quiet=quiet)
+    doc = _plan_document(result, recipe, files)
+    doc["seconds"] = result.seconds + time.perf_counter() - t0
+    write_text(
+        out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n"
+    )
+    return doc
+
+
+def _write_recipe(result: PlanResult, out: Path) -> Recipe | None:
+    """Write the recommended candidate's ``factorization.npz`` and ``recipe.json`` into ``out``;
+    None (nothing written) when no candidate fits the budgets."""
+    req, best = result.request, result.recommended
+    if best is None:
+        return None
+    fac = result.factorizations[best.key()]
+    fac.save(out / "factorization.npz")
+    recipe = Recipe(
+        kind=best.kind,
+        bands=best.bands,
+        rounds=req.rounds,
+        epochs=fac.participation.epochs,
+        min_sep=best.min_sep,
+        participation=best.participation,
+        participation_rate=best.participation_rate,
+        accountant=best.accountant,
+        noise_multiplier=best.noise_multiplier,
+        epsilon=best.epsilon,
+        delta=req.delta,
+        target_epsilon=req.target_epsilon,
+        population=req.population,
+        cohort_size=req.cohort_size,
+        momentum=req.momentum,
+        cooldown_fraction=req.cooldown_fraction,
+        factorization="factorization.npz",
+        factorization_sha256=fac.sha256(),
+        rmse=best.rmse,
+        max_error=best.max_error,
+        model_params=req.model_params,
+        noise_state_bytes=best.noise_state_bytes,
+        noise_seconds_per_round=best.noise_seconds_per_round,
+        score=_recipe_score(result),
+    )
+    recipe.save(out / "recipe.json")
+    return recipe
+
+
+def _plan_document(result: PlanResult, recipe: Recipe | None, files: dict) -> dict:
+    """``plan.json``'s content, less its ``seconds``."""
+    req = result.request
     req_d = asdict(req)
     for key in ("memory_budget", "noise_time_budget"):
         if math.isinf(req_d[key]):
@@ -1002,7 +1106,6 @@ def write_plan(
         "candidates": [c.to_dict() for c in result.candidates],
         "skipped": result.skipped,
         "noise_unit_costs": result.noise_cost,
-        "seconds": result.seconds + time.perf_counter() - t0,
         "cache": {"hits": result.cache_hits, "misses": result.cache_misses},
         "files": {
             "recipe": "recipe.json" if recipe else None,
@@ -1012,9 +1115,6 @@ def write_plan(
     }
     if recipe is None:
         doc["error"] = "no candidate fits the memory and noise-time budgets"
-    write_text(
-        out / "plan.json", json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n"
-    )
     return doc
 
 

@@ -60,9 +60,12 @@ def noise_to_signal(fac, sigma: float, dim: int, cohort: float) -> float:
     """The pre-flight noise-to-signal ratio ρ = σ·√d·‖B_{n−1}‖ / (cohort·(A·1)_{n−1}) (module
     docstring).
 
-    Args: fac: a `Factorization` normalised to sensitivity 1
-    (its per-query error gives ‖B_t‖², its workload A). sigma: the noise multiplier σ. dim: d, the
-    number of model parameters. cohort: the number the summed update is divided by.
+    Args:
+        fac: a `Factorization` normalised to sensitivity 1 (its per-query error gives ‖B_t‖², its
+            workload A).
+        sigma: the noise multiplier σ.
+        dim: d, the number of model parameters.
+        cohort: the number the summed update is divided by.
 
     Returns:
         ρ (0 without noise).
@@ -92,12 +95,10 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
     rho = noise_to_signal(fac, sigma, dim, cohort)
     if rho > THRESHOLD:
         log.warning(
-            "this configuration %s learn: the model will carry noise %.2f× the largest "
-            "signal the clipped updates can give it (σ = %.3f, %d parameters, cohort %g; a "
-            "heuristic: most measured runs at ≤ %.2f learned, though DP-SGD on the quick preset "
-            "did not at 0.17; runs above went both ways, above 1.5 only a 54-word drill "
-            "learned). "
-            "Raise the cohort "
+            "this configuration %s learn: the model will carry noise %.2f× the largest signal the "
+            "clipped updates can give it (σ = %.3f, %d parameters, cohort %g; a heuristic: most "
+            "measured runs at ≤ %.2f learned, though DP-SGD on the quick preset did not at 0.17; "
+            "runs above went both ways, above 1.5 only a 54-word drill learned). Raise the cohort "
             "(users per round), lower ε's noise (higher target ε), use a smaller model or a "
             "correlated-noise kind with lower error.",
             "is unlikely to" if rho > 1.5 else "may not",
@@ -113,13 +114,15 @@ def check_learnable(fac, sigma: float, weights, cohort: float) -> float:
 def held_out_summary(entries: list[dict]) -> dict:
     """Initial, final and best held-out loss (and accuracy) and the loss's relative improvement.
 
-    Args: entries: ``metrics.json``'s entries, non-empty: the initial model as ``"round": -1``, then
-    one entry per round, each with ``test_loss`` (and optionally ``test_accuracy``).
+    Args:
+        entries: ``metrics.json``'s entries, non-empty: the initial model as ``"round": -1``, then
+            one entry per round, each with ``test_loss`` (and optionally ``test_accuracy``).
 
-    Returns: ``{"initial_test_loss", "final_test_loss", "rounds_evaluated"}`` (non-finite losses as
-    None), plus ``initial_test_accuracy``/``final_test_accuracy`` when both ends report accuracy,
-    ``loss_improvement`` (1 − final/initial), ``best_test_loss``/``best_round`` and
-    ``drift_above_best`` (final/best − 1) when they are defined.
+    Returns:
+        ``{"initial_test_loss", "final_test_loss", "rounds_evaluated"}`` (non-finite losses as
+        None), plus ``initial_test_accuracy``/``final_test_accuracy`` when both ends report
+        accuracy, ``loss_improvement`` (1 − final/initial), ``best_test_loss``/``best_round`` and
+        ``drift_above_best`` (final/best − 1) when they are defined.
     """
     first, last = entries[0], entries[-1]
     out = {
@@ -161,9 +164,10 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         entries: ``metrics.json``'s entries (see `held_out_summary`); may be empty.
         noise_to_signal: the run's pre-flight ρ.
 
-    Returns: ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus
-    `held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
-    held-out set and has trained at least one round (else ``learned`` is None).
+    Returns:
+        ``{"noise_to_signal", "threshold", "warned", "learned", "verdict"}``, plus
+        `held_out_summary`'s fields, ``drifted`` and ``drift_tolerance`` when the run evaluates a
+        held-out set and has trained at least one round (else ``learned`` is None).
     """
     out = {
         "noise_to_signal": noise_to_signal,
@@ -200,8 +204,7 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         at = "the initial model" if held["best_round"] < 0 else f"round {held['best_round'] + 1}"
         verdict += (
             f"; the final loss is {drift:.0%} above the run's best {held['best_test_loss']:.4g} "
-            f"({at}): "
-            "it drifted"
+            f"({at}): it drifted"
             if drift is not None
             else f"; the run's best loss was {held['best_test_loss']:.4g} ({at})"
         )

@@ -33,9 +33,12 @@ def write_plots(result, out: Path, *, cache=None, quiet: bool = False) -> dict:
     With a cache, plots of identical plan data are copied from it instead of drawn again
     (atomically, both ways).
 
-    Args: result: the plan (`corrflow.planning.candidates.PlanResult`: request, ranked
-    candidates, their factorizations and the recommended one). out: an existing directory. cache: a
-    `corrflow.planning.cache.PlanCache`, or None. quiet: no progress bar.
+    Args:
+        result: the plan (`corrflow.planning.candidates.PlanResult`: request, ranked candidates,
+            their factorizations and the recommended one).
+        out: an existing directory.
+        cache: a `corrflow.planning.cache.PlanCache`, or None.
+        quiet: no progress bar.
 
     Returns:
         ``{plot name: file name in out}`` for the names of `NAMES`.

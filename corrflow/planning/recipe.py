@@ -68,8 +68,9 @@ class Recipe:
         change) and the target ε (σ is fixed, so the run has none to calibrate for). A fixed-epoch
         recipe leaves min-sep to rounds/epochs.
 
-        Returns: `corrflow.config.RunConfig` field → value, with ``target_epsilon`` None,
-        ``min_sep`` 0 for fixed-epoch and ``bands`` 0 for the kind's default.
+        Returns:
+            `corrflow.config.RunConfig` field → value, with ``target_epsilon`` None, ``min_sep`` 0
+            for fixed-epoch and ``bands`` 0 for the kind's default.
         """
 
         out = {
@@ -98,17 +99,14 @@ class Recipe:
         Returns:
             One ``"name: plan X, run Y"`` per difference (empty when the run matches).
         """
-        mine = {
-            **self.strategy_settings(),
-            "target_epsilon": self.target_epsilon,
-        }  # σ was calibrated for it
+        # σ was calibrated for the target ε
+        mine = {**self.strategy_settings(), "target_epsilon": self.target_epsilon}
         out = []
         for key, want in mine.items():
             if key not in settings:
                 continue
-            got = getattr(
-                settings[key], "value", settings[key]
-            )  # an enum member (a CLI choice) by its value
+            # an enum member (a CLI choice) by its value
+            got = getattr(settings[key], "value", settings[key])
             if key == "min_sep":
                 rounds, epochs = (
                     settings.get("num_rounds", self.rounds),
@@ -149,9 +147,10 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
     Returns:
         (recipe, path of its factorization file, verified to exist next to the plan file).
 
-    Raises: InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of
-    `RECIPE_FORMAT`, incomplete, has no recommended recipe, or its factorization file is
-    missing.
+    Raises:
+        InvalidArgumentError: (field ``plan``) the file is missing, not JSON, not of
+            `RECIPE_FORMAT`, incomplete, has no recommended recipe, or its factorization file is
+            missing.
     """
     path = Path(path)
     if not path.is_file():
@@ -198,8 +197,9 @@ def load_recipe_factorization(recipe: Recipe, fac_path: Path):
     Returns:
         The `Factorization`.
 
-    Raises: IntegrityError: the file is corrupted or its hash is not the recipe's
-    ``factorization_sha256``.
+    Raises:
+        IntegrityError: the file is corrupted or its hash is not the recipe's
+            ``factorization_sha256``.
     """
 
     fac = Factorization.load(fac_path)
@@ -219,16 +219,20 @@ def install_factorization(recipe: Recipe, fac_path: Path, cfg, *, replace: bool)
     workload and participation must be those the strategy builds for ``cfg`` (else the run would
     rebuild another).
 
-    Args: recipe: the recipe. fac_path: its factorization file (from `load_recipe`). cfg: the
-    run's `corrflow.config.RunConfig`. replace: overwrite a different file there (a new run);
-    otherwise a different file is refused (a resumed run keeps its own).
+    Args:
+        recipe: the recipe.
+        fac_path: its factorization file (from `load_recipe`).
+        cfg: the run's `corrflow.config.RunConfig`.
+        replace: overwrite a different file there (a new run); otherwise a different file is refused
+            (a resumed run keeps its own).
 
     Returns:
         The factorization's SHA-256.
 
-    Raises: InvalidArgumentError: (field ``plan``) the factorization does not match the run's
-    settings, or the run directory holds a different one and ``replace`` is False. IntegrityError:
-    the plan's factorization file fails verification.
+    Raises:
+        InvalidArgumentError: (field ``plan``) the factorization does not match the run's settings,
+            or the run directory holds a different one and ``replace`` is False.
+        IntegrityError: the plan's factorization file fails verification.
     """
 
     fac = load_recipe_factorization(recipe, fac_path)

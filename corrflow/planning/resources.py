@@ -49,9 +49,13 @@ class MemoryEstimate:
 def estimate(users: int, rounds: int, kind: str, bands: int, model_params: int) -> MemoryEstimate:
     """Bytes the server needs for a run, estimated high (module docstring).
 
-    Args: users: simulated users. rounds: n, the factorization's size. kind: the factorization kind;
-    `BANDED_KINDS` work in O(n·bands), the others keep three n × n float64 matrices. bands:
-    the band count (0: the default, n; clipped to [1, n]). model_params: d, the model's parameters.
+    Args:
+        users: simulated users.
+        rounds: n, the factorization's size.
+        kind: the factorization kind; `BANDED_KINDS` work in O(n·bands), the others keep three n × n
+            float64 matrices.
+        bands: the band count (0: the default, n; clipped to [1, n]).
+        model_params: d, the model's parameters.
 
     Returns:
         The estimate, by part.
@@ -205,7 +209,8 @@ def check_disk(need: int, directory: str | os.PathLike, flag: str) -> None:
     """Refuse a file of ≈ ``need`` bytes that would not fit in the free space under ``directory``
     (its nearest existing parent).
 
-    Raises: InvalidArgumentError: naming ``flag``, with the estimate and the free space.
+    Raises:
+        InvalidArgumentError: naming ``flag``, with the estimate and the free space.
     """
     import shutil
     from pathlib import Path

@@ -54,8 +54,9 @@ def participation_of(cfg: RunConfig):
     Args:
         cfg: the run's settings.
 
-    Returns: (k, n/k) fixed-epoch participation, or any b-separated pattern with at most
-    ``max_participations`` participations (min-sep).
+    Returns:
+        (k, n/k) fixed-epoch participation, or any b-separated pattern with at most
+        ``max_participations`` participations (min-sep).
     """
     if cfg.participation == "fixed-epoch":
         return participation_for(cfg.num_rounds, cfg.epochs)
@@ -69,8 +70,9 @@ def load_or_build_factorization(cfg: RunConfig, out_dir: Path) -> Factorization:
         cfg: the run's settings (kind, bands, taper, buffers, workload and participation).
         out_dir: the run directory.
 
-    Returns: ``out_dir/factorization.npz`` when it matches the settings, else a new factorization,
-    saved there.
+    Returns:
+        ``out_dir/factorization.npz`` when it matches the settings, else a new factorization, saved
+        there.
 
     Raises:
         IntegrityError: the stored file is corrupted.
@@ -132,9 +134,8 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
         return [
             f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD "
-            "(independent noise "
-            "in every round); give bands above 1 (--bands, corrflow.bands) to correlate the noise "
-            "across rounds"
+            "(independent noise in every round); give bands above 1 (--bands, corrflow.bands) to "
+            "correlate the noise across rounds"
         ]
     if (
         cfg.participation != "fixed-epoch"
@@ -145,8 +146,8 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     ):
         return [
             f"kind {cfg.kind}: {fac.bands} bands, cut to the sampler's min-sep b = {cfg.b} "
-            "(participations b "
-            "apart touch disjoint rows, which the amplified accountants need); --bands sets it"
+            "(participations b apart touch disjoint rows, which the amplified accountants need); "
+            "--bands sets it"
         ]
     return []
 
@@ -154,8 +155,9 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
 def load_graph(path: str) -> AttributionGraph:
     """Read an attribution graph (items and the users behind them; 004 §6, multi-attribution).
 
-    Args: path: an attribution file (CSV ``item,user`` or JSON lines ``{"item", "users"}``), or
-    arXiv metadata JSON lines (items = paper ids, users = normalised authors).
+    Args:
+        path: an attribution file (CSV ``item,user`` or JSON lines ``{"item", "users"}``), or arXiv
+            metadata JSON lines (items = paper ids, users = normalised authors).
 
     Returns:
         The `AttributionGraph`.
@@ -173,6 +175,58 @@ def load_graph(path: str) -> AttributionGraph:
     return load_attribution(p)
 
 
+def _items_of(cfg: RunConfig, identities: list[str]) -> tuple[list[str], dict[str, str] | None]:
+    """The items a run samples, sorted: its node identities, or (cross-silo) the examples of the
+    manifest, each with the silo that holds it."""
+    if cfg.mode != "cross-silo":
+        return sorted(identities), None
+    manifest = load_manifest(cfg.manifest_path)
+    item_home = {
+        str(item): f"partition-{part['partition_id']}"
+        for part in manifest["partitions"]
+        for item in part.get("items", part.get("users", []))
+    }
+    missing = sorted({h for h in item_home.values()} - set(identities))
+    require(
+        not missing,
+        "manifest-path",
+        "a silo (partition) online for every manifest partition",
+        missing[:5],
+    )
+    return sorted(item_home), item_home
+
+
+def _graph_of(cfg: RunConfig, items: list[str]) -> AttributionGraph:
+    """The users behind ``items``: the attribution file's, an arXiv data file's authors, or one
+    user per item."""
+    graph = None
+    if cfg.attribution_path:
+        graph = load_graph(cfg.attribution_path)
+    elif (
+        cfg.data_path and cfg.mode == "cross-device" and data_format(cfg.data_path) == "arxiv-jsonl"
+    ):
+        require(
+            cfg.participation == "multi-attribution",
+            "participation",
+            "multi-attribution with an arXiv data file (a paper belongs to all its authors, "
+            "004 §6)",
+            cfg.participation,
+        )
+        # items: partition-<i>
+        graph = TextSource(cfg.data_path, cfg.vocab_path or "-").attribution()
+    if graph is None:
+        return AttributionGraph(items, items, [[i] for i in range(len(items))])
+    index = {item: i for i, item in enumerate(graph.item_ids)}
+    unknown = [i for i in items if i not in index]
+    require(
+        not unknown,
+        "attribution-path",
+        "every item (node identity or example id) in the graph",
+        unknown[:5],
+    )
+    return AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
+
+
 def build_planner(
     cfg: RunConfig, identities: list[str]
 ) -> tuple[CohortPlanner, dict[str, str] | None, dict]:
@@ -183,59 +237,17 @@ def build_planner(
         cfg: the run's settings (mode, participation, manifest, attribution, data, bounding, seed).
         identities: the node identities online (SuperNodes, or the silos of a cross-silo run).
 
-    Returns: (planner, item → silo identity (None unless cross-silo), bounding info ``{"items",
-    "users", ...}``).
+    Returns:
+        (planner, item → silo identity (None unless cross-silo), bounding info ``{"items", "users",
+        ...}``).
 
-    Raises: InvalidArgumentError: a manifest partition without its silo online, an item missing from
-    the attribution graph, or an arXiv data file without multi-attribution participation (the error
-    names the setting).
+    Raises:
+        InvalidArgumentError: a manifest partition without its silo online, an item missing from the
+            attribution graph, or an arXiv data file without multi-attribution participation (the
+            error names the setting).
     """
-    item_home = None
-    if cfg.mode == "cross-silo":
-        manifest = load_manifest(cfg.manifest_path)
-        item_home = {
-            str(item): f"partition-{part['partition_id']}"
-            for part in manifest["partitions"]
-            for item in part.get("items", part.get("users", []))
-        }
-        missing = sorted({h for h in item_home.values()} - set(identities))
-        require(
-            not missing,
-            "manifest-path",
-            "a silo (partition) online for every manifest partition",
-            missing[:5],
-        )
-        items = sorted(item_home)
-    else:
-        items = sorted(identities)
-    graph = None
-    if cfg.attribution_path:
-        graph = load_graph(cfg.attribution_path)
-    elif (
-        cfg.data_path and cfg.mode == "cross-device" and data_format(cfg.data_path) == "arxiv-jsonl"
-    ):
-        require(
-            cfg.participation == "multi-attribution",
-            "participation",
-            "multi-attribution with an arXiv "
-            "data file (a paper belongs to all its authors, 004 §6)",
-            cfg.participation,
-        )
-        graph = TextSource(
-            cfg.data_path, cfg.vocab_path or "-"
-        ).attribution()  # items: partition-<i>
-    if graph is not None:
-        index = {item: i for i, item in enumerate(graph.item_ids)}
-        unknown = [i for i in items if i not in index]
-        require(
-            not unknown,
-            "attribution-path",
-            "every item (node identity or example id) in the graph",
-            unknown[:5],
-        )
-        graph = AttributionGraph(items, graph.user_ids, [graph.item_users[index[i]] for i in items])
-    else:
-        graph = AttributionGraph(items, items, [[i] for i in range(len(items))])
+    items, item_home = _items_of(cfg, identities)
+    graph = _graph_of(cfg, items)
     info = {"items": graph.num_items, "users": graph.num_users}
     if cfg.max_items_per_user:
         bound = bound_contributions(graph, cfg.max_items_per_user, seed=cfg.schedule_seed)
@@ -273,8 +285,9 @@ def vocabulary_section(vocab_path: str) -> dict:
     Args:
         vocab_path: the vocabulary file (its provenance is recorded with it).
 
-    Returns: ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus
-    the DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
+    Returns:
+        ``{"source", "epsilon", "delta", "inside_guarantee", "note", "words", "sha256"}`` plus the
+        DP method's parameters when recorded; ε and δ are None unless the source is ``dp``.
     """
 
     prov = read_provenance(vocab_path)
@@ -315,8 +328,9 @@ def training_budget(cfg: RunConfig) -> TrainingBudget:
     Returns:
         The `TrainingBudget` (the run's (ε, δ) when there is no DP vocabulary).
 
-    Raises: InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole
-    budget.
+    Raises:
+        InvalidArgumentError: (``delta`` or ``target-epsilon``) the vocabulary spends the whole
+            budget.
     """
     if not cfg.data_path or not cfg.vocab_path:
         return TrainingBudget(cfg.target_epsilon, cfg.delta, None)
@@ -355,8 +369,9 @@ def total_privacy(
         training_delta: the training's δ.
         vocabulary: the report's ``vocabulary`` section (`vocabulary_section`), or None.
 
-    Returns: ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public
-    vocabulary).
+    Returns:
+        ``{"epsilon", "delta", "composition"}`` (plus ``includes_vocabulary`` for a non-public
+        vocabulary).
     """
     if vocabulary is None or vocabulary["source"] == "public":
         return {
@@ -393,11 +408,12 @@ def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> 
         fac: the run's factorization.
         planner: the run's cohort planner (`build_planner`).
 
-    Returns: The `PrivacyPlan`, carrying the training's δ and
-    target ε and the vocabulary section.
+    Returns:
+        The `PrivacyPlan`, carrying the training's δ and target ε and the vocabulary section.
 
-    Raises: InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot
-    analyse this run.
+    Raises:
+        InvalidArgumentError: the vocabulary spends the whole budget, or the accountant cannot
+            analyse this run.
     """
     budget = training_budget(cfg)
     if budget.vocabulary is not None and not budget.vocabulary["inside_guarantee"]:
@@ -405,8 +421,7 @@ def plan_privacy(cfg: RunConfig, fac: Factorization, planner: CohortPlanner) -> 
     if budget.vocabulary is not None and budget.vocabulary["source"] == "dp":
         log.info(
             "corrflow: the vocabulary spent (ε, δ) = (%g, %g); training is calibrated to the rest "
-            "of the "
-            "budget: ε = %s, δ = %g",
+            "of the budget: ε = %s, δ = %g",
             budget.vocabulary["epsilon"],
             budget.vocabulary["delta"],
             "n/a" if budget.epsilon is None else f"{budget.epsilon:g}",
@@ -454,13 +469,13 @@ def plan_training_privacy(
         fac: the run's factorization.
         planner: the run's cohort planner.
 
-    Returns: The `PrivacyPlan` (σ 0 and ε None for a
-    non-private baseline).
+    Returns:
+        The `PrivacyPlan` (σ 0 and ε None for a non-private baseline).
 
-    Raises: InvalidArgumentError: several items per user without multi-attribution participation, or
-    a setting the accountant refuses.
+    Raises:
+        InvalidArgumentError: several items per user without multi-attribution participation, or a
+            setting the accountant refuses.
     """
-    k_u = planner.items_per_user
     if cfg.non_private:
         log.warning("non-private baseline: no noise is added and there is no privacy guarantee")
         return PrivacyPlan(0.0, None, {"name": "none", "sampling": "none", "slack": 0.0})
@@ -470,57 +485,76 @@ def plan_training_privacy(
         else {"target_epsilon": cfg.target_epsilon}
     )
     accountant, skipped = _run_accountant(cfg, planner)
-    if (
-        accountant != "unamplified"
-    ):  # the sampler's own accountant (004, 002), or the tightest of them (None)
-        require(
-            k_u == 1 or planner.kind == "multi-attribution",
-            "accountant",
-            "participation multi-attribution when a user holds several items (k_u > 1)",
-            k_u,
-        )
-        spec = SamplingSpec(
+    # the sampler's own accountant (004, 002), or the tightest of them (None)
+    if accountant != "unamplified":
+        return _amplified_plan(cfg, fac, planner, accountant, target)
+    return _unamplified_plan(cfg, fac, planner, target, skipped)
+
+
+def _amplified_plan(
+    cfg: RunConfig,
+    fac: Factorization,
+    planner: CohortPlanner,
+    accountant: str | None,
+    target: dict,
+) -> PrivacyPlan:
+    """The plan under the sampler's own accountant, or (``accountant`` None) the tightest verified
+    bound that applies; planned unamplified when that bound is the sampler's unamplified one."""
+    k_u = planner.items_per_user
+    require(
+        k_u == 1 or planner.kind == "multi-attribution",
+        "accountant",
+        "participation multi-attribution when a user holds several items (k_u > 1)",
+        k_u,
+    )
+    spec = SamplingSpec(
+        planner.kind,
+        planner.summary().items,
+        planner.expected,
+        items_per_user=k_u,
+        sampling_probability=planner.p,
+        accountant=accountant,
+    )
+    if accountant is None:
+        log.info(
+            "corrflow: no accountant named: computing every bound that applies to %s sampling "
+            "and using the tightest verified at δ = %g (Monte Carlo at a small δ can take "
+            "minutes; --accountant picks one)",
             planner.kind,
-            planner.summary().items,
-            planner.expected,
-            items_per_user=k_u,
-            sampling_probability=planner.p,
-            accountant=accountant,
+            cfg.delta,
         )
-        if accountant is None:
-            log.info(
-                "corrflow: no accountant named: computing every bound that applies to %s sampling "
-                "and using "
-                "the tightest verified at δ = %g (Monte Carlo at a small δ can take minutes; "
-                "--accountant "
-                "picks one)",
-                planner.kind,
-                cfg.delta,
-            )
-        res = account(
-            fac,
-            delta=cfg.delta,
-            sampling=spec,
-            mc_samples=cfg.mc_samples,
-            seed=cfg.schedule_seed,
-            **target,
-        )
-        acc = res["accountant"]
-        if accountant is None:
-            log.info("corrflow: %s", selection_line(acc))
-        # The regime follows what the bound used analysed (tracking module): the sampler's
-        # unamplified worst-case pattern (the exact Gaussian curve) needs no secret cohorts, and its
-        # realised pattern is accounted post hoc.
-        amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
-        if not amplified:
-            acc = {
-                **acc,
-                "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
-                "items_per_user": k_u,
-            }
-        return PrivacyPlan(
-            res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u
-        )
+    res = account(
+        fac,
+        delta=cfg.delta,
+        sampling=spec,
+        mc_samples=cfg.mc_samples,
+        seed=cfg.schedule_seed,
+        **target,
+    )
+    acc = res["accountant"]
+    if accountant is None:
+        log.info("corrflow: %s", selection_line(acc))
+    # The regime follows what the bound used analysed (tracking module): the sampler's
+    # unamplified worst-case pattern (the exact Gaussian curve) needs no secret cohorts, and its
+    # realised pattern is accounted post hoc.
+    amplified = accountant is not None or acc["name"] != GAUSSIAN_NAME
+    if not amplified:
+        acc = {
+            **acc,
+            "sampling": f"none ({planner.kind}, unamplified: the tightest verified bound)",
+            "items_per_user": k_u,
+        }
+    return PrivacyPlan(
+        res["noise_multiplier"], res["epsilon"], acc, amplified=amplified, items_per_user=k_u
+    )
+
+
+def _unamplified_plan(
+    cfg: RunConfig, fac: Factorization, planner: CohortPlanner, target: dict, skipped: list[dict]
+) -> PrivacyPlan:
+    """The plan under one Gaussian with sensitivity k_u (σ scaled by k_u), listing the amplified
+    bounds ``skipped`` and why."""
+    k_u = planner.items_per_user
     if "noise_multiplier" in target:
         res = account(fac, delta=cfg.delta, noise_multiplier=cfg.noise_multiplier / k_u)
         sigma = cfg.noise_multiplier
@@ -555,8 +589,7 @@ def _run_accountant(cfg: RunConfig, planner: CohortPlanner) -> tuple[str | None,
                 "accountant": "amplified (monte-carlo, mmcc, cyclic-poisson)",
                 "reason": (
                     f"a user holds up to {k_u} items: only multi-attribution sampling (004 §6) "
-                    "analyses "
-                    "several items per user"
+                    "analyses several items per user"
                 ),
             }
         ]
@@ -567,12 +600,14 @@ def selection_line(acc: dict) -> str:
     """One line naming the bound a run uses and the others, from the report's ``accountant``
     section.
 
-    Args: acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was
-    selected).
+    Args:
+        acc: the ``accountant`` section (with ``selected`` and ``bounds`` when the tightest was
+            selected).
 
-    Returns: e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ
-    1); others: unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected
-    among several.
+    Returns:
+        e.g. ``"accountant monte-carlo: the tightest bound verified at the target δ (ε 2.221, σ 1);
+        others: unamplified ε 4.377, σ 1"``; just the accountant's name when nothing was selected
+        among several.
     """
     if "bounds" not in acc:
         return f"accountant {acc.get('name', 'none')}"
@@ -587,9 +622,8 @@ def selection_line(acc: dict) -> str:
         if b is not used
     ]
     others += [f"{s['accountant']} not computed ({s['reason']})" for s in acc.get("skipped", [])]
-    fallback = (
-        acc.get("released") == "fallback"
-    )  # Monte Carlo verified nothing better: its fallback bound stands
+    # Monte Carlo verified nothing better: its fallback bound stands
+    fallback = acc.get("released") == "fallback"
     return (
         f"accountant {acc['selected']}"
         + (f" (released its fallback, {acc['name']})" if fallback else "")

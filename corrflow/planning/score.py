@@ -83,7 +83,11 @@ class Damping:
         )
 
     def describe(self) -> str:
-        """Returns: one line saying κ and where it came from (``ASSUMED`` for the default)."""
+        """κ in words.
+
+        Returns:
+            One line saying κ and where it came from (``ASSUMED`` for the default).
+        """
         if self.source == "declared":
             return f"κ = {self.kappa:.3g}, declared (--kappa)"
         if self.source == "proxy":
@@ -97,9 +101,12 @@ class Damping:
         )
 
     def warnings(self) -> list[str]:
-        """Returns: what makes a measured κ a weak basis for the ranking (empty when nothing
-        does): κ ≥ `OVERSHOOT_KAPPA`, or per-round values along the proxy run more than
-        `SPREAD_FACTOR` apart."""
+        """Why a measured κ may be a weak basis for the ranking.
+
+        Returns:
+            What makes it so (empty when nothing does): κ ≥ `OVERSHOOT_KAPPA`, or per-round values
+            along the proxy run more than `SPREAD_FACTOR` apart.
+        """
         if self.source != "proxy":
             return []
         out = []
@@ -121,7 +128,11 @@ class Damping:
         return out
 
     def to_dict(self) -> dict:
-        """Returns: the fields as a JSON-serialisable dict."""
+        """The damping as JSON.
+
+        Returns:
+            The fields as a JSON-serialisable dict.
+        """
         return asdict(self)
 
 
@@ -143,7 +154,8 @@ def stable_kappa_limit(workload: Workload, n: int) -> float:
         workload: the server optimizer (momentum β, learning-rate multipliers η).
         n: rounds.
 
-    Returns: 2(1 + β) / max η, the supremum of the κ `closed_loop_response` can score.
+    Returns:
+        2(1 + β) / max η, the supremum of the κ `closed_loop_response` can score.
     """
     return 2.0 * (1.0 + workload.momentum) / float(np.max(workload.learning_rates(n)))
 

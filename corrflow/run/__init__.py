@@ -1,13 +1,10 @@
-"""The run, without Flower: the DP round as data in, record out, and everything that persists it.
+"""The private training run without Flower: one round as data in, a record out, and everything
+that persists it (checkpoint, release journal, ledger, registry, privacy report) so that a killed
+run resumes.
 
-`prepare` decides a run's frozen `RunPlan`; `Run` owns its state (read-only
-outside: `RunView`), noise stream, secrets and files, and is driven by
-`Run.plan_next` and `Run.step` with `Reply` values from any transport (the Flower
-strategies in `corrflow.strategies` are one). Modules: ``core`` (the run), ``plan``, ``round``
-(the round's pure steps), ``state``, ``noise`` (the noise stream), ``clipping``, ``optimizer``,
-``model`` (the model's layout), ``ledger``, ``recorder`` (checkpoint → journal → registry → report
-→ metrics), ``checkpoint``, ``journal``, ``registry``, ``resume`` (run lock, resume checks),
-``disclosure`` (what is public, what operator-only).
+`prepare` fixes a run's `RunPlan`; a `Run` owns its state (read-only outside: `RunView`), noise
+(in process or on Ray workers), secrets and files, and is driven by `Run.plan_next` and `Run.step`
+with `Reply` values from any transport; the Flower strategies in `corrflow.strategies` are one.
 """
 
 from corrflow.run.core import Run, open_run_directory, prepare

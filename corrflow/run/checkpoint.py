@@ -33,9 +33,8 @@ from corrflow.hashing import canonical_hmac
 POINTER = "CURRENT"
 MANIFEST = "MANIFEST.json"
 SECRET = "server_secret"
-SAMPLER_KEY = (
-    "sampler_secret.key"  # amplified runs only: the private key their cohorts are drawn from
-)
+# Amplified runs only: the private key their cohorts are drawn from.
+SAMPLER_KEY = "sampler_secret.key"
 
 
 def write_checkpoint(

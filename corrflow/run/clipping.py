@@ -107,9 +107,8 @@ class ClippedSum:
                 if not (np.isfinite(mx) and np.isfinite(mn)):
                     return mx, mn, np.inf
                 hi_val, lo_val = max(hi_val, mx), min(lo_val, mn)
-                sqb = np.square(
-                    ub, out=self._square[: hi - lo]
-                )  # float32 squares, summed in float64
+                # float32 squares, summed in float64
+                sqb = np.square(ub, out=self._square[: hi - lo])
                 sq += float(np.add.reduce(sqb, dtype=np.float64))
         return hi_val, lo_val, sq
 

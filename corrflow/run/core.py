@@ -99,9 +99,12 @@ def prepare(
     factorization (built once, cached in ``cfg.state_dir``), σ and the planned ε, the server
     optimizer, the model's layout and the learnability check.
 
-    Args: cfg: the run's settings (``num_users`` set). users: the population's stable user ids.
-    initial: the initial model, every array in order. names: the arrays' names (default "0", "1",
-    …). identity: where the ids come from, for the report (a plain loop's own ids: "user-id").
+    Args:
+        cfg: the run's settings (``num_users`` set).
+        users: the population's stable user ids.
+        initial: the initial model, every array in order.
+        names: the arrays' names (default "0", "1", …).
+        identity: where the ids come from, for the report (a plain loop's own ids: "user-id").
 
     Returns:
         The frozen `RunPlan`.
@@ -185,12 +188,15 @@ class Run:
         checkpoint ``resume`` names (its unreleased round is released now with the noise in its
         checkpoint; the rounds after it draw their noise with a fresh key: every start does).
 
-        Args: plan: the run's plan (`prepare`). initial: the initial model; a resumed run
-        refuses another one. resume: what the run directory resumes from
-        (`open_run_directory`). noise_key: the key of this start's noise rows — a new run's, a
-        resumed run's from its checkpoint on (tests and audits; default a fresh secret from the
-        OS). evaluate: server-side evaluation of the trainable float32 arrays, whose
-        metrics join each round's. on_round_end: called with each round's published metrics.
+        Args:
+            plan: the run's plan (`prepare`).
+            initial: the initial model; a resumed run refuses another one.
+            resume: what the run directory resumes from (`open_run_directory`).
+            noise_key: the key of this start's noise rows — a new run's, a resumed run's from its
+                checkpoint on (tests and audits; default a fresh secret from the OS).
+            evaluate: server-side evaluation of the trainable float32 arrays, whose metrics join
+                each round's.
+            on_round_end: called with each round's published metrics.
 
         Returns:
             The run, at its next round.
@@ -296,8 +302,9 @@ class Run:
     def report(self) -> dict:
         """The privacy report so far.
 
-        Returns: The report (docs "Conventions", Privacy report) as the operator holds it (before an
-        amplified run's redactions of the published file).
+        Returns:
+            The report (docs "Conventions", Privacy report) as the operator holds it (before an
+            amplified run's redactions of the published file).
         """
         return self._recorder.report()
 
@@ -329,9 +336,10 @@ class Run:
     def plan_next(self) -> RoundPlan | None:
         """The next round's plan, before anything of it is committed.
 
-        Returns: The sampled items and operator overrides after the separation policy, not yet
-        routed to nodes (`route`); None once the run is complete
-        or stopped — also when the budget guard stops it here (``state.stopped_reason`` says why).
+        Returns:
+            The sampled items and operator overrides after the separation policy, not yet routed to
+            nodes (`route`); None once the run is complete or stopped — also when the budget guard
+            stops it here (``state.stopped_reason`` says why).
         """
         s = self._state
         if self.done:
@@ -353,17 +361,17 @@ class Run:
         noise, step the server optimizer, check the new model is finite, and commit (checkpoint →
         journal → registry → report → metrics).
 
-        Args: plan: the round's routed plan (`plan_next`, then
-        `route`). replies: one
-        `Reply` per answer, in any order; or a
-        `SummedReplies` already clipped and summed (a secure-aggregation
-        adapter's), which enters the same path after the sum.
+        Args:
+            plan: the round's routed plan (`plan_next`, then `route`).
+            replies: one `Reply` per answer, in any order; or a `SummedReplies` already clipped and
+                summed (a secure-aggregation adapter's), which enters the same path after the sum.
 
-        Returns: The round's `RoundRecord`; None when the round is
-        refused because its model is not finite (NaN or Inf): the run stops, nothing of the round
-        is released.
+        Returns:
+            The round's `RoundRecord`; None when the round is refused because its model is not
+            finite (NaN or Inf): the run stops, nothing of the round is released.
 
-        Raises: InvalidArgumentError: a plan that is not the run's next round, or a stopped run.
+        Raises:
+            InvalidArgumentError: a plan that is not the run's next round, or a stopped run.
         """
         started, s = time.perf_counter(), self._state
         require(

@@ -114,9 +114,8 @@ class Disclosure:
                 "metrics": [],
                 "why": (
                     "amplified ε: nothing public depends on the secret cohorts; the operator's "
-                    "files "
-                    f"in {OPERATOR_DIR}/ hold the per-user participation, the per-round counts and "
-                    "rejections"
+                    f"files in {OPERATOR_DIR}/ hold the per-user participation, the per-round "
+                    "counts and rejections"
                     + (
                         ", and operator.log the app's aggregated metrics ("
                         + ", ".join(app_metrics)
@@ -159,9 +158,8 @@ def operator_log(disclosure: Disclosure) -> logging.Logger:
         for h in list(logger.handlers):
             logger.removeHandler(h)
             h.close()
-        fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-        )  # owner-only before the first line
+        # owner-only before the first line
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.close(fd)
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

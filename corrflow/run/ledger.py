@@ -18,9 +18,8 @@ from corrflow.errors import IntegrityError
 @dataclass
 class Ledger:
     selected: dict[str, list[int]] = field(default_factory=dict)  # user -> rounds selected
-    replied: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # user -> rounds with an accepted update
+    # user -> rounds with an accepted update
+    replied: dict[str, list[int]] = field(default_factory=dict)
     rejections: list[dict] = field(default_factory=list)  # {"round", "user", "reason"}
     overrides: list[dict] = field(default_factory=list)
     rounds_completed: int = 0
@@ -79,7 +78,7 @@ class LedgerLog:
     """The ledger as an append-only file (``state/ledger.jsonl``, 0600: it names raw user ids): one
     JSON line per released round with what the round added — its cohort, accepted keys,
     rejections, override records, ε and metrics — so a round writes O(cohort) bytes however many
-    users the run has seen (issue 34; the checkpoint once held the whole ledger).
+    users the run has seen (the checkpoint of schema version 1 held the whole ledger).
 
     Crash consistency: a round's line is appended (fsync-ed) before its checkpoint, which records
     the `LogPosition` after it; on resume the log is read up to that position, its chain checked,

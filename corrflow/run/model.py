@@ -22,8 +22,6 @@ from corrflow.errors import require
 from corrflow.factorization.base import arrays_sha256 as _digest
 from corrflow.run.clipping import RejectedReplyError
 
-REPLIES = ("weights", "delta")
-
 
 @dataclass(frozen=True)
 class ModelLayout:

@@ -53,9 +53,12 @@ class NoiseStream:
         """The stream a checkpoint saved, positioned at its next round, with a new key segment from
         that round on (IntegrityError when its files do not verify).
 
-        Args: checkpoint: the verified checkpoint. factorization: the run's. key: this start's key
-        (tests only; default, and for a key the run already used: fresh from the OS — never from
-        anything stored, which would roll back with the run directory).
+        Args:
+            checkpoint: the verified checkpoint.
+            factorization: the run's.
+            key: this start's key (tests only; default, and for a key the run already used: fresh
+                from the OS — never from anything stored, which would roll back with the run
+                directory).
         """
         gen = restore_state(checkpoint / "noise", factorization, ring=checkpoint.parent / RING_FILE)
         if gen.next_round < gen.rounds:  # a finished run draws no more rows: no segment to open

@@ -62,8 +62,12 @@ RUNTIME_BYTES = 384 << 20
 class NoiseWorker:
     """One shard's noise, in a Ray actor (``ray.remote(NoiseWorker)``): see the module docstring.
 
-    Args: factorization: the run's. shard: its coordinates. mode: the server's generator's mode.
-    chunk_size: the run's. root: its state directory (on the node it runs on).
+    Args:
+        factorization: the run's.
+        shard: its coordinates.
+        mode: the server's generator's mode.
+        chunk_size: the run's.
+        root: its state directory (on the node it runs on).
     """
 
     def __init__(
@@ -441,12 +445,16 @@ def open_noise(
     """The run's noise stream: in the server's process, or over ``cfg.noise_workers`` Ray actors;
     new, or restored from ``checkpoint`` with a new key segment from its next round on.
 
-    Args: cfg: the run's settings (noise_workers, ray_address, state_dir). factorization: the
-    run's. shapes: the trainable arrays'. key: this start's noise key (tests and audits; default
-    fresh from the OS). checkpoint: the verified checkpoint a resumed run continues.
+    Args:
+        cfg: the run's settings (noise_workers, ray_address, state_dir).
+        factorization: the run's.
+        shapes: the trainable arrays'.
+        key: this start's noise key (tests and audits; default fresh from the OS).
+        checkpoint: the verified checkpoint a resumed run continues.
 
-    Raises: IntegrityError: a checkpoint whose noise was generated with another number of workers
-    (the reason and the number to resume with), or whose files do not verify.
+    Raises:
+        IntegrityError: a checkpoint whose noise was generated with another number of workers (the
+            reason and the number to resume with), or whose files do not verify.
     """
     workers = cfg.noise_workers
     root = Path(cfg.state_dir) / SHARD_ROOT

@@ -24,10 +24,6 @@ class MomentumServerOptimizer:
         self.schedule = workload.learning_rates(rounds)
         self.momentum = np.float32(workload.momentum)
 
-    @staticmethod
-    def initial_momentum(shapes) -> list[np.ndarray]:
-        return [np.zeros(s, dtype=np.float32) for s in shapes]
-
     def step(
         self,
         params: list[np.ndarray],
@@ -40,9 +36,8 @@ class MomentumServerOptimizer:
         new_m, new_p = [], []
         for p, m, u in zip(params, momentum, update, strict=True):
             if self.momentum:
-                nm = np.multiply(
-                    m, self.momentum, dtype=np.float32
-                )  # new arrays: the inputs stay as they were
+                # new arrays: the inputs stay as they were
+                nm = np.multiply(m, self.momentum, dtype=np.float32)
                 nm += u
             else:
                 nm = np.array(u, dtype=np.float32)
@@ -54,8 +49,11 @@ class MomentumServerOptimizer:
 
 
 def check_workload_matches(workload: Workload, momentum: float, cooldown_fraction: float) -> None:
-    """Start-up check: the factorization's workload and the configured optimizer must agree (issue
-    5)."""
+    """Start-up check: the factorization's workload and the configured optimizer must agree.
+
+    A factorization optimized for one workload A (momentum, cooldown) is only optimal, and its
+    error figures only true, for that optimizer.
+    """
     require(
         abs(workload.momentum - momentum) < 1e-12
         and abs(workload.cooldown_fraction - cooldown_fraction) < 1e-12,

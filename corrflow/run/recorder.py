@@ -202,9 +202,8 @@ class Recorder:
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
             report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
-        if (
-            plan.vocabulary is not None
-        ):  # a run on a dataset file: how its vocabulary was built, and the total
+        # a run on a dataset file: how its vocabulary was built, and the total
+        if plan.vocabulary is not None:
             report["vocabulary"] = plan.vocabulary
             report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
         return report
@@ -329,8 +328,7 @@ def _sampler_key(ctx: RunPlan, ckpt: Path) -> bytes | None:
     if not path.is_file():
         raise IntegrityError(
             f"{path}: missing from a checkpoint its manifest vouches for (written by a corrflow "
-            "that "
-            "drew amplified cohorts from the public schedule seed): the amplified ε would not hold "
-            "for its cohorts. Start a new run with --fresh"
+            "that drew amplified cohorts from the public schedule seed): the amplified ε would "
+            "not hold for its cohorts. Start a new run with --fresh"
         )
     return path.read_bytes()

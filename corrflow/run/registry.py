@@ -71,8 +71,9 @@ class ReleaseRegistry:
     """Claims of run ids by run directories, and the rounds each run released (see the module
     docstring).
 
-    Raises: IntegrityError naming the file: a registry that is damaged, locked by another process
-    for `LOCK_TIMEOUT` seconds, emptied (a zero-byte file), or not a release registry.
+    Raises:
+        IntegrityError: (naming the file) a registry that is damaged, locked by another process for
+            `LOCK_TIMEOUT` seconds, emptied (a zero-byte file), or not a release registry.
     """
 
     def __init__(self, path: str | Path | None = None):
@@ -212,7 +213,9 @@ class ReleaseRegistry:
         lineage of a restored backup), are moved to ``forked_releases``: the adopted run releases
         those rounds again, with noise drawn from fresh keys.
 
-        Returns: the adoption record (what the privacy report lists)."""
+        Returns:
+            the adoption record (what the privacy report lists).
+        """
         here, now = str(Path(run_dir).resolve()), _now(precise=True)
         hashes = {r: h for r, _, h in journal}
         with self._connect() as db:
@@ -298,8 +301,9 @@ def lineage_section(segments, adoptions: list[dict]) -> dict:
     """The privacy report's ``lineage``: the rounds from which each process start drew fresh noise
     keys, and the run's adoptions (module docstring).
 
-    Args: segments: the noise generator's `corrflow.noise.segments.SegmentTable`.
-    adoptions: `ReleaseRegistry.adoptions`.
+    Args:
+        segments: the noise generator's `corrflow.noise.segments.SegmentTable`.
+        adoptions: `ReleaseRegistry.adoptions`.
     """
     again = sorted({r for a in adoptions for r in a["rounds_released_again"]})
     # An adoption into a registry that never knew the run (lost, emptied, or another home's) found

@@ -121,8 +121,7 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
         if rounds:
             raise IntegrityError(
                 f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: "
-                "refusing "
-                "to guess. Restore CURRENT, or start a new run with --fresh."
+                "refusing to guess. Restore CURRENT, or start a new run with --fresh."
             )
         return ResumePoint(None, [], None)
     secret = (ckpt / SECRET).read_bytes()

@@ -84,8 +84,10 @@ class RoundPlan:
         silo's, which trains all of its items); an item whose node is offline is rejected ("offline
         when selected"). This plan is left as it is.
 
-        Args: user_to_node: each user's node. online: the nodes online now. item_home: cross-silo,
-        each item's silo (``RunPlan.item_home``).
+        Args:
+            user_to_node: each user's node.
+            online: the nodes online now.
+            item_home: cross-silo, each item's silo (``RunPlan.item_home``).
 
         Returns:
             A new plan, with ``expected`` (node → item or items) and ``owners`` (node → user).

@@ -83,9 +83,8 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    if (
-        not log.handlers
-    ):  # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
+    # Flower forwards the ServerApp's stderr to `flwr log`: corrflow's messages belong there
+    if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         log.addHandler(handler)

@@ -31,7 +31,10 @@ Reports per ε the final held-out accuracy and loss per arm (means and per seed)
 gap between the best DP-SGD arm and non-private training each arm closes (000 Fig. 3 measures the
 same on StackOverflow), the planner's score (RMSE at the target ε) of the planned arms, per-round
 curves and plots, and across ε the plots accuracy_vs_epsilon.png and loss_vs_epsilon.png (mean and
-min–max over seeds, as in 001 Fig. 1).
+min–max over seeds, as in 001 Fig. 1). Each ε's verdict (`corrflow.server.verdict`) says whether
+the comparison decides anything — *inconclusive* when non-private training does not beat every
+private arm or two arms sit inside their paired seed interval, *unpaired* with one seed — in the
+table, the JSON and the plots.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import logging
 import math
 import resource
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -72,6 +76,7 @@ from corrflow.planning.score import Damping
 from corrflow.run.journal import JOURNAL
 from corrflow.server.proxy import damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
+from corrflow.server.verdict import DECIDED, undecided, verdict, verdict_lines
 
 log = logging.getLogger("corrflow")
 
@@ -94,9 +99,8 @@ class Preset:
     momentum: float = 0.9
     local_lr: float = 2.0
     local_steps: int = 2
-    data_path: str = (
-        ""  # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
-    )
+    # a real-format dataset file (--data) and its vocabulary (--vocab); "": synthetic
+    data_path: str = ""
     vocab_path: str = ""
     # the planner's κ (plan arm): declared, or measured on PUBLIC proxy data (a file in the format
     # of --data and its vocabulary); neither: measured on the synthetic generator with another seed
@@ -123,8 +127,6 @@ PRESETS = {
     "large": Preset("large", users=50_000, rounds=100, epochs=1, seeds=2, delta=1e-6),
 }
 
-#: Arms that always run (the correlated kinds and their amplified variants are added to them).
-FIXED_ARMS = ("nonprivate", "dpsgd", "dpsgd-poisson", "plan")
 DPSGD_ARMS = ("dpsgd", "dpsgd-poisson")
 AMPLIFIED_SUFFIX = "-amplified"
 
@@ -263,11 +265,8 @@ def _recipe_arm(
 
     write_plan(replace(plan, recommended=cand), out, plots=False)
     recipe, _ = load_recipe(out / "recipe.json")
-    settings = {
-        **recipe.strategy_settings(),
-        "target_epsilon": epsilon,
-        "delta": delta,
-    }  # the total: the run's budget guard subtracts a DP vocabulary's share
+    # the total: the run's budget guard subtracts a DP vocabulary's share
+    settings = {**recipe.strategy_settings(), "target_epsilon": epsilon, "delta": delta}
     return Arm(
         name,
         cand.kind,
@@ -360,9 +359,8 @@ def plan_arms(
                 skipped.append(
                     {
                         "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"{kind}'s registry entry allows no "
-                        "cyclic-Poisson accounting (its encoder is not banded): no amplified "
-                        "variant",
+                        "reason": f"{kind}'s registry entry allows no cyclic-Poisson accounting "
+                        "(its encoder is not banded): no amplified variant",
                     }
                 )
                 continue
@@ -390,8 +388,8 @@ def plan_arms(
                 skipped.append(
                     {
                         "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"no {kind} candidate with a sampler "
-                        f"separation b < population/cohort = {req.min_sep}",
+                        "reason": f"no {kind} candidate with a sampler separation b < "
+                        f"population/cohort = {req.min_sep}",
                     }
                 )
                 continue
@@ -507,9 +505,8 @@ def run_arm(
     )
     rounds = [m for m in curve if m["round"] >= 0]
     rmse = None
-    if (
-        private
-    ):  # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+    # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
+    if private:
         fac = Factorization.load(out / "factorization.npz")
         rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
     result = {
@@ -630,8 +627,7 @@ def compare(
         all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
         "kinds",
         f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, "
-        "dpsgd-poisson and "
-        "plan always run)",
+        "dpsgd-poisson and plan always run)",
         kinds,
     )
     epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
@@ -691,8 +687,7 @@ def compare(
             planner = plans[eps].planner
             progress(
                 f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in "
-                f"{planner['seconds']:.1f} s "
-                f"(recommended: {planner['recommended']})"
+                f"{planner['seconds']:.1f} s (recommended: {planner['recommended']})"
             )
     per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
     free: list[dict] = []
@@ -762,12 +757,9 @@ def compare(
         arms = {"nonprivate": _summarise(NONPRIVATE, free)}
         for arm in plans[eps].arms:
             arms[arm.name] = _summarise(arm, per_seed[key][arm.name])
-        result["epsilons"][key] = {
-            "epsilon": eps,
-            "arms": arms,
-            **gaps(arms),
-            "planner": plans[eps].planner,
-        }
+        entry = {"epsilon": eps, "arms": arms, **gaps(arms), "planner": plans[eps].planner}
+        entry["verdict"] = verdict(entry, rounds=preset.rounds, users=preset.users, epsilon=eps)
+        result["epsilons"][key] = entry
         result["skipped"] += [{**s, "epsilon": eps} for s in plans[eps].skipped]
     result["unverified"] = [
         f"{name} at ε = {key}"
@@ -781,6 +773,7 @@ def compare(
         for name, a in e["arms"].items()
         for s in a["stopped"]
     ]
+    result["inconclusive"] = undecided(result)
     plots = []
     for key, entry in result["epsilons"].items():
         plots += plot_rounds(result, entry, out, key)
@@ -835,10 +828,9 @@ def _progress(
         "" if res["epsilon"] is None else f"  ε spent {res['epsilon']:.3f} at δ {res['delta']:.2g}"
     )
     progress(
-        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  "
-        f"loss {res['loss']:.4f}  σ "
-        f"{res['noise_multiplier']:.3f}"
-        f"{spent}  {'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
+        f"{'kept ' if kept else ''}seed {seed} {at}{name:<18} accuracy {acc}  loss "
+        f"{res['loss']:.4f}  σ {res['noise_multiplier']:.3f}{spent}  "
+        f"{'learned' if res['learned'] else 'did not learn'}  ({res['seconds']:.1f} s)"
     )
 
 
@@ -919,10 +911,21 @@ def _pyplot():
     return plt
 
 
-def _finish_plot(plt, fig, ax, path: Path) -> str:
-    """Legend, layout, write ``path`` (PNG) and close the figure; the path written."""
+def _finish_plot(plt, fig, ax, path: Path, entries: list[dict]) -> str:
+    """Legend, the verdict of each of ``entries`` (ε) that is not decided under the axes, layout,
+    write ``path`` (PNG) and close the figure; the path written."""
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    notes = [
+        f"ε = {e['epsilon']:g}: {e['verdict']['status'].upper()} — {e['verdict']['reasons'][0]}"
+        for e in entries
+        if e["verdict"]["status"] != DECIDED
+    ]
+    if notes:
+        text = "\n".join(textwrap.fill(n, 150) for n in notes)
+        fig.text(0.01, 0.01, text, fontsize=6, color="firebrick", va="bottom", ha="left")
+        fig.tight_layout(rect=(0, 0.03 + 0.025 * (text.count("\n") + 1), 1, 1))
+    else:
+        fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
     return str(path)
@@ -966,11 +969,11 @@ def plot_rounds(result: dict, entry: dict, out: Path, key: str) -> list[str]:
         ax.set_ylabel(ylabel)
         ax.set_title(
             f"{result['preset']} ({result['client']}): ε = {key}, δ = {result['delta']:g}, "
-            f"cohort {result['cohort']}, {result['seeds']} seed(s)",
+            f"cohort {result['cohort']}, {result['seeds']} seed(s)" + _verdict_title(entry),
             fontsize=9,
         )
         ax.grid(alpha=0.3)
-        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png"))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_eps{key}.png", [entry]))
     return paths
 
 
@@ -1017,13 +1020,23 @@ def plot_sweep(result: dict, out: Path) -> list[str]:
         ax.set_ylabel(f"final {ylabel}")
         ax.set_title(
             f"{result['preset']} ({result['client']}): {result['users']} users, cohort "
-            f"{result['cohort']}, "
-            f"{result['rounds']} rounds, {result['seeds']} seed(s)",
+            f"{result['cohort']}, {result['rounds']} rounds, {result['seeds']} seed(s)"
+            + "".join(
+                f"\nε = {e['epsilon']:g}{_verdict_title(e)}"
+                for e in entries
+                if e["verdict"]["status"] != DECIDED
+            ),
             fontsize=9,
         )
         ax.grid(alpha=0.3, which="both")
-        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png"))
+        paths.append(_finish_plot(plt, fig, ax, out / f"{metric}_vs_epsilon.png", entries))
     return paths
+
+
+def _verdict_title(entry: dict) -> str:
+    """ " — INCONCLUSIVE" or " — UNPAIRED" for a plot title; "" when the ε is decided."""
+    status = entry["verdict"]["status"]
+    return "" if status == DECIDED else f" — {status.upper()}"
 
 
 def table(result: dict) -> str:
@@ -1038,8 +1051,7 @@ def table(result: dict) -> str:
         score = entry["planner"].get("score") or {}
         rows.append(
             f"ε = {key}, δ = {result['delta']:g}: best DP-SGD arm {entry['best_dpsgd']}; planner "
-            "recommends "
-            f"{entry['planner']['recommended']}"
+            f"recommends {entry['planner']['recommended']}"
             + (
                 f" (closed-loop final error at {score['kappa_described']})"
                 if score.get("kappa") is not None
@@ -1071,20 +1083,18 @@ def table(result: dict) -> str:
                 f"  {name:<20} {acct:<{width}} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                 f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
                 f"{fmt(arm['noise_to_signal'], '.2f'):>5} {fmt(arm['accuracy']):>9} "
-                f"{fmt(arm['rmse'], '.2f'):>7} "
-                f"{fmt(arm['loss']):>8} "
+                f"{fmt(arm['rmse'], '.2f'):>7} {fmt(arm['loss']):>8} "
                 f"{arm['learned_seeds']:>6}/{len(arm['per_seed'])} {fmt(gap, '.0%'):>11}{mark}"
             )
+        rows += verdict_lines(entry)
     rows.append(
         "ε, δ: the largest verified pair over the seeds; b: the fewest rounds between a user's "
-        "turns (the "
-        f"sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns that an arm "
-        "may not "
-        "learn); learned: seeds whose final held-out loss is below the initial model's; gap "
-        "closed: of "
-        "the accuracy gap between the best DP-SGD arm and non-private training; RMSE: the "
-        "workload's RMSE under the arm's mechanism at its σ (per unit clip norm and coordinate; "
-        "the planner ranks by the closed-loop error of the final model, above)."
+        f"turns (the sampler's); ρ: the pre-flight noise-to-signal estimate (> {THRESHOLD} warns "
+        "that an arm may not learn); learned: seeds whose final held-out loss is below the "
+        "initial model's; gap closed: of the accuracy gap between the best DP-SGD arm and "
+        "non-private training; RMSE: the workload's RMSE under the arm's mechanism at its σ (per "
+        "unit clip norm and coordinate; the planner ranks by the closed-loop error of the final "
+        "model, above)."
     )
     for s in result["skipped"]:
         rows.append(f"skipped {s['arm']} at ε = {s['epsilon']:g}: {s['reason']}")
@@ -1111,6 +1121,7 @@ def json_summary(result: dict) -> dict:
         "skipped",
         "unverified",
         "stopped",
+        "inconclusive",
     )
     eps = {}
     for key, entry in result["epsilons"].items():

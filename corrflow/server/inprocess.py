@@ -34,9 +34,8 @@ def enable_offline_messages() -> None:
 
 
 class InProcessGrid(Grid):
-    synchronous = (
-        True  # every reply exists once push_messages returns (replies may answer no request id)
-    )
+    # every reply exists once push_messages returns (replies may answer no request id)
+    synchronous = True
 
     def __init__(
         self,
@@ -52,9 +51,8 @@ class InProcessGrid(Grid):
             **handlers,
             **({f"query.{PROBE_ACTION}": answer_probe} if identity else {}),
         }
-        self.nodes = {
-            first_node_id + 7919 * i: i for i in range(num_nodes)
-        }  # large ids, like Flower's uint64s
+        # large ids, like Flower's uint64s
+        self.nodes = {first_node_id + 7919 * i: i for i in range(num_nodes)}
         self.tamper = tamper
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)

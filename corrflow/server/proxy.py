@@ -72,8 +72,9 @@ def proxy_damping(
     Returns:
         `Damping` with source ``proxy``.
 
-    Raises: InvalidArgumentError: (``proxy-data``, ``proxy-vocab``) a missing file, or a synthetic
-    client (numpy) asked to read one.
+    Raises:
+        InvalidArgumentError: (``proxy-data``, ``proxy-vocab``) a missing file, or a synthetic
+            client (numpy) asked to read one.
     """
     if proxy_data:
         require(

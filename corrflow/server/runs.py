@@ -1,5 +1,5 @@
-"""``corrflow runs adopt DIR``: register a moved or restored run directory with the release
-registry on purpose.
+"""Adopting a run directory: register a moved or restored run with the release registry on purpose
+(``corrflow runs adopt DIR``, `corrflow.cli.runs`).
 
 A server refuses a run directory whose journal the registry does not confirm (a moved run, a copy, a
 restored backup, a run under another ``$CORRFLOW_HOME``, or a registry lost): resuming two copies
@@ -15,20 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
-from corrflow.config import validated_fields
-from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
-from corrflow.server.options import cli_values, with_settings
-
-# The run core is imported inside the functions that use it: at module level it would load the
-# planning and noise packages into every `corrflow --help`.
-
-runs_app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Operate on run directories."
-)
+from corrflow.errors import InvalidArgumentError
+from corrflow.run.registry import ReleaseRegistry
+from corrflow.run.resume import STATE, RunLock, RunLockedError, check_resume
 
 
 def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
@@ -38,17 +28,17 @@ def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
         run_dir: the run directory (its checkpoint and release journal are verified first).
         registry: the registry file (default: ``$CORRFLOW_HOME/release_registry.sqlite``).
 
-    Returns: the adoption: run id, registry, directory, the directory the registry had (None when it
-    did not know the run), the journal's and the registry's release counts, and the rounds the run
-    will release again with fresh noise.
+    Returns:
+        The adoption: run id, registry, directory, the directory the registry had (None when it
+        did not know the run), the journal's and the registry's release counts, and the rounds the
+        run will release again with fresh noise.
 
-    Raises: InvalidArgumentError: not a run directory with a checkpoint. IntegrityError: the
-    directory does not agree with its journal, or the registry is damaged, locked or emptied.
-    RunLockedError: a server is running on it.
+    Raises:
+        InvalidArgumentError: not a run directory with a checkpoint.
+        IntegrityError: the directory does not agree with its journal, or the registry is damaged,
+            locked or emptied.
+        RunLockedError: a server is running on it.
     """
-    from corrflow.run.registry import ReleaseRegistry
-    from corrflow.run.resume import STATE, RunLock, check_resume
-
     out = Path(run_dir)
     if not (out / STATE).is_dir():
         raise InvalidArgumentError(
@@ -70,8 +60,6 @@ def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
 def _refuse_live_original(registered: str | None, out: Path) -> None:
     """A server running on the directory the registry names: adopting a copy now would let both
     release the same rounds (RunLockedError naming the holder)."""
-    from corrflow.run.resume import RunLock, RunLockedError
-
     if registered is None or Path(registered) == out.resolve() or not Path(registered).is_dir():
         return
     try:
@@ -82,40 +70,3 @@ def _refuse_live_original(registered: str | None, out: Path) -> None:
             f"the run is live in {registered}, which the registry names: stop that server before "
             f"adopting a copy of it ({exc})"
         ) from None
-
-
-def adopt_command(
-    run_dir: Annotated[
-        Path, typer.Argument(metavar="DIR", help="the run directory to adopt", show_default=False)
-    ],
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    **settings,
-) -> None:
-    """Adopt a moved or restored run directory: the release registry binds the run to DIR, so that
-    it resumes there. Rounds the registry saw released beyond DIR's journal are released again
-    with fresh noise keys (listed in the privacy report). Adopt only the copy that goes on: two
-    adopted copies of one run are two releases of its rounds."""
-    try:
-        registry = validated_fields(cli_values(settings), "cli").get("release_registry")
-        rec = adopt_run(run_dir, registry or None)
-    except InvalidArgumentError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
-    except (CorrflowError, IntegrityError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=1) from None
-    if as_json:
-        print(json.dumps(rec, sort_keys=True))
-        return
-    moved = f" (was registered in {rec['previous_dir']})" if rec["previous_dir"] else ""
-    print(f"adopted run {rec['run_id']} in {rec['run_dir']}{moved}; registry {rec['registry']}")
-    again = rec["rounds_released_again"]
-    if again:
-        print(
-            f"rounds {again[0] + 1}–{again[-1] + 1} were released before by another copy; this run "
-            "releases them again with fresh noise keys (the privacy report lists the adoption)"
-        )
-
-
-# --release-registry comes from the settings model (`COMMAND_SETTINGS`), as in every command.
-runs_app.command("adopt")(with_settings(adopt_command, "runs adopt"))

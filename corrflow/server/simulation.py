@@ -233,9 +233,8 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
                     backend_config=_backend_config(cfg, verbose),
                 )
             except RuntimeError:
-                if (
-                    not stop.is_set()
-                ):  # Ray's workers die with the terminal's SIGINT; the server did not
+                # Ray's workers die with the terminal's SIGINT; the server did not
+                if not stop.is_set():
                     raise
     report_path = out / "privacy_report.json"
     if not report_path.exists():

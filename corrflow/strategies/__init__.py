@@ -1,10 +1,7 @@
-"""The Flower adapter: the strategies that train with correlated noise —
-`CorrelatedNoiseStrategy` (full control) and the drop-in wrapper
-`DifferentialPrivacyCorrelatedNoise` around a FedAvg-style strategy — over the Flower-free
-`corrflow.run`. Modules: ``correlated`` (the strategy), ``wrapper``, ``messaging`` (Flower
-messages ↔ corrflow's value types), ``identity`` (stable user ids of SuperNodes), ``session`` (one
-run, start to end) and ``canaries`` (empirical privacy audits). The run's settings are
-`corrflow.config.RunConfig`.
+"""Flower strategies that train with correlated noise over the Flower-free `corrflow.run`:
+`CorrelatedNoiseStrategy` (full control) and `DifferentialPrivacyCorrelatedNoise`, a drop-in wrapper
+around a FedAvg-style strategy; both resolve stable user identities, can aggregate under SecAgg+ and
+can audit a run with canaries. Their settings are `corrflow.config.RunConfig`.
 """
 
 # The classes load on first use, not with the package: `import corrflow` (which names the wrapper

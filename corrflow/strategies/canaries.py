@@ -330,8 +330,7 @@ def analyse(
             ),
             "estimator": (
                 "one-shot Gaussian fit ε_G(μ̂/σ̂; δ) (Andrew et al., arXiv 2302.03098), 95% "
-                "percentile "
-                "bootstrap interval"
+                "percentile bootstrap interval"
             ),
             "whitened": estimate.to_dict(),
             "lower_bound": lower.to_dict(),
@@ -363,16 +362,14 @@ def _verdict(claimed: float | None, estimate: stats.Estimate, lower: stats.Lower
     if lower.epsilon > claimed:
         return (
             f"VIOLATION: the {lower.confidence:.0%} lower bound ε_lo = {lower.epsilon:.3g} exceeds "
-            "the claimed "
-            f"ε = {claimed:.3g}; the run leaks more than it claims"
+            f"the claimed ε = {claimed:.3g}; the run leaks more than it claims"
         )
     if estimate.interval[0] > claimed:
         return (
             f"SUSPECT: the estimate ε̂ = {estimate.epsilon:.3g} (interval from "
-            f"{estimate.interval[0]:.3g}) lies "
-            f"above the claimed ε = {claimed:.3g}; rerun with more canaries to prove or clear it "
-            "(a correct run "
-            f"whose estimate sits at its claim lands here about 1 time in 40)"
+            f"{estimate.interval[0]:.3g}) lies above the claimed ε = {claimed:.3g}; rerun with "
+            "more canaries to prove or clear it (a correct run whose estimate sits at its claim "
+            "lands here about 1 time in 40)"
         )
     if estimate.epsilon > claimed:
         # The point estimate alone carries sampling error; only its interval's low end (SUSPECT)

@@ -104,14 +104,18 @@ class CorrelatedNoiseStrategy(Strategy):
     def initial_arrays(self) -> ArrayRecord:
         """The current model.
 
-        Returns: The model (the initial one before round 1) in the user's arrays' names, order and
-        dtypes.
+        Returns:
+            The model (the initial one before round 1) in the user's arrays' names, order and
+            dtypes.
         """
         return model_record(self.run.plan.layout, self.params)
 
     def report(self) -> dict:
-        """Returns: The privacy report as the operator holds it (before the amplified-run redactions
-        of the published file).
+        """The run's privacy report.
+
+        Returns:
+            The report as the operator holds it (before the amplified-run redactions of the
+            published file).
         """
         return self.run.report()
 
@@ -142,19 +146,23 @@ class CorrelatedNoiseStrategy(Strategy):
         """Train until ``num_rounds`` rounds in total are released (default: all planned; a resumed
         run runs the rest).
 
-        Args: grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
-        initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and dtypes
-        are kept in every model sent; a resumed run refuses other arrays). num_rounds: n, the run's
-        total rounds (a resumed run trains the rest). timeout: seconds to wait for nodes and replies
-        (default: the ``node_timeout`` setting). train_config: the config sent to the cohort each
-        round (merged with the inner strategy's). evaluate_config: the config of the inner
-        strategy's federated evaluation. evaluate_fn: ``evaluate_fn(server_round, arrays)``, called
-        for the starting model (round 0) and after every round, as Flower's FedAvg does; its loss
-        (the metric named ``loss`` or ending in ``loss``) and accuracy go to ``metrics.json`` as
-        ``test_loss`` and ``test_accuracy`` and decide the report's learning verdict.
+        Args:
+            grid: Flower's Grid (the ServerApp's ``main(grid, context)`` receives it).
+            initial_arrays: the model a new run starts from (any ``ArrayRecord``: keys, order and
+                dtypes are kept in every model sent; a resumed run refuses other arrays).
+            num_rounds: n, the run's total rounds (a resumed run trains the rest).
+            timeout: seconds to wait for nodes and replies (default: the ``node_timeout`` setting).
+            train_config: the config sent to the cohort each round (merged with the inner
+                strategy's).
+            evaluate_config: the config of the inner strategy's federated evaluation.
+            evaluate_fn: ``evaluate_fn(server_round, arrays)``, called for the starting model (round
+                0) and after every round, as Flower's FedAvg does; its loss (the metric named
+                ``loss`` or ending in ``loss``) and accuracy go to ``metrics.json`` as ``test_loss``
+                and ``test_accuracy`` and decide the report's learning verdict.
 
-        Returns: Flower's ``Result`` with the final arrays and the per-round train and evaluation
-        metrics.
+        Returns:
+            Flower's ``Result`` with the final arrays and the per-round train and evaluation
+            metrics.
         """
         if initial_arrays is not None and model_sha256(initial_arrays) != self.run.initial_sha256:
             raise InvalidArgumentError(
@@ -204,8 +212,7 @@ class CorrelatedNoiseStrategy(Strategy):
             self._said.add("inner-config")
             log.warning(
                 "the inner strategy's configure_train sent no message (fraction_train = 0?): "
-                "corrflow's "
-                "cohort trains with the train_config alone"
+                "corrflow's cohort trains with the train_config alone"
             )
         plan = plan.route(self.directory.user_to_node, online, self.run.plan.item_home)
         messages = train_messages(self.cfg, plan, arrays, user_config)
@@ -220,8 +227,9 @@ class CorrelatedNoiseStrategy(Strategy):
             server_round: Flower's 1-based round number.
             replies: the cohort's reply messages.
 
-        Returns: (the new global model, the round's metrics), or (None, None) for a round that was
-        not planned.
+        Returns:
+            (the new global model, the round's metrics), or (None, None) for a round that was not
+            planned.
         """
         plan, sent = self.inflight.take()
         if plan is None or plan.round != self.next_round or self.stopped_reason:
@@ -331,9 +339,8 @@ def run_rounds(
         if strategy.stopped_reason:
             break
         new_arrays, metrics = train_round(strategy, grid, server_round, messages, timeout, stop)
-        del (
-            messages
-        )  # the cohort's replies (cohort × model bytes) go now, not with the next round's
+        # the cohort's replies (cohort × model bytes) go now, not with the next round's
+        del messages
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays

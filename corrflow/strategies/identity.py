@@ -26,10 +26,8 @@ log = logging.getLogger("corrflow")
 
 PROBE_FIX = (
     "register corrflow's identity handler in the ClientApp (`from corrflow import "
-    "register_identity`; "
-    "`app = register_identity(ClientApp())`), or choose identity = per-launch (a run that can "
-    "never "
-    "resume)"
+    "register_identity`; `app = register_identity(ClientApp())`), or choose identity = per-launch "
+    "(a run that can never resume)"
 )
 
 
@@ -99,11 +97,9 @@ def resolve(
         if any(why == NO_ANSWER for why in errors.values()):
             fix = (
                 f"{len(nodes) - sum(why == NO_ANSWER for why in errors.values())} of {len(nodes)} "
-                "node(s) "
-                f"answered within {time.monotonic() - started:.0f} s (node-timeout {timeout:g} s); "
-                "a slow or "
-                "loaded engine needs a longer --node-timeout (corrflow.node-timeout). Otherwise: "
-                f"{PROBE_FIX}"
+                f"node(s) answered within {time.monotonic() - started:.0f} s (node-timeout "
+                f"{timeout:g} s); a slow or loaded engine needs a longer --node-timeout "
+                f"(corrflow.node-timeout). Otherwise: {PROBE_FIX}"
             )
     if errors and strict:
         shown = "; ".join(f"node {n}: {why}" for n, why in sorted(errors.items())[:5])

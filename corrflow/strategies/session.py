@@ -51,18 +51,16 @@ class RunSpec:
 
     cfg: RunConfig
     initial: ArrayRecord | list[np.ndarray]
-    evaluate: Callable[[list[np.ndarray]], dict] | None = (
-        None  # server-side, on the trainable float32 arrays
-    )
+    # server-side, on the trainable float32 arrays
+    evaluate: Callable[[list[np.ndarray]], dict] | None = None
     inner: Strategy | None = None
     train_config: ConfigRecord | None = None
     evaluate_config: ConfigRecord | None = None
     evaluate_fn: Callable[[int, ArrayRecord], Any] | None = None  # Flower's centralized evaluation
     on_round_end: Callable[[CorrelatedNoiseStrategy, dict], None] | None = None
     min_nodes: int = 1
-    population_check: Callable[[int], None] | None = (
-        None  # refuses a population the caller cannot serve
-    )
+    # refuses a population the caller cannot serve
+    population_check: Callable[[int], None] | None = None
     fresh: bool = False
     noise_key: bytes | None = None  # tests only: this start's key segment (never the CLI)
     stop_event: threading.Event | None = None

@@ -140,10 +140,9 @@ def check_inner_population(strategy: Strategy, users: int) -> None:
         require(
             value <= users,
             name,
-            f"at most the run's {users} users (Flower's node sampling for federated "
-            "evaluation would wait for nodes the run does not have): lower it, set "
-            "fraction_evaluate=0.0, "
-            "or raise num_users",
+            f"at most the run's {users} users (Flower's node sampling for federated evaluation "
+            "would wait for nodes the run does not have): lower it, set fraction_evaluate=0.0, or "
+            "raise num_users",
             value,
         )
 
@@ -156,22 +155,26 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
     2211.06530; McKenna, arXiv 2405.15913), and the run's ε is accounted, checkpointed and
     journaled.
 
-    Args: strategy: the inner strategy: FedAvg or a subclass whose train aggregation is FedAvg's
-    (FedProx, …); strategies with their own server-optimizer state (FedAdam, FedYogi, FedAdagrad,
-    FedAvgM) or a robust aggregation are refused, saying why. plan: a recipe written by ``corrflow
-    plan`` (``OUT/recipe.json``): its mechanism, participation, accountant and σ; settings given
-    here that differ are refused, each named. fresh: move an earlier run in ``state_dir`` aside
-    (``previous-runs/``) and start anew. canaries: simulation only, an empirical privacy audit
-    (``corrflow audit``'s): that many candidate canary SuperNodes, about half inserted by coin
-    flips; after the run `audit` (also ``audit.json`` and ``audit.png`` in ``state_dir``)
-    holds the claimed ε, the estimate ε̂ and the 95% lower bound ε_lo. audit_seed: seeds the
-    canaries' directions and coins (default: fresh). **settings: corrflow's run settings as the
-    wrapper names them (the signature lists each with its default; the run-config reference of the
-    docs has them all), e.g. ``clipping_norm``, ``target_epsilon``, ``delta``, ``epochs``, ``kind``,
-    ``state_dir``.
+    Args:
+        strategy: the inner strategy: FedAvg or a subclass whose train aggregation is FedAvg's
+            (FedProx, …); strategies with their own server-optimizer state (FedAdam, FedYogi,
+            FedAdagrad, FedAvgM) or a robust aggregation are refused, saying why.
+        plan: a recipe written by ``corrflow plan`` (``OUT/recipe.json``): its mechanism,
+            participation, accountant and σ; settings given here that differ are refused, each
+            named.
+        fresh: move an earlier run in ``state_dir`` aside (``previous-runs/``) and start anew.
+        canaries: simulation only, an empirical privacy audit (``corrflow audit``'s): that many
+            candidate canary SuperNodes, about half inserted by coin flips; after the run `audit`
+            (also ``audit.json`` and ``audit.png`` in ``state_dir``) holds the claimed ε, the
+            estimate ε̂ and the 95% lower bound ε_lo.
+        audit_seed: seeds the canaries' directions and coins (default: fresh).
+        settings: corrflow's run settings as the wrapper names them (the signature lists each with
+            its default; the run-config reference of the docs has them all), e.g. ``clipping_norm``,
+            ``target_epsilon``, ``delta``, ``epochs``, ``kind``, ``state_dir``.
 
-    Raises: InvalidArgumentError: an inner strategy that cannot be composed, an unknown keyword or
-    an invalid value (naming the keyword and what was expected), or a plan that differs.
+    Raises:
+        InvalidArgumentError: an inner strategy that cannot be composed, an unknown keyword or an
+            invalid value (naming the keyword and what was expected), or a plan that differs.
     """
 
     def __init__(
@@ -266,10 +269,11 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         ``corrflow`` logger; the full report is `privacy_report`. Arguments and result are
         `CorrelatedNoiseStrategy.start`'s (its text follows at run time).
 
-        Raises: InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner
-        strategy asking for more nodes than the population. CorrflowError: the run cannot start or
-        continue safely (another server on ``state_dir``, state that disagrees with its journal, a
-        node without the declared identity).
+        Raises:
+            InvalidArgumentError: bad settings, other initial arrays than the run's, or an inner
+                strategy asking for more nodes than the population.
+            CorrflowError: the run cannot start or continue safely (another server on ``state_dir``,
+                state that disagrees with its journal, a node without the declared identity).
         """
         ensure_console_log()
         cfg = self.config(num_rounds)
@@ -329,8 +333,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             default_identity(grid) == "partition-id" and cfg.identity in (None, "partition-id"),
             "canaries",
             "a simulation (Flower's simulation engine or corrflow's in-process grid, identity "
-            "partition-id): "
-            "canaries are simulated SuperNodes and cannot join a deployment of real devices",
+            "partition-id): canaries are simulated SuperNodes and cannot join a deployment of "
+            "real devices",
             self.canaries,
         )
         require(
@@ -368,9 +372,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         result["plot"] = str(write_plot(result, capture.scores, self.run_dir / "audit.png"))
         write_json(self.run_dir / "audit.json", result, sort_keys=True)
         log.info(
-            "corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g with "
-            "%d canaries: "
-            "%s",
+            "corrflow audit: claimed ε = %s, estimate ε̂ = %.4g, 95%% lower bound ε_lo = %.4g "
+            "with %d canaries: %s",
             report["realized"]["epsilon"],
             result["epsilon_estimate"],
             result["epsilon_lower"],
@@ -407,9 +410,8 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         if self.core is None:
             raise CorrflowError(
                 "DifferentialPrivacyCorrelatedNoise factorizes its noise for the run's total "
-                "number "
-                "of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as Flower's "
-                "strategies are driven"
+                "number of rounds: drive it with start(grid, initial_arrays, num_rounds=N), as "
+                "Flower's strategies are driven"
             )
         return self.core
 

@@ -12,13 +12,23 @@ from typing import Annotated
 
 import typer
 
+from corrflow.accounting.mechanisms import check_epsilon
+from corrflow.cli.common import AsJson, emit, fail
+from corrflow.cli.options import Verbosity
+from corrflow.data.arxiv import ArxivReader, ArxivSpec, generate_arxiv
+from corrflow.data.dp_vocab import dataset_user_texts, dp_vocabulary
+from corrflow.data.partition import make_manifest, write_manifest
+from corrflow.data.stackoverflow import (
+    StackOverflowSpec,
+    StackOverflowSQLite,
+    generate_stackoverflow,
+)
+from corrflow.data.stats import dataset_stats, detect_format
+from corrflow.data.vocab import Vocabulary, build_vocabulary, count_words
 from corrflow.errors import CorrflowError, InvalidArgumentError
 from corrflow.paths import writable_file
 from corrflow.planning.resources import check_disk
 from corrflow.progress import Progress
-
-# The data modules are imported inside the commands that use them: at module level they would load
-# the PLD library (a DP vocabulary's) and numba into every `corrflow --help`.
 
 data_app = typer.Typer(
     add_completion=False,
@@ -27,19 +37,8 @@ data_app = typer.Typer(
 )
 
 
-def _fail(exc: Exception) -> None:
-    from corrflow.server.cli import _fail as fail  # cli imports this module: resolve at call time
-
-    fail(exc)
-
-
-def _emit(obj: dict, as_json: bool) -> None:
-    from corrflow.server.cli import _emit as emit
-
-    emit(obj, as_json)
-
-
 def _peak_rss_mib() -> float:
+    """The process's peak resident memory in MiB."""
     unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / (1 << 20)
 
@@ -54,8 +53,8 @@ def generate(
     seed: Annotated[
         int, typer.Option(help="generator seed (the output is a pure function of it)")
     ] = 0,
-    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    verbose: Verbosity = None,
+    as_json: AsJson = False,
 ) -> None:
     """Write a synthetic dataset of KIND (stackoverflow: TFF's SQLite; arxiv: the metadata
     snapshot's JSON lines) in the real format, streaming to disk in bounded memory."""
@@ -68,18 +67,16 @@ def generate(
         writable_file(out, "--out")
         check_disk(users * GENERATED_BYTES_PER_USER[kind], out.parent, "--users")
         started = time.perf_counter()
-        with Progress(f"generating {kind}", total=users, quiet=quiet, unit="users") as bar:
+        with Progress(
+            f"generating {kind}", total=users, quiet=verbose is False, unit="users"
+        ) as bar:
             if kind == "stackoverflow":
-                from corrflow.data.stackoverflow import StackOverflowSpec, generate_stackoverflow
-
                 spec = StackOverflowSpec(users=users, seed=seed)
                 counts = generate_stackoverflow(out, spec, progress=bar)
             else:
-                from corrflow.data.arxiv import ArxivSpec, generate_arxiv
-
                 spec = ArxivSpec(users=users, seed=seed)
                 counts = generate_arxiv(out, spec, progress=bar)
-        _emit(
+        emit(
             {
                 "kind": kind,
                 "path": str(out),
@@ -92,7 +89,7 @@ def generate(
             as_json,
         )
     except CorrflowError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @data_app.command("stats")
@@ -106,86 +103,94 @@ def stats(
     min_authors: Annotated[
         int, typer.Option(help="arXiv: drop papers with fewer authors (004 §7.3 uses 2)")
     ] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Users, examples, tokens and the quantiles of examples per user and users per example."""
-    from corrflow.data.stats import dataset_stats
-
     try:
-        _emit(
+        emit(
             dataset_stats(
                 path, on_error="skip" if skip_malformed else "raise", min_authors=min_authors
             ),
             as_json,
         )
     except CorrflowError as exc:
-        _fail(exc)
+        fail(exc)
+
+
+#: A dataset file argument (every `corrflow data` command that reads one).
+DatasetFile = Annotated[
+    Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")
+]
+VocabOut = Annotated[
+    Path,
+    typer.Option(help="vocabulary file to write (a provenance header, then one word per line)"),
+]
+VocabSize = Annotated[int, typer.Option(help="most frequent words kept (000 §5.3: 10000)")]
+VocabEpsilon = Annotated[
+    float,
+    typer.Option(
+        help="ε of the differentially private vocabulary (the default route); a run using it "
+        "takes this ε out of its --target-epsilon"
+    ),
+]
+VocabDelta = Annotated[
+    float, typer.Option(help="δ of the private vocabulary (taken out of the run's --delta)")
+]
+MaxWordsPerUser = Annotated[
+    int,
+    typer.Option(
+        help="Δ₀: distinct words one user may contribute (each with weight 1/√Δ₀: fewer words, "
+        "more weight each)"
+    ),
+]
+MaxPapersPerAuthor = Annotated[
+    int,
+    typer.Option(
+        help="arXiv: papers one author may contribute (k_u; each author's removal then changes "
+        "≤ k_u papers)"
+    ),
+]
+NoPrivacy = Annotated[
+    bool,
+    typer.Option(
+        "--no-privacy",
+        help="count the private data WITHOUT privacy: the vocabulary is published with the model "
+        "outside any guarantee, and runs say so",
+    ),
+]
+Public = Annotated[
+    bool,
+    typer.Option(
+        "--public",
+        help="FILE is public data: count it without privacy and mark the vocabulary public",
+    ),
+]
+OovBuckets = Annotated[int, typer.Option(help="out-of-vocabulary buckets")]
+VocabSplit = Annotated[
+    str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")
+]
 
 
 @data_app.command("vocab")
 def vocab(
-    path: Annotated[
-        Path, typer.Argument(help="a TFF StackOverflow SQLite file or arXiv JSON-lines file")
-    ],
-    out: Annotated[
-        Path,
-        typer.Option(help="vocabulary file to write (a provenance header, then one word per line)"),
-    ],
-    size: Annotated[int, typer.Option(help="most frequent words kept (000 §5.3: 10000)")] = 10_000,
-    epsilon: Annotated[
-        float,
-        typer.Option(
-            help="ε of the differentially private vocabulary (the default route); "
-            "a run using it takes this ε out of its --target-epsilon"
-        ),
-    ] = 1.0,
-    delta: Annotated[
-        float, typer.Option(help="δ of the private vocabulary (taken out of the run's --delta)")
-    ] = 1e-6,
-    max_words_per_user: Annotated[
-        int,
-        typer.Option(
-            help="Δ₀: distinct words one user may contribute (each with "
-            "weight 1/√Δ₀: fewer words, more weight each)"
-        ),
-    ] = 32,
-    max_papers_per_author: Annotated[
-        int,
-        typer.Option(
-            help="arXiv: papers one author may contribute (k_u; each "
-            "author's removal then changes ≤ k_u papers)"
-        ),
-    ] = 2,
-    no_privacy: Annotated[
-        bool,
-        typer.Option(
-            "--no-privacy",
-            help="count the private data WITHOUT privacy: the "
-            "vocabulary is published with the model outside any guarantee, and "
-            "runs say so",
-        ),
-    ] = False,
-    public: Annotated[
-        bool,
-        typer.Option(
-            "--public",
-            help="FILE is public data: count it without privacy and mark the vocabulary public",
-        ),
-    ] = False,
-    oov_buckets: Annotated[int, typer.Option(help="out-of-vocabulary buckets")] = 1,
-    split: Annotated[
-        str, typer.Option(help="StackOverflow split counted (train only: no test leakage)")
-    ] = "train",
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    path: DatasetFile,
+    out: VocabOut,
+    size: VocabSize = 10_000,
+    epsilon: VocabEpsilon = 1.0,
+    delta: VocabDelta = 1e-6,
+    max_words_per_user: MaxWordsPerUser = 32,
+    max_papers_per_author: MaxPapersPerAuthor = 2,
+    no_privacy: NoPrivacy = False,
+    public: Public = False,
+    oov_buckets: OovBuckets = 1,
+    split: VocabSplit = "train",
+    as_json: AsJson = False,
 ) -> None:
     """Build the vocabulary of FILE's training split. Default: user-level differentially private top
     words (weighted Gaussian with a threshold; Gopi et al. 2020, "Differentially Private Set Union",
     arXiv 2002.09745): no word only one user wrote appears, except with probability ≤ δ/2.
     --no-privacy counts exactly (outside the guarantee); --public marks a public corpus. The file's
     header records which, and runs report it."""
-    from corrflow.data.stats import detect_format
-    from corrflow.data.vocab import build_vocabulary, count_words
-
     try:
         if no_privacy and public:
             raise InvalidArgumentError("--public", "at most one of --no-privacy and --public")
@@ -203,77 +208,18 @@ def vocab(
                 split,
             )
         if no_privacy or public:
-            if fmt == "stackoverflow-sqlite":
-                from corrflow.data.stackoverflow import StackOverflowSQLite
-
-                with StackOverflowSQLite(path) as db:
-                    counts = count_words(p.tokens for _, p in db.iter_posts(split))
-            else:
-                from corrflow.data.arxiv import ArxivReader
-
-                counts = count_words(p.text.lower() for p in ArxivReader(path))
-            v = build_vocabulary(
-                counts, size, oov_buckets, source="public" if public else "non-private"
-            )
-            covered, total = sum(counts[w] for w in v.words), sum(counts.values())
-            info = {
-                "distinct_words_seen": len(counts),
-                "token_coverage": covered / total if total else 0.0,
-            }
-            if no_privacy:
-                typer.echo(
-                    "warning: --no-privacy: this vocabulary is counted from the private data "
-                    "without "
-                    "privacy; it ships with the model outside the run's (ε, δ), and runs report it "
-                    "so",
-                    err=True,
-                )
+            v, info = _counted_vocabulary(path, fmt, split, size, oov_buckets, public)
         else:
-            from corrflow.accounting.mechanisms import check_epsilon
-
-            check_epsilon(epsilon, "--epsilon")
-            if not 0 < delta < 1:
-                raise InvalidArgumentError("--delta", "a δ in (0, 1)", delta)
-            if max_words_per_user < 1:
-                raise InvalidArgumentError("--max-words-per-user", "at least 1", max_words_per_user)
-            if max_papers_per_author < 1:
-                raise InvalidArgumentError(
-                    "--max-papers-per-author", "at least 1", max_papers_per_author
-                )
-            from corrflow.data.dp_vocab import dataset_user_texts, dp_vocabulary
-
-            texts, per_user = dataset_user_texts(path, max_papers_per_author)
-            res = dp_vocabulary(
-                texts,
-                epsilon=epsilon,
-                delta=delta,
-                size=size,
-                oov_buckets=oov_buckets,
-                max_words_per_user=max_words_per_user,
-                units_per_user=per_user,
+            v, info = _private_vocabulary(
+                path, size, oov_buckets, epsilon, delta, max_words_per_user, max_papers_per_author
             )
-            v = res.vocabulary
-            info = {
-                "users": res.users,
-                "candidates": res.candidates,
-                "above_threshold": res.released,
-                "sigma": res.sigma,
-                "threshold": res.threshold,
-            }
-            if len(v.words) < size:
-                typer.echo(
-                    f"note: {len(v.words)} of the {size} words requested cleared the privacy "
-                    "threshold "
-                    f"(noisy user count > {res.threshold:.3g}); a larger ε or more users give more",
-                    err=True,
-                )
         try:
             v.save(out)
         except OSError as exc:  # a mount gone read-only or full between the check and the write
             raise InvalidArgumentError(
                 "--out", f"a writable file ({exc.strerror or exc})", str(out)
             ) from None
-        _emit(
+        emit(
             {
                 "path": str(out),
                 "words": len(v.words),
@@ -285,7 +231,74 @@ def vocab(
             as_json,
         )
     except CorrflowError as exc:
-        _fail(exc)
+        fail(exc)
+
+
+def _counted_vocabulary(
+    path: Path, fmt: str, split: str, size: int, oov_buckets: int, public: bool
+) -> tuple[Vocabulary, dict]:
+    """The top words counted exactly (a public corpus, or --no-privacy, which warns), with the
+    coverage they reach."""
+    if fmt == "stackoverflow-sqlite":
+        with StackOverflowSQLite(path) as db:
+            counts = count_words(p.tokens for _, p in db.iter_posts(split))
+    else:
+        counts = count_words(p.text.lower() for p in ArxivReader(path))
+    v = build_vocabulary(counts, size, oov_buckets, source="public" if public else "non-private")
+    covered, total = sum(counts[w] for w in v.words), sum(counts.values())
+    info = {"distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}
+    if not public:
+        typer.echo(
+            "warning: --no-privacy: this vocabulary is counted from the private data without "
+            "privacy; it ships with the model outside the run's (ε, δ), and runs report it so",
+            err=True,
+        )
+    return v, info
+
+
+def _private_vocabulary(
+    path: Path,
+    size: int,
+    oov_buckets: int,
+    epsilon: float,
+    delta: float,
+    max_words_per_user: int,
+    max_papers_per_author: int,
+) -> tuple[Vocabulary, dict]:
+    """The user-level differentially private top words (Gopi et al. 2020), with what the
+    mechanism saw and released."""
+    check_epsilon(epsilon, "--epsilon")
+    if not 0 < delta < 1:
+        raise InvalidArgumentError("--delta", "a δ in (0, 1)", delta)
+    if max_words_per_user < 1:
+        raise InvalidArgumentError("--max-words-per-user", "at least 1", max_words_per_user)
+    if max_papers_per_author < 1:
+        raise InvalidArgumentError("--max-papers-per-author", "at least 1", max_papers_per_author)
+    texts, per_user = dataset_user_texts(path, max_papers_per_author)
+    res = dp_vocabulary(
+        texts,
+        epsilon=epsilon,
+        delta=delta,
+        size=size,
+        oov_buckets=oov_buckets,
+        max_words_per_user=max_words_per_user,
+        units_per_user=per_user,
+    )
+    v = res.vocabulary
+    info = {
+        "users": res.users,
+        "candidates": res.candidates,
+        "above_threshold": res.released,
+        "sigma": res.sigma,
+        "threshold": res.threshold,
+    }
+    if len(v.words) < size:
+        typer.echo(
+            f"note: {len(v.words)} of the {size} words requested cleared the privacy threshold "
+            f"(noisy user count > {res.threshold:.3g}); a larger ε or more users give more",
+            err=True,
+        )
+    return v, info
 
 
 #: Bytes a generated dataset takes per user, about twice the measured mean (StackOverflow ≈ 2.1 KB,
@@ -307,18 +320,16 @@ def partition(
     ] = None,
     split: Annotated[str, typer.Option(help="StackOverflow split")] = "train",
     seed: Annotated[int, typer.Option(help="arXiv: seed of the example → silo hash")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Assign users (or papers) to Flower partitions and print each SuperNode's --node-config."""
-    from corrflow.data.partition import make_manifest, write_manifest
-
     try:
         manifest = make_manifest(path, partitions, split=split, seed=seed)
         write_manifest(manifest, out)
         parts = manifest["partitions"]
         key = "users" if parts and "users" in parts[0] else "items"
         sizes = [len(p[key]) for p in parts]
-        _emit(
+        emit(
             {
                 "manifest": str(out),
                 "format": manifest["format"],
@@ -330,4 +341,4 @@ def partition(
             as_json,
         )
     except CorrflowError as exc:
-        _fail(exc)
+        fail(exc)

@@ -1,10 +1,17 @@
-"""The commands' shared options, generated from the settings model (`corrflow.config`): one
-typer option per setting the ``cli`` surface exposes, with the model's flag name, type, choices,
-default and help. ``simulate`` and ``audit`` take every setting; ``factorize``, ``plan``,
+"""The commands' shared options, generated from the settings model (`corrflow.config`).
+
+One typer option per setting the ``cli`` surface exposes, with the model's flag name, type,
+choices, default and help. ``simulate`` and ``audit`` take every setting; ``factorize``, ``plan``,
 ``account``, ``compare`` and ``runs adopt`` the ones in `COMMAND_SETTINGS`, with the same names,
-choices and defaults (a command's own default is declared by the model and shown by ``--help``). A
-command declared with `with_settings` receives them as keyword arguments; `config_from_cli` turns
-them into a validated `RunConfig` whose errors name the flag."""
+choices and defaults (a command's own default is declared by the model and shown by ``--help``; a
+default of ``...`` makes the option required). A command declared with `with_settings` receives
+them as keyword arguments; `config_from_cli` turns them into a validated `RunConfig` whose errors
+name the flag.
+
+A new flag shared with the run is one setting in `corrflow.config.RunConfig` (surfaces, help,
+constraint) plus its name in the command's `COMMAND_SETTINGS` entry (``simulate`` and ``audit``
+take every ``cli`` setting without an entry).
+"""
 
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "client",
     ),
     "plan": (
+        "num_users",
+        "model_dim",
         "num_rounds",
         "target_epsilon",
         "delta",
@@ -64,7 +73,6 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "num_rounds",
         "num_users",
         "epochs",
-        "target_epsilon",
         "delta",
         "client",
         "data_path",
@@ -88,6 +96,7 @@ def _choices(name: str, annotation: Any) -> type[Enum] | None:
 
 
 def _cli_type(name: str, annotation: Any) -> Any:
+    """The option's type: the setting's choices as an enum, optional where the model allows None."""
     enum = _choices(name, annotation)
     optional = type(None) in typing.get_args(annotation)
     base = enum or next(
@@ -117,7 +126,7 @@ def settings_parameters(command: str | None = None) -> list[inspect.Parameter]:
             flag,
             help=help_text(name, command),
             case_sensitive=False,
-            show_default=default is not None,
+            show_default=default not in (None, ...),
         )
         params.append(
             inspect.Parameter(
@@ -182,6 +191,21 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
 FILE_SETTINGS = ("data_path", "vocab_path", "attribution_path", "manifest_path")
 
 
+#: The one verbosity flag of every command that shows progress or runs an engine: -q hides the
+# progress bars, -v adds the engine's own output (Flower, Ray, TensorFlow) to the progress; neither
+# keeps the progress bars on stderr and the engine's output in OUT/engine.log.
+Verbosity = Annotated[
+    bool | None,
+    typer.Option(
+        "--verbose/--quiet",
+        "-v/-q",
+        help="-v: also the engine's own output (Flower, Ray, TensorFlow; else OUT/engine.log); "
+        "-q: no progress bars",
+        show_default=False,
+    ),
+]
+
+
 def file_error_message(exc: Exception, params: dict[str, Any]) -> str:
     """``exc``'s message, led by the flag whose file it is about when it is a `DataFormatError` on
     one of the command's input files (``--vocab: v.txt:302: expected UTF-8 text …``)."""
@@ -196,6 +220,7 @@ def file_error_message(exc: Exception, params: dict[str, Any]) -> str:
 
 __all__ = [
     "COMMAND_SETTINGS",
+    "Verbosity",
     "FILE_SETTINGS",
     "file_error_message",
     "cli_values",

@@ -1,0 +1,79 @@
+"""What every command shares: printing a result, failing with the exit code and naming flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import numpy as np
+import typer
+
+from corrflow.cli.options import file_error_message
+from corrflow.config import renamed
+from corrflow.errors import DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.factorization.base import Factorization
+
+#: The ``--json`` flag of every command: exactly one JSON object as the last stdout line.
+AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+
+
+def emit(obj: dict, as_json: bool) -> None:
+    """Print ``obj`` as one JSON object (``as_json``) or as aligned ``key: value`` lines."""
+    if as_json:
+        print(json.dumps(obj, default=jsonable, sort_keys=True))
+    else:
+        for key, value in obj.items():
+            print(f"{key:>24}: {value}")
+
+
+def jsonable(x):
+    """numpy scalars and arrays as plain JSON values (``json.dumps``'s ``default``)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def load_factorization(path: Path, flag: str) -> Factorization:
+    """A user-given factorization file; one that cannot be read is a bad argument (exit 2) naming
+    the flag."""
+    try:
+        return Factorization.load(path)
+    except (IntegrityError, InvalidArgumentError) as exc:
+        raise InvalidArgumentError(
+            flag, f"a factorization file written by `corrflow factorize` ({exc})"
+        ) from None
+
+
+def fail(exc: Exception, files: dict | None = None) -> NoReturn:
+    """Print ``exc`` and exit 2 for bad input, else 1.
+
+    Args:
+        exc: the error; an `InvalidArgumentError` about a setting is reworded to name its flag.
+        files: the command's settings, so that a data file's error is led by its flag.
+
+    Raises:
+        typer.Exit: always.
+    """
+    # a setting's name (not a path, not a positional NAME) is reworded as the flag
+    if (
+        isinstance(exc, InvalidArgumentError)
+        and exc.field.replace("_", "-").replace("-", "").isalnum()
+        and exc.field.islower()
+    ):
+        exc = as_flag(exc)
+    typer.echo(f"error: {file_error_message(exc, files or {})}", err=True)
+    raise typer.Exit(code=2 if isinstance(exc, (InvalidArgumentError, DataFormatError)) else 1)
+
+
+def as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
+    """The same error naming the command-line flag rather than the library's field or run-config
+    key."""
+    if exc.field.startswith("--"):
+        return exc
+    named = renamed(exc, "cli")
+    if named.field.startswith("--"):
+        return named
+    return InvalidArgumentError("--" + exc.field.replace("_", "-"), exc.expected, exc.got)

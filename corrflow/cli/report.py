@@ -1,0 +1,93 @@
+"""``corrflow report DIR``: re-print a finished or stopped run's summary from its files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corrflow.cli.common import emit, fail
+from corrflow.cli.summary import run_summary
+from corrflow.errors import CorrflowError, DataFormatError, InvalidArgumentError
+from corrflow.planning.learnability import held_out_summary
+from corrflow.planning.plots import write_run_plot
+from corrflow.run.journal import JOURNAL
+
+
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="a run's directory (simulate's --out)")],
+    plot: Annotated[
+        bool, typer.Option(help="write DIR/run.png (held-out loss and ε spent per round)")
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the privacy report as one JSON object")
+    ] = False,
+) -> None:
+    """Re-print a run's summary, the one `corrflow simulate` printed, from its files (read only,
+    nothing trained), and write its loss/ε-per-round plot. Exit 2 when DIR holds no run."""
+    try:
+        report, metrics = _read_run(run_dir)
+        held_out = held_out_summary(metrics)
+        if as_json:
+            emit({**report, "held_out": held_out}, True)
+        else:
+            typer.echo(run_summary(report, run_dir, held_out))
+        if not _note_report_behind_journal(report, run_dir):
+            _note_stopped(report)
+        if plot:
+            typer.echo(f"plot: {write_run_plot(metrics, report, run_dir / 'run.png')}", err=True)
+    except CorrflowError as exc:
+        fail(exc)
+    except OSError as exc:
+        typer.echo(f"error: {run_dir}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(code=1) from None
+
+
+def _read_run(run_dir: Path) -> tuple[dict, dict]:
+    """The run's privacy report and metrics (a bad argument when DIR holds no run)."""
+    paths = {name: run_dir / name for name in ("privacy_report.json", "metrics.json")}
+    missing = [name for name, p in paths.items() if not p.is_file()]
+    if missing:
+        raise InvalidArgumentError(
+            "DIR", f"a run directory holding {' and '.join(missing)}", str(run_dir)
+        )
+    try:
+        report = json.loads(paths["privacy_report.json"].read_text())
+        metrics = json.loads(paths["metrics.json"].read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataFormatError(run_dir, None, f"a run's JSON files ({exc})") from None
+    return report, metrics
+
+
+def _note_stopped(report: dict) -> None:
+    """Say so when the run released fewer rounds than planned, and why it stopped."""
+    planned = report.get("mechanism", {}).get("rounds", 0)
+    if report.get("rounds_completed", 0) >= planned:
+        return
+    why = f"; it stopped: {report['stopped_reason']}" if report.get("stopped_reason") else ""
+    typer.echo(
+        f"note: the run released {report['rounds_completed']} of {planned} rounds{why}", err=True
+    )
+
+
+def _note_report_behind_journal(report: dict, run_dir: Path) -> bool:
+    """Say so when the release journal records more rounds than the report covers (and return
+    True): the report is complete every ``report_every`` rounds, and a server killed in between
+    leaves it behind until the run resumes."""
+    journal = run_dir / JOURNAL
+    if not journal.is_file():
+        return False
+    with open(journal, "rb") as f:
+        released = sum(1 for line in f if line.endswith(b"\n"))
+    covered = int(report.get("rounds_completed", 0))
+    if released > covered:
+        typer.echo(
+            f"note: the release journal records {released} released rounds, this report covers "
+            f"{covered}: the server stopped between two of its complete reports (every "
+            f"{report.get('report_every', 1)} rounds); rerun the run's command to resume it — it "
+            "completes the report first",
+            err=True,
+        )
+    return released > covered
