@@ -11,6 +11,8 @@ from pathlib import Path
 from corrflow.errors import DataFormatError, InvalidArgumentError
 
 REPORT, METRICS = "privacy_report.json", "metrics.json"
+#: The sections of a privacy report every summary reads (objects).
+REPORT_SECTIONS = ("mechanism", "planned", "realized", "accountant")
 #: How many run directories a refusal lists (a large sweep holds hundreds).
 LISTED = 12
 
@@ -74,9 +76,14 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DataFormatError(path, None, f"a run's JSON file ({exc})") from None
     report, metrics = docs[REPORT], docs[METRICS]
-    if not isinstance(report, dict) or not isinstance(report.get("mechanism", {}), dict):
+    if not isinstance(report, dict):
         raise DataFormatError(
             paths[REPORT], None, "a privacy report (a JSON object)", type(report).__name__
+        )
+    missing = [k for k in REPORT_SECTIONS if not isinstance(report.get(k), dict)]
+    if missing:
+        raise DataFormatError(
+            paths[REPORT], None, f"a privacy report with its {', '.join(REPORT_SECTIONS)}", missing
         )
     if not isinstance(metrics, list) or not all(isinstance(m, dict) for m in metrics):
         raise DataFormatError(
