@@ -2,6 +2,7 @@
 unwritable outputs) is refused before anything runs: exit 2, the flag or file named, no traceback,
 nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def files(tmp_path_factory):
         db.execute("DELETE FROM examples")
     garbage = d / "garbage.sqlite"
     garbage.write_bytes(b"not a dataset\n")
+    no_heldout = d / "no_heldout.sqlite"  # training examples only: nothing to evaluate on
+    no_heldout.write_bytes(so.read_bytes())
+    with sqlite3.connect(no_heldout) as db:
+        db.execute("DELETE FROM examples WHERE split_name != 'train'")
     fac = d / "fac.npz"
     assert invoke("factorize", "--kind", "toeplitz", "--rounds", "8", "--out", fac).exit_code == 0
     return {
@@ -54,12 +59,42 @@ def files(tmp_path_factory):
         "empty_vocab": empty_vocab,
         "empty_data": empty_data,
         "garbage": garbage,
+        "no_heldout": no_heldout,
     }
 
 
 # (id, argv with OUT for the output directory and {name} for a fixture file, what the error names:
 # a string or a tuple of strings)
+PLAN = "plan --users 100 --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 8 --no-plots"
 CASES = [
+    ("plan-cohort-huge", f"{PLAN} --cohort {10**30} --out OUT", ("--cohort:", "[1, 1e+10]")),
+    ("plan-time-budget", f"{PLAN} --time-budget 1e308 --out OUT", ("--time-budget", "604800")),
+    (
+        "plan-proxy-no-heldout",
+        f"{PLAN} --client nextword --proxy-data {{no_heldout}} --proxy-vocab {{vocab}} --out OUT",
+        ("--proxy-data:", "'heldout' split"),
+    ),
+    (
+        "plan-proxy-vocab-empty",
+        f"{PLAN} --client nextword --proxy-data {{so}} --proxy-vocab {{empty_vocab}} --out OUT",
+        ("--proxy-vocab:", "at least one word"),
+    ),
+    ("sim-model-dim-huge", f"simulate --rounds 4 --model-dim {BIG} --out OUT", "--model-dim:"),
+    (
+        "vocab-no-examples",
+        "data vocab {empty_data} --no-privacy --out OUT/v.txt",
+        ("empty.sqlite: expected training examples",),
+    ),
+    (
+        "account-both-sigmas",
+        "account --factorization {fac} --noise-multiplier 1 --noise-multiplier-per-participation 2",
+        "--noise-multiplier-per-participation: expected at most one",
+    ),
+    (
+        "sim-per-participation-negative",
+        "simulate --rounds 4 --noise-multiplier-per-participation -1 --out OUT",
+        "--noise-multiplier-per-participation",
+    ),
     (
         "sim-vocab-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
@@ -288,3 +323,98 @@ def test_an_unreachable_ray_address_is_refused_first_within_seconds(tmp_path, pe
     assert res.exit_code == 2 and "--ray-address" in res.output, res.output
     assert "Traceback" not in res.output and took < 15, took
     assert not out.exists() and not (tmp_path / "registry.sqlite").exists()
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A finished 4-round run (in-process engine) whose files the report cases edit copies of."""
+    run = tmp_path_factory.mktemp("report") / "run"
+    res = invoke(
+        "simulate", "--users", "10", "--rounds", "4", "--epochs", "2", "--backend", "inprocess",
+        "--out", run,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return run
+
+
+def _copy_run(run: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("state", ".corrflow.lock*"))
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "named"),
+    [
+        ("privacy_report.json", "[]", "privacy_report.json: expected a privacy report"),
+        ("privacy_report.json", "{}", "privacy_report.json: expected a privacy report with"),
+        ("metrics.json", "{}", "metrics.json: expected a list of per-round metric objects"),
+    ],
+)
+def test_report_on_files_that_are_not_a_runs_exits_2(small_run, tmp_path, name, text, named):
+    run = _copy_run(small_run, tmp_path / "run")
+    (run / name).write_text(text)
+    before = sorted(p.name for p in run.iterdir())
+    res = invoke("report", run)
+    assert res.exit_code == 2 and named in res.output, res.output
+    assert "Traceback" not in res.output
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing written (no run.png)
+
+
+def test_report_on_a_compare_folder_lists_its_runs(small_run, tmp_path):
+    folder = tmp_path / "cmp"
+    (folder / "runs").mkdir(parents=True)
+    (folder / "eps8" / "runs").mkdir(parents=True)
+    (folder / "comparison.json").write_text("{}")
+    arms = [
+        _copy_run(small_run, folder / "runs" / "nonprivate-seed0"),
+        _copy_run(small_run, folder / "eps8" / "runs" / "toeplitz-seed0"),
+    ]
+    res = invoke("report", folder)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "holds 2 runs" in text, res.output
+    assert all(str(a) in text for a in arms) and "Traceback" not in res.output
+
+
+def test_report_on_a_run_it_cannot_write_skips_the_plot_with_a_note(small_run, tmp_path):
+    """A read-only run (here: run.png cannot be created, as on a read-only mount; the suite may run
+    as root, which ignores permission bits) prints its whole summary, then says why no plot."""
+    run = _copy_run(small_run, tmp_path / "run")
+    (run / "run.png").mkdir()  # writing the PNG fails like a read-only directory would
+    res = invoke("report", run)
+    assert res.exit_code == 0, res.output
+    assert "privacy     ε = " in res.output and "note: run.png not written" in res.output
+    assert "Traceback" not in res.output and not any((run / "run.png").iterdir())
+
+
+def test_account_takes_table_3s_per_participation_noise_multiplier(tmp_path):
+    """000 Table 3's DP-SGD (Poisson, q = 1000/342,477, 2,052 steps, z = 0.491, δ = 1e-6; the paper
+    says ε = 8.824): given as the papers' per-participation noise multiplier, account prints
+    ε ≈ 8.75 (today's PLD) and σ in both conventions."""
+    fac = tmp_path / "dpsgd.npz"
+    res = invoke(
+        "factorize", "--kind", "dpsgd", "--rounds", "2052", "--epochs", "2052", "--min-sep", "1",
+        "--out", fac,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = invoke(
+        "account", "--factorization", fac, "--participation", "poisson", "--dataset-size",
+        "342477", "--expected-batch-size", "1000", "--delta", "1e-6",
+        "--noise-multiplier-per-participation", "0.491", "--json",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["epsilon"] == pytest.approx(8.75, abs=0.01)
+    assert out["noise_multiplier"] == pytest.approx(0.491 / 2052**0.5, rel=1e-9)
+    assert out["noise_multiplier_per_participation"] == pytest.approx(0.491, rel=1e-9)
+    res = invoke(
+        "account", "--factorization", fac, "--participation", "poisson", "--dataset-size",
+        "342477", "--expected-batch-size", "1000", "--delta", "1e-6",
+        "--noise-multiplier-per-participation", "0.491",
+    )  # fmt: skip
+    text = " ".join(res.output.split())
+    assert (
+        "σ (corrflow, sensitivity-1 C) = 0.0108391; per participation (the papers' noise " in text
+    )
+    assert "multiplier) = 0.491" in text

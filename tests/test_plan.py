@@ -558,3 +558,17 @@ def test_plan_plots_give_each_kind_one_colour_and_draw_identical_curves_once(tmp
     anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
     assert anchor.y1 < 0  # under the axes: it hides no line
     plt.close(figs[0])
+
+
+def test_plan_says_what_it_does_and_lists_its_plots(planned):
+    """Rerun on the cached plan, for people: a plain progress line per candidate on stderr (a
+    progress bar shows only on a terminal), σ in both conventions and the three PNGs written."""
+    out, _, _ = planned
+    r = run("plan", *[a for a in SMALL if a != "--quiet"], "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "plan: candidate 1 of " in r.stderr and "plan: drawing 3 plots" not in r.stdout
+    plots = next(line for line in r.stdout.splitlines() if line.startswith("plots "))
+    for name in ("rmse_vs_bands.png", "per_iterate_error.png", "epsilon_vs_sigma.png"):
+        assert str(out / name) in plots and (out / name).is_file()
+    sigma = next(line for line in r.stdout.splitlines() if line.startswith("σ "))
+    assert "σ (corrflow, sensitivity-1 C) = " in sigma and "per participation (the papers'" in sigma
