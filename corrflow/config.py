@@ -32,7 +32,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from corrflow.accounting.mechanisms import EPSILON_EXPECTED, MAX_EPSILON
+from corrflow.accounting.mechanisms import EPSILON_EXPECTED, MAX_EPSILON, MIN_EPSILON
 from corrflow.choices import (
     Accountant,
     Client,
@@ -48,6 +48,8 @@ from corrflow.factorization.blt import MAX_BUFFERS
 from corrflow.factorization.registry import KINDS
 from corrflow.hashing import canonical_sha256
 
+#: How --help states ε's bounds.
+EPSILON_RANGE = f"from {MIN_EPSILON:g} to {MAX_EPSILON:g}"
 SURFACES = ("cli", "run_config", "wrapper", "recipe")
 PREFIX = "corrflow."  # corrflow's keys in Flower's run config; every other key is the user's app's
 #: The largest clip norm: the noise σ·clip·(C⁻¹Z)_t and a sum of clipped updates must stay finite in
@@ -266,16 +268,15 @@ class RunConfig(BaseModel):
     # -- privacy -----------------------------------------------------------------------------------
     target_epsilon: float | None = setting(
         None,
-        f"ε to calibrate σ for (default {DEFAULT_TARGET_EPSILON:g} without a noise multiplier; "
-        "with one: the "
-        "budget guard's limit, none if unset)",
+        f"ε to calibrate σ for, {EPSILON_RANGE} (default {DEFAULT_TARGET_EPSILON:g} without a "
+        "noise multiplier; with one: the budget guard's limit, none if unset)",
         EPSILON_EXPECTED,
-        gt=0,
+        ge=MIN_EPSILON,
         le=MAX_EPSILON,
         allow_inf_nan=False,
         command_help={
-            "plan": "the target ε",
-            "account": "ε to find the smallest grid σ for",
+            "plan": f"the target ε, {EPSILON_RANGE}",
+            "account": f"ε to find the smallest grid σ for, {EPSILON_RANGE}",
         },
         command_defaults={
             "plan": (DEFAULT_TARGET_EPSILON, "every candidate is calibrated to it"),

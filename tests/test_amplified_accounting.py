@@ -280,7 +280,7 @@ def test_a_calibration_no_mc_candidate_verifies_releases_the_unamplified_bound_i
     spec = SamplingSpec("balls-in-bins", 100, 25, accountant="monte-carlo")
     res = account(fac, delta=1e-5, target_epsilon=2.0, sampling=spec, mc_samples=2000)
     sens = 4 * float(fac.encoder.column_norms().max())  # k = ⌈16/4⌉ participations, bands 8 > b = 4
-    assert res["accountant"]["name"] == "analytic-gaussian" and res["guarantee"] is True
+    assert res["accountant"]["name"] == "unamplified" and res["guarantee"] is True
     assert res["accountant"]["sensitivity"] == pytest.approx(sens)
     assert res["noise_multiplier"] == res["accountant"]["fallback_noise_multiplier"]
     independent = dpa.get_epsilon_gaussian(res["noise_multiplier"] / sens, 1e-5)

@@ -394,3 +394,20 @@ def test_candidates_for_ceiling_lifts_the_ceiling_above_the_claim():
     assert m is not None and lower_bound_ceiling(m, delta=1e-5) > 5.0
     assert lower_bound_ceiling(m // 2, delta=1e-5) <= 5.0
     assert candidates_for_ceiling(8.0, 1e-5, largest=10**6) is None
+
+
+def test_consistent_verdict_explains_an_estimate_above_the_claim():
+    """ε̂ = 1.04 over a claim of 1 is still consistent when the interval starts below the claim
+    and the lower bound is within it; the verdict says so instead of a bare "consistent"."""
+    from corrflow.strategies.canaries import _verdict
+
+    est = st.Estimate(1.04, (0.61, 1.52), 2.0, 1.0, 0.0, 1.0)
+    lower = st.LowerBound(0.21, 0.95, 200, 10, 10, 19, (0.05,), "test")
+    text = _verdict(1.0, est, lower)
+    assert text.startswith("consistent: the estimate ε̂ = 1.04 is above the claimed ε = 1")
+    assert "interval starts at 0.61" in text and "ε_lo = 0.21" in text
+    below = _verdict(1.0, st.Estimate(0.8, (0.4, 1.2), 2.0, 1.0, 0.0, 1.0), lower)
+    assert below.startswith("consistent: nothing shown above the claimed ε = 1")
+    assert _verdict(1.0, st.Estimate(1.6, (1.1, 2.0), 2.0, 1.0, 0.0, 1.0), lower).startswith(
+        "SUSPECT"
+    )

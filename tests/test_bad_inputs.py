@@ -2,6 +2,7 @@
 unwritable outputs) is refused before anything runs: exit 2, the flag or file named, no traceback,
 nothing written to --out. Each case runs the real CLI in-process (typer's runner)."""
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -40,6 +41,12 @@ def files(tmp_path_factory):
     empty_data.write_bytes(so.read_bytes())
     with sqlite3.connect(empty_data) as db:
         db.execute("DELETE FROM examples")
+    garbage = d / "garbage.sqlite"
+    garbage.write_bytes(b"not a dataset\n")
+    no_heldout = d / "no_heldout.sqlite"  # training examples only: nothing to evaluate on
+    no_heldout.write_bytes(so.read_bytes())
+    with sqlite3.connect(no_heldout) as db:
+        db.execute("DELETE FROM examples WHERE split_name != 'train'")
     fac = d / "fac.npz"
     assert invoke("factorize", "--kind", "toeplitz", "--rounds", "8", "--out", fac).exit_code == 0
     return {
@@ -51,12 +58,43 @@ def files(tmp_path_factory):
         "bad_csv": bad_csv,
         "empty_vocab": empty_vocab,
         "empty_data": empty_data,
+        "garbage": garbage,
+        "no_heldout": no_heldout,
     }
 
 
 # (id, argv with OUT for the output directory and {name} for a fixture file, what the error names:
 # a string or a tuple of strings)
+PLAN = "plan --users 100 --cohort 10 --rounds 4 --delta 1e-5 --target-epsilon 8 --no-plots"
 CASES = [
+    ("plan-cohort-huge", f"{PLAN} --cohort {10**30} --out OUT", ("--cohort:", "[1, 1e+10]")),
+    ("plan-time-budget", f"{PLAN} --time-budget 1e308 --out OUT", ("--time-budget", "604800")),
+    (
+        "plan-proxy-no-heldout",
+        f"{PLAN} --client nextword --proxy-data {{no_heldout}} --proxy-vocab {{vocab}} --out OUT",
+        ("--proxy-data:", "'heldout' split"),
+    ),
+    (
+        "plan-proxy-vocab-empty",
+        f"{PLAN} --client nextword --proxy-data {{so}} --proxy-vocab {{empty_vocab}} --out OUT",
+        ("--proxy-vocab:", "at least one word"),
+    ),
+    ("sim-model-dim-huge", f"simulate --rounds 4 --model-dim {BIG} --out OUT", "--model-dim:"),
+    (
+        "vocab-no-examples",
+        "data vocab {empty_data} --no-privacy --out OUT/v.txt",
+        ("empty.sqlite: expected training examples",),
+    ),
+    (
+        "account-both-sigmas",
+        "account --factorization {fac} --noise-multiplier 1 --noise-multiplier-per-participation 2",
+        "--noise-multiplier-per-participation: expected at most one",
+    ),
+    (
+        "sim-per-participation-negative",
+        "simulate --rounds 4 --noise-multiplier-per-participation -1 --out OUT",
+        "--noise-multiplier-per-participation",
+    ),
     (
         "sim-vocab-utf8",
         "simulate --backend inprocess --client nextword --rounds 4 --data {so} "
@@ -155,6 +193,30 @@ CASES = [
         "--bands",
     ),
     ("audit-bands-blt", "audit --rounds 4 --kind blt --bands 3 --out OUT", "--bands"),
+    (
+        "sim-target-epsilon-tiny",
+        "simulate --rounds 4 --target-epsilon 1e-300 --out OUT",
+        (
+            "--target-epsilon",
+            "[1e-06, 1000]",
+        ),
+    ),
+    (
+        "account-target-epsilon-tiny",
+        "account --factorization {fac} --delta 1e-5 --target-epsilon 1e-9",
+        ("--target-epsilon", "[1e-06, 1000]"),
+    ),
+    (
+        "sim-noise-workers-over-blocks",  # refused after the factorization was built: removed
+        "simulate --backend inprocess --rounds 4 --users 10 --noise-workers 2 --out OUT",
+        "--noise-workers",
+    ),
+    ("cmp-data-garbage", "compare --rounds 4 --data {garbage} --vocab {vocab} --out OUT", "--data"),
+    (
+        "cmp-data-missing",
+        "compare --rounds 4 --data OUT/none.sqlite --vocab {vocab} --out OUT",
+        "--data",
+    ),
     ("sim-server-lr", "simulate --rounds 4 --server-lr 1e308 --out OUT", "--server-lr"),
     ("sim-local-lr", "simulate --rounds 4 --local-lr 1e308 --out OUT", "--local-lr"),
 ]
@@ -191,3 +253,168 @@ def test_limits_name_the_estimate(tmp_path):
     text = res.output
     assert "GiB" in text and "available" in text
     assert Path(tmp_path / "o").exists() is False
+
+
+def test_memory_check_uses_the_processs_own_address_space_limit():
+    """Under `ulimit -v 8 GiB` the memory a run may use is the room under RLIMIT_AS, not the
+    machine's free memory; a model size whose one band of noise state alone exceeds it is blamed on
+    the model size, a larger band count on the bands."""
+    import subprocess
+    import sys
+
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))
+from corrflow.errors import InvalidArgumentError
+from corrflow.planning.resources import check_fits, estimate, memory_limit
+have, source = memory_limit()
+assert have < 8 * 2**30 and "RLIMIT_AS" in source, (have, source)
+names = {"users": "--users", "factorization": "--rounds", "noise": ("--bands", "--model-dim")}
+for d, bands, flag in ((2_000_000_000, 4, "--model-dim"), (200_000_000, 64, "--bands")):
+    try:
+        check_fits(estimate(10, 64, "toeplitz", bands, d), names)
+    except InvalidArgumentError as exc:
+        assert exc.field == flag and "RLIMIT_AS" in str(exc), (flag, str(exc))
+    else:
+        raise AssertionError(f"d = {d} fits under 8 GiB")
+check_fits(estimate(10, 64, "toeplitz", 4, 1000), names)
+print("ok")
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("peer", ["closed port", "grpc, not ray"])
+def test_an_unreachable_ray_address_is_refused_first_within_seconds(tmp_path, peer):
+    """--ray-address is checked before any data, factorization or registry work: a closed port,
+    or a gRPC server that is not a Ray head (as a proxy that accepts every connection is), is
+    refused with exit 2 naming the flag, in well under 15 s, with nothing written."""
+    import time
+    from concurrent import futures
+
+    import grpc
+    from process_support import free_ports
+
+    server = None
+    if peer == "closed port":
+        address = f"127.0.0.1:{free_ports(1)[0]}"
+    else:
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+    out = tmp_path / "out"
+    try:
+        start = time.monotonic()
+        res = invoke(
+            "simulate", "--rounds", "4", "--users", "10", "--model-dim", "140000",
+            "--noise-workers", "2", "--ray-address", address,
+            "--release-registry", tmp_path / "registry.sqlite", "--out", out,
+        )  # fmt: skip
+        took = time.monotonic() - start
+    finally:
+        if server is not None:
+            server.stop(None)
+    assert res.exit_code == 2 and "--ray-address" in res.output, res.output
+    assert "Traceback" not in res.output and took < 15, took
+    assert not out.exists() and not (tmp_path / "registry.sqlite").exists()
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A finished 4-round run (in-process engine) whose files the report cases edit copies of."""
+    run = tmp_path_factory.mktemp("report") / "run"
+    res = invoke(
+        "simulate", "--users", "10", "--rounds", "4", "--epochs", "2", "--backend", "inprocess",
+        "--out", run,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return run
+
+
+def _copy_run(run: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("state", ".corrflow.lock*"))
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "named"),
+    [
+        ("privacy_report.json", "[]", "privacy_report.json: expected a privacy report"),
+        ("privacy_report.json", "{}", "privacy_report.json: expected a privacy report with"),
+        ("metrics.json", "{}", "metrics.json: expected a list of per-round metric objects"),
+    ],
+)
+def test_report_on_files_that_are_not_a_runs_exits_2(small_run, tmp_path, name, text, named):
+    run = _copy_run(small_run, tmp_path / "run")
+    (run / name).write_text(text)
+    before = sorted(p.name for p in run.iterdir())
+    res = invoke("report", run)
+    assert res.exit_code == 2 and named in res.output, res.output
+    assert "Traceback" not in res.output
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing written (no run.png)
+
+
+def test_report_on_a_compare_folder_lists_its_runs(small_run, tmp_path):
+    folder = tmp_path / "cmp"
+    (folder / "runs").mkdir(parents=True)
+    (folder / "eps8" / "runs").mkdir(parents=True)
+    (folder / "comparison.json").write_text("{}")
+    arms = [
+        _copy_run(small_run, folder / "runs" / "nonprivate-seed0"),
+        _copy_run(small_run, folder / "eps8" / "runs" / "toeplitz-seed0"),
+    ]
+    res = invoke("report", folder)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "holds 2 runs" in text, res.output
+    assert all(str(a) in text for a in arms) and "Traceback" not in res.output
+
+
+def test_report_on_a_run_it_cannot_write_skips_the_plot_with_a_note(small_run, tmp_path):
+    """A read-only run (here: run.png cannot be created, as on a read-only mount; the suite may run
+    as root, which ignores permission bits) prints its whole summary, then says why no plot."""
+    run = _copy_run(small_run, tmp_path / "run")
+    (run / "run.png").mkdir()  # writing the PNG fails like a read-only directory would
+    res = invoke("report", run)
+    assert res.exit_code == 0, res.output
+    assert "privacy     ε = " in res.output and "note: run.png not written" in res.output
+    assert "Traceback" not in res.output and not any((run / "run.png").iterdir())
+
+
+def test_account_takes_table_3s_per_participation_noise_multiplier(tmp_path):
+    """000 Table 3's DP-SGD (Poisson, q = 1000/342,477, 2,052 steps, z = 0.491, δ = 1e-6; the paper
+    says ε = 8.824): given as the papers' per-participation noise multiplier, account prints
+    ε ≈ 8.75 (today's PLD) and σ in both conventions."""
+    fac = tmp_path / "dpsgd.npz"
+    res = invoke(
+        "factorize", "--kind", "dpsgd", "--rounds", "2052", "--epochs", "2052", "--min-sep", "1",
+        "--out", fac,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = invoke(
+        "account", "--factorization", fac, "--participation", "poisson", "--dataset-size",
+        "342477", "--expected-batch-size", "1000", "--delta", "1e-6",
+        "--noise-multiplier-per-participation", "0.491", "--json",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["epsilon"] == pytest.approx(8.75, abs=0.01)
+    assert out["noise_multiplier"] == pytest.approx(0.491 / 2052**0.5, rel=1e-9)
+    assert out["noise_multiplier_per_participation"] == pytest.approx(0.491, rel=1e-9)
+    res = invoke(
+        "account", "--factorization", fac, "--participation", "poisson", "--dataset-size",
+        "342477", "--expected-batch-size", "1000", "--delta", "1e-6",
+        "--noise-multiplier-per-participation", "0.491",
+    )  # fmt: skip
+    text = " ".join(res.output.split())
+    assert (
+        "σ (corrflow, sensitivity-1 C) = 0.0108391; per participation (the papers' noise " in text
+    )
+    assert "multiplier) = 0.491" in text

@@ -200,7 +200,9 @@ def test_runnable_snippets_of_a_page_run(page, tmp_path, shared_home, monkeypatc
             exec(compile(s.code, s.where, "exec"), namespace)  # noqa: S102 - the docs' own examples
             if s.arg == "wrapper":
                 _drive_wrapper_app(namespace)
-                report = json.loads((tmp_path / "my_run" / "privacy_report.json").read_text())
+                run_dir = Path(env["CORRFLOW_HOME"]) / "my_run"  # the page's absolute state_dir
+                report = json.loads((run_dir / "privacy_report.json").read_text())
+                assert not (tmp_path / "my_run").exists()
                 from corrflow.schemas import validate
 
                 validate("privacy-report", report)

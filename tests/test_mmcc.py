@@ -202,7 +202,7 @@ def test_interface_and_registry():
     cal = accountant_for(SamplingSpec()).noise_multiplier(fac, res.epsilon, 1e-6)
     assert cal.epsilon <= res.epsilon and cal.noise_multiplier <= 0.6 * 1.0011
     assert (
-        cal.to_dict()["accountant"]["name"] == "analytic-gaussian"
+        cal.to_dict()["accountant"]["name"] == "unamplified"
         and cal.to_dict()["target_epsilon"] == res.epsilon
     )
 
@@ -243,7 +243,7 @@ def test_monte_carlo_verify_target():
     assert capped["guarantee"] is True and capped["delta"] == 1e-2
     assert (
         capped["accountant"]["released"] == "fallback"
-        and capped["accountant"]["name"] == "analytic-gaussian"
+        and capped["accountant"]["name"] == "unamplified"
     )
     assert capped["accountant"]["monte_carlo"]["verification_passed"] is False
     assert capped["epsilon"] > res["epsilon"]

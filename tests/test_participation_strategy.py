@@ -320,9 +320,7 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
         sampling=SamplingSpec("bminsep", 40, s.planner.expected, sampling_probability=s.planner.p),
     )
     assert cal["accountant"]["released"] == "fallback"
-    assert "monte-carlo (released its fallback, analytic-gaussian)" in selection_line(
-        cal["accountant"]
-    )
+    assert "monte-carlo (released its fallback, unamplified)" in selection_line(cal["accountant"])
     # The same in a run: the bound used is the sampler's unamplified one, so the run is planned
     # unamplified — public cohorts and post-hoc accounting of the realised pattern (recomputed from
     # the ledger).
@@ -342,7 +340,7 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
     s = run_server(InProcessGrid(HANDLERS, 40), cfg, noise_key=KEY, quiet=True)
     rep = json.loads((tmp_path / "u" / "privacy_report.json").read_text())
     assert (
-        rep["accountant"]["name"] == "analytic-gaussian"
+        rep["accountant"]["name"] == "unamplified"
         and rep["accountant"]["selected"] == "monte-carlo"
     )
     assert rep["accountant"]["sampling"].startswith("none (bminsep, unamplified")

@@ -506,3 +506,69 @@ def test_plan_table_shows_each_candidates_min_sep(planned):
     assert len(rows) == len(doc["candidates"])
     for row, c in zip(rows, doc["candidates"], strict=True):
         assert row[37:43].strip() == str(c["min_sep"]), row
+
+
+def test_plan_plots_give_each_kind_one_colour_and_draw_identical_curves_once(tmp_path):
+    """One colour per factorization kind across panels and files; two candidates with the same
+    per-iterate error are one line whose label names both; the legend sits under the axes."""
+    from types import SimpleNamespace
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from corrflow.factorization.registry import KINDS
+    from corrflow.planning import plots
+
+    assert len({plots.kind_colour(k) for k in KINDS}) == len(KINDS)
+
+    def cand(kind, acc, sigma, err):
+        fac = SimpleNamespace(rounds=len(err), per_query_error=lambda e=err: np.asarray(e))
+        return SimpleNamespace(
+            kind=kind,
+            accountant=acc,
+            noise_multiplier=sigma,
+            label=lambda: f"{kind} / {acc}",
+            key=lambda: (kind, acc),
+            fac=fac,
+        )
+
+    cands = [
+        cand("toeplitz", "unamplified", 2.0, [1.0, 0.5, 0.25]),
+        cand("toeplitz", "cyclic-poisson", 1.0, [4.0, 2.0, 1.0]),  # the same σ√error curve
+        cand("dense", "unamplified", 1.0, [1.0, 2.0, 3.0]),
+        cand("dpsgd", "unamplified", 1.0, [1.0, 1.0, 1.0]),
+    ]
+    result = SimpleNamespace(
+        candidates=cands,
+        factorizations={c.key(): c.fac for c in cands},
+        request=SimpleNamespace(target_epsilon=8.0),
+    )
+    figs = []
+    recorder = SimpleNamespace(subplots=plt.subplots, close=figs.append)
+    plots._per_iterate(recorder, result, tmp_path / "per_iterate_error.png")
+    ax = figs[0].axes[0]
+    lines = {line.get_label(): line.get_color() for line in ax.get_lines()}
+    assert lines == {
+        "toeplitz / unamplified = toeplitz / cyclic-poisson": plots.kind_colour("toeplitz"),
+        "dense / unamplified": plots.kind_colour("dense"),
+        "dpsgd / unamplified": "black",
+    }
+    anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+    assert anchor.y1 < 0  # under the axes: it hides no line
+    plt.close(figs[0])
+
+
+def test_plan_says_what_it_does_and_lists_its_plots(planned):
+    """Rerun on the cached plan, for people: a plain progress line per candidate on stderr (a
+    progress bar shows only on a terminal), σ in both conventions and the three PNGs written."""
+    out, _, _ = planned
+    r = run("plan", *[a for a in SMALL if a != "--quiet"], "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "plan: candidate 1 of " in r.stderr and "plan: drawing 3 plots" not in r.stdout
+    plots = next(line for line in r.stdout.splitlines() if line.startswith("plots "))
+    for name in ("rmse_vs_bands.png", "per_iterate_error.png", "epsilon_vs_sigma.png"):
+        assert str(out / name) in plots and (out / name).is_file()
+    sigma = next(line for line in r.stdout.splitlines() if line.startswith("σ "))
+    assert "σ (corrflow, sensitivity-1 C) = " in sigma and "per participation (the papers'" in sigma

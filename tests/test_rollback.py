@@ -20,7 +20,7 @@ from lineage_support import KEY, released, segments
 
 from corrflow.run import registry as registry_module
 from corrflow.run.journal import JOURNAL
-from corrflow.run.registry import REGISTRY_FILE
+from corrflow.run.registry import REGISTRY_FILE, UNKNOWN_TWICE
 
 TESTS = Path(__file__).parent
 BACKUP_AT = 3  # the backup holds rounds 1–3; the first lineage released 8
@@ -111,6 +111,13 @@ def _assert_no_repeat(first_run: Path, second_run: Path) -> None:
     assert report["lineage"]["key_segments"] == [0, BACKUP_AT]
 
 
+def _assert_twice_unknown(run: Path) -> None:
+    """The original lineage went on to round 8 under a registry this one is not: which rounds were
+    released twice is unknown here, and the report says so instead of []."""
+    lineage = json.loads((run / "privacy_report.json").read_text())["lineage"]
+    assert lineage["rounds_released_twice"] == UNKNOWN_TWICE, lineage
+
+
 def test_restored_backup_under_another_home_is_refused_then_adopted_with_fresh_noise(
     first, tmp_path
 ):
@@ -119,6 +126,7 @@ def test_restored_backup_under_another_home_is_refused_then_adopted_with_fresh_n
     adoption = _refused_then_adopted(run, tmp_path / "h2", "does not know run")
     assert adoption["previous_dir"] is None and adoption["journal_rounds"] == BACKUP_AT
     _assert_no_repeat(first / "h1" / "run", run)
+    _assert_twice_unknown(run)
 
 
 def test_live_copy_under_another_home_is_refused_then_adopted_with_fresh_noise(first, tmp_path):
@@ -128,6 +136,7 @@ def test_live_copy_under_another_home_is_refused_then_adopted_with_fresh_noise(f
     home = tmp_path / "h3"
     _refused_then_adopted(run, home, "does not know run")
     _assert_no_repeat(first / "h1" / "run", run)
+    _assert_twice_unknown(run)
     report = json.loads((run / "privacy_report.json").read_text())
     assert len(report["lineage"]["adoptions"]) == 1 and str(tmp_path) not in json.dumps(report)
 
@@ -143,6 +152,7 @@ def test_registry_deleted_is_refused_then_adopted_with_fresh_noise(first, tmp_pa
         f.unlink()
     _refused_then_adopted(run, home, "does not know run")
     _assert_no_repeat(first / "h1" / "run", run)
+    _assert_twice_unknown(run)
 
 
 def test_restored_backup_in_place_is_refused_and_adoption_releases_again_with_fresh_noise(
@@ -289,3 +299,36 @@ def test_an_unwritable_registry_path_is_refused_before_anything_is_written(tmp_p
     )
     assert r.returncode == 2 and "--release-registry" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_lineage_cannot_list_rounds_released_twice_after_adoption_into_a_foreign_registry():
+    """Adopted into a registry that never recorded the run (previous directory None) with rounds
+    already in its journal: the rounds released twice are unknown, not []. Adopted into the registry
+    that knew it: the forked rounds it kept aside."""
+    from types import SimpleNamespace
+
+    from corrflow.run.registry import lineage_section
+
+    segs = SimpleNamespace(segments=[SimpleNamespace(first_round=0)])
+
+    def adoption(previous, journal_rounds, again):
+        return {
+            "adopted_at": "2026-01-01T00:00:00.000000Z",
+            "run_dir": "/runs/b",
+            "previous_dir": previous,
+            "journal_rounds": journal_rounds,
+            "registry_rounds": 0 if previous is None else 8,
+            "rounds_released_again": again,
+        }
+
+    foreign = lineage_section(segs, [adoption(None, 3, [])])
+    assert foreign["rounds_released_twice"] == UNKNOWN_TWICE
+    assert "unknown here" in foreign["note"]
+    assert lineage_section(segs, [adoption(None, 0, [])])["rounds_released_twice"] == []
+    known = lineage_section(segs, [adoption("/runs/a", 3, [3, 4, 5])])
+    assert known["rounds_released_twice"] == [3, 4, 5]
+    schema = json.loads(
+        (Path(__file__).parent.parent / "corrflow/schemas/privacy-report.json").read_text()
+    )
+    prop = schema["properties"]["lineage"]["properties"]["rounds_released_twice"]
+    assert {"const": UNKNOWN_TWICE} in prop["oneOf"]

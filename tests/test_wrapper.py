@@ -439,3 +439,36 @@ def test_an_amplified_run_keeps_the_apps_aggregated_metrics_off_the_console(tmp_
     assert operator.count("evaluate: └──> Aggregated MetricRecord: {'eval_loss'") == 3
     outside = strategy.privacy_report()["outside_guarantee"]
     assert outside["metrics"] == [] and "evaluate.eval_loss" in outside["why"]
+
+
+def test_a_round_whose_replies_all_failed_shows_no_corrflow_counters_as_the_apps_metrics(tmp_path):
+    """When every reply of a round fails, the app's strategy aggregated nothing: Flower's log says
+    so for that (1-based) round instead of printing corrflow's own counters (0-based round, reply
+    counts) as the app's "Aggregated MetricRecord"; the counters stay in metrics.json."""
+    from corrflow.server.inprocess import InProcessGrid
+
+    def failing_train(msg, context):
+        raise RuntimeError("this node's training broke")
+
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0, min_available_nodes=4),
+        clipping_norm=0.5,
+        noise_multiplier=0.5,
+        num_users=4,
+        state_dir=tmp_path / "state",
+    )
+    lines = _flower_lines(
+        lambda: strategy.start(
+            grid=InProcessGrid({"train": failing_train, "evaluate": qs.evaluate}, 4),
+            initial_arrays=ArrayRecord([np.zeros(qs.DIM), np.zeros(1)]),
+            num_rounds=2,
+            train_config=ConfigRecord({"app": "numpy", "lr": 0.05}),
+        )
+    )
+    aggregated = [line for line in lines if "MetricRecord" in line]
+    assert aggregated and not any("Aggregated MetricRecord: {" in line for line in aggregated)
+    assert len(aggregated) == 2 and all(
+        "no Aggregated MetricRecord in round #: no reply accepted" in line for line in aggregated
+    ), aggregated
+    metrics = json.loads((tmp_path / "state" / "metrics.json").read_text())
+    assert metrics[1]["round"] == 0  # corrflow's own record keeps its 0-based round

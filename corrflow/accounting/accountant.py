@@ -73,8 +73,11 @@ ACCOUNTANT_NAMES = choices.values(choices.Accountant)
 # verification passes almost always (at 1.96 about one run in ten fell back to the unamplified
 # bound).
 RELEASE_Z = 3.0
-#: The report's accountant name for the exact Gaussian curve (unamplified accounting).
-GAUSSIAN_NAME = "analytic-gaussian"
+#: The report's accountant name for the exact Gaussian curve (unamplified accounting): the same
+# name as the ``--accountant`` choice, so plan, simulate, compare and the report agree.
+GAUSSIAN_NAME = "unamplified"
+#: Names earlier versions wrote for the same accountant (read from checkpoints on resume).
+LEGACY_NAMES = {"analytic-gaussian": GAUSSIAN_NAME}
 
 
 @dataclass(frozen=True)
@@ -741,7 +744,7 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
 
         Returns:
-            The MMCC or exact-Gaussian (``analytic-gaussian``) `AccountingResult`.
+            The MMCC or exact-Gaussian (``unamplified``) `AccountingResult`.
         """
         if self.sampling.kind == "poisson":
             spec = SamplingSpec(
@@ -755,7 +758,7 @@ class MonteCarloEVRAccountant:
         sens, k, sep = self.fallback_sensitivity(fac)
         e = gaussian_epsilon(noise_multiplier, sens, delta)
         return AccountingResult(
-            "analytic-gaussian",
+            GAUSSIAN_NAME,
             e,
             delta,
             noise_multiplier,
@@ -776,12 +779,12 @@ class MonteCarloEVRAccountant:
             delta: δ in (0, 1).
 
         Returns:
-            The ``analytic-gaussian`` `AccountingResult`.
+            The ``unamplified`` (exact Gaussian curve) `AccountingResult`.
         """
         sens, k, sep = self.fallback_sensitivity(fac)
         sigma = gaussian_noise_multiplier(target_epsilon, delta, sens)
         return AccountingResult(
-            "analytic-gaussian",
+            GAUSSIAN_NAME,
             gaussian_epsilon(sigma, sens, delta),
             delta,
             sigma,
@@ -1044,7 +1047,7 @@ class MonteCarloEVRAccountant:
         print(note, file=sys.stderr)
         fb_eps = gaussian_epsilon(fallback, sens_fb, delta)
         return AccountingResult(
-            "analytic-gaussian",
+            GAUSSIAN_NAME,
             fb_eps,
             delta,
             fallback,

@@ -61,12 +61,15 @@ def check_delta(delta: float) -> None:
 #: The largest ε corrflow calibrates for. Its σ (≈ 0.025 at δ = 1e-5) is near the smallest a PLD can
 # still account (`check_pld_size`); far above it the calibration itself overflows (ε = 1e308).
 MAX_EPSILON = 1000.0
+#: The smallest ε corrflow calibrates for. Below it σ grows past what a run can use and the PLD's
+# discretisation rounds ε to 0.0 (a target of 1e-300 once trained and reported ε 0.0).
+MIN_EPSILON = 1e-6
 #: The words every ε check uses.
-EPSILON_EXPECTED = f"a finite ε in (0, {MAX_EPSILON:g}]"
+EPSILON_EXPECTED = f"a finite ε in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]"
 
 
 def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
-    """Refuse an ε that is not a finite positive number ≤ `MAX_EPSILON`.
+    """Refuse an ε that is not a finite number in [`MIN_EPSILON`, `MAX_EPSILON`].
 
     Args:
         epsilon: ε.
@@ -76,7 +79,9 @@ def check_epsilon(epsilon: float, field: str = "target_epsilon") -> None:
         InvalidArgumentError: naming ``field``.
     """
     require(
-        isinstance(epsilon, int | float) and np.isfinite(epsilon) and 0 < epsilon <= MAX_EPSILON,
+        isinstance(epsilon, int | float)
+        and np.isfinite(epsilon)
+        and MIN_EPSILON <= epsilon <= MAX_EPSILON,
         field,
         EPSILON_EXPECTED,
         epsilon,

@@ -11,9 +11,21 @@ import typer
 
 from corrflow.accounting import SamplingSpec
 from corrflow.accounting import account as run_account
+from corrflow.accounting.noise_scale import (
+    both_conventions,
+    per_participation_noise_multiplier,
+    resolve_noise_multiplier,
+)
 from corrflow.accounting.noise_scale import describe as describe_noise
 from corrflow.choices import SAMPLING_OF, Participation, Sampling
-from corrflow.cli.common import AsJson, as_flag, emit, fail, load_factorization
+from corrflow.cli.common import (
+    AsJson,
+    PerParticipation,
+    as_flag,
+    emit,
+    fail,
+    load_factorization,
+)
 from corrflow.cli.options import COMMAND_SETTINGS, cli_values
 from corrflow.config import surface_name, validated_fields
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
@@ -87,6 +99,7 @@ def account(
     time_limit: TimeLimit = None,
     mmcc_grid: MmccGrid = None,
     delta_split: DeltaSplit = 0.5,
+    noise_multiplier_per_participation: PerParticipation = None,
     as_json: AsJson = False,
     **settings,
 ) -> None:
@@ -96,11 +109,16 @@ def account(
     budget, the sampler's other verified bound is released and both numbers are named."""
     try:
         values = validated_fields(cli_values(settings), "cli")
-        noise_multiplier = values.get("noise_multiplier")
+        fac = load_factorization(factorization, "--factorization")
+        noise_multiplier = resolve_noise_multiplier(
+            fac, values.get("noise_multiplier"), noise_multiplier_per_participation
+        )
         target_epsilon = values.get("target_epsilon")
         if (noise_multiplier is None) == (target_epsilon is None):
             raise InvalidArgumentError(
-                "--noise-multiplier", "exactly one of --noise-multiplier and --target-epsilon"
+                "--noise-multiplier",
+                "exactly one of --noise-multiplier (or --noise-multiplier-per-participation) and "
+                "--target-epsilon",
             )
         spec = SamplingSpec(
             _account_sampling(values["participation"], sampling),
@@ -110,7 +128,7 @@ def account(
             accountant=values.get("accountant"),
         )
         res = run_account(
-            load_factorization(factorization, "--factorization"),
+            fac,
             delta=values["delta"],
             noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon,
@@ -126,8 +144,14 @@ def account(
         )
         _warn_unverified(res, values["delta"])
         _describe_bounds(res)
+        sigma = res["noise_multiplier"]
+        res["noise_multiplier_per_participation"] = per_participation_noise_multiplier(fac, sigma)
         if not as_json:  # one line for people; --json keeps the numbers
-            res = {**res, "noise_std_per_round": describe_noise(res.get("noise_std_per_round"))}
+            res = {
+                **res,
+                "noise_std_per_round": describe_noise(res.get("noise_std_per_round")),
+                "σ": both_conventions(fac, sigma),
+            }
         emit(res, as_json)
     except InvalidArgumentError as exc:
         fail(_account_flag(exc))

@@ -115,7 +115,7 @@ def _check_audit_fits(cfg: RunConfig, canaries: int) -> None:
         {
             "users": "--canaries" if canaries > cfg.num_users else "--users",
             "factorization": "--rounds",
-            "noise": "--bands",
+            "noise": ("--bands", "--model-dim"),
         },
     )
 

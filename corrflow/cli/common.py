@@ -16,6 +16,18 @@ from corrflow.factorization.base import Factorization
 
 #: The ``--json`` flag of every command: exactly one JSON object as the last stdout line.
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+#: σ in the papers' convention (account, plan, simulate): converted through the factorization.
+PerParticipation = Annotated[
+    float | None,
+    typer.Option(
+        "--noise-multiplier-per-participation",
+        help="instead of --noise-multiplier: the papers' noise multiplier per participation "
+        "σ_pp = σ · raw_sensitivity(C) / max column norm(C) (√k·σ for DP-SGD and banded C with "
+        "bands ≤ b), converted to corrflow's σ through the factorization "
+        "(docs/explanation/accounting.md)",
+        show_default=False,
+    ),
+]
 
 
 def emit(obj: dict, as_json: bool) -> None:

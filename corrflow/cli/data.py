@@ -25,7 +25,7 @@ from corrflow.data.stackoverflow import (
 )
 from corrflow.data.stats import dataset_stats, detect_format
 from corrflow.data.vocab import Vocabulary, build_vocabulary, count_words
-from corrflow.errors import CorrflowError, InvalidArgumentError
+from corrflow.errors import CorrflowError, DataFormatError, InvalidArgumentError
 from corrflow.paths import writable_file
 from corrflow.planning.resources import check_disk
 from corrflow.progress import Progress
@@ -244,6 +244,8 @@ def _counted_vocabulary(
             counts = count_words(p.tokens for _, p in db.iter_posts(split))
     else:
         counts = count_words(p.text.lower() for p in ArxivReader(path))
+    if not counts:  # an empty vocabulary would only fail every run that loads it
+        raise DataFormatError(path, None, f"training examples ({split} split) to count", "none")
     v = build_vocabulary(counts, size, oov_buckets, source="public" if public else "non-private")
     covered, total = sum(counts[w] for w in v.words), sum(counts.values())
     info = {"distinct_words_seen": len(counts), "token_coverage": covered / total if total else 0.0}

@@ -48,8 +48,8 @@ Accountants = Annotated[
 TimeBudget = Annotated[
     float | None,
     typer.Option(
-        help="wall-clock seconds after which the plan aborts with exit 1 and writes no recipe "
-        "(default: no limit; the recipe never depends on it)"
+        help="wall-clock seconds after which the plan aborts with exit 1 and writes no recipe, "
+        "at most 604800 (a week; default: no limit; the recipe never depends on it)"
     ),
 ]
 DenseIterations = Annotated[
@@ -345,12 +345,30 @@ def plan_table(doc: dict, out: Path, top: int = 10) -> str:
             + f", {rec['participation']} participation, accountant {rec['accountant']}, σ = "
             f"{rec['noise_multiplier']:.4g} (ε = {rec['epsilon']:.4g}, δ = {rec['delta']:g})"
         )
+        lines += _sigma_lines(rec, out)
         lines += _why_lines(score)
         lines.append(
             f"plan           {out / 'recipe.json'} (corrflow simulate --plan); "
             f"{out / 'plan.json'}; {doc['seconds']:.1f} s"
         )
+    pngs = [str(out / f) for f in (doc.get("files") or {}).values() if str(f).endswith(".png")]
+    if pngs:
+        lines.append(f"plots          {', '.join(pngs)}")
     return "\n".join(lines)
+
+
+def _sigma_lines(rec: dict, out: Path) -> list[str]:
+    """The recommended σ in both conventions, through the factorization the plan wrote."""
+    from corrflow.accounting.noise_scale import both_conventions
+    from corrflow.factorization.base import Factorization
+
+    try:
+        fac = Factorization.load(out / "factorization.npz")
+    except (OSError, CorrflowError, IntegrityError, ValueError):
+        return []
+    if fac.sha256() != rec.get("factorization_sha256", fac.sha256()):
+        return []
+    return [f"σ              {both_conventions(fac, rec['noise_multiplier'])}"]
 
 
 def _why_lines(score: dict) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -10,10 +9,11 @@ import typer
 
 from corrflow.cli.common import emit, fail
 from corrflow.cli.summary import run_summary
-from corrflow.errors import CorrflowError, DataFormatError, InvalidArgumentError
+from corrflow.errors import CorrflowError
 from corrflow.planning.learnability import held_out_summary
-from corrflow.planning.plots import write_run_plot
+from corrflow.planning.plots import try_write_run_plot
 from corrflow.run.journal import JOURNAL
+from corrflow.run.reading import read_run
 
 
 def report_command(
@@ -26,9 +26,11 @@ def report_command(
     ] = False,
 ) -> None:
     """Re-print a run's summary, the one `corrflow simulate` printed, from its files (read only,
-    nothing trained), and write its loss/ε-per-round plot. Exit 2 when DIR holds no run."""
+    nothing trained), and write its loss/ε-per-round plot (skipped with a note where DIR cannot be
+    written). Exit 2 when DIR holds no run (a compare folder: its runs are listed) or its files
+    are not a run's."""
     try:
-        report, metrics = _read_run(run_dir)
+        report, metrics = read_run(run_dir)
         held_out = held_out_summary(metrics)
         if as_json:
             emit({**report, "held_out": held_out}, True)
@@ -37,28 +39,13 @@ def report_command(
         if not _note_report_behind_journal(report, run_dir):
             _note_stopped(report)
         if plot:
-            typer.echo(f"plot: {write_run_plot(metrics, report, run_dir / 'run.png')}", err=True)
+            written, note = try_write_run_plot(metrics, report, run_dir / "run.png")
+            typer.echo(f"plot: {written}" if written else note, err=True)
     except CorrflowError as exc:
         fail(exc)
     except OSError as exc:
         typer.echo(f"error: {run_dir}: {exc.strerror or exc}", err=True)
         raise typer.Exit(code=1) from None
-
-
-def _read_run(run_dir: Path) -> tuple[dict, dict]:
-    """The run's privacy report and metrics (a bad argument when DIR holds no run)."""
-    paths = {name: run_dir / name for name in ("privacy_report.json", "metrics.json")}
-    missing = [name for name, p in paths.items() if not p.is_file()]
-    if missing:
-        raise InvalidArgumentError(
-            "DIR", f"a run directory holding {' and '.join(missing)}", str(run_dir)
-        )
-    try:
-        report = json.loads(paths["privacy_report.json"].read_text())
-        metrics = json.loads(paths["metrics.json"].read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataFormatError(run_dir, None, f"a run's JSON files ({exc})") from None
-    return report, metrics
 
 
 def _note_stopped(report: dict) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from corrflow.accounting.noise_scale import resolve_noise_multiplier
 from corrflow.accounting.policy import RunAccounting
 from corrflow.cli.common import as_flag
 from corrflow.cli.options import config_from_cli, given_on_command_line, param_name
@@ -25,6 +26,7 @@ from corrflow.planning.run import (
     plan_privacy,
     training_budget,
 )
+from corrflow.run.noise_shards import check_ray_address
 
 #: compare's preset fields → the settings they fill for ``--preset`` (flags typed on the command
 # line win).
@@ -141,7 +143,11 @@ def check_first_round(cfg: RunConfig) -> None:
 
 
 def simulate_config(
-    ctx: typer.Context, settings: dict, plan: Path | None, fresh: bool
+    ctx: typer.Context,
+    settings: dict,
+    plan: Path | None,
+    fresh: bool,
+    per_participation: float | None = None,
 ) -> RunConfig:
     """The run's settings from the flags, and the plan, which fixes the mechanism.
 
@@ -150,6 +156,8 @@ def simulate_config(
         settings: the command's flag values.
         plan: a recipe written by `corrflow plan`, or None.
         fresh: the run starts anew (the plan's factorization replaces the directory's).
+        per_participation: σ in the papers' convention (--noise-multiplier-per-participation),
+            converted through the run's factorization; None: --noise-multiplier or a target ε.
 
     Returns:
         The validated run configuration.
@@ -157,6 +165,8 @@ def simulate_config(
     Raises:
         InvalidArgumentError: a bad flag, or one that differs from the plan (naming it).
     """
+    # first, before any data, factorization or registry work: an unreachable head in 10 s
+    check_ray_address(settings.get(param_name("ray_address")) or "")
     out = writable_directory(settings[param_name("state_dir")], "--out")
     if settings.get(param_name("release_registry")):
         writable_file(settings[param_name("release_registry")], "--release-registry")
@@ -166,7 +176,19 @@ def simulate_config(
     if settings.get(param_name("data_path")):
         overrides.update(_data_defaults(settings, given_on_command_line(ctx)))
     if plan is None:
-        return _checked_data(_fits(config_from_cli(settings, **overrides)))
+        cfg = _checked_data(_fits(config_from_cli(settings, **overrides)))
+        if per_participation is None:
+            return cfg
+        sigma = resolve_noise_multiplier(
+            build_factorization(cfg), cfg.noise_multiplier, per_participation
+        )
+        return _checked_data(config_from_cli(settings, **overrides, noise_multiplier=sigma))
+    if per_participation is not None:
+        raise InvalidArgumentError(
+            "--noise-multiplier-per-participation",
+            "no --plan (the plan fixes σ)",
+            per_participation,
+        )
     return _planned_config(ctx, settings, plan, fresh, overrides)
 
 
@@ -264,6 +286,6 @@ def _fits(cfg: RunConfig) -> RunConfig:
     available."""
     check_fits(
         estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
-        {"users": "--users", "factorization": "--rounds", "noise": "--bands"},
+        {"users": "--users", "factorization": "--rounds", "noise": ("--bands", "--model-dim")},
     )
     return cfg

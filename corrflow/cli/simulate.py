@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from corrflow.cli.common import emit, fail
+from corrflow.cli.common import PerParticipation, emit, fail
 from corrflow.cli.options import Verbosity, given_on_command_line, param_name
 from corrflow.cli.run_settings import (
     apply_preset,
@@ -66,6 +66,7 @@ def simulate(
     ] = False,
     plan: Plan = None,
     preset: Preset = None,
+    noise_multiplier_per_participation: PerParticipation = None,
     **settings,
 ) -> None:
     """Run a federated simulation with correlated noise and print its privacy report. Rerunning the
@@ -83,7 +84,7 @@ def simulate(
                 preset,
             )
         apply_preset(preset, settings, given_on_command_line(ctx), plan)
-        cfg = simulate_config(ctx, settings, plan, fresh)
+        cfg = simulate_config(ctx, settings, plan, fresh, noise_multiplier_per_participation)
     except InvalidArgumentError as exc:
         fail(exc)
     except (CorrflowError, IntegrityError) as exc:

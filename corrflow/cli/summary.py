@@ -68,6 +68,7 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
         f"δ = {report['delta']:g}, σ = {report['noise_multiplier']:.4g}, clip "
         f"{report['clip_norm']:g}, accountant {report['accountant']['name']}, sampling "
         f"{report['accountant'].get('sampling', 'none')}",
+        *_sigma_lines(report, out),
         *(
             [f"noise       {describe_noise(report['noise_std_per_round'])}"]
             if report.get("noise_std_per_round")
@@ -88,6 +89,25 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
         f"report      {out / 'privacy_report.json'}",
     ]
     return "\n".join(lines)
+
+
+def _sigma_lines(report: dict, out: Path) -> list[str]:
+    """σ in both conventions, through the run's own factorization (none when its file is missing
+    or is not the one the report names)."""
+    from corrflow.accounting.noise_scale import both_conventions
+    from corrflow.errors import CorrflowError, IntegrityError
+    from corrflow.factorization.base import Factorization
+
+    sigma = report.get("noise_multiplier")
+    if not sigma:
+        return []
+    try:
+        fac = Factorization.load(out / "factorization.npz")
+    except (OSError, CorrflowError, IntegrityError, ValueError):
+        return []
+    if fac.sha256() != report["mechanism"].get("factorization_sha256", fac.sha256()):
+        return []
+    return [f"σ           {both_conventions(fac, sigma)}"]
 
 
 def _secure_aggregation_lines(report: dict) -> list[str]:

@@ -189,7 +189,22 @@ def build_vocabulary(
     """The ``size`` most frequent words (000 App. F: 10,000), ties broken by the word. Counted from
     private data this is ``non-private`` (outside any guarantee:
     `corrflow.data.dp_vocab.dp_vocabulary` is the private route); from public text, pass
-    ``source="public"``."""
+    ``source="public"``. No words counted (a file without training examples) is refused: the
+    vocabulary would be empty and every run on it would fail later.
+
+    Args:
+        counts: word → count.
+        size: words kept.
+        oov_buckets: out-of-vocabulary buckets.
+        source: ``non-private`` or ``public``.
+
+    Returns:
+        The `Vocabulary`.
+
+    Raises:
+        InvalidArgumentError: (``vocab_size``) size < 1, or (``data``) no word counted.
+    """
     require(size >= 1, "vocab_size", "at least 1", size)
+    require(bool(counts), "data", "a file with training examples to count words from", "no words")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
     return Vocabulary([w for w, _ in ranked], oov_buckets, {"source": source})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ from corrflow.planning.score import (
 )
 from corrflow.progress import Progress
 
+#: The largest --time-budget (a week): beyond it a deadline is no limit at all, and 1e308 s once
+# planned without end.
+MAX_TIME_BUDGET = 7 * 24 * 3600.0
 #: Kinds planned by default (tree, fft, bsr, bisr, lambda-cgd and the non-Toeplitz banded optimum
 # are opt-in).
 DEFAULT_KINDS = ("dpsgd", "toeplitz", "bifr", "dense")
@@ -146,10 +150,12 @@ class PlanRequest:
             f"a positive integer ≤ {MAX_ROUNDS}",
             self.rounds,
         )
+        # Each flag's own range first (a cohort of 10³⁰ is the cohort's fault), then the pair: a
+        # population smaller than a possible cohort is the population's.
         require(
-            isinstance(self.cohort_size, int) and self.cohort_size >= 1,
+            isinstance(self.cohort_size, int) and 1 <= self.cohort_size <= MAX_USERS,
             "cohort-size",
-            "a positive integer",
+            f"an integer in [1, {MAX_USERS:.0e}]",
             self.cohort_size,
         )
         require(
@@ -183,9 +189,9 @@ class PlanRequest:
         if self.damping is not None:
             check_kappa(self.damping, self.workload, self.rounds)
         require(
-            self.time_budget is None or (math.isfinite(self.time_budget) and self.time_budget > 0),
+            self.time_budget is None or 0 < self.time_budget <= MAX_TIME_BUDGET,
             "time-budget",
-            "a positive number of seconds",
+            f"seconds in (0, {MAX_TIME_BUDGET:g}] (a week; leave it out for no limit)",
             self.time_budget,
         )
         require(
@@ -681,6 +687,13 @@ class _Planning:
         self.cands.append(cand)
 
 
+def _say(quiet: bool, line: str) -> None:
+    """One plain progress line on stderr: a progress bar shows only on a terminal, and a plan
+    takes minutes."""
+    if not quiet:
+        print(line, file=sys.stderr, flush=True)
+
+
 def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> PlanResult:
     """Build, calibrate and rank every candidate (module docstring).
 
@@ -709,6 +722,12 @@ def make_plan(req: PlanRequest, cache: PlanCache, *, quiet: bool = False) -> Pla
     with Progress("plan: candidates", total=len(jobs), quiet=quiet, unit="candidates") as tick:
         for done, (kind, bands) in enumerate(jobs):
             tick(done)
+            _say(
+                quiet,
+                f"plan: candidate {done + 1} of {len(jobs)}: {kind}"
+                + (f"[{bands}]" if bands else "")
+                + " (built once, then cached; σ calibrated for each accountant)",
+            )
             _plan_job(planning, kind, bands, base_part, accountants, costs, quiet)
         tick(len(jobs))
     cands = planning.cands

@@ -109,6 +109,9 @@ def prepare(
     Returns:
         The frozen `RunPlan`.
     """
+    from corrflow.run.noise_shards import check_ray_address
+
+    check_ray_address(cfg.ray_address)  # before the factorization and the registry are touched
     planner, item_home, bounding = build_planner(cfg, sorted(users))
     if bounding.get("dropped"):
         log.warning(

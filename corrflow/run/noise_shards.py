@@ -527,7 +527,7 @@ def _join(address: str, store_bytes: int) -> bool:
     if ray.is_initialized():
         return False
     if address and address != "auto":
-        _check_reachable(address)
+        check_ray_address(address)
     kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         ray.init(
@@ -580,18 +580,72 @@ def _answers(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _check_reachable(address: str) -> None:
-    """Refuse an address whose head does not answer a TCP connect within 10 s (Ray itself retries
-    for minutes before it gives up)."""
+#: A cheap call each kind of Ray head answers: the GCS (host:port) and the Ray Client server
+# (ray://host:port).
+_HEAD_METHODS = {
+    False: "/ray.rpc.NodeInfoGcsService/GetClusterId",
+    True: "/ray.rpc.RayletDriver/ClusterInfo",
+}
+
+
+def _ask_ray_head(address: str, deadline: float) -> None:
+    """One gRPC call a Ray head answers, before ``deadline``: a firewall or proxy that accepts
+    every connection (and answers HTTP/2 with a 404) is not a Ray head."""
+    import grpc
+
+    client = address.startswith("ray://")
+    with grpc.insecure_channel(address.removeprefix("ray://")) as channel:
+        call = channel.unary_unary(_HEAD_METHODS[client])
+        try:
+            call(b"", timeout=max(deadline - time.monotonic(), 0.001))
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNIMPLEMENTED,
+                grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.INTERNAL,
+            ):
+                raise ConnectionError(
+                    f"no Ray head answered ({code.name}: {(exc.details() or '')[:120]})"
+                ) from None
+            # any other status (an argument or permission error) came from a Ray head
+
+
+#: How long `check_ray_address` waits for the head's TCP port.
+RAY_CONNECT_TIMEOUT = 10.0
+
+
+def check_ray_address(address: str, timeout: float = RAY_CONNECT_TIMEOUT) -> None:
+    """Refuse a Ray address that is malformed, or whose head does not accept a TCP connection and
+    answer one gRPC call within ``timeout`` seconds (Ray itself retries for minutes before it
+    gives up). Runs first, before any data, factorization or registry work, so a refusal writes
+    nothing. "" (no cluster) and "auto" (the cluster `ray start` left on this machine) are not
+    checked.
+
+    Args:
+        address: ``host:port`` (the GCS) or ``ray://host:port`` (the Ray Client server).
+        timeout: seconds for the whole check (resolution, connection and the call together).
+
+    Raises:
+        InvalidArgumentError: naming ``ray-address``.
+    """
+    if not address or address == "auto":
+        return
+    expected = "the host:port of a running Ray cluster's head"
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError("ray-address", f"{expected} (host:port)", address)
+    deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=10):
-            return
-    except (OSError, ValueError) as exc:
+        left = deadline - time.monotonic()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=left):
+            pass
+        _ask_ray_head(address, deadline)
+    except OSError as exc:  # TimeoutError, ConnectionError and socket.gaierror are OSErrors
         raise InvalidArgumentError(
-            "ray-address",
-            f"the host:port of a running Ray cluster's head (connecting failed: {exc})",
-            address,
+            "ray-address", f"{expected} (connecting failed: {exc or 'timed out'})", address
         ) from None
 
 

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from corrflow.accounting.accountant import LEGACY_NAMES
 from corrflow.accounting.report import (
     hash_user_id,
     participation_section,
@@ -257,9 +258,10 @@ def restore(
             "noise-multiplier", f"{public['noise_multiplier']} (the checkpoint's)", sigma
         )
     plan = ctx.accounting.plan
+    started_with = public.get("accountant", plan.accountant.get("name"))
     was = (
         public.get("amplified", plan.amplified),
-        public.get("accountant", plan.accountant.get("name")),
+        LEGACY_NAMES.get(started_with, started_with),
     )
     if was != (plan.amplified, plan.accountant.get("name")) or (
         (ckpt / SAMPLER_KEY).is_file() and not plan.amplified

@@ -293,6 +293,10 @@ def _now(precise: bool = False) -> str:
     return f"{text}.{int(t % 1 * 1e6):06d}Z" if precise else text + "Z"
 
 
+#: ``rounds_released_twice`` after an adoption into a registry that had not recorded the run.
+UNKNOWN_TWICE = "unknown: the registry that recorded them is not this one"
+
+
 def lineage_section(segments, adoptions: list[dict]) -> dict:
     """The privacy report's ``lineage``: the rounds from which each process start drew fresh noise
     keys, and the run's adoptions (module docstring).
@@ -302,6 +306,10 @@ def lineage_section(segments, adoptions: list[dict]) -> dict:
         adoptions: `ReleaseRegistry.adoptions`.
     """
     again = sorted({r for a in adoptions for r in a["rounds_released_again"]})
+    # An adoption into a registry that never knew the run (lost, emptied, or another home's) found
+    # a journal of releases this registry did not record: which of them another lineage released
+    # too, only the registry that recorded them could say.
+    foreign = any(a["previous_dir"] is None and a["journal_rounds"] > 0 for a in adoptions)
     public = [  # no paths: the report may be published
         {
             "adopted_at": a["adopted_at"],
@@ -316,13 +324,19 @@ def lineage_section(segments, adoptions: list[dict]) -> dict:
     return {
         "key_segments": [s.first_round for s in segments.segments],
         "adoptions": public,
-        "rounds_released_twice": again,
+        "rounds_released_twice": UNKNOWN_TWICE if foreign else again,
         "note": (
             "each process start draws the noise of the rounds after its checkpoint with a fresh "
             "key; rounds released again after an adoption carry new noise, and the two releases "
             "together have at most √2 times the planned sensitivity (unamplified)"
-            if again
+            if again or foreign
             else "each process start draws the noise of the rounds after its checkpoint with a "
             "fresh key"
+        )
+        + (
+            "; the run was adopted into a registry that had not recorded its releases, so "
+            "whether another copy released some rounds too is unknown here"
+            if foreign
+            else ""
         ),
     }

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corrflow.accounting.mechanisms import MAX_EPSILON, check_epsilon
+from corrflow.accounting.mechanisms import MAX_EPSILON, MIN_EPSILON, check_epsilon
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import data_format
@@ -598,9 +598,9 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
     except ValueError:
         values = []
     require(
-        bool(values) and all(math.isfinite(v) and 0 < v <= MAX_EPSILON for v in values),
+        bool(values) and all(math.isfinite(v) and MIN_EPSILON <= v <= MAX_EPSILON for v in values),
         "epsilons",
-        f"comma-separated finite ε in (0, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
+        f"comma-separated finite ε in [{MIN_EPSILON:g}, {MAX_EPSILON:g}] (e.g. 1,2,4,8,16)",
         text,
     )
     return tuple(sorted(set(values)))
@@ -1059,23 +1059,28 @@ def table(result: dict) -> str:
             )
         )
         rows += [f"  WARNING: {w}" for w in score.get("warnings") or ()]
-        rows.append(
-            f"  {'arm':<20} {'accountant':<26} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "
-            f"{'accuracy':>9} {'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}"
-        )
-        for name, arm in entry["arms"].items():
-            acct = (
+        accts = {
+            name: (
                 "none"
                 if arm["accountant"] == "none"
                 else f"{arm['accountant']} ({arm['sampling']})"
-            )
-            acct = acct.replace("none (fixed-epoch, unamplified)", "unamplified")[:26]
+            ).replace("none (fixed-epoch, unamplified)", "unamplified")
+            for name, arm in entry["arms"].items()
+        }
+        width = max(len("accountant"), *map(len, accts.values()))  # never cut: it names the bound
+        rows.append(
+            f"  {'arm':<20} {'accountant':<{width}} {'b':>3} {'σ':>7} {'ε':>7} {'δ':>8} {'ρ':>5} "
+            f"{'accuracy':>9} "
+            f"{'RMSE':>7} {'loss':>8} {'learned':>8} {'gap closed':>11}"
+        )
+        for name, arm in entry["arms"].items():
+            acct = accts[name]
             gap = entry["gap_closed"].get(name)
             mark = ("" if arm["verified"] else "  NOT VERIFIED") + (
                 f"  STOPPED ({'; '.join(arm['stopped'])})" if arm.get("stopped") else ""
             )
             rows.append(
-                f"  {name:<20} {acct:<26} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
+                f"  {name:<20} {acct:<{width}} {arm['min_sep']:>3} {arm['noise_multiplier']:>7.3f} "
                 f"{fmt(arm['epsilon'], '.3f'):>7} {fmt(arm['delta'], '.1e'):>8} "
                 f"{fmt(arm['noise_to_signal'], '.2f'):>5} {fmt(arm['accuracy']):>9} "
                 f"{fmt(arm['rmse'], '.2f'):>7} {fmt(arm['loss']):>8} "

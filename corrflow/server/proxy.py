@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from corrflow.clients.tasks import get_task
 from corrflow.config import RunConfig
-from corrflow.data.federated import train_clients_count
-from corrflow.errors import require
+from corrflow.data.federated import check_dataset, train_clients_count
+from corrflow.errors import DataFormatError, InvalidArgumentError, require
 from corrflow.planning.run import workload_for
 from corrflow.planning.score import DEFAULT_KAPPA, Damping, estimate_damping
 from corrflow.server.inprocess import enable_offline_messages
@@ -23,6 +23,29 @@ from corrflow.server.inprocess import enable_offline_messages
 #: The synthetic generator's seed for proxy data: far from the training seeds 0, 1, 2, … that
 # comparisons and runs use, so the proxy users and sentences are not those trained on.
 PROXY_SEED = 1000
+
+
+def check_proxy_files(proxy_data: str, proxy_vocab: str) -> None:
+    """Refuse proxy data without training or held-out examples, or a vocabulary without a word,
+    naming ``--proxy-data`` or ``--proxy-vocab`` (not the run's own ``--data``/``--vocab``) before
+    any training.
+
+    Args:
+        proxy_data: the proxy dataset file.
+        proxy_vocab: its vocabulary file.
+
+    Raises:
+        InvalidArgumentError: naming ``proxy-data`` or ``proxy-vocab``, with the file's error.
+    """
+    try:
+        check_dataset(proxy_data, proxy_vocab)
+    except DataFormatError as exc:
+        flag = "proxy-vocab" if exc.path == str(proxy_vocab) else "proxy-data"
+        raise InvalidArgumentError(flag, f"a usable proxy file ({exc})") from None
+    except InvalidArgumentError as exc:
+        if exc.field not in ("data", "vocab"):
+            raise
+        raise InvalidArgumentError(f"proxy-{exc.field}", exc.expected, exc.got) from None
 
 
 def proxy_damping(
@@ -61,6 +84,7 @@ def proxy_damping(
             cfg.client,
         )
         require(bool(proxy_vocab), "proxy-vocab", "the proxy data's vocabulary file", proxy_vocab)
+        check_proxy_files(proxy_data, proxy_vocab)
         users = min(population, train_clients_count(proxy_data))
         what = f"the proxy file {proxy_data}"
     else:

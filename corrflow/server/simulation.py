@@ -173,6 +173,9 @@ def simulate(
     `RunStoppedEarlyError` when the run ended before its planned rounds. ``noise_key`` is for
     tests that compare runs bit for bit (the key of this start's rows: a resumed run's rows from its
     checkpoint on); a real run draws a fresh secret key on every start."""
+    from corrflow.run.noise_shards import check_ray_address
+
+    check_ray_address(cfg.ray_address)  # first: an unreachable head is refused in 10 s, not 100
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_backend(cfg, backend)
@@ -189,9 +192,9 @@ def simulate(
 
 
 def new_files_undo(out: Path):
-    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore and
-    engine.log; the directory itself if this start created it) — nothing once a round was
-    checkpointed or journaled."""
+    """A function that removes what a refused start wrote into ``out`` (its lock, .gitignore,
+    engine.log and the factorization it built, a cache rebuilt on the next start; the directory
+    itself if this start created it) — nothing once a round was checkpointed or journaled."""
     before = set(os.listdir(out)) if out.is_dir() else None
 
     def undo() -> None:
@@ -201,7 +204,9 @@ def new_files_undo(out: Path):
             return
         for name in set(os.listdir(out)) - (before or set()):
             path = out / name
-            if name in (".gitignore", "engine.log") or name.startswith(".corrflow.lock"):
+            if name in (".gitignore", "engine.log", "factorization.npz") or name.startswith(
+                ".corrflow.lock"
+            ):
                 path.unlink(missing_ok=True)
             elif path.is_dir() and not any(path.rglob("*")):
                 path.rmdir()

@@ -44,8 +44,18 @@ class AppMetrics:
         flwr_log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
 
     def aggregated(self, kind: str, server_round: int, record: MetricRecord | None) -> None:
-        """The inner strategy's aggregated ``kind`` ("train" or "evaluate") metrics of a round."""
+        """The inner strategy's aggregated ``kind`` ("train" or "evaluate") metrics of a round; for
+        a train round without any (no reply accepted, or none aggregated), a line that says so."""
         if record is None:
+            if kind == "train":
+                why = (
+                    "\t└──> no Aggregated MetricRecord in round %d: no reply accepted, or the "
+                    "strategy aggregated no train metrics (corrflow's counters: metrics.json)"
+                )
+                if self.run.disclosure.secret:
+                    self.run.log.info(why.replace("\t", "train: "), server_round)
+                else:
+                    flwr_log(INFO, why, server_round)
             return
         self.run.show_outside_guarantee(f"{kind}.{k}" for k in record)
         if self.run.disclosure.secret:

@@ -371,8 +371,20 @@ def _verdict(claimed: float | None, estimate: stats.Estimate, lower: stats.Lower
             "more canaries to prove or clear it (a correct run whose estimate sits at its claim "
             "lands here about 1 time in 40)"
         )
+    if estimate.epsilon > claimed:
+        # The point estimate alone carries sampling error; only its interval's low end (SUSPECT)
+        # or the lower bound (VIOLATION) above the claim is evidence against it.
+        return (
+            f"consistent: the estimate ε̂ = {estimate.epsilon:.3g} is above the claimed "
+            f"ε = {claimed:.3g}, but its interval starts at {estimate.interval[0]:.3g} and the "
+            f"{lower.confidence:.0%} lower bound is ε_lo = {lower.epsilon:.3g}, both within the "
+            "claim: nothing is shown above it (an estimate, not a proof; more canaries narrow "
+            "the interval)"
+        )
     return (
-        f"consistent: nothing shown above the claimed ε = {claimed:.3g} (an estimate, not a proof)"
+        f"consistent: nothing shown above the claimed ε = {claimed:.3g} (the estimate "
+        f"ε̂ = {estimate.epsilon:.3g} and the {lower.confidence:.0%} lower bound "
+        f"ε_lo = {lower.epsilon:.3g} are within it; an estimate, not a proof)"
     )
 
 

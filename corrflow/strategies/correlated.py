@@ -259,10 +259,12 @@ class CorrelatedNoiseStrategy(Strategy):
         metrics = MetricRecord(
             {k: float(v) for k, v in record.metrics.items() if isinstance(v, int | float)}
         )
-        if kept is not None and record.accepted_replies:
-            # the user's strategy aggregates the accepted replies' metrics
-            contents = [kept[i] for i in record.accepted_replies]
-            metrics = inner_metrics(self.inner, contents) or metrics
+        if self.inner is not None:
+            # A wrapped app's train metrics are its own strategy's aggregate of the accepted
+            # replies, never corrflow's counters (those are in metrics.json, with a 0-based round):
+            # none when no reply was accepted or the strategy aggregates none.
+            contents = [kept[i] for i in record.accepted_replies] if kept is not None else []
+            metrics = inner_metrics(self.inner, contents) if contents else None
         return self.initial_arrays(), metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid):
@@ -347,7 +349,8 @@ def run_rounds(
         if new_arrays is None:
             break
         arrays = result.arrays = new_arrays
-        result.train_metrics_clientapp[server_round] = metrics
+        if metrics is not None:
+            result.train_metrics_clientapp[server_round] = metrics
         if strategy.inner is not None:
             shown.aggregated("train", server_round, metrics)
         evaluation = list(
