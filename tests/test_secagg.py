@@ -2,9 +2,11 @@
 the secure sum against the plain sum, what reaches the server, dropouts and redos, refusals, and a
 SIGKILL of the server mid-protocol (a real process)."""
 
+import base64
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +15,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from lineage_support import KEY
 
@@ -22,6 +32,7 @@ from corrflow.clients.secagg import with_secure_aggregation
 from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
 from corrflow.run.journal import JOURNAL
+from corrflow.run.resume import SECURE_SUM_REFUSED
 from corrflow.run.secure_sum import (
     MAX_ATTEMPTS,
     MODULUS,
@@ -223,7 +234,7 @@ def test_a_malformed_masked_vector_fails_the_round_naming_the_node():
     assert err.value.redo  # nothing was unmasked
 
 
-def test_a_failed_training_contributes_zeros_and_a_bad_ciphertext_fails_naming_the_node():
+def test_a_failed_training_contributes_zeros_without_naming_anyone():
     fixed = _train_fixed(False)
 
     def crashing(msg, context):
@@ -236,24 +247,132 @@ def test_a_failed_training_contributes_zeros_and_a_bad_ciphertext_fails_naming_t
     summed = secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
     assert summed.counts["zeroed"] == 1 and len(summed.accepted) == 4  # nobody is named
 
-    grid = InProcessGrid({"train": with_secure_aggregation(fixed)}, 4)
-    victim = grid.get_node_ids()[1]
-    original = grid.push_messages
 
-    def push(messages):  # flip a byte of every ciphertext forwarded to the victim
-        messages = list(messages)
-        for m in messages:
-            rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
-            if rec is not None and Key.CIPHERTEXT_LIST in rec and m.metadata.dst_node_id == victim:
-                rec[Key.CIPHERTEXT_LIST] = [
-                    c[:-1] + bytes([c[-1] ^ 1]) for c in rec[Key.CIPHERTEXT_LIST]
-                ]
-        return original(messages)
+# -- malicious clients: every fault fails the attempt, naming the sender -------------------------
+def _reply_tamper(grid, sender, key, change):
+    """Make ``sender``'s replies carrying protocol ``key`` pass through ``change(record)``."""
 
-    grid.push_messages = push
-    with pytest.raises(SecureSumError, match=f"node {victim} failed") as err:
+    def tamper(replies):
+        for r in replies:
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is not None and key in rec and int(r.metadata.src_node_id) == sender:
+                change(rec)
+        return replies
+
+    grid.tamper = tamper
+
+
+def _attempt(grid):
+    plan = SimpleNamespace(expected={n: f"u{i}" for i, n in enumerate(grid.get_node_ids())})
+    with pytest.raises(SecureSumError) as err:
         secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
-    assert err.value.redo
+    assert err.value.redo  # nothing was unmasked: the attempt may be redone
+    return err.value.reason
+
+
+def _garbage_body(rec):  # the Shamir index kept, the share itself random
+    rec[Key.SHARE_LIST] = [s[:4] + os.urandom(len(s) - 4) for s in rec[Key.SHARE_LIST]]
+
+
+def _three_bytes(rec):
+    rec[Key.SHARE_LIST] = [s[:3] for s in rec[Key.SHARE_LIST]]
+
+
+def _garbage_index(rec):
+    rec[Key.SHARE_LIST] = [os.urandom(len(s)) for s in rec[Key.SHARE_LIST]]
+
+
+def _swapped_owners(rec):
+    owners = list(rec[Key.NODE_ID_LIST])
+    rec[Key.NODE_ID_LIST] = [owners[1], owners[0], *owners[2:]]
+
+
+def _one_garbage_share(rec):  # one share of one owner, its last chunk flipped
+    shares = list(rec[Key.SHARE_LIST])
+    shares[2] = shares[2][:-1] + bytes([shares[2][-1] ^ 0x5A])
+    rec[Key.SHARE_LIST] = shares
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (_garbage_body, "does not fit the others"),
+        (_three_bytes, "of 3 bytes, not 52"),
+        (_garbage_index, "Shamir index"),
+        (_swapped_owners, "does not fit the others"),
+        (_one_garbage_share, "does not fit the others"),
+    ],
+)
+def test_a_malformed_share_fails_the_attempt_naming_its_sender(change, says):
+    """Garbage Shamir shares, 3-byte shares, swapped owners: the attempt fails before any mask
+    is removed, naming the node that sent them (6 members: threshold 4 of 6 shares, so a share
+    that does not fit is found by decoding without it)."""
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 6)
+    bad = grid.get_node_ids()[3]
+    _reply_tamper(grid, bad, Key.SHARE_LIST, change)
+    reason = _attempt(grid)
+    assert says in reason
+    named = {int(n) for n in re.findall(r"node\(?s?\)? \[?(\d+)", reason.split(" sent ")[0])}
+    assert named == {bad}, reason
+
+
+def test_garbage_keys_and_ciphertexts_are_blamed_on_their_sender():
+    """A garbage public key is refused at setup naming its sender; a ciphertext that does not
+    authenticate is reported by every receiver, and the driver names its sender — never the
+    honest receivers."""
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[1]
+    _reply_tamper(grid, bad, Key.PUBLIC_KEY_2, lambda r: r.__setitem__(Key.PUBLIC_KEY_2, b"xyz"))
+    reason = _attempt(grid)
+    assert reason == f"{Stage.SETUP}: node {bad} sent a public key that is not an EC public key"
+
+    def forge(rec):  # valid Fernet form, wrong HMAC: only the receivers can tell
+        raw = [bytearray(base64.urlsafe_b64decode(c)) for c in rec[Key.CIPHERTEXT_LIST]]
+        for r in raw:
+            r[40] ^= 1
+        rec[Key.CIPHERTEXT_LIST] = [base64.urlsafe_b64encode(bytes(r)) for r in raw]
+
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[1]
+    others = sorted(set(grid.get_node_ids()) - {bad})
+    _reply_tamper(grid, bad, Key.CIPHERTEXT_LIST, forge)
+    reason = _attempt(grid)
+    assert reason == (
+        f"{Stage.COLLECT_MASKED_VECTORS}: share ciphertexts that did not authenticate or "
+        f"decrypt: node {bad}'s (failed at node(s) {others})"
+    )
+
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[2]
+    _reply_tamper(
+        grid, bad, Key.CIPHERTEXT_LIST, lambda r: r.__setitem__(Key.CIPHERTEXT_LIST, [b"abc"] * 4)
+    )
+    assert _attempt(grid) == (
+        f"{Stage.SHARE_KEYS}: node {bad} sent a share ciphertext that is not a Fernet token"
+    )
+
+
+def test_a_persistent_malicious_client_stops_the_run_naming_it(tmp_path):
+    """Garbage shares at every attempt: three attempts, then the run stops on the record (the
+    report names the sender), no exception, nothing released."""
+    first = {}
+
+    def tamper(replies):  # the lowest node of round 1's cohort sends garbage shares
+        first.setdefault("node", min(int(r.metadata.src_node_id) for r in replies))
+        for r in replies:
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS)
+            if Key.SHARE_LIST in rec and int(r.metadata.src_node_id) == first["node"]:
+                _garbage_body(rec)
+        return replies
+
+    grid = InProcessGrid(_secure(), 12, tamper=tamper)
+    cfg = _cfg(tmp_path, "m", secure_aggregation=True)
+    s = run_server(grid, cfg, noise_key=KEY, quiet=True)
+    report = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 0 and s.next_round == 0
+    reason = report["stopped_reason"]
+    assert "the secure sum failed 3 times" in reason and f"node(s) [{first['node']}]" in reason
+    assert not (Path(cfg.state_dir) / SECURE_SUM_REFUSED).exists()  # a plain rerun may redo it
 
 
 # -- whole runs ------------------------------------------------------------------------------------
@@ -362,6 +481,103 @@ def test_persistent_dropouts_stop_the_run_unreleased(tmp_path):
         or not (Path(cfg.state_dir) / JOURNAL).read_text().strip()
     )
     assert s.next_round == 0
+
+
+class WireGrid(InProcessGrid):
+    """Records every reply the server pulls, classified here independently of corrflow's record:
+    (message type, what it carried)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received: list[tuple[str, str]] = []
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        for r in replies:
+            kind = r.metadata.message_type.split(".")[0]
+            if r.has_error():
+                self.received.append((kind, "error replies"))
+                continue
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            for key, name in [
+                (Key.PUBLIC_KEY_1, "public keys"),
+                (Key.CIPHERTEXT_LIST, "encrypted shares"),
+                (Key.MASKED_PARAMETERS, "masked vectors"),
+                (Key.SHARE_LIST, "secret shares"),
+            ]:
+                if key in rec:
+                    self.received.append((kind, name))
+            if kind == "query":
+                self.received.append((kind, "identity replies"))
+            if any(len(a) for a in r.content.array_records.values()):
+                self.received.append((kind, "arrays in the clear"))
+            for m in r.content.metric_records.values():
+                if set(m) - {"num_examples"}:
+                    self.received.append((kind, f"metrics in the clear ({', '.join(sorted(m))})"))
+        return replies
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for kind, what in self.received:
+            out.setdefault(kind, {}).setdefault(what, 0)
+            out[kind][what] += 1
+        return out
+
+
+def test_the_report_says_what_crossed_the_wire(tmp_path):
+    """The report's ``server_saw`` comes from the record of every reply the server received: an
+    honest run's record (checked against the grid's own count of every reply it delivered) holds
+    protocol messages and identity answers only; a client that sends its update and a metric in
+    the clear is named in the statement, even though the driver refused its replies."""
+    grid = WireGrid(_secure(), 12)
+    cfg = _cfg(tmp_path, "w", secure_aggregation=True)
+    run_server(grid, cfg, noise_key=KEY, quiet=True)
+    section = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())[
+        "secure_aggregation"
+    ]
+    assert section["received"] == grid.counts()
+    assert section["received"]["query"] == {"identity replies": 12}
+    assert section["received"]["train"]["masked vectors"] == 4 * 6  # 4 rounds, cohorts of 6
+    assert set(section["received"]["train"]) == {
+        "public keys",
+        "encrypted shares",
+        "masked vectors",
+        "secret shares",
+    }
+    assert section["server_saw"].startswith("only masked vectors")
+    assert "never one user's update or per-user metric" in section["server_saw"]
+    assert "(12 identity replies)" in section["server_saw"]
+
+    secure = with_secure_aggregation(numpy_train)
+
+    def leaky(msg, context):  # partition 0 ignores the protocol and answers in the clear
+        if int(context.node_config["partition-id"]) != 0:
+            return secure(msg, context)
+        content = {"arrays": ArrayRecord([np.ones(3)]), "metrics": MetricRecord({"loss": 0.5})}
+        return Message(RecordDict(content), reply_to=msg)
+
+    grid = WireGrid({"train": leaky}, 12)
+    cfg = _cfg(tmp_path, "leak", secure_aggregation=True)
+    s = run_server(grid, cfg, noise_key=KEY, quiet=True)
+    report = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())
+    assert report["secure_aggregation"]["received"] == grid.counts()
+    leaked = grid.counts()["train"]["arrays in the clear"]
+    assert leaked == MAX_ATTEMPTS and s.stopped_reason  # the round with partition 0 stops the run
+    assert report["secure_aggregation"]["server_saw"].startswith(
+        f"per-user data in the clear: train arrays in the clear ×{leaked}, "
+        f"train metrics in the clear (loss) ×{leaked}; besides that, only masked vectors"
+    )
+
+
+def test_the_wrapper_refuses_federated_evaluation_under_secure_aggregation():
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow import DifferentialPrivacyCorrelatedNoise
+
+    with pytest.raises(InvalidArgumentError, match="fraction_evaluate") as err:
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), secure_aggregation=True, clipping_norm=1.0)
+    assert "in the clear" in str(err.value) and "evaluate_fn" in str(err.value)
+    DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0)  # without SecAgg: as before
 
 
 @pytest.mark.parametrize(

@@ -283,6 +283,15 @@ class Run:
         """
         self._recorder.app_metrics.update(names)
 
+    def show_received(self, record) -> None:
+        """Derive the report's ``secure_aggregation.server_saw`` from ``record``, the record of
+        every reply the server received (`corrflow.strategies.wire.WireRecord`).
+
+        Args:
+            record: an object whose ``to_dict()`` gives message type → kind → count.
+        """
+        self._recorder.received = record
+
     @property
     def done(self) -> bool:
         """All planned rounds are released, or the run stopped."""

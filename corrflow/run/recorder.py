@@ -81,6 +81,7 @@ class Recorder:
         self._hashes: dict[str, str] = {}  # user → salted hash (hashed once per run start)
         self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
         self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
+        self.received = None  # under secure aggregation: the record of what the server received
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -200,7 +201,10 @@ class Recorder:
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
-            report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
+            received = None if self.received is None else self.received.to_dict()
+            report["secure_aggregation"] = trust_section(
+                c.cfg.clip_norm, dim, c.planner.expected, received
+            )
         if (
             plan.vocabulary is not None
         ):  # a run on a dataset file: how its vocabulary was built, and the total

@@ -34,6 +34,7 @@ from corrflow.strategies import identity as ids
 from corrflow.strategies.app_metrics import ServerEvaluation
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.messaging import NodeDirectory, model_arrays, model_record
+from corrflow.strategies.wire import RecordingGrid, WireRecord, carry_over
 
 log = logging.getLogger("corrflow")
 
@@ -77,7 +78,12 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
     ``spec.fresh`` moves an earlier run aside first; ``spec.stop_event`` (set by a signal handler)
     ends the run after the round in progress."""
     with RunLock(spec.run_dir):
+        if spec.cfg.secure_aggregation:  # the report says what the server saw from this record
+            grid = RecordingGrid(grid, WireRecord())
         strategy = prepare_run(grid, spec)
+        if isinstance(grid, RecordingGrid):
+            carry_over(grid.record, spec.run_dir / "privacy_report.json")
+            strategy.run.show_received(grid.record)
         try:
             result = strategy.start(
                 grid=grid,
