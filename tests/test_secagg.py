@@ -657,6 +657,36 @@ def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):
     assert report["rounds_completed"] == 4 and report["stopped_reason"] is None
 
 
+def test_a_plausibility_stop_holds_across_reruns(tmp_path):
+    """A real server process whose round-1 sum fails the plausibility check (one client adds two
+    to the action counts inside its masked vector) stops with exit code 1; the plain rerun, the
+    real CLI, refuses to sum that round again (exit 1, saying why and naming --fresh) and changes
+    nothing; ``--fresh`` moves the stopped run aside and trains anew."""
+    out = tmp_path / "p"
+    helper = [sys.executable, str(HERE / "secagg_kill_run.py"), str(out)]
+    first = subprocess.run(
+        helper, env={**os.environ, "WRONG_COUNTS": "1"}, capture_output=True, text=True, cwd=HERE
+    )
+    assert first.returncode == 1, first.stderr
+    report = (out / "privacy_report.json").read_text()
+    stopped = json.loads(report)["stopped_reason"]
+    assert "round 1 of 4: the secure sum refused after unmasking" in stopped
+    assert "do not add up" in stopped
+    assert json.loads((out / SECURE_SUM_REFUSED).read_text()) == {"round": 0, "reason": stopped}
+    cli = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--secagg", "--backend"]
+    cli += ["inprocess", "--users", "12", "--rounds", "4", "--epochs", "2", "--out", str(out)]
+    again = subprocess.run(cli, capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 1 and "Traceback" not in again.stderr, again.stderr
+    assert SECURE_SUM_REFUSED in again.stderr and "round 1 of 4" in again.stderr
+    assert "second sum of the same cohort" in again.stderr and "--fresh" in again.stderr
+    assert (out / "privacy_report.json").read_text() == report  # nothing summed or rewritten
+    assert not (out / JOURNAL).exists() or not (out / JOURNAL).read_text().strip()
+    fresh = subprocess.run([*cli, "--fresh"], capture_output=True, text=True, cwd=tmp_path)
+    assert fresh.returncode in (0, 3), fresh.stderr
+    assert len((out / JOURNAL).read_text().splitlines()) == 4
+    assert [p.name for p in (out / "previous-runs").glob(f"*/{SECURE_SUM_REFUSED}")]
+
+
 def test_the_wrapper_keyword_runs_a_flower_app_with_secure_aggregation(tmp_path):
     """``DifferentialPrivacyCorrelatedNoise(FedAvg(), secure_aggregation=True)`` around a plain
     numpy app whose ClientApp has `secure_aggregation_mods`: the run completes and its report

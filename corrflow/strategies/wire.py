@@ -97,6 +97,11 @@ class RecordingGrid:
     def __init__(self, grid: Grid, record: WireRecord | None = None):
         self._grid, self.record = grid, record or WireRecord()
 
+    @property
+    def recorded_grid(self) -> Grid:
+        """The grid whose replies are recorded (its type says whether this is a simulation)."""
+        return self._grid
+
     def pull_messages(self, message_ids):
         replies = list(self._grid.pull_messages(message_ids))
         for reply in replies:
