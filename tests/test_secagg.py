@@ -24,11 +24,19 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common import parameters_to_ndarrays
+from flwr.common.secure_aggregation.quantization import dequantize, quantize
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
+from flwr.compat.common import recorddict_compat as compat
 from lineage_support import KEY
 
 from corrflow.clients.numpy_client import train as numpy_train
-from corrflow.clients.secagg import with_secure_aggregation
+from corrflow.clients.secagg import clip_for_secure_aggregation, with_secure_aggregation
 from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
 from corrflow.run.journal import JOURNAL
@@ -42,7 +50,7 @@ from corrflow.run.secure_sum import (
     secure_sum_params,
 )
 from corrflow.server.app import run_server
-from corrflow.server.inprocess import InProcessGrid
+from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.strategies.secagg import SecureSumError, secure_sum
 
 HERE = Path(__file__).parent
@@ -68,6 +76,65 @@ def test_the_client_bound_leaves_room_for_quantization():
         secure_sum_params(10**6, 1e-3, 10**7)  # Δ√d = 2c√d/T above the clip
     with pytest.raises(InvalidArgumentError, match="cohort"):
         secure_sum_params(1, 1.0, 10)
+
+
+def _client_reply(update, clip, clipping_range, target_range):
+    """corrflow's client mod on one update, with the protocol state a server that sent
+    ``clipping_range`` and ``target_range`` leaves: the bounded update it packs."""
+    state = ConfigRecord(
+        {
+            "sample_num": 4,
+            "share_num": 4,
+            "threshold": 3,
+            "clipping_range": clipping_range,
+            "target_range": target_range,
+            "mod_range": MODULUS,
+            "max_weight": 1.0,
+        }
+    )
+    enable_offline_messages()
+    context = Context(1, 1, {}, RecordDict({RECORD_KEY_STATE: state}), {})
+    sent = [np.zeros_like(u) for u in update]
+    content = {
+        "arrays": ArrayRecord(sent),
+        "config": ConfigRecord({"clip-norm": clip}),
+        RECORD_KEY_CONFIGS: ConfigRecord({Key.STAGE: Stage.COLLECT_MASKED_VECTORS}),
+    }
+    msg = Message(RecordDict(content), dst_node_id=1, message_type=MessageType.TRAIN)
+
+    def app(m, c):
+        return Message(RecordDict({"arrays": ArrayRecord(list(update))}), reply_to=m)
+
+    fitres = compat.recorddict_to_fitres(
+        clip_for_secure_aggregation(msg, context, app).content, False
+    )
+    return parameters_to_ndarrays(fitres.parameters)[:-1]  # the action one-hot last
+
+
+def test_the_client_bound_holds_when_the_servers_range_exceeds_c():
+    """A server that sends a clipping range r = 10·c: the client clips to min(c, r) − Δ√d, so
+    every stochastic rounding of its update (Flower's own quantization, 200 draws) has ℓ2 norm
+    ≤ c; clipped to c itself (the old min(c, r − Δ√d)), almost every draw exceeds c."""
+    c, r, t, d = 1.0, 10.0, 2000, 2500  # Δ = 0.01, Δ√d = 0.5
+    step = 2 * r / t
+    update = [np.random.default_rng(1).normal(size=d) * 5.0]  # ‖u‖ ≈ 250 > c
+    bounded = _client_reply(update, c, r, t)
+    norm = float(np.linalg.norm(bounded[0]))
+    assert norm == pytest.approx(c - step * math.sqrt(d), rel=1e-5)  # min(c, r) − Δ√d = 0.5
+
+    def quantized_norms(vec):  # Flower's client: quantize into [0, T], the server dequantizes
+        return np.array(
+            [
+                np.linalg.norm(dequantize(quantize([vec.astype(np.float64)], r, t), r, t)[0])
+                for _ in range(200)
+            ]
+        )
+
+    assert quantized_norms(bounded[0]).max() <= c
+    assert np.mean(quantized_norms(bounded[0] * (c / norm)) > c) > 0.9
+    # r below c: the range binds, r − Δ′√d with Δ′ = 2r/T
+    bounded = _client_reply(update, c, 0.5, t)
+    assert float(np.linalg.norm(bounded[0])) == pytest.approx(0.5 - 1 / t * math.sqrt(d), rel=1e-5)
 
 
 def test_bound_update_zeroes_clips_and_keeps():
