@@ -6,11 +6,18 @@ shares, key agreement, pseudo-random masks, modular sums, dequantization).
 What differs from Flower's ``SecAggPlusWorkflow``: the quantization range is chosen per round from
 the cohort size so the modular sum never wraps (`corrflow.run.secure_sum`); the result is the sum
 (weight exactly 1 per client, checked), not a weighted mean; a dropout is removed only through the
-pairwise masks it actually added; a failure is an outcome, not a log line. A round whose secure sum
-failed before anything was unmasked is redone with the same scheduled cohort and the same (never
-released) noise, at most `MAX_ATTEMPTS` times; a sum that was unmasked and fails the plausibility
-check stops the run (a second sum of the same cohort could tell members apart). The unmasked sum
-enters `Run.step` as `SummedReplies` and is never persisted before its round is released.
+pairwise masks it actually added; a failure is an outcome, not a log line.
+
+Each attempt is setup → share keys → collect → unmask (`secure_sum`); every stage's replies pass
+`_Stage`, which fails the attempt naming the node at fault: the sender of a malformed reply, of a
+public key that does not parse (checked here, not by its users), of a share ciphertext that is not
+a Fernet token, or whose ciphertext its receivers report as undecryptable (`_blame`); every secret
+is reconstructed and checked before any mask is removed (`_reconstruct`), naming the holder whose
+share does not fit. A failed attempt is redone with the same scheduled cohort and the same (never
+released) noise, at most `MAX_ATTEMPTS` times (`secure_train`); a sum that was unmasked and fails
+the plausibility check stops the run for good (`SECURE_SUM_REFUSED`: a second sum of the same
+cohort could tell members apart). The unmasked sum enters `Run.step` as `SummedReplies` and is
+never persisted before its round is released.
 """
 
 from __future__ import annotations
