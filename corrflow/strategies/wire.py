@@ -54,18 +54,22 @@ def reply_kinds(msg: Message) -> list[str]:
     # Flower's secaggplus_mod sends the weight it masked with in the clear: corrflow's clients send
     # the constant 1 (checked again inside the masked vector)
     metrics = sorted(
-        k
-        for r in content.metric_records.values()
-        for k, v in r.items()
-        if not (k == "num_examples" and v == 1)
+        {
+            k
+            for r in content.metric_records.values()
+            for k, v in r.items()
+            if not (k == "num_examples" and v == 1)
+        }
     )
     if metrics:
         kinds.append(f"metrics in the clear ({', '.join(metrics)})")
     config = sorted(
-        k
-        for name, r in content.config_records.items()
-        if name != RECORD_KEY_CONFIGS and dict(r) != _LEGACY_EMPTY.get(name)
-        for k in r
+        {
+            k
+            for name, r in content.config_records.items()
+            if name != RECORD_KEY_CONFIGS and dict(r) != _LEGACY_EMPTY.get(name)
+            for k in r
+        }
     )
     if config and msg.metadata.message_type.startswith("query"):
         kinds.append("identity replies")
