@@ -488,7 +488,9 @@ def _decode(
     it. First the ``threshold`` shares of the lowest holders; when their secret is not ``valid``,
     the same without each holder in turn (one wrong share among ≥ threshold + 1 is found). Then
     every other share is checked against threshold − 1 shares of the valid set: it fits when they
-    decode to the same secret. Returns (None, []) when no subset tried is valid."""
+    decode to the same secret. Returns (None, []) when no subset tried is valid. Shares beyond the
+    first ``threshold`` are checked only when those fail: unused, they cannot change the sum, and
+    checking each would cost one more decoding per share."""
     holders = sorted(held)
     base = None
     for skip in [None, *holders]:
