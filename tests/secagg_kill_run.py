@@ -8,10 +8,9 @@ import os
 import signal
 import sys
 
+from flwr.common import bytes_to_ndarray, ndarray_to_bytes
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from lineage_support import noise_key_from_env
-
-from flwr.common import bytes_to_ndarray, ndarray_to_bytes
 
 from corrflow.clients.numpy_client import train
 from corrflow.clients.secagg import with_secure_aggregation
