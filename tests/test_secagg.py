@@ -46,7 +46,7 @@ from corrflow.errors import InvalidArgumentError
 from corrflow.protocol import PROBE_ACTION
 from corrflow.run import open_run_directory
 from corrflow.run.journal import JOURNAL
-from corrflow.run.resume import SECURE_SUM_REFUSED
+from corrflow.run.resume import SECURE_SUM_REFUSED, SERVER_RECEIVED
 from corrflow.run.secure_sum import (
     MAX_ATTEMPTS,
     MODULUS,
@@ -728,6 +728,17 @@ def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):
     assert [e["round"] for e in journal] == [0, 1, 2, 3]
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 4 and report["stopped_reason"] is None
+    # what the server received covers both process starts: 12 identity answers each; rounds 1–2
+    # and the killed round 3's setup and share-keys stages, then rounds 3–4 again (cohorts of 6)
+    received = report["secure_aggregation"]["received"]
+    assert received == json.loads((out / SERVER_RECEIVED).read_text())
+    assert received["query"] == {"identity replies": 24}
+    assert received["train"] == {
+        "public keys": 30,
+        "encrypted shares": 30,
+        "masked vectors": 24,
+        "secret shares": 24,
+    }
 
 
 def test_a_plausibility_stop_holds_across_reruns(tmp_path):

@@ -47,8 +47,18 @@ MIN_SALT_BYTES = 16
 # every rerun of the run (summing that round again, same cohort and noise, could tell members
 # apart) until ``--fresh`` moves it aside with the run.
 SECURE_SUM_REFUSED = "secure_sum_refused.json"
+#: Under secure aggregation: the count of every reply the server received, over every process
+# start of the run (`corrflow.strategies.wire`); the report's ``server_saw`` is derived from it.
+SERVER_RECEIVED = "server_received.json"
 #: With the noise workers' states (`SHARD_ROOT`), which go with the run.
-RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json", SHARD_ROOT, SECURE_SUM_REFUSED)
+RUN_FILES = (
+    JOURNAL,
+    "privacy_report.json",
+    "metrics.json",
+    SHARD_ROOT,
+    SECURE_SUM_REFUSED,
+    SERVER_RECEIVED,
+)
 
 
 class RunLockedError(CorrflowError):

@@ -3,8 +3,9 @@ counted by message type and by what it carried. The privacy report's ``server_sa
 this record (`corrflow.run.secure_sum.server_saw`), never assumed: a reply that carried arrays or
 metrics in the clear is named there even when the driver refused it.
 
-`RecordingGrid` wraps the run's grid and classifies each reply as it is pulled; the record of an
-earlier process start of the same run is carried over from its privacy report.
+`RecordingGrid` wraps the run's grid and classifies each reply as it is pulled; the record is kept
+in the run directory (``server_received.json``), so it covers every process start of the run and
+moves aside with it (``--fresh``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from flwr.app import Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.serverapp import Grid
 
+from corrflow.errors import IntegrityError
+from corrflow.fileio import write_json
+from corrflow.run.resume import SERVER_RECEIVED
 from corrflow.run.secure_sum import UNDECRYPTABLE_KEY
 
 #: What each protocol key of a SecAgg+ reply carries (in Flower's stage order).
@@ -79,18 +83,60 @@ def reply_kinds(msg: Message) -> list[str]:
 
 
 class WireRecord:
-    """Message type → kind → count of the replies the server received (see `reply_kinds`)."""
+    """Message type → kind → count of the replies the server received (see `reply_kinds`), over
+    every process start of the run once `attach` ed to its directory."""
 
     def __init__(self):
         self.counts: dict[str, Counter] = {}
+        self._path: Path | None = None
+        self._saved = 0
 
-    def add(self, msg: Message) -> None:
-        """Count one received reply."""
-        mtype = str(msg.metadata.message_type).split(".")[0]
-        self.counts.setdefault(mtype, Counter()).update(reply_kinds(msg))
+    def attach(self, run_dir: str | Path) -> None:
+        """Add the record of the run's earlier process starts (``server_received.json``, which
+        moves aside with an earlier run) and keep the file current from now on.
+
+        Args:
+            run_dir: the run directory, after any earlier run in it was moved aside.
+        """
+        self._path = Path(run_dir) / SERVER_RECEIVED
+        try:
+            earlier = json.loads(self._path.read_text())
+            for mtype, kinds in earlier.items():
+                self.counts.setdefault(str(mtype), Counter()).update(
+                    {str(k): int(n) for k, n in kinds.items()}
+                )
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            raise IntegrityError(
+                f"{self._path}: not the record of what the server received ({exc}); restore "
+                "it, or start a new run with --fresh"
+            ) from None
+        self.save()
+
+    def add(self, replies: list[Message]) -> None:
+        """Count received replies (and save the record once attached).
+
+        Args:
+            replies: replies the server just pulled.
+        """
+        for msg in replies:
+            mtype = str(msg.metadata.message_type).split(".")[0]
+            self.counts.setdefault(mtype, Counter()).update(reply_kinds(msg))
+        if replies:
+            self.save()
+
+    def save(self) -> None:
+        """Write the record, atomically, when attached to a run directory."""
+        if self._path is not None:
+            write_json(self._path, self.to_dict())
 
     def to_dict(self) -> dict[str, dict[str, int]]:
-        """The record as the report stores it (sorted, plain ints)."""
+        """The record as the report stores it (sorted, plain ints).
+
+        Returns:
+            Message type → kind → count.
+        """
         return {t: dict(sorted(c.items())) for t, c in sorted(self.counts.items()) if c}
 
 
@@ -108,34 +154,13 @@ class RecordingGrid:
 
     def pull_messages(self, message_ids):
         replies = list(self._grid.pull_messages(message_ids))
-        for reply in replies:
-            self.record.add(reply)
+        self.record.add(replies)
         return replies
 
     def send_and_receive(self, messages, *args, **kwargs):
         replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
-        for reply in replies:
-            self.record.add(reply)
+        self.record.add(replies)
         return replies
 
     def __getattr__(self, name):
         return getattr(self._grid, name)
-
-
-def carry_over(record: WireRecord, report_path: Path) -> None:
-    """Add the record of earlier process starts of the same run, from the privacy report they
-    wrote (a resumed run's report covers every start; a new run has no report here).
-
-    Args:
-        record: this process's record.
-        report_path: the run's ``privacy_report.json``.
-    """
-    try:
-        report = json.loads(report_path.read_text())
-        earlier = report["secure_aggregation"]["received"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no earlier start, or one before the record existed
-    for mtype, kinds in earlier.items():
-        record.counts.setdefault(str(mtype), Counter()).update(
-            {str(k): int(n) for k, n in kinds.items()}
-        )
