@@ -23,6 +23,7 @@ __all__ = [
     "RunConfig",
     "register_identity",
     "secure_aggregation_mods",
+    "secure_client_fn_app",
 ]
 
 
@@ -36,6 +37,10 @@ def __getattr__(name: str):
         from corrflow.clients.secagg import secure_aggregation_mods
 
         return secure_aggregation_mods
+    if name == "secure_client_fn_app":
+        from corrflow.clients.secagg import secure_client_fn_app
+
+        return secure_client_fn_app
     if name == "RunConfig":
         from corrflow.config import RunConfig
 

@@ -1,10 +1,15 @@
-"""Secure aggregation (SecAgg+, ``--secagg``): the quantization bounds, the client's bounded update,
-the secure sum against the plain sum, what reaches the server, dropouts and redos, refusals, and a
-SIGKILL of the server mid-protocol (a real process)."""
+"""Secure aggregation (SecAgg+, ``--secagg``): the quantization bounds, the client's bounded update
+(also when the server's range exceeds c), the secure sum against the plain sum, what reaches the
+server and what the report says it saw, malicious clients (garbage keys, ciphertexts and shares,
+each blamed on its sender), dropouts and redos, refusals, federated evaluation refused, Flower's
+classic example ported, a SIGKILL of the server mid-protocol and a plausibility stop that holds
+across a rerun (real processes)."""
 
+import base64
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,15 +18,35 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.client import NumPyClient
+from flwr.common import parameters_to_ndarrays
+from flwr.common.secure_aggregation.quantization import dequantize, quantize
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
+from flwr.compat.common import recorddict_compat as compat
 from lineage_support import KEY
 
 from corrflow.clients.numpy_client import train as numpy_train
-from corrflow.clients.secagg import with_secure_aggregation
+from corrflow.clients.secagg import clip_for_secure_aggregation, with_secure_aggregation
 from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
+from corrflow.protocol import PROBE_ACTION
+from corrflow.run import open_run_directory
 from corrflow.run.journal import JOURNAL
+from corrflow.run.resume import SECURE_SUM_REFUSED, SERVER_RECEIVED
 from corrflow.run.secure_sum import (
     MAX_ATTEMPTS,
     MODULUS,
@@ -31,7 +56,7 @@ from corrflow.run.secure_sum import (
     secure_sum_params,
 )
 from corrflow.server.app import run_server
-from corrflow.server.inprocess import InProcessGrid
+from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.strategies.secagg import SecureSumError, secure_sum
 
 HERE = Path(__file__).parent
@@ -57,6 +82,65 @@ def test_the_client_bound_leaves_room_for_quantization():
         secure_sum_params(10**6, 1e-3, 10**7)  # Δ√d = 2c√d/T above the clip
     with pytest.raises(InvalidArgumentError, match="cohort"):
         secure_sum_params(1, 1.0, 10)
+
+
+def _client_reply(update, clip, clipping_range, target_range):
+    """corrflow's client mod on one update, with the protocol state a server that sent
+    ``clipping_range`` and ``target_range`` leaves: the bounded update it packs."""
+    state = ConfigRecord(
+        {
+            "sample_num": 4,
+            "share_num": 4,
+            "threshold": 3,
+            "clipping_range": clipping_range,
+            "target_range": target_range,
+            "mod_range": MODULUS,
+            "max_weight": 1.0,
+        }
+    )
+    enable_offline_messages()
+    context = Context(1, 1, {}, RecordDict({RECORD_KEY_STATE: state}), {})
+    sent = [np.zeros_like(u) for u in update]
+    content = {
+        "arrays": ArrayRecord(sent),
+        "config": ConfigRecord({"clip-norm": clip}),
+        RECORD_KEY_CONFIGS: ConfigRecord({Key.STAGE: Stage.COLLECT_MASKED_VECTORS}),
+    }
+    msg = Message(RecordDict(content), dst_node_id=1, message_type=MessageType.TRAIN)
+
+    def app(m, c):
+        return Message(RecordDict({"arrays": ArrayRecord(list(update))}), reply_to=m)
+
+    fitres = compat.recorddict_to_fitres(
+        clip_for_secure_aggregation(msg, context, app).content, False
+    )
+    return parameters_to_ndarrays(fitres.parameters)[:-1]  # the action one-hot last
+
+
+def test_the_client_bound_holds_when_the_servers_range_exceeds_c():
+    """A server that sends a clipping range r = 10·c: the client clips to min(c, r) − Δ√d, so
+    every stochastic rounding of its update (Flower's own quantization, 200 draws) has ℓ2 norm
+    ≤ c; clipped to c itself (the old min(c, r − Δ√d)), almost every draw exceeds c."""
+    c, r, t, d = 1.0, 10.0, 2000, 2500  # Δ = 0.01, Δ√d = 0.5
+    step = 2 * r / t
+    update = [np.random.default_rng(1).normal(size=d) * 5.0]  # ‖u‖ ≈ 250 > c
+    bounded = _client_reply(update, c, r, t)
+    norm = float(np.linalg.norm(bounded[0]))
+    assert norm == pytest.approx(c - step * math.sqrt(d), rel=1e-5)  # min(c, r) − Δ√d = 0.5
+
+    def quantized_norms(vec):  # Flower's client: quantize into [0, T], the server dequantizes
+        return np.array(
+            [
+                np.linalg.norm(dequantize(quantize([vec.astype(np.float64)], r, t), r, t)[0])
+                for _ in range(200)
+            ]
+        )
+
+    assert quantized_norms(bounded[0]).max() <= c
+    assert np.mean(quantized_norms(bounded[0] * (c / norm)) > c) > 0.9
+    # r below c: the range binds, r − Δ′√d with Δ′ = 2r/T
+    bounded = _client_reply(update, c, 0.5, t)
+    assert float(np.linalg.norm(bounded[0])) == pytest.approx(0.5 - 1 / t * math.sqrt(d), rel=1e-5)
 
 
 def test_bound_update_zeroes_clips_and_keeps():
@@ -222,7 +306,7 @@ def test_a_malformed_masked_vector_fails_the_round_naming_the_node():
     assert err.value.redo  # nothing was unmasked
 
 
-def test_a_failed_training_contributes_zeros_and_a_bad_ciphertext_fails_naming_the_node():
+def test_a_failed_training_contributes_zeros_without_naming_anyone():
     fixed = _train_fixed(False)
 
     def crashing(msg, context):
@@ -235,24 +319,132 @@ def test_a_failed_training_contributes_zeros_and_a_bad_ciphertext_fails_naming_t
     summed = secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
     assert summed.counts["zeroed"] == 1 and len(summed.accepted) == 4  # nobody is named
 
-    grid = InProcessGrid({"train": with_secure_aggregation(fixed)}, 4)
-    victim = grid.get_node_ids()[1]
-    original = grid.push_messages
 
-    def push(messages):  # flip a byte of every ciphertext forwarded to the victim
-        messages = list(messages)
-        for m in messages:
-            rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
-            if rec is not None and Key.CIPHERTEXT_LIST in rec and m.metadata.dst_node_id == victim:
-                rec[Key.CIPHERTEXT_LIST] = [
-                    c[:-1] + bytes([c[-1] ^ 1]) for c in rec[Key.CIPHERTEXT_LIST]
-                ]
-        return original(messages)
+# -- malicious clients: every fault fails the attempt, naming the sender -------------------------
+def _reply_tamper(grid, sender, key, change):
+    """Make ``sender``'s replies carrying protocol ``key`` pass through ``change(record)``."""
 
-    grid.push_messages = push
-    with pytest.raises(SecureSumError, match=f"node {victim} failed") as err:
+    def tamper(replies):
+        for r in replies:
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS)
+            if rec is not None and key in rec and int(r.metadata.src_node_id) == sender:
+                change(rec)
+        return replies
+
+    grid.tamper = tamper
+
+
+def _attempt(grid):
+    plan = SimpleNamespace(expected={n: f"u{i}" for i, n in enumerate(grid.get_node_ids())})
+    with pytest.raises(SecureSumError) as err:
         secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,), (1,)], {}, 60, None)
-    assert err.value.redo
+    assert err.value.redo  # nothing was unmasked: the attempt may be redone
+    return err.value.reason
+
+
+def _garbage_body(rec):  # the Shamir index kept, the share itself random
+    rec[Key.SHARE_LIST] = [s[:4] + os.urandom(len(s) - 4) for s in rec[Key.SHARE_LIST]]
+
+
+def _three_bytes(rec):
+    rec[Key.SHARE_LIST] = [s[:3] for s in rec[Key.SHARE_LIST]]
+
+
+def _garbage_index(rec):
+    rec[Key.SHARE_LIST] = [os.urandom(len(s)) for s in rec[Key.SHARE_LIST]]
+
+
+def _swapped_owners(rec):
+    owners = list(rec[Key.NODE_ID_LIST])
+    rec[Key.NODE_ID_LIST] = [owners[1], owners[0], *owners[2:]]
+
+
+def _one_garbage_share(rec):  # one share of one owner, its last chunk flipped
+    shares = list(rec[Key.SHARE_LIST])
+    shares[2] = shares[2][:-1] + bytes([shares[2][-1] ^ 0x5A])
+    rec[Key.SHARE_LIST] = shares
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (_garbage_body, "does not fit the others"),
+        (_three_bytes, "of 3 bytes, not 52"),
+        (_garbage_index, "Shamir index"),
+        (_swapped_owners, "does not fit the others"),
+        (_one_garbage_share, "does not fit the others"),
+    ],
+)
+def test_a_malformed_share_fails_the_attempt_naming_its_sender(change, says):
+    """Garbage Shamir shares, 3-byte shares, swapped owners: the attempt fails before any mask
+    is removed, naming the node that sent them (6 members: threshold 4 of 6 shares, so a share
+    that does not fit is found by decoding without it)."""
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 6)
+    bad = grid.get_node_ids()[3]
+    _reply_tamper(grid, bad, Key.SHARE_LIST, change)
+    reason = _attempt(grid)
+    assert says in reason
+    named = {int(n) for n in re.findall(r"node\(?s?\)? \[?(\d+)", reason.split(" sent ")[0])}
+    assert named == {bad}, reason
+
+
+def test_garbage_keys_and_ciphertexts_are_blamed_on_their_sender():
+    """A garbage public key is refused at setup naming its sender; a ciphertext that does not
+    authenticate is reported by every receiver, and the driver names its sender — never the
+    honest receivers."""
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[1]
+    _reply_tamper(grid, bad, Key.PUBLIC_KEY_2, lambda r: r.__setitem__(Key.PUBLIC_KEY_2, b"xyz"))
+    reason = _attempt(grid)
+    assert reason == f"{Stage.SETUP}: node {bad} sent a public key that is not an EC public key"
+
+    def forge(rec):  # valid Fernet form, wrong HMAC: only the receivers can tell
+        raw = [bytearray(base64.urlsafe_b64decode(c)) for c in rec[Key.CIPHERTEXT_LIST]]
+        for r in raw:
+            r[40] ^= 1
+        rec[Key.CIPHERTEXT_LIST] = [base64.urlsafe_b64encode(bytes(r)) for r in raw]
+
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[1]
+    others = sorted(set(grid.get_node_ids()) - {bad})
+    _reply_tamper(grid, bad, Key.CIPHERTEXT_LIST, forge)
+    reason = _attempt(grid)
+    assert reason == (
+        f"{Stage.COLLECT_MASKED_VECTORS}: share ciphertexts that did not authenticate or "
+        f"decrypt: node {bad}'s (failed at node(s) {others})"
+    )
+
+    grid = InProcessGrid({"train": with_secure_aggregation(_train_fixed(False))}, 5)
+    bad = grid.get_node_ids()[2]
+    _reply_tamper(
+        grid, bad, Key.CIPHERTEXT_LIST, lambda r: r.__setitem__(Key.CIPHERTEXT_LIST, [b"abc"] * 4)
+    )
+    assert _attempt(grid) == (
+        f"{Stage.SHARE_KEYS}: node {bad} sent a share ciphertext that is not a Fernet token"
+    )
+
+
+def test_a_persistent_malicious_client_stops_the_run_naming_it(tmp_path):
+    """Garbage shares at every attempt: three attempts, then the run stops on the record (the
+    report names the sender), no exception, nothing released."""
+    first = {}
+
+    def tamper(replies):  # the lowest node of round 1's cohort sends garbage shares
+        first.setdefault("node", min(int(r.metadata.src_node_id) for r in replies))
+        for r in replies:
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS)
+            if Key.SHARE_LIST in rec and int(r.metadata.src_node_id) == first["node"]:
+                _garbage_body(rec)
+        return replies
+
+    grid = InProcessGrid(_secure(), 12, tamper=tamper)
+    cfg = _cfg(tmp_path, "m", secure_aggregation=True)
+    s = run_server(grid, cfg, noise_key=KEY, quiet=True)
+    report = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())
+    assert report["rounds_completed"] == 0 and s.next_round == 0
+    reason = report["stopped_reason"]
+    assert "the secure sum failed 3 times" in reason and f"node(s) [{first['node']}]" in reason
+    assert not (Path(cfg.state_dir) / SECURE_SUM_REFUSED).exists()  # a plain rerun may redo it
 
 
 # -- whole runs ------------------------------------------------------------------------------------
@@ -363,6 +555,103 @@ def test_persistent_dropouts_stop_the_run_unreleased(tmp_path):
     assert s.next_round == 0
 
 
+class WireGrid(InProcessGrid):
+    """Records every reply the server pulls, classified here independently of corrflow's record:
+    (message type, what it carried)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received: list[tuple[str, str]] = []
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        for r in replies:
+            kind = r.metadata.message_type.split(".")[0]
+            if r.has_error():
+                self.received.append((kind, "error replies"))
+                continue
+            rec = r.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            for key, name in [
+                (Key.PUBLIC_KEY_1, "public keys"),
+                (Key.CIPHERTEXT_LIST, "encrypted shares"),
+                (Key.MASKED_PARAMETERS, "masked vectors"),
+                (Key.SHARE_LIST, "secret shares"),
+            ]:
+                if key in rec:
+                    self.received.append((kind, name))
+            if kind == "query":
+                self.received.append((kind, "identity replies"))
+            if any(len(a) for a in r.content.array_records.values()):
+                self.received.append((kind, "arrays in the clear"))
+            for m in r.content.metric_records.values():
+                if set(m) - {"num_examples"}:
+                    self.received.append((kind, f"metrics in the clear ({', '.join(sorted(m))})"))
+        return replies
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for kind, what in self.received:
+            out.setdefault(kind, {}).setdefault(what, 0)
+            out[kind][what] += 1
+        return out
+
+
+def test_the_report_says_what_crossed_the_wire(tmp_path):
+    """The report's ``server_saw`` comes from the record of every reply the server received: an
+    honest run's record (checked against the grid's own count of every reply it delivered) holds
+    protocol messages and identity answers only; a client that sends its update and a metric in
+    the clear is named in the statement, even though the driver refused its replies."""
+    grid = WireGrid(_secure(), 12)
+    cfg = _cfg(tmp_path, "w", secure_aggregation=True)
+    run_server(grid, cfg, noise_key=KEY, quiet=True)
+    section = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())[
+        "secure_aggregation"
+    ]
+    assert section["received"] == grid.counts()
+    assert section["received"]["query"] == {"identity replies": 12}
+    assert section["received"]["train"]["masked vectors"] == 4 * 6  # 4 rounds, cohorts of 6
+    assert set(section["received"]["train"]) == {
+        "public keys",
+        "encrypted shares",
+        "masked vectors",
+        "secret shares",
+    }
+    assert section["server_saw"].startswith("only masked vectors")
+    assert "never one user's update or per-user metric" in section["server_saw"]
+    assert "(12 identity replies)" in section["server_saw"]
+
+    secure = with_secure_aggregation(numpy_train)
+
+    def leaky(msg, context):  # partition 0 ignores the protocol and answers in the clear
+        if int(context.node_config["partition-id"]) != 0:
+            return secure(msg, context)
+        content = {"arrays": ArrayRecord([np.ones(3)]), "metrics": MetricRecord({"loss": 0.5})}
+        return Message(RecordDict(content), reply_to=msg)
+
+    grid = WireGrid({"train": leaky}, 12)
+    cfg = _cfg(tmp_path, "leak", secure_aggregation=True)
+    s = run_server(grid, cfg, noise_key=KEY, quiet=True)
+    report = json.loads((Path(cfg.state_dir) / "privacy_report.json").read_text())
+    assert report["secure_aggregation"]["received"] == grid.counts()
+    leaked = grid.counts()["train"]["arrays in the clear"]
+    assert leaked == MAX_ATTEMPTS and s.stopped_reason  # the round with partition 0 stops the run
+    assert report["secure_aggregation"]["server_saw"].startswith(
+        f"per-user data in the clear: train arrays in the clear ×{leaked}, "
+        f"train metrics in the clear (loss) ×{leaked}; besides that, only masked vectors"
+    )
+
+
+def test_the_wrapper_refuses_federated_evaluation_under_secure_aggregation():
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow import DifferentialPrivacyCorrelatedNoise
+
+    with pytest.raises(InvalidArgumentError, match="fraction_evaluate") as err:
+        DifferentialPrivacyCorrelatedNoise(FedAvg(), secure_aggregation=True, clipping_norm=1.0)
+    assert "in the clear" in str(err.value) and "evaluate_fn" in str(err.value)
+    DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0)  # without SecAgg: as before
+
+
 @pytest.mark.parametrize(
     "kw, why",
     [
@@ -438,6 +727,46 @@ def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):
     assert [e["round"] for e in journal] == [0, 1, 2, 3]
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 4 and report["stopped_reason"] is None
+    # what the server received covers both process starts: 12 identity answers each; rounds 1–2
+    # and the killed round 3's setup and share-keys stages, then rounds 3–4 again (cohorts of 6)
+    received = report["secure_aggregation"]["received"]
+    assert received == json.loads((out / SERVER_RECEIVED).read_text())
+    assert received["query"] == {"identity replies": 24}
+    assert received["train"] == {
+        "public keys": 30,
+        "encrypted shares": 30,
+        "masked vectors": 24,
+        "secret shares": 24,
+    }
+
+
+def test_a_plausibility_stop_holds_across_reruns(tmp_path):
+    """A real server process whose round-1 sum fails the plausibility check (one client adds two
+    to the action counts inside its masked vector) stops with exit code 1; the plain rerun, the
+    real CLI, refuses to sum that round again (exit 1, saying why and naming --fresh) and changes
+    nothing; ``--fresh`` moves the stopped run aside with its refusal."""
+    out = tmp_path / "p"
+    helper = [sys.executable, str(HERE / "secagg_kill_run.py"), str(out)]
+    first = subprocess.run(
+        helper, env={**os.environ, "WRONG_COUNTS": "1"}, capture_output=True, text=True, cwd=HERE
+    )
+    assert first.returncode == 1, first.stderr
+    report = (out / "privacy_report.json").read_text()
+    stopped = json.loads(report)["stopped_reason"]
+    assert "round 1 of 4: the secure sum refused after unmasking" in stopped
+    assert "do not add up" in stopped
+    assert json.loads((out / SECURE_SUM_REFUSED).read_text()) == {"round": 0, "reason": stopped}
+    cli = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--secagg", "--backend"]
+    cli += ["inprocess", "--users", "12", "--rounds", "4", "--epochs", "2", "--out", str(out)]
+    again = subprocess.run(cli, capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 1 and "Traceback" not in again.stderr, again.stderr
+    assert SECURE_SUM_REFUSED in again.stderr and "round 1 of 4" in again.stderr
+    assert "second sum of the same cohort" in again.stderr and "--fresh" in again.stderr
+    assert (out / "privacy_report.json").read_text() == report  # nothing summed or rewritten
+    assert not (out / JOURNAL).exists() or not (out / JOURNAL).read_text().strip()
+    assert open_run_directory(out, fresh=True).checkpoint is None  # --fresh: a new run may start
+    assert not (out / SECURE_SUM_REFUSED).exists()
+    assert [p.name for p in (out / "previous-runs").glob(f"*/{SECURE_SUM_REFUSED}")]
 
 
 def test_the_wrapper_keyword_runs_a_flower_app_with_secure_aggregation(tmp_path):
@@ -469,6 +798,102 @@ def test_the_wrapper_keyword_runs_a_flower_app_with_secure_aggregation(tmp_path)
     report = strategy.privacy_report()
     assert report["rounds_completed"] == 2
     assert report["secure_aggregation"]["reconstruction_threshold"] == 2  # cohort 3: ⌈⅔·3⌉
+
+
+# -- Flower's classic apps: a copy of Flower's secure-aggregation example (examples/flower-secure-
+# aggregation, client_app.py), its PyTorch task replaced by local synthetic linear regression
+W_TRUE = np.linspace(-1.0, 1.0, 8)
+
+
+def load_data(partition_id: int, num_partitions: int):
+    rng = np.random.default_rng(100 + partition_id)
+    x = rng.normal(size=(40, 8))
+    y = x @ W_TRUE + 0.05 * rng.normal(size=40)
+    return (x[:30], y[:30]), (x[30:], y[30:])
+
+
+def mse(w, data):
+    x, y = data
+    return float(np.mean((x @ w - y) ** 2))
+
+
+class FlowerClient(NumPyClient):
+    def __init__(self, trainloader, valloader, local_epochs, learning_rate):
+        self.trainloader, self.valloader = trainloader, valloader
+        self.local_epochs, self.lr = local_epochs, learning_rate
+
+    def fit(self, parameters, config):
+        """Train the model with data of this client."""
+        w = parameters[0].copy()
+        x, y = self.trainloader
+        for _ in range(self.local_epochs):
+            w -= self.lr * 2 * x.T @ (x @ w - y) / len(y)
+        return [w], len(y), {"train_loss": mse(w, self.trainloader)}
+
+    def evaluate(self, parameters, config):
+        """Evaluate the model on the data this client has."""
+        loss = mse(parameters[0], self.valloader)
+        return loss, len(self.valloader[1]), {"accuracy": -loss}
+
+
+def client_fn(context: Context):
+    """Construct a Client that will be run in a ClientApp."""
+    partition_id = context.node_config["partition-id"]
+    num_partitions = context.node_config["num-partitions"]
+    trainloader, valloader = load_data(partition_id, num_partitions)
+    return FlowerClient(trainloader, valloader, local_epochs=5, learning_rate=0.05).to_client()
+
+
+def test_flowers_classic_secagg_example_runs_with_one_changed_line(tmp_path):
+    """The example's ``ClientApp(client_fn=client_fn, mods=[secaggplus_mod])`` with corrflow's
+    mods fails as Flower says; ``secure_client_fn_app(client_fn)`` (the one documented change)
+    trains under corrflow's secure aggregation with the server-side evaluation the how-to's port
+    uses (``FedAvg(fraction_evaluate=0.0)`` + ``evaluate_fn``); the server receives no metric."""
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp.strategy import FedAvg
+
+    from corrflow import (
+        DifferentialPrivacyCorrelatedNoise,
+        register_identity,
+        secure_aggregation_mods,
+        secure_client_fn_app,
+    )
+
+    with pytest.raises(ValueError, match="but not both"):
+        register_identity(ClientApp(client_fn=client_fn, mods=secure_aggregation_mods()))
+
+    app = secure_client_fn_app(client_fn)
+    grid = WireGrid({"train": app, f"query.{PROBE_ACTION}": app}, 6, identity=False)
+    held_out = load_data(99, 6)[1]
+
+    def evaluate_fn(server_round, arrays):
+        return MetricRecord({"loss": mse(arrays.to_numpy_ndarrays()[0], held_out)})
+
+    strategy = DifferentialPrivacyCorrelatedNoise(
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        noise_multiplier=0.3,
+        delta=1e-5,
+        epochs=2,
+        num_users=6,
+        identity="partition-id",
+        secure_aggregation=True,
+        state_dir=str(tmp_path / "state"),
+    )
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord([np.zeros(8)]),
+        num_rounds=4,
+        timeout=30,
+        evaluate_fn=evaluate_fn,
+    )
+    report = strategy.privacy_report()
+    assert report["rounds_completed"] == 4 and report["stopped_reason"] is None
+    losses = [result.evaluate_metrics_serverapp[t]["loss"] for t in range(5)]
+    assert losses[-1] < 0.5 * losses[0]  # it learns: mse(0) = ‖w‖²-ish ≈ 3.4
+    received = report["secure_aggregation"]["received"]
+    assert received == grid.counts() and set(received) == {"query", "train"}
+    assert report["secure_aggregation"]["server_saw"].startswith("only masked vectors")
 
 
 @pytest.mark.slow

@@ -183,6 +183,7 @@ class Run:
         noise_key: bytes | None = None,
         evaluate: Callable[[list[np.ndarray]], dict] | None = None,
         on_round_end: Callable[[dict], None] | None = None,
+        received=None,
     ) -> Run:
         """A new run from the model ``initial`` (all its arrays, in order), or the run the
         checkpoint ``resume`` names (its unreleased round is released now with the noise in its
@@ -197,6 +198,9 @@ class Run:
             evaluate: server-side evaluation of the trainable float32 arrays, whose metrics join
                 each round's.
             on_round_end: called with each round's published metrics.
+            received: under secure aggregation, the record of every reply the server received
+                (`corrflow.strategies.wire.WireRecord`: ``to_dict()`` gives message type → kind →
+                count), from which every report written derives ``secure_aggregation.server_saw``.
 
         Returns:
             The run, at its next round.
@@ -216,6 +220,7 @@ class Run:
             )
             keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
             recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
+            recorder.received = received
             registry.claim(keys.run_id, recorder.run_dir)
         else:
             # A new key segment from the checkpoint's next round on: rounds after a restart never
@@ -232,6 +237,7 @@ class Run:
             recorder = Recorder(
                 plan, state, keys, noise, registry, initial_metrics, last, ledger_log
             )
+            recorder.received = received
             registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
             recorder.adoptions = registry.adoptions(keys.run_id)
             # Killed between the journal's append and the registry's record: record it now.

@@ -90,6 +90,7 @@ class Recorder:
             "settings": plan.cfg.run_settings(),
             "factorization_sha256": plan.factorization.sha256(),
         }
+        self.received = None  # under secure aggregation: the record of what the server received
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -208,7 +209,10 @@ class Recorder:
         report.update(noise_workers_trust(self.noise))
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
-            report["secure_aggregation"] = trust_section(c.cfg.clip_norm, dim, c.planner.expected)
+            received = None if self.received is None else self.received.to_dict()
+            report["secure_aggregation"] = trust_section(
+                c.cfg.clip_norm, dim, c.planner.expected, received
+            )
         # a run on a dataset file: how its vocabulary was built, and the total
         if plan.vocabulary is not None:
             report["vocabulary"] = plan.vocabulary

@@ -43,8 +43,22 @@ log = logging.getLogger("corrflow")
 LOCK = ".corrflow.lock"
 STATE = "state"  # the checkpoints, inside the run directory
 MIN_SALT_BYTES = 16
+#: Written when a round's unmasked secure sum failed the plausibility check: its presence refuses
+# every rerun of the run (summing that round again, same cohort and noise, could tell members
+# apart) until ``--fresh`` moves it aside with the run.
+SECURE_SUM_REFUSED = "secure_sum_refused.json"
+#: Under secure aggregation: the count of every reply the server received, over every process
+# start of the run (`corrflow.strategies.wire`); the report's ``server_saw`` is derived from it.
+SERVER_RECEIVED = "server_received.json"
 #: With the noise workers' states (`SHARD_ROOT`), which go with the run.
-RUN_FILES = (JOURNAL, "privacy_report.json", "metrics.json", SHARD_ROOT)
+RUN_FILES = (
+    JOURNAL,
+    "privacy_report.json",
+    "metrics.json",
+    SHARD_ROOT,
+    SECURE_SUM_REFUSED,
+    SERVER_RECEIVED,
+)
 
 
 class RunLockedError(CorrflowError):
@@ -103,6 +117,12 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
     """Decide, from the files alone, whether this run directory starts a run, resumes one, or must
     be refused (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
     out = Path(run_dir)
+    if (refused := out / SECURE_SUM_REFUSED).exists():
+        raise IntegrityError(
+            f"{refused}: {_refusal(refused)}. Summing that round again would give the server a "
+            "second sum of the same cohort with the same noise; start a new run with --fresh (the "
+            "old one is moved aside)."
+        )
     state = out / STATE
     stale = remove_stale_temporaries(state)
     if stale:
@@ -163,6 +183,14 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
             f"{released - 1}"
         )
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
+
+
+def _refusal(path: Path) -> str:
+    """What a `SECURE_SUM_REFUSED` file says (its own reason; any content refuses)."""
+    try:
+        return str(json.loads(path.read_text())["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a round's secure sum was refused after unmasking"
 
 
 def preflight(run_dir: str | os.PathLike) -> ResumePoint:

@@ -34,6 +34,10 @@ THRESHOLD_FRACTION = 2 / 3
 #: Attempts of a round whose secure sum failed before anything was unmasked (too many dropouts, a
 # malformed message): the same scheduled cohort and the same, never released, noise each time.
 MAX_ATTEMPTS = 3
+#: The key under which a receiver reports, in the collect stage, the nodes whose share
+# ciphertexts it could not authenticate or decrypt (instead of its masked vector): the driver
+# names those senders.
+UNDECRYPTABLE_KEY = "corrflow-undecryptable"
 #: The order of the per-client action counts summed inside the masked vector (no per-client metric
 # travels in the clear).
 ACTIONS = ("kept", "clipped", "zeroed")
@@ -57,10 +61,20 @@ class SecureSumParams:
         """Δ = 2r/T: the quantization step, the most stochastic rounding moves one coordinate."""
         return 2 * self.clipping_range / self.quantization_range
 
-    def client_bound(self, dim: int) -> float:
-        """c − Δ√d: the ℓ2 norm a client clips its update of ``dim`` coordinates to, so that its
-        quantized update has norm ≤ c = r."""
-        return self.clipping_range - self.step * math.sqrt(dim)
+    def client_bound(self, dim: int, clip: float | None = None) -> float:
+        """min(c, r) − Δ√d: the ℓ2 norm a client clips its update of ``dim`` coordinates to, so
+        that its quantized update has norm ≤ min(c, r) ≤ c whatever clipping range r the server
+        sent (corrflow's server sends r = c; ``clip`` None means c = r).
+
+        Args:
+            dim: d, the update's number of coordinates.
+            clip: c, the clip norm the accountant's sensitivity assumes.
+
+        Returns:
+            The bound; ≤ 0 when the quantization slack Δ√d leaves no room.
+        """
+        c = self.clipping_range if clip is None else min(float(clip), self.clipping_range)
+        return c - self.step * math.sqrt(dim)
 
     def sum_bound(self, active: int) -> float:
         """‖Σ‖₂ of ``active`` honest clients: m·c, plus the quantization's m·Δ√d slack only as
@@ -122,8 +136,8 @@ def bound_update(
     ‖u‖₂ ≤ ``bound``. Returns the float32 arrays and "kept", "clipped" or "zeroed"."""
     arrays = [np.asarray(a, dtype=np.float64) for a in update]
     zeros = [np.zeros(a.shape, np.float32) for a in arrays]
-    if not all(np.isfinite(a).all() for a in arrays):
-        return zeros, "zeroed"
+    if bound <= 0 or not all(np.isfinite(a).all() for a in arrays):
+        return zeros, "zeroed"  # no room left by the quantization slack, or not finite
     linf = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
     if zeroing > 0 and linf > zeroing:
         return zeros, "zeroed"
@@ -171,17 +185,66 @@ def implausible(
     return None
 
 
-def trust_section(clip: float, dim: int, cohort: float) -> dict:
-    """The privacy report's ``secure_aggregation`` section: what the server saw, whom SecAgg+
-    protects against, what DP protects, what a client that skips the clipping can do, and the
-    reconstruction threshold and dropout tolerance at the planned ``cohort`` (m ≥ 2; the
-    quantization range is chosen again each round from the cohort it sends to)."""
+#: The kinds of reply (`corrflow.strategies.wire.reply_kinds`) that carry nothing of one client's
+# data in the clear: the protocol's own messages, failures, and the identity probe's answers.
+PROTOCOL_KINDS = (
+    "public keys",
+    "encrypted shares",
+    "masked vectors",
+    "secret shares",
+    "undecryptable-sender reports",
+)
+
+
+def server_saw(received: dict[str, dict[str, int]]) -> str:
+    """What the server saw, derived from what it received (message type → kind → count): "only
+    masked vectors …; never one user's update or per-user metric" only when every reply was a
+    protocol message, an error or an identity answer; otherwise the per-user data that arrived in
+    the clear, named first.
+
+    Args:
+        received: the record of every reply the server received during the run.
+
+    Returns:
+        The statement the privacy report makes.
+    """
+    kinds = {k: n for by_type in received.values() for k, n in by_type.items()}
+    quiet = {*PROTOCOL_KINDS, "identity replies", "error replies"}
+    clear = sorted(
+        f"{t} {k} ×{n}"
+        for t, by_type in received.items()
+        for k, n in by_type.items()
+        if k not in quiet
+    )
+    base = (
+        "only masked vectors and each round's unmasked sum of the cohort's clipped updates "
+        "(with the SecAgg+ public keys, encrypted shares and secret shares that unmask the sum)"
+    )
+    if clear:
+        return f"per-user data in the clear: {', '.join(clear)}; besides that, {base}"
+    if not kinds:
+        return "nothing yet: no reply has reached the server"
+    also = (
+        f"; and each node's declared identity ({kinds['identity replies']} identity replies)"
+        if kinds.get("identity replies")
+        else ""
+    )
+    return f"{base}; never one user's update or per-user metric{also}"
+
+
+def trust_section(clip: float, dim: int, cohort: float, received: dict | None = None) -> dict:
+    """The privacy report's ``secure_aggregation`` section: what the server saw (derived from
+    ``received``, the record of every reply it received), whom SecAgg+ protects against, what DP
+    protects, what a client that skips the clipping can do, and the reconstruction threshold and
+    dropout tolerance at the planned ``cohort`` (m ≥ 2; the quantization range is chosen again each
+    round from the cohort it sends to)."""
     m = max(2, int(round(cohort)))
     p = secure_sum_params(m, clip, dim)
+    received = received or {}
     return {
         "protocol": "SecAgg+ (Bell et al., CCS 2020): Flower's secaggplus_mod, corrflow's driver",
-        "server_saw": "only masked vectors and each round's unmasked sum of the cohort's clipped "
-        "updates; never one user's update or per-user metric",
+        "server_saw": server_saw(received),
+        "received": received,
         "threat_model": "honest-but-curious server: Flower's SecAgg+ has no consistency round, so "
         "a server that lies about dropouts can unmask a client; clients are trusted to run "
         "corrflow's mod (clipping) unchanged",

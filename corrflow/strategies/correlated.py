@@ -282,7 +282,9 @@ class CorrelatedNoiseStrategy(Strategy):
             The inner strategy's evaluate messages (none without an inner strategy).
         """
         inner = self.inner
-        return [] if inner is None else inner.configure_evaluate(server_round, arrays, config, grid)
+        if inner is None or self.cfg.secure_aggregation:
+            return []  # under SecAgg+ no client sends metrics in the clear (the wrapper refuses)
+        return inner.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
         """The inner strategy's aggregation of federated-evaluation replies (outside the DP

@@ -42,7 +42,7 @@ class IdentityError(CorrflowError):
 def default_identity(grid: Grid) -> str:
     """``partition-id`` on a simulation engine's grid (Flower's in-memory grid or corrflow's
     in-process one), ``node-key`` on a deployment's."""
-    name = type(grid).__name__
+    name = type(getattr(grid, "recorded_grid", grid)).__name__  # through a `RecordingGrid`
     return "partition-id" if name in ("InMemoryGrid", "InProcessGrid") else "node-key"
 
 

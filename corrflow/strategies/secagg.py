@@ -6,19 +6,29 @@ shares, key agreement, pseudo-random masks, modular sums, dequantization).
 What differs from Flower's ``SecAggPlusWorkflow``: the quantization range is chosen per round from
 the cohort size so the modular sum never wraps (`corrflow.run.secure_sum`); the result is the sum
 (weight exactly 1 per client, checked), not a weighted mean; a dropout is removed only through the
-pairwise masks it actually added; a failure is an outcome, not a log line. A round whose secure sum
-failed before anything was unmasked is redone with the same scheduled cohort and the same (never
-released) noise, at most `MAX_ATTEMPTS` times; a sum that was unmasked and fails the plausibility
-check stops the run (a second sum of the same cohort could tell members apart). The unmasked sum
-enters `Run.step` as `SummedReplies` and is never persisted before its round is released.
+pairwise masks it actually added; a failure is an outcome, not a log line.
+
+Each attempt is setup → share keys → collect → unmask (`secure_sum`); every stage's replies pass
+`_Stage`, which fails the attempt naming the node at fault: the sender of a malformed reply, of a
+public key that does not parse (checked here, not by its users), of a share ciphertext that is not
+a Fernet token, or whose ciphertext its receivers report as undecryptable (`_blame`); every secret
+is reconstructed and checked before any mask is removed (`_reconstruct`), naming the holder whose
+share does not fit. A failed attempt is redone with the same scheduled cohort and the same (never
+released) noise, at most `MAX_ATTEMPTS` times (`secure_train`); a sum that was unmasked and fails
+the plausibility check stops the run for good (`SECURE_SUM_REFUSED`: a second sum of the same
+cohort could tell members apart). The unmasked sum enters `Run.step` as `SummedReplies` and is
+never persisted before its round is released.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -31,12 +41,19 @@ from flwr.common.secure_aggregation.quantization import dequantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    public_key_to_bytes,
+)
 
+from corrflow.fileio import write_json
+from corrflow.run.resume import SECURE_SUM_REFUSED
 from corrflow.run.round import RoundPlan, SummedReplies
 from corrflow.run.secure_sum import (
     ACTIONS,
     MAX_ATTEMPTS,
+    UNDECRYPTABLE_KEY,
     SecureSumParams,
     decode_counts,
     implausible,
@@ -48,6 +65,8 @@ log = logging.getLogger("corrflow")
 
 #: The TRAIN config keys the collect stage adds for corrflow's client mod.
 REPLIES_KEY, ZEROING_KEY = "replies", "zeroing-factor"
+#: A Fernet token's bytes besides its ciphertext: version, timestamp, IV, HMAC.
+_TOKEN_OVERHEAD = 1 + 8 + 16 + 32
 
 
 class SecureSumError(Exception):
@@ -101,11 +120,14 @@ class _Stage:
         if replies is None:
             raise InterruptedError
         sent = {m.metadata.message_id: nid for nid, m in messages.items()}
+        by_node = {
+            sent.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id)): r
+            for r in replies
+        }
+        by_node = {n: r for n, r in by_node.items() if n in contents}
+        _blame(stage, by_node, set(contents))
         out: dict[int, ConfigRecord] = {}
-        for reply in replies:
-            nid = sent.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
-            if nid not in contents:
-                continue
+        for nid, reply in sorted(by_node.items()):
             if reply.has_error():
                 if reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION:
                     # the protocol failed inside the client (corrflow's mod turns a failed training
@@ -123,6 +145,31 @@ class _Stage:
             self.check(nid, record)
             out[nid] = record
         return out
+
+
+def _blame(stage: str, replies: dict[int, Message], cohort: set[int]) -> None:
+    """Name the senders of the share ciphertexts that receivers could not authenticate or decrypt
+    (corrflow's client mod reports them under `UNDECRYPTABLE_KEY` instead of a masked vector): the
+    sender of a bad ciphertext or a bad key is at fault, not the honest receiver."""
+    blamed: dict[int, list[int]] = {}
+    for nid, reply in replies.items():
+        if reply.has_error():
+            continue
+        record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if record is None or UNDECRYPTABLE_KEY not in record:
+            continue
+        senders = record[UNDECRYPTABLE_KEY]
+        if not isinstance(senders, list) or not senders or not set(senders) <= cohort - {nid}:
+            raise _fail(stage, nid, "a report of undecryptable shares naming no cohort member")
+        for sender in senders:
+            blamed.setdefault(int(sender), []).append(nid)
+    if blamed:
+        named = "; ".join(
+            f"node {src}'s (failed at node(s) {sorted(at)})" for src, at in sorted(blamed.items())
+        )
+        raise SecureSumError(
+            f"{stage}: share ciphertexts that did not authenticate or decrypt: {named}", True
+        )
 
 
 def _fail(stage: str, nid: int, what: str) -> SecureSumError:
@@ -178,8 +225,27 @@ def secure_sum(
 
 
 def _check_keys(nid: int, record) -> None:
-    if not all(isinstance(record.get(k), bytes) for k in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2)):
+    keys = [record.get(k) for k in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2)]
+    if not all(isinstance(k, bytes) for k in keys):
         raise _fail(Stage.SETUP, nid, "no public keys")
+    try:  # checked here, so that a garbage key is blamed on its sender, not on its users
+        for key in keys:
+            bytes_to_public_key(key)
+    except Exception:  # any unparsable key
+        raise _fail(Stage.SETUP, nid, "a public key that is not an EC public key") from None
+    if keys[0] == keys[1]:
+        raise _fail(Stage.SETUP, nid, "the same public key twice")
+
+
+def _check_unique_keys(keys: dict[int, tuple[bytes, bytes]]) -> None:
+    """Flower's clients refuse a key list with a key twice: name the nodes that sent it."""
+    owners: dict[bytes, list[int]] = {}
+    for nid, pair in sorted(keys.items()):
+        for key in pair:
+            owners.setdefault(key, []).append(nid)
+    shared = sorted({n for nodes in owners.values() if len(nodes) > 1 for n in nodes})
+    if shared:
+        raise SecureSumError(f"{Stage.SETUP}: nodes {shared} sent the same public key", True)
 
 
 def _setup(a: _Attempt, grid: Grid, nodes: list[int], timeout: float, stop) -> None:
@@ -198,6 +264,7 @@ def _setup(a: _Attempt, grid: Grid, nodes: list[int], timeout: float, stop) -> N
         Stage.SETUP, {n: RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(config)}) for n in nodes}
     )
     a.keys = {n: (r[Key.PUBLIC_KEY_1], r[Key.PUBLIC_KEY_2]) for n, r in got.items()}
+    _check_unique_keys(a.keys)
     _drop(a, set(nodes) - set(got), Stage.SETUP)
     _check_threshold(a, set(got), Stage.SETUP)
 
@@ -209,8 +276,10 @@ def _share_keys(a: _Attempt, grid: Grid, timeout: float, stop) -> None:
         dsts, texts = record.get(Key.DESTINATION_LIST), record.get(Key.CIPHERTEXT_LIST)
         if not isinstance(dsts, list) or not isinstance(texts, list) or len(dsts) != len(texts):
             raise _fail(Stage.SHARE_KEYS, nid, "destination and ciphertext lists that do not match")
-        if not set(dsts) <= (a.neighbours[nid] & alive) - {nid}:
+        if len(set(dsts)) != len(dsts) or not set(dsts) <= (a.neighbours[nid] & alive) - {nid}:
             raise _fail(Stage.SHARE_KEYS, nid, "shares for nodes that are not its neighbours")
+        if not all(_is_token(t) for t in texts):
+            raise _fail(Stage.SHARE_KEYS, nid, "a share ciphertext that is not a Fernet token")
 
     contents = {}
     for n in alive:
@@ -229,6 +298,23 @@ def _share_keys(a: _Attempt, grid: Grid, timeout: float, stop) -> None:
             if dst in a.forward:
                 a.forward[dst][0].append(src)
                 a.forward[dst][1].append(text)
+
+
+def _is_token(text) -> bool:
+    """Whether ``text`` has the form of the Fernet token Flower's clients encrypt shares into
+    (version 0x80, timestamp, IV, whole AES blocks, HMAC): a malformed one is blamed on its sender
+    before anyone tries to decrypt it."""
+    if not isinstance(text, bytes):
+        return False
+    try:
+        raw = base64.urlsafe_b64decode(text)
+    except ValueError:
+        return False
+    return (
+        len(raw) >= _TOKEN_OVERHEAD + 16
+        and raw[0] == 0x80
+        and not ((len(raw) - _TOKEN_OVERHEAD) % 16)
+    )
 
 
 def _collect(
@@ -292,10 +378,13 @@ def _unmask(a: _Attempt, grid: Grid, timeout: float, stop) -> tuple[list[np.ndar
             not isinstance(owners, list)
             or not isinstance(shares, list)
             or len(owners) != len(shares)
+            or len(set(owners)) != len(owners)
         ):
             raise _fail(Stage.UNMASK, nid, "node id and share lists that do not match")
         if not set(owners) <= a.neighbours[nid] & a.u1:
             raise _fail(Stage.UNMASK, nid, "shares of nodes that are not its neighbours")
+        for owner, share in zip(owners, shares, strict=True):
+            _check_share(a, nid, owner, share, dead)
 
     contents = {
         n: RecordDict(
@@ -312,10 +401,10 @@ def _unmask(a: _Attempt, grid: Grid, timeout: float, stop) -> tuple[list[np.ndar
         for n in a.u2
     }
     got = _Stage(grid, timeout, stop, check)(Stage.UNMASK, contents)
-    shares: dict[int, list[bytes]] = {n: [] for n in a.u1}
+    shares: dict[int, dict[int, bytes]] = {n: {} for n in a.u1}  # owner → holder → share
     for n in sorted(got):
         for owner, share in zip(got[n][Key.NODE_ID_LIST], got[n][Key.SHARE_LIST], strict=True):
-            shares[owner].append(share)
+            shares[owner][n] = share
     short = sorted(n for n, s in shares.items() if len(s) < a.params.threshold)
     if short:  # checked before any secret is combined: nothing of this attempt is unmasked
         raise SecureSumError(
@@ -323,16 +412,109 @@ def _unmask(a: _Attempt, grid: Grid, timeout: float, stop) -> tuple[list[np.ndar
             f"({len(got)} of {len(a.u2)} answered)",
             True,
         )
-    return _remove_masks(a, shares)
+    return _remove_masks(a, _reconstruct(a, shares))
 
 
-def _remove_masks(a: _Attempt, shares: dict[int, list[bytes]]) -> tuple[list[np.ndarray], dict]:
+#: What Flower's clients share (``secaggplus_mod``): a 32-byte mask seed, a PEM private key.
+SEED_BYTES, PRIVATE_KEY_BYTES = 32, 306
+
+
+def _share_bytes(secret_bytes: int) -> int:
+    """The length of one of Flower's Shamir shares of a secret (4-byte index, 16 bytes per padded
+    chunk)."""
+    return 4 + 16 * (secret_bytes // 16 + 1)
+
+
+def _check_share(a: _Attempt, holder: int, owner: int, share, dead: set[int]) -> None:
+    """A share's form: bytes of the length of the secret asked for (the owner's mask seed when it
+    sent its masked vector, its first private key when it dropped out), a Shamir index in
+    [1, shares per member]."""
+    size = _share_bytes(PRIVATE_KEY_BYTES if owner in dead else SEED_BYTES)
+    if not isinstance(share, bytes) or len(share) != size:
+        got = len(share) if isinstance(share, bytes) else type(share).__name__
+        raise _fail(Stage.UNMASK, holder, f"a share of node {owner} of {got} bytes, not {size}")
+    index = int.from_bytes(share[:4], "little")
+    if not 1 <= index <= a.params.num_shares:
+        raise _fail(Stage.UNMASK, holder, f"a share of node {owner} with Shamir index {index}")
+
+
+def _reconstruct(a: _Attempt, shares: dict[int, dict[int, bytes]]) -> dict[int, bytes]:
+    """Every secret the unmasking needs, each checked before any mask is removed (no sum exists
+    yet, so a failure leaves the attempt redoable): a mask seed must unpad to its 32 bytes, a
+    private key must match the public key its owner sent. A secret that fails is decoded again
+    without each share in turn, to name the holder whose share does not fit the others."""
+    secrets: dict[int, bytes] = {}
+    for owner in sorted(shares):
+        valid = _is_seed if owner in a.u2 else partial(_matches, a.keys[owner][0])
+        secret, bad = _decode(shares[owner], a.params.threshold, valid)
+        if secret is None or bad:
+            culprits = f"node(s) {bad}" if bad else f"one of nodes {sorted(shares[owner])}"
+            raise SecureSumError(
+                f"{Stage.UNMASK}: {culprits} sent a share of node {owner}'s secret that does not "
+                "fit the others (a garbage or swapped share); nothing was unmasked",
+                True,
+            )
+        secrets[owner] = secret
+    return secrets
+
+
+def _is_seed(secret: bytes) -> bool:
+    """Whether ``secret`` unpadded to a mask seed's 32 bytes: its last 16-byte chunk is all
+    padding, so a share that does not fit the others fails this but with probability 2⁻¹²⁸ (unless
+    it alters only the earlier chunks: then the weights check after unmasking refuses the sum)."""
+    return len(secret) == SEED_BYTES
+
+
+def _matches(public_key: bytes, secret: bytes) -> bool:
+    """Whether ``secret`` is the private key of ``public_key`` (a dropout's reconstructed key)."""
+    try:
+        derived = bytes_to_private_key(secret).public_key()
+    except Exception:  # not a key at all
+        return False
+    return public_key_to_bytes(derived) == public_key
+
+
+def _combine(shares: list[bytes]) -> bytes | None:
+    try:
+        return combine_shares(shares)
+    except Exception:  # Flower's combine raises on bad padding, duplicate indices, …
+        return None
+
+
+def _decode(
+    held: dict[int, bytes], threshold: int, valid: Callable[[bytes], bool]
+) -> tuple[bytes | None, list[int]]:
+    """The secret of the shares ``held`` (holder → share) and the holders whose share does not fit
+    it. First the ``threshold`` shares of the lowest holders; when their secret is not ``valid``,
+    the same without each holder in turn (one wrong share among ≥ threshold + 1 is found). Then
+    every other share is checked against threshold − 1 shares of the valid set: it fits when they
+    decode to the same secret. Returns (None, []) when no subset tried is valid. Shares beyond the
+    first ``threshold`` are checked only when those fail: unused, they cannot change the sum, and
+    checking each would cost one more decoding per share."""
+    holders = sorted(held)
+    base = None
+    for skip in [None, *holders]:
+        chosen = [h for h in holders if h != skip][:threshold]
+        secret = _combine([held[h] for h in chosen]) if len(chosen) == threshold else None
+        if secret is not None and valid(secret):
+            base = chosen
+            break
+    if base is None:
+        return None, []
+    if skip is None:
+        return secret, []  # the common case: the first shares decode; the rest are not needed
+    rest = [held[h] for h in base[:-1]]
+    bad = [h for h in holders if h not in base and _combine([*rest, held[h]]) != secret]
+    return secret, sorted(bad)
+
+
+def _remove_masks(a: _Attempt, secrets: dict[int, bytes]) -> tuple[list[np.ndarray], dict]:
     """The sum without masks (self-masks of contributors, pairwise masks of dropouts with the
     contributors that added them), dequantized: Σ x = deq(Σ q) − (m − 1)·r."""
     p, vec = a.params, a.masked
     shapes = [v.shape for v in vec]
     for nid in sorted(a.u1):
-        secret = combine_shares(shares[nid])
+        secret = secrets[nid]
         if nid in a.u2:
             mask = pseudo_rand_gen(secret, p.modulus, shapes)
             vec = [x - y for x, y in zip(vec, mask, strict=True)]
@@ -406,10 +588,16 @@ def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, 
             )
             if not exc.redo or attempt == MAX_ATTEMPTS:
                 why = "refused after unmasking" if not exc.redo else f"failed {attempt} times"
-                run.stop(
+                reason = (
                     f"round {plan.round + 1} of {cfg.num_rounds}: the secure sum {why} "
                     f"({exc.reason}); nothing of that round was released"
                 )
+                if not exc.redo:  # sticky: a rerun must not sum this round again
+                    write_json(
+                        Path(cfg.state_dir) / SECURE_SUM_REFUSED,
+                        {"round": plan.round, "reason": reason},
+                    )
+                run.stop(reason)
                 return None
     record = run.step(plan, summed)
     if record is None:

@@ -34,6 +34,7 @@ from corrflow.strategies import identity as ids
 from corrflow.strategies.app_metrics import ServerEvaluation
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.messaging import NodeDirectory, model_arrays, model_record
+from corrflow.strategies.wire import RecordingGrid, WireRecord
 
 log = logging.getLogger("corrflow")
 
@@ -75,6 +76,8 @@ def run_strategy(grid: Grid, spec: RunSpec) -> tuple[CorrelatedNoiseStrategy, Re
     ``spec.fresh`` moves an earlier run aside first; ``spec.stop_event`` (set by a signal handler)
     ends the run after the round in progress."""
     with RunLock(spec.run_dir):
+        if spec.cfg.secure_aggregation:  # the report says what the server saw from this record
+            grid = RecordingGrid(grid, WireRecord())
         strategy = prepare_run(grid, spec)
         try:
             result = strategy.start(
@@ -100,6 +103,10 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     identities, population, then the run's plan and the run itself (`corrflow.run`), fresh or
     restored, inside the strategy."""
     resume = open_run_directory(spec.run_dir, spec.fresh)
+    received = None
+    if isinstance(grid, RecordingGrid):  # after an earlier run was moved aside, if it was
+        received = grid.record
+        received.attach(spec.run_dir)
     source = spec.cfg.identity or ids.default_identity(grid)
     if source == "per-launch" and resume.checkpoint is not None:
         raise IntegrityError(
@@ -129,6 +136,7 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
         noise_key=spec.noise_key,
         evaluate=spec.evaluate or server,
         on_round_end=on_end,
+        received=received,
     )
     resolver = partial(
         ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)

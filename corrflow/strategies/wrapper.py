@@ -147,6 +147,22 @@ def check_inner_population(strategy: Strategy, users: int) -> None:
         )
 
 
+def check_secure_evaluation(strategy: Strategy, secure: bool) -> None:
+    """Under secure aggregation, refuse an inner strategy that evaluates on clients: Flower's
+    ``secaggplus_mod`` acts on train messages only, so each sampled client's evaluation loss and
+    accuracy would reach the server one by one, in the clear. (Summing them securely would take a
+    second four-stage SecAgg+ protocol per round for numbers the server-side ``evaluate_fn`` gives
+    without any client data.)"""
+    fraction = float(getattr(strategy, "fraction_evaluate", 0.0) or 0.0)
+    require(
+        not secure or fraction == 0.0,
+        "fraction_evaluate",
+        "0.0 with secure_aggregation=True (federated evaluation would send each client's metrics "
+        "to the server in the clear; evaluate on the server with evaluate_fn instead)",
+        fraction,
+    )
+
+
 class DifferentialPrivacyCorrelatedNoise(Strategy):
     """Wrap a FedAvg-style Message-API strategy with correlated-noise DP (see the module docstring).
 
@@ -198,6 +214,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             canaries,
         )
         self.canaries, self.audit_seed = canaries, audit_seed
+        check_secure_evaluation(strategy, bool(settings.get("secure_aggregation")))
         self._audits: list[dict] = []  # one per start() with canaries
         self._values = _from_keywords(settings, client="app")
         require(
@@ -279,6 +296,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
         cfg = self.config(num_rounds)
         if timeout is not None:
             cfg = validated({**cfg.to_dict(), "node_timeout": float(timeout)}, "wrapper")
+        check_secure_evaluation(self.inner, cfg.secure_aggregation)
         if cfg.num_users is not None:
             check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
