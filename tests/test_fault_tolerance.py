@@ -52,6 +52,8 @@ def _ckpt(tmp_path) -> Path:
     return tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
     hold = (
         tmp_path.parent / f"{tmp_path.name}.hold"
@@ -96,6 +98,8 @@ def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
     assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_lock_dies_with_a_killed_server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],

@@ -130,6 +130,8 @@ def single(tmp_path_factory):
     return _final(out)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_address, tmp_path):
     _run(_cfg(tmp_path / "single", dim=DONE_WHEN_DIM))
     single = _final(tmp_path / "single")
@@ -147,6 +149,8 @@ def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_add
     assert shards == ["shard-000000-000002", "shard-000002-000002"]
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     ray_address, single, tmp_path, caplog
 ):
@@ -179,6 +183,8 @@ def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     ), [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow  # ~35 s on 2 cores; the suite keeps the SIGKILL case (issue 37's "Done when")
 def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_same_workers(
     ray_address, tmp_path
