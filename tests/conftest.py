@@ -3,6 +3,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,30 @@ def corrflow_home():
     assert not left, f"processes the suite started are still running (stopped now): {left}"
 
 
+_SUBPROCESS_RUN = subprocess.run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cli_in_process():
+    """A captured ``subprocess.run`` of corrflow's CLI runs in the test's own process
+    (tests/cli_support.py), module fixtures included; `cli_in_a_subprocess` keeps real processes
+    for the tests whose point they are."""
+    from cli_support import in_process_run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "run", in_process_run(_SUBPROCESS_RUN))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def cli_in_a_subprocess(request, monkeypatch):
+    """Tests marked ``integration`` or ``subprocess_cli`` start the CLI in a fresh interpreter."""
+    if request.node.get_closest_marker("integration") or request.node.get_closest_marker(
+        "subprocess_cli"
+    ):
+        monkeypatch.setattr(subprocess, "run", _SUBPROCESS_RUN)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261121)
@@ -126,16 +151,30 @@ def pytest_addoption(parser, pluginmanager):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every test is in exactly one tier: ``integration`` (real processes) and ``slow`` are marked
-    in the test files, the rest are ``unit``. An integration test joins the ``processes`` xdist
-    group (before xdist reads the groups), so no two Ray heads or SuperLinks run at once."""
+    in the test files, the rest are ``unit``. Runs before xdist reads the groups: the tests that
+    share a module's fixture are grouped (`_shares_a_module_fixture`)."""
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
         if "unit" in tiers and len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid}: marked unit and {tiers[1:]}")
         if not tiers:
             item.add_marker(pytest.mark.unit)
-        if "integration" in tiers and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+        if not item.get_closest_marker("xdist_group") and _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture of its own test module (a run, a
+    plan, a comparison computed once for the module): xdist then runs the module's tests that
+    use it on one worker, so the fixture is computed once, not once per worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        last = defs[-1]
+        if str(last.scope) != "function" and str(last.baseid).endswith(".py"):
+            return True
+    return False
 
 
 def _cpu_seconds() -> float:

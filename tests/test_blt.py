@@ -304,7 +304,6 @@ def test_streamed_noise_equals_dense_inverse_and_resumes_bit_for_bit(blt_fac, tm
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_blt_run_after_sigkill_draws_fresh_noise_and_replays_exactly(tmp_path):
     """SIGKILL right after round 7's checkpoint, restart with a key from the OS: rounds 1–7 as an
     uninterrupted run released them, rounds 8–16 fresh (the BLT state carries the old rows'

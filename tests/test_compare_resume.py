@@ -17,7 +17,6 @@ ARGS = ["compare", "--preset", "tiny", "--rounds", "40", "--users", "80"]
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_compare_interrupted_then_resumed(tmp_path):
     out = tmp_path / "cmp"
     err_path = tmp_path / "first.err"

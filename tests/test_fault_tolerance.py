@@ -53,7 +53,6 @@ def _ckpt(tmp_path) -> Path:
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
     hold = (
         tmp_path.parent / f"{tmp_path.name}.hold"
@@ -99,7 +98,6 @@ def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_lock_dies_with_a_killed_server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],

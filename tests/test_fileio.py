@@ -35,7 +35,6 @@ def test_an_exception_mid_write_keeps_the_old_file(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_sigkill_mid_write_keeps_the_old_file(tmp_path):
     """A real process killed (SIGKILL) while writing: the target keeps its old bytes; only a
     temporary is left."""

@@ -109,7 +109,6 @@ def _normalised(report: dict) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_sigkill_at_any_moment_then_resume_reports_what_an_uninterrupted_run_does(tmp_path):
     """A server killed (SIGKILL) mid-run at three different moments, each time resumed: the journal
     releases every round once, the ledger log holds each round once, and the final report equals an

@@ -424,7 +424,6 @@ def test_cli_refuses_amplified_and_cross_silo_with_exit_2(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):
     """A real server process is killed inside round 3's collect stage (after rounds 1–2 were
     released); the restarted server redoes round 3 and releases every round exactly once."""

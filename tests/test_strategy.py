@@ -70,7 +70,6 @@ def _kill_run(out, **env_extra):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
     """SIGKILL after round 4's checkpoint, restart with a key from the OS (as a server does): rounds
     1–4 are released as by an uninterrupted run, rounds 5–8 with fresh noise (never a repeat of
@@ -102,7 +101,6 @@ def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path):
     """SIGKILL halfway through round 6's row of the noise ring: the published checkpoint (round 5)
     never needs the slot being written, so the restart resumes from it; rounds 1–5 as released by
