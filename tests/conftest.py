@@ -146,6 +146,7 @@ def pytest_addoption(parser, pluginmanager):
         # registers -n the same way).
         group._addoption("-n", "--numprocesses", dest="numprocesses", default=None)
         group._addoption("--dist", dest="dist", default="no")
+        group._addoption("--no-loadscope-reorder", action="store_true")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -161,6 +162,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         if not item.get_closest_marker("xdist_group") and _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if hasattr(config, "workerinput"):
+        # xdist hands out work in collection order (addopts: --no-loadscope-reorder): the
+        # "processes" group, the longest chain of tests one worker must run in turn, goes first.
+        items.sort(key=lambda item: _group(item) != PROCESSES)
+
+
+PROCESSES = "processes"
+
+
+def _group(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return None if mark is None else (mark.args or [mark.kwargs.get("name")])[0]
 
 
 def _shares_a_module_fixture(item) -> bool:
