@@ -54,10 +54,11 @@ def _process_state_restored() -> Iterator[None]:
         lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
     saved = {id(lg): (lg.level, lg.propagate, lg.disabled, list(lg.handlers)) for lg in loggers}
-    filters, errstate = list(warnings.filters), np.geterr()
+    errstate = np.geterr()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        with warnings.catch_warnings():
+            yield
     finally:
         sys.argv = argv
         os.chdir(cwd)
@@ -76,8 +77,6 @@ def _process_state_restored() -> Iterator[None]:
                     lg.addHandler(h)
             lg.setLevel(level)
             lg.propagate, lg.disabled = propagate, disabled
-        warnings.filters[:] = filters
-        warnings._filters_mutated()
         np.seterr(**errstate)
         for s, h in handlers.items():
             signal.signal(s, h)
