@@ -140,7 +140,7 @@ def pytest_addoption(parser, pluginmanager):
     """pyproject's addopts run the suite on 2 xdist workers; with xdist absent or blocked
     (``-p no:xdist``, for a debugger) its options are accepted and ignored, so the same command
     runs serially."""
-    if not pluginmanager.has_plugin("xdist"):
+    if not (pluginmanager.has_plugin("xdist") or pluginmanager.has_plugin("xdist.plugin")):
         group = parser.getgroup("xdist", "distributed testing (pytest-xdist is not loaded)")
         # _addoption: pytest reserves lowercase short options for itself and for plugins (xdist
         # registers -n the same way).
@@ -160,8 +160,6 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: marked unit and {tiers[1:]}")
         if not tiers:
             item.add_marker(pytest.mark.unit)
-        if not item.get_closest_marker("xdist_group") and _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if hasattr(config, "workerinput"):
         # xdist hands out work in collection order (addopts: --no-loadscope-reorder): the
         # "processes" group, the longest chain of tests one worker must run in turn, goes first.
@@ -174,6 +172,13 @@ PROCESSES = "processes"
 def _group(item) -> str | None:
     mark = item.get_closest_marker("xdist_group")
     return None if mark is None else (mark.args or [mark.kwargs.get("name")])[0]
+
+
+def pytest_itemcollected(item):
+    """Groups the tests that share a module's fixture as each is collected: xdist reads the groups
+    in its own collection hook, which runs before this file's."""
+    if not item.get_closest_marker("xdist_group") and _shares_a_module_fixture(item):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def _shares_a_module_fixture(item) -> bool:
