@@ -300,6 +300,7 @@ def test_streamed_noise_equals_dense_inverse_and_resumes_bit_for_bit(blt_fac, tm
     np.testing.assert_array_equal(_rows(late, range(11, 16)), rows[11:])
 
 
+@pytest.mark.integration
 def test_blt_run_after_sigkill_draws_fresh_noise_and_replays_exactly(tmp_path):
     """SIGKILL right after round 7's checkpoint, restart with a key from the OS: rounds 1–7 as an
     uninterrupted run released them, rounds 8–16 fresh (the BLT state carries the old rows'

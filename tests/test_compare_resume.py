@@ -10,10 +10,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 CLI = [sys.executable, "-m", "corrflow.server.cli"]
 ARGS = ["compare", "--preset", "tiny", "--rounds", "40", "--users", "80"]
 
 
+@pytest.mark.integration
 def test_compare_interrupted_then_resumed(tmp_path):
     out = tmp_path / "cmp"
     err_path = tmp_path / "first.err"

@@ -216,6 +216,8 @@ def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:
     return dp_accounting.get_epsilon_gaussian(report["noise_multiplier"] / sens, report["delta"])
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     work = tmp_path / "loopback"
     report = _loopback(work, "--rounds", "3", "--drills")
@@ -278,6 +280,8 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     assert f"resumed from round-{k:06d} at round {k + 1}" in second  # 1-based: the next round
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_file(tmp_path):
     from corrflow.data.vocab import Vocabulary
 
@@ -481,6 +485,8 @@ def _check_cluster_and_report(address: str, out: Path, rounds: int) -> None:
     ] * 3
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow
 def test_run_simulation_on_an_existing_ray_cluster(ray_cluster):
     """The deprecated run_simulation passes backend init args to ray.init: ``init_args.address``."""
@@ -497,6 +503,8 @@ def test_run_simulation_on_an_existing_ray_cluster(ray_cluster):
     _check_cluster_and_report(address, out, 2)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow
 def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
     """`flwr run` reaches an existing cluster only through the simulation SuperLink's RAY_ADDRESS

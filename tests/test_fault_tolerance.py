@@ -52,6 +52,7 @@ def _ckpt(tmp_path) -> Path:
     return tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
 
 
+@pytest.mark.integration
 def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
     # the first server's replies wait while it exists
     hold = tmp_path.parent / f"{tmp_path.name}.hold"
@@ -94,6 +95,7 @@ def test_second_server_on_the_same_directory_exits_at_once(tmp_path):
     assert len(ReleaseJournal(tmp_path / JOURNAL).read()) == 8
 
 
+@pytest.mark.integration
 def test_lock_dies_with_a_killed_server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(TESTS / "fault_run.py"), str(tmp_path)],

@@ -34,6 +34,7 @@ def test_an_exception_mid_write_keeps_the_old_file(tmp_path):
     assert p.read_text() == "old" and os.listdir(tmp_path) == ["report.json"]
 
 
+@pytest.mark.integration
 def test_sigkill_mid_write_keeps_the_old_file(tmp_path):
     """A real process killed (SIGKILL) while writing: the target keeps its old bytes; only a
     temporary is left."""

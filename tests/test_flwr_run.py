@@ -76,6 +76,8 @@ def test_loading_the_server_app_imports_every_client_app_the_pyprojects_name():
     assert "tensorflow" not in loaded  # the Keras client imports TensorFlow only when it trains
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_flwr_run_completes_the_default_app(tmp_path):
     flwr = shutil.which("flwr", path=os.path.dirname(sys.executable))
     assert flwr, "flwr is installed with corrflow (flwr[simulation])"

@@ -108,6 +108,7 @@ def _normalised(report: dict) -> dict:
     return out
 
 
+@pytest.mark.integration
 def test_sigkill_at_any_moment_then_resume_reports_what_an_uninterrupted_run_does(tmp_path):
     """A server killed (SIGKILL) mid-run at three different moments, each time resumed: the journal
     releases every round once, the ledger log holds each round once, and the final report equals an

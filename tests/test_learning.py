@@ -160,6 +160,7 @@ def test_simulate_flags_reach_the_run(tmp_path):
     assert bad.returncode == 2 and "momentum" in bad.stderr
 
 
+@pytest.mark.slow  # ~50 CPU-s; a cross-silo arXiv run: test_participation_strategy.py
 def test_readme_arxiv_cross_silo_example_learns(tmp_path):
     """The docs' arXiv example (300 authors, 4 silos, multi-attribution, k_u = 2) at its defaults
     improves held-out loss by ≥ 20% over the run."""

@@ -139,6 +139,8 @@ def single(tmp_path_factory):
     return _final(out)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_address, tmp_path):
     _run(_cfg(tmp_path / "single", dim=FULL_DIM))
     single = _final(tmp_path / "single")
@@ -156,6 +158,8 @@ def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_add
     assert shards == ["shard-000000-000002", "shard-000002-000002"]
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_a_worker_sigkilled_mid_run_is_restored_and_nothing_is_released_twice(
     ray_address, single, tmp_path, caplog
 ):
@@ -197,6 +201,8 @@ def _listen(caplog):
     return lambda: logger.removeHandler(caplog.handler)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_an_oom_a_death_during_the_retry_and_a_hung_worker_are_recovered(
     ray_address, single, tmp_path, caplog, monkeypatch
 ):
@@ -236,6 +242,8 @@ def test_an_oom_a_death_during_the_retry_and_a_hung_worker_are_recovered(
     assert "Nothing of the run's noise key" in workers["compromised_worker_learns"]
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_a_worker_lost_for_good_stops_the_run_naming_it_with_nothing_of_the_round_released(
     ray_address, tmp_path, monkeypatch
 ):
@@ -251,6 +259,8 @@ def test_a_worker_lost_for_good_stops_the_run_naming_it_with_nothing_of_the_roun
     validate("privacy-report", report)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow  # ~35 s on 2 cores; the suite keeps the SIGKILL case
 def test_an_edited_worker_state_stops_the_run_naming_it_and_resume_needs_the_same_workers(
     ray_address, tmp_path

@@ -68,6 +68,8 @@ def _wait_for_releases(proc, out: Path, count: int, timeout: float = 180) -> Non
         time.sleep(0.02)
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_ctrl_c_then_sigkill_then_finish_on_ray(tmp_path):
     out = tmp_path / "run"
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115 - shared by three runs, closed below

@@ -217,6 +217,7 @@ def test_a_broken_registry_exits_1_naming_it_and_releases_nothing(first, tmp_pat
         assert reg.stat().st_size == 0  # never silently recreated
 
 
+@pytest.mark.integration
 def test_a_locked_registry_refuses_naming_it(first, tmp_path, monkeypatch):
     """Another process holds the registry's write lock past the timeout: the run refuses, naming
     the file, before releasing anything."""
@@ -256,6 +257,7 @@ def test_adopt_refuses_what_is_not_a_run_directory(tmp_path):
     assert not (tmp_path / "missing").exists() and not any((tmp_path / "empty").iterdir())
 
 
+@pytest.mark.integration
 def test_adopting_a_copy_of_a_live_run_is_refused(first, tmp_path):
     """The registry places the run in a directory a server is running on: adopting a copy now would
     let both release the same rounds."""

@@ -170,6 +170,8 @@ def test_schema_command_prints_each_schema_and_refuses_unknown_names(tmp_path):
     assert bad.returncode == 2 and "NAME" in bad.stderr and "privacy-report" in bad.stderr
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow
 def test_the_readme_demo_report_validates_against_the_printed_schema(tmp_path):
     """The README's first command (its `corrflow simulate …` part, on Flower's simulation engine:

@@ -711,6 +711,7 @@ def test_cli_refuses_amplified_and_cross_silo_with_exit_2(tmp_path):
     assert r.returncode == 2 and "no secure aggregation in an audit" in r.stderr
 
 
+@pytest.mark.integration
 def test_sigkill_mid_protocol_resumes_by_redoing_the_round(tmp_path):
     """A real server process is killed inside round 3's collect stage (after rounds 1–2 were
     released); the restarted server redoes round 3 and releases every round exactly once."""
@@ -896,6 +897,8 @@ def test_flowers_classic_secagg_example_runs_with_one_changed_line(tmp_path):
     assert report["secure_aggregation"]["server_saw"].startswith("only masked vectors")
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow
 def test_secagg_on_flowers_simulation_engine(tmp_path):
     """Flower's engine (Ray) keeps one Context per node across the stages' messages — the stock
@@ -915,6 +918,8 @@ def test_secagg_on_flowers_simulation_engine(tmp_path):
     assert "secure_aggregation" in report
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 @pytest.mark.slow
 def test_loopback_deployment_with_secure_aggregation(tmp_path):
     """deploy/loopback.sh --secagg --drills: TLS, SuperNode authentication, a killed ServerApp

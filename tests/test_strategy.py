@@ -68,6 +68,7 @@ def _kill_run(out, **env_extra):
     )
 
 
+@pytest.mark.integration
 def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
     """SIGKILL after round 4's checkpoint, restart with a key from the OS (as a server does): rounds
     1–4 are released as by an uninterrupted run, rounds 5–8 with fresh noise (never a repeat of
@@ -98,6 +99,7 @@ def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
     np.testing.assert_array_equal(np.load(replay / "final.npy"), np.load(crash / "final.npy"))
 
 
+@pytest.mark.integration
 def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path):
     """SIGKILL halfway through round 6's row of the noise ring: the published checkpoint (round 5)
     never needs the slot being written, so the restart resumes from it; rounds 1–5 as released by
@@ -241,6 +243,8 @@ def test_budget_guard_stops_before_exceeding_target(tmp_path):
     )
 
 
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
 def test_end_to_end_flower_simulation(tmp_path):
     """`corrflow simulate` on Flower's engine (Ray): 12 users, 20 rounds, numpy client — at most 40
     lines of output without --verbose (Flower's, Ray's and TensorFlow's own output goes to
