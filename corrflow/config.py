@@ -430,6 +430,16 @@ class RunConfig(BaseModel):
         ge=0,
         surfaces=NOT_WRAPPER,
     )
+    eval_every: int = setting(
+        1,
+        "evaluate the held-out set after every N-th round only (rounds N, 2N, …); the initial "
+        "model and the final round are always evaluated",
+        "a positive integer",
+        unit="rounds",
+        ge=1,
+        le=MAX_ROUNDS,
+        surfaces=NOT_WRAPPER,
+    )
     # -- deployment --------------------------------------------------------------------------------
     mode: Mode = setting(
         Mode.CROSS_DEVICE,
@@ -549,6 +559,7 @@ class RunConfig(BaseModel):
         "node_timeout",
         "noise_workers",
         "ray_address",
+        "eval_every",
     )
 
     def __init__(self, **values: Any):

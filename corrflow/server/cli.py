@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from corrflow.choices import SAMPLING_OF, Accountant, Participation, Sampling
+from corrflow.choices import SAMPLING_OF, Accountant, Backend, Participation, Sampling, values
 from corrflow.config import recipe_names, renamed, surface_name, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
 from corrflow.factorization.base import Factorization
@@ -695,7 +695,11 @@ def _why_lines(score: dict) -> list[str]:
 def simulate(
     ctx: typer.Context,
     backend: Annotated[
-        str, typer.Option(help="flower (Flower's simulation engine, Ray) or inprocess")
+        str,
+        typer.Option(
+            help="flower (Flower's simulation engine, Ray), inprocess, or cohort (a round's "
+            "clients trained together in process; numpy and nextword tasks)"
+        ),
     ] = "flower",
     fresh: Annotated[
         bool,
@@ -736,8 +740,8 @@ def simulate(
     (held-out loss not below the initial model's; the report's `learning` has the verdict), 130
     interrupted (state and report are complete; rerun to continue)."""
     try:
-        if backend not in ("flower", "inprocess"):
-            raise InvalidArgumentError("--backend", "flower or inprocess", backend)
+        if backend not in values(Backend):
+            raise InvalidArgumentError("--backend", " or ".join(values(Backend)), backend)
         if preset is not None and settings.get(param_name("mode")) == "cross-silo":
             raise InvalidArgumentError(
                 "--preset",
