@@ -22,6 +22,7 @@ from corrflow.accounting.report import (
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.fileio import write_json
+from corrflow.planning.regime import regime_section
 from corrflow.planning.learnability import learning_section
 from corrflow.planning.run import total_privacy
 from corrflow.run.checkpoint import (
@@ -197,6 +198,9 @@ class Recorder:
         )
         report["mechanism"]["notes"] = list(c.notes)
         report["report_every"] = REPORT_EVERY
+        dim = sum(math.prod(shape) for shape in c.layout.trainable_shapes)
+        report["regime"] = regime_section(plan.noise_multiplier, dim, c.planner.expected)
+        report["evaluation"] = {"every": c.cfg.eval_every, "final_round_always": True}
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
         if c.cfg.secure_aggregation:
             dim = sum(math.prod(s) for s in c.layout.trainable_shapes)

@@ -20,6 +20,7 @@ from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, Inva
 from corrflow.factorization.base import Factorization
 from corrflow.factorization.registry import KINDS
 from corrflow.paths import run_directory, writable_directory, writable_file
+from corrflow.planning.regime import regime_lines
 from corrflow.progress import Progress
 from corrflow.run.journal import JOURNAL
 from corrflow.server.compare_cli import compare_command
@@ -728,7 +729,7 @@ def simulate(
     preset: Annotated[
         str | None,
         typer.Option(
-            help="a `corrflow compare` preset (quick, tiny, large) for the task and schedule: "
+            help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and schedule: "
             "users, rounds, epochs, ε, δ, client and optimizer; flags you type override it"
         ),
     ] = None,
@@ -1048,6 +1049,7 @@ _PRESET_SETTINGS = {
     "momentum": "momentum",
     "local_lr": "local_lr",
     "local_steps": "local_steps",
+    "eval_every": "eval_every",
 }
 
 
@@ -1084,7 +1086,7 @@ def audit(
     preset: Annotated[
         str | None,
         typer.Option(
-            help="a `corrflow compare` preset (quick, tiny, large) for the task and "
+            help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and "
             "schedule; flags you type override it"
         ),
     ] = None,
@@ -1407,6 +1409,7 @@ def _summary(report: dict, out: Path, held_out: dict) -> str:
             else []
         ),
         _users_line(realized, out),
+        *regime_lines(report),
         *_secure_aggregation_lines(report),
         *_vocabulary_lines(report),
         *(f"note        {note}" for note in mech.get("notes", [])),

@@ -104,6 +104,7 @@ class Preset:
     kappa: float | None = None
     proxy_data: str = ""
     proxy_vocab: str = ""
+    eval_every: int = 1  # evaluate the held-out set every N-th round (and the last)
 
     @property
     def cohort(self) -> int:
@@ -121,6 +122,13 @@ PRESETS = {
     "quick": Preset("quick", users=1000, rounds=40, epochs=4, seeds=3),
     "tiny": Preset("tiny", users=160, rounds=16, epochs=4, seeds=1, local_steps=1),
     "large": Preset("large", users=50_000, rounds=100, epochs=1, seeds=2, delta=1e-6),
+    # stackoverflow: 000's schedule (n = 2,052 rounds, k = 6 epochs, b = 342, δ = 1e-6) with the
+    # nextword model (d = 6,732) and the cohort that puts its per-round noise-to-signal σ·√d/m at
+    # ε = 8 near the papers' ≈ 1.2 (corrflow.planning.regime; docs/reference/presets.md):
+    # m = 44, so 342·44 = 15,048 users.
+    "stackoverflow": Preset(
+        "stackoverflow", users=15_048, rounds=2052, epochs=6, seeds=1, delta=1e-6, eval_every=19
+    ),
 }
 
 #: Arms that always run (the correlated kinds and their amplified variants are added to them).
@@ -202,6 +210,7 @@ def _preset_settings(preset: Preset, seed: int, out: Path) -> dict:
         momentum=preset.momentum,
         local_lr=preset.local_lr,
         local_steps=preset.local_steps,
+        eval_every=preset.eval_every,
         client=preset.client,
         seed=seed,
         state_dir=str(out),
