@@ -25,7 +25,8 @@ KEY = bytes(range(16))
 def relative(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     """‖a − b‖₂ / ‖b‖₂ over all arrays, in float64."""
     num = sum(
-        float(np.sum((x.astype(np.float64) - y.astype(np.float64)) ** 2)) for x, y in zip(a, b)
+        float(np.sum((x.astype(np.float64) - y.astype(np.float64)) ** 2))
+        for x, y in zip(a, b, strict=True)
     )
     den = sum(float(np.sum(y.astype(np.float64) ** 2)) for y in b)
     return float(np.sqrt(num / den))
@@ -51,9 +52,9 @@ def client_app_update(task, cfg: RunConfig, sent, user: int, server_round: int):
     ctx = Context(1, user + 1, {"partition-id": user}, RecordDict(), {})
     reply = task.handlers["train"](msg, ctx)
     new = reply.content["arrays"].to_numpy_ndarrays()
-    return [n.astype(np.float64) - s.astype(np.float64) for n, s in zip(new, sent)], dict(
-        reply.content["metrics"]
-    )
+    return [
+        n.astype(np.float64) - s.astype(np.float64) for n, s in zip(new, sent, strict=True)
+    ], dict(reply.content["metrics"])
 
 
 @pytest.mark.parametrize("client", ["nextword", "numpy"])
@@ -67,7 +68,7 @@ def test_each_client_update_matches_the_client_app(client):
     trainer = CohortTrainer(cfg, task, tuple(str(i) for i in range(len(sent))))
     result = trainer.train(sent, users, round_index=4)
     sizes = set()
-    for user, delta, metrics in zip(users, result.deltas, result.metrics):
+    for user, delta, metrics in zip(users, result.deltas, result.metrics, strict=True):
         expected, expected_metrics = client_app_update(task, cfg, sent, user, server_round=5)
         assert relative(delta, expected) <= TOLERANCE
         assert float(np.linalg.norm(expected[0])) > 0  # a real update, not two zeros
@@ -87,7 +88,7 @@ def test_ragged_regression_data_is_padded_and_masked():
     parts = [regression_partition(u, 10, seed=2, examples=n) for u, n in enumerate((3, 32, 9))]
     data = [(X.astype(np.float64), y.astype(np.float64), len(y)) for X, y in parts]
     result = train_regression(sent, data, lr=0.05, steps=4)
-    for (X, y), delta in zip(parts, result.deltas):
+    for (X, y), delta in zip(parts, result.deltas, strict=True):
         assert relative(delta, local_update(sent, X, y, 0.05, 4)) <= TOLERANCE
 
 
@@ -103,11 +104,14 @@ def test_five_dp_rounds_release_the_same_models(client, tmp_path):
     cohort = run_cohort(RunConfig(**settings, state_dir=str(tmp_path / "cohort")), noise_key=KEY)
     initial = task_for(RunConfig(**settings)).initial_weights()
     assert cohort.state.next_round == per_client.next_round == 5
-    moved = [p - i for p, i in zip(per_client.params, initial)]
-    assert relative([c - i for c, i in zip(cohort.state.params, initial)], moved) <= TOLERANCE
+    moved = [p - i for p, i in zip(per_client.params, initial, strict=True)]
+    assert (
+        relative([c - i for c, i in zip(cohort.state.params, initial, strict=True)], moved)
+        <= TOLERANCE
+    )
     assert cohort.state.ledger.epsilon_history == per_client.ledger.epsilon_history
     assert cohort.state.ledger.selected == per_client.ledger.selected
-    for a, b in zip(cohort.state.metrics_history, per_client.metrics_history):
+    for a, b in zip(cohort.state.metrics_history, per_client.metrics_history, strict=True):
         assert a["accepted"] == b["accepted"] == 8
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
 

@@ -86,8 +86,9 @@ def regime_lines(report: dict) -> list[str]:
         return []
     rho = (report.get("learning") or {}).get("noise_to_signal")
     return [
-        f"regime      m = {regime['cohort']:g} clients per round, d = {regime['model_parameters']:,} "
-        f"parameters: per-round noise-to-signal σ·√d/m = {regime['per_round_noise_to_signal']:.3g} "
+        f"regime      m = {regime['cohort']:g} clients per round, "
+        f"d = {regime['model_parameters']:,} parameters: per-round noise-to-signal σ·√d/m = "
+        f"{regime['per_round_noise_to_signal']:.3g} "
         f"(000's StackOverflow runs: {regime['papers_noise_to_signal']:.2g})"
         + ("" if rho is None else f"; pre-flight ρ = {rho:.3g}")
     ]

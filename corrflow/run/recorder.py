@@ -22,8 +22,8 @@ from corrflow.accounting.report import (
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.fileio import write_json
-from corrflow.planning.regime import regime_section
 from corrflow.planning.learnability import learning_section
+from corrflow.planning.regime import regime_section
 from corrflow.planning.run import total_privacy
 from corrflow.run.checkpoint import (
     SAMPLER_KEY,

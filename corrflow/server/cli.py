@@ -729,8 +729,9 @@ def simulate(
     preset: Annotated[
         str | None,
         typer.Option(
-            help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and schedule: "
-            "users, rounds, epochs, ε, δ, client and optimizer; flags you type override it"
+            help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and "
+            "schedule: users, rounds, epochs, ε, δ, client and optimizer; flags you type override "
+            "it"
         ),
     ] = None,
     **settings,
