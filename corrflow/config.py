@@ -169,7 +169,8 @@ class RunConfig(BaseModel):
             # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
             "audit": (
                 50,
-                "without --preset; --preset sets its own: quick 1000, tiny 160, large 50000",
+                "without --preset; --preset sets its own: quick 1000, tiny 160, large 50000, "
+                "stackoverflow 15048",
             ),
         },
     )

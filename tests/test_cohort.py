@@ -32,7 +32,7 @@ def relative(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(np.sqrt(num / den))
 
 
-def client_app_update(task, cfg: RunConfig, sent, user: int, server_round: int):
+def client_app_update(task, cfg: RunConfig, sent, user: int, server_round: int, extra=None):
     """What corrflow's per-client ClientApp replies for ``user``, minus the model it was sent."""
     enable_offline_messages()
     config = ConfigRecord(
@@ -42,6 +42,7 @@ def client_app_update(task, cfg: RunConfig, sent, user: int, server_round: int):
             "local-steps": cfg.local_steps,
             "clip-norm": cfg.clip_norm,
             "seed": cfg.seed,
+            **(extra or {}),
         }
     )
     msg = Message(
@@ -159,3 +160,36 @@ def test_unserved_combinations_are_refused(flags, named, tmp_path):
     assert res.exit_code == 2, res.output
     assert named in res.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_real_format_file_trains_the_same_updates(tmp_path):
+    """--data: the cohort engine reads each user's sentences from the file once, as the ClientApp
+    reads them every round, and trains the same updates."""
+    from corrflow.data.stackoverflow import Post, StackOverflowWriter
+    from corrflow.data.vocab import build_vocabulary, count_words
+
+    words = [f"word{i}" for i in range(30)]
+    rng = np.random.default_rng(3)
+    writer = StackOverflowWriter(tmp_path / "so.sqlite")
+    for u in range(12):  # ragged: 1 to 4 posts per user
+        posts = [Post(" ".join(rng.choice(words, 9))) for _ in range(1 + u % 4)]
+        writer.add_client(f"u{u:04d}", "train", posts)
+    writer.add_client("h0000", "heldout", [Post(" ".join(words[:9]))])
+    writer.close()
+    build_vocabulary(count_words(words), 30).save(tmp_path / "v.txt")
+    cfg = RunConfig(
+        client="nextword",
+        num_users=12,
+        num_rounds=4,
+        data_path=str(tmp_path / "so.sqlite"),
+        vocab_path=str(tmp_path / "v.txt"),
+        seq_len=10,
+    )
+    task = task_for(cfg)
+    sent = [(w + 0.2 * rng.normal(size=w.shape)).astype(np.float32) for w in task.initial_weights()]
+    users = list(range(12))
+    result = CohortTrainer(cfg, task, ("0", "1", "2")).train(sent, users, round_index=0)
+    config_data = {"data-path": cfg.data_path, "vocab-path": cfg.vocab_path, "seq-len": 10}
+    for user, delta in zip(users, result.deltas, strict=True):
+        expected, _ = client_app_update(task, cfg, sent, user, 1, config_data)
+        assert relative(delta, expected) <= TOLERANCE

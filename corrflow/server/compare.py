@@ -64,7 +64,7 @@ from corrflow.planning.candidates import (
     score_summary,
     write_plan,
 )
-from corrflow.planning.learnability import THRESHOLD
+from corrflow.planning.learnability import THRESHOLD, evaluated_entries
 from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
@@ -535,8 +535,8 @@ def run_arm(
         "stopped": stopped,
         "rounds_completed": report.get("rounds_completed"),
         "restarted": restarted,
-        "accuracy": last.get("test_accuracy"),
-        "loss": last["test_loss"],
+        "accuracy": evaluated_entries(curve)[-1].get("test_accuracy"),
+        "loss": evaluated_entries(curve)[-1]["test_loss"],
         "learned": learning["learned"],
         "noise_to_signal": learning.get("noise_to_signal"),
         "initial_accuracy": curve[0].get("test_accuracy"),
@@ -560,7 +560,7 @@ def run_arm(
         "seconds": time.perf_counter() - started,
         "curve": [
             {"round": m["round"], "loss": m["test_loss"], "accuracy": m.get("test_accuracy")}
-            for m in curve
+            for m in evaluated_entries(curve)
         ],
     }
     write_json(out / ARM_RESULT, result, indent=1)
