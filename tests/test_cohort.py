@@ -193,3 +193,24 @@ def test_a_real_format_file_trains_the_same_updates(tmp_path):
     for user, delta in zip(users, result.deltas, strict=True):
         expected, _ = client_app_update(task, cfg, sent, user, 1, config_data)
         assert relative(delta, expected) <= TOLERANCE
+
+
+def test_an_interrupted_cohort_run_resumes_to_its_planned_rounds(tmp_path):
+    import threading
+
+    cfg = RunConfig(
+        client="numpy", num_users=20, num_rounds=6, epochs=2, state_dir=str(tmp_path / "o")
+    )
+    stop = threading.Event()
+
+    def end(metrics):
+        if metrics["round"] == 2:
+            stop.set()  # as the first SIGINT does: the round in progress finishes
+
+    first = run_cohort(cfg, noise_key=KEY, stop_event=stop, on_round_end=end)
+    assert first.state.next_round == 3 and "interrupted" in first.state.stopped_reason
+    # a stopped run's directory resumes: the stop is recorded, the rounds after it run
+    again = run_cohort(cfg.replace(state_dir=str(tmp_path / "o")))
+    report = again.report()
+    assert report["rounds_completed"] == 6 and not report["stopped_reason"]
+    assert report["lineage"]["key_segments"] == [0, 3]
