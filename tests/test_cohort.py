@@ -68,6 +68,12 @@ def test_each_client_update_matches_the_client_app(client):
     users = [0, 5, 11, 17, 23, 42, 59]  # ragged: nextword users have 2 to 48 sentences
     trainer = CohortTrainer(cfg, task, tuple(str(i) for i in range(len(sent))))
     result = trainer.train(sent, users, round_index=4)
+    again = trainer.train(sent, users, round_index=4)  # deterministic: the same bits
+    assert all(
+        np.array_equal(a, b)
+        for x, y in zip(result.deltas, again.deltas, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
     sizes = set()
     for user, delta, metrics in zip(users, result.deltas, result.metrics, strict=True):
         expected, expected_metrics = client_app_update(task, cfg, sent, user, server_round=5)
