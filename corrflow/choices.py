@@ -125,3 +125,13 @@ def accountants_for_participation(participation: str) -> tuple[Accountant, ...]:
 
 def values(enum: type[StrEnum]) -> tuple[str, ...]:
     return tuple(member.value for member in enum)
+
+
+class Backend(StrEnum):
+    """What runs a simulation's clients: Flower's simulation engine (Ray), corrflow's in-process
+    grid (Flower messages, one ClientApp call per client), or the cohort engine (a round's clients
+    trained together on stacked weights, no messages; corrflow's numpy and nextword tasks)."""
+
+    FLOWER = "flower"
+    INPROCESS = "inprocess"
+    COHORT = "cohort"

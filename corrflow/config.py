@@ -173,7 +173,8 @@ class RunConfig(BaseModel):
             # the presets' sizes (corrflow.server.compare.PRESETS; tests/test_cli.py checks them)
             "audit": (
                 50,
-                "without --preset; --preset sets its own: quick 1000, tiny 160, large 50000",
+                "without --preset; --preset sets its own: quick 1000, tiny 160, large 50000, "
+                "stackoverflow 15048",
             ),
         },
     )
@@ -437,6 +438,16 @@ class RunConfig(BaseModel):
         ge=0,
         surfaces=NOT_WRAPPER,
     )
+    eval_every: int = setting(
+        1,
+        "evaluate the held-out set after every N-th round only (rounds N, 2N, …); the initial "
+        "model and the final round are always evaluated",
+        "a positive integer",
+        unit="rounds",
+        ge=1,
+        le=MAX_ROUNDS,
+        surfaces=NOT_WRAPPER,
+    )
     # -- deployment --------------------------------------------------------------------------------
     mode: Mode = setting(
         Mode.CROSS_DEVICE,
@@ -556,6 +567,7 @@ class RunConfig(BaseModel):
         "node_timeout",
         "noise_workers",
         "ray_address",
+        "eval_every",
     )
 
     def __init__(self, **values: Any):

@@ -34,8 +34,8 @@ Canaries = Annotated[
 Preset = Annotated[
     str | None,
     typer.Option(
-        help="a `corrflow compare` preset (quick, tiny, large) for the task and schedule; flags "
-        "you type override it"
+        help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and "
+        "schedule; flags you type override it"
     ),
 ]
 AuditSeed = Annotated[

@@ -53,7 +53,8 @@ PresetName = Annotated[
         "--preset",
         help="quick (ε = 8, 1000 users, cohort 100, 40 rounds, 3 seeds), large (ε = 8, δ = 1e-6, "
         "50000 users, cohort 500, 100 rounds, k = 1, 2 seeds: the papers' cohort/population "
-        "ratio) or tiny (the test suite's)",
+        "ratio), stackoverflow (000's schedule: 2,052 rounds, k = 6, δ = 1e-6, cohort 44, 15048 "
+        "users, 1 seed) or tiny (the test suite's)",
     ),
 ]
 Kinds = Annotated[
@@ -87,7 +88,13 @@ Out = Annotated[
         "with each ε's runs and recipes, cache/)"
     ),
 ]
-Backend = Annotated[str, typer.Option(help="inprocess (deterministic, no Ray) or flower")]
+Backend = Annotated[
+    str,
+    typer.Option(
+        help="inprocess (deterministic, no Ray), flower, or cohort (a round's clients trained "
+        "together in process)"
+    ),
+]
 Kappa = Annotated[
     float | None,
     typer.Option(
@@ -190,8 +197,8 @@ def _chosen_preset(
 
     if preset not in PRESETS:
         raise InvalidArgumentError("--preset", f"one of {', '.join(PRESETS)}", preset)
-    if backend not in ("inprocess", "flower"):
-        raise InvalidArgumentError("--backend", "inprocess or flower", backend)
+    if backend not in ("inprocess", "flower", "cohort"):
+        raise InvalidArgumentError("--backend", "inprocess, flower or cohort", backend)
     if seeds is not None and seeds < 1:
         raise InvalidArgumentError("--seeds", "a positive integer", seeds)
     client, users = values.get("client"), values.get("num_users")
@@ -212,6 +219,7 @@ def _chosen_preset(
         data_path=None if data is None else str(data),
         vocab_path=None if vocab is None else str(vocab),
         kappa=kappa,
+        eval_every=values.get("eval_every"),
         proxy_data=None if proxy_data is None else str(proxy_data),
         proxy_vocab=None if proxy_vocab is None else str(proxy_vocab),
     )

@@ -77,6 +77,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
         "client",
         "data_path",
         "vocab_path",
+        "eval_every",
     ),
     "runs adopt": ("release_registry",),
 }

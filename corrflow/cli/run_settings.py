@@ -42,6 +42,7 @@ PRESET_SETTINGS = {
     "momentum": "momentum",
     "local_lr": "local_lr",
     "local_steps": "local_steps",
+    "eval_every": "eval_every",
 }
 
 

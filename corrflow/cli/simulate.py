@@ -28,6 +28,7 @@ from corrflow.run.resume import preflight, settings_conflict
 BACKENDS = {
     "flower": "Flower's simulation engine, Ray",
     "inprocess": "one process, Flower's messages without Ray",
+    "cohort": "one process, a round's clients trained together (numpy and nextword tasks)",
 }
 Backend = Annotated[
     str,
@@ -50,8 +51,8 @@ Plan = Annotated[
 Preset = Annotated[
     str | None,
     typer.Option(
-        help="a `corrflow compare` preset (quick, tiny, large) for the task and schedule: users, "
-        "rounds, epochs, ε, δ, client and optimizer; flags you type override it"
+        help="a `corrflow compare` preset (quick, tiny, large, stackoverflow) for the task and "
+        "schedule: users, rounds, epochs, ε, δ, client and optimizer; flags you type override it"
     ),
 ]
 

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from corrflow.accounting.noise_scale import describe as describe_noise
+from corrflow.planning.regime import regime_lines
 from corrflow.planning.run import selection_line
 from corrflow.run.noise_trust import noise_worker_lines
 
@@ -80,6 +81,7 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
             else []
         ),
         _users_line(realized, out),
+        *regime_lines(report),
         *_secure_aggregation_lines(report),
         *noise_worker_lines(report),
         *_vocabulary_lines(report),

@@ -124,6 +124,7 @@ def held_out_summary(entries: list[dict]) -> dict:
         accuracy, ``loss_improvement`` (1 − final/initial), ``best_test_loss``/``best_round`` and
         ``drift_above_best`` (final/best − 1) when they are defined.
     """
+    entries = evaluated_entries(entries)
     first, last = entries[0], entries[-1]
     out = {
         "initial_test_loss": _finite(first["test_loss"]),
@@ -150,6 +151,19 @@ def held_out_summary(entries: list[dict]) -> dict:
     return out
 
 
+def evaluated_entries(entries: list[dict]) -> list[dict]:
+    """The initial entry and the rounds that were evaluated (with ``eval_every`` N > 1 the others
+    carry no ``test_loss``; the last round is always evaluated when the run completes).
+
+    Args:
+        entries: ``metrics.json``'s entries.
+
+    Returns:
+        ``entries[0]`` and every later entry with a ``test_loss``.
+    """
+    return entries[:1] + [e for e in entries[1:] if "test_loss" in e]
+
+
 def _finite(value) -> float | None:
     """A plain float, or None for NaN/±inf (strict JSON has neither; the verdict's text names
     them)."""
@@ -174,7 +188,8 @@ def learning_section(entries: list[dict], noise_to_signal: float) -> dict:
         "threshold": THRESHOLD,
         "warned": noise_to_signal > THRESHOLD,
     }
-    if len(entries) < 2 or "test_loss" not in entries[0] or "test_loss" not in entries[-1]:
+    entries = evaluated_entries(entries)
+    if len(entries) < 2 or "test_loss" not in entries[0]:
         return {
             **out,
             "learned": None,

@@ -338,7 +338,12 @@ def write_run_plot(metrics: list[dict], report: dict, path: Path) -> Path:
     mech = report.get("mechanism", {})
     fig.suptitle(
         f"{mech.get('kind', '?')}, {report.get('rounds_completed', '?')} of "
-        f"{mech.get('rounds', '?')} rounds, σ = {report.get('noise_multiplier', 0):.4g}",
+        f"{mech.get('rounds', '?')} rounds, σ = {report.get('noise_multiplier', 0):.4g}"
+        + (
+            f", held-out loss every {every} rounds and the last"
+            if (every := (report.get("evaluation") or {}).get("every", 1)) > 1
+            else ""
+        ),
         fontsize=9,
     )
     for ax in (loss_ax, eps_ax):

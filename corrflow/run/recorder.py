@@ -24,6 +24,7 @@ from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.fileio import write_json
 from corrflow.planning.learnability import learning_section
+from corrflow.planning.regime import regime_section
 from corrflow.planning.run import total_privacy
 from corrflow.run.checkpoint import (
     SAMPLER_KEY,
@@ -205,6 +206,9 @@ class Recorder:
         )
         report["mechanism"]["notes"] = list(c.notes)
         report["report_every"] = REPORT_EVERY
+        dim = sum(math.prod(shape) for shape in c.layout.trainable_shapes)
+        report["regime"] = regime_section(plan.noise_multiplier, dim, c.planner.expected)
+        report["evaluation"] = {"every": c.cfg.eval_every, "final_round_always": True}
         report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
         report.update(noise_workers_trust(self.noise))
         if c.cfg.secure_aggregation:

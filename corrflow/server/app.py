@@ -26,6 +26,7 @@ from corrflow.config import PREFIX, RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
 from corrflow.paths import run_directory
 from corrflow.progress import round_line
+from corrflow.run.evaluation import ScheduledEvaluation
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.session import RunSpec, run_strategy
 
@@ -58,7 +59,7 @@ def run_server(
     spec = RunSpec(
         cfg,
         task.initial_weights(),
-        evaluate=task.evaluate,
+        evaluate=ScheduledEvaluation(task.evaluate, cfg.eval_every, cfg.num_rounds),
         on_round_end=round_end,
         fresh=fresh,
         noise_key=noise_key,
@@ -66,6 +67,31 @@ def run_server(
     )
     strategy, _ = run_strategy(grid, spec)
     return strategy
+
+
+def run_cohort_server(
+    cfg: RunConfig,
+    *,
+    noise_key: bytes | None = None,
+    quiet: bool = False,
+    fresh: bool = False,
+    stop_event: threading.Event | None = None,
+):
+    """`run_server` on the cohort engine (`corrflow.server.cohort_backend`): the same run, one
+    line per round on stderr, with a round's clients trained together in process."""
+    from corrflow.server.cohort_backend import run_cohort
+
+    def round_end(metrics):
+        if not quiet:
+            print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
+
+    return run_cohort(
+        cfg.replace(state_dir=str(run_directory(cfg.state_dir))),
+        noise_key=noise_key,
+        fresh=fresh,
+        stop_event=stop_event,
+        on_round_end=round_end,
+    )
 
 
 def make_server_app(cfg: RunConfig, **kwargs) -> ServerApp:

@@ -68,7 +68,7 @@ from corrflow.planning.candidates import (
     score_summary,
     write_plan,
 )
-from corrflow.planning.learnability import THRESHOLD
+from corrflow.planning.learnability import THRESHOLD, evaluated_entries
 from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
@@ -108,6 +108,7 @@ class Preset:
     kappa: float | None = None
     proxy_data: str = ""
     proxy_vocab: str = ""
+    eval_every: int = 1  # evaluate the held-out set every N-th round (and the last)
 
     @property
     def cohort(self) -> int:
@@ -125,6 +126,22 @@ PRESETS = {
     "quick": Preset("quick", users=1000, rounds=40, epochs=4, seeds=3),
     "tiny": Preset("tiny", users=160, rounds=16, epochs=4, seeds=1, local_steps=1),
     "large": Preset("large", users=50_000, rounds=100, epochs=1, seeds=2, delta=1e-6),
+    # stackoverflow: 000's schedule (n = 2,052 rounds, k = 6 epochs, b = 342, δ = 1e-6) with the
+    # nextword model (d = 6,732) and the cohort that puts its per-round noise-to-signal σ·√d/m at
+    # ε = 8 near the papers' ≈ 1.2 (corrflow.planning.regime; docs/reference/presets.md):
+    # m = 44, so 342·44 = 15,048 users.
+    # Server learning rate 0.5: at this noise level the quick preset's 3.0 diverges (held-out loss
+    # 18 by round 19), 1.0 stalls near 4.9, 0.5 reaches 3.78 by round 300 (momentum 0.9).
+    "stackoverflow": Preset(
+        "stackoverflow",
+        users=15_048,
+        rounds=2052,
+        epochs=6,
+        seeds=1,
+        delta=1e-6,
+        server_lr=0.5,
+        eval_every=19,
+    ),
 }
 
 DPSGD_ARMS = ("dpsgd", "dpsgd-poisson")
@@ -204,6 +221,7 @@ def _preset_settings(preset: Preset, seed: int, out: Path) -> dict:
         momentum=preset.momentum,
         local_lr=preset.local_lr,
         local_steps=preset.local_steps,
+        eval_every=preset.eval_every,
         client=preset.client,
         seed=seed,
         state_dir=str(out),
@@ -514,8 +532,8 @@ def run_arm(
         "stopped": stopped,
         "rounds_completed": report.get("rounds_completed"),
         "restarted": restarted,
-        "accuracy": last.get("test_accuracy"),
-        "loss": last["test_loss"],
+        "accuracy": evaluated_entries(curve)[-1].get("test_accuracy"),
+        "loss": evaluated_entries(curve)[-1]["test_loss"],
         "learned": learning["learned"],
         "noise_to_signal": learning.get("noise_to_signal"),
         "initial_accuracy": curve[0].get("test_accuracy"),
@@ -539,7 +557,7 @@ def run_arm(
         "seconds": time.perf_counter() - started,
         "curve": [
             {"round": m["round"], "loss": m["test_loss"], "accuracy": m.get("test_accuracy")}
-            for m in curve
+            for m in evaluated_entries(curve)
         ],
     }
     write_json(out / ARM_RESULT, result, indent=1)

@@ -24,7 +24,8 @@ from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, data_format, train_clients_count
 from corrflow.errors import DataFormatError, InvalidArgumentError, require
 from corrflow.paths import run_directory
-from corrflow.server.app import make_server_app, run_server
+from corrflow.server.app import make_server_app, run_cohort_server, run_server
+from corrflow.server.cohort_backend import check_supported
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.correlated import INTERRUPTED
 
@@ -222,7 +223,7 @@ FLOWER_ENGINE_WARN_USERS = 5_000
 
 def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     verbose = kwargs.pop("verbose")
-    if backend != "inprocess" and cfg.num_users >= FLOWER_ENGINE_WARN_USERS:
+    if backend == "flower" and cfg.num_users >= FLOWER_ENGINE_WARN_USERS:
         # flwr 1.41/1.42: vce_api.add_messages_to_queue asks InMemoryLinkState.get_message_ins for
         # every node in turn, and each call checks every stored message
         log.warning(
@@ -234,13 +235,17 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
             "clients without it"
         )
 
+    if backend == "cohort":
+        check_supported(cfg)  # before anything is written
     task = task_for(cfg)
     handlers, client_app = task.handlers, task.client_app
     if cfg.secure_aggregation:  # the clients clip, quantize and mask (Flower's SecAgg+ mod)
         handlers = {"train": with_secure_aggregation(task.handlers["train"])}
         client_app = secure_client_app(task.handlers["train"])
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
-        if backend == "inprocess":
+        if backend == "cohort":
+            run_cohort_server(cfg, stop_event=stop, **kwargs)
+        elif backend == "inprocess":
             run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
             from flwr.simulation import run_simulation

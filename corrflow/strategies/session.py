@@ -138,6 +138,8 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
         on_round_end=on_end,
         received=received,
     )
+    if hasattr(spec.evaluate, "bind"):  # evaluation every N rounds reads the round from the run
+        spec.evaluate.bind(run)
     resolver = partial(
         ids.resolve, grid, source=source, strict=False, timeout=min(60.0, cfg.node_timeout)
     )
