@@ -45,6 +45,7 @@ def test_cli_options_are_the_models_settings_with_its_defaults():
         assert flag in options, flag
         assert _plain(options[flag]) == _plain(surface_default(name, "cli")), flag
     own = {"--backend", "--fresh", "--verbose", "--json", "--plan", "--preset", "--help"}
+    own |= {"--noise-multiplier-per-participation"}  # σ in the papers' convention, converted
     # nothing declared twice
     assert set(options) - own - {surface_name(n, "cli") for n in cli} == set()
     assert (

@@ -39,6 +39,7 @@ LAYERS = {
     "strategies": 7,
     "clients": 7,
     "server": 8,
+    "cli": 9,
 }
 
 
@@ -74,6 +75,8 @@ def test_imports_flow_downward():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "__init__.py":  # the package root re-exports lazily for users
+            continue
+        if path == PACKAGE / "server" / "cli.py":  # the CLI's former home re-exports corrflow.cli
             continue
         unit = _unit(path)
         for line, target in _imports(path):

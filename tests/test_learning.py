@@ -223,6 +223,8 @@ def test_learning_verdict_from_metrics():
     assert learning_section([{"round": -1}, {"round": 0}], 0.0)["learned"] is None
 
 
+# what the screen shows is the point: a fresh interpreter, whose logging no earlier test configured
+@pytest.mark.subprocess_cli
 def test_a_run_that_does_not_learn_says_so_and_exits_3(tmp_path):
     """σ = 200 on 3 users a round: the noise swamps the model. The screen, the report and the exit
     code say so."""
