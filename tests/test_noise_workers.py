@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from process_support import free_ports, stop_tree
+from process_support import start_ray_head, stop_tree
 
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
@@ -48,40 +47,14 @@ def ray_address():
     it; stopped by pid at the end."""
     ray = pytest.importorskip("ray")
     temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's unix sockets live here
-    port, *ports = free_ports(5)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=1",
-            "--object-store-memory=100000000",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            "--node-ip-address=127.0.0.1",
-            f"--temp-dir={temp}",
-            f"--ray-client-server-port={ports[0]}",
-            f"--dashboard-agent-listen-port={ports[1]}",
-            f"--dashboard-agent-grpc-port={ports[2]}",
-            f"--metrics-export-port={ports[3]}",
-        ],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
+    head, address = start_ray_head(temp)
     try:
         start = time.monotonic()
         while True:
             try:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
                 break
-            except Exception:  # the head is not up yet
+            except Exception:  # the head answers TCP before it takes drivers
                 assert head.poll() is None and time.monotonic() - start < 180
                 time.sleep(1)
         yield address

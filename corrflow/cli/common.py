@@ -121,3 +121,31 @@ def as_flag(exc: InvalidArgumentError) -> InvalidArgumentError:
     if named.field.startswith("--"):
         return named
     return InvalidArgumentError("--" + exc.field.replace("_", "-"), exc.expected, exc.got)
+
+
+def check_proxy_files(proxy_data: Path, proxy_vocab: Path | None, kappa: float | None) -> None:
+    """Refuse, naming the flag, a --proxy-data run that cannot measure κ: the dataset and its
+    vocabulary must exist, and --kappa must not be given too (one source of κ).
+
+    Args:
+        proxy_data: the public dataset file κ is measured on.
+        proxy_vocab: its vocabulary file.
+        kappa: a declared κ, or None.
+
+    Raises:
+        InvalidArgumentError: naming --proxy-data, --proxy-vocab or --kappa.
+    """
+    if not proxy_data.is_file():
+        raise InvalidArgumentError(
+            "--proxy-data",
+            "an existing public dataset file (a format --data reads)",
+            str(proxy_data),
+        )
+    if proxy_vocab is None or not proxy_vocab.is_file():
+        raise InvalidArgumentError(
+            "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
+        )
+    if kappa is not None:
+        raise InvalidArgumentError(
+            "--kappa", "either --kappa or --proxy-data (one source of κ)", kappa
+        )

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from corrflow.cli.common import AsJson
+from corrflow.cli.common import AsJson, check_proxy_files
 from corrflow.cli.options import cli_values, file_error_message
 from corrflow.clients.tasks import training_defaults
 from corrflow.config import validated_fields
@@ -261,20 +261,7 @@ def _check_kappa_source(
         if proxy_vocab is not None:
             raise InvalidArgumentError("--proxy-data", "a dataset file with --proxy-vocab", None)
         return
-    if not proxy_data.is_file():
-        raise InvalidArgumentError(
-            "--proxy-data",
-            "an existing public dataset file (a format --data reads)",
-            str(proxy_data),
-        )
-    if proxy_vocab is None or not proxy_vocab.is_file():
-        raise InvalidArgumentError(
-            "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
-        )
-    if kappa is not None:
-        raise InvalidArgumentError(
-            "--kappa", "either --kappa or --proxy-data (one source of κ)", kappa
-        )
+    check_proxy_files(proxy_data, proxy_vocab, kappa)
     if data is not None and proxy_data.resolve() == data.resolve():
         raise InvalidArgumentError(
             "--proxy-data",

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from corrflow.choices import Accountant
-from corrflow.cli.common import emit, fail
+from corrflow.cli.common import check_proxy_files, emit, fail
 from corrflow.cli.options import Verbosity, cli_values
 from corrflow.config import RunConfig, validated, validated_fields
 from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, InvalidArgumentError
@@ -192,20 +192,7 @@ def _check_kappa_source(
             "a client that trains on text files (nextword or keras) with --proxy-data",
             cfg.client,
         )
-    if not proxy_data.is_file():
-        raise InvalidArgumentError(
-            "--proxy-data",
-            "an existing public dataset file (a format --data reads)",
-            str(proxy_data),
-        )
-    if proxy_vocab is None or not proxy_vocab.is_file():
-        raise InvalidArgumentError(
-            "--proxy-vocab", "the vocabulary file of --proxy-data", str(proxy_vocab)
-        )
-    if kappa is not None:
-        raise InvalidArgumentError(
-            "--kappa", "either --kappa or --proxy-data (one source of κ)", kappa
-        )
+    check_proxy_files(proxy_data, proxy_vocab, kappa)
 
 
 def _with_damping(
