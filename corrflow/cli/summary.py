@@ -58,8 +58,8 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
     bands = "" if mech["bands"] is None else f", bands={mech['bands']}"
     lines = [
         f"held-out    loss {_loss(held_out['initial_test_loss'])} → "
-        f"{_loss(held_out['final_test_loss'])}{change}{acc} over {held_out['rounds_evaluated']} "
-        f"rounds{failed}",
+        f"{_loss(held_out['final_test_loss'])}{change}{acc}, "
+        f"{_evaluated(held_out['rounds_evaluated'], report['rounds_completed'])}{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
         f"b={mech['min_sep']}{bands}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) "
         f"participation, expected cohort {part['expected_cohort']:g}, k_u = "
@@ -162,3 +162,10 @@ def _users_line(realized: dict, out: Path) -> str:
         f"each, {gap}; {realized['rejections']} rejection(s), {len(users['overrides'])} "
         f"override(s), policy {users['policy']}"
     )
+
+
+def _evaluated(evaluated: int, completed: int) -> str:
+    """How many of the completed rounds were evaluated on held-out data (``--eval-every``)."""
+    if evaluated == completed:
+        return f"over {completed} rounds"
+    return f"over {completed} rounds ({evaluated} evaluated)"
