@@ -58,7 +58,7 @@ def run_summary(report: dict, out: Path, held_out: dict) -> str:
     bands = "" if mech["bands"] is None else f", bands={mech['bands']}"
     lines = [
         f"held-out    loss {_loss(held_out['initial_test_loss'])} → "
-        f"{_loss(held_out['final_test_loss'])}{change}{acc}, "
+        f"{_loss(held_out['final_test_loss'])}{change}{acc} "
         f"{_evaluated(held_out['rounds_evaluated'], report['rounds_completed'])}{failed}",
         f"mechanism   {mech['kind']} ({mech['participation']}, k={mech['epochs']}, "
         f"b={mech['min_sep']}{bands}), {mech['rounds']} rounds; {part['kind']} ({part['mode']}) "
