@@ -2,9 +2,9 @@
 Specification, key fingerprints equal what Flower stores for a registered SuperNode, and the whole
 secure deployment runs on loopback (deploy/loopback.sh --drills): TLS + SuperNode authentication,
 three registered SuperNodes, three rounds, an unregistered SuperNode refused, a SuperNode restarted
-and a killed ServerApp resumed from its checkpoint; and the text client in deployment
-(deploy/loopback.sh --client nextword): each SuperNode trains on its own data file named in its node
-config, and the held-out loss falls."""
+and a killed ServerApp resumed from its checkpoint, with the text client (--client nextword) in the
+same deployment: each SuperNode trains on its own data file named in its node config, and the
+held-out loss falls."""
 
 from __future__ import annotations
 
@@ -218,12 +218,22 @@ def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:
 
 @pytest.mark.integration
 @pytest.mark.xdist_group("processes")
-def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
+def test_loopback_deployment_of_the_text_client_with_tls_node_auth_restart_and_resume(tmp_path):
+    """One loopback deployment carries both checks: the failure drills (TLS, SuperNode
+    authentication, a refused unregistered SuperNode, a restarted SuperNode, a SIGKILLed ServerApp
+    resumed) and the text client on each SuperNode's own data file; separately they cost two
+    SuperLinks, two data builds and two sets of ServerApp and ClientApp start-ups."""
     work = tmp_path / "loopback"
-    report = _loopback(work, "--rounds", "3", "--drills")
+    report = _loopback(work, "--client", "nextword", "--rounds", "3", "--drills")
+    salt, fingerprints = _check_identities_and_epsilon(work, report)
+    _check_the_drills(work, report, salt, fingerprints)
+    _check_the_text_client(work, report)
 
-    # Identities: the three registered keys' fingerprints, hashed with the checkpoint's salt, are
-    # the report's users.
+
+def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list[str]]:
+    """The three registered keys' fingerprints, hashed with the checkpoint's salt, are the report's
+    users, each in every round; ε is the Gaussian mechanism's for that pattern, recomputed from the
+    stored encoder; returns the salt and the fingerprints."""
     registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
     assert [r[0] for r in registered] == ["sn1", "sn2", "sn3"]
     pubs = [work / "pki" / "supernodes" / f"{name}.pub" for name in ("sn1", "sn2", "sn3")]
@@ -234,13 +244,26 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     users = report["realized"]["participation"]["users"]
     assert set(users) == {hash_user_id(fp, salt) for fp in fingerprints}
     assert report["rounds_completed"] == 3 and report["realized"]["rejections"] == 0
+    assert report["stopped_reason"] is None
     assert all(u["rounds"] == [0, 1, 2] for u in users.values())
 
-    # ε: the Gaussian mechanism for the realised pattern, recomputed from the stored encoder.
+    # ε, δ and the clip norm are the drill's (loopback.sh), ε the Gaussian mechanism's.
+    assert (report["target_epsilon"], report["delta"], report["clip_norm"]) == (32.0, 1e-5, 0.25)
     expected = _gaussian_epsilon_every_round(work, report)
     assert report["realized"]["epsilon"] == pytest.approx(expected, rel=1e-6)
     assert report["realized"]["epsilon"] <= report["target_epsilon"]
+    assert (
+        report["total"]["epsilon"] == report["realized"]["epsilon"]
+        and report["total"]["delta"] == 1e-5
+    )
+    return salt, fingerprints
 
+
+def _check_the_drills(work: Path, report: dict, salt: bytes, fingerprints: list[str]) -> None:
+    """The unregistered SuperNode was refused, sn1 came back under the same node id, and the
+    ServerApp killed after round k < 3 was resumed there with the first k rounds unchanged."""
+    users = report["realized"]["participation"]["users"]
+    registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
     # The unregistered fourth SuperNode was refused (Flower error 2004) and never became a user.
     assert (work / "rogue.txt").read_text().split()[1] != "0"
     assert "2004" in (work / "logs" / "rogue.log").read_text()
@@ -280,28 +303,20 @@ def test_loopback_deployment_with_tls_node_auth_restart_and_resume(tmp_path):
     assert f"resumed from round-{k:06d} at round {k + 1}" in second  # 1-based: the next round
 
 
-@pytest.mark.integration
-@pytest.mark.xdist_group("processes")
-def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_file(tmp_path):
+def _check_the_text_client(work: Path, report: dict) -> None:
+    """The next-word model learned from each SuperNode's own data file named in its node config
+    (not the file the server sent), under the public vocabulary that spends nothing."""
     from corrflow.data.vocab import Vocabulary
 
-    work = tmp_path / "loopback"
-    report = _loopback(work, "--client", "nextword", "--rounds", "2", timeout=420)
     data, nodes, logs = work / "data", work / "nodes", work / "logs"
-
-    # The next-word model: its initial weights (W = 0, b = 0) predict uniformly over the
-    # vocabulary's tokens, so the held-out loss before training is exactly ln V — the numpy client's
-    # squared error would not be.
+    # Its initial weights (W = 0, b = 0) predict uniformly over the vocabulary's tokens, so the
+    # held-out loss before training is exactly ln V — the numpy client's squared error would not be.
     vocab = Vocabulary.load(data / "vocab.txt")
     learning = report["learning"]
     assert learning["initial_test_loss"] == pytest.approx(np.log(vocab.num_tokens), rel=1e-9)
     assert (
         learning["learned"] is True and learning["final_test_loss"] < learning["initial_test_loss"]
     )
-    assert report["rounds_completed"] == 2 and report["stopped_reason"] is None
-
-    # The vocabulary: the public word list, identified by its SHA-256, spends nothing; ε, δ and the
-    # clip norm are the drill's, and ε is the Gaussian mechanism's for every user in both rounds.
     assert (
         report["vocabulary"]["source"] == "public"
         and report["vocabulary"]["inside_guarantee"] is True
@@ -311,20 +326,6 @@ def test_loopback_deployment_trains_the_text_client_on_each_supernodes_own_data_
         == hashlib.sha256((data / "vocab.txt").read_bytes()).hexdigest()
     )
     assert report["vocabulary"]["words"] == len(vocab.words)
-    assert (report["target_epsilon"], report["delta"], report["clip_norm"]) == (32.0, 1e-5, 0.25)
-    assert report["realized"]["epsilon"] == pytest.approx(
-        _gaussian_epsilon_every_round(work, report), rel=1e-6
-    )
-    assert report["realized"]["epsilon"] <= 32.0
-    assert (
-        report["total"]["epsilon"] == report["realized"]["epsilon"]
-        and report["total"]["delta"] == 1e-5
-    )
-    users = report["realized"]["participation"]["users"]
-    assert len(users) == 3 and all(u["rounds"] == [0, 1] for u in users.values())
-
-    # Each SuperNode trained on its own copy named in its node config, not on the file the server
-    # sent.
     manifest = json.loads((data / "manifest.json").read_text())
     assert (
         manifest["num_partitions"] == 3 and Path(manifest["path"]) == data / "stackoverflow.sqlite"
