@@ -13,7 +13,7 @@ import time
 import pytest
 
 CLI = [sys.executable, "-m", "corrflow.server.cli"]
-ARGS = ["compare", "--preset", "tiny", "--rounds", "40", "--users", "80"]
+ARGS = ["compare", "--preset", "tiny", "--rounds", "16", "--users", "80"]
 
 
 @pytest.mark.integration
@@ -28,7 +28,7 @@ def test_compare_interrupted_then_resumed(tmp_path):
         while "arm 3 of 5" not in err_path.read_text():  # two arms finished, the third training
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.1)
-        time.sleep(0.5)  # inside the third arm's 40 rounds (about 3 s on an idle 2-core machine)
+        time.sleep(0.2)  # inside the third arm's 16 rounds (about 1 s on an idle 2-core machine)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     first = err_path.read_text()
@@ -62,7 +62,7 @@ def test_compare_interrupted_then_resumed(tmp_path):
         [*CLI, "report", str(run)], capture_output=True, text=True, timeout=120, env={**os.environ}
     )
     assert rep.returncode == 0, rep.stderr
-    assert "privacy     ε = " in rep.stdout and "40 completed" in rep.stdout
+    assert "privacy     ε = " in rep.stdout and "16 completed" in rep.stdout
     assert (run / "run.png").stat().st_size > 0
 
     # a kept result that ran another recipe (say, an older planner's pick) is not kept: the arm

@@ -1,6 +1,8 @@
 """The drop-in wrapper around FedAvg / FedProx with ClientApps written as Flower's quickstarts are
-(full float64 weights, a named state dict with an integer buffer, a Keras model), on Flower's
-simulation engine — one Ray start for all three runs."""
+(full float64 weights, a named state dict with an integer buffer, a Keras model). Messages reach
+the user's ClientApp object itself (its mods, its handler dispatch, corrflow's identity handler
+registered by ``register_identity``) through corrflow's in-process grid, so no Ray instance starts;
+Flower's own simulation engine is exercised by tests/test_strategy.py and tests/test_flwr_run.py."""
 
 import json
 import sys
@@ -9,9 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
-from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
-from flwr.simulation import run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
 import quickstart_apps as qs  # noqa: E402
@@ -20,6 +20,8 @@ from independent import independent_epsilon  # noqa: E402
 from corrflow import DifferentialPrivacyCorrelatedNoise  # noqa: E402
 from corrflow.errors import InvalidArgumentError  # noqa: E402
 from corrflow.factorization import Factorization  # noqa: E402
+from corrflow.protocol import PROBE_ACTION  # noqa: E402
+from corrflow.server.inprocess import InProcessGrid  # noqa: E402
 
 USERS, ROUNDS = 10, 10
 
@@ -58,10 +60,8 @@ def runs(tmp_path_factory):
         "keras": (FedAvg(fraction_evaluate=0.0), keras_init, {"app": "keras", "local-epochs": 2}),
     }
     out = {}
-    server = ServerApp()
 
-    @server.main()
-    def main(grid, context):
+    def main(grid):
         for name, (inner, init, config) in plans.items():
             strategy = DifferentialPrivacyCorrelatedNoise(
                 inner,
@@ -93,12 +93,10 @@ def runs(tmp_path_factory):
             )
             out[attempt] = strategy.privacy_report()
 
-    run_simulation(
-        server_app=server,
-        client_app=qs.app,
-        num_supernodes=USERS,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-    )
+    # Every category goes to the ClientApp object, which routes it as Flower's SuperNode would
+    # (``identity=False``: the probe is answered by the app's own registered handler).
+    kinds = ("train", "evaluate", f"query.{PROBE_ACTION}")
+    main(InProcessGrid(dict.fromkeys(kinds, qs.app), USERS, identity=False))
     return out
 
 
@@ -171,7 +169,6 @@ def test_an_inner_strategy_asking_for_more_nodes_than_the_population_does_not_ha
     import threading
 
     from corrflow.clients.tasks import get_task
-    from corrflow.server.inprocess import InProcessGrid
 
     task = get_task("numpy", 8)
     seen = []
@@ -248,7 +245,6 @@ def test_a_wrapper_run_writes_only_inside_its_state_dir_and_evaluates_like_fedav
     import subprocess
 
     from corrflow.clients.tasks import get_task
-    from corrflow.server.inprocess import InProcessGrid
 
     repo = tmp_path / "app"
     repo.mkdir()
@@ -351,7 +347,6 @@ def test_a_quickstart_pytorch_app_logs_its_metrics_as_without_corrflow(tmp_path)
     evaluate MetricRecords, the global evaluation — with the same metric names. The evaluate_fn's
     loss is corrflow's held-out loss (metrics.json, the learning verdict), and the report lists the
     app's aggregated metrics outside the guarantee."""
-    from corrflow.server.inprocess import InProcessGrid
 
     handlers = {"train": qs.numpy_train, "evaluate": qs.evaluate}
     init = ArrayRecord([np.zeros(qs.DIM), np.zeros(1)])
@@ -407,7 +402,6 @@ def test_an_amplified_run_keeps_the_apps_aggregated_metrics_off_the_console(tmp_
     """Amplified ε holds while the cohorts stay secret: the app's aggregated train and evaluate
     metrics (statistics of who was sampled) go to the operator log only; Flower's log keeps the
     rounds and the server-side evaluation, and the report names where the metrics went."""
-    from corrflow.server.inprocess import InProcessGrid
 
     handlers = {"train": qs.numpy_train, "evaluate": qs.evaluate}
     strategy = DifferentialPrivacyCorrelatedNoise(
@@ -445,7 +439,6 @@ def test_a_round_whose_replies_all_failed_shows_no_corrflow_counters_as_the_apps
     """When every reply of a round fails, the app's strategy aggregated nothing: Flower's log says
     so for that (1-based) round instead of printing corrflow's own counters (0-based round, reply
     counts) as the app's "Aggregated MetricRecord"; the counters stay in metrics.json."""
-    from corrflow.server.inprocess import InProcessGrid
 
     def failing_train(msg, context):
         raise RuntimeError("this node's training broke")
