@@ -1,4 +1,5 @@
-"""``corrflow compare --preset tiny --epsilons 2,8 --amplified``: every arm (non-private, both
+"""``corrflow compare --preset tiny --epsilons 2,8 --amplified --backend cohort`` (the default
+in-process backend is compared in tests/test_compare_resume.py and tests/test_plan_score.py): every arm (non-private, both
 DP-SGD arms, banded Toeplitz fixed-epoch and amplified, the planner's recipe) shares data,
 initialisation and evaluation set; each private arm's ε, verified by its run at the target δ, is
 within the target and recomputed here without corrflow's accountants; the gap arithmetic and the
@@ -48,6 +49,8 @@ def tiny(tmp_path_factory, home):
             "--epsilons",
             "8,2",
             "--amplified",
+            "--backend",
+            "cohort",
             "--out",
             str(out),
             "--json",
@@ -251,7 +254,8 @@ def test_plots_are_valid_pngs(tiny):
 def test_one_seed_reproduces_its_numbers_but_not_its_noise(tiny, tmp_path, home, monkeypatch):
     first, _, _ = tiny
     monkeypatch.setenv("CORRFLOW_HOME", str(home))  # the module's plan cache: planning is a lookup
-    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path)  # ε: the preset's (8)
+    # ε: the preset's (8); the backend the module's comparison ran on
+    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path, backend="cohort")
     assert list(again["epsilons"]) == ["8"] and set(again["epsilons"]["8"]["arms"]) == ARMS - {
         "toeplitz-amplified"
     }
