@@ -1,10 +1,10 @@
 """``corrflow compare --preset tiny --epsilons 2,8 --amplified --backend cohort`` (the default
-in-process backend is compared in tests/test_compare_resume.py and tests/test_plan_score.py): every arm (non-private, both
-DP-SGD arms, banded Toeplitz fixed-epoch and amplified, the planner's recipe) shares data,
-initialisation and evaluation set; each private arm's ε, verified by its run at the target δ, is
-within the target and recomputed here without corrflow's accountants; the gap arithmetic and the
-planner's scores are right; the plots are valid PNGs; one seed reproduces its numbers except the
-noise."""
+in-process backend is compared in tests/test_compare_resume.py and tests/test_plan_score.py):
+every arm (non-private, both DP-SGD arms, banded Toeplitz fixed-epoch and amplified, the planner's
+recipe) shares data, initialisation and evaluation set; each private arm's ε, verified by its run
+at the target δ, is within the target and recomputed here without corrflow's accountants; the gap
+arithmetic and the planner's scores are right; the plots are valid PNGs; one seed reproduces its
+numbers except the noise."""
 
 import json
 import math
