@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import optimize, stats
+from scipy import optimize
 
 from corrflow.accounting import gaussian, mechanisms
 from corrflow.errors import require
@@ -250,6 +250,8 @@ def one_shot_estimate(
     Returns:
         The `Estimate`.
     """
+    from scipy import stats  # lazy: scipy.stats's import slows every CLI start
+
     s = np.asarray(inserted, dtype=np.float64)
     eps = gaussian_fit_epsilon(s, delta)
     res = stats.bootstrap(
@@ -287,12 +289,14 @@ def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: f
     Returns:
         min(1, β + 2mδ·α), with β = P[Bin(r, q) ≥ v], q = e^ε/(1 + e^ε).
     """
+    from scipy.stats import binom  # lazy: scipy.stats's import slows every CLI start
+
     q = 1.0 / (1.0 + math.exp(-epsilon))
-    beta = float(stats.binom.sf(correct - 1, guesses, q))
+    beta = float(binom.sf(correct - 1, guesses, q))
     if delta == 0 or correct == 0:
         return min(1.0, beta)
     i = np.arange(1, correct + 1)
-    alpha = float(np.max((stats.binom.sf(correct - i - 1, guesses, q) - beta) / i))
+    alpha = float(np.max((binom.sf(correct - i - 1, guesses, q) - beta) / i))
     return min(1.0, beta + 2 * m * delta * alpha)
 
 

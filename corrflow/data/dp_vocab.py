@@ -41,7 +41,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import norm
 
 from corrflow.accounting.mechanisms import check_epsilon, gaussian_noise_multiplier
 from corrflow.data.federated import TextSource, _sentences
@@ -72,6 +71,8 @@ def threshold(
 ) -> float:
     """ρ = max over t ≤ Δ₀ of 1/√t + σ Φ⁻¹((1 − δ/2)^{1/t}): a user's unique words clear it w.p. ≤
     δ/2. With k units per user (multi-attribution): k + σ Φ⁻¹((1 − δ/2)^{1/(kΔ₀)})."""
+    from scipy.stats import norm  # lazy: scipy.stats's import slows every CLI start
+
     if units_per_user > 1:
         m = units_per_user * max_words_per_user
         return float(units_per_user + sigma * norm.isf(-np.expm1(np.log1p(-delta / 2) / m)))
