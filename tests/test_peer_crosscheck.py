@@ -66,9 +66,18 @@ def _check_blt_against_peer(n: int, buffers: int) -> None:
     assert ours.loss <= 1.001 * peer  # the target: within 0.1% of the peer's optimum
 
 
+# jax-privacy 2.0.0's optimum for n = 256, k = 4 (min-sep 64), B = 2, in corrflow's total squared
+# error at sensitivity 1 (its own mean-error loss × n gives the same number); corrflow once had
+# 8,822.79 there. The slow grid below recomputes it live (16 CPU-s of jax compilation).
+PEER_BLT_256_B2 = 8580.013331612781
+
+
 def test_blt_fixed_buffers_reach_the_peer_optimum():
-    # A reported case: n = 256, k = 4, B = 2 (peer 8,580.01; corrflow had 8,822.79)
-    _check_blt_against_peer(256, 2)
+    from corrflow.factorization.blt import optimize_blt
+
+    ours = optimize_blt(Workload.prefix(), Participation.fixed_epoch(256, 4), 2)
+    assert ours.buf_decay.size <= 2
+    assert ours.loss <= 1.001 * PEER_BLT_256_B2  # within 0.1% of the peer's optimum
 
 
 @pytest.mark.slow
