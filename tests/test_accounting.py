@@ -177,25 +177,13 @@ def test_monte_carlo_matches_exact_poisson():
     # confidence interval.
     mc = MonteCarloAccountant(band_of([1.0], 100), 1, 0.05, warm=False)
     est = mc.sample_losses(1.0, 120_000, seed=3, workers=1)
-    for eps in (0.5, 1.0, 2.0):
-        exact = (
-            dpa.pld.PLDAccountant()
-            .compose(
-                dpa.SelfComposedDpEvent(
-                    dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), 100
-                )
-            )
-            .get_delta(eps)
-        )
-        d, se = est.delta(eps)
-        assert abs(d - exact) <= 4 * se, (eps, d, exact, se)
-    exact_eps = (
-        dpa.pld.PLDAccountant()
-        .compose(
-            dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), 100)
-        )
-        .get_epsilon(1e-2)
+    exact = dpa.pld.PLDAccountant().compose(
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), 100)
     )
+    for eps in (0.5, 1.0, 2.0):
+        d, se = est.delta(eps)
+        assert abs(d - exact.get_delta(eps)) <= 4 * se, (eps, d, exact.get_delta(eps), se)
+    exact_eps = exact.get_epsilon(1e-2)
     lo, hi = est.epsilon(1e-2, z=-4), est.epsilon(1e-2, z=4)
     assert lo <= exact_eps <= hi
 
@@ -612,10 +600,11 @@ def test_unamplified_sigma_is_exact_and_at_most_the_pld_grid_sigma():
     sigma, sens = res["noise_multiplier"], fac.sensitivity.value
     assert res["accountant"]["name"] == "unamplified" and res["epsilon"] <= 8.0
     assert _mp_delta(8.0, sens / sigma) <= 1e-6 < _mp_delta(8.0, sens / (sigma * (1 - 1e-7)))
-    # the PLD path this replaced: the smallest σ on the 1.001 grid whose PLD ε meets the target
+    # the PLD path this replaced: the smallest σ on the 1.001 grid whose PLD ε meets the target (a
+    # 1e-3 discretisation finds the same grid point here as 1e-4, at a tenth of the CPU)
     pld_sigma, _ = calibrate_on_grid(
         lambda s: float(
-            dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+            dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
             .compose(dpa.GaussianDpEvent(s / sens))
             .get_epsilon(1e-6)
         ),
