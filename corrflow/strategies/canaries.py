@@ -262,6 +262,55 @@ def analyse(
     cfg: RunConfig,
 ) -> dict:
     """The audit's numbers from the released models (see the module docstring)."""
+    scored = _score(strategy, capture, plan, users, cfg)
+    ins = plan.inserted
+    delta = float(report["delta"])
+    claimed = report["realized"]["epsilon"]
+    estimate = stats.one_shot_estimate(
+        scored.scores[ins], scored.scores[~ins], delta, seed=plan.seed
+    )
+    final = stats.one_shot_estimate(
+        scored.cosines[ins], scored.cosines[~ins], delta, seed=plan.seed
+    )
+    lower = stats.one_run_lower_bound(scored.scores, ins, delta)
+    capture.scores = {
+        "whitened": (scored.scores[ins], scored.scores[~ins]),
+        "cosine": (scored.cosines[ins], scored.cosines[~ins]),
+        "claimed": claimed,
+        "estimate": estimate.epsilon,
+        "lower": lower.epsilon,
+        "final": final.epsilon,
+        "kind": report["mechanism"]["kind"],
+    }
+    return {
+        "epsilon_claimed": claimed,
+        "delta": delta,
+        "epsilon_estimate": estimate.epsilon,
+        "epsilon_estimate_interval": list(estimate.interval),
+        "epsilon_lower": lower.epsilon,
+        "confidence": lower.confidence,
+        "verdict": _verdict(claimed, estimate, lower),
+        "canaries": _canaries_section(plan, real, delta, scored.pattern_rule),
+        "statistics": _statistics_section(estimate, lower, final, scored),
+        "run": _run_section(report, strategy, cfg, len(capture.rounds)),
+    }
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """Each candidate canary's scores on the released model changes."""
+
+    scores: np.ndarray  # (m,) whitened matched filter
+    cosines: np.ndarray  # (m,) final-model cosine
+    pattern_rule: str
+    dim: int
+    rounds_scored: int
+
+
+def _score(strategy, capture: RoundCapture, plan: CanaryPlan, users, cfg: RunConfig) -> _Scored:
+    """Score every candidate canary on the released model changes D (T', d): the whitened matched
+    filter against its expected trace a_j = M u_j and the cosine with θ_T − θ_0 (module
+    docstring)."""
     models = np.stack(capture.models)  # (T + 1, d)
     released = len(capture.rounds)
     require(
@@ -278,81 +327,70 @@ def analyse(
     u, pattern_rule = _patterns(strategy, plan, users, cfg.num_rounds)
     a = u[:, :released] @ M.T
     proj = np.stack([D @ plan.direction(j, dim) for j in range(plan.count)])  # (m, n')
-    scores = stats.whitened_scores(D, proj, a)
-    cosines = stats.final_model_cosines(D.sum(axis=0), proj.sum(axis=1))
+    return _Scored(
+        stats.whitened_scores(D, proj, a),
+        stats.final_model_cosines(D.sum(axis=0), proj.sum(axis=1)),
+        pattern_rule,
+        dim,
+        int(moving.sum()),
+    )
+
+
+def _canaries_section(plan: CanaryPlan, real: int, delta: float, pattern_rule: str) -> dict:
     ins = plan.inserted
-    delta = float(report["delta"])
-    claimed = report["realized"]["epsilon"]
-    estimate = stats.one_shot_estimate(scores[ins], scores[~ins], delta, seed=plan.seed)
-    final = stats.one_shot_estimate(cosines[ins], cosines[~ins], delta, seed=plan.seed)
-    lower = stats.one_run_lower_bound(scores, ins, delta)
-    capture.scores = {
-        "whitened": (scores[ins], scores[~ins]),
-        "cosine": (cosines[ins], cosines[~ins]),
-        "claimed": claimed,
-        "estimate": estimate.epsilon,
-        "lower": lower.epsilon,
-        "final": final.epsilon,
-        "kind": report["mechanism"]["kind"],
+    return {
+        "candidates": plan.count,
+        "inserted": int(ins.sum()),
+        "held_out": int((~ins).sum()),
+        "audit_seed": plan.seed,
+        "real_users": real,
+        "population_share": len(plan.inserted_ids) / (real + len(plan.inserted_ids)),
+        "lower_bound_ceiling": stats.lower_bound_ceiling(plan.count, delta=delta),
+        "rounds": pattern_rule,
     }
+
+
+def _statistics_section(estimate, lower, final, scored: _Scored) -> dict:
+    return {
+        "threat_model": (
+            "all iterates: the adversary sees every released model (the claimed ε covers them)"
+        ),
+        "score": (
+            "whitened matched filter a_jᵀΣ̂⁻¹p_j/√(a_jᵀΣ̂⁻¹a_j), Σ̂ = DDᵀ/d from the released "
+            "model changes"
+        ),
+        "estimator": (
+            "one-shot Gaussian fit ε_G(μ̂/σ̂; δ) (Andrew et al., arXiv 2302.03098), 95% "
+            "percentile bootstrap interval"
+        ),
+        "whitened": estimate.to_dict(),
+        "lower_bound": lower.to_dict(),
+        "final_model": {
+            **final.to_dict(),
+            "score": "cosine ⟨c_j, θ_T − θ_0⟩/‖θ_T − θ_0‖ (Andrew et al.), null N(0, 1/d)",
+            "expected_null_std": 1 / math.sqrt(scored.dim),
+        },
+        "model_dim": scored.dim,
+        "rounds_scored": scored.rounds_scored,
+    }
+
+
+def _run_section(report: dict, strategy, cfg: RunConfig, released: int) -> dict:
     cohorts = (
         [len(strategy.planner.cohort(t)) for t in range(released)]
         if strategy.planner.kind == "fixed-epoch"
         else None
     )
-    canary_share = len(plan.inserted_ids) / (real + len(plan.inserted_ids))
-    verdict = _verdict(claimed, estimate, lower)
     return {
-        "epsilon_claimed": claimed,
-        "delta": delta,
-        "epsilon_estimate": estimate.epsilon,
-        "epsilon_estimate_interval": list(estimate.interval),
-        "epsilon_lower": lower.epsilon,
-        "confidence": lower.confidence,
-        "verdict": verdict,
-        "canaries": {
-            "candidates": plan.count,
-            "inserted": int(ins.sum()),
-            "held_out": int((~ins).sum()),
-            "audit_seed": plan.seed,
-            "real_users": real,
-            "population_share": canary_share,
-            "lower_bound_ceiling": stats.lower_bound_ceiling(plan.count, delta=delta),
-            "rounds": pattern_rule,
-        },
-        "statistics": {
-            "threat_model": (
-                "all iterates: the adversary sees every released model (the claimed ε covers them)"
-            ),
-            "score": (
-                "whitened matched filter a_jᵀΣ̂⁻¹p_j/√(a_jᵀΣ̂⁻¹a_j), Σ̂ = DDᵀ/d from the released "
-                "model changes"
-            ),
-            "estimator": (
-                "one-shot Gaussian fit ε_G(μ̂/σ̂; δ) (Andrew et al., arXiv 2302.03098), 95% "
-                "percentile bootstrap interval"
-            ),
-            "whitened": estimate.to_dict(),
-            "lower_bound": lower.to_dict(),
-            "final_model": {
-                **final.to_dict(),
-                "score": "cosine ⟨c_j, θ_T − θ_0⟩/‖θ_T − θ_0‖ (Andrew et al.), null N(0, 1/d)",
-                "expected_null_std": 1 / math.sqrt(dim),
-            },
-            "model_dim": dim,
-            "rounds_scored": int(moving.sum()),
-        },
-        "run": {
-            "dir": str(Path(cfg.state_dir)),
-            "kind": report["mechanism"]["kind"],
-            "participation": report["planned"]["participation"].get("kind"),
-            "noise_multiplier": report["noise_multiplier"],
-            "clip_norm": report["clip_norm"],
-            "accountant": report["accountant"]["name"],
-            "rounds_completed": report["rounds_completed"],
-            "stopped_reason": report.get("stopped_reason"),
-            "cohort_sizes": cohorts,
-        },
+        "dir": str(Path(cfg.state_dir)),
+        "kind": report["mechanism"]["kind"],
+        "participation": report["planned"]["participation"].get("kind"),
+        "noise_multiplier": report["noise_multiplier"],
+        "clip_norm": report["clip_norm"],
+        "accountant": report["accountant"]["name"],
+        "rounds_completed": report["rounds_completed"],
+        "stopped_reason": report.get("stopped_reason"),
+        "cohort_sizes": cohorts,
     }
 
 
