@@ -155,8 +155,7 @@ class RunConfig(BaseModel):
     num_users: int | None = setting(
         None,
         "users: the simulated SuperNodes (simulate: 50), or the SuperNodes the server waits for "
-        "(default: "
-        "those connected when the run starts)",
+        "(default: those connected when the run starts)",
         f"a positive integer ≤ {MAX_USERS:.0e}",
         unit="users",
         ge=1,
@@ -304,9 +303,7 @@ class RunConfig(BaseModel):
         None,
         "unamplified, cyclic-poisson (001 Prop. 2.1), monte-carlo (bminsep, multi-attribution, "
         "poisson) or mmcc (poisson, cyclic-poisson); default: unamplified for fixed-epoch, else "
-        "every bound "
-        "that applies and "
-        "the tightest verified at δ",
+        "every bound that applies and the tightest verified at δ",
         "an accountant",
     )
     mc_samples: int = setting(
@@ -639,8 +636,7 @@ class RunConfig(BaseModel):
             self.accountant is None or self.accountant in allowed,
             "accountant",
             f"one of {tuple(allowed)} for participation {self.participation}, or none for the "
-            "tightest "
-            "(monte-carlo: bminsep, multi-attribution or poisson, 004; mmcc: poisson or "
+            "tightest (monte-carlo: bminsep, multi-attribution or poisson, 004; mmcc: poisson or "
             "cyclic-poisson, 002)",
             self.accountant,
         )
