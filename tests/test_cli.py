@@ -85,6 +85,9 @@ def test_factorize_momentum_toeplitz_min_sep():
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert obj["participation"] == "min-sep" and obj["bands"] == 8 and obj["sensitivity_exact"]
     assert obj["workload"]["momentum"] == 0.5  # simulate's: the numpy client's server momentum
+    # the sampler may take a user every 8 rounds: k = ⌈64/8⌉ = 8, not --epochs 4, and it says so
+    assert obj["epochs"] == 8
+    assert "epochs 4 is not used" in r.stderr and "k = ⌈64/8⌉ = 8" in r.stderr
 
 
 @pytest.mark.parametrize(

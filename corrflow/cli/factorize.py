@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from corrflow.cli.options import Verbosity, config_from_cli, given_on_command_li
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.paths import writable_file
 from corrflow.planning.resources import check_fits, estimate
-from corrflow.planning.run import build_factorization
+from corrflow.planning.run import build_factorization, mechanism_notes
 from corrflow.progress import Progress
 
 
@@ -66,6 +67,8 @@ def factorize(
             fac = build_factorization(
                 cfg, stamps=stamps, gamma=gamma, search_gamma=search_gamma, tol=tol, callback=cb
             )
+        for note in mechanism_notes(cfg, fac):
+            print(f"warning: {note}", file=sys.stderr)
         summary = fac.summary()
         if out is not None:
             summary["path"] = str(fac.save(out))

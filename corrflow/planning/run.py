@@ -120,9 +120,10 @@ def build_factorization(cfg: RunConfig, **options) -> Factorization:
 
 
 def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
-    """What was built where it differs from what the settings name: a correlated kind whose
-    participation leaves it one band (its default is min-sep b bands) is DP-SGD — C = I/√k,
-    independent noise in every round.
+    """What was built where it differs from what the settings name: `--epochs` that a sampler's
+    min-sep overrides; a correlated kind whose participation leaves it one band (its default is
+    min-sep b bands) is DP-SGD — C = I/√k, independent noise in every round; bands cut to the
+    sampler's min-sep.
 
     Args:
         cfg: the run's settings.
@@ -131,11 +132,13 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
     Returns:
         Notes for the console and the report (empty when the mechanism is what the settings name).
     """
+    notes = _epochs_note(cfg)
     if cfg.kind != "dpsgd" and fac.encoder.structure in ("toeplitz", "banded") and fac.bands == 1:
         return [
+            *notes,
             f"kind {cfg.kind} with min-sep {cfg.b} has one band: C = I/√k, which is DP-SGD "
             "(independent noise in every round); give bands above 1 (--bands, corrflow.bands) to "
-            "correlate the noise across rounds"
+            "correlate the noise across rounds",
         ]
     if (
         cfg.participation != "fixed-epoch"
@@ -144,12 +147,27 @@ def mechanism_notes(cfg: RunConfig, fac: Factorization) -> list[str]:
         and fac.bands == cfg.b
         and fac.bands < cfg.num_rounds
     ):
-        return [
+        notes.append(
             f"kind {cfg.kind}: {fac.bands} bands, cut to the sampler's min-sep b = {cfg.b} "
             "(participations b apart touch disjoint rows, which the amplified accountants need); "
             "--bands sets it"
-        ]
-    return []
+        )
+    return notes
+
+
+def _epochs_note(cfg: RunConfig) -> list[str]:
+    """A sampler with an explicit min-sep b may take a user every b rounds, so k = ⌈n/b⌉ (000
+    App. D.2), whatever ``epochs`` says; say so when the two differ (epochs sets b only when
+    min-sep is not given)."""
+    k = cfg.max_participations
+    if cfg.participation == "fixed-epoch" or not cfg.min_sep or cfg.epochs in (1, k):
+        return []
+    return [
+        f"epochs {cfg.epochs} is not used: participation {cfg.participation} with min-sep "
+        f"b = {cfg.b} may take a user every {cfg.b} rounds, so the factorization and the "
+        f"accounting allow k = ⌈{cfg.num_rounds}/{cfg.b}⌉ = {k} participations (without "
+        f"--min-sep, b = rounds/epochs = {cfg.num_rounds // cfg.epochs})"
+    ]
 
 
 def load_graph(path: str) -> AttributionGraph:
