@@ -102,6 +102,37 @@ def cli_in_process():
         yield
 
 
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, cli_in_process):
+    """A finished 4-round run (10 users, 2 epochs, the in-process engine), trained once per test
+    process: tests that only read a finished run's files share it; a test that edits them takes
+    `finished_run_copy` (a copy is another run to the release registry: never resume one)."""
+    from typer.testing import CliRunner
+
+    from corrflow.cli import app
+
+    run = tmp_path_factory.mktemp("finished") / "run"
+    args = ["simulate", "--users", "10", "--rounds", "4", "--epochs", "2"]
+    res = CliRunner().invoke(
+        app, [*args, "--backend", "inprocess", "--out", str(run)], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    return run
+
+
+@pytest.fixture
+def finished_run_copy(finished_run, tmp_path) -> Path:
+    """A copy of `finished_run`'s files for a test to edit: without its state directory and lock
+    (what a report reader sees)."""
+    return Path(
+        shutil.copytree(
+            finished_run,
+            tmp_path / "run",
+            ignore=shutil.ignore_patterns("state", ".corrflow.lock*"),
+        )
+    )
+
+
 @pytest.fixture(autouse=True)
 def cli_in_a_subprocess(request, monkeypatch):
     """Tests marked ``integration`` or ``subprocess_cli`` start the CLI in a fresh interpreter."""

@@ -325,18 +325,6 @@ def test_an_unreachable_ray_address_is_refused_first_within_seconds(tmp_path, pe
     assert not out.exists() and not (tmp_path / "registry.sqlite").exists()
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-    """A finished 4-round run (in-process engine) whose files the report cases edit copies of."""
-    run = tmp_path_factory.mktemp("report") / "run"
-    res = invoke(
-        "simulate", "--users", "10", "--rounds", "4", "--epochs", "2", "--backend", "inprocess",
-        "--out", run,
-    )  # fmt: skip
-    assert res.exit_code == 0, res.output
-    return run
-
-
 def _copy_run(run: Path, dest: Path) -> Path:
     import shutil
 
@@ -352,8 +340,8 @@ def _copy_run(run: Path, dest: Path) -> Path:
         ("metrics.json", "{}", "metrics.json: expected a list of per-round metric objects"),
     ],
 )
-def test_report_on_files_that_are_not_a_runs_exits_2(small_run, tmp_path, name, text, named):
-    run = _copy_run(small_run, tmp_path / "run")
+def test_report_on_files_that_are_not_a_runs_exits_2(finished_run_copy, name, text, named):
+    run = finished_run_copy
     (run / name).write_text(text)
     before = sorted(p.name for p in run.iterdir())
     res = invoke("report", run)
@@ -362,14 +350,14 @@ def test_report_on_files_that_are_not_a_runs_exits_2(small_run, tmp_path, name, 
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written (no run.png)
 
 
-def test_report_on_a_compare_folder_lists_its_runs(small_run, tmp_path):
+def test_report_on_a_compare_folder_lists_its_runs(finished_run, tmp_path):
     folder = tmp_path / "cmp"
     (folder / "runs").mkdir(parents=True)
     (folder / "eps8" / "runs").mkdir(parents=True)
     (folder / "comparison.json").write_text("{}")
     arms = [
-        _copy_run(small_run, folder / "runs" / "nonprivate-seed0"),
-        _copy_run(small_run, folder / "eps8" / "runs" / "toeplitz-seed0"),
+        _copy_run(finished_run, folder / "runs" / "nonprivate-seed0"),
+        _copy_run(finished_run, folder / "eps8" / "runs" / "toeplitz-seed0"),
     ]
     res = invoke("report", folder)
     text = " ".join(res.output.split())
@@ -377,10 +365,10 @@ def test_report_on_a_compare_folder_lists_its_runs(small_run, tmp_path):
     assert all(str(a) in text for a in arms) and "Traceback" not in res.output
 
 
-def test_report_on_a_run_it_cannot_write_skips_the_plot_with_a_note(small_run, tmp_path):
+def test_report_on_a_run_it_cannot_write_skips_the_plot_with_a_note(finished_run_copy, tmp_path):
     """A read-only run (here: run.png cannot be created, as on a read-only mount; the suite may run
     as root, which ignores permission bits) prints its whole summary, then says why no plot."""
-    run = _copy_run(small_run, tmp_path / "run")
+    run = finished_run_copy
     (run / "run.png").mkdir()  # writing the PNG fails like a read-only directory would
     res = invoke("report", run)
     assert res.exit_code == 0, res.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,26 +35,11 @@ def corrflow(*args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, finished_run):
     root = tmp_path_factory.mktemp("schemas")
     home = root / "home"
-    plain = corrflow(
-        "simulate",
-        "--users",
-        "10",
-        "--rounds",
-        "4",
-        "--epochs",
-        "2",
-        "--backend",
-        "inprocess",
-        "--out",
-        "plain",
-        "--json",
-        cwd=root,
-        home=home,
-    )
-    assert plain.returncode in (0, 3), plain.stderr[-2000:]
+    # the plain run: the suite's shared finished run (4 rounds, 10 users, in-process engine)
+    shutil.copytree(finished_run, root / "plain", ignore=shutil.ignore_patterns(".corrflow.lock*"))
     amplified = corrflow(
         "simulate",
         "--users",
