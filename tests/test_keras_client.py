@@ -1,14 +1,20 @@
+from importlib.util import find_spec
+
 import numpy as np
 import pytest
 
-pytest.importorskip("tensorflow")
+from corrflow.clients.keras_client import SYNTHETIC, build_model, local_train
+from corrflow.clients.tasks import get_task
+from corrflow.config import RunConfig
+from corrflow.data.text_synth import BOS, EOS, PAD, SPECIAL, TextTask, user_sentences, xy
+from corrflow.server.app import run_server
+from corrflow.server.inprocess import InProcessGrid
 
-from corrflow.clients.keras_client import SYNTHETIC, build_model, local_train  # noqa: E402
-from corrflow.clients.tasks import get_task  # noqa: E402
-from corrflow.config import RunConfig  # noqa: E402
-from corrflow.data.text_synth import BOS, EOS, PAD, SPECIAL, TextTask, user_sentences, xy  # noqa: E402
-from corrflow.server.app import run_server  # noqa: E402
-from corrflow.server.inprocess import InProcessGrid  # noqa: E402
+# find_spec, not importorskip: TensorFlow loads (seconds) only in the process that runs these tests,
+# not in every xdist worker that collects them
+pytestmark = pytest.mark.skipif(
+    find_spec("tensorflow") is None, reason="TensorFlow (the keras extra) is not installed"
+)
 
 TASK = TextTask()
 KERAS_TASK = SYNTHETIC.synthetic_task  # the text the Keras client trains on
