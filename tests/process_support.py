@@ -51,16 +51,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_ray_head(temp: Path, num_cpus: int = 1) -> tuple[subprocess.Popen, str]:
+def start_ray_head(
+    temp: Path, num_cpus: int = 1, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """``ray start --head --block`` in its own session, on loopback, with free ports and its own
     temp directory ``temp`` (keep it short: Ray's unix sockets live there), so that no other
     ray.init() on this machine finds it; returns the process and the head's address once it
-    answers a TCP connect. Stop it with `stop_tree` (or SIGKILL every pid of it: a lost head)."""
+    answers a TCP connect. Stop it with `stop_tree` (or SIGKILL every pid of it: a lost head).
+
+    ``env`` is added to the head's environment: Ray's settings (``RAY_<name>``, e.g.
+    ``RAY_memory_usage_threshold``) are read from it by the head's processes when they start."""
     import sys
     import time
 
     port, *ports = free_ports(5)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [

@@ -82,8 +82,9 @@ if __name__ == "__main__":
 
 class FaultyWorker:
     """Mixed into a `corrflow.run.noise_shards.NoiseWorker` subclass by `faulty_worker`: before
-    drawing round t, worker i meets the next unused fault of ``PLAN["i:t"]`` — "oom" (raises
-    Ray's OutOfMemoryError, as a call the memory monitor killed does), "die" (the process exits),
+    drawing round t, worker i meets the next unused fault of ``PLAN["i:t"]`` — "memory" (it fills
+    its memory until Ray's memory monitor kills it: `fill_memory`), "oom" (raises Ray's
+    OutOfMemoryError, as a call the memory monitor killed fails), "die" (the process exits),
     "hang" (it stops itself with SIGSTOP: an unreachable worker). Faults are counted in files
     under ``DIR``, so a restarted worker meets the next one."""
 
@@ -108,11 +109,40 @@ class FaultyWorker:
 
         import ray
 
+        if fault == "memory":
+            fill_memory()
         if fault == "oom":
             raise ray.exceptions.OutOfMemoryError("killed by the memory monitor (injected)")
         if fault == "die":
             os._exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+#: The most a "memory" fault allocates: the machine running the tests is shared.
+FILL_BYTES, FILL_BLOCK = 3 << 30, 128 << 20
+
+
+def fill_memory(limit: int = FILL_BYTES, hold_s: float = 20.0) -> None:
+    """Allocate and touch memory in 128 MiB blocks, up to ``limit`` bytes, and hold it for
+    ``hold_s`` seconds: a head started with the memory monitor's threshold below the machine's
+    use plus ``limit`` kills this process on the way (Ray's monitor picks the newest
+    non-retriable worker, and kills it within its refresh period of crossing the threshold).
+    Still alive after that, it frees the memory and raises: the monitor did not act."""
+    import time
+
+    import numpy as np
+
+    blocks = []
+    start = time.monotonic()
+    while len(blocks) * FILL_BLOCK < limit:
+        blocks.append(np.ones(FILL_BLOCK // 8))  # np.ones writes every page
+        time.sleep(0.05)
+    time.sleep(max(0.0, hold_s - (time.monotonic() - start)))
+    blocks.clear()
+    raise RuntimeError(
+        f"Ray's memory monitor did not kill this worker (pid {os.getpid()}) holding "
+        f"{limit / 2**30:.1f} GiB for {hold_s:g} s"
+    )
 
 
 def faulty_worker(plan: dict[str, list[str]], directory: str):

@@ -216,14 +216,21 @@ class ShardedNoiseStream(NoiseStream):
         threading.Thread(
             target=self._watch_head, args=(gcs, shown), name="corrflow-ray-head", daemon=True
         ).start()
-        for s in self.shards:
+        # all workers start at once: each is a new process importing NumPy and corrflow
+        launched = [self._launch(s.index) for s in self.shards]
+        for s, (actor, ref) in zip(self.shards, launched, strict=True):
             try:
-                self._start(s.index)
+                self._opened(s.index, actor, ref)
             except ray.exceptions.RayError as exc:  # e.g. a cluster without the memory it asks
                 raise NoiseWorkerLostError(
                     f"{s.describe()} did not start ({self._loss(exc)[0]}; it reserves "
                     f"{self.share_bytes(s) / 2**30:.2f} GiB of the cluster's memory)"
                 ) from None
+            finally:
+                if self._actors[s.index] is None:  # it failed: stop every worker started here
+                    self._closed.set()
+                    for other, _ in launched:
+                        _kill(other)
 
     # -- workers -----------------------------------------------------------------------------------
     def share_bytes(self, shard: Shard) -> int:
@@ -252,7 +259,12 @@ class ShardedNoiseStream(NoiseStream):
             InvalidArgumentError: the worker refused its settings.
             ray.exceptions.RayError: it was lost or did not answer within ``call_timeout``.
         """
-        ray, s = _ray(), self.shards[i]
+        self._opened(i, *self._launch(i))
+
+    def _launch(self, i: int):
+        """Create worker ``i``'s actor (the one it replaces killed) and ask it to open its state;
+        returns the actor and the pending call, for `_opened`."""
+        s = self.shards[i]
         if self._actors[i] is not None:  # a hung worker must not come back beside its successor
             _kill(self._actors[i])
             self._actors[i] = None
@@ -260,8 +272,13 @@ class ShardedNoiseStream(NoiseStream):
             num_cpus=0, memory=self.share_bytes(s), max_restarts=0, max_concurrency=1
         ).remote(self._fac, s, self.mode, self._chunk, self._root)
         secrets = shard_secrets(self._table, s, self._prng)
+        return actor, actor.open.remote(secrets, self._saved_round, self._digests[i])
+
+    def _opened(self, i: int, actor, ref) -> None:
+        """Wait for worker ``i``'s `_launch` (at most `START_TIMEOUT_S`) and take it as the
+        shard's worker; the errors of `_start`."""
+        ray = _ray()
         try:
-            ref = actor.open.remote(secrets, self._saved_round, self._digests[i])
             info = self._get(ref, START_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             _kill(actor)
