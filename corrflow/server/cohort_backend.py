@@ -106,14 +106,10 @@ class CohortTrainer:
             return []
         result = self.train(sent, nodes, plan.round)
         return [
-            Reply(
-                node,
-                plan.owners[node],
-                self.names,
-                [s + d for s, d in zip(sent, delta, strict=True)],
-                metrics,
+            Reply(node, plan.owners[node], self.names, new, metrics)
+            for node, new, metrics in zip(
+                nodes, result.new_weights(sent), result.metrics, strict=True
             )
-            for node, delta, metrics in zip(nodes, result.deltas, result.metrics, strict=True)
         ]
 
 
