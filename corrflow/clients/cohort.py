@@ -3,13 +3,19 @@ engine, ``--backend cohort``).
 
 Each client trains exactly as on the per-client path — the same data, the same data order (its
 own generator seeded by (seed, user, round)), the same local steps and minibatches — but the m
-clients' minibatch steps run together as batched matrix products over weights stacked along a
-leading client axis (numpy ``matmul``/``einsum``). The next-word model trains in float32 (the
-per-client path computes in float64: each update differs from it by about 5e-7 of its ℓ2 norm,
-and float32 halves the batched step's CPU); the regression model in float64. Ragged user
-data is padded to the cohort's longest and masked: a padded position, or a client whose epoch has
-no batch left, contributes an exact zero, so it changes nothing. No Flower message is built: the
-replies are the new weights the per-client ClientApp would send, as arrays.
+clients' minibatch steps run together as batched matrix products (numpy ``matmul``, BLAS) over
+weights stacked along a leading client axis. The next-word model trains in float32 (the
+per-client path computes in float64: each update differs from it by about 4e-7 of its ℓ2 norm);
+the regression model in float64.
+
+Next-word clients are sorted by pair count and step through their minibatches tick by tick (a
+client's s-th minibatch at tick s), so the clients still training at a tick are a prefix of the
+stack and train on views, not copies. A minibatch shorter than its step's rows (the last of an
+epoch) is padded with rows of weight zero, which contribute exact zeros. The softmax is left
+unnormalised (`_step`), and the two scatters numpy has no one-pass form for (a row's target
+entry, the embedding rows' repeated updates) are small numba loops. Regression data is padded to
+the cohort's longest and masked. No Flower message is built: the replies are the new weights the
+per-client ClientApp would send, as arrays.
 
 Per-user data is built once per process and kept (`UserData`); the synthetic generators and the
 real-format files (``--data``) both go through the task's ``user_data``.
@@ -33,6 +39,9 @@ SUM_FLOOR = 1e-25
 #: At most this many probabilities (clients · rows · V) are held at once: the clients of a tick are
 #: trained in chunks under it (64 MB in float32; at V = 10,004 a chunk of 26 clients).
 PROBABILITY_FLOATS = 16 * 2**20
+#: A tick's slots train in two batched steps, not one, where that pads this many rows fewer: a
+#: step costs about as much fixed CPU as this many rows (measured on the stackoverflow preset).
+SPLIT_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -144,30 +153,34 @@ def minibatch_schedule(
     return MinibatchSchedule(order, active, rows, np.where(live, nxt[pos], 0), weights, counts)
 
 
-SPLIT_ROWS = 128
+def tick_slices(counts: np.ndarray, cap: int, split_rows: int = SPLIT_ROWS) -> list[tuple]:
+    """The slots training at one tick cut into contiguous slices (start, stop, rows), each padded
+    to its fullest slot: chunks of at most ``cap`` slots, each cut once more where that pads the
+    fewest rows, if it saves more than ``split_rows``.
 
+    Args:
+        counts: the slots' minibatch sizes at the tick, in slot order.
+        cap: the most slots in one slice.
+        split_rows: the padded rows a second slice must save.
 
-def split_tick(counts, cap, split_rows=None):
-    split_rows = SPLIT_ROWS if split_rows is None else split_rows
-    a = len(counts)
+    Returns:
+        The slices, in slot order.
+    """
     out = []
-    for start in range(0, a, cap):
-        c = counts[start : min(a, start + cap)]
-        n = len(c)
-        head = np.maximum.accumulate(c)
-        tail = np.maximum.accumulate(c[::-1])[::-1]
-        i = np.arange(1, n)
-        cost = i * head[:-1] + (n - i) * tail[1:]
-        whole = n * int(head[-1])
-        if n > 1:
-            k = int(cost.argmin())
-            if whole - int(cost[k]) > split_rows:
-                out += [
-                    (start, start + k + 1, int(head[k])),
-                    (start + k + 1, start + n, int(tail[k + 1])),
-                ]
-                continue
-        out.append((start, start + n, int(head[-1])))
+    for start in range(0, len(counts), cap):
+        c = counts[start : start + cap]
+        head = np.maximum.accumulate(c)  # the fullest of slots start … start + i
+        tail = np.maximum.accumulate(c[::-1])[::-1]  # … of slots start + i …
+        cut = np.arange(1, len(c))
+        padded = cut * head[:-1] + (len(c) - cut) * tail[1:]
+        k = int(padded.argmin()) if len(c) > 1 else 0
+        if len(c) > 1 and len(c) * int(head[-1]) - int(padded[k]) > split_rows:
+            out += [
+                (start, start + k + 1, int(head[k])),
+                (start + k + 1, start + len(c), int(tail[k + 1])),
+            ]
+        else:
+            out.append((start, start + len(c), int(head[-1])))
     return out
 
 
@@ -211,7 +224,7 @@ def train_nextword(
     state = _Stacked(E, W, np.empty(min(m, cap) * batch * V, dtype), np.full(m, np.nan))
     for t in range(len(plan.active) - 1):
         a = int(plan.active[t])
-        for start, stop, rows in split_tick(plan.counts[:a, t], cap):
+        for start, stop, rows in tick_slices(plan.counts[:a, t], cap):
             _step(state, plan, t, start, stop, rows)
     slot = np.argsort(plan.order)  # the slot of each client
     deltas = [E[:, :, :D] - E0, W[:, :D] - W0, W[:, D] - b0]
