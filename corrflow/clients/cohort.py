@@ -300,9 +300,9 @@ def _exp_logits(h: np.ndarray, W: np.ndarray, P: np.ndarray) -> np.ndarray:
     max-shifted form is computed."""
     ones = np.ones(P.shape[-1], P.dtype)
     np.matmul(h, W, out=P)
-    with np.errstate(over="ignore", under="ignore"):
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         np.exp(P, out=P)
-    s = P @ ones
+        s = P @ ones
     if np.isfinite(s).all() and s.min(initial=np.inf) > SUM_FLOOR:
         return s
     np.matmul(h, W, out=P)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
 from corrflow.run import Reply, RoundPlan, Run, RunLock, open_run_directory, prepare
 from corrflow.run.evaluation import ScheduledEvaluation
+from corrflow.strategies.canaries import CanaryPlan, canary_arrays
 
 log = logging.getLogger("corrflow")
 
@@ -66,11 +68,45 @@ def check_supported(cfg: RunConfig) -> None:
             "--identity",
             f"{IDENTITY} (the simulated users' ids) or unset",
         ),
+        (
+            cfg.reply_kind != "weights",
+            "--replies",
+            "weights (the cohort engine replies with the new weights, as corrflow's ClientApps do)",
+        ),
     )
     for refused, flag, expected in refusals:
         if refused:
             value = getattr(cfg, flag.lstrip("-").replace("-", "_"), None)
             raise InvalidArgumentError(flag, expected, value)
+
+
+@dataclass(frozen=True)
+class Canaries:
+    """An audit's inserted canaries (`corrflow.server.audit`) on the cohort engine: each answers
+    every round it is asked with `corrflow.strategies.canaries.canary_arrays`, as its ClientApp
+    does on the per-client path.
+
+    Attributes:
+        plan: the audit's canaries.
+        nodes: partition index → candidate index, one per inserted canary.
+        clip_norm: ζ.
+    """
+
+    plan: CanaryPlan
+    nodes: dict[int, int]
+    clip_norm: float
+
+
+class RunView:
+    """A cohort run as a Flower strategy shows it to ``on_round_end`` callbacks and the audit's
+    analysis (`corrflow.strategies.canaries.RoundCapture`, ``analyse``): the run, its cohort
+    planner and the current model."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    planner = property(lambda self: self.run.plan.planner)
+    params = property(lambda self: self.run.state.params)
 
 
 class CohortTrainer:
@@ -80,10 +116,13 @@ class CohortTrainer:
         cfg: the run's settings.
         task: corrflow's task for them (`corrflow.clients.tasks.task_for`).
         names: the model's array names, in order (the run's layout).
+        canaries: an audit's canaries among the partitions (they answer, they do not train).
     """
 
-    def __init__(self, cfg: RunConfig, task: Task, names: tuple[str, ...]):
-        self.cfg, self.names = cfg, names
+    def __init__(
+        self, cfg: RunConfig, task: Task, names: tuple[str, ...], canaries: Canaries | None = None
+    ):
+        self.cfg, self.names, self.canaries = cfg, names, canaries
         if cfg.client == "nextword":
             self.data = nextword_data(task.user_data)
         else:
@@ -99,18 +138,24 @@ class CohortTrainer:
         return train_regression(sent, data, cfg.local_lr, cfg.local_steps)
 
     def replies(self, sent: list[np.ndarray], plan: RoundPlan) -> list[Reply]:
-        """The cohort's replies to the routed ``plan``: per node, the new weights (the model sent
-        plus the update, float32, as the ClientApps reply) and the reply's metrics."""
+        """The cohort's replies to the routed ``plan``, in node order: per node, the new weights
+        (the model sent plus the update, float32, as the ClientApps reply) and the reply's metrics;
+        a canary's answer for a canary node."""
         nodes = sorted(plan.expected)
-        if not nodes:
-            return []
-        result = self.train(sent, nodes, plan.round)
-        return [
-            Reply(node, plan.owners[node], self.names, new, metrics)
-            for node, new, metrics in zip(
-                nodes, result.new_weights(sent), result.metrics, strict=True
+        canary = self.canaries.nodes if self.canaries else {}
+        users = [n for n in nodes if n not in canary]
+        answers: dict[int, tuple[list[np.ndarray], dict]] = {}
+        if users:
+            result = self.train(sent, users, plan.round)
+            answers.update(
+                zip(users, zip(result.new_weights(sent), result.metrics, strict=True), strict=True)
             )
-        ]
+        for node in nodes:
+            if node in canary:
+                c = self.canaries
+                arrays = canary_arrays(list(sent), c.plan, canary[node], c.clip_norm)
+                answers[node] = (arrays, {"num-examples": 1})
+        return [Reply(node, plan.owners[node], self.names, *answers[node]) for node in nodes]
 
 
 def run_cohort(
@@ -120,6 +165,8 @@ def run_cohort(
     fresh: bool = False,
     stop_event: threading.Event | None = None,
     on_round_end: Callable[[dict], None] | None = None,
+    on_start: Callable[[Run], None] | None = None,
+    canaries: Canaries | None = None,
 ) -> Run:
     """Run (or resume) ``cfg`` in its run directory on the cohort engine, under the directory's
     lock; the report and metrics are written whatever happens.
@@ -130,6 +177,9 @@ def run_cohort(
         fresh: move an earlier run aside first.
         stop_event: set by a signal handler: the run stops after the round in progress.
         on_round_end: called with each round's published metrics.
+        on_start: called with the run once it has started, before its first round (the audit
+            reads each released model from it).
+        canaries: an audit's canaries among the partitions.
 
     Returns:
         The run, complete or stopped.
@@ -152,8 +202,11 @@ def run_cohort(
             plan, initial, resume, noise_key=noise_key, evaluate=evaluate, on_round_end=on_round_end
         )
         evaluate.bind(run)
+        if on_start is not None:
+            on_start(run)
+        trainer = CohortTrainer(cfg, task, plan.layout.keys, canaries)
         try:
-            _rounds(run, CohortTrainer(cfg, task, plan.layout.keys), len(users), stop)
+            _rounds(run, trainer, len(users), stop)
         finally:
             run.write_report()
             run.write_metrics()
