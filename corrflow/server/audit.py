@@ -4,10 +4,11 @@ its ε.
 The run is an ordinary in-process simulation (the production server code path from sampling to
 release: on the per-client path, `InProcessGrid`, or on the cohort engine, ``--backend cohort``)
 whose population holds, besides the real users, the *inserted* canaries: one SuperNode each,
-scheduled, clipped, noised and accounted exactly like a real user. A canary's ClientApp does no training: it returns the model it was sent plus
-ζ·c_j, its fixed unit direction c_j scaled to the clip norm ζ, in every round it is asked (Andrew et
-al., arXiv 2302.03098). The *held-out* canaries — the candidates whose coin came up "out" (Steinke
-et al., arXiv 2305.08846) — never take part; their directions are the null.
+scheduled, clipped, noised and accounted exactly like a real user. A canary does no training: it
+returns the model it was sent plus ζ·c_j, its fixed unit direction c_j scaled to the clip norm ζ, in
+every round it is asked (Andrew et al., arXiv 2302.03098). The *held-out* canaries — the candidates
+whose coin came up "out" (Steinke et al., arXiv 2305.08846) — never take part; their directions are
+the null.
 
 After the run, the per-round model changes D_t = θ_{t+1} − θ_t (what an adversary who sees every
 released model sees) are scored per canary with the whitened matched filter of

@@ -38,6 +38,8 @@ log = logging.getLogger("corrflow")
 #: How the in-process and Flower simulation engines name a simulated user (identity partition-id).
 IDENTITY = "partition-id"
 INTERRUPTED = "interrupted by the operator (SIGINT/SIGTERM)"
+#: The clients the cohort engine trains: corrflow's own tasks.
+COHORT_CLIENTS = ("numpy", "nextword")
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -57,7 +59,7 @@ def check_supported(cfg: RunConfig) -> None:
             "0 (the cohort engine runs without Ray; the noise is drawn in process)",
         ),
         (
-            cfg.client not in ("numpy", "nextword"),
+            cfg.client not in COHORT_CLIENTS,
             "--client",
             "numpy or nextword (the cohort engine trains corrflow's own tasks; Keras models and "
             "the wrapper's ClientApps run on --backend inprocess or flower)",
@@ -117,12 +119,19 @@ class CohortTrainer:
         task: corrflow's task for them (`corrflow.clients.tasks.task_for`).
         names: the model's array names, in order (the run's layout).
         canaries: an audit's canaries among the partitions (they answer, they do not train).
+        dtype: the next-word model's arithmetic (float32; float64 for the proxy run's
+            finite-difference probes).
     """
 
     def __init__(
-        self, cfg: RunConfig, task: Task, names: tuple[str, ...], canaries: Canaries | None = None
+        self,
+        cfg: RunConfig,
+        task: Task,
+        names: tuple[str, ...],
+        canaries: Canaries | None = None,
+        dtype: type = np.float32,
     ):
-        self.cfg, self.names, self.canaries = cfg, names, canaries
+        self.cfg, self.names, self.canaries, self.dtype = cfg, names, canaries, dtype
         if cfg.client == "nextword":
             self.data = nextword_data(task.user_data)
         else:
@@ -134,7 +143,9 @@ class CohortTrainer:
         cfg, data = self.cfg, [self.data(u) for u in users]
         if cfg.client == "nextword":
             shuffles = [(cfg.seed, u, round_index + 1) for u in users]
-            return train_nextword(sent, data, shuffles, cfg.local_lr, cfg.local_steps)
+            return train_nextword(
+                sent, data, shuffles, cfg.local_lr, cfg.local_steps, dtype=self.dtype
+            )
         return train_regression(sent, data, cfg.local_lr, cfg.local_steps)
 
     def replies(self, sent: list[np.ndarray], plan: RoundPlan) -> list[Reply]:

@@ -74,7 +74,7 @@ from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
 from corrflow.planning.score import Damping
 from corrflow.run.journal import JOURNAL
-from corrflow.server.proxy import damping_for
+from corrflow.server.proxy import COHORT_CLIENTS, damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 from corrflow.server.verdict import DECIDED, undecided, verdict, verdict_lines
 
@@ -680,7 +680,7 @@ def compare(
     if settings is not None:  # what a rerun must match to continue this comparison
         write_json(out / SETTINGS_FILE, settings, indent=1)
     cache = PlanCache(default_cache_dir(out))
-    damping = preset_damping(preset, out)
+    damping = preset_damping(preset, out, backend)
     if progress is not None:
         progress(f"planner's score: closed-loop final error at {damping.describe()}")
     plans = {}
@@ -804,11 +804,13 @@ def compare(
     return result
 
 
-def preset_damping(preset: Preset, out: Path) -> Damping:
+def preset_damping(preset: Preset, out: Path, backend: str = "inprocess") -> Damping:
     """The κ the comparison's plan arm ranks by: the preset's declared κ; else measured on its
     public proxy file; else, for a synthetic task, on the generator with another seed
     (`corrflow.server.proxy.PROXY_SEED`); else (a private ``--data`` file and no proxy) the
-    default assumption — never measured on the data the arms train on."""
+    default assumption — never measured on the data the arms train on. The proxy run trains on
+    the cohort engine when the arms do (``backend`` cohort) and it trains the client, else in
+    process."""
     cfg = arm_config(preset, NONPRIVATE, 0, out)  # its data files are never read here
     return damping_for(
         cfg,
@@ -818,6 +820,7 @@ def preset_damping(preset: Preset, out: Path) -> Damping:
         proxy_data=preset.proxy_data,
         proxy_vocab=preset.proxy_vocab,
         synthetic_proxy=not preset.data_path,
+        backend="cohort" if backend == "cohort" and cfg.client in COHORT_CLIENTS else "inprocess",
     )
 
 
