@@ -7,7 +7,9 @@ inprocess``) and Flower's simulation engine (Ray), printed as one JSON object.
   `corrflow.run.Reply`; on the cohort engine the whole cohort's batched local SGD, its per-user
   data cache and the Reply arrays. Both train the same cohorts of the stackoverflow preset's model
   (nextword, d = 6,732, m = 44) over a miniature of its schedule: G groups of m users, each trained
-  k = 6 times (so the cohort engine's data cache is hit 5 times in 6, as in the full run).
+  k = 6 times (so the cohort engine's data cache is hit 5 times in 6, as in the full run). Each
+  engine first trains one untimed round of m other users (imports, first calls, numba loading its
+  cached kernels: ``cohort_warm_up_round_cpu_s``), so no timed user's data is built beforehand.
 * ``run_speedup`` — whole-run CPU of ``simulate --preset stackoverflow`` (``--eval-every`` as the
   preset sets it) on both engines. The per-client run of 2,052 rounds costs tens of CPU-minutes
   on this machine, so both run the same prefix of ``--rounds`` rounds of the real preset (same

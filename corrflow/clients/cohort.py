@@ -129,7 +129,20 @@ def minibatch_schedule(
     dtype: type,
 ) -> MinibatchSchedule:
     """The round's `MinibatchSchedule`: each client's generator ``(*shuffle, 400)`` draws one
-    permutation of its pairs per epoch, as `corrflow.clients.nextword_client.local_train` does."""
+    permutation of its pairs per epoch, as `corrflow.clients.nextword_client.local_train` does.
+
+    Args:
+        data: per client, (previous words, next words, sentence count).
+        shuffles: per client, its data-order seed.
+        lr: the local learning rate (folded into the rows' weights).
+        steps: local epochs.
+        batch: the minibatch size.
+        vocab: V, the stride of a slot's rows in the stacked embeddings.
+        dtype: the weights' float type.
+
+    Returns:
+        The schedule, its slots sorted by pair count (most first).
+    """
     lengths = np.array([len(d[0]) for d in data], np.int64)
     m, per_epoch = len(data), -(-lengths // batch)
     order = np.argsort(-lengths, kind="stable")
