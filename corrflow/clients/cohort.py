@@ -70,23 +70,41 @@ class UserData:
     """Each user's training arrays, built on first use by ``build`` (the task's ``user_data``) and
     kept for the run — the per-client path rebuilds them in every round a user trains."""
 
-    def __init__(self, build: Callable[[int], tuple], prepare: Callable[[tuple], tuple]):
-        self._build, self._prepare = build, prepare
+    def __init__(
+        self,
+        build: Callable[[int], tuple],
+        prepare: Callable[[tuple], tuple],
+        build_many: Callable[[list[int]], list[tuple]] | None = None,
+    ):
+        self._build, self._prepare, self._build_many = build, prepare, build_many
         self._cache: dict[int, tuple] = {}
 
     def __call__(self, user: int) -> tuple:
         """The prepared arrays of ``user`` (a partition index)."""
         got = self._cache.get(user)
         if got is None:
-            raw = self._build(user)
-            got = self._cache[user] = (*self._prepare(raw), len(raw[-1]))
+            got = self._cache[user] = self._prepared(self._build(user))
         return got
 
+    def many(self, users: Sequence[int]) -> list[tuple]:
+        """The prepared arrays of each of ``users``; those not yet built are built together when
+        the task can (``build_many``: the task's ``users_data``)."""
+        new = [u for u in dict.fromkeys(users) if u not in self._cache]
+        if new and self._build_many is not None:
+            for user, raw in zip(new, self._build_many(new), strict=True):
+                self._cache[user] = self._prepared(raw)
+        return [self(u) for u in users]
 
-def nextword_data(build: Callable[[int], tuple]) -> UserData:
+    def _prepared(self, raw: tuple) -> tuple:
+        return (*self._prepare(raw), len(raw[-1]))
+
+
+def nextword_data(
+    build: Callable[[int], tuple], build_many: Callable[[list[int]], list[tuple]] | None = None
+) -> UserData:
     """User data for the next-word task: the (previous, next) word pairs of the user's sentences
     (PAD targets dropped, as the per-client path does) and the sentence count."""
-    return UserData(build, lambda raw: _pairs(raw[0]))
+    return UserData(build, lambda raw: _pairs(raw[0]), build_many)
 
 
 def regression_data(build: Callable[[int], tuple]) -> UserData:

@@ -133,14 +133,14 @@ class CohortTrainer:
     ):
         self.cfg, self.names, self.canaries, self.dtype = cfg, names, canaries, dtype
         if cfg.client == "nextword":
-            self.data = nextword_data(task.user_data)
+            self.data = nextword_data(task.user_data, task.users_data)
         else:
             self.data = regression_data(task.user_data)
 
     def train(self, sent: list[np.ndarray], users: list[int], round_index: int) -> CohortResult:
         """Local training of ``users`` (partition indices) from the model ``sent`` in round
         ``round_index`` (0-based), each with the per-client path's data order."""
-        cfg, data = self.cfg, [self.data(u) for u in users]
+        cfg, data = self.cfg, self.data.many(users)
         if cfg.client == "nextword":
             shuffles = [(cfg.seed, u, round_index + 1) for u in users]
             return train_nextword(
