@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
 
 import numpy as np
 
-from corrflow.clients.tasks import get_task
+from corrflow.clients.tasks import Task, get_task
 from corrflow.config import RunConfig
 from corrflow.errors import require
 from corrflow.fileio import write_json
@@ -133,7 +134,7 @@ def _check_auditable(cfg: RunConfig) -> None:
     )
 
 
-def _flat_floats(arrays) -> np.ndarray:
+def _flat_floats(arrays: list[np.ndarray]) -> np.ndarray:
     """The floating-point arrays of a model, flattened into one float64 vector."""
     return np.concatenate(
         [
@@ -144,7 +145,16 @@ def _flat_floats(arrays) -> np.ndarray:
     )
 
 
-def _train_per_client(cfg, task, plan, real, capture, noise_key, quiet, stop):
+def _train_per_client(
+    cfg: RunConfig,
+    task: Task,
+    plan: CanaryPlan,
+    real: int,
+    capture: RoundCapture,
+    noise_key: bytes | None,
+    quiet: bool,
+    stop: threading.Event,
+):
     """The audit's run on the per-client path: the canaries are ClientApps of the in-process
     grid (node config `CANARY_KEY`). Returns the strategy that ran it."""
     node_config = {real + r: {CANARY_KEY: j} for r, j in enumerate(plan.inserted_ids)}
@@ -161,7 +171,16 @@ def _train_per_client(cfg, task, plan, real, capture, noise_key, quiet, stop):
     )
 
 
-def _train_cohort(cfg, task, plan, real, capture, noise_key, quiet, stop):
+def _train_cohort(
+    cfg: RunConfig,
+    task: Task,
+    plan: CanaryPlan,
+    real: int,
+    capture: RoundCapture,
+    noise_key: bytes | None,
+    quiet: bool,
+    stop: threading.Event,
+):
     """The audit's run on the cohort engine: the canaries answer beside the trained cohort
     (`corrflow.server.cohort_backend.Canaries`). Returns the run's `RunView`."""
     from corrflow.server.app import run_cohort_server

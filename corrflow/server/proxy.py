@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from corrflow.clients.tasks import get_task
+from corrflow.clients.tasks import Task, get_task
 from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, train_clients_count
 from corrflow.errors import DataFormatError, InvalidArgumentError, require
@@ -152,7 +152,7 @@ def _proxy_users(
 
 
 def _client_app_replies(
-    cfg: RunConfig, task, users: int, seed: int, proxy_data: str, proxy_vocab: str
+    cfg: RunConfig, task: Task, users: int, seed: int, proxy_data: str, proxy_vocab: str
 ) -> Replies:
     """`Replies` from the task's own ClientApp, one Flower message per user."""
     train = task.handlers["train"]
@@ -193,7 +193,7 @@ def _client_app_replies(
     return replies
 
 
-def _cohort_replies(cfg: RunConfig, task, seed: int) -> Replies:
+def _cohort_replies(cfg: RunConfig, task: Task, seed: int) -> Replies:
     """`Replies` from the cohort engine (`corrflow.server.cohort_backend.CohortTrainer`): the
     same data order as the ClientApp's (its ``seed`` is the proxy's), in float64 like the
     ClientApp's arithmetic, since κ's probes difference nearby models."""
