@@ -411,3 +411,31 @@ def test_consistent_verdict_explains_an_estimate_above_the_claim():
     assert _verdict(1.0, st.Estimate(1.6, (1.1, 2.0), 2.0, 1.0, 0.0, 1.0), lower).startswith(
         "SUSPECT"
     )
+
+
+def test_cohort_engine_audits_the_same_run(tmp_path):
+    """--backend cohort trains the real users together and lets the canaries answer beside them:
+    the same released models as the per-client path (within the engines' 1e-5), so the same
+    audit."""
+    per_client = _audit("dpsgd", tmp_path / "inprocess", plot=False)
+    cohort = _audit("dpsgd", tmp_path / "cohort", plot=False, backend="cohort")
+    assert cohort["canaries"] == per_client["canaries"]
+    assert cohort["epsilon_claimed"] == per_client["epsilon_claimed"]
+    for key in ("epsilon_estimate", "epsilon_lower"):
+        assert cohort[key] == pytest.approx(per_client[key], rel=1e-3, abs=1e-3)
+    w, v = cohort["statistics"]["whitened"], per_client["statistics"]["whitened"]
+    assert w["null_mean"] == pytest.approx(v["null_mean"], abs=1e-3)
+
+
+def test_audit_refuses_an_engine_it_cannot_train_on(tmp_path):
+    from corrflow.server.cli import app
+
+    for args, flag in (
+        (["--backend", "flower"], "--backend"),
+        (["--backend", "cohort", "--client", "keras"], "--client"),
+    ):
+        out = tmp_path / "bad"
+        res = CliRunner().invoke(app, ["audit", "--canaries", "100", *args, "--out", str(out)])
+        assert res.exit_code == 2, res.output
+        assert flag in res.output
+        assert not out.exists()

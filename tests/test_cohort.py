@@ -86,6 +86,30 @@ def test_each_client_update_matches_the_client_app(client):
         assert len(sizes) > 1  # the cohort really was ragged
 
 
+@pytest.mark.parametrize("shift", [800.0, -800.0])
+def test_logits_past_exp_range_fall_back_to_the_shifted_softmax(shift):
+    """Softmax ignores a constant added to every logit; exp does not (float64's overflows past
+    709, and every term underflows below −745): the engine falls back to the max-shifted softmax
+    and still matches the per-client path, which always shifts (its update itself: the reply's
+    b near ±800 is rounded to float32's 6e-5 steps)."""
+    from corrflow.clients.cohort import nextword_data, train_nextword
+    from corrflow.clients.nextword_client import local_train
+
+    cfg = RunConfig(client="nextword", num_users=20, local_steps=2, seed=3)
+    task = task_for(cfg)
+    rng = np.random.default_rng(7)
+    sent = [(w + 0.2 * rng.normal(size=w.shape)).astype(np.float32) for w in task.initial_weights()]
+    sent[2] = sent[2] + np.float32(shift)
+    users, data = [0, 5, 11], nextword_data(task.user_data)
+    shuffles = [(cfg.seed, u, 1) for u in users]
+    result = train_nextword(
+        sent, [data(u) for u in users], shuffles, cfg.local_lr, 2, dtype=np.float64
+    )
+    for user, shuffle, delta in zip(users, shuffles, result.deltas, strict=True):
+        expected, _ = local_train(sent, task.user_data(user)[0], cfg.local_lr, 2, shuffle=shuffle)
+        assert relative(delta, expected) <= TOLERANCE
+
+
 def test_ragged_regression_data_is_padded_and_masked():
     from corrflow.clients.cohort import train_regression
     from corrflow.clients.numpy_client import local_update

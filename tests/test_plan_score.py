@@ -221,6 +221,32 @@ def test_kappa_on_the_synthetic_proxy_is_deterministic():
     assert a.details["isotropic_mean_kappa"] < a.kappa  # curvature-weighted ≥ the isotropic mean
 
 
+def test_kappa_on_the_cohort_engine_matches_the_client_apps():
+    """The proxy run on the cohort engine: the same users, data order and float64 arithmetic as the
+    ClientApps, so the same κ (the probes difference nearby models; the replies agree up to their
+    float32 rounding)."""
+    from corrflow.server.compare import NONPRIVATE, PRESETS, arm_config
+    from corrflow.server.proxy import proxy_damping
+
+    p = PRESETS["tiny"]
+    cfg = arm_config(p, NONPRIVATE, 0, "unused")
+    a = proxy_damping(cfg, p.users, p.cohort)
+    b = proxy_damping(cfg, p.users, p.cohort, backend="cohort")
+    assert b.kappa == a.kappa
+    assert b.details["measured_kappa"] == pytest.approx(a.details["measured_kappa"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "extra", [("--backend", "flower"), ("--backend", "cohort", "--client", "keras")]
+)
+def test_plan_refuses_a_proxy_engine_it_cannot_train_on(tmp_path, extra):
+    """κ's proxy run trains in this process, on ClientApps or (numpy and nextword) the cohort
+    engine: anything else is refused before anything is written, naming --backend."""
+    r = _plan(tmp_path, *extra)
+    assert r.returncode == 2, r.stderr
+    assert "--backend" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_closed_loop_error_without_the_dense_encoder(monkeypatch):
     """Above the encoders' DENSE_LIMIT the score solves block by block; the same value (a banded
     inverse has no transposed solve)."""

@@ -48,6 +48,13 @@ Plan = Annotated[
         help="a recipe written by `corrflow plan` (OUT/recipe.json), as for `corrflow simulate`"
     ),
 ]
+AuditBackend = Annotated[
+    str,
+    typer.Option(
+        help="inprocess: one Flower message per client; cohort: a round's clients trained "
+        "together (numpy and nextword tasks), as `corrflow simulate --backend cohort`"
+    ),
+]
 
 
 def audit(
@@ -61,6 +68,7 @@ def audit(
         bool, typer.Option("--json", help="print the audit as one JSON object")
     ] = False,
     plan: Plan = None,
+    backend: AuditBackend = "inprocess",
     **settings,
 ) -> None:
     """Empirical privacy audit: train once, in process, with canary users added to the population
@@ -83,12 +91,13 @@ def audit(
         cfg = simulate_config(ctx, settings, plan, fresh=True)
         check_first_round(cfg)
         _check_audit_fits(cfg, canaries)
+        _check_backend(cfg, backend)
     except InvalidArgumentError as exc:
         fail(as_flag(exc))
     except (CorrflowError, IntegrityError) as exc:
         fail(exc, settings)
     with refusal_leaves(Path(cfg.state_dir)):
-        _run_audit(cfg, canaries, audit_seed, plot, verbose is True, as_json)
+        _run_audit(cfg, canaries, audit_seed, plot, verbose is True, as_json, backend)
 
 
 def _check_canaries(canaries: int, mode: str | None) -> None:
@@ -120,8 +129,22 @@ def _check_audit_fits(cfg: RunConfig, canaries: int) -> None:
     )
 
 
+def _check_backend(cfg: RunConfig, backend: str) -> None:
+    """An engine the audit trains on, serving these settings."""
+    # The audit's module loads Flower: only when an audit starts.
+    from corrflow.server.audit import check_audit_backend
+
+    check_audit_backend(cfg, backend)
+
+
 def _run_audit(
-    cfg: RunConfig, canaries: int, audit_seed: int | None, plot: bool, verbose: bool, as_json: bool
+    cfg: RunConfig,
+    canaries: int,
+    audit_seed: int | None,
+    plot: bool,
+    verbose: bool,
+    as_json: bool,
+    backend: str = "inprocess",
 ) -> None:
     """Run the audit, print it, and exit with the code its verdict earned."""
     # The audit trains a run in process, with Flower's messages: only when an audit starts.
@@ -129,7 +152,7 @@ def _run_audit(
     from corrflow.server.simulation import RunInterruptedError
 
     try:
-        result = run_audit(cfg, canaries, audit_seed, verbose=verbose, plot=plot)
+        result = run_audit(cfg, canaries, audit_seed, backend=backend, verbose=verbose, plot=plot)
     except RunInterruptedError as exc:
         typer.echo(f"interrupted: {exc}; no audit was computed", err=True)
         raise typer.Exit(code=130) from None

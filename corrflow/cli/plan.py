@@ -78,6 +78,13 @@ ProxyData = Annotated[
 ProxyVocab = Annotated[
     Path | None, typer.Option(help="the vocabulary of --proxy-data (corrflow data vocab)")
 ]
+ProxyBackend = Annotated[
+    str,
+    typer.Option(
+        help="the engine of κ's proxy run: inprocess (a ClientApp message per user) or cohort (a "
+        "round's users trained together; numpy and nextword clients)"
+    ),
+]
 Out = Annotated[
     Path, typer.Option(help="output directory: recipe.json, factorization.npz, plan.json, plots")
 ]
@@ -104,6 +111,7 @@ def plan(
     kappa: Kappa = None,
     proxy_data: ProxyData = None,
     proxy_vocab: ProxyVocab = None,
+    backend: ProxyBackend = "inprocess",
     out: Out = Path("corrflow_plan"),
     cache_dir: CacheDir = None,
     plots: Annotated[bool, typer.Option(help="write the PNG plots")] = True,
@@ -124,6 +132,7 @@ def plan(
     try:
         cfg, users, model_dim = _plan_settings(settings)
         _check_kappa_source(cfg, kappa, proxy_data, proxy_vocab)
+        _check_backend(cfg, backend)
         req = PlanRequest(
             rounds=cfg.num_rounds,
             population=users,
@@ -144,7 +153,7 @@ def plan(
         field = _PLAN_FLAGS.get(exc.field, exc.field)
         flag = field if field.startswith("--") else "--" + field.replace("_", "-")
         fail(InvalidArgumentError(flag, exc.expected, exc.got))
-    req = _with_damping(req, cfg, kappa, proxy_data, proxy_vocab, quiet)
+    req = _with_damping(req, cfg, kappa, (proxy_data, proxy_vocab, backend), quiet)
     doc = _write_plan(req, cfg, model_dim, out, cache_dir, plots, quiet)
     if as_json:
         emit(doc, True)
@@ -195,18 +204,27 @@ def _check_kappa_source(
     check_proxy_files(proxy_data, proxy_vocab, kappa)
 
 
+def _check_backend(cfg: RunConfig, backend: str) -> None:
+    """An engine the proxy run can train the --client on."""
+    # The proxy run's module loads Flower: only when a plan runs.
+    from corrflow.server.proxy import check_proxy_backend
+
+    check_proxy_backend(cfg.client, backend)
+
+
 def _with_damping(
     req: PlanRequest,
     cfg: RunConfig,
     kappa: float | None,
-    proxy_data: Path | None,
-    proxy_vocab: Path | None,
+    proxy: tuple[Path | None, Path | None, str],
     quiet: bool,
 ) -> PlanRequest:
-    """The request with the planner's κ: declared, measured on the proxy data, or assumed."""
+    """The request with the planner's κ: declared, measured on the proxy data (``proxy``: the
+    file, its vocabulary and the engine), or assumed."""
     # Flower's in-process engine measures κ on the proxy data: imported only when a plan runs.
     from corrflow.server.proxy import damping_for
 
+    proxy_data, proxy_vocab, backend = proxy
     try:
         if proxy_data is not None and not quiet:
             typer.echo("plan: measuring κ on the proxy data (a non-private run) …", err=True)
@@ -217,6 +235,7 @@ def _with_damping(
             kappa=kappa,
             proxy_data=str(proxy_data or ""),
             proxy_vocab=str(proxy_vocab or ""),
+            backend=backend,
         )
         return dataclasses.replace(req, damping=damping)  # refuses a κ training diverges at
     except (CorrflowError, DataFormatError) as exc:

@@ -3,13 +3,19 @@ engine, ``--backend cohort``).
 
 Each client trains exactly as on the per-client path — the same data, the same data order (its
 own generator seeded by (seed, user, round)), the same local steps and minibatches — but the m
-clients' minibatch steps run together as batched matrix products over weights stacked along a
-leading client axis (numpy ``matmul``/``einsum``). The next-word model trains in float32 (the
-per-client path computes in float64: each update differs from it by about 5e-7 of its ℓ2 norm,
-and float32 halves the batched step's CPU); the regression model in float64. Ragged user
-data is padded to the cohort's longest and masked: a padded position, or a client whose epoch has
-no batch left, contributes an exact zero, so it changes nothing. No Flower message is built: the
-replies are the new weights the per-client ClientApp would send, as arrays.
+clients' minibatch steps run together as batched matrix products (numpy ``matmul``, BLAS) over
+weights stacked along a leading client axis. The next-word model trains in float32 (the
+per-client path computes in float64: each update differs from it by about 4e-7 of its ℓ2 norm);
+the regression model in float64.
+
+Next-word clients are sorted by pair count and step through their minibatches tick by tick (a
+client's s-th minibatch at tick s), so the clients still training at a tick are a prefix of the
+stack and train on views, not copies. A minibatch shorter than its step's rows (the last of an
+epoch) is padded with rows of weight zero, which contribute exact zeros. The softmax is left
+unnormalised (`_step`), and the two scatters numpy has no one-pass form for (a row's target
+entry, the embedding rows' repeated updates) are small numba loops. Regression data is padded to
+the cohort's longest and masked. No Flower message is built: the replies are the new weights the
+per-client ClientApp would send, as arrays.
 
 Per-user data is built once per process and kept (`UserData`); the synthetic generators and the
 real-format files (``--data``) both go through the task's ``user_data``.
@@ -17,50 +23,88 @@ real-format files (``--data``) both go through the task's ``user_data``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from corrflow.clients.nextword_client import _pairs
 
 #: The per-client path's minibatch size (``corrflow.clients.nextword_client.local_train``).
 NEXTWORD_BATCH = 64
-#: Clients whose minibatches have about as many rows (to this multiple) train in one batched step.
-ROW_GROUP = 16
+#: A row whose Σ exp(logit) falls below this has terms under float32's normal range: the tick is
+#: recomputed with the max-shifted softmax (as it is when a logit overflows exp).
+SUM_FLOOR = 1e-25
+#: At most this many probabilities (clients · rows · V) are held at once: the clients of a tick are
+#: trained in chunks under it (64 MB in float32; at V = 10,004 a chunk of 26 clients).
+PROBABILITY_FLOATS = 16 * 2**20
+#: A tick's slots train in two batched steps, not one, where that pads this many rows fewer: a
+#: step costs about as much fixed CPU as this many rows (measured on the stackoverflow preset).
+SPLIT_ROWS = 128
 
 
 @dataclass(frozen=True)
 class CohortResult:
-    """The cohort's local training: per client, the update (float32, model-shaped, in model order)
-    and the metrics its reply carries."""
+    """The cohort's local training: the updates new − old (float32), stacked per model array along
+    a leading axis whose row ``slot[i]`` is client i's, and the metrics each client's reply
+    carries."""
 
-    deltas: list[list[np.ndarray]]
+    stacked: list[np.ndarray]
+    slot: np.ndarray
     metrics: list[dict]
+
+    @property
+    def deltas(self) -> list[list[np.ndarray]]:
+        """Per client, its update, model-shaped, in model order."""
+        return [[a[j] for a in self.stacked] for j in self.slot]
+
+    def new_weights(self, sent: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+        """Per client, the model it replies: ``sent`` plus its update, added as the per-client
+        ClientApp adds them."""
+        new = [np.asarray(s) + d for s, d in zip(sent, self.stacked, strict=True)]
+        return [[a[j] for a in new] for j in self.slot]
 
 
 class UserData:
     """Each user's training arrays, built on first use by ``build`` (the task's ``user_data``) and
     kept for the run — the per-client path rebuilds them in every round a user trains."""
 
-    def __init__(self, build: Callable[[int], tuple], prepare: Callable[[tuple], tuple]):
-        self._build, self._prepare = build, prepare
+    def __init__(
+        self,
+        build: Callable[[int], tuple],
+        prepare: Callable[[tuple], tuple],
+        build_many: Callable[[list[int]], list[tuple]] | None = None,
+    ):
+        self._build, self._prepare, self._build_many = build, prepare, build_many
         self._cache: dict[int, tuple] = {}
 
     def __call__(self, user: int) -> tuple:
         """The prepared arrays of ``user`` (a partition index)."""
         got = self._cache.get(user)
         if got is None:
-            raw = self._build(user)
-            got = self._cache[user] = (*self._prepare(raw), len(raw[-1]))
+            got = self._cache[user] = self._prepared(self._build(user))
         return got
 
+    def many(self, users: Sequence[int]) -> list[tuple]:
+        """The prepared arrays of each of ``users``; those not yet built are built together when
+        the task can (``build_many``: the task's ``users_data``)."""
+        new = [u for u in dict.fromkeys(users) if u not in self._cache]
+        if new and self._build_many is not None:
+            for user, raw in zip(new, self._build_many(new), strict=True):
+                self._cache[user] = self._prepared(raw)
+        return [self(u) for u in users]
 
-def nextword_data(build: Callable[[int], tuple]) -> UserData:
+    def _prepared(self, raw: tuple) -> tuple:
+        return (*self._prepare(raw), len(raw[-1]))
+
+
+def nextword_data(
+    build: Callable[[int], tuple], build_many: Callable[[list[int]], list[tuple]] | None = None
+) -> UserData:
     """User data for the next-word task: the (previous, next) word pairs of the user's sentences
     (PAD targets dropped, as the per-client path does) and the sentence count."""
-    return UserData(build, lambda raw: _pairs(raw[0]))
+    return UserData(build, lambda raw: _pairs(raw[0]), build_many)
 
 
 def regression_data(build: Callable[[int], tuple]) -> UserData:
@@ -68,18 +112,107 @@ def regression_data(build: Callable[[int], tuple]) -> UserData:
     return UserData(build, lambda raw: (raw[0].astype(np.float64), raw[1].astype(np.float64)))
 
 
-def epoch_orders(rngs: Sequence[np.random.Generator], lengths: np.ndarray, batch: int):
-    """One epoch's data order of every client, padded: positions (m, slots) into each client's
-    pairs (0 where padded) and the mask of real ones; slots is a multiple of ``batch`` covering
-    the longest client. Each client's generator draws its permutation as the per-client path does.
+@dataclass(frozen=True)
+class MinibatchSchedule:
+    """Every minibatch of a round's clients, by tick: client slot j (the clients sorted by pair
+    count, most first: ``order[j]`` is its index in the cohort) takes its s-th minibatch — its
+    epochs' minibatches in the per-client path's order — at tick s, so the clients still training
+    at tick t are slots ``0 … active[t] − 1``.
+
+    Attributes:
+        order: (m,) the cohort index of each slot.
+        active: (T + 1,) how many slots train at each tick (0 after the last).
+        rows: (m, T, batch) the stacked embedding row of each minibatch row (slot · V + previous
+            word); 0 where padded.
+        targets: (m, T, batch) the next word; 0 where padded.
+        weights: (m, T, batch) lr / the minibatch's size on real rows, 0 where padded.
+        counts: (m, T) the minibatch sizes (0 once a slot is done).
     """
-    m, slots = len(lengths), batch * max(1, math.ceil(int(lengths.max(initial=0)) / batch))
-    pos = np.zeros((m, slots), np.int64)
-    mask = np.zeros((m, slots), bool)
-    for i, (rng, n) in enumerate(zip(rngs, lengths, strict=True)):
-        pos[i, :n] = rng.permutation(int(n))
-        mask[i, :n] = True
-    return pos, mask
+
+    order: np.ndarray
+    active: np.ndarray
+    rows: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray
+    counts: np.ndarray
+
+
+def minibatch_schedule(
+    data: Sequence[tuple[np.ndarray, np.ndarray, int]],
+    shuffles: Sequence[tuple[int, ...]],
+    lr: float,
+    steps: int,
+    batch: int,
+    vocab: int,
+    dtype: type,
+) -> MinibatchSchedule:
+    """The round's `MinibatchSchedule`: each client's generator ``(*shuffle, 400)`` draws one
+    permutation of its pairs per epoch, as `corrflow.clients.nextword_client.local_train` does.
+
+    Args:
+        data: per client, (previous words, next words, sentence count).
+        shuffles: per client, its data-order seed.
+        lr: the local learning rate (folded into the rows' weights).
+        steps: local epochs.
+        batch: the minibatch size.
+        vocab: V, the stride of a slot's rows in the stacked embeddings.
+        dtype: the weights' float type.
+
+    Returns:
+        The schedule, its slots sorted by pair count (most first).
+    """
+    lengths = np.array([len(d[0]) for d in data], np.int64)
+    m, per_epoch = len(data), -(-lengths // batch)
+    order = np.argsort(-lengths, kind="stable")
+    ticks = int(per_epoch.max(initial=0)) * steps
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pos = np.full((m, ticks * batch), -1, np.int64)
+    for j, i in enumerate(order):
+        rng = np.random.default_rng([*map(int, shuffles[i]), 400])
+        n, span = int(lengths[i]), int(per_epoch[i]) * batch
+        epochs = pos[j, : steps * span].reshape(steps, span)
+        for e in range(steps):
+            epochs[e, :n] = rng.permutation(n) + offsets[i]
+    live = (pos >= 0).reshape(m, ticks, batch)
+    pos = np.where(live.reshape(m, -1), pos, 0).reshape(m, ticks, batch)
+    prev = np.concatenate([d[0] for d in data] + [np.zeros(1, np.int64)])
+    nxt = np.concatenate([d[1] for d in data] + [np.zeros(1, np.int64)])
+    counts = live.sum(axis=2)
+    rows = np.where(live, prev[pos] + (np.arange(m) * vocab)[:, None, None], 0)
+    weights = live * (lr / np.maximum(counts, 1)).astype(dtype)[:, :, None]
+    active = np.append((counts > 0).sum(axis=0), 0)
+    return MinibatchSchedule(order, active, rows, np.where(live, nxt[pos], 0), weights, counts)
+
+
+def tick_slices(counts: np.ndarray, cap: int, split_rows: int = SPLIT_ROWS) -> list[tuple]:
+    """The slots training at one tick cut into contiguous slices (start, stop, rows), each padded
+    to its fullest slot: chunks of at most ``cap`` slots, each cut once more where that pads the
+    fewest rows, if it saves more than ``split_rows``.
+
+    Args:
+        counts: the slots' minibatch sizes at the tick, in slot order.
+        cap: the most slots in one slice.
+        split_rows: the padded rows a second slice must save.
+
+    Returns:
+        The slices, in slot order.
+    """
+    out = []
+    for start in range(0, len(counts), cap):
+        c = counts[start : start + cap]
+        head = np.maximum.accumulate(c)  # the fullest of slots start … start + i
+        tail = np.maximum.accumulate(c[::-1])[::-1]  # … of slots start + i …
+        cut = np.arange(1, len(c))
+        padded = cut * head[:-1] + (len(c) - cut) * tail[1:]
+        k = int(padded.argmin()) if len(c) > 1 else 0
+        if len(c) > 1 and len(c) * int(head[-1]) - int(padded[k]) > split_rows:
+            out += [
+                (start, start + k + 1, int(head[k])),
+                (start + k + 1, start + len(c), int(tail[k + 1])),
+            ]
+        else:
+            out.append((start, start + len(c), int(head[-1])))
+    return out
 
 
 def train_nextword(
@@ -93,7 +226,10 @@ def train_nextword(
 ) -> CohortResult:
     """``steps`` epochs of minibatch SGD for each client of the cohort, all at once: the low-rank
     bigram model of `corrflow.clients.nextword_client` (E, W, b), mean cross-entropy per
-    minibatch, the per-client path's data order (generator ``(*shuffle, 400)``).
+    minibatch, the per-client path's data order (`minibatch_schedule`).
+
+    Each client's weights are stacked as E' = [E | 1] (V, D + 1) and W' = [W; b] (D + 1, V), so
+    one product gives the logits E'[prev]·W' and one product W''s gradient, b's included.
 
     Args:
         weights: the global model [E (V, D), W (D, V), b (V)] the round sends.
@@ -102,8 +238,7 @@ def train_nextword(
         lr: the local learning rate.
         steps: local epochs.
         batch: the minibatch size.
-        dtype: the arithmetic's float type (np.float64 reproduces the per-client path bit for
-            bit).
+        dtype: the arithmetic's float type.
 
     Returns:
         Per client, the update new − old (float32) and the reply's metrics
@@ -111,41 +246,100 @@ def train_nextword(
     """
     E0, W0, b0 = (np.asarray(w, dtype) for w in weights)
     m, (V, D) = len(data), E0.shape
-    E = np.repeat(E0[None], m, axis=0)
-    W, b = np.repeat(W0[None], m, axis=0), np.repeat(b0[None], m, axis=0)
-    prev = _padded([d[0] for d in data])
-    nxt = _padded([d[1] for d in data])
-    lengths = np.array([len(d[0]) for d in data], np.int64)
-    rngs = [np.random.default_rng([*map(int, s), 400]) for s in shuffles]
-    loss = np.full(m, np.nan)
-    flat_E = E.reshape(m * V, D)  # a view: np.add.at on it updates E
-    for _ in range(steps):
-        pos, mask = epoch_orders(rngs, lengths, batch)
-        for start in range(0, pos.shape[1], batch):
-            live = mask[:, start : start + batch]
-            counts = live.sum(axis=1)
-            # only the clients with data left in this epoch, grouped by how many rows they have
-            # (to the next multiple of ROW_GROUP), each group trimmed to its fullest client: the
-            # power-law users would otherwise leave most of a padded cohort idle
-            groups = -(-counts // ROW_GROUP)
-            if not groups.any():
-                break
-            for group in np.unique(groups[groups > 0]):
-                act = np.flatnonzero(groups == group)
-                rows = int(counts[act].max())
-                sel = pos[act, start : start + rows]
-                c = act[:, None]
-                loss[act] = _step(
-                    E, W, b, flat_E, act, prev[c, sel], nxt[c, sel], live[act, :rows],
-                    counts[act], lr,
-                )  # fmt: skip
-    deltas = [
-        [(a[i] - a0).astype(np.float32) for a, a0 in ((E, E0), (W, W0), (b, b0))] for i in range(m)
-    ]
-    metrics = [
-        {"num-examples": int(d[2]), "train-loss": float(loss[i])} for i, d in enumerate(data)
-    ]
-    return CohortResult(deltas, metrics)
+    plan = minibatch_schedule(data, shuffles, lr, steps, batch, V, dtype)
+    E = np.ones((m, V, D + 1), dtype)
+    E[:, :, :D] = E0
+    W = np.empty((m, D + 1, V), dtype)
+    W[:, :D], W[:, D] = W0, b0
+    cap = max(1, PROBABILITY_FLOATS // (batch * V))
+    state = _Stacked(E, W, np.empty(min(m, cap) * batch * V, dtype), np.full(m, np.nan))
+    for t in range(len(plan.active) - 1):
+        a = int(plan.active[t])
+        for start, stop, rows in tick_slices(plan.counts[:a, t], cap):
+            _step(state, plan, t, start, stop, rows)
+    slot = np.argsort(plan.order)  # the slot of each client
+    deltas = [E[:, :, :D] - E0, W[:, :D] - W0, W[:, D] - b0]
+    loss = state.loss[slot]
+    return CohortResult(
+        [d.astype(np.float32, copy=False) for d in deltas],
+        slot,
+        [{"num-examples": int(d[2]), "train-loss": float(loss[i])} for i, d in enumerate(data)],
+    )
+
+
+@dataclass
+class _Stacked:
+    """The stacked weights E' (m, V, D + 1), W' (m, D + 1, V) in slot order, the probabilities'
+    buffer and each slot's last minibatch loss."""
+
+    E: np.ndarray
+    W: np.ndarray
+    buffer: np.ndarray
+    loss: np.ndarray
+
+
+def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: int, rows: int):
+    """Tick ``t``'s minibatch step of slots ``start … stop − 1`` (their first ``rows`` rows), in
+    place. With P = exp(logits) and s its row sums, the gradient of a row's weighted
+    cross-entropy w·CE is (w/s)·(P − s·e_y), so P is never normalised: P − s·e_y is formed in
+    place and w/s scales the (rows × D) factors instead."""
+    E, W = state.E, state.W
+    m, V, D1 = E.shape
+    x = plan.rows[start:stop, t, :rows]
+    y = plan.targets[start:stop, t, :rows].reshape(-1)
+    w = plan.weights[start:stop, t, :rows]
+    Ws = W[start:stop]
+    h = E.reshape(m * V, D1)[x]  # (n, rows, D + 1)
+    P = state.buffer[: x.size * V].reshape(*x.shape, V)
+    s = _exp_logits(h, Ws, P).reshape(-1)
+    done = int(plan.active[t + 1])  # slots past it take their last minibatch now
+    p = _target_step(P.reshape(-1, V), y, s)  # P − s·e_y in place; p = P[y] / s
+    if done < stop:
+        first = max(done, start) - start
+        p = p.reshape(x.shape)[first:].astype(np.float64)
+        nll = -np.log(p + 1e-12) * (w[first:] > 0)
+        state.loss[start + first : stop] = nll.sum(axis=1) / plan.counts[start + first : stop, t]
+    scale = w / s.reshape(x.shape)
+    dh = np.matmul(P, Ws[:, : D1 - 1].transpose(0, 2, 1))
+    _subtract_rows(E.reshape(m * V, D1), x.reshape(-1), dh.reshape(x.size, -1), scale.reshape(-1))
+    h *= scale[:, :, None]
+    Ws -= np.matmul(h.transpose(0, 2, 1), P)
+
+
+@numba.njit(cache=True, nogil=True)
+def _target_step(P, y, s):  # pragma: no cover - compiled
+    """Each row's target probability P[i, y_i] / s_i, and P[i, y_i] −= s_i in place."""
+    p = np.empty(len(y), P.dtype)
+    for i in range(len(y)):
+        p[i] = P[i, y[i]] / s[i]
+        P[i, y[i]] -= s[i]
+    return p
+
+
+@numba.njit(cache=True, nogil=True)
+def _subtract_rows(E, rows, dh, scale):  # pragma: no cover - compiled
+    """E[rows_i, :D] −= scale_i · dh_i, rows repeating (np.subtract.at's sum, one pass)."""
+    for i in range(len(rows)):
+        r, c = rows[i], scale[i]
+        for k in range(dh.shape[1]):
+            E[r, k] -= c * dh[i, k]
+
+
+def _exp_logits(h: np.ndarray, W: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """exp(h·W) into ``P`` and its row sums. Softmax is shift-invariant, so the max is not
+    subtracted unless a logit overflows exp or a row's sum falls under `SUM_FLOOR`; then the
+    max-shifted form is computed."""
+    ones = np.ones(P.shape[-1], P.dtype)
+    np.matmul(h, W, out=P)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        np.exp(P, out=P)
+        s = P @ ones
+    if np.isfinite(s).all() and s.min(initial=np.inf) > SUM_FLOOR:
+        return s
+    np.matmul(h, W, out=P)
+    P -= P.max(axis=2, keepdims=True)
+    np.exp(P, out=P)
+    return P @ ones
 
 
 def train_regression(
@@ -179,36 +373,13 @@ def train_regression(
         r = (np.einsum("mnd,md->mn", X, w) + b[:, :1] - y) * live
         w = w - lr * 2 * np.einsum("mnd,mn->md", X, r) / counts[:, None]
         b = b - lr * 2 * (r.sum(axis=1) / counts)[:, None]
-    deltas = [[(w[i] - w0).astype(np.float32), (b[i] - b0).astype(np.float32)] for i in range(m)]
-    new_w = np.stack([np.asarray(weights[0]) + d[0] for d in deltas]).astype(np.float64)
-    new_b = np.stack([np.asarray(weights[1]) + d[1] for d in deltas]).astype(np.float64)
+    deltas = [(w - w0).astype(np.float32), (b - b0).astype(np.float32)]
+    new_w = (np.asarray(weights[0]) + deltas[0]).astype(np.float64)
+    new_b = (np.asarray(weights[1]) + deltas[1]).astype(np.float64)
     r = (np.einsum("mnd,md->mn", X, new_w) + new_b[:, :1] - y) * live
     mse = (r**2).sum(axis=1) / counts
     metrics = [{"num-examples": int(d[2]), "train-loss": float(mse[i])} for i, d in enumerate(data)]
-    return CohortResult(deltas, metrics)
-
-
-def _step(E, W, b, flat_E, act, x, y, live, counts, lr) -> np.ndarray:
-    """One minibatch step of the clients ``act`` (their rows ``x`` → ``y``, ``live`` the real ones,
-    ``counts`` how many), in place on the stacked E, W, b; returns each one's mean batch loss."""
-    V, D = E.shape[1:]
-    c, Wa = act[:, None], W[act]
-    h = E[c, x]  # (a, B, D)
-    logits = h @ Wa + b[act][:, None, :]
-    logits -= logits.max(axis=2, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=2, keepdims=True)
-    rows = np.arange(x.shape[1])[None, :]
-    clients = np.arange(len(act))[:, None]
-    nll = -np.log(p[clients, rows, y].astype(np.float64) + 1e-12)
-    g = p
-    g[clients, rows, y] -= 1.0
-    g *= (live / counts[:, None]).astype(g.dtype)[:, :, None]  # padded rows: exact zeros
-    dh = g @ Wa.transpose(0, 2, 1)
-    W[act] = Wa - lr * (h.transpose(0, 2, 1) @ g)
-    b[act] -= lr * g.sum(axis=1)
-    np.add.at(flat_E, (c * V + x).ravel(), (-lr * dh).reshape(-1, D).astype(E.dtype))
-    return (nll * live).sum(axis=1) / counts
+    return CohortResult(deltas, np.arange(m), metrics)
 
 
 def _padded(arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 from corrflow.config import TRAINING_DEFAULTS
 from corrflow.data.federated import text_source
 from corrflow.data.synthetic import regression_loss, regression_partition, regression_test_set
-from corrflow.data.text_synth import SPECIAL, user_sentences
+from corrflow.data.text_synth import SPECIAL, user_sentences, users_sentences
 from corrflow.errors import require
 
 CLIENTS = ("numpy", "nextword", "keras")
@@ -36,6 +36,8 @@ class Task:
     evaluate: Any  # (weights) -> dict of metrics
     # (partition) -> the arrays that user trains on (fingerprints in comparisons)
     user_data: Any = None
+    # (partitions) -> each one's `user_data`, built together (the synthetic text); None: one by one
+    users_data: Any = None
 
 
 def task_for(cfg, seed: int | None = None) -> Task:
@@ -87,12 +89,14 @@ def get_task(
                 source.num_tokens,
             )
             data = lambda u: (source.user_sentences(u),)  # noqa: E731
+            many = None
         else:
             text = nw.task_for(seed)
             # never trained on
-            held = np.concatenate([user_sentences(text, 1_000_000 + i) for i in range(200)])
+            held = np.concatenate(users_sentences(text, [1_000_000 + i for i in range(200)]))
             first_word, tokens = SPECIAL, text.num_tokens
             data = lambda u: (user_sentences(text, u),)  # noqa: E731
+            many = lambda us: [(s,) for s in users_sentences(text, us)]  # noqa: E731
 
         def evaluate_nw(w):
             loss, acc = nw.evaluate_weights(w, held, first_word)
@@ -105,6 +109,7 @@ def get_task(
             lambda: nw.initial_weights(tokens, seed),
             evaluate_nw,
             data,
+            many,
         )
     from corrflow.clients import keras_client as k  # here: Flower, TensorFlow only to train
 

@@ -14,6 +14,7 @@ accuracy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -64,35 +65,66 @@ def _topic_tables(task: TextTask) -> tuple[np.ndarray, np.ndarray]:
 def user_sentences(task: TextTask, user: int, max_sentences: int = 48) -> np.ndarray:
     """int32 array (sentences, seq_len + 1): BOS, words…, EOS, PAD…; ``oov_rate`` of words replaced
     by OOV."""
+    return users_sentences(task, [user], max_sentences)[0]
+
+
+def users_sentences(
+    task: TextTask, users: Sequence[int], max_sentences: int = 48
+) -> list[np.ndarray]:
+    """`user_sentences` of each of ``users``: each user's draws come from its own generator, in the
+    same order whatever the batch; the Markov chain then runs over all the users' sentences at
+    once.
+
+    Args:
+        task: the text's generator parameters.
+        users: user ids.
+        max_sentences: the most sentences one user writes.
+
+    Returns:
+        Per user, its int32 array (sentences, seq_len + 1).
+    """
     unigram, successor = _topic_tables(task)
+    cdf = np.cumsum(unigram, axis=1)
+    cdf[:, -1] = 1.0
+    draws = [_user_draws(task, int(u), max_sentences) for u in users]
+    topics, lengths, uniform, follow, pick, oov = (
+        np.concatenate([d[k] for d in draws]) for k in range(6)
+    )
+    fresh = np.empty(uniform.shape, np.int64)  # each sentence's unigram draws, from its topic's
+    for t in np.unique(topics):
+        fresh[topics == t] = np.searchsorted(cdf[t], uniform[topics == t], side="right")
+    words = fresh.copy()
+    # the chain is sequential in position, vectorised over every user's sentences
+    for i in range(1, task.seq_len):
+        chained = successor[topics, words[:, i - 1], pick[:, i]]
+        words[:, i] = np.where(follow[:, i], chained, fresh[:, i])
+    tokens = np.where(oov, OOV, words + SPECIAL)
+    out = np.full((len(topics), task.seq_len + 1), PAD, dtype=np.int32)
+    out[:, 0] = BOS
+    cols = np.arange(1, task.seq_len + 1)
+    body = cols[None, :] < lengths[:, None]  # column j ≥ 1 holds token j − 1 before the EOS
+    out[:, 1:][body] = tokens[body]
+    out[np.arange(len(topics)), lengths] = EOS
+    return np.split(out, np.cumsum([len(d[0]) for d in draws])[:-1])
+
+
+def _user_draws(task: TextTask, user: int, max_sentences: int) -> tuple:
+    """One user's random draws, from its generator ``(seed, 200, user)`` in a fixed order: its
+    sentences' topics and lengths, the uniform draws of their fresh unigram words, whether each
+    position follows the chain, which successor it picks, and which words become OOV."""
     rng = np.random.default_rng([task.seed, 200, int(user)])
     count = int(min(max_sentences, max(2, rng.pareto(1.5) * 6 + 2)))  # power-law posts per user
     mix = rng.dirichlet(np.full(task.topics, 0.3))
     topics = rng.choice(task.topics, size=count, p=mix)
     lengths = rng.integers(task.seq_len // 2, task.seq_len, size=count)
-    cdf = np.cumsum(unigram, axis=1)
-    cdf[:, -1] = 1.0
-    fresh = np.stack(
-        [np.searchsorted(cdf[t], rng.random(task.seq_len), side="right") for t in topics]
-    )
+    uniform = rng.random((count, task.seq_len))  # row s: sentence s's, as one call per sentence
     follow = rng.random((count, task.seq_len)) < task.follow
     pick = np.searchsorted(
         np.cumsum(task.successor_weights), rng.random((count, task.seq_len)), side="right"
     )
     pick = np.minimum(pick, task.successors - 1)
-    words = fresh.copy()
-    # the chain is sequential in position, vectorised over sentences
-    for i in range(1, task.seq_len):
-        chained = successor[topics, words[:, i - 1], pick[:, i]]
-        words[:, i] = np.where(follow[:, i], chained, fresh[:, i])
-    tokens = np.where(rng.random((count, task.seq_len)) < task.oov_rate, OOV, words + SPECIAL)
-    out = np.full((count, task.seq_len + 1), PAD, dtype=np.int32)
-    out[:, 0] = BOS
-    for s in range(count):
-        n = int(lengths[s])
-        out[s, 1:n] = tokens[s, : n - 1]
-        out[s, n] = EOS
-    return out
+    oov = rng.random((count, task.seq_len)) < task.oov_rate
+    return topics, lengths, uniform, follow, pick, oov
 
 
 def bigram_ceiling(task: TextTask) -> float:

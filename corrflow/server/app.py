@@ -76,14 +76,19 @@ def run_cohort_server(
     quiet: bool = False,
     fresh: bool = False,
     stop_event: threading.Event | None = None,
+    on_round_end=None,
+    **kwargs,
 ):
     """`run_server` on the cohort engine (`corrflow.server.cohort_backend`): the same run, one
-    line per round on stderr, with a round's clients trained together in process."""
+    line per round on stderr, with a round's clients trained together in process. ``kwargs``:
+    `corrflow.server.cohort_backend.run_cohort`'s ``on_start`` and ``canaries``."""
     from corrflow.server.cohort_backend import run_cohort
 
     def round_end(metrics):
         if not quiet:
             print(round_line(metrics, cfg.num_rounds), file=sys.stderr, flush=True)
+        if on_round_end is not None:
+            on_round_end(metrics)
 
     return run_cohort(
         cfg.replace(state_dir=str(run_directory(cfg.state_dir))),
@@ -91,6 +96,7 @@ def run_cohort_server(
         fresh=fresh,
         stop_event=stop_event,
         on_round_end=round_end,
+        **kwargs,
     )
 
 

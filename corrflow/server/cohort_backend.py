@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +31,15 @@ from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
 from corrflow.run import Reply, RoundPlan, Run, RunLock, open_run_directory, prepare
 from corrflow.run.evaluation import ScheduledEvaluation
+from corrflow.strategies.canaries import CanaryPlan, canary_arrays
 
 log = logging.getLogger("corrflow")
 
 #: How the in-process and Flower simulation engines name a simulated user (identity partition-id).
 IDENTITY = "partition-id"
 INTERRUPTED = "interrupted by the operator (SIGINT/SIGTERM)"
+#: The clients the cohort engine trains: corrflow's own tasks.
+COHORT_CLIENTS = ("numpy", "nextword")
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -55,7 +59,7 @@ def check_supported(cfg: RunConfig) -> None:
             "0 (the cohort engine runs without Ray; the noise is drawn in process)",
         ),
         (
-            cfg.client not in ("numpy", "nextword"),
+            cfg.client not in COHORT_CLIENTS,
             "--client",
             "numpy or nextword (the cohort engine trains corrflow's own tasks; Keras models and "
             "the wrapper's ClientApps run on --backend inprocess or flower)",
@@ -66,11 +70,45 @@ def check_supported(cfg: RunConfig) -> None:
             "--identity",
             f"{IDENTITY} (the simulated users' ids) or unset",
         ),
+        (
+            cfg.reply_kind != "weights",
+            "--replies",
+            "weights (the cohort engine replies with the new weights, as corrflow's ClientApps do)",
+        ),
     )
     for refused, flag, expected in refusals:
         if refused:
             value = getattr(cfg, flag.lstrip("-").replace("-", "_"), None)
             raise InvalidArgumentError(flag, expected, value)
+
+
+@dataclass(frozen=True)
+class Canaries:
+    """An audit's inserted canaries (`corrflow.server.audit`) on the cohort engine: each answers
+    every round it is asked with `corrflow.strategies.canaries.canary_arrays`, as its ClientApp
+    does on the per-client path.
+
+    Attributes:
+        plan: the audit's canaries.
+        nodes: partition index → candidate index, one per inserted canary.
+        clip_norm: ζ.
+    """
+
+    plan: CanaryPlan
+    nodes: dict[int, int]
+    clip_norm: float
+
+
+class RunView:
+    """A cohort run as a Flower strategy shows it to ``on_round_end`` callbacks and the audit's
+    analysis (`corrflow.strategies.canaries.RoundCapture`, ``analyse``): the run, its cohort
+    planner and the current model."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    planner = property(lambda self: self.run.plan.planner)
+    params = property(lambda self: self.run.state.params)
 
 
 class CohortTrainer:
@@ -80,41 +118,55 @@ class CohortTrainer:
         cfg: the run's settings.
         task: corrflow's task for them (`corrflow.clients.tasks.task_for`).
         names: the model's array names, in order (the run's layout).
+        canaries: an audit's canaries among the partitions (they answer, they do not train).
+        dtype: the next-word model's arithmetic (float32; float64 for the proxy run's
+            finite-difference probes).
     """
 
-    def __init__(self, cfg: RunConfig, task: Task, names: tuple[str, ...]):
-        self.cfg, self.names = cfg, names
+    def __init__(
+        self,
+        cfg: RunConfig,
+        task: Task,
+        names: tuple[str, ...],
+        canaries: Canaries | None = None,
+        dtype: type = np.float32,
+    ):
+        self.cfg, self.names, self.canaries, self.dtype = cfg, names, canaries, dtype
         if cfg.client == "nextword":
-            self.data = nextword_data(task.user_data)
+            self.data = nextword_data(task.user_data, task.users_data)
         else:
             self.data = regression_data(task.user_data)
 
     def train(self, sent: list[np.ndarray], users: list[int], round_index: int) -> CohortResult:
         """Local training of ``users`` (partition indices) from the model ``sent`` in round
         ``round_index`` (0-based), each with the per-client path's data order."""
-        cfg, data = self.cfg, [self.data(u) for u in users]
+        cfg, data = self.cfg, self.data.many(users)
         if cfg.client == "nextword":
             shuffles = [(cfg.seed, u, round_index + 1) for u in users]
-            return train_nextword(sent, data, shuffles, cfg.local_lr, cfg.local_steps)
+            return train_nextword(
+                sent, data, shuffles, cfg.local_lr, cfg.local_steps, dtype=self.dtype
+            )
         return train_regression(sent, data, cfg.local_lr, cfg.local_steps)
 
     def replies(self, sent: list[np.ndarray], plan: RoundPlan) -> list[Reply]:
-        """The cohort's replies to the routed ``plan``: per node, the new weights (the model sent
-        plus the update, float32, as the ClientApps reply) and the reply's metrics."""
+        """The cohort's replies to the routed ``plan``, in node order: per node, the new weights
+        (the model sent plus the update, float32, as the ClientApps reply) and the reply's metrics;
+        a canary's answer for a canary node."""
         nodes = sorted(plan.expected)
-        if not nodes:
-            return []
-        result = self.train(sent, nodes, plan.round)
-        return [
-            Reply(
-                node,
-                plan.owners[node],
-                self.names,
-                [s + d for s, d in zip(sent, delta, strict=True)],
-                metrics,
+        canary = self.canaries.nodes if self.canaries else {}
+        users = [n for n in nodes if n not in canary]
+        answers: dict[int, tuple[list[np.ndarray], dict]] = {}
+        if users:
+            result = self.train(sent, users, plan.round)
+            answers.update(
+                zip(users, zip(result.new_weights(sent), result.metrics, strict=True), strict=True)
             )
-            for node, delta, metrics in zip(nodes, result.deltas, result.metrics, strict=True)
-        ]
+        for node in nodes:
+            if node in canary:
+                c = self.canaries
+                arrays = canary_arrays(list(sent), c.plan, canary[node], c.clip_norm)
+                answers[node] = (arrays, {"num-examples": 1})
+        return [Reply(node, plan.owners[node], self.names, *answers[node]) for node in nodes]
 
 
 def run_cohort(
@@ -124,6 +176,8 @@ def run_cohort(
     fresh: bool = False,
     stop_event: threading.Event | None = None,
     on_round_end: Callable[[dict], None] | None = None,
+    on_start: Callable[[Run], None] | None = None,
+    canaries: Canaries | None = None,
 ) -> Run:
     """Run (or resume) ``cfg`` in its run directory on the cohort engine, under the directory's
     lock; the report and metrics are written whatever happens.
@@ -134,6 +188,9 @@ def run_cohort(
         fresh: move an earlier run aside first.
         stop_event: set by a signal handler: the run stops after the round in progress.
         on_round_end: called with each round's published metrics.
+        on_start: called with the run once it has started, before its first round (the audit
+            reads each released model from it).
+        canaries: an audit's canaries among the partitions.
 
     Returns:
         The run, complete or stopped.
@@ -156,8 +213,11 @@ def run_cohort(
             plan, initial, resume, noise_key=noise_key, evaluate=evaluate, on_round_end=on_round_end
         )
         evaluate.bind(run)
+        if on_start is not None:
+            on_start(run)
+        trainer = CohortTrainer(cfg, task, plan.layout.keys, canaries)
         try:
-            _rounds(run, CohortTrainer(cfg, task, plan.layout.keys), len(users), stop)
+            _rounds(run, trainer, len(users), stop)
         finally:
             run.write_report()
             run.write_metrics()

@@ -74,7 +74,7 @@ from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
 from corrflow.planning.score import Damping
 from corrflow.run.journal import JOURNAL
-from corrflow.server.proxy import damping_for
+from corrflow.server.proxy import COHORT_CLIENTS, damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 from corrflow.server.verdict import DECIDED, undecided, verdict, verdict_lines
 
@@ -313,12 +313,46 @@ def plan_arms(
     ``damping``: the κ the plan ranks by (`preset_damping`; None: by RMSE)."""
 
     started = time.perf_counter()
-    train_eps, train_delta = training or (epsilon, preset.delta)
-    req = plan_request(preset, train_eps, train_delta, damping=damping)
+    budget = training or (epsilon, preset.delta)
+    req = plan_request(preset, *budget, damping=damping)
     plan = make_plan(req, cache, quiet=True)
     require(
         plan.recommended is not None, "plan", "a recommended recipe", "none (no candidate fits)"
     )
+    base = root / "recipes"
+    arms = _fixed_epoch_arms(preset, kinds, plan, base, epsilon)
+    skipped = []
+    for kind in kinds if amplified else ():
+        arm = _amplified_arm(preset, kind, plan, req.min_sep, cache, budget, base, epsilon)
+        if isinstance(arm, Arm):
+            arms.append(arm)
+        else:
+            skipped.append({"arm": kind + AMPLIFIED_SUFFIX, "reason": arm})
+    arms.append(
+        _recipe_arm(
+            "plan",
+            plan.recommended,
+            plan,
+            base / "plan",
+            epsilon,
+            "corrflow plan's recipe",
+            preset.delta,
+        )
+    )
+    for entry in skipped:
+        if progress is not None:
+            progress(f"ε = {epsilon:g}: skipped {entry['arm']}: {entry['reason']}")
+    return ArmPlan(epsilon, arms, _planner_summary(plan, arms, cache, started), skipped)
+
+
+def _dpsgd_candidates(plan, preset: Preset, epsilon: float) -> tuple:
+    """The plan's DP-SGD candidates: fixed-epoch unamplified, and Poisson-sampled (b = 1)
+    with cyclic-Poisson accounting.
+
+    Raises:
+        InvalidArgumentError: the plan has no such candidate (``plan``), or the population is
+            the cohort (``users``: nothing to sample from).
+    """
     cands = plan.candidates
     unamplified = next(
         (c for c in cands if c.kind == "dpsgd" and c.accountant == "unamplified"), None
@@ -341,11 +375,18 @@ def plan_arms(
         "Poisson-sampled with probability cohort/population < 1",
         preset.users,
     )
-    base = root / "recipes"
+    return unamplified, poisson
+
+
+def _fixed_epoch_arms(
+    preset: Preset, kinds: list[str], plan, base: Path, epsilon: float
+) -> list[Arm]:
+    """DP-SGD (fixed-epoch, and Poisson-sampled) and each of ``kinds`` fixed-epoch, unamplified,
+    at the unamplified DP-SGD candidate's σ."""
+    unamplified, poisson = _dpsgd_candidates(plan, preset, epsilon)
     # One σ for every fixed-epoch unamplified arm: the ε of a sensitivity-1 Gaussian depends on σ
     # and δ alone.
-    sigma = unamplified.noise_multiplier
-    fixed = {"noise_multiplier": sigma, "target_epsilon": epsilon}
+    fixed = {"noise_multiplier": unamplified.noise_multiplier, "target_epsilon": epsilon}
     arms = [
         Arm(
             "dpsgd",
@@ -370,85 +411,62 @@ def plan_arms(
                 kind, kind, {"kind": kind, **fixed}, description=f"{kind}, fixed-epoch, unamplified"
             )
         )
-    skipped = []
-    if amplified:
-        for kind in kinds:
-            if "cyclic-poisson" not in REGISTRY[kind].accountants:
-                skipped.append(
-                    {
-                        "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"{kind}'s registry entry allows no cyclic-Poisson accounting "
-                        "(its encoder is not banded): no amplified variant",
-                    }
-                )
-                continue
-            kplan = (
-                plan
-                if kind in DEFAULT_KINDS
-                else make_plan(
-                    plan_request(
-                        preset,
-                        train_eps,
-                        train_delta,
-                        kinds=(kind,),
-                        accountants=("cyclic-poisson",),
-                    ),
-                    cache,
-                    quiet=True,
-                )
-            )
-            own = [
-                c
-                for c in kplan.candidates
-                if c.kind == kind and c.accountant == "cyclic-poisson" and c.min_sep < req.min_sep
-            ]
-            if not own:
-                skipped.append(
-                    {
-                        "arm": kind + AMPLIFIED_SUFFIX,
-                        "reason": f"no {kind} candidate with a sampler separation b < "
-                        f"population/cohort = {req.min_sep}",
-                    }
-                )
-                continue
-            best = min(own, key=lambda c: c.rmse)
-            arms.append(
-                _recipe_arm(
-                    kind + AMPLIFIED_SUFFIX,
-                    best,
-                    kplan,
-                    base / (kind + AMPLIFIED_SUFFIX),
-                    epsilon,
-                    "amplified, planner's b",
-                    preset.delta,
-                )
-            )
-    arms.append(
-        _recipe_arm(
-            "plan",
-            plan.recommended,
-            plan,
-            base / "plan",
-            epsilon,
-            "corrflow plan's recipe",
-            preset.delta,
+    return arms
+
+
+def _amplified_arm(
+    preset: Preset,
+    kind: str,
+    plan,
+    min_sep: int,
+    cache,
+    budget: tuple[float, float],
+    base: Path,
+    epsilon: float,
+) -> Arm | str:
+    """``kind``'s amplified arm: its best cyclic-Poisson candidate with a sampler separation b
+    below population/cohort (``min_sep``), from ``plan`` or, for a kind the default plan leaves
+    out, a plan of its own at the training ``budget`` (ε, δ); or why there is none."""
+    if "cyclic-poisson" not in REGISTRY[kind].accountants:
+        return (
+            f"{kind}'s registry entry allows no cyclic-Poisson accounting (its encoder is not "
+            "banded): no amplified variant"
         )
+    if kind not in DEFAULT_KINDS:
+        own_req = plan_request(preset, *budget, kinds=(kind,), accountants=("cyclic-poisson",))
+        plan = make_plan(own_req, cache, quiet=True)
+    own = [
+        c
+        for c in plan.candidates
+        if c.kind == kind and c.accountant == "cyclic-poisson" and c.min_sep < min_sep
+    ]
+    if not own:
+        return f"no {kind} candidate with a sampler separation b < population/cohort = {min_sep}"
+    return _recipe_arm(
+        kind + AMPLIFIED_SUFFIX,
+        min(own, key=lambda c: c.rmse),
+        plan,
+        base / (kind + AMPLIFIED_SUFFIX),
+        epsilon,
+        "amplified, planner's b",
+        preset.delta,
     )
+
+
+def _planner_summary(plan, arms: list[Arm], cache, started: float) -> dict:
+    """What the comparison records of the planner: its pick, its score (without the probes), the
+    seconds it took, each arm's RMSE and the factorization cache's hits."""
     summary = score_summary(plan)
     summary["kappa_details"] = {
         k: v for k, v in (summary["kappa_details"] or {}).items() if k != "probes"
     }
-    planner = {
+    return {
         "recommended": plan.recommended.label(),
         "score": summary,
         "seconds": time.perf_counter() - started,
         "rmse": {a.name: a.rmse for a in arms if a.rmse is not None},
         "cache": {"hits": cache.hits, "misses": cache.misses},
     }
-    for entry in skipped:
-        if progress is not None:
-            progress(f"ε = {epsilon:g}: skipped {entry['arm']}: {entry['reason']}")
-    return ArmPlan(epsilon, arms, planner, skipped)
 
 
 #: The comparison's settings in its --out: a rerun with the same settings continues it.
@@ -508,50 +526,17 @@ def run_arm(
         report = exc.report
         stopped = report.get("stopped_reason") or str(exc)
     curve = json.loads((out / "metrics.json").read_text())
-    last = curve[-1]
-    learning = report.get("learning") or {"learned": False, "noise_to_signal": None}
-    acc = report.get("accountant") or {}
-    total = report.get("total") or {}  # with a vocabulary: training composed with its spend
-    eps = total.get("epsilon", report["realized"]["epsilon"])
-    delta = total.get("delta", report.get("delta"))
-    private = epsilon is not None
-    verified = (not private) or (
-        eps is not None
-        and delta is not None
-        and eps <= epsilon * (1 + 1e-9)
-        and delta <= preset.delta * (1 + 1e-12)
-    )
-    rounds = [m for m in curve if m["round"] >= 0]
-    rmse = None
-    # the planner's score of the mechanism the run used: σ·√(mean_i ‖B_i‖²) per unit clip norm
-    if private:
-        fac = Factorization.load(out / "factorization.npz")
-        rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
     result = {
         "seed": seed,
         "stopped": stopped,
         "rounds_completed": report.get("rounds_completed"),
         "restarted": restarted,
-        "accuracy": evaluated_entries(curve)[-1].get("test_accuracy"),
-        "loss": evaluated_entries(curve)[-1]["test_loss"],
-        "learned": learning["learned"],
-        "noise_to_signal": learning.get("noise_to_signal"),
-        "initial_accuracy": curve[0].get("test_accuracy"),
-        "initial_loss": curve[0]["test_loss"],
-        "epsilon": eps,
-        "delta": delta if private else None,
-        "target_epsilon": epsilon,
-        "verified": verified,
-        "accountant": acc.get("name", "none"),
-        "sampling": acc.get("sampling", "none"),
-        "noise_multiplier": report["noise_multiplier"],
-        "rmse": rmse,
+        **_arm_outcome(report, curve),
+        **_arm_privacy(report, preset, epsilon, out),
         "participation": cfg.participation,
         "min_sep": cfg.b,
         "bands": report["mechanism"].get("bands"),
-        "cohort": last.get("cohort"),
-        "mean_cohort": _mean(m.get("accepted") for m in rounds),
-        "rejected": sum(int(m.get("rejected", 0)) for m in rounds),
+        **_arm_cohorts(curve),
         "init_sha256": fingerprint(task.initial_weights()),
         "data_sha256": fingerprint([a for u in range(3) for a in task.user_data(u)]),
         "seconds": time.perf_counter() - started,
@@ -562,6 +547,62 @@ def run_arm(
     }
     write_json(out / ARM_RESULT, result, indent=1)
     return result
+
+
+def _arm_outcome(report: dict, curve: list[dict]) -> dict:
+    """An arm's held-out result: the last evaluated and the initial loss and accuracy, and the
+    report's learning verdict."""
+    learning = report.get("learning") or {"learned": False, "noise_to_signal": None}
+    last = evaluated_entries(curve)[-1]
+    return {
+        "accuracy": last.get("test_accuracy"),
+        "loss": last["test_loss"],
+        "learned": learning["learned"],
+        "noise_to_signal": learning.get("noise_to_signal"),
+        "initial_accuracy": curve[0].get("test_accuracy"),
+        "initial_loss": curve[0]["test_loss"],
+    }
+
+
+def _arm_privacy(report: dict, preset: Preset, epsilon: float | None, out: Path) -> dict:
+    """An arm's (ε, δ) as its report states them (with a vocabulary: training composed with its
+    spend), whether they are within the target (``epsilon``; None: non-private), its accountant,
+    σ, and the planner's score of the mechanism it ran: σ·√(mean_i ‖B_i‖²) per unit clip norm."""
+    acc = report.get("accountant") or {}
+    total = report.get("total") or {}
+    eps = total.get("epsilon", report["realized"]["epsilon"])
+    delta = total.get("delta", report.get("delta"))
+    private = epsilon is not None
+    verified = (not private) or (
+        eps is not None
+        and delta is not None
+        and eps <= epsilon * (1 + 1e-9)
+        and delta <= preset.delta * (1 + 1e-12)
+    )
+    rmse = None
+    if private:
+        fac = Factorization.load(out / "factorization.npz")
+        rmse = float(report["noise_multiplier"] * np.sqrt(np.mean(fac.per_query_error())))
+    return {
+        "epsilon": eps,
+        "delta": delta if private else None,
+        "target_epsilon": epsilon,
+        "verified": verified,
+        "accountant": acc.get("name", "none"),
+        "sampling": acc.get("sampling", "none"),
+        "noise_multiplier": report["noise_multiplier"],
+        "rmse": rmse,
+    }
+
+
+def _arm_cohorts(curve: list[dict]) -> dict:
+    """An arm's last cohort, mean accepted replies and rejected replies over its rounds."""
+    rounds = [m for m in curve if m["round"] >= 0]
+    return {
+        "cohort": curve[-1].get("cohort"),
+        "mean_cohort": _mean(m.get("accepted") for m in rounds),
+        "rejected": sum(int(m.get("rejected", 0)) for m in rounds),
+    }
 
 
 def stale_result(res: dict, preset: Preset, arm: Arm, seed: int, out: Path) -> list[str]:
@@ -639,54 +680,20 @@ def compare(
     0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
     plots against ε."""
 
-    require(preset.seeds >= 1, "seeds", "a positive integer", preset.seeds)
-    correlated = [k for k in KINDS if k != "dpsgd"]
-    require(
-        all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
-        "kinds",
-        f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, "
-        "dpsgd-poisson and plan always run)",
-        kinds,
-    )
-    epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
-    for e in epsilons:
-        check_epsilon(e, "epsilons")
     out = Path(out_dir)
-    # every fixed-epoch arm's settings, the dataset and the memory a run needs are checked before
-    # anything is written, planned or trained
-
-    for arm in (
-        NONPRIVATE,
-        Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
-        *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons),
-    ):
-        cfg = arm_config(preset, arm, 0, out / "runs" / arm.name)
-        check_fits(
-            estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
-            {"users": "users", "factorization": "rounds", "noise": "rounds"},
-        )
-    check_data_population(cfg, "users")
-
-    training = {}  # ε → training's (ε, δ): a DP vocabulary's share comes out of each ε, as simulate
-    for eps in epsilons:
-        budget = training_budget(
-            arm_config(
-                preset, Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": eps}), 0, out
-            )
-        )
-        training[eps] = (budget.epsilon, budget.delta)
+    epsilons = _checked_comparison(preset, kinds, epsilons, out)
+    training = _training_budgets(preset, epsilons, out)
     started, cpu0 = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
     if settings is not None:  # what a rerun must match to continue this comparison
         write_json(out / SETTINGS_FILE, settings, indent=1)
     cache = PlanCache(default_cache_dir(out))
-    damping = preset_damping(preset, out)
+    damping = preset_damping(preset, out, backend)
     if progress is not None:
         progress(f"planner's score: closed-loop final error at {damping.describe()}")
     plans = {}
-    for (
-        eps
-    ) in epsilons:  # every ε's arms are planned (and their settings checked) before any arm trains
+    # every ε's arms are planned (and their settings checked) before any arm trains
+    for eps in epsilons:
         root = out / f"eps{epsilon_key(eps)}"
         plans[eps] = plan_arms(
             preset,
@@ -707,38 +714,94 @@ def compare(
                 f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in "
                 f"{planner['seconds']:.1f} s (recommended: {planner['recommended']})"
             )
-    per_seed: dict[str, dict[str, list[dict]]] = {epsilon_key(e): {} for e in epsilons}
-    free: list[dict] = []
-    jobs = []  # (seed, ε or None, arm, run directory), in training order
+    jobs = _jobs(preset, epsilons, plans, out)
+    free, per_seed = _train_jobs(jobs, preset, backend, progress)
+    result = _comparison_result(preset, kinds, backend, amplified, plans, free, per_seed)
+    plots = []
+    for key, entry in result["epsilons"].items():
+        plots += plot_rounds(result, entry, out, key)
+        write_curves(entry, out / f"curves_eps{key}.csv")
+    plots += plot_sweep(result, out)
+    result["plots"] = plots
+    result["seconds"] = time.perf_counter() - started
+    result["cpu_seconds"] = _cpu_seconds() - cpu0
+    write_json(out / "comparison.json", result, indent=1)
+    return result
+
+
+def _checked_comparison(
+    preset: Preset, kinds: list[str], epsilons: tuple[float, ...] | None, out: Path
+) -> tuple[float, ...]:
+    """The comparison's ε values, sorted, once the seeds, the kinds, every ε, every fixed-epoch
+    arm's settings, the memory a run needs and the dataset are checked — before anything is
+    written, planned or trained.
+
+    Raises:
+        InvalidArgumentError: naming the setting that is refused.
+    """
+    require(preset.seeds >= 1, "seeds", "a positive integer", preset.seeds)
+    correlated = [k for k in KINDS if k != "dpsgd"]
+    require(
+        all(k in correlated for k in kinds) and len(set(kinds)) == len(kinds),
+        "kinds",
+        f"distinct correlated-noise kinds from {', '.join(correlated)} (nonprivate, dpsgd, "
+        "dpsgd-poisson and plan always run)",
+        kinds,
+    )
+    epsilons = tuple(sorted(set(epsilons or (preset.epsilon,))))
+    for e in epsilons:
+        check_epsilon(e, "epsilons")
+    for arm in (
+        NONPRIVATE,
+        Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": epsilons[0]}),
+        *(Arm(k, k, {"kind": k, "target_epsilon": e}) for k in kinds for e in epsilons),
+    ):
+        cfg = arm_config(preset, arm, 0, out / "runs" / arm.name)
+        check_fits(
+            estimate(cfg.num_users, cfg.num_rounds, cfg.kind, cfg.bands or cfg.b, cfg.model_dim),
+            {"users": "users", "factorization": "rounds", "noise": "rounds"},
+        )
+    check_data_population(cfg, "users")
+    return epsilons
+
+
+def _training_budgets(
+    preset: Preset, epsilons: tuple[float, ...], out: Path
+) -> dict[float, tuple[float, float]]:
+    """ε → training's (ε, δ): a DP vocabulary's share comes out of each ε, as simulate
+    calibrates (`corrflow.planning.run.training_budget`)."""
+    training = {}
+    for eps in epsilons:
+        arm = Arm("dpsgd", "dpsgd", {"kind": "dpsgd", "target_epsilon": eps})
+        budget = training_budget(arm_config(preset, arm, 0, out))
+        training[eps] = (budget.epsilon, budget.delta)
+    return training
+
+
+def _jobs(preset: Preset, epsilons: tuple[float, ...], plans: dict, out: Path) -> list[tuple]:
+    """(seed, ε or None, arm, run directory) of every run, in training order: per seed, the
+    non-private arm, then every ε's planned arms."""
+    jobs = []
     for seed in range(preset.seeds):
         jobs.append((seed, None, NONPRIVATE, out / "runs" / f"nonprivate-seed{seed}"))
         for eps in epsilons:
-            for arm in plans[eps].arms:
-                jobs.append(
-                    (
-                        seed,
-                        eps,
-                        arm,
-                        out / f"eps{epsilon_key(eps)}" / "runs" / f"{arm.name}-seed{seed}",
-                    )
-                )
+            runs = out / f"eps{epsilon_key(eps)}" / "runs"
+            jobs += [(seed, eps, arm, runs / f"{arm.name}-seed{seed}") for arm in plans[eps].arms]
+    return jobs
+
+
+def _train_jobs(
+    jobs: list[tuple], preset: Preset, backend: str, progress
+) -> tuple[list[dict], dict[str, dict[str, list[dict]]]]:
+    """Train every job on ``backend`` (or keep the result an earlier, interrupted try of the same
+    comparison finished, unless it ran another configuration); the non-private results and, per
+    ε key and arm, the private ones."""
+    per_seed: dict[str, dict[str, list[dict]]] = {}
+    free: list[dict] = []
     trained_seconds, trained = 0.0, 0
     for i, (seed, eps, arm, run_dir) in enumerate(jobs, start=1):
-        kept = (run_dir / ARM_RESULT).exists()
-        if kept:  # finished by an earlier, interrupted try of the same comparison
-            res = json.loads((run_dir / ARM_RESULT).read_text())
-            stale = stale_result(res, preset, arm, seed, run_dir)
-            if stale:  # the arm is planned otherwise now: its old result is set aside, not kept
-                kept = False
-                aside = run_dir / f"{ARM_RESULT}.stale-{time.strftime('%Y%m%dT%H%M%S')}"
-                (run_dir / ARM_RESULT).rename(aside)
-                if progress is not None:
-                    progress(
-                        f"{arm.name}, seed {seed}"
-                        + ("" if eps is None else f", ε = {eps:g}")
-                        + f": its kept result ran another configuration ({'; '.join(stale)}); "
-                        f"retrained (the old result is {aside.name})"
-                    )
+        res = _kept_result(preset, arm, seed, eps, run_dir, progress)
+        kept = res is not None
         if not kept:
             left = len(jobs) - i + 1
             eta = f", ~{_duration(trained_seconds / trained * left)} left" if trained else ""
@@ -752,8 +815,47 @@ def compare(
         if eps is None:
             free.append(res)
         else:
-            per_seed[epsilon_key(eps)].setdefault(arm.name, []).append(res)
+            per_seed.setdefault(epsilon_key(eps), {}).setdefault(arm.name, []).append(res)
         _progress(progress, seed, eps, arm.name, res, kept=kept)
+    return free, per_seed
+
+
+def _kept_result(
+    preset: Preset, arm: Arm, seed: int, eps: float | None, run_dir: Path, progress
+) -> dict | None:
+    """The arm's result finished by an earlier, interrupted try of the same comparison, or None:
+    none there, or it ran another configuration than the arm as planned now (then it is set
+    aside, renamed, not kept)."""
+    if not (run_dir / ARM_RESULT).exists():
+        return None
+    res = json.loads((run_dir / ARM_RESULT).read_text())
+    stale = stale_result(res, preset, arm, seed, run_dir)
+    if not stale:
+        return res
+    aside = run_dir / f"{ARM_RESULT}.stale-{time.strftime('%Y%m%dT%H%M%S')}"
+    (run_dir / ARM_RESULT).rename(aside)
+    if progress is not None:
+        progress(
+            f"{arm.name}, seed {seed}"
+            + ("" if eps is None else f", ε = {eps:g}")
+            + f": its kept result ran another configuration ({'; '.join(stale)}); "
+            f"retrained (the old result is {aside.name})"
+        )
+    return None
+
+
+def _comparison_result(
+    preset: Preset,
+    kinds: list[str],
+    backend: str,
+    amplified: bool,
+    plans: dict,
+    free: list[dict],
+    per_seed: dict[str, dict[str, list[dict]]],
+) -> dict:
+    """``comparison.json`` before its plots and timings: the preset, and per ε every arm's
+    summary over its seeds, the gaps, the verdict, the planner and the skipped arms; the arms not
+    verified, stopped early, and the undecided comparisons."""
     result = {
         "preset": preset.name,
         "delta": preset.delta,
@@ -770,45 +872,31 @@ def compare(
         "epsilons": {},
         "skipped": [],
     }
-    for eps in epsilons:
+    for eps, planned in plans.items():
         key = epsilon_key(eps)
         arms = {"nonprivate": _summarise(NONPRIVATE, free)}
-        for arm in plans[eps].arms:
+        for arm in planned.arms:
             arms[arm.name] = _summarise(arm, per_seed[key][arm.name])
-        entry = {"epsilon": eps, "arms": arms, **gaps(arms), "planner": plans[eps].planner}
+        entry = {"epsilon": eps, "arms": arms, **gaps(arms), "planner": planned.planner}
         entry["verdict"] = verdict(entry, rounds=preset.rounds, users=preset.users, epsilon=eps)
         result["epsilons"][key] = entry
-        result["skipped"] += [{**s, "epsilon": eps} for s in plans[eps].skipped]
-    result["unverified"] = [
-        f"{name} at ε = {key}"
-        for key, e in result["epsilons"].items()
-        for name, a in e["arms"].items()
-        if not a["verified"]
+        result["skipped"] += [{**s, "epsilon": eps} for s in planned.skipped]
+    arms_at = [
+        (name, key, a) for key, e in result["epsilons"].items() for name, a in e["arms"].items()
     ]
-    result["stopped"] = [
-        f"{name} at ε = {key}, {s}"
-        for key, e in result["epsilons"].items()
-        for name, a in e["arms"].items()
-        for s in a["stopped"]
-    ]
+    result["unverified"] = [f"{n} at ε = {k}" for n, k, a in arms_at if not a["verified"]]
+    result["stopped"] = [f"{n} at ε = {k}, {s}" for n, k, a in arms_at for s in a["stopped"]]
     result["inconclusive"] = undecided(result)
-    plots = []
-    for key, entry in result["epsilons"].items():
-        plots += plot_rounds(result, entry, out, key)
-        write_curves(entry, out / f"curves_eps{key}.csv")
-    plots += plot_sweep(result, out)
-    result["plots"] = plots
-    result["seconds"] = time.perf_counter() - started
-    result["cpu_seconds"] = _cpu_seconds() - cpu0
-    write_json(out / "comparison.json", result, indent=1)
     return result
 
 
-def preset_damping(preset: Preset, out: Path) -> Damping:
+def preset_damping(preset: Preset, out: Path, backend: str = "inprocess") -> Damping:
     """The κ the comparison's plan arm ranks by: the preset's declared κ; else measured on its
     public proxy file; else, for a synthetic task, on the generator with another seed
     (`corrflow.server.proxy.PROXY_SEED`); else (a private ``--data`` file and no proxy) the
-    default assumption — never measured on the data the arms train on."""
+    default assumption — never measured on the data the arms train on. The proxy run trains on
+    the cohort engine when the arms do (``backend`` cohort) and it trains the client, else in
+    process."""
     cfg = arm_config(preset, NONPRIVATE, 0, out)  # its data files are never read here
     return damping_for(
         cfg,
@@ -818,6 +906,7 @@ def preset_damping(preset: Preset, out: Path) -> Damping:
         proxy_data=preset.proxy_data,
         proxy_vocab=preset.proxy_vocab,
         synthetic_proxy=not preset.data_path,
+        backend="cohort" if backend == "cohort" and cfg.client in COHORT_CLIENTS else "inprocess",
     )
 
 

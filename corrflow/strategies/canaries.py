@@ -76,14 +76,22 @@ class CanaryPlan:
         return stats.canary_direction(self.seed, j, dim)
 
 
-def canary_reply(
-    msg: Message, plan: CanaryPlan, j: int, clip_norm: float, replies: str = "weights"
-) -> Message:
-    """Canary ``j``'s answer to a train message: the model sent plus ζ·c_j over its floating-point
-    arrays (or ζ·c_j alone when ``replies`` is "delta"), under the model's own array names. The
-    server clips it to ζ: it is already there (float32 rounding aside)."""
-    record = msg.content["arrays"]
-    keys, arrays = list(record.keys()), record.to_numpy_ndarrays()
+def canary_arrays(
+    arrays: list[np.ndarray], plan: CanaryPlan, j: int, clip_norm: float, replies: str = "weights"
+) -> list[np.ndarray]:
+    """Canary ``j``'s reply to the model ``arrays``: the model plus ζ·c_j over its floating-point
+    arrays (or ζ·c_j alone when ``replies`` is "delta"), each in its array's dtype.
+
+    Args:
+        arrays: the model sent, in model order.
+        plan: the audit's canaries.
+        j: the canary's candidate index.
+        clip_norm: ζ.
+        replies: "weights" or "delta" (the run's reply kind).
+
+    Returns:
+        The reply's arrays, in model order.
+    """
     floats = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
     c = plan.direction(int(j), sum(arrays[i].size for i in floats)) * clip_norm
     out, at = list(arrays), 0
@@ -92,6 +100,18 @@ def canary_reply(
         step = c[at : at + a.size].reshape(a.shape)
         out[i] = (step if replies == "delta" else a.astype(np.float64) + step).astype(a.dtype)
         at += a.size
+    return out
+
+
+def canary_reply(
+    msg: Message, plan: CanaryPlan, j: int, clip_norm: float, replies: str = "weights"
+) -> Message:
+    """Canary ``j``'s answer to a train message: `canary_arrays` of the model sent, under the
+    model's own array names. The server clips it to ζ: it is already there (float32 rounding
+    aside)."""
+    record = msg.content["arrays"]
+    keys = list(record.keys())
+    out = canary_arrays(record.to_numpy_ndarrays(), plan, j, clip_norm, replies)
     content = ArrayRecord(
         OrderedDict(
             (k, Array(np.require(a, requirements="C"))) for k, a in zip(keys, out, strict=True)
