@@ -170,8 +170,8 @@ def test_participation_min_sep_warns_and_runs(tmp_path):
     new = runner.invoke(app, [*common, "--participation", "bminsep", "--out", str(tmp_path / "n")])
     assert old.exit_code == new.exit_code == 0, old.output
     assert "--participation min-sep is deprecated" in old.output
-    old_summary = json.loads(old.output.strip().splitlines()[-1])
-    new_summary = json.loads(new.output.strip().splitlines()[-1])
+    old_summary = json.loads(old.stdout.strip().splitlines()[-1])
+    new_summary = json.loads(new.stdout.strip().splitlines()[-1])
     for summary in (old_summary, new_summary):  # where it was written, and how long it took
         del summary["path"], summary["seconds"]
     assert old_summary == new_summary and old_summary["participation"] == "min-sep"
