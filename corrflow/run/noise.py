@@ -27,6 +27,7 @@ from corrflow.factorization.base import Factorization
 from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
 from corrflow.noise.engine import RING_FILE
 from corrflow.noise.segments import SegmentTable
+from corrflow.run.checkpoint import published_checkpoint
 
 #: Coordinates per block when adding the noise into the sum (256 KiB of float32).
 _BLOCK = 1 << 16
@@ -100,8 +101,15 @@ class NoiseStream:
 
     def save(self, checkpoint: Path, state_dir: Path) -> None:
         """Write the stream's state into a checkpoint being written (``checkpoint``) of
-        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round)."""
-        save_state(self._gen, checkpoint / "noise", ring=state_dir / RING_FILE)
+        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round; the
+        key files the published checkpoint holds unchanged are linked from it)."""
+        previous = published_checkpoint(state_dir)
+        save_state(
+            self._gen,
+            checkpoint / "noise",
+            ring=state_dir / RING_FILE,
+            previous=None if previous is None else previous / "noise",
+        )
 
 
 def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:

@@ -152,7 +152,8 @@ class Recorder:
         return write_checkpoint(
             self.checkpoint_dir,
             f"round-{s.next_round:06d}",
-            {"model": s.params, "optimizer": s.momentum},
+            # the momentum beside the model in one file (a checkpoint before it has optimizer.npz)
+            {"model": {"arr": s.params, "momentum": s.momentum}},
             public,
             private,
             save_extra=lambda d: self.noise.save(d, self.checkpoint_dir),
@@ -308,9 +309,12 @@ def restore(
             f"{ledger_log.path}: records {ledger.rounds_completed} rounds, the checkpoint "
             f"{public['next_round']}"
         )
+    momentum = load_arrays(ckpt, "model", "momentum") or load_arrays(ckpt, "optimizer")
+    if [tuple(m.shape) for m in momentum] != [tuple(p.shape) for p in params]:
+        raise IntegrityError(f"{ckpt}: the optimizer's momentum does not fit the model's shapes")
     state = RunState(
         params,
-        load_arrays(ckpt, "optimizer"),
+        momentum,
         ledger,
         history,
         int(public["next_round"]),
