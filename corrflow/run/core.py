@@ -35,11 +35,11 @@ from corrflow.fileio import write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
-from corrflow.run.disclosure import Disclosure, operator_log
+from corrflow.run.disclosure import DisclosureView, operator_log
 from corrflow.run.journal import GENESIS
 from corrflow.run.ledger import round_entry
 from corrflow.run.model import ModelLayout, arrays_sha256
-from corrflow.run.noise import NoiseStream
+from corrflow.run.noise import NoiseStream, NoiseView
 from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
@@ -281,13 +281,15 @@ class Run:
         return self._keys.initial_sha256
 
     @property
-    def noise(self) -> NoiseStream:
-        return self._noise
+    def noise(self) -> NoiseView:
+        """The noise stream's facts, read-only: only a round draws its rows."""
+        return NoiseView(self._noise)
 
     @property
-    def disclosure(self) -> Disclosure:
-        """What the run publishes and what only its operator sees."""
-        return self._recorder.disclosure
+    def disclosure(self) -> DisclosureView:
+        """What the run publishes and what only its operator sees, read-only: only the run writes
+        the operator's files."""
+        return DisclosureView(self._recorder.disclosure)
 
     def show_outside_guarantee(self, names: Iterable[str]) -> None:
         """List metrics the caller shows outside the DP release — a wrapped app's aggregated

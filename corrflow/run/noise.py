@@ -112,6 +112,64 @@ class NoiseStream:
         )
 
 
+class NoiseView:
+    """The run's noise stream as seen from outside the run: facts about it, nothing that draws,
+    skips or saves a row (that would put it out of step with the run's state)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: NoiseStream):
+        self._stream = stream
+
+    @property
+    def next_round(self) -> int:
+        """The next round whose noise has not been drawn."""
+        return self._stream.next_round
+
+    @property
+    def segments(self) -> SegmentTable:
+        """Which key drew each row Z_j (immutable)."""
+        return self._stream.segments
+
+    @property
+    def lost(self) -> str | None:
+        """Why the stream can draw no more (a lost Ray head); None while it can."""
+        return self._stream.lost
+
+    @property
+    def mode(self) -> str:
+        """The generator's recursion (``banded``, ``blt``, …), in a stream of the server's
+        process."""
+        return self._stream.generator.mode
+
+    @property
+    def dim(self) -> int:
+        """The model's trainable coordinates, in a stream of the server's process."""
+        return self._stream.generator.dim
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The generator's model-sized state, in bytes, in a stream of the server's process."""
+        return self._stream.generator.buffer_bytes
+
+    def watch(self, on_lost) -> None:
+        """Call ``on_lost`` once the stream is lost (noise workers); a stream of the server's
+        process never is.
+
+        Args:
+            on_lost: a callable without arguments.
+        """
+        self._stream.watch(on_lost)
+
+    def worker_info(self) -> list[dict]:
+        """Each noise worker's host and pid (a stream of noise workers only).
+
+        Returns:
+            One dict per worker.
+        """
+        return self._stream.worker_info()
+
+
 def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:
     """g += scale·w, block by block in cache (w, the noise, is left as it was)."""
     gf, wf = g.reshape(-1), w.reshape(-1)
