@@ -195,7 +195,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     o, t = statistics.median(ours), statistics.median(theirs)
     b, c = phases.median("bookkeeping"), phases.median("checkpoint")
-    noise = strategy.run.noise.generator
+    noise = strategy.run.noise
     print(
         json.dumps(
             {

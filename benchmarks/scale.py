@@ -241,7 +241,7 @@ def run(args) -> dict:
         strategy.run.write_metrics()
         final_report = time.process_time() - t1
         report_bytes = (Path(cfg.state_dir) / "privacy_report.json").stat().st_size
-        noise_buffer = strategy.run.noise.generator.buffer_bytes
+        noise_buffer = strategy.run.noise.buffer_bytes
         lock.__exit__(None, None, None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,9 +10,12 @@ into place, its parent fsync-ed."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,10 +87,54 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> Path:
+def write_bytes(
+    path: str | os.PathLike,
+    data: bytes,
+    *,
+    private: bool = False,
+    same_as: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``data`` to ``path`` atomically.
+
+    Args:
+        path: the file.
+        data: its bytes.
+        private: mode 0600 (secrets, noise state).
+        same_as: a file that may already hold exactly ``data`` with the same mode (a secret in the
+            previous checkpoint): when it does, ``path`` becomes a hard link to it and nothing is
+            written. Other bytes or mode, no such file, or a file system without hard links: the
+            data is written.
+
+    Returns:
+        ``path`` as a `Path`.
+    """
+    if same_as is not None and _link_if_same(Path(same_as), Path(path), data, private):
+        return Path(path)
     with atomic_file(path, "wb", private=private) as f:
         f.write(data)
     return Path(path)
+
+
+def _link_if_same(src: Path, dst: Path, data: bytes, private: bool) -> bool:
+    """Hard-link ``src`` onto ``dst`` (atomically) when ``src`` is a regular file holding exactly
+    ``data`` with the mode `atomic_file` would give it; False, with nothing changed, otherwise."""
+    mode = 0o600 if private else 0o666 & ~_UMASK
+    try:
+        st = os.stat(src, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != mode:
+            return False
+        if st.st_size != len(data) or not hmac.compare_digest(src.read_bytes(), data):
+            return False
+        tmp = dst.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
+        os.link(src, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def write_text(path: str | os.PathLike, text: str, *, private: bool = False) -> Path:

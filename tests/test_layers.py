@@ -267,3 +267,42 @@ def test_the_run_state_is_read_only_outside_the_run(tmp_path):
     state.ledger.select(1, ["a"])
     assert view.ledger.selected == {"a": [0, 1], "b": [0]} and view.ledger.selected["a"] == [0, 1]
     assert {"a": [0, 1], "b": [0]} == view.ledger.selected
+
+
+def test_the_noise_stream_and_disclosure_are_read_only_outside_the_run(tmp_path):
+    """``Run.noise`` and ``Run.disclosure`` are facts: nothing outside the run can draw, skip or
+    save a noise row (which would put the stream out of step with the checkpointed state) or append
+    to the operator's files; what they report reads through as rounds pass."""
+    from strategy_support import HANDLERS, KEY, small_config
+
+    from corrflow.server.app import run_server
+    from corrflow.server.inprocess import InProcessGrid
+
+    seen = []
+
+    def facts(strategy, metrics):
+        noise = strategy.run.noise
+        seen.append((noise.next_round, noise.segments.segment_for(0).first_round, noise.lost))
+        for name in ("skip", "add", "save", "generator"):
+            assert not hasattr(noise, name)
+        with pytest.raises(AttributeError):
+            noise.skip(noise.next_round)
+        with pytest.raises(AttributeError):
+            noise.next_round = 0
+        disclosure = strategy.run.disclosure
+        for name in ("record_round", "stop_reason", "public_report"):
+            assert not hasattr(disclosure, name)
+        assert disclosure.secret is False and disclosure.operator_dir == tmp_path / "operator"
+        assert disclosure.public_metrics(metrics) == metrics
+
+    s = run_server(
+        InProcessGrid(HANDLERS, 12),
+        small_config(tmp_path, num_rounds=2, epochs=1),
+        noise_key=KEY,
+        quiet=True,
+        on_round_end=facts,
+    )
+    assert seen == [(1, 0, None), (2, 0, None)]
+    bands = s.run.plan.factorization.bands
+    assert (s.run.noise.mode, s.run.noise.dim) == ("banded", 7)  # 6 weights and a bias
+    assert s.run.noise.buffer_bytes == (bands - 1) * 7 * 4  # the last bands − 1 rows, float32

@@ -122,9 +122,17 @@ class Factorization:
         recipes.
 
         Returns:
-            SHA-256 (64 hex digits) of the encoder's arrays.
+            SHA-256 (64 hex digits) of the encoder's arrays, computed once per object: a
+            factorization is never changed after it is built (another one is a new object, e.g. from
+            ``dataclasses.replace``), and a run records the hash with every checkpoint.
         """
-        return arrays_sha256(self._arrays())
+        # Set through __dict__: the dataclass is frozen, and the cache is no field (equality,
+        # repr and replace ignore it; a pickled copy carries it, still true of the same arrays).
+        digest = self.__dict__.get("_sha256")
+        if digest is None:
+            digest = arrays_sha256(self._arrays())
+            self.__dict__["_sha256"] = digest
+        return digest
 
     def _meta(self) -> dict:
         return {

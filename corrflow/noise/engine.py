@@ -550,7 +550,11 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
 
 
 def save_state(
-    gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None
+    gen: CorrelatedNoise,
+    directory: str | os.PathLike,
+    *,
+    ring: str | os.PathLike | None = None,
+    previous: str | os.PathLike | None = None,
 ) -> Path:
     """Write the generator's state to ``directory``: public JSON (no key) plus the key and the
     model-sized buffer, both owner-only (0600).
@@ -562,6 +566,9 @@ def save_state(
             in place, one new row per round instead of the whole (p−1)·d buffer, each with its own
             MAC in the public JSON (see `_save_ring`). A BLT's B·d state changes in full every round
             and is written in full.
+        previous: a state directory saved before (the previous checkpoint's): a key file that
+            holds the same bytes there is hard-linked from it, not written again — the key is
+            written once per run, the key segments once per process start.
 
     Returns:
         ``directory`` as a `Path`.
@@ -585,9 +592,20 @@ def save_state(
         "key_fingerprint": fingerprint(gen._key),
         "buffer_sha256": None,
     }
-    write_bytes(d / SECRET_FILE, gen._key.hex().encode(), private=True)
+    old = None if previous is None else Path(previous)
+    write_bytes(
+        d / SECRET_FILE,
+        gen._key.hex().encode(),
+        private=True,
+        same_as=None if old is None else old / SECRET_FILE,
+    )
     public["key_segments"] = gen.segments.public()
-    write_bytes(d / SEGMENTS_FILE, gen.segments.to_private(), private=True)
+    write_bytes(
+        d / SEGMENTS_FILE,
+        gen.segments.to_private(),
+        private=True,
+        same_as=None if old is None else old / SEGMENTS_FILE,
+    )
     public.update(save_buffer(gen, d, ring))
     write_json(d / PUBLIC_FILE, public, indent=1, sort_keys=True)
     return d

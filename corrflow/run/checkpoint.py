@@ -2,7 +2,8 @@
 then published by atomically replacing the ``CURRENT`` pointer file; older directories are removed
 afterwards. A crash leaves either the old or the new checkpoint, never a mix. Each checkpoint
 directory is created 0700 (its ledger holds raw user ids); the private parts (noise key and buffer,
-report salt, server secret, and an amplified run's sampler key) are also 0600 files.
+report salt, server secret, and an amplified run's sampler key) are also 0600 files. Those fixed
+for the run's life are written once and hard-linked into each later checkpoint.
 
 Every file of a checkpoint is listed with its SHA-256 in ``MANIFEST.json``, authenticated by an HMAC
 keyed by the server's private secret (the ``server_secret`` file): an edited ledger, a swapped noise
@@ -40,24 +41,31 @@ SAMPLER_KEY = "sampler_secret.key"
 def write_checkpoint(
     state_dir: str | os.PathLike,
     name: str,
-    arrays: dict[str, list[np.ndarray]],
+    arrays: dict[str, dict[str, list[np.ndarray]]],
     public: dict,
     private: dict[str, bytes],
     save_extra=None,
 ) -> Path:
-    """Write ``arrays`` (npz per key), ``public`` (state.json) and ``private`` (0600) files into
+    """Write ``arrays`` (one npz per key, holding groups of arrays: group ``g``'s i-th array is
+    ``g_i``; group "arr" reads as NumPy's unnamed arrays), ``public`` (state.json) and ``private``
+    (0600) files into
     ``state_dir/name`` as one atomic directory, publish it through ``CURRENT``, then remove older
-    checkpoints."""
+    checkpoints.
+
+    A private file whose bytes the published checkpoint already holds (the run's secrets, fixed for
+    its life) is hard-linked from it, not written again: the secrets are written once per run (a
+    file system without hard links gets a copy)."""
     root = Path(state_dir)
+    previous = published_checkpoint(root)
     with atomic_directory(root / name) as tmp:
-        for key, arrs in arrays.items():
-            with open(
-                tmp / f"{key}.npz", "wb"
-            ) as f:  # inside the atomic directory: no per-file rename needed
-                np.savez(f, *arrs)
+        for key, groups in arrays.items():
+            named = {f"{g}_{i}": a for g, arrs in groups.items() for i, a in enumerate(arrs)}
+            with open(tmp / f"{key}.npz", "wb") as f:  # inside the atomic directory: no rename
+                np.savez(f, **named)
         write_text(tmp / "state.json", json.dumps(public, sort_keys=True))
         for fname, data in private.items():
-            write_bytes(tmp / fname, data, private=True)
+            same_as = None if previous is None else previous / fname
+            write_bytes(tmp / fname, data, private=True, same_as=same_as)
         if save_extra is not None:
             save_extra(tmp)
         _write_manifest(tmp, name)
@@ -67,6 +75,25 @@ def write_checkpoint(
         if old.is_dir() and old.name != name and not old.name.startswith(TEMP_PREFIX):
             shutil.rmtree(old, ignore_errors=True)
     return root / name
+
+
+def published_checkpoint(state_dir: str | os.PathLike) -> Path | None:
+    """The directory ``CURRENT`` names, unverified (None when there is none): where a checkpoint
+    being written finds files it can link instead of writing (each compared byte for byte first).
+
+    Args:
+        state_dir: the checkpoints' directory.
+
+    Returns:
+        The published checkpoint's directory, or None.
+    """
+    root = Path(state_dir)
+    try:
+        name = (root / POINTER).read_text().strip()
+    except OSError:
+        return None
+    path = root / name
+    return path if name.startswith("round-") and "/" not in name and path.is_dir() else None
 
 
 def current_checkpoint(state_dir: str | os.PathLike) -> Path | None:
@@ -162,6 +189,17 @@ def remove_stale_temporaries(state_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def load_arrays(path: Path, key: str) -> list[np.ndarray]:
+def load_arrays(path: Path, key: str, group: str = "arr") -> list[np.ndarray]:
+    """The arrays of one group of a checkpoint's npz file (see `write_checkpoint`).
+
+    Args:
+        path: the checkpoint directory.
+        key: the file (``key``.npz).
+        group: the group ("arr": the unnamed arrays, e.g. the model's).
+
+    Returns:
+        The group's arrays in order; empty when the file holds none of that group.
+    """
     with np.load(path / f"{key}.npz", allow_pickle=False) as d:
-        return [d[f"arr_{i}"] for i in range(len(d.files))]
+        count = sum(1 for f in d.files if f.rpartition("_")[0] == group)
+        return [d[f"{group}_{i}"] for i in range(count)]

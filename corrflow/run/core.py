@@ -35,11 +35,11 @@ from corrflow.fileio import write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
-from corrflow.run.disclosure import Disclosure, operator_log
+from corrflow.run.disclosure import DisclosureView, operator_log
 from corrflow.run.journal import GENESIS
 from corrflow.run.ledger import round_entry
 from corrflow.run.model import ModelLayout, arrays_sha256
-from corrflow.run.noise import NoiseStream
+from corrflow.run.noise import NoiseStream, NoiseView
 from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
@@ -155,6 +155,81 @@ def prepare(
     )
 
 
+def _begin(
+    plan: RunPlan,
+    params: list[np.ndarray],
+    initial_sha256: str,
+    noise_key: bytes | None,
+    registry: ReleaseRegistry,
+    initial_metrics: dict,
+    received,
+) -> tuple[RunState, RunSecrets, NoiseStream, Recorder]:
+    """The state, new secrets, noise stream and recorder of a new run from the trainable
+    ``params``, its id claimed in the release registry (see `Run.start`)."""
+    noise = open_noise(plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key)
+    state = RunState(
+        params,
+        [np.zeros_like(p) for p in params],
+        sensitivity=IncrementalSensitivity(plan.factorization.encoder),
+    )
+    keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
+    recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
+    recorder.received = received
+    registry.claim(keys.run_id, recorder.run_dir)
+    return state, keys, noise, recorder
+
+
+def _resume(
+    plan: RunPlan,
+    resume: ResumePoint,
+    initial_sha256: str,
+    noise_key: bytes | None,
+    registry: ReleaseRegistry,
+    initial_metrics: dict,
+    received,
+) -> tuple[RunState, RunSecrets, NoiseStream, Recorder]:
+    """The state, secrets, noise stream and recorder of the checkpoint ``resume`` names, with what
+    a kill left undone completed: the registry's and the journal's last release, then the report
+    and metrics (see `Run.start`)."""
+    # A new key segment from the checkpoint's next round on: rounds after a restart never repeat
+    # the noise of an earlier start (corrflow.noise.segments).
+    noise = open_noise(
+        plan.cfg,
+        plan.factorization,
+        plan.layout.trainable_shapes,
+        noise_key,
+        resume.checkpoint,
+    )
+    state, keys, ledger_log = restore(plan, resume.checkpoint, noise, initial_sha256)
+    last = resume.journal[-1].hash if resume.journal else GENESIS
+    recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, last, ledger_log)
+    recorder.received = received
+    registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
+    recorder.adoptions = registry.adoptions(keys.run_id)
+    _complete_releases(recorder, registry, resume, keys.run_id)
+    # The report and metrics are complete every REPORT_EVERY rounds: after a kill they may lag
+    # the journal by up to REPORT_EVERY − 1 rounds; a restart completes them first.
+    recorder.write_report()
+    recorder.write_metrics()
+    return state, keys, noise, recorder
+
+
+def _complete_releases(
+    recorder: Recorder, registry: ReleaseRegistry, resume: ResumePoint, run_id: str
+) -> None:
+    """Finish the release a kill interrupted: a journal entry the registry has not recorded, and a
+    round checkpointed but not yet journaled (released now with the noise in its checkpoint)."""
+    # Killed between the journal's append and the registry's record: record it now.
+    for entry in resume.journal[registry.released(run_id) :]:
+        registry.record(run_id, entry.round, entry.noise_round, entry.hash)
+    if resume.unreleased_round is not None:  # checkpointed, killed before its journal entry
+        recorder.journal(resume.unreleased_round, resume.checkpoint)
+        log.info(
+            "round %d was checkpointed but not released before the restart; released now",
+            resume.unreleased_round + 1,
+        )
+
+
 class Run:
     """A run in progress (see the module docstring). Build it with `start`."""
 
@@ -210,49 +285,13 @@ class Run:
         registry = ReleaseRegistry(plan.cfg.release_registry or None)
         initial_metrics = {"round": -1, **(evaluate(params) if evaluate else {})}
         if resume.checkpoint is None:
-            noise = open_noise(
-                plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key
+            state, keys, noise, recorder = _begin(
+                plan, params, initial_sha256, noise_key, registry, initial_metrics, received
             )
-            state = RunState(
-                params,
-                [np.zeros_like(p) for p in params],
-                sensitivity=IncrementalSensitivity(plan.factorization.encoder),
-            )
-            keys = RunSecrets.new(plan.accounting.plan.amplified, initial_sha256)
-            recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
-            recorder.received = received
-            registry.claim(keys.run_id, recorder.run_dir)
         else:
-            # A new key segment from the checkpoint's next round on: rounds after a restart never
-            # repeat the noise of an earlier start (corrflow.noise.segments).
-            noise = open_noise(
-                plan.cfg,
-                plan.factorization,
-                plan.layout.trainable_shapes,
-                noise_key,
-                resume.checkpoint,
+            state, keys, noise, recorder = _resume(
+                plan, resume, initial_sha256, noise_key, registry, initial_metrics, received
             )
-            state, keys, ledger_log = restore(plan, resume.checkpoint, noise, initial_sha256)
-            last = resume.journal[-1].hash if resume.journal else GENESIS
-            recorder = Recorder(
-                plan, state, keys, noise, registry, initial_metrics, last, ledger_log
-            )
-            recorder.received = received
-            registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
-            recorder.adoptions = registry.adoptions(keys.run_id)
-            # Killed between the journal's append and the registry's record: record it now.
-            for entry in resume.journal[registry.released(keys.run_id) :]:
-                registry.record(keys.run_id, entry.round, entry.noise_round, entry.hash)
-            if resume.unreleased_round is not None:  # checkpointed, killed before its journal entry
-                recorder.journal(resume.unreleased_round, resume.checkpoint)
-                log.info(
-                    "round %d was checkpointed but not released before the restart; released now",
-                    resume.unreleased_round + 1,
-                )
-            # The report and metrics are complete every REPORT_EVERY rounds: after a kill they may
-            # lag the journal by up to REPORT_EVERY − 1 rounds; a restart completes them first.
-            recorder.write_report()
-            recorder.write_metrics()
         if keys.sampler_key is not None:
             plan.planner.seed_privately(keys.sampler_key)
         return cls(plan, state, keys, noise, recorder, evaluate, on_round_end)
@@ -281,13 +320,15 @@ class Run:
         return self._keys.initial_sha256
 
     @property
-    def noise(self) -> NoiseStream:
-        return self._noise
+    def noise(self) -> NoiseView:
+        """The noise stream's facts, read-only: only a round draws its rows."""
+        return NoiseView(self._noise)
 
     @property
-    def disclosure(self) -> Disclosure:
-        """What the run publishes and what only its operator sees."""
-        return self._recorder.disclosure
+    def disclosure(self) -> DisclosureView:
+        """What the run publishes and what only its operator sees, read-only: only the run writes
+        the operator's files."""
+        return DisclosureView(self._recorder.disclosure)
 
     def show_outside_guarantee(self, names: Iterable[str]) -> None:
         """List metrics the caller shows outside the DP release — a wrapped app's aggregated

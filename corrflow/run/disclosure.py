@@ -140,6 +140,36 @@ class Disclosure:
         return d
 
 
+class DisclosureView:
+    """A run's `Disclosure` as seen from outside the run: where things go and what is published,
+    without a way to write the operator's files (only the run appends to them)."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, of: Disclosure):
+        self._of = of
+
+    @property
+    def secret(self) -> bool:
+        """The run's cohorts are secret (amplified ε)."""
+        return self._of.secret
+
+    @property
+    def operator_dir(self) -> Path:
+        return self._of.operator_dir
+
+    def public_metrics(self, metrics: dict) -> dict:
+        """A round's metrics as published (see `Disclosure.public_metrics`).
+
+        Args:
+            metrics: the round's metrics.
+
+        Returns:
+            A new dict.
+        """
+        return self._of.public_metrics(metrics)
+
+
 def _append_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as f:

@@ -27,6 +27,7 @@ from corrflow.factorization.base import Factorization
 from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
 from corrflow.noise.engine import RING_FILE
 from corrflow.noise.segments import SegmentTable
+from corrflow.run.checkpoint import published_checkpoint
 
 #: Coordinates per block when adding the noise into the sum (256 KiB of float32).
 _BLOCK = 1 << 16
@@ -100,8 +101,73 @@ class NoiseStream:
 
     def save(self, checkpoint: Path, state_dir: Path) -> None:
         """Write the stream's state into a checkpoint being written (``checkpoint``) of
-        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round)."""
-        save_state(self._gen, checkpoint / "noise", ring=state_dir / RING_FILE)
+        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round; the
+        key files the published checkpoint holds unchanged are linked from it)."""
+        previous = published_checkpoint(state_dir)
+        save_state(
+            self._gen,
+            checkpoint / "noise",
+            ring=state_dir / RING_FILE,
+            previous=None if previous is None else previous / "noise",
+        )
+
+
+class NoiseView:
+    """The run's noise stream as seen from outside the run: facts about it, nothing that draws,
+    skips or saves a row (that would put it out of step with the run's state)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: NoiseStream):
+        self._stream = stream
+
+    @property
+    def next_round(self) -> int:
+        """The next round whose noise has not been drawn."""
+        return self._stream.next_round
+
+    @property
+    def segments(self) -> SegmentTable:
+        """Which key drew each row Z_j (immutable)."""
+        return self._stream.segments
+
+    @property
+    def lost(self) -> str | None:
+        """Why the stream can draw no more (a lost Ray head); None while it can."""
+        return self._stream.lost
+
+    @property
+    def mode(self) -> str:
+        """The generator's recursion (``banded``, ``blt``, …), in a stream of the server's
+        process."""
+        return self._stream.generator.mode
+
+    @property
+    def dim(self) -> int:
+        """The model's trainable coordinates, in a stream of the server's process."""
+        return self._stream.generator.dim
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The generator's model-sized state, in bytes, in a stream of the server's process."""
+        return self._stream.generator.buffer_bytes
+
+    def watch(self, on_lost) -> None:
+        """Call ``on_lost`` once the stream is lost (noise workers); a stream of the server's
+        process never is.
+
+        Args:
+            on_lost: a callable without arguments.
+        """
+        self._stream.watch(on_lost)
+
+    def worker_info(self) -> list[dict]:
+        """Each noise worker's host and pid (a stream of noise workers only).
+
+        Returns:
+            One dict per worker.
+        """
+        return self._stream.worker_info()
 
 
 def _add_scaled(g: np.ndarray, w: np.ndarray, scale: np.float32) -> None:

@@ -152,7 +152,8 @@ class Recorder:
         return write_checkpoint(
             self.checkpoint_dir,
             f"round-{s.next_round:06d}",
-            {"model": s.params, "optimizer": s.momentum},
+            # the momentum beside the model in one file (a checkpoint before it has optimizer.npz)
+            {"model": {"arr": s.params, "momentum": s.momentum}},
             public,
             private,
             save_extra=lambda d: self.noise.save(d, self.checkpoint_dir),
@@ -252,6 +253,44 @@ def restore(
     checked: the ledger and metric history are rebuilt from it); refuses one of another run,
     factorization, σ, model or initial model, naming what differs."""
     public = json.loads((ckpt / "state.json").read_text())
+    _check_same_run(ctx, ckpt, public, initial_sha256)
+    params = load_arrays(ckpt, "model")
+    if [tuple(p.shape) for p in params] != [tuple(s) for s in ctx.layout.trainable_shapes]:
+        raise IntegrityError(f"{ckpt}: model shapes differ from the model being trained")
+    # The momentum is in model.npz; a checkpoint of a corrflow before it has optimizer.npz.
+    momentum = load_arrays(ckpt, "model", "momentum") or load_arrays(ckpt, "optimizer")
+    if [tuple(m.shape) for m in momentum] != [tuple(p.shape) for p in params]:
+        raise IntegrityError(f"{ckpt}: the optimizer's momentum does not fit the model's shapes")
+    ledger_log, ledger, history = _read_ledger(ckpt, public)
+    state = RunState(
+        params,
+        momentum,
+        ledger,
+        history,
+        int(public["next_round"]),
+        int(public.get("empty_streak", 0)),
+        None,
+        {int(r): list(v) for r, v in public.get("pending_overrides", {}).items()},
+        IncrementalSensitivity.of(ctx.factorization.encoder, ledger.selected),
+    )
+    if noise.next_round != state.next_round:
+        raise IntegrityError(
+            f"{ckpt}: noise state is at round {noise.next_round}, model at {state.next_round}"
+        )
+    keys = RunSecrets(
+        (ckpt / "report_salt").read_bytes(),
+        (ckpt / SECRET).read_bytes(),
+        _sampler_key(ctx, ckpt),
+        public["run_id"],
+        public.get("initial_sha256", initial_sha256),
+    )
+    log.info("corrflow: resumed from %s at round %d", ckpt.name, state.next_round + 1)
+    return state, keys, ledger_log
+
+
+def _check_same_run(ctx: RunPlan, ckpt: Path, public: dict, initial_sha256: str) -> None:
+    """Refuse a checkpoint (its ``state.json``: ``public``) of other settings, another
+    factorization, σ, accounting regime or initial model, naming what differs."""
     cfg, sigma = ctx.cfg, ctx.accounting.plan.noise_multiplier
     if public["config_fingerprint"] != cfg.fingerprint():
         diff = settings_conflict(ckpt.parent, cfg.run_settings()) or "unrecorded settings"
@@ -291,9 +330,11 @@ def restore(
             "cannot change it; start a new run with --fresh / fresh=True)",
             f"arrays with SHA-256 {initial_sha256[:16]}…",
         )
-    params = load_arrays(ckpt, "model")
-    if [tuple(p.shape) for p in params] != [tuple(s) for s in ctx.layout.trainable_shapes]:
-        raise IntegrityError(f"{ckpt}: model shapes differ from the model being trained")
+
+
+def _read_ledger(ckpt: Path, public: dict) -> tuple[LedgerLog, Ledger, list[dict]]:
+    """The ledger log at the position the checkpoint vouches for, and the ledger and metric history
+    replayed from it (IntegrityError when it records another number of rounds)."""
     ledger_log = LedgerLog(ckpt.parent / LEDGER_LOG)
     if "ledger_log" in public:
         ledger_log.position = LogPosition.from_dict(public["ledger_log"])
@@ -308,30 +349,7 @@ def restore(
             f"{ledger_log.path}: records {ledger.rounds_completed} rounds, the checkpoint "
             f"{public['next_round']}"
         )
-    state = RunState(
-        params,
-        load_arrays(ckpt, "optimizer"),
-        ledger,
-        history,
-        int(public["next_round"]),
-        int(public.get("empty_streak", 0)),
-        None,
-        {int(r): list(v) for r, v in public.get("pending_overrides", {}).items()},
-        IncrementalSensitivity.of(ctx.factorization.encoder, ledger.selected),
-    )
-    if noise.next_round != state.next_round:
-        raise IntegrityError(
-            f"{ckpt}: noise state is at round {noise.next_round}, model at {state.next_round}"
-        )
-    keys = RunSecrets(
-        (ckpt / "report_salt").read_bytes(),
-        (ckpt / SECRET).read_bytes(),
-        _sampler_key(ctx, ckpt),
-        public["run_id"],
-        public.get("initial_sha256", initial_sha256),
-    )
-    log.info("corrflow: resumed from %s at round %d", ckpt.name, state.next_round + 1)
-    return state, keys, ledger_log
+    return ledger_log, ledger, history
 
 
 def _sampler_key(ctx: RunPlan, ckpt: Path) -> bytes | None:
