@@ -58,6 +58,7 @@ from corrflow.noise.shards import (
     segment_blocks,
     shard_secrets,
 )
+from corrflow.run.checkpoint import published_checkpoint
 from corrflow.run.noise import NoiseStream, _add_scaled
 
 log = logging.getLogger("corrflow")
@@ -501,7 +502,14 @@ class ShardedNoiseStream(NoiseStream):
         digests = drawn[1] if drawn is not None and drawn[0] == self._next else self._each("save")
         d = Path(checkpoint) / "noise"
         d.mkdir(parents=True, exist_ok=True)
-        write_bytes(d / SEGMENTS_FILE, self._table.to_private(), private=True)
+        # linked, not rewritten, while the key segments are the published checkpoint's
+        previous = published_checkpoint(state_dir)
+        write_bytes(
+            d / SEGMENTS_FILE,
+            self._table.to_private(),
+            private=True,
+            same_as=None if previous is None else previous / "noise" / SEGMENTS_FILE,
+        )
         write_json(
             d / SHARDS_FILE,
             {
