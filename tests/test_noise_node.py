@@ -463,3 +463,26 @@ def test_a_server_killed_mid_round_resumes_with_the_noise_node(tmp_path):
         by_round[e["round"]] = e["segment"]  # the last send of each round is the released one
     assert all(e["noise_segment"] == by_round[e["round"]] for e in released)
     assert math.isfinite(report["realized"]["epsilon"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--noise-node"], "--secagg as well"),
+        (["--secagg", "--noise-node", "--noise-node-dir", "{out}/node"], "outside --out"),
+        (["--secagg", "--noise-node", "--noise-node-dir", "{home}/node"], "outside --out"),
+        (["--secagg", "--noise-node", "--backend", "cohort"], "--backend inprocess"),
+    ],
+)
+def test_bad_noise_node_flags_are_refused_writing_nothing(tmp_path, extra, says):
+    out, home = tmp_path / "out", tmp_path / "home"
+    args = [a.format(out=out, home=home) for a in extra]
+    cmd = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "20"]
+    cmd += ["--rounds", "4", "--epochs", "2", "--out", str(out), *args]
+    if "--backend" not in args:
+        cmd += ["--backend", "inprocess"]
+    env = {**os.environ, "CORRFLOW_HOME": str(home)}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert says in r.stderr and "noise-node" in r.stderr
+    assert not out.exists() and not (tmp_path / "out.noise-node").exists()

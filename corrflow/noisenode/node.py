@@ -96,6 +96,7 @@ class NoiseNode:
         self._gen: CorrelatedNoise | None = None
         self._round: _Round | None = None
         self._fac: Factorization | None = None
+        self._sigma_max: float | None = None
 
     def identity(self) -> dict:
         nid = self.store.node_id
@@ -124,8 +125,12 @@ class NoiseNode:
         return self._fac
 
     def sigma_max(self) -> float:
-        recipe = self._recipe()
-        return float(noise_std_per_round(self.factorization(), recipe["noise_multiplier"])["max"])
+        """σ_max = σ·max_t ‖row t of C⁻¹‖ of the pinned recipe (computed once per process)."""
+        if self._sigma_max is None:
+            recipe = self._recipe()
+            fac = self.factorization()
+            self._sigma_max = float(noise_std_per_round(fac, recipe["noise_multiplier"])["max"])
+        return self._sigma_max
 
     def _recipe(self) -> dict:
         recipe = self.store.recipe()
