@@ -18,6 +18,15 @@ released) noise, at most `MAX_ATTEMPTS` times (`secure_train`); a sum that was u
 the plausibility check stops the run for good (`SECURE_SUM_REFUSED`: a second sum of the same
 cohort could tell members apart). The unmasked sum enters `Run.step` as `SummedReplies` and is
 never persisted before its round is released.
+
+With a noise node (``--noise-node``, `corrflow.noisenode`) the noise node is one more member of
+every stage: it gets the stock stage messages plus the round index and the recipe it checks
+against its pin; its setup reply carries the signature of its keys, relayed to the clients' guard
+mod; T leaves the noise its headroom (`corrflow.run.secure_sum.noise_headroom_range`); an attempt
+it did not answer fails before anything is unmasked; the decode subtracts the clients' offsets
+only and reads values past the headroom as negative (`corrflow.run.secure_sum.centre`); and its
+receipt (key segment, journal head) goes to the run's `NoiseNodeStream`. Each attempt then
+carries a fresh row, never the same one.
 """
 
 from __future__ import annotations
@@ -647,7 +656,8 @@ def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, 
     """Round ``strategy``'s planned round through the secure sum, then `Run.step` (checkpoint →
     journal → report → release): (the new model, the round's metrics), or None when the round was
     abandoned (``stop``) or failed for good — then the run is stopped on the record and nothing of
-    the round was released."""
+    the round was released. With a noise node (``run.noise`` a `NoiseNodeStream`) each attempt
+    carries a fresh noise row: the noise node never sends a row twice."""
     plan, _ = strategy.inflight.take()
     cfg, run = strategy.cfg, strategy.run
     if plan is None or plan.round != strategy.next_round or strategy.stopped_reason:
