@@ -486,3 +486,65 @@ def test_bad_noise_node_flags_are_refused_writing_nothing(tmp_path, extra, says)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert says in r.stderr and "noise-node" in r.stderr
     assert not out.exists() and not (tmp_path / "out.noise-node").exists()
+
+
+def test_a_checkpoint_resumes_only_with_its_own_noise_node(node, tmp_path):
+    """The server's checkpoint keeps the noise node's receipts (public) and its key; another noise
+    node, or a run without one, is refused."""
+    from corrflow.errors import IntegrityError
+    from corrflow.run.noise_node_link import NODE_FILE
+
+    stream = node.stream
+    stream.receive(0, {"first_round": 0, "key_fingerprint": "ab" * 16}, "f" * 64)
+    stream.add([np.zeros(DIM, np.float32)], 0, np.float32(1.0))
+    ckpt = tmp_path / "ckpt"
+    stream.save(ckpt, tmp_path)
+    back = NoiseNodeStream.restore(ckpt, stream.link)
+    assert back.next_round == 1 and back.journal_head == "f" * 64
+    assert back.segments.segment_for(0).public()["key_fingerprint"] == "ab" * 16
+    other = NoiseNodeLink(stream.node_id, b"\x01" * 32, b"")
+    with pytest.raises(IntegrityError, match="public key"):
+        NoiseNodeStream.restore(ckpt, other)
+    (ckpt / "noise" / NODE_FILE).unlink()
+    with pytest.raises(IntegrityError, match="without --noise-node"):
+        NoiseNodeStream.restore(ckpt, stream.link)
+    with pytest.raises(IntegrityError, match="no receipt"):  # a sum without the node's receipt
+        back.add([np.zeros(DIM, np.float32)], 1, np.float32(1.0))
+
+
+def test_the_server_receives_only_protocol_messages_from_the_noise_node(node):
+    """Every reply of the noise node carries only SecAgg+'s keys, ciphertexts, masked vectors
+    and shares, plus its public receipt: no array, no metric, nothing of its key."""
+    replies = []
+    inner = _direct(node.node)
+
+    def recording(msg, ctxt):
+        reply = inner(msg, ctxt)
+        replies.append(reply)
+        return reply
+
+    p = secure_sum_params(M_CLIENTS, 1.0, DIM, node.stream.sigma_max)
+    _decode(_grid({node.stream.node_id: recording}, pin(node.node.identity())), p, node.stream)
+    allowed = {
+        Key.PUBLIC_KEY_1,
+        Key.PUBLIC_KEY_2,
+        "corrflow-noise-signature",
+        Key.DESTINATION_LIST,
+        Key.CIPHERTEXT_LIST,
+        Key.MASKED_PARAMETERS,
+        "corrflow-noise-segment",
+        "corrflow-noise-journal-head",
+        Key.NODE_ID_LIST,
+        Key.SHARE_LIST,
+    }
+    keys = NoiseNodeStore(node.dir).segments()[0].segments[0].key
+    assert len(replies) == 4
+    for reply in replies:
+        content = reply.content
+        assert set(content.config_records) == {RECORD_KEY_CONFIGS}
+        assert not content.array_records and not content.metric_records
+        record = dict(content.config_records[RECORD_KEY_CONFIGS])
+        assert set(record) <= allowed
+        items = [x for v in record.values() for x in (v if isinstance(v, list) else [v])]
+        flat = b"".join(x if isinstance(x, bytes) else str(x).encode() for x in items)
+        assert keys not in flat and keys.hex().encode() not in flat
