@@ -422,46 +422,36 @@ def test_a_killed_noise_node_is_restarted_and_never_repeats_a_row(node, tmp_path
 @pytest.mark.integration
 @pytest.mark.xdist_group("processes")
 def test_a_server_killed_mid_round_resumes_with_the_noise_node(tmp_path):
-    """The server (with its noise node child) is SIGKILLed once round 2 is journaled; the rerun
-    resumes, completes all rounds, and the two journals agree: each server release names a send
-    of the noise node, no row was sent twice, and the heads match."""
+    """The server (with its noise node child) is SIGKILLed as it sends round 3's unmask stage:
+    the noise node has sent round 3's row, the server released rounds 1–2 only. The rerun
+    resumes, the noise node (restarted) sends round 3 again under a new key segment, and the
+    journals agree: every server release names the noise node's last send of that round, no row
+    was sent twice, and the heads match."""
     out = tmp_path / "k"
-    cmd = [*CLI, "--rounds", "8", "--noise-node", "--out", str(out)]
+    helper = [sys.executable, str(Path(__file__).parent / "noise_node_kill_run.py"), str(out)]
     env = {**os.environ, "CORRFLOW_HOME": str(tmp_path / "home")}
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    first = subprocess.run(
+        helper, env={**env, "KILL_AT_UNMASK": "3"}, capture_output=True, text=True, cwd=tmp_path
     )
+    assert first.returncode == -signal.SIGKILL, first.stderr
     journal = out / "release_journal.jsonl"
-    try:
-        import time
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if journal.exists() and len(journal.read_text().splitlines()) >= 2:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.02)
-    finally:
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert again.returncode == 0, again.stderr
-    report = json.loads(again.stdout)
-    node = json.loads((tmp_path / "k.noise-node" / "noise_node_report.json").read_text())
-    assert report["rounds_completed"] == 8 and node["rounds_contributed"] == 8
+    assert [json.loads(x)["round"] for x in journal.read_text().splitlines()] == [0, 1]
+    node_dir = tmp_path / "k.noise-node"
+    second = subprocess.run(helper, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    report = json.loads((out / "privacy_report.json").read_text())
+    node = json.loads((node_dir / "noise_node_report.json").read_text())
+    assert report["rounds_completed"] == 4 and node["rounds_contributed"] == 4
+    assert node["rounds_sent_more_than_once"] == [2] and node["sends"] == 5
     assert node["journal_head"] == report["noise_node"]["journal_head"]
-    sends = [
-        json.loads(x)
-        for x in (tmp_path / "k.noise-node" / "journal.jsonl").read_text().splitlines()
-    ]
-    pairs = [(e["round"], e["segment"]["key_fingerprint"]) for e in sends]
-    assert len(pairs) == len(set(pairs))  # no row sent twice
+    sends = [json.loads(x) for x in (node_dir / "journal.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in sends] == [0, 1, 2, 2, 3]
+    assert [e["segment"]["first_round"] for e in sends] == [0, 0, 0, 2, 2]
+    assert len({e["segment"]["key_fingerprint"] for e in sends}) == 2
     released = [json.loads(x) for x in journal.read_text().splitlines()]
-    assert [e["round"] for e in released] == list(range(8))
-    by_round = {}
-    for e in sends:
-        by_round[e["round"]] = e["segment"]  # the last send of each round is the released one
-    assert all(e["noise_segment"] == by_round[e["round"]] for e in released)
+    assert [e["round"] for e in released] == [0, 1, 2, 3]
+    last = {e["round"]: e["segment"] for e in sends}  # a round's last send is the released one
+    assert all(e["noise_segment"] == last[e["round"]] for e in released)
     assert math.isfinite(report["realized"]["epsilon"])
 
 
