@@ -401,7 +401,7 @@ def test_a_killed_noise_node_is_restarted_and_never_repeats_a_row(node, tmp_path
             if (t_now[0], stage, "after") in kill_at:
                 kill_at.discard((t_now[0], stage, "after"))
                 os.kill(proc.pid, signal.SIGKILL)
-                proc._proc.join()
+                proc._proc.wait()
             return reply
 
         pins = pin(proc.identity)

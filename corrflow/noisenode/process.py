@@ -2,7 +2,8 @@
 interpreter, its state in its own directory, reached only through a pipe that carries stage
 messages' config records — the server's process never holds its key.
 
-`NoiseNodeProcess` starts it (spawned, not forked: nothing of the parent's memory is shared),
+`NoiseNodeProcess` starts it (a fresh interpreter, not a fork: nothing of the parent's memory is
+shared; one end of a private socket pair its only channel),
 restarts it when it died (a new start of the node: its next row opens a new key segment) and
 answers the in-process grid's messages to the noise node's id (`NoiseNodeProcess.handler`).
 """
@@ -10,8 +11,12 @@ answers the in-process grid's messages to the noise node's id (`NoiseNodeProcess
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
@@ -26,7 +31,7 @@ START_TIMEOUT, CALL_TIMEOUT = 120.0, 120.0
 
 
 def serve(conn, directory: str) -> None:
-    """The child's loop: one request in, one answer out, until the pipe closes."""
+    """The child's loop: one request in, one answer out, until the connection closes."""
     from corrflow.noisenode.node import NoiseNode
     from corrflow.noisenode.store import NoiseNodeStore
 
@@ -35,7 +40,7 @@ def serve(conn, directory: str) -> None:
     while True:
         try:
             req = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         try:
             if req["op"] == "pin":
@@ -45,6 +50,15 @@ def serve(conn, directory: str) -> None:
             conn.send({"ok": out})
         except Exception as exc:  # answered, never crashes the node
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def main() -> None:
+    """``python -m corrflow.noisenode.process DIR FD``: serve over the socket FD the parent
+    passed. The terminal's Ctrl-C is the parent's to handle: it closes the connection, which ends
+    this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with Connection(int(sys.argv[2])) as conn:
+        serve(conn, sys.argv[1])
 
 
 class NoiseNodeError(RuntimeError):
@@ -61,16 +75,24 @@ class NoiseNodeProcess:
         self.identity: dict = {}
 
     def start(self) -> dict:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(child, str(self.dir)), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(START_TIMEOUT):
+        """Start the child (a fresh interpreter: ``python -m corrflow.noisenode.process``), one
+        end of a private socket pair its only channel; returns its identity.
+
+        Raises:
+            NoiseNodeError: it did not answer within `START_TIMEOUT` seconds.
+        """
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "corrflow.noisenode.process", str(self.dir)]
+                + [str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+            )
+            self._conn = Connection(ours.detach())
+        if not self._conn.poll(START_TIMEOUT):
             self.close()
             raise NoiseNodeError(f"the noise node in {self.dir} did not start")
-        self.identity = self._answer(parent.recv())
+        self.identity = self._answer(self._conn.recv())
         return self.identity
 
     @property
@@ -78,7 +100,7 @@ class NoiseNodeProcess:
         return self._proc.pid if self._proc is not None else None
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        return self._proc is not None and self._proc.poll() is None
 
     def call(self, request: dict, timeout: float = CALL_TIMEOUT):
         """One request's answer.
@@ -133,11 +155,18 @@ class NoiseNodeProcess:
         return Message(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(out)}), reply_to=msg)
 
     def close(self) -> None:
+        """Close the connection (the child's loop ends) and wait for the child, killing it after
+        10 s."""
         if self._conn is not None:
             self._conn.close()
         if self._proc is not None:
-            self._proc.join(timeout=10)
-            if self._proc.is_alive():
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.join()
+                self._proc.wait()
         self._proc = self._conn = None
+
+
+if __name__ == "__main__":
+    main()
