@@ -234,6 +234,10 @@ def test_the_noise_node_refuses_other_parameters_and_lone_cohorts(node):
         node.node.handle(Stage.SETUP, {**ok, Key.TARGET_RANGE: p.quantization_range * 4})
     with pytest.raises(RecipeRefusedError, match="1 client"):
         node.node.handle(Stage.SETUP, {**ok, Key.SAMPLE_NUMBER: 2})
+    from corrflow.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match=r"another recipe \(differs in \['noise_multiplier'\]"):
+        node.node.store.pin({**node.recipe, "noise_multiplier": 0.0}, b"")
 
 
 def _stage_message(nid: int, config: dict) -> Message:

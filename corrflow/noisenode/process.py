@@ -22,6 +22,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
+from corrflow.errors import CorrflowError
 from corrflow.run.noise_node_link import NoiseNodeLink
 
 log = logging.getLogger("corrflow")
@@ -61,7 +62,7 @@ def main() -> None:
         serve(conn, sys.argv[1])
 
 
-class NoiseNodeError(RuntimeError):
+class NoiseNodeError(CorrflowError):
     """The noise node refused a request or could not be reached."""
 
 

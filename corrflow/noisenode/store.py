@@ -100,7 +100,9 @@ class NoiseNodeStore:
             if held != recipe:
                 diff = sorted(k for k in {*held, *recipe} if held.get(k) != recipe.get(k))
                 raise IntegrityError(
-                    f"the noise node in {self.dir} is pinned to another recipe (differs in {diff})"
+                    f"the noise node in {self.dir} is pinned to another recipe (differs in "
+                    f"{diff}); a noise node serves one run: give this run its own "
+                    "--noise-node-dir"
                 )
             return
         write_bytes(self.dir / FACTORIZATION, factorization)

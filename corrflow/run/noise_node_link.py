@@ -126,12 +126,12 @@ class NoiseNodeStream:
         """
         if self.recipe is None:
             recipe = noise_recipe(plan)
-            self.sigma_max = float(
+            sigma = float(
                 noise_std_per_round(plan.factorization, recipe["noise_multiplier"])["max"]
             )
             if self.link.pin is not None:
                 self.link.pin(recipe, Path(plan.cfg.state_dir) / FACTORIZATION_FILE)
-            self.recipe = recipe
+            self.recipe, self.sigma_max = recipe, sigma
         return self.recipe
 
     def watch(self, on_lost) -> None:
@@ -283,7 +283,7 @@ def noise_node_section(noise, secure: dict | None = None) -> dict:
             "unmasked sum of the cohort's clipped updates",
             "unmasked sum of the cohort's clipped updates and the noise node's noise",
         )
-        if sigma := noise.sigma_max:
+        if (sigma := noise.sigma_max) is not None and noise.recipe is not None:
             q = secure["quantization"]
             m, dim = q["cohort"], _dim(noise.recipe)
             p = secure_sum_params(m, q["clipping_range"], dim, sigma)
