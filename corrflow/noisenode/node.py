@@ -99,6 +99,7 @@ class NoiseNode:
         self._sigma_max: float | None = None
 
     def identity(self) -> dict:
+        """Its node id, long-term public key (raw Ed25519) and the id's signature (the pin)."""
         nid = self.store.node_id
         return {
             "node_id": nid,
@@ -120,6 +121,7 @@ class NoiseNode:
         return {"sigma_max": self.sigma_max()}
 
     def factorization(self) -> Factorization:
+        """The pinned factorization (loaded once)."""
         if self._fac is None:
             self._fac = Factorization.load(self.store.dir / FACTORIZATION)
         return self._fac

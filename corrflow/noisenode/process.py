@@ -98,9 +98,11 @@ class NoiseNodeProcess:
 
     @property
     def pid(self) -> int | None:
+        """The child's process id, or None when not started."""
         return self._proc.pid if self._proc is not None else None
 
     def alive(self) -> bool:
+        """Whether the child is running."""
         return self._proc is not None and self._proc.poll() is None
 
     def call(self, request: dict, timeout: float = CALL_TIMEOUT):

@@ -74,10 +74,12 @@ class NoiseNodeStore:
 
     @property
     def node_id(self) -> int:
+        """The noise node's id, chosen once."""
         return int(json.loads((self.dir / "node.json").read_text())["node_id"])
 
     @property
     def public_key(self) -> bytes:
+        """The long-term Ed25519 public key, raw bytes."""
         return self._identity.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
     def sign(self, data: bytes) -> bytes:
@@ -86,6 +88,7 @@ class NoiseNodeStore:
 
     # -- recipe ------------------------------------------------------------------------------------
     def recipe(self) -> dict | None:
+        """The pinned recipe, or None before the pin."""
         path = self.dir / RECIPE
         return json.loads(path.read_text()) if path.exists() else None
 
@@ -120,6 +123,7 @@ class NoiseNodeStore:
         return SegmentTable(tuple(KeySegment(int(f), bytes.fromhex(k)) for f, k in raw)), True
 
     def save_segments(self, table: SegmentTable) -> None:
+        """Write the key segments (0600), before any row is drawn with a new one."""
         path = self.dir / KEYS
         rows = [[s.first_round, s.key.hex()] for s in table.segments]
         write_json(path, {"segments": rows}, private=True)
@@ -139,9 +143,11 @@ class NoiseNodeStore:
 
     @property
     def head(self) -> str:
+        """The journal's head hash (all zeros when empty)."""
         return self.entries[-1]["hash"] if self.entries else GENESIS
 
     def sent_rounds(self) -> set[int]:
+        """The rounds whose rows were sent, at least once."""
         return {int(e["round"]) for e in self.entries}
 
     def append(self, round_index: int, segment: dict, input_sha256: str) -> dict:

@@ -69,6 +69,7 @@ class NoiseNodeLink:
     pin: Callable[[dict, Path], None] | None = field(default=None, compare=False)
 
     def public(self) -> dict:
+        """The public form (hex for bytes)."""
         return {
             "node_id": self.node_id,
             "public_key": self.public_key.hex(),
@@ -84,6 +85,7 @@ class PublicSegment:
     key_fingerprint: str
 
     def public(self) -> dict:
+        """The public form (hex for bytes)."""
         return {"first_round": self.first_round, "key_fingerprint": self.key_fingerprint}
 
 
@@ -94,6 +96,7 @@ class PublicSegments:
     segments: tuple[PublicSegment, ...]
 
     def segment_for(self, round_index: int) -> PublicSegment:
+        """The segment that drew row ``round_index`` (IntegrityError when none)."""
         found = [s for s in self.segments if s.first_round <= round_index]
         if not found:
             raise IntegrityError(f"no noise node receipt covers round {round_index + 1}")
@@ -139,10 +142,12 @@ class NoiseNodeStream:
 
     @property
     def node_id(self) -> int:
+        """The noise node's id."""
         return self.link.node_id
 
     @property
     def next_round(self) -> int:
+        """The next round whose receipt is due."""
         return self._next
 
     def receive(self, round_index: int, segment: dict, journal_head: str) -> None:
@@ -174,10 +179,12 @@ class NoiseNodeStream:
         self._next += 1
 
     def skip(self, t: int) -> None:
+        """Refused: a run with a noise node is private (there is no non-private baseline)."""
         raise InvalidArgumentError("noise-node", "a private run (a noise node adds noise)", "σ = 0")
 
     @property
     def segments(self) -> PublicSegments:
+        """The key segments of the released rows, as the noise node reported them."""
         seen: dict[int, PublicSegment] = {}
         for r in self._receipts:
             seen[r["segment"].first_round] = r["segment"]  # a later receipt supersedes
@@ -186,6 +193,7 @@ class NoiseNodeStream:
 
     @property
     def journal_head(self) -> str | None:
+        """The noise node's journal head as of the last released round."""
         return self._receipts[-1]["journal_head"] if self._receipts else None
 
     def save(self, checkpoint: Path, state_dir: Path) -> None:

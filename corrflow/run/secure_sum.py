@@ -95,6 +95,7 @@ class SecureSumParams:
         return self.clipping_range * math.sqrt(dim)
 
     def to_dict(self) -> dict:
+        """The parameters as the report shows them."""
         return {
             "cohort": self.cohort,
             "num_shares": self.num_shares,

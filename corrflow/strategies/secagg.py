@@ -117,6 +117,7 @@ class _Attempt:
 
     @property
     def noise_id(self) -> int | None:
+        """The noise node's id, or None."""
         return None if self.noise is None else self.noise.node_id
 
     def clients(self, members: set[int]) -> set[int]:
