@@ -108,7 +108,18 @@ class NoiseNode:
         }
 
     def pin(self, recipe: dict, factorization: bytes) -> dict:
-        """Pin the run's recipe (once; a later pin must be the same). Returns σ_max."""
+        """Pin the run's recipe (once; a later pin must be the same).
+
+        Args:
+            recipe: factorization sha256, σ, clip, δ, rounds and the trainable shapes.
+            factorization: the bytes of the factorization file the recipe names.
+
+        Returns:
+            ``{"sigma_max": σ·max_t ‖row t of C⁻¹‖}``.
+
+        Raises:
+            IntegrityError: the file is not the recipe's, or another recipe is pinned.
+        """
         recipe = {k: recipe[k] for k in (*RECIPE_FIELDS, "shapes")}
         check = self.store.dir / ".factorization-check.npz"
         write_bytes(check, factorization)

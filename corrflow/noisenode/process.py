@@ -128,7 +128,18 @@ class NoiseNodeProcess:
         return reply["ok"]
 
     def pin(self, recipe: dict, factorization: Path) -> float:
-        """Pin the run's recipe; returns σ_max."""
+        """Pin the run's recipe on the noise node.
+
+        Args:
+            recipe: `corrflow.run.noise_node_link.noise_recipe`'s.
+            factorization: the run's factorization file.
+
+        Returns:
+            σ_max as the noise node computed it.
+
+        Raises:
+            NoiseNodeError: the noise node refused (pinned to another recipe, or another file).
+        """
         return float(
             self.call({"op": "pin", "recipe": recipe, "factorization": str(factorization)})[
                 "sigma_max"

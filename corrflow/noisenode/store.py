@@ -151,7 +151,16 @@ class NoiseNodeStore:
         return {int(e["round"]) for e in self.entries}
 
     def append(self, round_index: int, segment: dict, input_sha256: str) -> dict:
-        """Journal that row ``round_index`` is being sent (fsynced before it leaves)."""
+        """Journal that row ``round_index`` is being sent (fsynced before it leaves).
+
+        Args:
+            round_index: t.
+            segment: the public form of the key segment that drew row Z_t.
+            input_sha256: SHA-256 of the grid input sent (identifies the row, reveals nothing).
+
+        Returns:
+            The entry, with its ``hash``: the journal's new head.
+        """
         entry = {
             "seq": len(self.entries),
             "round": int(round_index),

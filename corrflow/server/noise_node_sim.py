@@ -58,7 +58,14 @@ def check_noise_node(cfg: RunConfig, backend: str) -> None:
 
 
 def pin(identity: dict) -> dict:
-    """The node config entries that pin the noise node in every client."""
+    """The node config entries that pin the noise node in every client.
+
+    Args:
+        identity: the noise node's (``node_id``, ``public_key``, ``signature``).
+
+    Returns:
+        `PIN_ID`, `PIN_KEY` and `PIN_SIGNATURE`, hex-encoded.
+    """
     return {
         PIN_ID: str(identity["node_id"]),
         PIN_KEY: identity["public_key"].hex(),
@@ -68,7 +75,14 @@ def pin(identity: dict) -> dict:
 
 @contextmanager
 def running_noise_node(cfg: RunConfig) -> Iterator:
-    """The noise node's child process over `noise_node_dir`, stopped on exit."""
+    """The noise node's child process over `noise_node_dir`, stopped on exit.
+
+    Args:
+        cfg: the run's settings.
+
+    Returns:
+        A context manager yielding the started `corrflow.noisenode.process.NoiseNodeProcess`.
+    """
     from corrflow.noisenode.process import NoiseNodeProcess
 
     d = noise_node_dir(cfg)
@@ -83,7 +97,16 @@ def running_noise_node(cfg: RunConfig) -> Iterator:
 def noise_node_grid(cfg: RunConfig, train, node):
     """The in-process grid of a run with the noise node ``node`` (a started
     `corrflow.noisenode.process.NoiseNodeProcess`): clients behind the guard mod with the pin in
-    their node config, the noise node reachable by its id."""
+    their node config, the noise node reachable by its id.
+
+    Args:
+        cfg: the run's settings (``num_users``).
+        train: the task's train handler.
+        node: the started noise node process.
+
+    Returns:
+        The `corrflow.server.inprocess.InProcessGrid`.
+    """
     from corrflow.clients.secagg import with_noise_node_guard, with_secure_aggregation
     from corrflow.server.inprocess import InProcessGrid
 
