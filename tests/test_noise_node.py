@@ -372,6 +372,9 @@ def test_simulate_with_a_noise_node_keeps_epsilon_and_the_key_off_the_server(tmp
     assert node["journal_head"] == ours["noise_node"]["journal_head"]
     assert ours["noise_node"]["node_id"] == node["node_id"]
     assert "colludes with the noise node" in ours["trust_model"]["server"]
+    from corrflow.schemas import validate
+
+    validate("privacy-report", json.loads((tmp_path / "nn" / "privacy_report.json").read_text()))
     assert "never holds a noiseless sum" in ours["secure_aggregation"]["noiseless_sum"]
     keys = [
         bytes.fromhex(k) for _, k in json.loads((node_dir / "keys.json").read_text())["segments"]
