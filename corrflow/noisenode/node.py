@@ -221,7 +221,8 @@ class NoiseNode:
         if keys.get(nid) != (r.pk1, r.pk2):
             raise ValueError("the share-keys message does not carry this node's own keys")
         r.public_keys = keys
-        share_num, threshold = int(r.config[Key.SHARE_NUMBER]), int(r.config[Key.THRESHOLD])
+        # a neighbour of every client: one share per member of the round, not SHARE_NUMBER
+        share_num, threshold = len(keys), int(r.config[Key.THRESHOLD])
         if len(keys) < threshold:
             raise ValueError("fewer neighbours than the threshold")
         seed = os.urandom(32)

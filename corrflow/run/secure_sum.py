@@ -129,12 +129,14 @@ def secure_sum_params(
     else:
         t = noise_headroom_range(cohort, noise_sigma)
     t -= t % 2
-    members = cohort + (noise_sigma is not None)
-    shares = (
-        members
-        if members <= FULL_GRAPH_COHORT
-        else min(members, 2 * math.ceil(2 * math.log2(members)) + 1)
+    # the clients' graph; a noise node is a neighbour of every client (each client's guard must
+    # see it in its round, and only its neighbours hold its shares), one more in each neighbourhood
+    ring = (
+        cohort
+        if cohort <= FULL_GRAPH_COHORT
+        else min(cohort, 2 * math.ceil(2 * math.log2(cohort)) + 1)
     )
+    shares = ring + (noise_sigma is not None)
     threshold = max(2, math.ceil(THRESHOLD_FRACTION * shares))
     params = SecureSumParams(cohort, shares, threshold, float(clip), t, MODULUS, noise_sigma)
     require(

@@ -142,6 +142,32 @@ def neighbour_graph(nodes: list[int], num_shares: int, rng: random.Random) -> di
     }
 
 
+def round_graph(
+    nodes: list[int], num_shares: int, noise_id: int | None, rng: random.Random
+) -> dict[int, set[int]]:
+    """The round's neighbour graph: `neighbour_graph` over the clients ``nodes``; with a noise
+    node, it is a neighbour of every client (one more in each neighbourhood of ``num_shares``):
+    each client's guard mod must see it in the round, and a client that is not its neighbour
+    would hold none of its shares).
+
+    Args:
+        nodes: the clients.
+        num_shares: the neighbourhood size (itself included), the noise node included.
+        noise_id: the noise node's id, or None.
+        rng: shuffles the ring.
+
+    Returns:
+        node → its neighbours, itself included.
+    """
+    if noise_id is None:
+        return neighbour_graph(nodes, num_shares, rng)
+    graph = {
+        n: {*ring, noise_id} for n, ring in neighbour_graph(nodes, num_shares - 1, rng).items()
+    }
+    graph[noise_id] = {*nodes, noise_id}
+    return graph
+
+
 class _Stage:
     """Send one stage's messages and keep the well-formed replies (node → config record); a node
     that does not answer has dropped out, a malformed answer fails the round naming the node."""
@@ -245,7 +271,8 @@ def secure_sum(
     sigma = None if noise is None else noise.sigma_max
     params = secure_sum_params(len(nodes), clip, dim, sigma)
     members = nodes if noise is None else [*nodes, noise.node_id]
-    graph = neighbour_graph(members, params.num_shares, random.SystemRandom())
+    noise_id = None if noise is None else noise.node_id
+    graph = round_graph(nodes, params.num_shares, noise_id, random.SystemRandom())
     t = plan.round if noise is not None else 0  # the noise node needs the round index
     a = _Attempt(params, list(shapes), graph, noise=noise, round=t)
     _setup(a, grid, members, timeout, stop)
@@ -510,7 +537,8 @@ def _check_share(a: _Attempt, holder: int, owner: int, share, dead: set[int]) ->
         got = len(share) if isinstance(share, bytes) else type(share).__name__
         raise _fail(Stage.UNMASK, holder, f"a share of node {owner} of {got} bytes, not {size}")
     index = int.from_bytes(share[:4], "little")
-    if not 1 <= index <= a.params.num_shares:
+    # a noise node shares with every client: its Shamir indices run to its neighbourhood's size
+    if not 1 <= index <= max(a.params.num_shares, len(a.neighbours[owner])):
         raise _fail(Stage.UNMASK, holder, f"a share of node {owner} with Shamir index {index}")
 
 
