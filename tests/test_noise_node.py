@@ -334,6 +334,17 @@ def test_the_server_refuses_to_unmask_without_the_noise_node(node):
     assert not NoiseNodeStore(node.dir).entries  # nothing was sent
 
 
+def test_a_round_with_one_client_online_is_not_released_with_a_noise_node(node):
+    """Without a noise node such a round releases noise only; with one the server holds no noise
+    and the noise node joins no sum of fewer than 2 clients: the attempt fails (retried, then the
+    run stops), and no row is sent."""
+    grid = _grid({node.stream.node_id: _direct(node.node)}, pin(node.node.identity()), m=1)
+    plan = SimpleNamespace(expected={n: "u" for n in grid.get_node_ids()}, round=0)
+    with pytest.raises(driver.SecureSumError, match="needs at least 2") as exc:
+        driver.secure_sum(grid, _messages(grid), plan, 1.0, [(DIM,)], {}, 60, None, node.stream)
+    assert exc.value.redo and not NoiseNodeStore(node.dir).entries
+
+
 # -- real processes -----------------------------------------------------------------------------
 CLI = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--secagg", "--backend"]
 CLI += ["inprocess", "--users", "20", "--epochs", "2", "--json"]

@@ -261,6 +261,14 @@ def secure_sum(
     train = {int(m.metadata.dst_node_id): m.content for m in messages}
     nodes = sorted(train)
     dim = sum(int(np.prod(s)) for s in shapes)
+    if len(nodes) < 2 and noise is not None:
+        # the server holds no noise to release a round alone, and the noise node joins no sum
+        # of fewer than 2 clients (its row would be the sum): retried, then the run stops
+        raise SecureSumError(
+            f"{len(nodes)} client(s) online in the cohort: a round with a noise node needs at "
+            "least 2 (the server holds no noise to release it alone)",
+            True,
+        )
     if len(nodes) < 2:
         alone = SummedReplies.empty(shapes)
         alone.rejections = [
