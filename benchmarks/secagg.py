@@ -8,7 +8,12 @@ client work of both runs in this process: CPU seconds are split into the clients
 handlers) and the server's (the rest). The clients' training is the same trivial step in both
 (a fixed update), so the difference is the secure aggregation. Prints one JSON object.
 
-Usage: python benchmarks/secagg.py [--cohorts 10,100] [--dim 100000] [--repeats 2]
+With ``--noise-node`` two more modes: ``secagg_noise`` (the secure round, then the server draws
+σ·c·(C⁻¹Z)_t and adds it, as ``--secagg`` does) and ``noise_node`` (a noise node in this process
+joins the round as one more member and adds that noise inside the sum; the clients run the guard
+mod); their CPU ratio is the noise node's overhead at the same cohort.
+
+Usage: python benchmarks/secagg.py [--cohorts 10,100] [--dim 100000] [--repeats 2] [--noise-node]
 """
 
 from __future__ import annotations
@@ -92,6 +97,92 @@ def secure_round(m: int, dim: int) -> tuple[float, float]:
     return time.process_time() - t0, clock.cpu
 
 
+SIGMA = 1.0
+
+
+def _factorization():
+    from corrflow.factorization.build import factorize, participation_for
+
+    return factorize("toeplitz", participation_for(4, 2, 2, kind="min-sep"), bands=2)
+
+
+def secure_noise_round(m: int, dim: int) -> tuple[float, float]:
+    """`secure_round`, then the server's noise draw for round 0 added into the sum."""
+    from corrflow.noise import CorrelatedNoise
+
+    gen = CorrelatedNoise(_factorization(), [(dim,), (1,)], SIGMA)
+    clock = ClientClock()
+    grid = InProcessGrid({"train": clock.wrap(with_secure_aggregation(train))}, m)
+    plan = SimpleNamespace(expected={n: f"user-{i}" for i, n in enumerate(grid.get_node_ids())})
+    t0 = time.process_time()
+    summed = secure_sum(
+        grid, messages(grid, dim), plan, 1.0, [(dim,), (1,)], {"zeroing-factor": 100.0}, 600, None
+    )
+    for total, n in zip(summed.total, gen.next(0), strict=True):
+        total += n
+    return time.process_time() - t0, clock.cpu
+
+
+def noise_node_round(m: int, dim: int) -> tuple[float, float]:
+    """The secure round with a noise node (in this process, in a temporary directory) as one more
+    member; its CPU counts with the clients' (it is another party)."""
+    import tempfile
+
+    from corrflow.clients.secagg import with_noise_node_guard
+    from corrflow.noisenode.node import NoiseNode
+    from corrflow.noisenode.store import NoiseNodeStore
+    from corrflow.run.noise_node_link import NoiseNodeLink, NoiseNodeStream
+    from corrflow.server.noise_node_sim import pin
+
+    fac = _factorization()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = fac.save(f"{tmp}/fac.npz")
+        recipe = {
+            "factorization_sha256": fac.sha256(),
+            "noise_multiplier": SIGMA,
+            "clip_norm": 1.0,
+            "delta": 1e-5,
+            "rounds": fac.rounds,
+            "shapes": [[dim], [1]],
+        }
+        node = NoiseNode(NoiseNodeStore(f"{tmp}/node"))
+        node.pin(recipe, path.read_bytes())
+        i = node.identity()
+        stream = NoiseNodeStream(NoiseNodeLink(i["node_id"], i["public_key"], i["signature"]))
+        stream.recipe, stream.sigma_max = recipe, node.sigma_max()
+        clock = ClientClock()
+
+        def answer(msg: Message, ctx) -> Message:
+            config = dict(msg.content.config_records["secaggplus_configs"])
+            out = node.handle(config.pop("stage"), config)
+            return Message(RecordDict({"secaggplus_configs": ConfigRecord(out)}), reply_to=msg)
+
+        pins = pin(i)
+        grid = InProcessGrid(
+            {"train": clock.wrap(with_noise_node_guard(with_secure_aggregation(train)))},
+            m,
+            node_config=lambda p: pins,
+            extra_nodes={i["node_id"]: clock.wrap(answer)},
+        )
+        ids = grid.get_node_ids()
+        plan = SimpleNamespace(expected={n: f"user-{k}" for k, n in enumerate(ids)}, round=0)
+        t0 = time.process_time()
+        summed = secure_sum(
+            grid,
+            messages(grid, dim),
+            plan,
+            1.0,
+            [(dim,), (1,)],
+            {"zeroing-factor": 100.0},
+            600,
+            None,
+            stream,
+        )
+        elapsed = time.process_time() - t0
+    assert len(summed.accepted) == m
+    return elapsed, clock.cpu
+
+
 def best(fn, repeats: int) -> dict:
     runs = [fn() for _ in range(repeats)]
     total, clients = min(runs)
@@ -102,11 +193,23 @@ def best(fn, repeats: int) -> dict:
     }
 
 
+def noise_node_case(m: int, dim: int, repeats: int) -> dict:
+    """The two noise modes at cohort ``m`` and the noise node's CPU overhead."""
+    server_noise = best(partial(secure_noise_round, m, dim), repeats)
+    node = best(partial(noise_node_round, m, dim), repeats)
+    return {
+        "secagg_noise": server_noise,
+        "noise_node": node,
+        "noise_node_ratio_cpu": round(node["cpu_s"] / server_noise["cpu_s"], 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cohorts", default="10,100")
     ap.add_argument("--dim", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--noise-node", action="store_true", help="also the noise node's modes")
     args = ap.parse_args()
     out = {
         "dim": args.dim,
@@ -129,6 +232,7 @@ def main() -> None:
                     secure["server_cpu_s"] / max(plain["server_cpu_s"], 1e-3), 1
                 ),
                 "secagg_client_cpu_s_per_client": round(secure["clients_cpu_s"] / m, 4),
+                **(noise_node_case(m, args.dim, args.repeats) if args.noise_node else {}),
             }
         )
     print(json.dumps(out))

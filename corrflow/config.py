@@ -497,6 +497,23 @@ class RunConfig(BaseModel):
         names={"cli": "--secagg"},
         strict=True,
     )
+    noise_node: bool = setting(
+        False,
+        "with --secagg: a noise node, a separate party holding the noise key, adds each round's "
+        "noise inside the secure sum, so the server never sees an un-noised sum "
+        "(docs/explanation/noise-node.md)",
+        "true or false",
+        surfaces=("cli", "run_config"),
+        names={"cli": "--noise-node"},
+        strict=True,
+    )
+    noise_node_dir: str | None = setting(
+        None,
+        "the noise node's directory (its key, journal and report; default <out>.noise-node, "
+        "never under --out or $CORRFLOW_HOME)",
+        "a directory path",
+        surfaces=("cli",),
+    )
     # -- operations (not part of the mechanism: a resumed run may change them) ---------------------
     state_dir: str = setting(
         "corrflow_run",
@@ -565,6 +582,7 @@ class RunConfig(BaseModel):
         "noise_workers",
         "ray_address",
         "eval_every",
+        "noise_node_dir",
     )
 
     def __init__(self, **values: Any):
@@ -688,6 +706,11 @@ class RunConfig(BaseModel):
 
     def _secure_aggregation_rules(self) -> None:
         """SecAgg+ needs clients that clip (cross-device) and cohorts that need not be secret."""
+        require(
+            not self.noise_node or self.secure_aggregation,
+            "noise-node",
+            "--secagg as well (the noise node adds its noise inside the secure sum)",
+        )
         if not self.secure_aggregation:
             return
         require(
@@ -806,6 +829,8 @@ class RunConfig(BaseModel):
         out = {k: v for k, v in self.to_dict().items() if k not in self.OPERATIONAL}
         if not out.get("secure_aggregation"):  # runs before the setting keep their fingerprint
             out.pop("secure_aggregation", None)
+        if not out.get("noise_node"):
+            out.pop("noise_node", None)
         if self.vocab_path:
             import hashlib
 

@@ -112,6 +112,22 @@ def _sigma_lines(report: dict, out: Path) -> list[str]:
     return [f"σ           {both_conventions(fac, sigma)}"]
 
 
+def noise_node_lines(report: dict) -> list[str]:
+    """The noise node's trust lines (none for a run without one)."""
+    node = report.get("noise_node")
+    if not node:
+        return []
+    head = node.get("journal_head") or "none yet"
+    return [
+        f"trust       a noise node (id {node['node_id']}, key {node['public_key'][:16]}…) adds "
+        "the noise inside the secure sum: the server never sees an un-noised sum; private "
+        "against the server unless it colludes with the noise node (privacy_report.json: "
+        "trust_model)",
+        f"noise node  {node['rounds_contributed']} rounds contributed; its journal head "
+        f"{head[:16]}… (compare with the noise node's report)",
+    ]
+
+
 def _secure_aggregation_lines(report: dict) -> list[str]:
     """The trust model of a ``--secagg`` run, in two summary lines."""
     sa = report.get("secure_aggregation")
@@ -120,9 +136,14 @@ def _secure_aggregation_lines(report: dict) -> list[str]:
     return [
         f"secagg      SecAgg+: the server saw {sa['server_saw'].split(';')[0]}; threshold "
         f"{sa['reconstruction_threshold']} of {sa['neighbours']} neighbours",
-        "trust       honest-but-curious server (no consistency round); it holds each noiseless "
-        "sum — DP protects the released models; clients must run the clipping "
-        "(privacy_report.json: secure_aggregation)",
+        *(
+            noise_node_lines(report)
+            or [
+                "trust       honest-but-curious server (no consistency round); it holds each "
+                "noiseless sum — DP protects the released models; clients must run the clipping "
+                "(privacy_report.json: secure_aggregation)",
+            ]
+        ),
     ]
 
 

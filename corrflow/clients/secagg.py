@@ -184,6 +184,18 @@ def with_secure_aggregation(train):
     return handler
 
 
+def with_noise_node_guard(handler):
+    """``handler`` (`with_secure_aggregation`'s) behind the noise node's guard mod
+    (`corrflow.clients.noise_guard.guard_noise_node`), as a ClientApp with the guard outermost
+    would call it."""
+    from corrflow.clients.noise_guard import guard_noise_node
+
+    def guarded(msg: Message, ctxt: Context) -> Message:
+        return guard_noise_node(msg, ctxt, handler)
+
+    return guarded
+
+
 def secure_client_app(train) -> ClientApp:
     """A ClientApp that trains with ``train`` under `secure_aggregation_mods` and answers
     corrflow's identity probe (what ``corrflow simulate --secagg`` runs on Flower's engine)."""

@@ -60,6 +60,7 @@ from corrflow.noise.shards import (
 )
 from corrflow.run.checkpoint import published_checkpoint
 from corrflow.run.noise import NoiseStream, _add_scaled
+from corrflow.run.noise_node_link import NoiseNodeLink, open_noise_node
 
 log = logging.getLogger("corrflow")
 
@@ -684,11 +685,13 @@ def open_noise(
     cfg: RunConfig,
     factorization: Factorization,
     shapes: Sequence[tuple[int, ...]],
-    key: bytes | None,
+    key: bytes | NoiseNodeLink | None,
     checkpoint: Path | None = None,
 ) -> NoiseStream:
     """The run's noise stream: in the server's process, or over ``cfg.noise_workers`` Ray actors;
-    new, or restored from ``checkpoint`` with a new key segment from its next round on.
+    new, or restored from ``checkpoint`` with a new key segment from its next round on; or, with
+    ``cfg.noise_node``, the receipts of the noise node that adds it inside the secure sum (``key``
+    is then its `NoiseNodeLink`: the server holds no noise key).
 
     Args:
         cfg: the run's settings (noise_workers, ray_address, state_dir).
@@ -701,6 +704,8 @@ def open_noise(
         IntegrityError: a checkpoint whose noise was generated with another number of workers (the
             reason and the number to resume with), or whose files do not verify.
     """
+    if isinstance(key, NoiseNodeLink) or cfg.noise_node:  # the noise node holds the key
+        return open_noise_node(cfg, key, checkpoint)
     workers = cfg.noise_workers
     root = Path(cfg.state_dir) / SHARD_ROOT
     if checkpoint is None:

@@ -43,6 +43,7 @@ from corrflow.run.ledger import (
     replay,
 )
 from corrflow.run.noise import NoiseStream
+from corrflow.run.noise_node_link import noise_node_section
 from corrflow.run.noise_trust import noise_workers_trust
 from corrflow.run.plan import RunPlan
 from corrflow.run.registry import ReleaseRegistry, lineage_section
@@ -218,6 +219,7 @@ class Recorder:
             report["secure_aggregation"] = trust_section(
                 c.cfg.clip_norm, dim, c.planner.expected, received
             )
+        report.update(noise_node_section(self.noise, report.get("secure_aggregation")))
         # a run on a dataset file: how its vocabulary was built, and the total
         if plan.vocabulary is not None:
             report["vocabulary"] = plan.vocabulary

@@ -55,6 +55,14 @@ class SecureSumParams:
     clipping_range: float
     quantization_range: int
     modulus: int = MODULUS
+    #: σ_max = σ·max_t ‖row t of C⁻¹‖ when a noise node joins the sum (one more participant whose
+    # input is centred Gaussian noise on the grid); None without one.
+    noise_sigma: float | None = None
+
+    @property
+    def participants(self) -> int:
+        """The members of the secure sum: the cohort's clients, and the noise node if any."""
+        return self.cohort + (self.noise_sigma is not None)
 
     @property
     def step(self) -> float:
@@ -87,6 +95,7 @@ class SecureSumParams:
         return self.clipping_range * math.sqrt(dim)
 
     def to_dict(self) -> dict:
+        """The parameters as the report shows them."""
         return {
             "cohort": self.cohort,
             "num_shares": self.num_shares,
@@ -95,30 +104,41 @@ class SecureSumParams:
             "quantization_range": self.quantization_range,
             "modulus": self.modulus,
             "step": self.step,
+            **({"noise_sigma_max": self.noise_sigma} if self.noise_sigma is not None else {}),
         }
 
 
-def secure_sum_params(cohort: int, clip: float, dim: int) -> SecureSumParams:
+def secure_sum_params(
+    cohort: int, clip: float, dim: int, noise_sigma: float | None = None
+) -> SecureSumParams:
     """The parameters of a round with ``cohort`` members, clip c and ``dim`` trainable coordinates.
 
     T is the largest even integer with m·T < M (the sum of m values in [0, T] never wraps modulo
-    M; never a truncated cohort), capped where Flower's int32 rounding ends. Raises
-    `InvalidArgumentError` when c − Δ√d ≤ 0 (a model too large for the modulus)."""
+    M; never a truncated cohort), capped where Flower's int32 rounding ends. With a noise node
+    (``noise_sigma`` = σ_max, per unit clip) T also leaves the noise its headroom on both sides:
+    m·T + 2·K·σ_max·T < M (`noise_headroom_range`). Raises `InvalidArgumentError` when
+    c − Δ√d ≤ 0 (a model too large for the modulus)."""
     require(
         cohort >= 2,
         "cohort",
         "at least 2 members for a secure sum (one member's sum is its update)",
         cohort,
     )
-    t = min(MAX_QUANTIZATION_RANGE, (MODULUS - 1) // cohort)
+    if noise_sigma is None:
+        t = min(MAX_QUANTIZATION_RANGE, (MODULUS - 1) // cohort)
+    else:
+        t = noise_headroom_range(cohort, noise_sigma)
     t -= t % 2
-    shares = (
+    # the clients' graph; a noise node is a neighbour of every client (each client's guard must
+    # see it in its round, and only its neighbours hold its shares), one more in each neighbourhood
+    ring = (
         cohort
         if cohort <= FULL_GRAPH_COHORT
         else min(cohort, 2 * math.ceil(2 * math.log2(cohort)) + 1)
     )
+    shares = ring + (noise_sigma is not None)
     threshold = max(2, math.ceil(THRESHOLD_FRACTION * shares))
-    params = SecureSumParams(cohort, shares, threshold, float(clip), t)
+    params = SecureSumParams(cohort, shares, threshold, float(clip), t, MODULUS, noise_sigma)
     require(
         params.client_bound(dim) > 0,
         "secure-aggregation",
@@ -126,6 +146,82 @@ def secure_sum_params(cohort: int, clip: float, dim: int) -> SecureSumParams:
         f"clip {clip:g} (cohort {cohort}, d = {dim})",
     )
     return params
+
+
+#: K: the noise node's input may reach K·σ_max·T grid steps (K/2 standard deviations of σ_max·T/2)
+# on either side of the clients' range before the modular sum wraps.
+NOISE_HEADROOM_K = 20
+
+
+def noise_headroom_range(cohort: int, noise_sigma: float) -> int:
+    """T with room for the noise node's input: the largest integer with m·T + 2·K·σ_max·T < M.
+
+    The clients' sum lies in [0, m·T]; the noise, σ_t·c/Δ = σ_t·T/2 grid steps per coordinate
+    (σ_t ≤ σ_max), is centred at 0, so the headroom is needed on both sides.
+
+    Args:
+        cohort: m, the cohort's clients (the noise node not counted).
+        noise_sigma: σ_max = σ·max_t ‖row t of C⁻¹‖ (per unit clip), ≥ 0.
+
+    Returns:
+        T, capped where Flower's int32 rounding ends.
+
+    Raises:
+        InvalidArgumentError: σ_max is not a finite, non-negative number.
+    """
+    require(
+        math.isfinite(noise_sigma) and noise_sigma >= 0,
+        "noise_sigma",
+        "a finite, non-negative σ_max",
+        noise_sigma,
+    )
+    t = int((MODULUS - 1) // (cohort + 2 * NOISE_HEADROOM_K * noise_sigma))
+    while cohort * t + 2 * NOISE_HEADROOM_K * noise_sigma * t >= MODULUS:
+        t -= 1  # float rounding of the division
+    return min(MAX_QUANTIZATION_RANGE, t)
+
+
+def wrap_probability(dim: int) -> float:
+    """An upper bound on the probability that one round's noise node input wraps the modular sum
+    in any of ``dim`` coordinates: |N| < K·σ_max·T unless one standard normal exceeds 2K − 1/std
+    ≥ K (for std ≥ 1/K grid steps), so ≤ d·2·Φ(−K) with K = `NOISE_HEADROOM_K` (a wrap costs
+    accuracy, never privacy: it is post-processing)."""
+    return dim * math.erfc(NOISE_HEADROOM_K / math.sqrt(2))
+
+
+def grid_noise(noise: np.ndarray, step: float, modulus: int = MODULUS) -> np.ndarray:
+    """The noise node's input: round(n/Δ) with round(x) = ⌊x + ½⌋ (deterministic, ties up: the
+    identity S + round(y) = round(S + y) for integer S needs the same tie rule everywhere;
+    half-to-even breaks it), represented modulo M.
+
+    Args:
+        noise: n = σ·c·(C⁻¹Z)_t, one round's noise (any float array).
+        step: Δ, the round's quantization step.
+        modulus: M.
+
+    Returns:
+        int64 values in [0, M).
+    """
+    grid = np.floor(np.asarray(noise, np.float64) / step + 0.5).astype(np.int64)
+    return np.mod(grid, modulus)
+
+
+def centre(values: np.ndarray, params: SecureSumParams) -> np.ndarray:
+    """A summed grid coordinate in [0, M) as the signed integer it stands for: the clients' sum
+    lies in [0, m·T] and the noise adds less than the headroom H = (M − m·T)/2 on either side, so
+    values from m·T + H on stand for negatives (value − M).
+
+    Args:
+        values: the unmasked sum modulo M (int64).
+        params: the round's parameters (m = clients, T).
+
+    Returns:
+        int64 values in [−H, m·T + H).
+    """
+    top = params.cohort * params.quantization_range
+    cut = top + (params.modulus - top) // 2
+    v = np.asarray(values, np.int64)
+    return np.where(v >= cut, v - params.modulus, v)
 
 
 def bound_update(
@@ -175,14 +271,28 @@ def implausible(
     if not all(np.isfinite(a).all() for a in total):
         return "the unmasked sum is not finite"
     norm = math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in total))
-    if norm > params.sum_bound(active):
+    bound = params.sum_bound(active) + noise_norm_bound(params, total)
+    if norm > bound:
         return (
-            f"the unmasked sum has ℓ2 norm {norm:.6g} > m·c = {active}·{params.clipping_range:g} "
-            "(a wrong share or a client that did not clip)"
+            f"the unmasked sum has ℓ2 norm {norm:.6g} > m·c = {active}·{params.clipping_range:g}"
+            + (" plus the noise's bound" if params.noise_sigma is not None else "")
+            + " (a wrong share or a client that did not clip)"
         )
     if any(v < 0 for v in counts.values()) or sum(counts.values()) != active:
         return f"the action counts {counts} do not add up to the {active} contributions"
     return None
+
+
+def noise_norm_bound(params: SecureSumParams, total: Sequence[np.ndarray]) -> float:
+    """What the noise node's input may add to the sum's ℓ2 norm: c·σ_max·(√d + K) (a standard
+    Gaussian vector exceeds √d + K with probability ≤ exp(−K²/2)) plus the rounding's Δ√d/2; 0
+    without a noise node."""
+    if params.noise_sigma is None:
+        return 0.0
+    dim = sum(int(np.size(a)) for a in total)
+    root = math.sqrt(dim)
+    c = params.clipping_range
+    return c * params.noise_sigma * (root + NOISE_HEADROOM_K) + params.step * root / 2
 
 
 #: The kinds of reply (`corrflow.strategies.wire.reply_kinds`) that carry nothing of one client's

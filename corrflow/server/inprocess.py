@@ -48,6 +48,7 @@ class InProcessGrid(Grid):
         first_node_id: int = 1 << 62,
         identity: bool = True,
         node_config: Callable[[int], dict] | None = None,
+        extra_nodes: dict[int, Callable[[Message, Context], Message]] | None = None,
     ):
         enable_offline_messages()
         self.handlers = {
@@ -59,6 +60,8 @@ class InProcessGrid(Grid):
         self.tamper = tamper
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
+        # nodes that are no user's (a noise node): reached by id, never listed or sampled
+        self.extra_nodes = dict(extra_nodes or {})
         self._run = None
         self._pending: dict[str, Message] = {}  # pushed, not delivered yet (push order)
         self._ready: list[Message] = []  # delivered, not pulled yet (tampered replies)
@@ -96,6 +99,14 @@ class InProcessGrid(Grid):
 
     def _deliver(self, msg: Message) -> Message:
         node = int(msg.metadata.dst_node_id)
+        if node in self.extra_nodes:
+            try:
+                return self.extra_nodes[node](msg, None)
+            except Exception as exc:  # as Flower does: a ClientApp exception is an error reply
+                return Message(
+                    Error(code=2, reason=f"ClientApp exception: {type(exc).__name__}: {exc}"),
+                    reply_to=msg,
+                )
         if node not in self.online:
             return Message(
                 Error(code=5, reason="Error: Node Unavailable — no heartbeat (in-process grid)"),

@@ -27,6 +27,7 @@ from corrflow.paths import run_directory
 from corrflow.server.app import make_server_app, run_cohort_server, run_server
 from corrflow.server.cohort_backend import check_supported
 from corrflow.server.inprocess import InProcessGrid
+from corrflow.server.noise_node_sim import check_noise_node, noise_node_grid, running_noise_node
 from corrflow.strategies.correlated import INTERRUPTED
 
 log = logging.getLogger("corrflow")
@@ -180,6 +181,7 @@ def simulate(
     out = run_directory(cfg.state_dir)
     cfg = cfg.replace(state_dir=str(out))
     check_backend(cfg, backend)
+    check_noise_node(cfg, backend)
     check_data_population(cfg)
     created = new_files_undo(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,6 +247,11 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
         if backend == "cohort":
             run_cohort_server(cfg, stop_event=stop, **kwargs)
+        elif backend == "inprocess" and cfg.noise_node:
+            with running_noise_node(cfg) as node:
+                grid = noise_node_grid(cfg, task.handlers["train"], node)
+                kwargs["noise_key"] = node.link()  # the server's link; the key stays there
+                run_server(grid, cfg, stop_event=stop, **kwargs)
         elif backend == "inprocess":
             run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:

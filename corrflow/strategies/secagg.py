@@ -18,11 +18,21 @@ released) noise, at most `MAX_ATTEMPTS` times (`secure_train`); a sum that was u
 the plausibility check stops the run for good (`SECURE_SUM_REFUSED`: a second sum of the same
 cohort could tell members apart). The unmasked sum enters `Run.step` as `SummedReplies` and is
 never persisted before its round is released.
+
+With a noise node (``--noise-node``, `corrflow.noisenode`) the noise node is one more member of
+every stage: it gets the stock stage messages plus the round index and the recipe it checks
+against its pin; its setup reply carries the signature of its keys, relayed to the clients' guard
+mod; T leaves the noise its headroom (`corrflow.run.secure_sum.noise_headroom_range`); an attempt
+it did not answer fails before anything is unmasked; the decode subtracts the clients' offsets
+only and reads values past the headroom as negative (`corrflow.run.secure_sum.centre`); and its
+receipt (key segment, journal head) goes to the run's `NoiseNodeStream`. Each attempt then
+carries a fresh row, never the same one.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -48,6 +58,14 @@ from flwr.supercore.primitives.asymmetric import (
 )
 
 from corrflow.fileio import write_json
+from corrflow.noisenode.protocol import (
+    HEAD_KEY,
+    RECIPE_KEY,
+    ROUND_KEY,
+    SEGMENT_KEY,
+    SIGNATURE_KEY,
+)
+from corrflow.run.noise_node_link import NoiseNodeStream
 from corrflow.run.resume import SECURE_SUM_REFUSED
 from corrflow.run.round import RoundPlan, SummedReplies
 from corrflow.run.secure_sum import (
@@ -55,6 +73,7 @@ from corrflow.run.secure_sum import (
     MAX_ATTEMPTS,
     UNDECRYPTABLE_KEY,
     SecureSumParams,
+    centre,
     decode_counts,
     implausible,
     secure_sum_params,
@@ -90,7 +109,26 @@ class _Attempt:
     u2: set[int] = field(default_factory=set)  # sent its masked vector
     masked: list[np.ndarray] | None = None
     dropped: dict[int, str] = field(default_factory=dict)  # node → the stage it dropped in
+    receipt: tuple[dict, str] = ({}, "")  # the noise node's (key segment, journal head)
     forward: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    noise: NoiseNodeStream | None = None  # the noise node, a member of every stage
+    noise_signature: bytes = b""  # its signature of its SecAgg+ keys (relayed to the clients)
+    round: int = 0
+
+    @property
+    def noise_id(self) -> int | None:
+        """The noise node's id, or None."""
+        return None if self.noise is None else self.noise.node_id
+
+    def clients(self, members: set[int]) -> set[int]:
+        """``members`` without the noise node."""
+        return members - {self.noise_id}
+
+    def require_noise_node(self, members: set[int], stage: str) -> None:
+        """Nothing is unmasked without the noise node's input: a stage it did not answer fails
+        the attempt (redone with a fresh row; the row it may have sent is never reused)."""
+        if self.noise is not None and self.noise_id not in members:
+            raise SecureSumError(f"{stage}: the noise node did not answer", True)
 
 
 def neighbour_graph(nodes: list[int], num_shares: int, rng: random.Random) -> dict[int, set[int]]:
@@ -102,6 +140,32 @@ def neighbour_graph(nodes: list[int], num_shares: int, rng: random.Random) -> di
     return {
         nid: {order[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(order)
     }
+
+
+def round_graph(
+    nodes: list[int], num_shares: int, noise_id: int | None, rng: random.Random
+) -> dict[int, set[int]]:
+    """The round's neighbour graph: `neighbour_graph` over the clients ``nodes``; with a noise
+    node, it is a neighbour of every client (one more in each neighbourhood of ``num_shares``):
+    each client's guard mod must see it in the round, and a client that is not its neighbour
+    would hold none of its shares).
+
+    Args:
+        nodes: the clients.
+        num_shares: the neighbourhood size (itself included), the noise node included.
+        noise_id: the noise node's id, or None.
+        rng: shuffles the ring.
+
+    Returns:
+        node → its neighbours, itself included.
+    """
+    if noise_id is None:
+        return neighbour_graph(nodes, num_shares, rng)
+    graph = {
+        n: {*ring, noise_id} for n, ring in neighbour_graph(nodes, num_shares - 1, rng).items()
+    }
+    graph[noise_id] = {*nodes, noise_id}
+    return graph
 
 
 class _Stage:
@@ -185,16 +249,26 @@ def secure_sum(
     config: dict,
     timeout: float,
     stop,
+    noise: NoiseNodeStream | None = None,
 ) -> SummedReplies:
     """One attempt at round ``plan``'s secure sum over the routed train ``messages`` (one per
     node). Returns the sum as `SummedReplies` (accepted: the items of the nodes whose masked
     vectors are in it; the others rejected as dropped out); ``config`` joins the collect stage's
     train config. A lone member is never asked to train (its sum would be its update): it is
-    rejected and the round releases noise only. Raises `SecureSumError`, or ``InterruptedError``
-    when ``stop`` was set."""
+    rejected and the round releases noise only. With a ``noise`` node it is one more member of
+    every stage, its input the round's noise (the sum comes back noised, and its receipt goes to
+    ``noise``). Raises `SecureSumError`, or ``InterruptedError`` when ``stop`` was set."""
     train = {int(m.metadata.dst_node_id): m.content for m in messages}
     nodes = sorted(train)
     dim = sum(int(np.prod(s)) for s in shapes)
+    if len(nodes) < 2 and noise is not None:
+        # the server holds no noise to release a round alone, and the noise node joins no sum
+        # of fewer than 2 clients (its row would be the sum): retried, then the run stops
+        raise SecureSumError(
+            f"{len(nodes)} client(s) online in the cohort: a round with a noise node needs at "
+            "least 2 (the server holds no noise to release it alone)",
+            True,
+        )
     if len(nodes) < 2:
         alone = SummedReplies.empty(shapes)
         alone.rejections = [
@@ -202,25 +276,31 @@ def secure_sum(
             for n in nodes
         ]
         return alone
-    params = secure_sum_params(len(nodes), clip, dim)
-    a = _Attempt(
-        params, list(shapes), neighbour_graph(nodes, params.num_shares, random.SystemRandom())
-    )
-    _setup(a, grid, nodes, timeout, stop)
+    sigma = None if noise is None else noise.sigma_max
+    params = secure_sum_params(len(nodes), clip, dim, sigma)
+    members = nodes if noise is None else [*nodes, noise.node_id]
+    noise_id = None if noise is None else noise.node_id
+    graph = round_graph(nodes, params.num_shares, noise_id, random.SystemRandom())
+    t = plan.round if noise is not None else 0  # the noise node needs the round index
+    a = _Attempt(params, list(shapes), graph, noise=noise, round=t)
+    _setup(a, grid, members, timeout, stop)
     _share_keys(a, grid, timeout, stop)
     _collect(a, grid, train, config, timeout, stop)
     total, counts = _unmask(a, grid, timeout, stop)
-    reason = implausible(total, counts, len(a.u2), params)
+    reason = implausible(total, counts, len(a.clients(a.u2)), params)
     if reason is not None:
         raise SecureSumError(reason + " — refused without naming anyone", False)
     summed = SummedReplies.empty(shapes)
     summed.total = [t.astype(np.float32) for t in total]
     summed.counts.update(counts)
-    summed.accepted = sorted(str(plan.expected[n]) for n in a.u2)
+    summed.accepted = sorted(str(plan.expected[n]) for n in a.clients(a.u2))
     summed.rejections = [
         (str(plan.expected[n]), f"dropped out of the secure sum ({stage})")
         for n, stage in sorted(a.dropped.items())
+        if n != a.noise_id
     ]
+    if noise is not None:
+        noise.receive(plan.round, *a.receipt)
     return summed
 
 
@@ -260,9 +340,19 @@ def _setup(a: _Attempt, grid: Grid, nodes: list[int], timeout: float, stop) -> N
         Key.MOD_RANGE: p.modulus,
         Key.MAX_WEIGHT: 1.0,  # the client mod sends weight 1: the sum is a sum, not a mean
     }
-    got = _Stage(grid, timeout, stop, _check_keys)(
-        Stage.SETUP, {n: RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(config)}) for n in nodes}
-    )
+    if a.noise is not None:
+        config[Key.SAMPLE_NUMBER] = p.participants
+    contents = {n: RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(config)}) for n in nodes}
+    if a.noise is not None:  # the request the noise node checks against its pinned recipe
+        asked = {**config, RECIPE_KEY: json.dumps(a.noise.recipe, sort_keys=True)}
+        contents[a.noise_id] = RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(asked)})
+    got = _Stage(grid, timeout, stop, _check_keys)(Stage.SETUP, contents)
+    a.require_noise_node(set(got), Stage.SETUP)
+    if a.noise is not None:
+        sig = got[a.noise_id].get(SIGNATURE_KEY)
+        if not isinstance(sig, bytes):
+            raise _fail(Stage.SETUP, a.noise_id, "no signature of its keys (not a noise node)")
+        a.noise_signature = sig
     a.keys = {n: (r[Key.PUBLIC_KEY_1], r[Key.PUBLIC_KEY_2]) for n, r in got.items()}
     _check_unique_keys(a.keys)
     _drop(a, set(nodes) - set(got), Stage.SETUP)
@@ -285,8 +375,11 @@ def _share_keys(a: _Attempt, grid: Grid, timeout: float, stop) -> None:
     for n in alive:
         record = ConfigRecord({str(j): list(a.keys[j]) for j in a.neighbours[n] & alive})
         record[Key.STAGE] = Stage.SHARE_KEYS
+        if a.noise is not None and n != a.noise_id:  # the clients' guard checks it
+            record[SIGNATURE_KEY] = a.noise_signature
         contents[n] = RecordDict({RECORD_KEY_CONFIGS: record})
     got = _Stage(grid, timeout, stop, check)(Stage.SHARE_KEYS, contents)
+    a.require_noise_node(set(got), Stage.SHARE_KEYS)
     a.u1 = set(got)
     _drop(a, alive - a.u1, Stage.SHARE_KEYS)
     _check_threshold(a, a.u1, Stage.SHARE_KEYS)
@@ -343,6 +436,21 @@ def _collect(
 
     contents = {}
     for n in a.u1:
+        if n == a.noise_id:  # no model, no training: the stock stage config and the round
+            srcs, texts = a.forward[n]
+            contents[n] = RecordDict(
+                {
+                    RECORD_KEY_CONFIGS: ConfigRecord(
+                        {
+                            Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                            Key.CIPHERTEXT_LIST: texts,
+                            Key.SOURCE_LIST: srcs,
+                            ROUND_KEY: a.round,
+                        }
+                    )
+                }
+            )
+            continue
         content = RecordDict(dict(train[n].items()))
         content["config"] = ConfigRecord({**dict(content["config"]), **extra})
         srcs, texts = a.forward[n]
@@ -355,6 +463,9 @@ def _collect(
         )
         contents[n] = content
     got = _Stage(grid, timeout, stop, check)(Stage.COLLECT_MASKED_VECTORS, contents)
+    a.require_noise_node(set(got), Stage.COLLECT_MASKED_VECTORS)
+    if a.noise is not None:
+        a.receipt = _receipt(got[a.noise_id])
     a.u2 = set(got)
     _drop(a, a.u1 - a.u2, Stage.COLLECT_MASKED_VECTORS)
     _check_threshold(a, a.u2, Stage.COLLECT_MASKED_VECTORS, owners=a.u1)
@@ -434,7 +545,8 @@ def _check_share(a: _Attempt, holder: int, owner: int, share, dead: set[int]) ->
         got = len(share) if isinstance(share, bytes) else type(share).__name__
         raise _fail(Stage.UNMASK, holder, f"a share of node {owner} of {got} bytes, not {size}")
     index = int.from_bytes(share[:4], "little")
-    if not 1 <= index <= a.params.num_shares:
+    # a noise node shares with every client: its Shamir indices run to its neighbourhood's size
+    if not 1 <= index <= max(a.params.num_shares, len(a.neighbours[owner])):
         raise _fail(Stage.UNMASK, holder, f"a share of node {owner} with Shamir index {index}")
 
 
@@ -527,7 +639,7 @@ def _remove_masks(a: _Attempt, secrets: dict[int, bytes]) -> tuple[list[np.ndarr
             sign = 1 if nid > other else -1  # undo `other`'s subtraction (other < nid) or addition
             vec = [x + sign * y for x, y in zip(vec, mask, strict=True)]
     vec = parameters_mod(vec, p.modulus)
-    m = len(a.u2)
+    m = len(a.clients(a.u2))  # the noise node's weight and count slots are zeros
     if int(vec[0][0]) != m * p.quantization_range:
         raise SecureSumError(
             f"the unmasked weights add up to {int(vec[0][0])}, not {m} × {p.quantization_range} "
@@ -535,9 +647,25 @@ def _remove_masks(a: _Attempt, secrets: dict[int, bytes]) -> tuple[list[np.ndarr
             "anyone",
             False,
         )
+    if a.noise is not None:  # the noise is centred at 0: values past the headroom are negative
+        vec = [vec[0], *(centre(v, p) for v in vec[1:])]
     values = dequantize(vec[1:], p.clipping_range, p.quantization_range)
     values = [v - (m - 1) * p.clipping_range for v in values]
     return values[:-1], decode_counts(values[-1], p)
+
+
+def _receipt(record) -> tuple[dict, str]:
+    """The noise node's receipt in its masked-vector reply: the key segment of its row and its
+    journal head after sending it."""
+    try:
+        segment = json.loads(str(record[SEGMENT_KEY]))
+        head = str(record[HEAD_KEY])
+        int(segment["first_round"]), str(segment["key_fingerprint"])
+    except (KeyError, TypeError, ValueError):
+        raise SecureSumError(
+            f"{Stage.COLLECT_MASKED_VECTORS}: the noise node sent no receipt of its row", True
+        ) from None
+    return segment, head
 
 
 def _drop(a: _Attempt, nodes: set[int], stage: str) -> None:
@@ -565,16 +693,22 @@ def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, 
     """Round ``strategy``'s planned round through the secure sum, then `Run.step` (checkpoint →
     journal → report → release): (the new model, the round's metrics), or None when the round was
     abandoned (``stop``) or failed for good — then the run is stopped on the record and nothing of
-    the round was released."""
+    the round was released. With a noise node (``run.noise`` a `NoiseNodeStream`) each attempt
+    carries a fresh noise row: the noise node never sends a row twice."""
     plan, _ = strategy.inflight.take()
     cfg, run = strategy.cfg, strategy.run
     if plan is None or plan.round != strategy.next_round or strategy.stopped_reason:
         return None
     extra = {REPLIES_KEY: cfg.reply_kind, ZEROING_KEY: cfg.zeroing_factor}
     shapes = run.plan.layout.trainable_shapes
+    noise = run.noise if isinstance(run.noise, NoiseNodeStream) else None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
-            summed = secure_sum(grid, messages, plan, cfg.clip_norm, shapes, extra, timeout, stop)
+            if noise is not None:
+                noise.prepare(run.plan)
+            summed = secure_sum(
+                grid, messages, plan, cfg.clip_norm, shapes, extra, timeout, stop, noise
+            )
             break
         except InterruptedError:
             return None  # abandoned: nothing of this round is committed or released
