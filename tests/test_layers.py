@@ -36,6 +36,9 @@ LAYERS = {
     "config": 4,
     "planning": 5,
     "run": 6,
+    # the noise node's party: its protocol module is what the secure driver (strategies) and the
+    # guard mod (clients) share; it uses the run's secure-sum grid
+    "noisenode": 6.5,
     "strategies": 7,
     "clients": 7,
     "server": 8,

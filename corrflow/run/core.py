@@ -40,6 +40,7 @@ from corrflow.run.journal import GENESIS
 from corrflow.run.ledger import round_entry
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream, NoiseView
+from corrflow.run.noise_node_link import NoiseNodeStream
 from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
@@ -323,6 +324,13 @@ class Run:
     def noise(self) -> NoiseView:
         """The noise stream's facts, read-only: only a round draws its rows."""
         return NoiseView(self._noise)
+
+    @property
+    def noise_node(self) -> NoiseNodeStream | None:
+        """The noise node's side of the run's noise when a noise node adds it inside the secure sum
+        (the secure driver hands it each round's recipe and receipts; it holds no key), else
+        None."""
+        return self._noise if isinstance(self._noise, NoiseNodeStream) else None
 
     @property
     def disclosure(self) -> DisclosureView:

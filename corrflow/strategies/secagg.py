@@ -693,7 +693,7 @@ def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, 
     """Round ``strategy``'s planned round through the secure sum, then `Run.step` (checkpoint →
     journal → report → release): (the new model, the round's metrics), or None when the round was
     abandoned (``stop``) or failed for good — then the run is stopped on the record and nothing of
-    the round was released. With a noise node (``run.noise`` a `NoiseNodeStream`) each attempt
+    the round was released. With a noise node (``run.noise_node`` a `NoiseNodeStream`) each attempt
     carries a fresh noise row: the noise node never sends a row twice."""
     plan, _ = strategy.inflight.take()
     cfg, run = strategy.cfg, strategy.run
@@ -701,7 +701,7 @@ def secure_train(strategy, grid: Grid, messages: list[Message], timeout: float, 
         return None
     extra = {REPLIES_KEY: cfg.reply_kind, ZEROING_KEY: cfg.zeroing_factor}
     shapes = run.plan.layout.trainable_shapes
-    noise = run.noise if isinstance(run.noise, NoiseNodeStream) else None
+    noise = run.noise_node
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
             if noise is not None:
