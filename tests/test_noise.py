@@ -8,7 +8,7 @@ import pytest
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization.build import factorize, participation_for
 from corrflow.noise import CorrelatedNoise, restore_state, save_state
-from corrflow.noise.kernels import BLOCK
+from corrflow.noise.engine import BLOCK
 from corrflow.noise.prng import PhiloxSource, fingerprint, key_from_seed
 
 KEY = bytes(range(16))
@@ -193,7 +193,7 @@ def _numpy_reference(fac, mode, key, dim, chunk, sigma, rounds):
 
 @pytest.mark.parametrize("name", ["banded", "banded-general", "banded-10", "blt"])
 def test_blockwise_kernels_match_numpy_definition_and_float64(facs, name):
-    """Blocks (``kernels.BLOCK``) cut across chunks of another size, the last ones partial: the
+    """Blocks (``engine.BLOCK``) cut across chunks of another size, the last ones partial: the
     stream, the replay of any round and a restart at a later round equal the whole-chunk numpy
     reference bit for bit, and the float32 outputs stay within float32 rounding of the float64
     recursion C⁻¹z (relative RMS error ≤ 1e-7, about one unit roundoff)."""

@@ -54,7 +54,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import optimize
 
 from corrflow.accounting import gaussian, mechanisms
 from corrflow.errors import require
@@ -319,6 +318,8 @@ def one_run_epsilon(
     """
     if guesses == 0 or one_run_p_value(m, guesses, correct, 0.0, delta) > significance:
         return 0.0
+    from scipy import optimize  # lazy: scipy.optimize slows every CLI start
+
     hi = 1.0
     while one_run_p_value(m, guesses, correct, hi, delta) <= significance:
         hi *= 2

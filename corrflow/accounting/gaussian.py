@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import log_ndtr
 
 #: Relative rounding error of one ``log_ndtr`` or ``log``/``exp`` evaluation, generously (a few
 # ulps).
@@ -45,6 +44,8 @@ class IllConditionedError(ArithmeticError):
 
 def _terms(epsilon: float, mu: float) -> tuple[float, float, float, float]:
     """(log Φ(a), its error bound, r = ε + log Φ(b) − log Φ(a), its error bound)."""
+    from scipy.special import log_ndtr  # lazy: scipy.special costs every CLI start ~0.4 s
+
     a = mu / 2 - epsilon / mu
     b = -mu / 2 - epsilon / mu
     la = float(log_ndtr(a))

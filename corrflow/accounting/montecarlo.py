@@ -39,7 +39,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.special import gammaln, logsumexp
 
 from corrflow.errors import CorrflowError, InvalidArgumentError, require
 
@@ -93,6 +92,8 @@ def log_likelihood_ratio(
         InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u >
             1.
     """
+    from scipy.special import logsumexp  # lazy: scipy.special slows every CLI start
+
     y = np.asarray(y)
     n, S = y.shape
     b = min_sep
@@ -137,6 +138,8 @@ def log_likelihood_ratio(
 def _joined_items_log_pmf(k_u: int, p: float) -> tuple[np.ndarray, np.ndarray]:
     """j = 1..k_u and log P(j of a user's k_u items join) under Binomial(k_u, p)
     (004 Thm 6.1)."""
+    from scipy.special import gammaln  # lazy: scipy.special slows every CLI start
+
     js = np.arange(1, k_u + 1)
     rest = k_u - js  # items not sampled; 0·log(1 − p) is 0 even at p = 1
     log_rest = np.where(rest == 0, 0.0, -np.inf) if p == 1 else rest * math.log1p(-p)
@@ -307,6 +310,8 @@ def sample_participations(
 
 
 def _binomial_at_least_one(k: int, p: float, size: int, rng: np.random.Generator) -> np.ndarray:
+    from scipy.special import gammaln  # lazy: scipy.special slows every CLI start
+
     js = np.arange(1, k + 1)
     pmf = (
         np.exp(gammaln(k + 1) - gammaln(js + 1) - gammaln(k - js + 1)) * p**js * (1 - p) ** (k - js)
@@ -484,6 +489,8 @@ def balls_in_bins_llr(y: np.ndarray, C: np.ndarray, sigma: float, bins: int) -> 
     Returns:
         ln P(y)/Q(y), float64, shape (S,).
     """
+    from scipy.special import logsumexp  # lazy: scipy.special slows every CLI start
+
     y = np.asarray(y, dtype=np.float64)
     n = y.shape[0]
     X = (np.arange(n)[:, None] % bins == np.arange(bins)[None, :]).astype(np.float64)

@@ -54,9 +54,13 @@ from corrflow.factorization.encoders import (
 )
 from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes, write_json
-from corrflow.noise.kernels import BLOCK, banded_block, blt_block
 from corrflow.noise.prng import fingerprint, make_source, new_secret
 from corrflow.noise.segments import SegmentedSource, SegmentTable
+
+#: Coordinates per block of z (float32): it stays in L2 while the block's state rows stream past.
+# The compiled kernels (`corrflow.noise.kernels`) are imported at the first stateful step: numba's
+# import would cost every CLI start half a second.
+BLOCK = 1 << 16
 
 MODES = ("banded", "banded-inverse", "dense", "identity", "blt")
 #: Modes whose model-sized state (``_buffer``) is advanced round by round (and saved with the
@@ -373,6 +377,8 @@ class CorrelatedNoise:
         decay = np.asarray(enc.buf_decay, dtype=np.float64)
         weight = np.asarray(enc.output_scale, dtype=np.float64)
         gain = self.stddev / enc.scale
+        from corrflow.noise.kernels import blt_block
+
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
             draw = self._generator(t, c)
@@ -394,6 +400,8 @@ class CorrelatedNoise:
         weights = np.array([coefs[r] for r in lags], dtype=np.float64)
         slot = t % kept if kept > 0 else -1
         diag, gain = float(coefs[0]), np.float32(self.stddev)
+        from corrflow.noise.kernels import banded_block
+
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
             draw = self._generator(t, c)

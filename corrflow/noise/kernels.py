@@ -1,11 +1,11 @@
 """Compiled recursions of the stateful noise modes, one cache-sized block of coordinates at a time.
 
-The engine draws each block's z (a few hundred KiB, `BLOCK` floats) and hands it here while
-it is still in cache: the state rows are read once and written once per round, and nothing
-model-sized is allocated. Arithmetic is float64 in registers (the recursions' coefficients are
-O(1), BLT's θ is close to 1 and must not be rounded to float32), outputs and state are float32. No
-``fastmath``: every operation is rounded as written, in a fixed order, so the streaming path and the
-replay/regeneration path (both run these kernels) agree bit for bit.
+The engine draws each block's z (a few hundred KiB, ``corrflow.noise.engine.BLOCK`` floats) and
+hands it here while it is still in cache: the state rows are read once and written once per round,
+and nothing model-sized is allocated. Arithmetic is float64 in registers (the recursions'
+coefficients are O(1), BLT's θ is close to 1 and must not be rounded to float32), outputs and state
+are float32. No ``fastmath``: every operation is rounded as written, in a fixed order, so the
+streaming path and the replay/regeneration path (both run these kernels) agree bit for bit.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-#: Coordinates per block: z (float32) stays in L2 while the block's state rows stream past.
-BLOCK = 1 << 16
 #: Coordinates per sub-block of the float64 accumulator (32 KiB: L1). The inner loops run over
 # slices indexed from 0: with ``row[lo + i]`` numba's negative-index wraparound kept LLVM from
 # vectorising them (2.7× slower, measured); four ring rows per pass over the accumulator instead of
