@@ -68,15 +68,22 @@ def _kill_run(out, **env_extra):
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted 8-round run the kill tests compare against (read, never resumed)."""
+    full = tmp_path_factory.mktemp("uninterrupted") / "full"
+    r = _kill_run(full)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return full
+
+
 @pytest.mark.integration
-def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
+def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path, uninterrupted):
     """SIGKILL after round 4's checkpoint, restart with a key from the OS (as a server does): rounds
     1–4 are released as by an uninterrupted run, rounds 5–8 with fresh noise (never a repeat of
     the uninterrupted run's); the checkpoint and the journal record the key segments, and
     injecting the recorded keys into a second interrupted run replays every round bit for bit."""
-    full, crash, replay = tmp_path / "full", tmp_path / "crash", tmp_path / "replay"
-    r = _kill_run(full)
-    assert r.returncode == 0, r.stderr[-2000:]
+    full, crash, replay = uninterrupted, tmp_path / "crash", tmp_path / "replay"
     r = _kill_run(crash, KILL_AFTER="3")
     assert r.returncode == -9  # killed after round 3's checkpoint
     state = json.loads(
@@ -100,13 +107,11 @@ def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path):
 
 
 @pytest.mark.integration
-def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path):
+def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path, uninterrupted):
     """SIGKILL halfway through round 6's row of the noise ring: the published checkpoint (round 5)
     never needs the slot being written, so the restart resumes from it; rounds 1–5 as released by
     an uninterrupted run, rounds 6–8 fresh."""
-    full, crash = tmp_path / "full", tmp_path / "crash"
-    r = _kill_run(full)
-    assert r.returncode == 0, r.stderr[-2000:]
+    full, crash = uninterrupted, tmp_path / "crash"
     r = _kill_run(crash, KILL_IN_RING="5")
     assert r.returncode == -9
     state = json.loads(
