@@ -1,0 +1,355 @@
+"""The noise node in a deployment (``corrflow noise-node``): its own Flower SuperNode, with its own
+TLS root certificate and SuperNode authentication key, whose ClientApp only relays.
+
+The noise node's key and round state live in one long-lived process (`serve`), never in Flower's
+ClientApp processes: the SuperNode it starts (``flower-supernode``, its child) runs corrflow's
+ClientApp, which sees ``noise-node-socket`` in its node config and relays each SecAgg+ stage
+message through that local socket (`relay`); the socket's directory is private (0700) and every
+connection proves the per-start secret next to it (`multiprocessing.connection`'s challenge).
+
+The recipe is pinned at start from the run config the operator gives the noise node — the same
+one the server runs — by planning it the way the server does (`recipe_from_run_config`): the noise
+node computes the factorization and σ itself and never takes them from the server. `pin.json`
+holds what the clients and the server pin (`pin_lines`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from pathlib import Path
+
+from corrflow.errors import CorrflowError, InvalidArgumentError, require
+from corrflow.fileio import write_json
+from corrflow.noisenode.protocol import PIN_ID, PIN_KEY, PIN_SIGNATURE, SOCKET_KEY
+
+log = logging.getLogger("corrflow")
+
+#: The socket and the per-start secret in the private socket directory; the pin in the node's.
+SOCKET, AUTHKEY, PIN_FILE = "s", "authkey", "pin.json"
+#: Seconds the relay waits for the noise node's answer to one stage.
+RELAY_TIMEOUT = 120.0
+
+
+class NoiseNodeServiceError(CorrflowError):
+    """The noise node's SuperNode stopped, or a relay could not reach the noise node."""
+
+
+@dataclass(frozen=True)
+class SuperNodeArgs:
+    """How the noise node's SuperNode reaches the SuperLink: its Fleet API address, the root
+    certificate that verifies the SuperLink's TLS certificate, the SuperNode authentication
+    private key registered for the noise node, and the local port of its Runtime API."""
+
+    superlink: str
+    root_certificates: Path
+    auth_key: Path
+    port: int
+    flwr_bin: Path
+
+
+def recipe_from_run_config(run_config: dict) -> tuple[dict, bytes]:
+    """The recipe a noise node pins for a run, planned from the run config as the server plans it
+    (factorization, σ by the accountant, the model's trainable shapes).
+
+    Args:
+        run_config: the run's Flower run config (``corrflow.``-prefixed keys, the app's defaults
+            fused with the operator's overrides).
+
+    Returns:
+        (`corrflow.run.noise_node_link.noise_recipe`'s recipe, the factorization file's bytes).
+
+    Raises:
+        InvalidArgumentError: a run config without secure aggregation and a noise node, or without
+            ``corrflow.num-users``.
+    """
+    from corrflow.clients.tasks import task_for
+    from corrflow.config import from_run_config
+    from corrflow.run.core import prepare
+    from corrflow.run.noise_node_link import noise_recipe
+    from corrflow.strategies.messaging import model_arrays
+
+    cfg = from_run_config(run_config)
+    require(
+        cfg.secure_aggregation and cfg.noise_node,
+        "--run-config",
+        "a run with corrflow.secure-aggregation=true and corrflow.noise-node=true",
+        f"secure-aggregation={cfg.secure_aggregation}, noise-node={cfg.noise_node}",
+    )
+    require(
+        cfg.num_users is not None,
+        "--run-config",
+        "corrflow.num-users (the population the server plans the run for)",
+    )
+    arrays, names = model_arrays(task_for(cfg).initial_weights())
+    users = [f"user-{i}" for i in range(cfg.num_users)]  # only their number enters the plan
+    with tempfile.TemporaryDirectory(prefix="corrflow-noise-node-plan-") as tmp:
+        plan = prepare(cfg.replace(state_dir=tmp), users, arrays, names)
+        return noise_recipe(plan), (Path(tmp) / "factorization.npz").read_bytes()
+
+
+def run_config_of(app: Path | None, overrides: str) -> dict:
+    """The run config the server runs: the Flower app's ``[tool.flwr.app.config]`` (``app``'s
+    pyproject.toml) with ``overrides`` (``flwr run --run-config``'s syntax) on top.
+
+    Raises:
+        InvalidArgumentError: ``--app`` without a pyproject.toml, or ``--run-config`` that does
+            not parse or names a key the app does not declare.
+    """
+    from flwr.common.config import flatten_dict, fuse_dicts, get_project_config, parse_config_args
+
+    base: dict = {}
+    if app is not None:
+        require((Path(app) / "pyproject.toml").is_file(), "--app", "a Flower app directory", app)
+        base = flatten_dict(get_project_config(app)["tool"]["flwr"]["app"].get("config", {}))
+    try:
+        extra = parse_config_args([overrides]) if overrides.strip() else {}
+        return fuse_dicts(base, extra) if app is not None else extra
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InvalidArgumentError(
+            "--run-config", "key=value pairs the app declares, as flwr run takes them", str(exc)
+        ) from None
+
+
+def open_deployed_node(directory: Path, node_id: int, run_config: dict):
+    """The noise node of a deployment, its recipe pinned, its pin written (``pin.json``).
+
+    Args:
+        directory: its directory (created 0700 on first use).
+        node_id: the node id the SuperLink assigned to its SuperNode key at registration.
+        run_config: the run's config (`run_config_of`).
+
+    Returns:
+        (the `corrflow.noisenode.node.NoiseNode`, `pin_lines`'s pins).
+
+    Raises:
+        InvalidArgumentError: ``--node-id`` other than the directory's, or a ``--run-config``
+            that is not a noise-node run or plans another recipe than the one pinned.
+    """
+    from corrflow.errors import IntegrityError
+    from corrflow.noisenode.node import NoiseNode
+    from corrflow.noisenode.store import NoiseNodeStore
+
+    try:
+        recipe, factorization = recipe_from_run_config(run_config)
+    except InvalidArgumentError as exc:
+        if exc.field.startswith("--"):
+            raise
+        raise InvalidArgumentError(
+            "--run-config", f"{exc.field}: {exc.expected}", exc.got
+        ) from None
+    try:
+        store = NoiseNodeStore(directory, node_id=node_id)
+    except IntegrityError as exc:
+        raise InvalidArgumentError(
+            "--node-id", "the id of the directory's noise node", str(exc)
+        ) from None
+    node = NoiseNode(store)
+    try:
+        node.pin(recipe, factorization)
+    except IntegrityError as exc:
+        raise InvalidArgumentError(
+            "--run-config", "the run the noise node is pinned to", str(exc)
+        ) from None
+    return node, write_pin(store.dir, node.identity())
+
+
+def pin_lines(identity: dict) -> dict:
+    """What the clients' node config and the server's run config pin: the noise node's id, its
+    long-term public key and the id's signature.
+
+    Args:
+        identity: `corrflow.noisenode.node.NoiseNode.identity`'s.
+
+    Returns:
+        ``{"node_id", "public_key", "signature", "node_config", "run_config"}`` (hex; the last two
+        ready to paste into ``--node-config`` and ``--run-config``).
+    """
+    nid, key, sig = int(identity["node_id"]), identity["public_key"].hex(), identity["signature"]
+    sig = sig.hex()
+    return {
+        "node_id": nid,
+        "public_key": key,
+        "signature": sig,
+        "node_config": f'{PIN_ID}="{nid}" {PIN_KEY}="{key}" {PIN_SIGNATURE}="{sig}"',
+        "run_config": f'corrflow.noise-node=true corrflow.noise-node-pin="{nid}:{key}:{sig}"',
+    }
+
+
+def write_pin(directory: Path, identity: dict) -> dict:
+    """Write ``pin.json`` (public) into the noise node's directory; returns its content."""
+    pins = pin_lines(identity)
+    write_json(directory / PIN_FILE, pins, indent=1)
+    return pins
+
+
+# -- the relay: the ClientApp side -----------------------------------------------------------------
+def relay(stage: str, config: dict, node_config) -> dict:
+    """Relay one SecAgg+ stage message to the noise node through its local socket.
+
+    Args:
+        stage: the stage.
+        config: the stage message's config record, as a dict (without the stage).
+        node_config: the SuperNode's node config (``noise-node-socket``).
+
+    Returns:
+        The noise node's reply.
+
+    Raises:
+        NoiseNodeServiceError: the noise node cannot be reached, or it refused (its reason).
+    """
+    path = Path(str(node_config[SOCKET_KEY]))
+    try:
+        key = (path.parent / AUTHKEY).read_bytes()
+        with Client(str(path), family="AF_UNIX", authkey=key) as conn:
+            conn.send({"op": "stage", "stage": stage, "config": config})
+            if not conn.poll(RELAY_TIMEOUT):
+                raise NoiseNodeServiceError("the noise node did not answer")
+            reply = conn.recv()
+    except (OSError, EOFError, AuthenticationError) as exc:
+        raise NoiseNodeServiceError(f"the noise node at {path} is not reachable: {exc}") from exc
+    if "error" in reply:
+        raise NoiseNodeServiceError(f"the noise node refused: {reply['error']}")
+    return reply["ok"]
+
+
+# -- the service: the noise node's process --------------------------------------------------------
+class NoiseNodeService:
+    """The noise node's process: its `NoiseNode` behind a private local socket, and the SuperNode
+    child that relays to it (module docstring)."""
+
+    def __init__(self, node):
+        self.node = node
+        self.sockdir = Path(tempfile.mkdtemp(prefix="corrflow-nn-"))  # short: AF_UNIX paths
+        os.chmod(self.sockdir, 0o700)
+        self.authkey = secrets.token_bytes(32)
+        (self.sockdir / AUTHKEY).touch(mode=0o600)
+        (self.sockdir / AUTHKEY).write_bytes(self.authkey)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(self.sockdir / SOCKET))
+        self.server.listen(8)
+        self.server.settimeout(0.5)
+        self.child: subprocess.Popen | None = None
+        self._stop = False
+
+    @property
+    def socket_path(self) -> Path:
+        """The socket the relay connects to."""
+        return self.sockdir / SOCKET
+
+    def start_supernode(self, args: SuperNodeArgs, log_file) -> subprocess.Popen:
+        """Start the noise node's SuperNode (``flower-supernode``) with its own TLS root
+        certificate and authentication key, its node config naming this process's socket."""
+        cmd = [
+            str(args.flwr_bin / "flower-supernode"),
+            "--root-certificates",
+            str(args.root_certificates),
+            "--superlink",
+            args.superlink,
+            "--auth-supernode-private-key",
+            str(args.auth_key),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.port),
+            "--node-config",
+            f'{SOCKET_KEY}="{self.socket_path}"',
+        ]
+        env = {**os.environ, "PATH": f"{args.flwr_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.child = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+        return self.child
+
+    def serve(self) -> int:
+        """Answer relayed requests until SIGTERM/SIGINT (0) or the SuperNode's exit (1)."""
+        from corrflow.noisenode.process import answer
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "_stop", True))
+        while not self._stop:
+            if self.child is not None and self.child.poll() is not None:
+                log.error("the noise node's SuperNode exited with code %s", self.child.returncode)
+                return 1
+            try:
+                sock, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except InterruptedError:
+                continue
+            sock.settimeout(None)
+            with Connection(sock.detach()) as conn:
+                try:
+                    deliver_challenge(conn, self.authkey)
+                    answer_challenge(conn, self.authkey)
+                    conn.send(answer(self.node, conn.recv()))
+                except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # a stranger
+                    log.warning("a relay connection failed: %s", exc)
+        return 0
+
+    def close(self) -> None:
+        """Stop the SuperNode (SIGTERM, SIGKILL after 15 s) and remove the socket directory."""
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()
+            try:
+                self.child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        self.server.close()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In the SuperNode's process before exec: SIGTERM when the noise node's process dies, so
+    that a killed noise node leaves no SuperNode behind relaying to nothing (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def flower_bin(given: Path | None) -> Path:
+    """The directory holding ``flower-supernode``: ``given``, else this interpreter's, else PATH's.
+
+    Raises:
+        InvalidArgumentError (``--flwr-bin``): none holds it.
+    """
+    candidates = [given] if given is not None else [Path(sys.executable).parent]
+    if given is None and (found := shutil.which("flower-supernode")):
+        candidates.append(Path(found).parent)
+    for d in candidates:
+        if (Path(d) / "flower-supernode").is_file():
+            return Path(d)
+    raise InvalidArgumentError(
+        "--flwr-bin", "a directory holding flower-supernode", str(given or "PATH")
+    )
+
+
+def run_service(node, args: SuperNodeArgs, log_path: Path) -> int:
+    """Serve ``node`` behind its SuperNode until stopped (`NoiseNodeService.serve`'s exit code)."""
+    service = NoiseNodeService(node)
+    try:
+        with open(log_path, "ab") as log_file:
+            service.start_supernode(args, log_file)
+            log.info(
+                "noise node %d: SuperNode started (pid %d), log %s",
+                node.store.node_id,
+                service.child.pid,
+                log_path,
+            )
+            return service.serve()
+    finally:
+        service.close()
