@@ -66,7 +66,8 @@ def noise_node(
 ) -> None:
     """Pin the run's recipe and serve the run's noise as its own SuperNode: its id, public key
     and signature go into every client's --node-config and the server's run config (pin.json)."""
-    from corrflow.noisenode.service import open_deployed_node, run_config_of, run_service
+    from corrflow.noisenode.service import run_service
+    from corrflow.server.noise_node_deploy import open_deployed_node, run_config_of
 
     try:
         home = corrflow_home()

@@ -8,9 +8,10 @@ message through that local socket (`relay`); the socket's directory is private (
 connection proves the per-start secret next to it (`multiprocessing.connection`'s challenge).
 
 The recipe is pinned at start from the run config the operator gives the noise node — the same
-one the server runs — by planning it the way the server does (`recipe_from_run_config`): the noise
-node computes the factorization and σ itself and never takes them from the server. `pin.json`
-holds what the clients and the server pin (`pin_lines`).
+one the server runs — planned the way the server plans it
+(`corrflow.server.noise_node_deploy.recipe_from_run_config`): the noise node computes the
+factorization and σ itself and never takes them from the server. `pin.json` holds what the clients
+and the server pin (`pin_lines`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
-from corrflow.errors import CorrflowError, InvalidArgumentError, require
+from corrflow.errors import CorrflowError, InvalidArgumentError
 from corrflow.fileio import write_json
 from corrflow.noisenode.protocol import PIN_ID, PIN_KEY, PIN_SIGNATURE, SOCKET_KEY
 
@@ -56,112 +57,6 @@ class SuperNodeArgs:
     auth_key: Path
     port: int
     flwr_bin: Path
-
-
-def recipe_from_run_config(run_config: dict) -> tuple[dict, bytes]:
-    """The recipe a noise node pins for a run, planned from the run config as the server plans it
-    (factorization, σ by the accountant, the model's trainable shapes).
-
-    Args:
-        run_config: the run's Flower run config (``corrflow.``-prefixed keys, the app's defaults
-            fused with the operator's overrides).
-
-    Returns:
-        (`corrflow.run.noise_node_link.noise_recipe`'s recipe, the factorization file's bytes).
-
-    Raises:
-        InvalidArgumentError: a run config without secure aggregation and a noise node, or without
-            ``corrflow.num-users``.
-    """
-    from corrflow.clients.tasks import task_for
-    from corrflow.config import from_run_config
-    from corrflow.run.core import prepare
-    from corrflow.run.noise_node_link import noise_recipe
-    from corrflow.strategies.messaging import model_arrays
-
-    cfg = from_run_config(run_config)
-    require(
-        cfg.secure_aggregation and cfg.noise_node,
-        "--run-config",
-        "a run with corrflow.secure-aggregation=true and corrflow.noise-node=true",
-        f"secure-aggregation={cfg.secure_aggregation}, noise-node={cfg.noise_node}",
-    )
-    require(
-        cfg.num_users is not None,
-        "--run-config",
-        "corrflow.num-users (the population the server plans the run for)",
-    )
-    arrays, names = model_arrays(task_for(cfg).initial_weights())
-    users = [f"user-{i}" for i in range(cfg.num_users)]  # only their number enters the plan
-    with tempfile.TemporaryDirectory(prefix="corrflow-noise-node-plan-") as tmp:
-        plan = prepare(cfg.replace(state_dir=tmp), users, arrays, names)
-        return noise_recipe(plan), (Path(tmp) / "factorization.npz").read_bytes()
-
-
-def run_config_of(app: Path | None, overrides: str) -> dict:
-    """The run config the server runs: the Flower app's ``[tool.flwr.app.config]`` (``app``'s
-    pyproject.toml) with ``overrides`` (``flwr run --run-config``'s syntax) on top.
-
-    Raises:
-        InvalidArgumentError: ``--app`` without a pyproject.toml, or ``--run-config`` that does
-            not parse or names a key the app does not declare.
-    """
-    from flwr.common.config import flatten_dict, fuse_dicts, get_project_config, parse_config_args
-
-    base: dict = {}
-    if app is not None:
-        require((Path(app) / "pyproject.toml").is_file(), "--app", "a Flower app directory", app)
-        base = flatten_dict(get_project_config(app)["tool"]["flwr"]["app"].get("config", {}))
-    try:
-        extra = parse_config_args([overrides]) if overrides.strip() else {}
-        return fuse_dicts(base, extra) if app is not None else extra
-    except (ValueError, TypeError, KeyError) as exc:
-        raise InvalidArgumentError(
-            "--run-config", "key=value pairs the app declares, as flwr run takes them", str(exc)
-        ) from None
-
-
-def open_deployed_node(directory: Path, node_id: int, run_config: dict):
-    """The noise node of a deployment, its recipe pinned, its pin written (``pin.json``).
-
-    Args:
-        directory: its directory (created 0700 on first use).
-        node_id: the node id the SuperLink assigned to its SuperNode key at registration.
-        run_config: the run's config (`run_config_of`).
-
-    Returns:
-        (the `corrflow.noisenode.node.NoiseNode`, `pin_lines`'s pins).
-
-    Raises:
-        InvalidArgumentError: ``--node-id`` other than the directory's, or a ``--run-config``
-            that is not a noise-node run or plans another recipe than the one pinned.
-    """
-    from corrflow.errors import IntegrityError
-    from corrflow.noisenode.node import NoiseNode
-    from corrflow.noisenode.store import NoiseNodeStore
-
-    try:
-        recipe, factorization = recipe_from_run_config(run_config)
-    except InvalidArgumentError as exc:
-        if exc.field.startswith("--"):
-            raise
-        raise InvalidArgumentError(
-            "--run-config", f"{exc.field}: {exc.expected}", exc.got
-        ) from None
-    try:
-        store = NoiseNodeStore(directory, node_id=node_id)
-    except IntegrityError as exc:
-        raise InvalidArgumentError(
-            "--node-id", "the id of the directory's noise node", str(exc)
-        ) from None
-    node = NoiseNode(store)
-    try:
-        node.pin(recipe, factorization)
-    except IntegrityError as exc:
-        raise InvalidArgumentError(
-            "--run-config", "the run the noise node is pinned to", str(exc)
-        ) from None
-    return node, write_pin(store.dir, node.identity())
 
 
 def pin_lines(identity: dict) -> dict:
