@@ -32,6 +32,7 @@ from corrflow.errors import IntegrityError
 from corrflow.fileio import fsync_dir, read_jsonl, write_bytes, write_json
 from corrflow.hashing import canonical_json
 from corrflow.noise import new_secret
+from corrflow.noise.keys import VERSION as KEY_VERSION
 from corrflow.noise.segments import KeySegment, SegmentTable
 
 GENESIS = "0" * 64
@@ -214,6 +215,7 @@ class NoiseNodeStore:
                 "key_segments": [json.loads(s) for s in sorted(used)],
                 "current_key_segments": [s.public() for s in table.segments],
                 "journal_head": self.head,
+                "key_derivation": f"corrflow.noise.keys version {KEY_VERSION}",
                 "journal_entries": len(self.entries),
                 "rule": "a row counts as released once a masked vector containing it was sent; "
                 "a row is never sent twice (a redo draws it afresh under a new key segment)",
