@@ -148,9 +148,7 @@ cleanup() {
   for ((i = ${#started[@]} - 1; i >= 0; i--)); do stop_tree "${started[$i]}"; done
   if [[ $rc -ne 0 ]]; then
     say "exit $rc; logs in $logs"
-    for f in "$logs"/superlink.log; do
-      [[ -f "$f" ]] && { echo "--- tail of $f" >&2; tail -n 25 "$f" >&2; }
-    done
+    [[ -f "$logs/superlink.log" ]] && { echo "--- tail of $logs/superlink.log" >&2; tail -n 25 "$logs/superlink.log" >&2; }
     for f in "$logs"/sn[123].log "$logs"/nn-supernode.log; do  # what each SuperNode received and answered, run by run
       [[ -f "$f" ]] && { echo "--- messages in $f" >&2; grep -E 'RUN |Receiving|Sending|ERROR|Ignoring' "$f" | tail -n 30 >&2; }
     done
