@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -336,8 +337,11 @@ def test_the_noise_node_serves_through_its_relay_and_stops_with_its_supernode(tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    # its SuperNode dies: the noise node stops, exit 1
+    # a SIGKILLed start's socket directory is removed by the next start; its SuperNode dies: the
+    # noise node stops, exit 1
     (tmp_path / "argv.json").unlink()
+    stale = Path(tempfile.mkdtemp(prefix="corrflow-nn-"))
+    (d / "socket-dir").write_text(str(stale))
     proc = subprocess.Popen(
         [sys.executable, "-m", "corrflow.cli", "noise-node", *args],
         stdout=subprocess.PIPE,
@@ -358,8 +362,10 @@ def test_the_noise_node_serves_through_its_relay_and_stops_with_its_supernode(tm
         ]
         assert len(child) == 1
         os.kill(child[0], signal.SIGKILL)
+        assert not stale.exists()
         assert proc.wait(timeout=30) == 1
         assert "SuperNode exited" in proc.stderr.read()
+        assert not (d / "socket-dir").exists()
     finally:
         if proc.poll() is None:
             proc.kill()

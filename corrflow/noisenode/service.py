@@ -38,6 +38,8 @@ log = logging.getLogger("corrflow")
 
 #: The socket and the per-start secret in the private socket directory; the pin in the node's.
 SOCKET, AUTHKEY, PIN_FILE = "s", "authkey", "pin.json"
+#: The socket directory's name prefix, and the file in the noise node's directory that records it.
+SOCKET_PREFIX, SOCKET_RECORD = "corrflow-nn-", "socket-dir"
 #: Seconds the relay waits for the noise node's answer to one stage.
 RELAY_TIMEOUT = 120.0
 
@@ -125,8 +127,10 @@ class NoiseNodeService:
 
     def __init__(self, node):
         self.node = node
-        self.sockdir = Path(tempfile.mkdtemp(prefix="corrflow-nn-"))  # short: AF_UNIX paths
+        _remove_stale(node.store.dir / SOCKET_RECORD)  # a killed start's socket directory
+        self.sockdir = Path(tempfile.mkdtemp(prefix=SOCKET_PREFIX))  # short: AF_UNIX paths
         os.chmod(self.sockdir, 0o700)
+        (node.store.dir / SOCKET_RECORD).write_text(str(self.sockdir))
         self.authkey = secrets.token_bytes(32)
         (self.sockdir / AUTHKEY).touch(mode=0o600)
         (self.sockdir / AUTHKEY).write_bytes(self.authkey)
@@ -203,6 +207,18 @@ class NoiseNodeService:
                 self.child.wait()
         self.server.close()
         shutil.rmtree(self.sockdir, ignore_errors=True)
+        (self.node.store.dir / SOCKET_RECORD).unlink(missing_ok=True)
+
+
+def _remove_stale(record: Path) -> None:
+    """Remove the socket directory a SIGKILLed start left behind (only a corrflow socket
+    directory in the temporary directory, as recorded)."""
+    if not record.is_file():
+        return
+    stale = Path(record.read_text().strip())
+    if stale.parent == Path(tempfile.gettempdir()) and stale.name.startswith(SOCKET_PREFIX):
+        shutil.rmtree(stale, ignore_errors=True)
+    record.unlink()
 
 
 def _die_with_parent() -> None:
