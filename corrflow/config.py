@@ -514,6 +514,13 @@ class RunConfig(BaseModel):
         "a directory path",
         surfaces=("cli",),
     )
+    noise_node_pin: str | None = setting(
+        None,
+        "a deployment's noise node as `corrflow noise-node` prints it: its node id, long-term "
+        "public key and the id's signature (the clients pin the same in their node config)",
+        "<node id>:<public key, 64 hex digits>:<signature, 128 hex digits>",
+        surfaces=("run_config",),
+    )
     # -- operations (not part of the mechanism: a resumed run may change them) ---------------------
     state_dir: str = setting(
         "corrflow_run",
@@ -583,6 +590,7 @@ class RunConfig(BaseModel):
         "ray_address",
         "eval_every",
         "noise_node_dir",
+        "noise_node_pin",
     )
 
     def __init__(self, **values: Any):

@@ -3,7 +3,7 @@
 # SuperNode authentication, three registered SuperNodes running corrflow's ClientApp, and `flwr run` of the corrflow
 # app (deploy/app) for a few rounds. The last line printed is the path of the privacy report.
 #
-#   deploy/loopback.sh [--workdir DIR] [--rounds N] [--client numpy|nextword] [--secagg] [--drills]
+#   deploy/loopback.sh [--workdir DIR] [--rounds N] [--client numpy|nextword] [--secagg [--noise-node]] [--drills]
 #
 # --workdir DIR  where keys, Flower homes, logs and the server's output go (default: a new temporary directory;
 #                it is kept, so the report can be read afterwards)
@@ -25,6 +25,13 @@
 #                learn fails (`flwr ls`: finished:failed) and so does this script.
 # --secagg       secure aggregation (SecAgg+): the SuperNodes clip and mask their updates, the server sees only
 #                each round's sum (corrflow.secure-aggregation=true); the report must state the trust model
+# --noise-node   with --secagg: a noise node (`corrflow noise-node`) as a fourth party, its own SuperNode with its own
+#                registered key, its state in DIR/noise-node; it pins the run's recipe (planned from the same run
+#                config), every SuperNode's --node-config pins its id and signed public key, and the server's run
+#                config names it (corrflow.noise-node-pin). The server unmasks only noised sums and holds no noise key.
+#                With --drills the noise node is also killed (SIGKILL) mid-round in the resumed run and restarted:
+#                the round is redone with a fresh noise row, or the run stops and a third `flwr run` resumes it;
+#                no noise row is ever sent twice (its journal), and the server's files hold no noise key
 # --drills       also the failure drills: a fourth SuperNode with an unregistered key must be refused; after the
 #                first checkpoint the ServerApp is killed (SIGKILL), SuperNode sn1 is restarted, and a second
 #                `flwr run` must resume from the checkpoint with sn1 under the same identity
@@ -43,6 +50,7 @@ rounds=3
 drills=0
 client=numpy
 secagg=0
+noise_node=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --workdir) [[ $# -ge 2 ]] || { echo "loopback.sh: --workdir needs a directory" >&2; exit 2; }
@@ -54,10 +62,17 @@ while [[ $# -gt 0 ]]; do
               client="$2"; shift 2 ;;
     --drills) drills=1; shift ;;
     --secagg) secagg=1; shift ;;
+    --noise-node) noise_node=1; shift ;;
     -h|--help) awk 'NR >= 6 && /^# Ports/ {exit} NR >= 6 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "loopback.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+if [[ $noise_node -eq 1 && $secagg -eq 0 ]]; then
+  echo "loopback.sh: --noise-node needs --secagg (the noise node adds its noise inside the secure sum)" >&2; exit 2
+fi
+if [[ $noise_node -eq 1 && $drills -eq 1 && $rounds -lt 3 ]]; then
+  echo "loopback.sh: --noise-node --drills needs --rounds of at least 3 (the noise node is killed in round 2 or later)" >&2; exit 2
+fi
 if [[ $drills -eq 1 && $rounds -lt 2 ]]; then
   echo "loopback.sh: --drills needs --rounds of at least 2 (the server is killed after round 1)" >&2; exit 2
 fi
@@ -134,7 +149,7 @@ cleanup() {
   if [[ $rc -ne 0 ]]; then
     say "exit $rc; logs in $logs"
     [[ -f "$logs/superlink.log" ]] && { echo "--- tail of $logs/superlink.log" >&2; tail -n 25 "$logs/superlink.log" >&2; }
-    for f in "$logs"/sn[123].log; do  # what each SuperNode received and answered, run by run
+    for f in "$logs"/sn[123].log "$logs"/nn-supernode.log; do  # what each SuperNode received and answered, run by run
       [[ -f "$f" ]] && { echo "--- messages in $f" >&2; grep -E 'RUN |Receiving|Sending|ERROR|Ignoring' "$f" | tail -n 30 >&2; }
     done
   fi
@@ -155,10 +170,10 @@ in_log() { grep -q -- "$2" "$logs/$1.log" 2>/dev/null; }
 exited() { ! kill -0 "$1" 2>/dev/null; }
 
 # -- ports, keys, configuration ------------------------------------------------------------------------------
-read -r link_port sn_port1 sn_port2 sn_port3 sn_port4 < <("$py" - <<'PY'
+read -r link_port sn_port1 sn_port2 sn_port3 sn_port4 nn_port < <("$py" - <<'PY'
 import socket
 socks = []
-for _ in range(5):
+for _ in range(6):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     socks.append(s)
@@ -169,7 +184,9 @@ sn_ports=("$sn_port1" "$sn_port2" "$sn_port3" "$sn_port4")
 say "work directory $workdir; SuperLink on 127.0.0.1:$link_port"
 
 pki="$workdir/pki"
-"$here/pki.sh" "$pki" sn1 sn2 sn3 rogue >"$logs/pki.log"
+extra_keys=()
+[[ $noise_node -eq 1 ]] && extra_keys=(noise)
+"$here/pki.sh" "$pki" sn1 sn2 sn3 rogue "${extra_keys[@]+"${extra_keys[@]}"}" >"$logs/pki.log"
 
 cli_home="$workdir/homes/operator"
 mkdir -p "$cli_home"
@@ -195,6 +212,12 @@ wait_for 120 "the SuperLink to listen" in_log superlink "Uvicorn running on http
 PATH="$bin:$PATH" FLWR_HOME="$cli_home" "$here/register.sh" loopback "$pki/supernodes/sn1.pub" \
   "$pki/supernodes/sn2.pub" "$pki/supernodes/sn3.pub" >"$workdir/registered.txt"
 say "registered: $(tr '\n' ';' <"$workdir/registered.txt")"
+if [[ $noise_node -eq 1 ]]; then
+  PATH="$bin:$PATH" FLWR_HOME="$cli_home" "$here/register.sh" loopback "$pki/supernodes/noise.pub" \
+    >"$workdir/noise-registered.txt"
+  nn_id=$(awk '{print $2}' "$workdir/noise-registered.txt")
+  say "registered the noise node's key: node id $nn_id"
+fi
 
 # -- the text task's data (--client nextword) ---------------------------------------------------------------
 node_configs=()   # numpy: partition-id=i num-partitions=3
@@ -238,17 +261,45 @@ PY
   say "nextword data: $data/stackoverflow.sqlite (3 train users, one per SuperNode), public vocabulary $data/vocab.txt"
 fi
 
+run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$out\" corrflow.identity=\"node-key\"${task_config:+ $task_config}"
+[[ $secagg -eq 1 ]] && run_config+=" corrflow.secure-aggregation=true"
+
+# -- the noise node (--noise-node): pin the run's recipe, then its pin goes to every SuperNode and the server ----
+node_pin=""
+nn_dir="$workdir/noise-node"
+if [[ $noise_node -eq 1 ]]; then
+  run_config+=" corrflow.noise-node=true"
+  "$py" -m corrflow.cli noise-node --dir "$nn_dir" --node-id "$nn_id" --app "$here/app" --run-config "$run_config" \
+    --init-only --json >"$workdir/noise-pin.json" 2>"$logs/noise-node-init.log" \
+    || die "corrflow noise-node --init-only failed (see $logs/noise-node-init.log)"
+  node_pin=$("$py" -c 'import json, sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["node_config"])' "$workdir/noise-pin.json")
+  run_config+=" $("$py" -c 'import json, sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["run_config"])' "$workdir/noise-pin.json" | sed 's/^corrflow.noise-node=true //')"
+fi
+nn_pid=""
+start_noise_node() {  # the noise node's process; it starts its own SuperNode (log: logs/nn-supernode.log)
+  launch nn "$py" -m corrflow.cli noise-node --dir "$nn_dir" --node-id "$nn_id" --app "$here/app" \
+    --run-config "$run_config" --superlink "127.0.0.1:$link_port" --root-certificates "$pki/ca.crt" \
+    --auth-supernode-private-key "$pki/supernodes/noise" --port "$nn_port" --flwr-bin "$bin" \
+    --supernode-log "$logs/nn-supernode.log"
+  nn_pid=$last_pid
+}
+
 # -- SuperNodes ----------------------------------------------------------------------------------------------
 sn_pids=()
 start_supernode() {  # start_supernode INDEX(0-based) NAME
   local i="$1" name="$2"
   launch "$name" "$bin/flower-supernode" --root-certificates "$pki/ca.crt" --superlink "127.0.0.1:$link_port" \
     --auth-supernode-private-key "$pki/supernodes/$name" --host 127.0.0.1 --port "${sn_ports[$i]}" \
-    --node-config "${node_configs[$i]:-partition-id=$i num-partitions=3} user-id=\"$name\""
+    --node-config "${node_configs[$i]:-partition-id=$i num-partitions=3} user-id=\"$name\"${node_pin:+ $node_pin}"
   sn_pids[i]=$last_pid
 }
 for i in 0 1 2; do start_supernode "$i" "sn$((i + 1))"; done
 for i in 1 2 3; do wait_for 120 "SuperNode sn$i to connect" in_log "sn$i" "SuperNode ID"; done
+if [[ $noise_node -eq 1 ]]; then
+  start_noise_node
+  wait_for 120 "the noise node's SuperNode to connect" in_log nn-supernode "SuperNode ID"
+  say "noise node $nn_id serving (state in $nn_dir)"
+fi
 
 if [[ $drills -eq 1 ]]; then
   start_supernode 3 rogue
@@ -263,8 +314,6 @@ if [[ $drills -eq 1 ]]; then
 fi
 
 # -- the corrflow run ----------------------------------------------------------------------------------------
-run_config="corrflow.num-users=3 corrflow.num-rounds=$rounds corrflow.epochs=$rounds corrflow.state-dir=\"$out\" corrflow.identity=\"node-key\"${task_config:+ $task_config}"
-[[ $secagg -eq 1 ]] && run_config+=" corrflow.secure-aggregation=true"
 submit() {  # submit LABEL: flwr run; prints the run id
   local answer
   answer=$(cd "$here/app" && flwr_cli run . loopback --run-config "$run_config" --format json 2>>"$logs/operator.log") \
@@ -322,6 +371,42 @@ restart_supernode() {  # restart_supernode INDEX NAME: stop it and start it agai
   say "SuperNode $name restarted (attempts: $attempts, $((SECONDS - start)) s)"
   echo "supernode-restart-attempts-$name $attempts" >>"$workdir/drills.txt"
 }
+restart_noise_node() {  # stop the noise node (SIGKILL with KILL=1) and start it again until its SuperNode connects
+  local attempts=0 before start=$SECONDS p
+  if [[ "${1:-}" == kill ]]; then
+    for p in $(descendants "$nn_pid") "$nn_pid"; do kill -KILL "$p" 2>/dev/null || true; done
+    wait "$nn_pid" 2>/dev/null || true
+  else
+    stop_tree "$nn_pid"
+  fi
+  while :; do  # as restart_supernode: Flower refuses the key (2004) until the old node is deemed offline
+    attempts=$((attempts + 1))
+    echo "--- restart attempt $attempts" >>"$logs/nn-supernode.log"
+    before=$(grep -c 'SuperNode ID' "$logs/nn-supernode.log" || true)
+    start_noise_node
+    until [[ $(grep -c 'SuperNode ID' "$logs/nn-supernode.log" || true) -gt $before ]] || exited "$nn_pid"; do
+      sleep 0.5
+    done
+    [[ $(grep -c 'SuperNode ID' "$logs/nn-supernode.log" || true) -gt $before ]] && break
+    wait "$nn_pid" || true
+    [[ $((SECONDS - start)) -lt 180 ]] || die "the noise node could not reconnect within 180 s"
+    sleep 5
+  done
+  say "noise node restarted (attempts: $attempts, $((SECONDS - start)) s)"
+  echo "noise-node-restart-attempts $attempts" >>"$workdir/drills.txt"
+}
+unstick() {  # unstick NAME...: restart each SuperNode still waiting for a reply in a run that ended (see below)
+  local name i waited
+  for name in "$@"; do
+    waited=0
+    until answered "$name" || [[ $waited -ge 90 ]]; do sleep 0.5; waited=$((waited + 1)); done
+    answered "$name" && continue
+    say "SuperNode $name still waits for a reply in an ended run"
+    if [[ $name == nn-supernode ]]; then restart_noise_node; else i=$((${name#sn} - 1)); restart_supernode "$i" "$name"; fi
+  done
+}
+journal_sends() { wc -l <"$nn_dir/journal.jsonl" 2>/dev/null || echo 0; }
+sent_beyond() { [[ $(journal_sends) -gt $1 ]]; }
 serverapp_pid() {  # the flwr-serverapp process below the SuperLink (its SuperExec spawns it)
   local p
   for p in $(descendants "$superlink_pid"); do
@@ -355,15 +440,36 @@ if [[ $drills -eq 1 ]]; then
     until answered "$name" || [[ $waited -ge 90 ]]; do sleep 0.5; waited=$((waited + 1)); done
     answered "$name" || { say "SuperNode $name still waits for a reply in the killed run"; restart_supernode "$i" "$name"; }
   done
+  [[ $noise_node -eq 1 ]] && unstick nn-supernode
+  sends_before=$(journal_sends)
   run2=$(submit)
   say "run $run2 submitted: resumes from the checkpoint"
   echo "second-run $run2" >>"$workdir/drills.txt"
-  wait_finished "$run2"
+  if [[ $noise_node -eq 1 ]]; then
+    # The noise node is killed (with its SuperNode) right after it sent a row of the resumed run: a later round
+    # cannot be unmasked without it, so that round is redone with a fresh row or the run stops, nothing released.
+    wait_for 300 "the noise node to send a row in run $run2" sent_beyond "$sends_before"
+    restart_noise_node kill
+    echo "noise-node-killed-after-sends $sends_before+" >>"$workdir/drills.txt"
+    wait_for 900 "run $run2 to end" run_over "$run2"
+    status=$(run_status "$run2")
+    say "run $run2 ended $status after the noise node's kill"
+    echo "noise-drill-status $status" >>"$workdir/drills.txt"
+    if [[ $status != finished:completed ]]; then
+      unstick sn1 sn2 sn3 nn-supernode
+      run3=$(submit)
+      say "run $run3 submitted: resumes from the checkpoint with the restarted noise node"
+      echo "third-run $run3" >>"$workdir/drills.txt"
+      wait_finished "$run3"
+    fi
+  else
+    wait_finished "$run2"
+  fi
 else
   wait_finished "$run1"
 fi
 
-for run_id in "$run1" "${run2:-}"; do  # the ServerApps' logs, kept by the SuperLink
+for run_id in "$run1" "${run2:-}" "${run3:-}"; do  # the ServerApps' logs, kept by the SuperLink
   [[ -n "$run_id" ]] && { flwr_cli log "$run_id" loopback --show >"$logs/serverapp-$run_id.log" 2>&1 || true; }
 done
 
@@ -382,7 +488,35 @@ print("secagg: the server saw " + s["server_saw"].split(";")[0])' "$report" >>"$
     || die "the privacy report of a --secagg run has no secure_aggregation section"
   say "$(cat "$workdir/secagg.txt")"
 fi
+if [[ $noise_node -eq 1 ]]; then
+  # The noise node's report and the server's agree; no row was sent twice under one key segment; the server's
+  # files (its run directory, the SuperLink's home and database) hold none of the noise node's keys.
+  "$py" - "$report" "$nn_dir" "$rounds" "$out" "$workdir/homes/superlink" "$workdir/superlink" \
+    >"$workdir/noise-node.txt" <<'PY' || die "the noise node's checks failed: $(cat "$workdir/noise-node.txt")"
+import json, sys
+from pathlib import Path
+report, nn, rounds = json.load(open(sys.argv[1])), Path(sys.argv[2]), int(sys.argv[3])
+mine = json.loads((nn / "noise_node_report.json").read_text())
+server = report.get("noise_node") or sys.exit("the server's report has no noise_node section")
+print("rounds-contributed", server["rounds_contributed"], mine["rounds_contributed"])
+print("journal-head", server["journal_head"], mine["journal_head"])
+sends = [json.loads(line) for line in (nn / "journal.jsonl").read_text().splitlines()]
+pairs = [(e["round"], json.dumps(e["segment"], sort_keys=True)) for e in sends]
+print("sends", len(sends), "repeated-rows", len(pairs) - len(set(pairs)))
+keys = [bytes.fromhex(k) for _, k in json.loads((nn / "keys.json").read_text())["segments"]]
+found = [str(f) for root in sys.argv[4:] for f in Path(root).rglob("*") if f.is_file()
+         for k in keys if k in f.read_bytes() or k.hex().encode() in f.read_bytes()]
+print("key-segments", len(keys), "key-found-in-server-files", len(found), *found)
+print("trust-model", "yes" if report.get("trust_model") else "no")
+ok = (server["rounds_contributed"] == rounds and mine["rounds_contributed"] == rounds
+      and server["journal_head"] == mine["journal_head"] and len(pairs) == len(set(pairs))
+      and not found and report.get("trust_model"))
+sys.exit(0 if ok else 1)
+PY
+  say "noise node: $(tr '\n' ';' <"$workdir/noise-node.txt")"
+fi
 with=""
 [[ $secagg -eq 1 ]] && with=" and secure aggregation"
+[[ $noise_node -eq 1 ]] && with+=" with a noise node"
 say "done: $rounds rounds of the $client client over TLS with authenticated SuperNodes$with"
 echo "$report"

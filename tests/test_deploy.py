@@ -571,3 +571,41 @@ def test_flwr_run_on_an_existing_ray_cluster_through_the_superlink(ray_cluster):
     finally:
         stop_tree(link)
     _check_cluster_and_report(address, out, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.xdist_group("processes")
+def test_loopback_with_a_noise_node_survives_killing_it_and_the_server_mid_round(tmp_path):
+    """deploy/loopback.sh --secagg --noise-node --drills (about 11 minutes on a loaded 2-core
+    machine, hence slow; the default tier checks the command in tests/test_noise_node_deploy.py):
+    the noise node is a fourth party with its own registered key and SuperNode; the ServerApp is
+    SIGKILLed mid-round and resumed, the noise node is SIGKILLed right after it sent a row of the
+    resumed run and restarted. Every round is released once, with the noise node's row: the two
+    reports agree on rounds and journal head, no row was sent twice under one key segment, ε is
+    the Gaussian mechanism's (as without the noise node), and no server file holds a noise key."""
+    work = tmp_path / "loopback"
+    report = _loopback(work, "--secagg", "--noise-node", "--rounds", "3", "--drills", timeout=1500)
+    assert report["rounds_completed"] == 3 and report["stopped_reason"] is None
+    assert report["realized"]["epsilon"] == pytest.approx(
+        _gaussian_epsilon_every_round(work, report), rel=1e-6
+    )
+    registered = (work / "noise-registered.txt").read_text().split()
+    node = report["noise_node"]
+    assert registered[0] == "noise" and str(node["node_id"]) == registered[1]
+    assert report["trust_model"]["server"].startswith("honest-but-curious")
+    mine = json.loads((work / "noise-node" / "noise_node_report.json").read_text())
+    assert mine["rounds_contributed"] == node["rounds_contributed"] == 3
+    assert mine["journal_head"] == node["journal_head"]
+    sends = [json.loads(line) for line in (work / "noise-node" / "journal.jsonl").open()]
+    rows = [(e["round"], e["segment"]["key_fingerprint"]) for e in sends]
+    assert len(rows) == len(set(rows)) and {r for r, _ in rows} == {0, 1, 2}
+    drills = dict(line.split() for line in (work / "drills.txt").read_text().splitlines())
+    assert int(drills["killed-after-round"]) in (1, 2)
+    assert int(drills["noise-node-restart-attempts"]) >= 1
+    # the noise node was killed mid-run: the round it could not finish was redone with a fresh row
+    # (a later key segment) or the run stopped and a third run resumed
+    assert drills["noise-drill-status"] == "finished:completed" or "third-run" in drills
+    assert len(mine["current_key_segments"]) >= 2  # its restart opened a new segment
+    text = (work / "noise-node.txt").read_text()
+    assert "key-found-in-server-files 0" in text and "repeated-rows 0" in text

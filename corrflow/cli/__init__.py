@@ -19,6 +19,7 @@ from corrflow.cli.compare import compare_command
 from corrflow.cli.data import data_app
 from corrflow.cli.factorize import factorize
 from corrflow.cli.noise import noise_app
+from corrflow.cli.noise_node import noise_node
 from corrflow.cli.options import with_settings
 from corrflow.cli.plan import plan
 from corrflow.cli.report import report_command
@@ -51,6 +52,7 @@ for _name, _command in (
     app.command(_name, cls=AliasedCommand)(with_settings(_command, _name))
 app.command("report")(report_command)
 app.command("schema")(schema_command)
+app.command("noise-node")(noise_node)
 app.add_typer(noise_app, name="noise")
 app.add_typer(data_app, name="data")
 app.add_typer(runs_app, name="runs")

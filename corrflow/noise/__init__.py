@@ -7,7 +7,8 @@ split into coordinate shards (`shards`). Knows nothing of Flower.
 """
 
 from corrflow.noise.engine import MODES, CorrelatedNoise, default_mode, restore_state, save_state
-from corrflow.noise.prng import PRNGS, key_from_seed, new_secret
+from corrflow.noise.keys import new_secret
+from corrflow.noise.prng import PRNGS, key_from_seed
 
 __all__ = [
     "MODES",

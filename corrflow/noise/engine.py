@@ -54,7 +54,8 @@ from corrflow.factorization.encoders import (
 )
 from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes, write_json
-from corrflow.noise.prng import fingerprint, make_source, new_secret
+from corrflow.noise.keys import fingerprint, new_secret, ring_mac_key
+from corrflow.noise.prng import make_source
 from corrflow.noise.segments import SegmentedSource, SegmentTable
 
 #: Coordinates per block of z (float32): it stays in L2 while the block's state rows stream past.
@@ -474,7 +475,7 @@ class CorrelatedNoise:
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
-#: /2: chunks are drawn with block keys (`corrflow.noise.prng.block_key`); a /1 state drew them
+#: /2: chunks are drawn with block keys (`corrflow.noise.keys.block_key`); a /1 state drew them
 # with the key itself, and resuming it would silently change its rows' bits.
 STATE_FORMAT = "corrflow.noise-state/2"
 PUBLIC_FILE, SECRET_FILE, BUFFER_FILE = "noise_state.json", "noise_secret.key", "noise_buffer.npy"
@@ -483,7 +484,6 @@ SEGMENTS_FILE = "noise_segments.key"
 #: The banded ring buffer's rows on disk, overwritten in place (beside the checkpoints, outside
 # them).
 RING_FILE = "noise_ring.bin"
-_RING_MAC = b"corrflow.noise-ring/1"
 
 
 class _HashingWriter:
@@ -496,12 +496,6 @@ class _HashingWriter:
     def write(self, data) -> int:
         self.sha.update(data)
         return self.f.write(data)
-
-
-def ring_mac_key(key: bytes) -> bytes:
-    """The key of the ring rows' MACs, derived from the noise key (a noise worker gets its own,
-    derived for its shard: `corrflow.noise.shards`)."""
-    return hashlib.sha256(_RING_MAC + key).digest()
 
 
 def _row_mac(gen: CorrelatedNoise, fac_sha256: str, round_index: int, row: np.ndarray) -> str:

@@ -11,7 +11,8 @@ row can be regenerated in any order, exactly. Two sources:
   256-bit block key, (j, c) placed in the counter's high words — a cryptographically secure
   counter-based generator.
 
-Block keys: chunk c of every row is drawn with ``block_key(key, c)`` = HMAC-SHA256(key, label ‖ c),
+Block keys: chunk c of every row is drawn with ``block_key(key, c)`` = HMAC-SHA256(key, label ‖ c)
+(`corrflow.noise.keys`, where every noise key is derived),
 never with the secret key itself. A noise worker that generates a shard of the coordinates (McKenna,
 "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
 2405.15913, §3.3) is given the block keys of its chunks only: it draws exactly the bits the single
@@ -20,9 +21,6 @@ process draws for them, and learns nothing of the other chunks' noise (HMAC is a
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -30,24 +28,16 @@ import numpy as np
 
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
 
+# block_key, fingerprint and new_secret are re-exported: their home is corrflow.noise.keys
+from corrflow.noise.keys import (  # noqa: F401
+    KEY_BYTES,
+    block_key,
+    fingerprint,
+    new_secret,
+    seed_key,
+)
+
 PRNGS = ("philox", "chacha")
-KEY_BYTES = {"philox": 16, "chacha": 32}
-_BLOCK_LABEL = b"corrflow.noise-block/1:"
-
-
-def block_key(key: bytes, chunk: int) -> bytes:
-    """The key that draws coordinate chunk ``chunk`` of every row: HMAC-SHA256(key, label ‖ c),
-    truncated to the key's length (module docstring, Block keys).
-
-    Args:
-        key: the secret key (16 bytes for philox, 32 for chacha).
-        chunk: c ≥ 0.
-
-    Returns:
-        ``len(key)`` bytes.
-    """
-    mac = hmac.new(key, _BLOCK_LABEL + int(chunk).to_bytes(8, "little"), hashlib.sha256)
-    return mac.digest()[: len(key)]
 
 
 class _BlockKeys:
@@ -144,19 +134,6 @@ class ChaChaSource:
         return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
 
 
-def new_secret(prng: str = "philox") -> bytes:
-    """A fresh secret key from the operating system's entropy.
-
-    Args:
-        prng: ``"philox"`` or ``"chacha"``; fixes the key length.
-
-    Returns:
-        The key bytes (never logged; stored owner-only by `save_state`).
-    """
-    require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
-    return secrets.token_bytes(KEY_BYTES[prng])
-
-
 def make_source(prng: str, key: bytes) -> GaussianSource:
     """The Gaussian source for a PRNG name.
 
@@ -207,17 +184,4 @@ def key_from_seed(seed: int | str | bytes, prng: str = "philox") -> bytes:
             return bytes.fromhex(text)
         except ValueError:
             pass
-    return hashlib.sha256(b"corrflow-seed:" + text.encode()).digest()[:n]
-
-
-def fingerprint(key: bytes) -> str:
-    """A one-way fingerprint of a secret key (safe to store in public state; identifies a foreign
-    secret).
-
-    Args:
-        key: the secret key.
-
-    Returns:
-        32 hex digits of a domain-separated SHA-256.
-    """
-    return hashlib.sha256(b"corrflow-noise-key:" + key).hexdigest()[:32]
+    return seed_key(text, n)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from corrflow.errors import IntegrityError, InvalidArgumentError, require
-from corrflow.noise.prng import GaussianSource, fingerprint
+from corrflow.noise.keys import fingerprint
+from corrflow.noise.prng import GaussianSource
 
 
 @dataclass(frozen=True)

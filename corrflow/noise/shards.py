@@ -4,7 +4,7 @@ Factorization Mechanism for Differentially Private ML", arXiv 2405.15913, §3.3:
 follows the same recursion, so the noise and its state split by coordinate with no communication
 until the noise is added).
 
-Chunk c of row Z_t is drawn from (the block key of c, t) alone (`corrflow.noise.prng.block_key`),
+Chunk c of row Z_t is drawn from (the block key of c, t) alone (`corrflow.noise.keys.block_key`),
 whatever the number of workers, so the slices of N workers put together are bit for bit the single
 process's noise. A worker is given its chunks' block keys for each key segment and a ring-MAC key
 derived for its shard (`ShardSecrets`): never the noise key. What a compromised worker learns is
@@ -21,7 +21,6 @@ digest is not the one the server recorded.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import math
 import os
@@ -41,12 +40,12 @@ from corrflow.noise.engine import (
     restore_buffer,
     save_buffer,
 )
-from corrflow.noise.prng import block_key, make_block_source
+from corrflow.noise.keys import block_key, shard_mac_key
+from corrflow.noise.prng import make_block_source
 from corrflow.noise.segments import SegmentTable
 
 SHARD_FORMAT = "corrflow.noise-shard/1"
 SHARD_STATE = "shard_state.json"
-_SHARD_MAC = b"corrflow.noise-shard-ring/1:"
 
 
 @dataclass(frozen=True)
@@ -138,8 +137,7 @@ def shard_secrets(table: SegmentTable, shard: Shard, prng: str) -> ShardSecrets:
         The worker's `ShardSecrets`.
     """
     segs = tuple((s.first_round, segment_blocks(s.key, shard)) for s in table.segments)
-    label = _SHARD_MAC + f"{shard.first_chunk}:{shard.chunks}".encode()
-    mac = hmac.new(table.segments[0].key, label, hashlib.sha256).digest()
+    mac = shard_mac_key(table.segments[0].key, shard.first_chunk, shard.chunks)
     return ShardSecrets(prng, segs, mac)
 
 

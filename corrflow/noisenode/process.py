@@ -43,14 +43,31 @@ def serve(conn, directory: str) -> None:
             req = conn.recv()
         except (EOFError, OSError):
             return
-        try:
-            if req["op"] == "pin":
-                out = node.pin(req["recipe"], Path(req["factorization"]).read_bytes())
-            else:
-                out = node.handle(req["stage"], req["config"])
-            conn.send({"ok": out})
-        except Exception as exc:  # answered, never crashes the node
-            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        conn.send(answer(node, req))
+
+
+def answer(node, req: dict) -> dict:
+    """The noise node's answer to one request: ``{"ok": …}`` or ``{"error": reason}`` (a refusal
+    is an answer, it never crashes the node).
+
+    Args:
+        node: the `corrflow.noisenode.node.NoiseNode`.
+        req: ``{"op": "pin", "recipe", "factorization": path}`` or ``{"op": "stage", "stage",
+            "config"}``.
+
+    Returns:
+        The answer.
+    """
+    try:
+        if req["op"] == "pin":
+            out = node.pin(req["recipe"], Path(req["factorization"]).read_bytes())
+        elif req["op"] == "stage":
+            out = node.handle(req["stage"], req["config"])
+        else:
+            raise ValueError(f"unknown request {req['op']!r}")
+        return {"ok": out}
+    except Exception as exc:  # answered, never crashes the node
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def main() -> None:

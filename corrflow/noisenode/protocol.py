@@ -14,6 +14,8 @@ SEGMENT_KEY, HEAD_KEY = "corrflow-noise-segment", "corrflow-noise-journal-head"
 RECIPE_FIELDS = ("factorization_sha256", "noise_multiplier", "clip_norm", "delta", "rounds")
 #: The clients' node config keys that pin the noise node.
 PIN_ID, PIN_KEY, PIN_SIGNATURE = "noise-node-id", "noise-node-key", "noise-node-signature"
+#: The node config key of the noise node's own SuperNode: the socket its ClientApp relays to.
+SOCKET_KEY = "noise-node-socket"
 
 
 def signed_keys_message(pk1: bytes, pk2: bytes) -> bytes:

@@ -32,6 +32,7 @@ from corrflow.errors import IntegrityError
 from corrflow.fileio import fsync_dir, read_jsonl, write_bytes, write_json
 from corrflow.hashing import canonical_json
 from corrflow.noise import new_secret
+from corrflow.noise.keys import VERSION as KEY_VERSION
 from corrflow.noise.segments import KeySegment, SegmentTable
 
 GENESIS = "0" * 64
@@ -54,22 +55,38 @@ def entry_hash(entry: dict) -> str:
 class NoiseNodeStore:
     """The noise node's directory (module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, node_id: int | None = None):
+        """Open (or create) the directory.
+
+        Args:
+            directory: the noise node's directory.
+            node_id: the node id the SuperLink assigned to the noise node's SuperNode key (a
+                deployment); None: a random SuperNode-like id (a simulation's child process).
+
+        Raises:
+            IntegrityError: the directory's noise node has another node id.
+        """
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        self._identity = self._load_identity()
+        self._identity = self._load_identity(node_id)
+        if node_id is not None and self.node_id != int(node_id):
+            raise IntegrityError(
+                f"the noise node in {self.dir} has node id {self.node_id}, not {node_id}: its "
+                "clients pin that id; give another node its own directory"
+            )
         self.entries = self._read_journal()
 
     # -- identity ----------------------------------------------------------------------------------
-    def _load_identity(self) -> Ed25519PrivateKey:
+    def _load_identity(self, node_id: int | None) -> Ed25519PrivateKey:
         path = self.dir / "identity.key"
         if not path.exists():
             key = Ed25519PrivateKey.generate()
             raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-            write_bytes(path, raw, private=True)
-            node_id = secrets.randbits(62) | 1  # a SuperNode-like id, never 0
-            write_json(self.dir / "node.json", {"node_id": node_id})
+            if node_id is None:
+                node_id = secrets.randbits(62) | 1  # a SuperNode-like id, never 0
+            write_json(self.dir / "node.json", {"node_id": int(node_id)})
+            write_bytes(path, raw, private=True)  # last: a directory with a key has its id
         return Ed25519PrivateKey.from_private_bytes(path.read_bytes())
 
     @property
@@ -198,6 +215,7 @@ class NoiseNodeStore:
                 "key_segments": [json.loads(s) for s in sorted(used)],
                 "current_key_segments": [s.public() for s in table.segments],
                 "journal_head": self.head,
+                "key_derivation": f"corrflow.noise.keys version {KEY_VERSION}",
                 "journal_entries": len(self.entries),
                 "rule": "a row counts as released once a masked vector containing it was sent; "
                 "a row is never sent twice (a redo draws it afresh under a new key segment)",

@@ -27,6 +27,7 @@ from corrflow.errors import InvalidArgumentError
 from corrflow.paths import run_directory
 from corrflow.progress import round_line
 from corrflow.run.evaluation import ScheduledEvaluation
+from corrflow.server.noise_node_deploy import deployed_noise_node
 from corrflow.strategies.correlated import CorrelatedNoiseStrategy
 from corrflow.strategies.session import RunSpec, run_strategy
 
@@ -126,12 +127,13 @@ def main(grid: Grid, context: Context) -> None:
         log.warning("run-config key %r is left to your app; corrflow reads %s%s", key, PREFIX, key)
     try:
         cfg = from_run_config(run_config)
+        grid, link = deployed_noise_node(cfg, grid)  # the noise node is no user
     except InvalidArgumentError as exc:
         log.error("bad run config: %s", exc)
         raise
     # `flwr run` starts the ServerApp in the SuperLink's directory: a relative state-dir lives under
     # $CORRFLOW_HOME.
-    outcome_failure(run_server(grid, cfg, relative_to="home"))
+    outcome_failure(run_server(grid, cfg, relative_to="home", noise_key=link))
 
 
 class RunOutcomeError(RuntimeError):
