@@ -216,6 +216,11 @@ def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:
     return dp_accounting.get_epsilon_gaussian(report["noise_multiplier"] / sens, report["delta"])
 
 
+#: Rounds of the loopback drill: the kill after round 1 leaves one round for the resumed run (the
+# held-out loss fell in every one of 160 simulations of 2 and 3 rounds at the drill's settings).
+ROUNDS = 2
+
+
 @pytest.mark.integration
 @pytest.mark.xdist_group("processes")
 def test_loopback_deployment_of_the_text_client_with_tls_node_auth_restart_and_resume(tmp_path):
@@ -224,7 +229,7 @@ def test_loopback_deployment_of_the_text_client_with_tls_node_auth_restart_and_r
     resumed) and the text client on each SuperNode's own data file; separately they cost two
     SuperLinks, two data builds and two sets of ServerApp and ClientApp start-ups."""
     work = tmp_path / "loopback"
-    report = _loopback(work, "--client", "nextword", "--rounds", "3", "--drills")
+    report = _loopback(work, "--client", "nextword", "--rounds", str(ROUNDS), "--drills")
     salt, fingerprints = _check_identities_and_epsilon(work, report)
     _check_the_drills(work, report, salt, fingerprints)
     _check_the_text_client(work, report)
@@ -243,9 +248,9 @@ def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list
     salt = (state / (state / "CURRENT").read_text().strip() / "report_salt").read_bytes()
     users = report["realized"]["participation"]["users"]
     assert set(users) == {hash_user_id(fp, salt) for fp in fingerprints}
-    assert report["rounds_completed"] == 3 and report["realized"]["rejections"] == 0
+    assert report["rounds_completed"] == ROUNDS and report["realized"]["rejections"] == 0
     assert report["stopped_reason"] is None
-    assert all(u["rounds"] == [0, 1, 2] for u in users.values())
+    assert all(u["rounds"] == list(range(ROUNDS)) for u in users.values())
 
     # ε, δ and the clip norm are the drill's (loopback.sh), ε the Gaussian mechanism's.
     assert (report["target_epsilon"], report["delta"], report["clip_norm"]) == (32.0, 1e-5, 0.25)
@@ -261,7 +266,7 @@ def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list
 
 def _check_the_drills(work: Path, report: dict, salt: bytes, fingerprints: list[str]) -> None:
     """The unregistered SuperNode was refused, sn1 came back under the same node id, and the
-    ServerApp killed after round k < 3 was resumed there with the first k rounds unchanged."""
+    ServerApp killed after round k < ROUNDS was resumed there with the first k rounds unchanged."""
     users = report["realized"]["participation"]["users"]
     registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
     # The unregistered fourth SuperNode was refused (Flower error 2004) and never became a user.
@@ -278,12 +283,12 @@ def _check_the_drills(work: Path, report: dict, salt: bytes, fingerprints: list[
     drills = dict(line.split() for line in (work / "drills.txt").read_text().splitlines())
     sn1_ids = re.findall(r"SuperNode ID: (\d+)", (work / "logs" / "sn1.log").read_text())
     assert len(sn1_ids) >= 2 and set(sn1_ids) == {registered[0][1]}
-    assert users[hash_user_id(fingerprints[0], salt)]["rounds"] == [0, 1, 2]
+    assert users[hash_user_id(fingerprints[0], salt)]["rounds"] == list(range(ROUNDS))
 
-    # The ServerApp was killed after round k < 3 and the second run resumed there: the first k
+    # The ServerApp was killed after round k < ROUNDS and the second run resumed there: the first k
     # rounds' metrics are the checkpoint's, unchanged, and the ServerApp logged the resumption.
     k = int(drills["killed-after-round"])
-    assert 1 <= k < 3
+    assert 1 <= k < ROUNDS
 
     def rounds(entries):  # metrics.json opens with the initial model's evaluation (round −1)
         return [e for e in entries if e["round"] >= 0]
@@ -293,7 +298,7 @@ def _check_the_drills(work: Path, report: dict, salt: bytes, fingerprints: list[
     logged = (work / "ledger-at-kill.jsonl").read_text().splitlines()
     at_kill = [json.loads(line)["metrics"] for line in logged][:k]
     final = rounds(json.loads((work / "server" / "metrics.json").read_text()))
-    assert len(final) == 3 and len(at_kill) == k
+    assert len(final) == ROUNDS and len(at_kill) == k
     for before, after in zip(at_kill, final, strict=False):
         assert {key: after[key] for key in before if key in after} == {
             key: before[key] for key in after if key in before
