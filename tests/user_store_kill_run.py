@@ -19,18 +19,18 @@ where = os.environ.get("KILL_WHERE", "before")
 real_commit = user_store.UserStore.commit
 
 
-def commit(self, entries, meta, replace=False):
+def commit(self, rows, meta, replace=False):
     # a round's commit brings the store to ledger line round + 1
     if not replace and int(meta["ledger_lines"]) == kill_round + 1:
         if where == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         self._db.execute("BEGIN IMMEDIATE")
         self._db.executemany(
-            f"INSERT OR REPLACE INTO {user_store.TABLE} VALUES (?, ?, ?, ?)",
-            map(user_store._row, entries),
+            f"INSERT OR REPLACE INTO {user_store.TABLE} VALUES (?, ?, ?, ?, ?)",
+            map(user_store._row, rows),
         )
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_commit(self, entries, meta, replace)
+    return real_commit(self, rows, meta, replace)
 
 
 user_store.UserStore.commit = commit

@@ -43,15 +43,20 @@ log = logging.getLogger("corrflow")
 
 STORE = "participation.sqlite"
 TABLE = "users"
+# Rows keyed by the order users were first seen (the run keeps hashed id → row id), with no index
+# on the hashed id: a round's new users are appended together, a returning cohort's rows sit
+# together (fixed-epoch: the same users every b rounds), so a round rewrites a few pages — not one
+# page per user at a random place, as a table keyed by the (random) hashed id would.
 _SCHEMA = (
-    f"CREATE TABLE IF NOT EXISTS {TABLE} (user TEXT PRIMARY KEY, rounds TEXT NOT NULL, "
-    "participations INTEGER NOT NULL, min_gap INTEGER) WITHOUT ROWID",
+    f"CREATE TABLE IF NOT EXISTS {TABLE} (id INTEGER PRIMARY KEY, user TEXT NOT NULL, "
+    "rounds TEXT NOT NULL, participations INTEGER NOT NULL, min_gap INTEGER)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
 )
 
 
-def _row(e: UserEntry) -> tuple:
-    return e.user, ",".join(map(str, e.rounds)), len(e.rounds), e.min_gap
+def _row(row: tuple[int, UserEntry]) -> tuple:
+    i, e = row
+    return i, e.user, ",".join(map(str, e.rounds)), len(e.rounds), e.min_gap
 
 
 def _entry(user: str, rounds: str, below: int | None = None) -> UserEntry | None:
@@ -85,11 +90,13 @@ class UserStore:
         """The store's record of what it reflects (run id, ledger position, rows, digest)."""
         return dict(self._db.execute("SELECT key, value FROM meta"))
 
-    def commit(self, entries: Iterable[UserEntry], meta: dict, replace: bool = False) -> None:
-        """Write the entries (each replaces the user's row) and the meta in one transaction.
+    def commit(
+        self, rows: Iterable[tuple[int, UserEntry]], meta: dict, replace: bool = False
+    ) -> None:
+        """Write the entries (each replaces the row of its id) and the meta in one transaction.
 
         Args:
-            entries: the round's cohort's new entries (or, with ``replace``, every user's).
+            rows: (row id, entry) of the round's cohort (or, with ``replace``, of every user).
             meta: what the store reflects after it (`str` values).
             replace: drop every row first (a rebuild from the ledger).
         """
@@ -100,7 +107,7 @@ class UserStore:
                 db.execute(f"DELETE FROM {TABLE}")
                 db.execute("DELETE FROM meta")
             db.executemany(
-                f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, ?, ?)", map(_row, entries)
+                f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, ?, ?, ?)", map(_row, rows)
             )
             db.executemany(
                 "INSERT OR REPLACE INTO meta VALUES (?, ?)", [(k, str(v)) for k, v in meta.items()]
@@ -109,6 +116,10 @@ class UserStore:
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    def ids(self) -> dict[str, int]:
+        """Hashed id → row id, of every row."""
+        return dict(self._db.execute(f"SELECT user, id FROM {TABLE}"))
 
     def content(self) -> tuple[int, str]:
         """The rows' count and digest, recomputed from the file (a pass over every row).
@@ -189,6 +200,8 @@ class PerUserRecord:
 
     def __init__(self, store: UserStore, summary: ParticipationSummary, run_id: str, name: str):
         self.store, self.summary, self.run_id, self.name = store, summary, run_id, name
+        self._ids: dict[str, int] = {}  # hashed id → row id (first seen, first numbered)
+        self._next = 1
 
     @classmethod
     def start(
@@ -233,10 +246,14 @@ class PerUserRecord:
                 out.store.close()
             _remove(path)
             out.store, agrees = UserStore(path, private), False
-        if not agrees:
+        if agrees:
+            out._ids = out.store.ids()
+        else:
             if selected is not None:
                 log.info("%s: rebuilt from the ledger log (behind or unlike the checkpoint)", path)
-            out.store.commit(entries, want, replace=True)
+            out._ids = {e.user: i for i, e in enumerate(entries, 1)}
+            out.store.commit(enumerate(entries, 1), want, replace=True)
+        out._next = max(out._ids.values(), default=0) + 1
         return out
 
     def commit_round(
@@ -255,14 +272,18 @@ class PerUserRecord:
             hashed: user id → its salted hash.
             position: the ledger log position after the round.
         """
-        entries = []
+        rows = []
         for user, m in Counter(cohort).items():
             rounds, h = selected[user], hashed(user)
             old = user_entry(h, rounds[:-m]) if len(rounds) > m else None
             new = user_entry(h, rounds)
             self.summary.move(old, new)
-            entries.append(new)
-        self.store.commit(entries, self._meta(position))
+            i = self._ids.get(h)
+            if i is None:
+                i = self._ids[h] = self._next
+                self._next += 1
+            rows.append((i, new))
+        self.store.commit(rows, self._meta(position))
 
     def section(self) -> dict:
         """The report's reference to the store: ``{"store", "table", "rows", "digest"}``."""
