@@ -231,3 +231,27 @@ def test_sigkill_around_the_stores_commit_then_resume(tmp_path):
     meta = UserStore(out / STORE).meta()
     per_user = report["realized"]["participation"]["per_user"]
     assert meta["ledger_lines"] == "4" and meta["digest"] == per_user["digest"]
+
+
+def test_a_report_of_schema_2_is_read_with_its_users_inline(tmp_path):
+    """A report of schema version 2 lists every user: `participation_users` and the summary's
+    users line read them from the report, no store needed."""
+    from corrflow.cli.summary import _users_line
+
+    users = {
+        _hashed("a"): {"rounds": [0, 3], "min_gap": 3},
+        _hashed("b"): {"rounds": [1], "min_gap": None},
+    }
+    realized = {
+        "rejections": 0,
+        "participation": {
+            "min_gap": 3,
+            "max_participations": 2,
+            "policy": "reject",
+            "overrides": [],
+            "users": users,
+        },
+    }
+    report = {"schema_version": 2, "rounds_completed": 4, "realized": realized}
+    assert participation_users(report, tmp_path) == users
+    assert _users_line(realized, tmp_path).startswith("users       2, at most 2 rounds each")
