@@ -1,8 +1,8 @@
 """What one round writes: after the first round, a round writes the ledger log, its checkpoint
 (pointer, manifest, state, model with momentum, noise state), the noise ring, the per-user store,
-the release journal and the registry — never the run's secrets again (hard-linked into each checkpoint from the one
-that first held them) — and a checkpoint written before the momentum moved into the model's file
-still resumes bit for bit."""
+the release journal and the registry — never the run's secrets again (hard-linked into each
+checkpoint from the one that first held them) — and a checkpoint written before the momentum moved
+into the model's file still resumes bit for bit."""
 
 import json
 import os
