@@ -23,6 +23,7 @@ from corrflow.accounting.montecarlo import (
     minimum_samples,
     sample_participations,
 )
+from corrflow.accounting.participation import ParticipationSummary, user_entry
 from corrflow.accounting.posthoc import pattern_sensitivity, realized_sensitivity
 from corrflow.accounting.report import (
     hash_user_id,
@@ -382,9 +383,12 @@ def test_posthoc_early_return_raises_epsilon():
 def test_report_schema_and_hashing(tmp_path):
     fac = factorize("toeplitz", participation_for(16, 2))
     salt = b"s" * 16
-    part = participation_section(
-        {"partition-0": [0, 8], "partition-1": [1, 9]}, salt, policy="reject"
-    )
+    entries = [
+        user_entry(hash_user_id(u, salt), rs)
+        for u, rs in {"partition-0": [8, 0], "partition-1": [1, 9, 9]}.items()
+    ]
+    store = {"store": "participation.sqlite", "table": "users", "rows": 2, "digest": "0" * 64}
+    part = participation_section(ParticipationSummary.of(entries), store, policy="reject")
     rep = privacy_report(
         factorization=fac,
         noise_multiplier=1.0,
@@ -423,9 +427,14 @@ def test_report_schema_and_hashing(tmp_path):
         "workload",
         "factorization_sha256",
     }
-    users = back["realized"]["participation"]["users"]
-    assert "partition-0" not in path.read_text() and hash_user_id("partition-0", salt) in users
-    assert back["realized"]["participation"]["min_gap"] == 8
+    part = back["realized"]["participation"]
+    assert "partition-0" not in path.read_text() and hash_user_id("partition-0", salt) not in str(
+        back
+    )  # each user's entry is the store's, never the report's
+    assert entries[0].rounds == (0, 8) and entries[1].min_gap == 8  # equal rounds make no gap
+    assert (part["min_gap"], part["max_participations"], part["user_count"]) == (8, 3, 2)
+    assert part["participations"] == {"2": 1, "3": 1} and part["per_user"] == store
+    assert part["min_gap_quantiles"] == {"p0": 8, "p10": 8, "p50": 8, "p90": 8, "p100": 8}
     assert back["delta"] == 1e-5 and back["guarantee"] is True
     # A Monte Carlo accountant that verified only a larger δ: the report's δ is that one, with
     # guarantee false.

@@ -16,6 +16,7 @@ from corrflow.factorization.build import factorize, participation_for
 from corrflow.factorization.workloads import Workload
 from corrflow.noise import CorrelatedNoise
 from corrflow.run.optimizer import MomentumServerOptimizer
+from corrflow.run.reading import participation_users
 from corrflow.server.audit import run_audit
 from corrflow.strategies.canaries import optimizer_map
 
@@ -198,7 +199,8 @@ def test_correct_runs_audit_below_their_claim(kind, tmp_path):
     assert res["canaries"]["inserted"] + res["canaries"]["held_out"] == 100
     assert res["run"]["rounds_completed"] == 8
     report = json.loads((tmp_path / kind / "privacy_report.json").read_text())
-    assert len(report["realized"]["participation"]["users"]) == 48 + res["canaries"]["inserted"]
+    users = participation_users(report, tmp_path / kind)
+    assert len(users) == 48 + res["canaries"]["inserted"]
 
 
 @pytest.mark.parametrize("how", ["scaled", "reused"])
@@ -333,7 +335,8 @@ def test_wrapper_audits_a_users_strategy_in_simulation(tmp_path, monkeypatch):
     assert audit["epsilon_lower"] <= audit["epsilon_claimed"]
     assert 0.7 < audit["statistics"]["whitened"]["null_std"] < 1.3
     report = strategy.privacy_report()
-    assert len(report["realized"]["participation"]["users"]) == 48 + audit["canaries"]["inserted"]
+    users = participation_users(report, strategy.run_dir)
+    assert len(users) == 48 + audit["canaries"]["inserted"]
     assert (tmp_path / "w" / "audit.json").exists() and (tmp_path / "w" / "audit.png").exists()
     with pytest.raises(Exception, match="canaries"):
         DifferentialPrivacyCorrelatedNoise(FedAvg(), clipping_norm=1.0, canaries=5)

@@ -22,6 +22,7 @@ from independent import independent_epsilon
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization.base import Factorization
 from corrflow.planning.cache import PlanCache
+from corrflow.run.reading import participation_users
 from corrflow.server.compare import PRESETS, compare, gap_closed, parse_epsilons, plan_arms
 
 ARMS = {"nonprivate", "dpsgd", "dpsgd-poisson", "toeplitz", "toeplitz-amplified", "plan"}
@@ -152,7 +153,7 @@ def _independent(
     sigma = arm["per_seed"][0]["noise_multiplier"]
     if arm["participation"] == "fixed-epoch":
         report = json.loads((run_dir / "privacy_report.json").read_text())
-        return independent_epsilon(fac, report["realized"]["participation"]["users"], sigma, delta)
+        return independent_epsilon(fac, participation_users(report, run_dir), sigma, delta)
     assert arm["participation"] == "cyclic-poisson"
     b = arm["min_sep"]
     q = b * cohort / users

@@ -26,6 +26,7 @@ from process_support import free_ports, stop_tree
 
 from corrflow.accounting.report import hash_user_id
 from corrflow.factorization import Factorization
+from corrflow.run.reading import participation_users
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 BIN = Path(sys.executable).parent
@@ -246,7 +247,7 @@ def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list
     assert [r[2] for r in registered] == fingerprints
     state = work / "server" / "state"
     salt = (state / (state / "CURRENT").read_text().strip() / "report_salt").read_bytes()
-    users = report["realized"]["participation"]["users"]
+    users = participation_users(report, work / "server")
     assert set(users) == {hash_user_id(fp, salt) for fp in fingerprints}
     assert report["rounds_completed"] == ROUNDS and report["realized"]["rejections"] == 0
     assert report["stopped_reason"] is None
@@ -267,7 +268,7 @@ def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list
 def _check_the_drills(work: Path, report: dict, salt: bytes, fingerprints: list[str]) -> None:
     """The unregistered SuperNode was refused, sn1 came back under the same node id, and the
     ServerApp killed after round k < ROUNDS was resumed there with the first k rounds unchanged."""
-    users = report["realized"]["participation"]["users"]
+    users = participation_users(report, work / "server")
     registered = [line.split() for line in (work / "registered.txt").read_text().splitlines()]
     # The unregistered fourth SuperNode was refused (Flower error 2004) and never became a user.
     assert (work / "rogue.txt").read_text().split()[1] != "0"
@@ -371,6 +372,7 @@ from flwr.simulation import run_simulation
 from corrflow.clients.tasks import get_task
 from corrflow.server.app import make_server_app
 from corrflow.config import RunConfig, from_run_config, unprefixed_keys
+from corrflow.run.reading import participation_users
 
 address, out = sys.argv[1], sys.argv[2]
 cfg = RunConfig(num_users=3, num_rounds=2, epochs=2, target_epsilon=8.0, state_dir=out)
@@ -486,9 +488,7 @@ def _check_cluster_and_report(address: str, out: Path, rounds: int) -> None:
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"alive_nodes": 2, "cpus": 2.0}
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["rounds_completed"] == rounds
-    assert [u["rounds"] for u in report["realized"]["participation"]["users"].values()] == [
-        [0, 1]
-    ] * 3
+    assert [u["rounds"] for u in participation_users(report, out).values()] == [[0, 1]] * 3
 
 
 @pytest.mark.integration

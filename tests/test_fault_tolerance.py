@@ -22,6 +22,7 @@ from corrflow.config import RunConfig, from_run_config
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.run.journal import JOURNAL, ReleaseJournal
+from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.strategies.identity import IdentityError
@@ -360,7 +361,7 @@ def test_budget_guard_stop_at_round_zero_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert s.next_round == 0 and report["rounds_completed"] == 0
     assert report["stopped_reason"].startswith("budget guard: round 1 of 6 would spend")
-    assert report["realized"]["participation"]["users"] == {} and not (tmp_path / JOURNAL).exists()
+    assert participation_users(report, tmp_path) == {} and not (tmp_path / JOURNAL).exists()
 
 
 def test_inputs_that_cannot_be_private_are_refused():

@@ -17,6 +17,7 @@ import pytest
 from independent import independent_epsilon
 
 from corrflow.factorization import Factorization
+from corrflow.run.reading import participation_users
 
 ROOT = Path(__file__).parent.parent
 
@@ -117,8 +118,8 @@ def test_flwr_run_completes_the_default_app(tmp_path):
     assert (run_dir / "privacy_report.json").exists(), log[-3000:]
     report = json.loads((run_dir / "privacy_report.json").read_text())
     assert report["rounds_completed"] == 10 and report["stopped_reason"] is None
-    assert len(report["realized"]["participation"]["users"]) == 10
-    users = report["realized"]["participation"]["users"]
+    users = participation_users(report, run_dir)
+    assert len(users) == 10
     independent = independent_epsilon(
         Factorization.load(run_dir / "factorization.npz"),
         users,

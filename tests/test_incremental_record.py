@@ -15,12 +15,15 @@ from strategy_support import HANDLERS, KEY
 from strategy_support import small_config as _cfg
 
 from corrflow.accounting import realized_sensitivity
+from corrflow.accounting.participation import entries_digest
 from corrflow.accounting.policy import with_round
 from corrflow.accounting.tracking import IncrementalSensitivity, PrivacyPlan, RunPrivacy
 from corrflow.factorization.encoders import DenseEncoder
 from corrflow.run.journal import JOURNAL, ReleaseJournal
 from corrflow.run.ledger import LEDGER_LOG, LedgerLog, LogPosition, replay
+from corrflow.run.reading import participation_users
 from corrflow.run.recorder import REPORT_EVERY
+from corrflow.run.user_store import STORE, read_entries
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
@@ -94,13 +97,15 @@ def test_a_runs_epsilon_and_ledger_log_equal_a_recomputation(tmp_path):
     assert history == list(s.metrics_history)
 
 
-def _normalised(report: dict) -> dict:
+def _normalised(report: dict, run_dir: Path) -> dict:
     """A report without what differs between two runs of the same schedule (run id, salted user
-    hashes, noise lineage, learning curve: the noise keys differ)."""
+    hashes and the per-user store's digest of them, noise lineage, learning curve: the noise keys
+    differ); each user's entry read back from the per-user store."""
     real = dict(report["realized"])
     part = dict(real["participation"])
+    part["per_user"] = {k: v for k, v in part["per_user"].items() if k != "digest"}
     part["users"] = sorted(
-        (u["rounds"], u["min_gap"]) for u in real["participation"]["users"].values()
+        (u["rounds"], u["min_gap"]) for u in participation_users(report, run_dir).values()
     )
     real["participation"] = part
     out = {k: v for k, v in report.items() if k not in ("run_id", "lineage", "learning")}
@@ -142,8 +147,8 @@ def test_sigkill_at_any_moment_then_resume_reports_what_an_uninterrupted_run_doe
     assert [json.loads(line)["round"] for line in lines] == list(range(8))
     resumed = json.loads((out / "privacy_report.json").read_text())
     uninterrupted = json.loads((whole / "privacy_report.json").read_text())
-    assert resumed["rounds_completed"] == 8 and resumed["schema_version"] == 2
-    assert _normalised(resumed) == _normalised(uninterrupted)
+    assert resumed["rounds_completed"] == 8 and resumed["schema_version"] == 3
+    assert _normalised(resumed, out) == _normalised(uninterrupted, whole)
     assert len(resumed["lineage"]["key_segments"]) > 1  # it did restart
     assert REPORT_EVERY > 1
 
@@ -156,7 +161,12 @@ def test_report_command_says_when_the_journal_is_ahead_of_the_report(tmp_path):
     run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True)
     path = tmp_path / "privacy_report.json"
     report = json.loads(path.read_text())
-    path.write_text(json.dumps({**report, "rounds_completed": 2}))  # as a kill after round 2's
+    # as a kill after round 2's: the report's reference to the per-user store is round 2's (the
+    # store itself is at round 6, and reads back as of round 2)
+    entries = list(read_entries(tmp_path / STORE, below=2))
+    part = report["realized"]["participation"]
+    part["per_user"].update(rows=len(entries), digest=entries_digest(entries))
+    path.write_text(json.dumps({**report, "rounds_completed": 2}))
     r = subprocess.run(
         [sys.executable, "-m", "corrflow.server.cli", "report", str(tmp_path), "--no-plot"],
         env=ENV,

@@ -19,6 +19,7 @@ from corrflow.data.partition import make_manifest, write_manifest
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
@@ -169,7 +170,7 @@ def test_user_with_two_devices(tmp_path):
         assert rep["planned"]["epsilon"] == pytest.approx(
             epsilon_of(unamplified_event(0.7 / 2, 1.0), cfg.delta), rel=1e-6
         )
-        assert len(rep["realized"]["participation"]["users"]) == 6
+        assert len(participation_users(rep, d)) == 6
         assert rep["realized"]["epsilon"] == pytest.approx(_recompute(d, s), rel=1e-12)
     split = [
         o
@@ -345,9 +346,8 @@ def test_a_run_naming_no_accountant_uses_the_tightest_verified_bound(tmp_path, c
     )
     assert rep["accountant"]["sampling"].startswith("none (bminsep, unamplified")
     assert rep["noise_multiplier"] == pytest.approx(cal["noise_multiplier"], rel=1e-12)
-    assert (
-        rep["realized"]["accounting"].startswith("post-hoc")
-        and rep["realized"]["participation"]["users"]
+    assert rep["realized"]["accounting"].startswith("post-hoc") and participation_users(
+        rep, tmp_path / "u"
     )
     assert rep["realized"]["epsilon"] == pytest.approx(_recompute(tmp_path / "u", s), rel=1e-12)
     assert rep["realized"]["epsilon"] <= rep["planned"]["epsilon"] * (1 + 1e-9)

@@ -21,6 +21,7 @@ from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_ev
 from corrflow.factorization import Factorization
 from corrflow.run.checkpoint import current_checkpoint, load_arrays
 from corrflow.run.journal import JOURNAL, ReleaseJournal
+from corrflow.run.reading import participation_users
 
 TESTS = Path(__file__).parent
 ENV = dict(
@@ -118,7 +119,7 @@ def _check_lineage_and_privacy(tmp_path: Path, out: Path, starts: int) -> list[i
 
     cfg = config(str(out))
     report = json.loads((out / "privacy_report.json").read_text())
-    users = report["realized"]["participation"]["users"]
+    users = participation_users(report, out)
     assert report["rounds_completed"] == 24 and report["stopped_reason"] is None
     assert len(users) == cfg.num_users
     assert all(

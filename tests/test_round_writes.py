@@ -1,8 +1,8 @@
 """What one round writes: after the first round, a round writes the ledger log, its checkpoint
-(pointer, manifest, state, model with momentum, noise state), the noise ring, the release journal
-and the registry — never the run's secrets again (hard-linked into each checkpoint from the one
-that first held them) — and a checkpoint written before the momentum moved into the model's file
-still resumes bit for bit."""
+(pointer, manifest, state, model with momentum, noise state), the noise ring, the per-user store,
+the release journal and the registry — never the run's secrets again (hard-linked into each
+checkpoint from the one that first held them) — and a checkpoint written before the momentum moved
+into the model's file still resumes bit for bit."""
 
 import json
 import os
@@ -58,7 +58,7 @@ def test_write_bytes_links_only_a_file_with_the_same_bytes_and_mode(tmp_path):
 
 
 def test_a_round_after_the_first_writes_no_secret(tmp_path):
-    """A 3-round in-process run: after the first round each round writes the same 9 files besides
+    """A 3-round in-process run: after the first round each round writes the same 10 files besides
     the operator's log (the last round adds the report and the metrics), and the checkpoint's
     secrets are the files the first round wrote."""
     run_dir, written, inodes, seen = tmp_path / "run", [], [], set()
@@ -83,6 +83,7 @@ def test_a_round_after_the_first_writes_no_secret(tmp_path):
     registry = os.path.relpath(default_registry(), run_dir)
     per_round = sorted(
         [
+            "participation.sqlite",
             "release_journal.jsonl",
             registry,
             "state/CURRENT",

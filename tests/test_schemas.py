@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from corrflow.run.reading import participation_users
 from corrflow.schemas import SCHEMAS, load_schema, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def test_reports_and_metrics_a_run_writes_validate(runs, run):
         assert "users" not in report["realized"]["participation"]
         assert "operator_only" in report["realized"]["participation"]
     else:
-        assert len(report["realized"]["participation"]["users"]) == 10
+        assert len(participation_users(report, runs / run)) == 10
 
 
 def test_the_plan_recipe_validates(runs):
@@ -125,7 +126,7 @@ def test_documents_that_break_the_conventions_are_refused(runs):
     text_eps["realized"]["epsilon"] = "7.99"
     broken.append(text_eps)
     raw_id = copy.deepcopy(report)
-    raw_id["realized"]["participation"]["users"]["partition-3"] = {"rounds": [0, 2], "min_gap": 2}
+    raw_id["realized"]["participation"]["users"] = {"partition-3": {"rounds": [0, 2], "min_gap": 2}}
     broken.append(raw_id)
     no_sens = copy.deepcopy(report)
     del no_sens["realized"][

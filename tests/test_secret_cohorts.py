@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from strategy_support import HANDLERS, KEY, request_for
 from strategy_support import small_config as _cfg
 
+from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
@@ -97,10 +98,14 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
 
     for run, console, run_dir in ((a, console_a, dir_a), (b, console_b, dir_b)):
         operator = run_dir / "operator"
+        # each user's entry: the operator's store, which the operator's participation.json names
         participation = json.loads((operator / "participation.json").read_text())["realized"][
             "participation"
         ]
-        hashed = set(participation["users"])
+        assert participation["per_user"]["store"] == "operator/participation.sqlite"
+        hashed = set(
+            participation_users(json.loads((run_dir / "privacy_report.json").read_text()), run_dir)
+        )
         assert len(hashed) == len(run.ledger.selected) > 0
         public = [
             (run_dir / "privacy_report.json").read_text(),
@@ -112,7 +117,7 @@ def test_public_record_does_not_depend_on_the_secret_cohorts(tmp_path, capsys, c
             assert not re.search(r'"(accepted|rejected|replies|kept|clipped|zeroed)"', text)
             assert "rejected reply" not in text and "accepted " not in text
         assert stat.S_IMODE(operator.stat().st_mode) == 0o700
-        for name in ("participation.json", "rounds.jsonl", "operator.log"):
+        for name in ("participation.json", "participation.sqlite", "rounds.jsonl", "operator.log"):
             assert stat.S_IMODE((operator / name).stat().st_mode) == 0o600
         # the sender, for the operator
         assert "rejected reply" in (operator / "operator.log").read_text()
@@ -126,7 +131,7 @@ def test_a_run_with_a_public_schedule_says_what_it_publishes_outside_the_guarant
     s = run_server(InProcessGrid(HANDLERS, 12), _cfg(tmp_path), noise_key=KEY, quiet=True)
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert "accepted" in report["outside_guarantee"]["metrics"] and len(
-        report["realized"]["participation"]["users"]
+        participation_users(report, tmp_path)
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert [m["accepted"] for m in metrics[1:]] == [

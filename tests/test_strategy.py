@@ -18,6 +18,7 @@ from corrflow.config import RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.noise import CorrelatedNoise
+from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
 
@@ -286,7 +287,7 @@ def test_end_to_end_flower_simulation(tmp_path):
     assert len(lines) <= 40, "\n".join(lines)
     assert sum(line.startswith("round ") for line in lines) == 20 and (out / "engine.log").exists()
     report = json.loads((out / "privacy_report.json").read_text())
-    users = report["realized"]["participation"]["users"]
+    users = participation_users(report, out)
     assert report["rounds_completed"] == 20 and len(users) == 12
     assert all(
         len(u["rounds"]) == 2 and u["rounds"][1] - u["rounds"][0] == 10 for u in users.values()
@@ -309,7 +310,7 @@ def test_end_to_end_inprocess(tmp_path):
 def _check_run(tmp_path, cfg, report):
     on_disk = json.loads((tmp_path / "privacy_report.json").read_text())
     assert on_disk["rounds_completed"] == 6 and report["rounds_completed"] == 6
-    users = on_disk["realized"]["participation"]["users"]
+    users = participation_users(on_disk, tmp_path)
     assert len(users) == 12
     rounds = sorted(tuple(u["rounds"]) for u in users.values())
     # fixed-epoch: b = 3, same slot every epoch

@@ -22,6 +22,7 @@ from corrflow.data.stackoverflow import Post, StackOverflowWriter
 from corrflow.data.stats import dataset_stats
 from corrflow.data.vocab import Vocabulary, build_vocabulary, count_words, read_provenance
 from corrflow.errors import InvalidArgumentError
+from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.cli import app
 from corrflow.server.inprocess import InProcessGrid
@@ -272,10 +273,7 @@ def test_simulate_data_cli_refuses_and_reports(tmp_path):
         report["vocabulary"]["inside_guarantee"] is False
         and report["total"]["includes_vocabulary"] is False
     )
-    assert (
-        report["realized"]["participation"]["users"]
-        and len(report["realized"]["participation"]["users"]) == 40
-    )
+    assert len(participation_users(report, tmp_path / "b")) == 40
     # the vocabulary's privacy cost is part of the run: resuming with another file at the same path
     # is refused
     (tmp_path / "n.txt").write_text((tmp_path / "n.txt").read_text() + "extra\n")

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from corrflow.accounting.noise_scale import noise_std_per_round
+from corrflow.accounting.participation import ParticipationSummary
+from corrflow.accounting.tracking import PrivacyPlan, RealizedPrivacy
 from corrflow.factorization.base import Factorization
 from corrflow.fileio import write_json
 
-#: Version of privacy_report.json's layout. 2: the run's per-round record is an
-# append-only ledger log, and the report — complete, every user listed — is rewritten every
-# ``report_every`` rounds, at the last round and at every stop (1: after every round; no field).
-SCHEMA_VERSION = 2
+#: Version of privacy_report.json's layout. 3: the per-user participation is summarised, each
+# user's entry in the run's per-user store the report names (``realized.participation.per_user``);
+# 2: every user listed in the report, rewritten every ``report_every`` rounds, at the last round and
+# at every stop, the per-round record an append-only ledger log; 1: rewritten after every round (no
+# field).
+SCHEMA_VERSION = 3
 
 
 def hash_user_id(user_id: str, salt: bytes) -> str:
@@ -55,43 +60,24 @@ def mechanism_section(factorization: Factorization) -> dict:
 
 
 def participation_section(
-    user_rounds: Mapping[str, Sequence[int]],
-    salt: bytes,
+    summary: ParticipationSummary,
+    store: dict,
     policy: str | None = None,
     overrides: Sequence[dict] = (),
-    hashed: Callable[[str], str] | None = None,
 ) -> dict:
-    """The report's participation section, with user ids hashed.
+    """The report's realised participation: the per-user record summarised, and its store named.
 
     Args:
-        user_rounds: user id → the rounds the user contributed to.
-        salt: the run's secret salt (`hash_user_id`).
+        summary: the per-user record's summary (`ParticipationSummary`).
+        store: the reference to the per-user store (``{"store", "table", "rows", "digest"}``).
         policy: the separation policy, or None.
-        overrides: the override records.
-        hashed: user id → its `hash_user_id` under ``salt`` (a run's cache; default: computed).
+        overrides: the override records (user ids hashed).
 
     Returns:
-        ``{"min_gap", "max_participations", "policy", "overrides", "users": {hashed id: {"rounds",
-        "min_gap"}}}``.
+        ``{"min_gap", "max_participations", "user_count", "participations",
+        "min_gap_quantiles", "policy", "overrides", "per_user"}``.
     """
-    hashed = hashed or (lambda u: hash_user_id(u, salt))
-    users = {hashed(u): _user_entry(rs) for u, rs in user_rounds.items()}
-    gaps = [u["min_gap"] for u in users.values() if u["min_gap"] is not None]
-    return {
-        "min_gap": min(gaps) if gaps else None,
-        "max_participations": max((len(u["rounds"]) for u in users.values()), default=0),
-        "policy": policy,
-        "overrides": list(overrides),
-        "users": users,
-    }
-
-
-def _user_entry(rounds: Sequence[int]) -> dict:
-    """A user's ``{"rounds", "min_gap"}`` (``min_gap`` as `corrflow.accounting.posthoc.min_gap`),
-    in plain Python: a report lists every user, and numpy's per-call overhead would dominate."""
-    r = sorted(int(x) for x in rounds)
-    gaps = [b - a for a, b in zip(r, r[1:], strict=False) if b != a]
-    return {"rounds": r, "min_gap": min(gaps) if gaps else None}
+    return {**summary.to_dict(), "policy": policy, "overrides": list(overrides), "per_user": store}
 
 
 def privacy_report(
@@ -153,6 +139,135 @@ def privacy_report(
         "rounds_completed": rounds_completed,
         **extra,
     }
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """Everything the privacy report states, as the run holds it (`build_report`).
+
+    Attributes:
+        factorization: the run's factorization.
+        plan: σ, the planned ε and the accountant (`PrivacyPlan`).
+        realized: ε of the participation so far (`RealizedPrivacy`).
+        clip_norm: the clip norm.
+        delta: the run's target δ.
+        target_epsilon: the target ε, or None.
+        planned_participation: the planner's description, with the run's ``mode``.
+        planned_sensitivity: the planned sensitivity (k_u · the factorization's).
+        planned_sensitivity_exact: whether it is exact.
+        summary: the per-user record's summary.
+        store: the reference to the per-user store.
+        policy: the separation policy, or None.
+        overrides: the override records (user ids hashed).
+        rejections: how many replies were rejected.
+        rounds_completed: rounds released so far.
+        rounds_planned: rounds planned.
+        stopped_reason: why the run stopped early, or None.
+        run_id: the run's id.
+        identity: where users' identities come from (``per-launch``: not stable over restarts).
+        learning: the ``learning`` section.
+        notes: the mechanism's notes.
+        report_every: N: the report is complete every N rounds.
+        regime: the ``regime`` section.
+        eval_every: rounds between held-out evaluations.
+        lineage: the ``lineage`` section (the noise key segments, adoptions).
+        noise_workers: the noise workers' ``trust`` section, or None (noise drawn in process).
+        secure_aggregation: the ``secure_aggregation`` section, or None.
+        noise_node: the noise node's ``noise_node`` and ``trust_model`` sections (empty without).
+        vocabulary: the ``vocabulary`` section of a run on a dataset file, or None.
+        total: the ``total`` section from the training's (ε, δ) (basic composition with the
+            vocabulary), or None.
+    """
+
+    factorization: Factorization
+    plan: PrivacyPlan
+    realized: RealizedPrivacy
+    clip_norm: float
+    delta: float
+    target_epsilon: float | None
+    planned_participation: dict
+    planned_sensitivity: float
+    planned_sensitivity_exact: bool
+    summary: ParticipationSummary
+    store: dict
+    policy: str | None
+    overrides: list[dict]
+    rejections: int
+    rounds_completed: int
+    rounds_planned: int
+    stopped_reason: str | None
+    run_id: str
+    identity: str
+    learning: dict
+    notes: tuple[str, ...] = ()
+    report_every: int = 1
+    regime: dict = field(default_factory=dict)
+    eval_every: int = 1
+    lineage: dict = field(default_factory=dict)
+    noise_workers: dict | None = None
+    secure_aggregation: dict | None = None
+    noise_node: dict = field(default_factory=dict)
+    vocabulary: dict | None = None
+    total: Callable[[float | None, float], dict] | None = None
+
+
+def build_report(x: ReportInputs) -> dict:
+    """The privacy report of a run (docs "Conventions", Privacy report): the one place its
+    sections are put together. Its size does not grow with the population: the per-user record is
+    summarised (`participation_section`) and lives in the store the report names.
+
+    Args:
+        x: the run's facts (`ReportInputs`).
+
+    Returns:
+        The report dict (the ``privacy-report`` JSON Schema, `SCHEMA_VERSION`).
+    """
+    plan, real = x.plan, x.realized
+    report = privacy_report(
+        factorization=x.factorization,
+        noise_multiplier=plan.noise_multiplier,
+        clip_norm=x.clip_norm,
+        delta=plan.delta if plan.delta is not None else x.delta,
+        target_epsilon=x.target_epsilon,
+        accountant=plan.accountant,
+        planned={
+            "sensitivity": x.planned_sensitivity,
+            "sensitivity_exact": x.planned_sensitivity_exact,
+            "epsilon": plan.epsilon,
+            "participation": x.planned_participation,
+        },
+        realized={
+            "sensitivity": real.sensitivity,
+            "sensitivity_exact": real.sensitivity_exact,
+            "epsilon": real.epsilon,
+            "accounting": real.accounting,
+            "delta": real.delta,
+            "guarantee": real.delta is not None and real.delta <= x.delta * (1 + 1e-12),
+            "participation": participation_section(x.summary, x.store, x.policy, x.overrides),
+            "rejections": x.rejections,
+        },
+        rounds_completed=x.rounds_completed,
+        rounds_planned=x.rounds_planned,
+        stopped_reason=x.stopped_reason,
+        run_id=x.run_id,
+        identity={"source": x.identity, "stable_across_restarts": x.identity != "per-launch"},
+        learning=x.learning,
+    )
+    report["mechanism"]["notes"] = list(x.notes)
+    report["report_every"] = x.report_every
+    report["regime"] = x.regime
+    report["evaluation"] = {"every": x.eval_every, "final_round_always": True}
+    report["lineage"] = x.lineage
+    if x.noise_workers:
+        report["trust"] = x.noise_workers
+    if x.secure_aggregation is not None:
+        report["secure_aggregation"] = x.secure_aggregation
+    report.update(x.noise_node)
+    if x.vocabulary is not None:
+        report["vocabulary"] = x.vocabulary
+        if x.total is not None:
+            report["total"] = x.total(real.epsilon, report["delta"])
+    return report
 
 
 def write_report(report: dict, path: str | os.PathLike) -> Path:

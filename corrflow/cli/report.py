@@ -13,7 +13,7 @@ from corrflow.errors import CorrflowError
 from corrflow.planning.learnability import held_out_summary
 from corrflow.planning.plots import try_write_run_plot
 from corrflow.run.journal import JOURNAL
-from corrflow.run.reading import read_run
+from corrflow.run.reading import participation_users, read_run
 
 
 def report_command(
@@ -32,8 +32,10 @@ def report_command(
     try:
         report, metrics = read_run(run_dir)
         held_out = held_out_summary(metrics)
+        # each user's entry, from the per-user store (checked against the report's digest)
+        users = participation_users(report, run_dir)
         if as_json:
-            emit({**report, "held_out": held_out}, True)
+            emit({**_with_users(report, users), "held_out": held_out}, True)
         else:
             typer.echo(run_summary(report, run_dir, held_out))
         if not _note_report_behind_journal(report, run_dir):
@@ -46,6 +48,16 @@ def report_command(
     except OSError as exc:
         typer.echo(f"error: {run_dir}: {exc.strerror or exc}", err=True)
         raise typer.Exit(code=1) from None
+
+
+def _with_users(report: dict, users: dict | None) -> dict:
+    """The report with each user's entry listed under ``realized.participation.users`` (as a
+    report listed them before the per-user store; None or an amplified run's: as published)."""
+    part = report.get("realized", {}).get("participation", {})
+    if users is None or "per_user" not in part:
+        return report
+    realized = {**report["realized"], "participation": {**part, "users": users}}
+    return {**report, "realized": realized}
 
 
 def _note_stopped(report: dict) -> None:

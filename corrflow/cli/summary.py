@@ -168,7 +168,7 @@ def _vocabulary_lines(report: dict) -> list[str]:
 def _users_line(realized: dict, out: Path) -> str:
     """Who trained, and how often (a public run), or where the operator finds it (amplified)."""
     users = realized["participation"]
-    if "users" not in users:  # an amplified run: nothing public depends on the secret cohorts
+    if "operator_only" in users:  # an amplified run: nothing public depends on the secret cohorts
         return (
             "users       secret cohorts (amplified ε): who trained, and the per-round reply "
             f"counts, are in {out / users['operator_only']} and {out / 'operator'} (owner-only); "
@@ -178,8 +178,11 @@ def _users_line(realized: dict, out: Path) -> str:
     gap = (
         "no user trained twice" if users["min_gap"] is None else f"smallest gap {users['min_gap']}"
     )
+    # schema 3: a count, each user's entry in the per-user store; before, every user inline
+    number = users["user_count"] if "user_count" in users else len(users["users"])
+    store = f" (each in {users['per_user']['store']})" if "per_user" in users else ""
     return (
-        f"users       {len(users['users'])}, at most {count} round{'' if count == 1 else 's'} "
+        f"users       {number}{store}, at most {count} round{'' if count == 1 else 's'} "
         f"each, {gap}; {realized['rejections']} rejection(s), {len(users['overrides'])} "
         f"override(s), policy {users['policy']}"
     )

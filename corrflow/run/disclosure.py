@@ -3,8 +3,9 @@
 Public: the console, ``privacy_report.json`` and ``metrics.json`` (what a run directory is shared
 for). Operator-only: the ``operator/`` directory of the run (0700; files 0600): ``operator.log``
 (each reply rejected or zeroed, with its sender), ``rounds.jsonl`` (each round's accepted, clipped,
-zeroed and rejected counts) and ``participation.json`` (per hashed user, the rounds it was selected
-in).
+zeroed and rejected counts), ``participation.json`` (the realised participation, summarised) and,
+in an amplified run, ``participation.sqlite`` (per hashed user, the rounds it was selected in:
+`corrflow.run.user_store`).
 
 * **Amplified runs** (Poisson, cyclic Poisson, b-min-sep samplers accounted with amplification: 001,
   002, 004) promise an ε that holds only while nobody learns who was sampled. Nothing public depends

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corrflow.errors import DataFormatError, InvalidArgumentError
+from corrflow.errors import DataFormatError, IntegrityError, InvalidArgumentError
+from corrflow.run.user_store import check_entries, read_entries
 
 REPORT, METRICS = "privacy_report.json", "metrics.json"
 #: The sections of a privacy report every summary reads (objects).
@@ -92,4 +93,43 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     return report, metrics
 
 
-__all__ = ["METRICS", "REPORT", "read_run", "runs_inside"]
+def participation_users(report: dict, run_dir: Path) -> dict[str, dict] | None:
+    """Each user's participation as of the report: hashed id → ``{"rounds", "min_gap"}`` — listed
+    in a report of schema version 2 or before, read from the run's per-user store (and checked
+    against the report's row count and digest) since version 3.
+
+    Args:
+        report: the privacy report (as published).
+        run_dir: the run's directory.
+
+    Returns:
+        The users, or None where the report has none to read (an amplified run whose operator
+        files are not there, a report from before the per-user record).
+
+    Raises:
+        IntegrityError: the store's rows do not match the report (edited, another run's), or the
+            report names a store outside the run directory.
+        DataFormatError: the store is missing or not readable.
+    """
+    part = report.get("realized", {}).get("participation", {})
+    if "operator_only" in part:  # amplified: the operator's copy of the section
+        copy = run_dir / part["operator_only"]
+        if not copy.is_file():
+            return None
+        part = json.loads(copy.read_text())["realized"]["participation"]
+    if isinstance(part.get("users"), dict):
+        return part["users"]
+    ref = part.get("per_user")
+    if not isinstance(ref, dict):
+        return None
+    path = (run_dir / str(ref.get("store"))).resolve()
+    if not path.is_relative_to(run_dir.resolve()):
+        raise IntegrityError(
+            f"{run_dir / REPORT}: names the per-user store {ref.get('store')!r}, outside the run"
+        )
+    entries = list(read_entries(path, below=int(report.get("rounds_completed", 0))))
+    check_entries(entries, ref, path)
+    return {e.user: {"rounds": list(e.rounds), "min_gap": e.min_gap} for e in entries}
+
+
+__all__ = ["METRICS", "REPORT", "participation_users", "read_run", "runs_inside"]

@@ -1,7 +1,7 @@
 """Everything that persists a run, in the order that makes a kill at any point safe: ledger log →
-checkpoint → release journal → release registry → privacy report → metrics (those two every
-`REPORT_EVERY` rounds, at the end and at every stop), before a round's model leaves the server
-(docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
+checkpoint → per-user store → release journal → release registry → privacy report → metrics (those
+two every `REPORT_EVERY` rounds, at the end and at every stop), before a round's model leaves the
+server (docs "Conventions", Files). `Recorder` reads the run's state and never changes it;
 `restore` reads a verified checkpoint back.
 """
 
@@ -11,13 +11,14 @@ import json
 import logging
 import math
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 from corrflow.accounting.accountant import LEGACY_NAMES
 from corrflow.accounting.report import (
+    ReportInputs,
+    build_report,
     hash_user_id,
-    participation_section,
-    privacy_report,
     write_report,
 )
 from corrflow.accounting.tracking import IncrementalSensitivity
@@ -33,7 +34,7 @@ from corrflow.run.checkpoint import (
     manifest_digest,
     write_checkpoint,
 )
-from corrflow.run.disclosure import Disclosure
+from corrflow.run.disclosure import OPERATOR_DIR, Disclosure
 from corrflow.run.journal import GENESIS, JOURNAL, ReleaseJournal, cohort_digest
 from corrflow.run.ledger import (
     LEDGER_LOG,
@@ -50,6 +51,7 @@ from corrflow.run.registry import ReleaseRegistry, lineage_section
 from corrflow.run.resume import settings_conflict
 from corrflow.run.secure_sum import trust_section
 from corrflow.run.state import RunSecrets, RunState
+from corrflow.run.user_store import STORE, PerUserRecord
 
 log = logging.getLogger("corrflow")
 
@@ -83,6 +85,21 @@ class Recorder:
         self._journal = ReleaseJournal(self.run_dir / JOURNAL)
         self._last_hash = last_hash
         self._hashes: dict[str, str] = {}  # user → salted hash (hashed once per run start)
+        # The per-user record, written for each round's cohort; on a resume checked against the
+        # checkpoint's ledger (rebuilt from it where they differ). An amplified run's is the
+        # operator's: its cohorts are secret.
+        name = STORE
+        if self.disclosure.secret:
+            self.disclosure.operator_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            name = f"{OPERATOR_DIR}/{STORE}"
+        self.users = PerUserRecord.start(
+            self.run_dir,
+            name,
+            keys.run_id,
+            None if ledger_log is None else state.ledger.selected,
+            self._hashed,
+            self.ledger_log.position,
+        )
         self.adoptions: list[dict] = []  # `corrflow runs adopt` of this run (the report lists them)
         self.app_metrics: set[str] = set()  # a wrapped app's metrics shown (outside the guarantee)
         # Facts of the frozen plan every checkpoint records: computed once per start, not per round
@@ -99,12 +116,19 @@ class Recorder:
         return self.run_dir / "state"
 
     def journal(self, t: int, ckpt: Path, cohort: Iterable[str] | None = None) -> None:
-        """Append round ``t``'s release (checkpoint ``ckpt``, the users of its ``cohort``) to the
-        journal, then the registry. Without ``cohort`` (a round released on resume) it is read from
-        the ledger — O(population); a round's own release passes its cohort — O(cohort)."""
+        """Release round ``t`` (checkpoint ``ckpt``, the users of its ``cohort``): its cohort's
+        entries to the per-user store, then the journal, then the registry. Without ``cohort`` (a
+        round released on resume, whose store was checked against the ledger at the start) it is
+        read from the ledger — O(population); a round's own release passes its cohort —
+        O(cohort)."""
         salt = self.keys.salt
         if cohort is None:
             cohort = (u for u, rs in self.state.ledger.selected.items() if t in rs)
+        else:
+            cohort = list(cohort)
+            self.users.commit_round(
+                self.state.ledger.selected, cohort, self._hashed, self.ledger_log.position
+            )
         users = [hash_user_id(u, salt) for u in sorted(set(cohort))]
         entry = self._journal.append(
             self.keys.secret,
@@ -161,70 +185,61 @@ class Recorder:
         )
 
     def report(self) -> dict:
-        """The privacy report (docs "Conventions", Privacy report) of the run so far."""
+        """The privacy report (docs "Conventions", Privacy report) of the run so far, assembled by
+        `corrflow.accounting.report.build_report` from the run's facts; O(rounds + cohort), never
+        O(population): the per-user record is its store's (`corrflow.run.user_store`)."""
         s, c = self.state, self.plan
         plan, salt = c.accounting.plan, self.keys.salt
-        real = c.accounting.realized(s.ledger.selected, s.ledger.overrides, s.sensitivity)
-        overrides = [
-            {
-                **o,
-                "item": hash_user_id(o["item"], salt),
-                "users": [hash_user_id(u, salt) for u in o["users"]],
-            }
-            for o in s.ledger.overrides
-        ]
         k_u = c.planner.items_per_user
-        report = privacy_report(
-            factorization=c.factorization,
-            noise_multiplier=plan.noise_multiplier,
-            clip_norm=c.cfg.clip_norm,
-            delta=plan.delta if plan.delta is not None else c.cfg.delta,
-            target_epsilon=c.cfg.target_epsilon,
-            accountant=plan.accountant,
-            planned={
-                "sensitivity": float(k_u) * c.factorization.sensitivity.value,
-                "sensitivity_exact": c.factorization.sensitivity.exact and k_u == 1,
-                "epsilon": plan.epsilon,
-                "participation": {**c.planner.to_dict(), "mode": c.cfg.mode},
-            },
-            realized={
-                "sensitivity": real.sensitivity,
-                "sensitivity_exact": real.sensitivity_exact,
-                "epsilon": real.epsilon,
-                "accounting": real.accounting,
-                "delta": real.delta,
-                "guarantee": real.delta is not None and real.delta <= c.cfg.delta * (1 + 1e-12),
-                "participation": participation_section(
-                    s.ledger.selected, salt, c.cfg.policy, overrides, self._hashed
-                ),
-                "rejections": len(s.ledger.rejections),
-            },
-            rounds_completed=s.next_round,
-            rounds_planned=c.cfg.num_rounds,
-            stopped_reason=s.stopped_reason,
-            run_id=self.keys.run_id,
-            identity={"source": c.identity, "stable_across_restarts": c.identity != "per-launch"},
-            learning=self.learning(),
-        )
-        report["mechanism"]["notes"] = list(c.notes)
-        report["report_every"] = REPORT_EVERY
         dim = sum(math.prod(shape) for shape in c.layout.trainable_shapes)
-        report["regime"] = regime_section(plan.noise_multiplier, dim, c.planner.expected)
-        report["evaluation"] = {"every": c.cfg.eval_every, "final_round_always": True}
-        report["lineage"] = lineage_section(self.noise.segments, self.adoptions)
-        report.update(noise_workers_trust(self.noise))
+        secure = None
         if c.cfg.secure_aggregation:
-            dim = sum(math.prod(s) for s in c.layout.trainable_shapes)
             received = None if self.received is None else self.received.to_dict()
-            report["secure_aggregation"] = trust_section(
-                c.cfg.clip_norm, dim, c.planner.expected, received
+            secure = trust_section(c.cfg.clip_norm, dim, c.planner.expected, received)
+        return build_report(
+            ReportInputs(
+                factorization=c.factorization,
+                plan=plan,
+                realized=c.accounting.realized(
+                    s.ledger.selected, s.ledger.overrides, s.sensitivity
+                ),
+                clip_norm=c.cfg.clip_norm,
+                delta=c.cfg.delta,
+                target_epsilon=c.cfg.target_epsilon,
+                planned_participation={**c.planner.to_dict(), "mode": c.cfg.mode},
+                planned_sensitivity=float(k_u) * c.factorization.sensitivity.value,
+                planned_sensitivity_exact=c.factorization.sensitivity.exact and k_u == 1,
+                summary=self.users.summary,
+                store=self.users.section(),
+                policy=c.cfg.policy,
+                overrides=[
+                    {
+                        **o,
+                        "item": hash_user_id(o["item"], salt),
+                        "users": [hash_user_id(u, salt) for u in o["users"]],
+                    }
+                    for o in s.ledger.overrides
+                ],
+                rejections=len(s.ledger.rejections),
+                rounds_completed=s.next_round,
+                rounds_planned=c.cfg.num_rounds,
+                stopped_reason=s.stopped_reason,
+                run_id=self.keys.run_id,
+                identity=c.identity,
+                learning=self.learning(),
+                notes=tuple(c.notes),
+                report_every=REPORT_EVERY,
+                regime=regime_section(plan.noise_multiplier, dim, c.planner.expected),
+                eval_every=c.cfg.eval_every,
+                lineage=lineage_section(self.noise.segments, self.adoptions),
+                noise_workers=noise_workers_trust(self.noise).get("trust"),
+                secure_aggregation=secure,
+                # corrects ``secure`` in place: the server never holds a noiseless sum
+                noise_node=noise_node_section(self.noise, secure),
+                vocabulary=plan.vocabulary,
+                total=partial(total_privacy, vocabulary=plan.vocabulary),
             )
-        report.update(noise_node_section(self.noise, report.get("secure_aggregation")))
-        # a run on a dataset file: how its vocabulary was built, and the total
-        if plan.vocabulary is not None:
-            report["vocabulary"] = plan.vocabulary
-            report["total"] = total_privacy(real.epsilon, report["delta"], plan.vocabulary)
-        return report
+        )
 
     def _hashed(self, user: str) -> str:
         h = self._hashes.get(user)

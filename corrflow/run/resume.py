@@ -54,6 +54,8 @@ SERVER_RECEIVED = "server_received.json"
 RUN_FILES = (
     JOURNAL,
     "privacy_report.json",
+    "participation.sqlite",  # the per-user store (corrflow.run.user_store.STORE)
+    "participation.sqlite-journal",
     "metrics.json",
     SHARD_ROOT,
     SECURE_SUM_REFUSED,
