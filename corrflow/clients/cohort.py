@@ -30,6 +30,7 @@ import numba
 import numpy as np
 
 from corrflow.clients.nextword_client import _pairs
+from corrflow.clients.permutations import permutations
 
 #: The per-client path's minibatch size (``corrflow.clients.nextword_client.local_train``).
 NEXTWORD_BATCH = 64
@@ -166,22 +167,44 @@ def minibatch_schedule(
     order = np.argsort(-lengths, kind="stable")
     ticks = int(per_epoch.max(initial=0)) * steps
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    pos = np.full((m, ticks * batch), -1, np.int64)
-    for j, i in enumerate(order):
-        rng = np.random.default_rng([*map(int, shuffles[i]), 400])
-        n, span = int(lengths[i]), int(per_epoch[i]) * batch
-        epochs = pos[j, : steps * span].reshape(steps, span)
-        for e in range(steps):
-            epochs[e, :n] = rng.permutation(n) + offsets[i]
-    live = (pos >= 0).reshape(m, ticks, batch)
-    pos = np.where(live.reshape(m, -1), pos, 0).reshape(m, ticks, batch)
-    prev = np.concatenate([d[0] for d in data] + [np.zeros(1, np.int64)])
-    nxt = np.concatenate([d[1] for d in data] + [np.zeros(1, np.int64)])
-    counts = live.sum(axis=2)
-    rows = np.where(live, prev[pos] + (np.arange(m) * vocab)[:, None, None], 0)
-    weights = live * (lr / np.maximum(counts, 1)).astype(dtype)[:, :, None]
+    n = lengths[order]  # per slot; its epochs' permutations are drawn in turn
+    drawn = permutations([(*map(int, shuffles[i]), 400) for i in order], n, steps)
+    rows = np.zeros((m, ticks, batch), np.int64)
+    targets = np.zeros((m, ticks, batch), np.int64)
+    weights = np.zeros((m, ticks, batch), dtype)
+    counts = np.zeros((m, ticks), np.int64)
+    prev = np.concatenate([d[0] for d in data] + [np.zeros(0, np.int64)]).astype(np.int64)
+    nxt = np.concatenate([d[1] for d in data] + [np.zeros(0, np.int64)]).astype(np.int64)
+    _fill_schedule(
+        drawn, n, offsets[order], prev, nxt, steps, vocab, lr, rows, targets, weights, counts
+    )
     active = np.append((counts > 0).sum(axis=0), 0)
-    return MinibatchSchedule(order, active, rows, np.where(live, nxt[pos], 0), weights, counts)
+    return MinibatchSchedule(order, active, rows, targets, weights, counts)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_schedule(
+    drawn, n, offsets, prev, nxt, steps, vocab, lr, rows, targets, weights, counts
+):  # pragma: no cover - compiled
+    """Slot j's e-th epoch is permutation ``drawn`` (slots, then epochs, in turn) of its n[j]
+    pairs (at ``offsets[j]`` in ``prev``/``nxt``), cut into minibatches in order: the q-th at tick
+    e · ⌈n[j] / batch⌉ + q, its rows weighted lr / its size (the last one of an epoch short)."""
+    batch = rows.shape[2]
+    at = 0
+    for j in range(len(n)):
+        per_epoch = (n[j] + batch - 1) // batch
+        for e in range(steps):
+            for q in range(per_epoch):
+                t, lo = e * per_epoch + q, q * batch
+                size = min(batch, n[j] - lo)
+                counts[j, t] = size
+                w = lr / size
+                for r in range(size):
+                    k = drawn[at + lo + r] + offsets[j]
+                    rows[j, t, r] = prev[k] + j * vocab
+                    targets[j, t, r] = nxt[k]
+                    weights[j, t, r] = w
+            at += n[j]
 
 
 def tick_slices(counts: np.ndarray, cap: int, split_rows: int = SPLIT_ROWS) -> list[tuple]:
