@@ -23,6 +23,7 @@ real-format files (``--data``) both go through the task's ``user_data``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -207,35 +208,48 @@ def _fill_schedule(
             at += n[j]
 
 
-def tick_slices(counts: np.ndarray, cap: int, split_rows: int = SPLIT_ROWS) -> list[tuple]:
-    """The slots training at one tick cut into contiguous slices (start, stop, rows), each padded
-    to its fullest slot: chunks of at most ``cap`` slots, each cut once more where that pads the
-    fewest rows, if it saves more than ``split_rows``.
+@numba.njit(cache=True)
+def tick_slices(counts, active, cap, split_rows=SPLIT_ROWS):  # pragma: no cover - compiled
+    """Every tick's training slots cut into contiguous slices, each padded to its fullest slot:
+    chunks of at most ``cap`` slots, each cut once more where that pads the fewest rows, if it
+    saves more than ``split_rows``.
 
     Args:
-        counts: the slots' minibatch sizes at the tick, in slot order.
+        counts: (slots, ticks) the minibatch sizes (`MinibatchSchedule.counts`).
+        active: (ticks + 1,) how many slots train at each tick.
         cap: the most slots in one slice.
         split_rows: the padded rows a second slice must save.
 
     Returns:
-        The slices, in slot order.
+        (slices, 4) int64 rows (tick, start, stop, rows), by tick, then in slot order.
     """
-    out = []
-    for start in range(0, len(counts), cap):
-        c = counts[start : start + cap]
-        head = np.maximum.accumulate(c)  # the fullest of slots start … start + i
-        tail = np.maximum.accumulate(c[::-1])[::-1]  # … of slots start + i …
-        cut = np.arange(1, len(c))
-        padded = cut * head[:-1] + (len(c) - cut) * tail[1:]
-        k = int(padded.argmin()) if len(c) > 1 else 0
-        if len(c) > 1 and len(c) * int(head[-1]) - int(padded[k]) > split_rows:
-            out += [
-                (start, start + k + 1, int(head[k])),
-                (start + k + 1, start + len(c), int(tail[k + 1])),
-            ]
-        else:
-            out.append((start, start + len(c), int(head[-1])))
-    return out
+    out = np.empty((2 * (len(counts) // cap + 1) * (len(active) - 1), 4), np.int64)
+    k = 0
+    for t in range(len(active) - 1):
+        for start in range(0, active[t], cap):
+            c = counts[start : min(start + cap, active[t]), t]
+            n = len(c)
+            head = np.empty(n, np.int64)  # the fullest of slots start … start + i
+            tail = np.empty(n, np.int64)  # … of slots start + i …
+            head[0], tail[n - 1] = c[0], c[n - 1]
+            for i in range(1, n):
+                head[i] = max(head[i - 1], c[i])
+                tail[n - 1 - i] = max(tail[n - i], c[n - 1 - i])
+            best, cut = n * head[n - 1], 0
+            cut_padded = best
+            for i in range(1, n):  # slots start … start + i − 1, then the rest
+                padded = i * head[i - 1] + (n - i) * tail[i]
+                if padded < best - split_rows and (cut == 0 or padded < cut_padded):
+                    cut, cut_padded = i, padded
+            if cut:
+                out[k, 0], out[k, 1], out[k, 2], out[k, 3] = t, start, start + cut, head[cut - 1]
+                k += 1
+                lo, rows = start + cut, tail[cut]
+            else:
+                lo, rows = start, head[n - 1]
+            out[k, 0], out[k, 1], out[k, 2], out[k, 3] = t, lo, start + n, rows
+            k += 1
+    return out[:k]
 
 
 def train_nextword(
@@ -275,10 +289,17 @@ def train_nextword(
     W = np.empty((m, D + 1, V), dtype)
     W[:, :D], W[:, D] = W0, b0
     cap = max(1, PROBABILITY_FLOATS // (batch * V))
-    state = _Stacked(E, W, np.empty(min(m, cap) * batch * V, dtype), np.full(m, np.nan))
-    for t in range(len(plan.active) - 1):
-        a = int(plan.active[t])
-        for start, stop, rows in tick_slices(plan.counts[:a, t], cap):
+    slice_rows = min(m, cap) * batch
+    state = _Stacked(
+        E,
+        W,
+        np.empty(slice_rows * V, dtype),
+        np.full(m, np.nan),
+        np.empty((slice_rows, D + 1), dtype),
+        np.empty(slice_rows, dtype),
+    )
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for t, start, stop, rows in tick_slices(plan.counts, plan.active, cap).tolist():
             _step(state, plan, t, start, stop, rows)
     slot = np.argsort(plan.order)  # the slot of each client
     deltas = [E[:, :, :D] - E0, W[:, :D] - W0, W[:, D] - b0]
@@ -293,12 +314,15 @@ def train_nextword(
 @dataclass
 class _Stacked:
     """The stacked weights E' (m, V, D + 1), W' (m, D + 1, V) in slot order, the probabilities'
-    buffer and each slot's last minibatch loss."""
+    buffer, each slot's last minibatch loss, and a step's gathered rows E'[prev] and their
+    weights w / s."""
 
     E: np.ndarray
     W: np.ndarray
     buffer: np.ndarray
     loss: np.ndarray
+    h: np.ndarray
+    scale: np.ndarray
 
 
 def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: int, rows: int):
@@ -309,34 +333,83 @@ def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: in
     E, W = state.E, state.W
     m, V, D1 = E.shape
     x = plan.rows[start:stop, t, :rows]
-    y = plan.targets[start:stop, t, :rows].reshape(-1)
-    w = plan.weights[start:stop, t, :rows]
+    n = stop - start
+    h = state.h[: x.size].reshape(n, rows, D1)
+    _gather(E.reshape(m * V, D1), x.reshape(-1), h.reshape(x.size, D1))
     Ws = W[start:stop]
-    h = E.reshape(m * V, D1)[x]  # (n, rows, D + 1)
-    P = state.buffer[: x.size * V].reshape(*x.shape, V)
-    s = _exp_logits(h, Ws, P).reshape(-1)
-    done = int(plan.active[t + 1])  # slots past it take their last minibatch now
-    p = _target_step(P.reshape(-1, V), y, s)  # P − s·e_y in place; p = P[y] / s
-    if done < stop:
-        first = max(done, start) - start
-        p = p.reshape(x.shape)[first:].astype(np.float64)
-        nll = -np.log(p + 1e-12) * (w[first:] > 0)
-        state.loss[start + first : stop] = nll.sum(axis=1) / plan.counts[start + first : stop, t]
-    scale = w / s.reshape(x.shape)
+    P = state.buffer[: x.size * V].reshape(n, rows, V)
+    scale = state.scale[: x.size].reshape(n, rows)
+    done = max(int(plan.active[t + 1]), start)  # slots from it take their last minibatch now
+    args = (
+        P,
+        plan.targets[start:stop, t, :rows],
+        plan.weights[start:stop, t, :rows],
+        plan.counts[start:stop, t],
+        done - start,
+        state.loss[start:stop],
+        scale,
+    )
+    np.matmul(h, Ws, out=P)
+    np.exp(P, out=P)
+    if not _gradient_rows(*args, SUM_FLOOR):
+        # A logit overflowed exp or a row's terms all fell under float's normal range: softmax
+        # is shift-invariant, so the row max is subtracted and the rows recomputed.
+        np.matmul(h, Ws, out=P)
+        P -= P.max(axis=2, keepdims=True)
+        np.exp(P, out=P)
+        _gradient_rows(*args, 0.0)
     dh = np.matmul(P, Ws[:, : D1 - 1].transpose(0, 2, 1))
     _subtract_rows(E.reshape(m * V, D1), x.reshape(-1), dh.reshape(x.size, -1), scale.reshape(-1))
-    h *= scale[:, :, None]
+    _scale_rows(h.reshape(x.size, D1), scale.reshape(-1))
     Ws -= np.matmul(h.transpose(0, 2, 1), P)
 
 
 @numba.njit(cache=True, nogil=True)
-def _target_step(P, y, s):  # pragma: no cover - compiled
-    """Each row's target probability P[i, y_i] / s_i, and P[i, y_i] −= s_i in place."""
-    p = np.empty(len(y), P.dtype)
-    for i in range(len(y)):
-        p[i] = P[i, y[i]] / s[i]
-        P[i, y[i]] -= s[i]
-    return p
+def _gather(E, rows, h):  # pragma: no cover - compiled
+    """h[i] = E[rows_i] (numpy's take, without its per-call checks)."""
+    for i in range(len(rows)):
+        h[i, :] = E[rows[i], :]
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _row_sum(row):  # pragma: no cover - compiled
+    """Σ row, reassociated into SIMD lanes (no finite-math assumption: an overflow must show)."""
+    acc = row[0]
+    for v in range(1, len(row)):
+        acc += row[v]
+    return acc
+
+
+@numba.njit(cache=True, nogil=True)
+def _gradient_rows(P, y, w, counts, first, loss, scale, floor):  # pragma: no cover - compiled
+    """Per row (slot j, row r) of P = exp(logits) (slots, rows, V): its sum s, P[y] −= s in
+    place, scale = w / s; the mean cross-entropy −log(P[y]/s + 1e-12) over its real rows into
+    ``loss[j]`` for slots from ``first`` on (their last minibatch). False, with P half-formed,
+    when a row's s is not finite or not above ``floor``: the caller recomputes P shifted."""
+    n, rows, _ = P.shape
+    for j in range(n):
+        nll = 0.0
+        for r in range(rows):
+            row = P[j, r]
+            s = _row_sum(row)
+            if not (math.isfinite(s) and s > floor):
+                return False
+            k = y[j, r]
+            p = row[k] / s
+            row[k] -= s
+            scale[j, r] = w[j, r] / s
+            if w[j, r] > 0:
+                nll -= math.log(float(p) + 1e-12)
+        if j >= first:
+            loss[j] = nll / counts[j]
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _scale_rows(h, scale):  # pragma: no cover - compiled
+    """h[i] *= scale_i."""
+    for i in range(len(scale)):
+        h[i, :] *= scale[i]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -346,23 +419,6 @@ def _subtract_rows(E, rows, dh, scale):  # pragma: no cover - compiled
         r, c = rows[i], scale[i]
         for k in range(dh.shape[1]):
             E[r, k] -= c * dh[i, k]
-
-
-def _exp_logits(h: np.ndarray, W: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """exp(h·W) into ``P`` and its row sums. Softmax is shift-invariant, so the max is not
-    subtracted unless a logit overflows exp or a row's sum falls under `SUM_FLOOR`; then the
-    max-shifted form is computed."""
-    ones = np.ones(P.shape[-1], P.dtype)
-    np.matmul(h, W, out=P)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        np.exp(P, out=P)
-        s = P @ ones
-    if np.isfinite(s).all() and s.min(initial=np.inf) > SUM_FLOOR:
-        return s
-    np.matmul(h, W, out=P)
-    P -= P.max(axis=2, keepdims=True)
-    np.exp(P, out=P)
-    return P @ ones
 
 
 def train_regression(
