@@ -297,6 +297,8 @@ def train_nextword(
         np.full(m, np.nan),
         np.empty((slice_rows, D + 1), dtype),
         np.empty(slice_rows, dtype),
+        np.empty((slice_rows, D), dtype),
+        np.empty((min(m, cap), D + 1, V), dtype),
     )
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         for t, start, stop, rows in tick_slices(plan.counts, plan.active, cap).tolist():
@@ -314,8 +316,8 @@ def train_nextword(
 @dataclass
 class _Stacked:
     """The stacked weights E' (m, V, D + 1), W' (m, D + 1, V) in slot order, the probabilities'
-    buffer, each slot's last minibatch loss, and a step's gathered rows E'[prev] and their
-    weights w / s."""
+    buffer, each slot's last minibatch loss, and a step's gathered rows E'[prev], their weights
+    w / s, the embedding rows' gradient factors P·W[:D]ᵀ and W''s gradients."""
 
     E: np.ndarray
     W: np.ndarray
@@ -323,6 +325,8 @@ class _Stacked:
     loss: np.ndarray
     h: np.ndarray
     scale: np.ndarray
+    dh: np.ndarray
+    grad_w: np.ndarray
 
 
 def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: int, rows: int):
@@ -330,15 +334,15 @@ def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: in
     place. With P = exp(logits) and s its row sums, the gradient of a row's weighted
     cross-entropy w·CE is (w/s)·(P − s·e_y), so P is never normalised: P − s·e_y is formed in
     place and w/s scales the (rows × D) factors instead."""
-    E, W = state.E, state.W
-    m, V, D1 = E.shape
-    x = plan.rows[start:stop, t, :rows]
-    n = stop - start
-    h = state.h[: x.size].reshape(n, rows, D1)
-    _gather(E.reshape(m * V, D1), x.reshape(-1), h.reshape(x.size, D1))
-    Ws = W[start:stop]
-    P = state.buffer[: x.size * V].reshape(n, rows, V)
-    scale = state.scale[: x.size].reshape(n, rows)
+    m, V, D1 = state.E.shape
+    n, size = stop - start, (stop - start) * rows
+    E = state.E.reshape(m * V, D1)  # slot j's row of word v is j·V + v (the schedule's rows)
+    x = plan.rows[start:stop, t, :rows].reshape(size)
+    h = state.h[:size]
+    _gather(E, x, h)
+    Ws = state.W[start:stop]
+    P = state.buffer[: size * V].reshape(n, rows, V)
+    scale = state.scale[:size]
     done = max(int(plan.active[t + 1]), start)  # slots from it take their last minibatch now
     args = (
         P,
@@ -347,21 +351,23 @@ def _step(state: _Stacked, plan: MinibatchSchedule, t: int, start: int, stop: in
         plan.counts[start:stop, t],
         done - start,
         state.loss[start:stop],
-        scale,
+        scale.reshape(n, rows),
     )
-    np.matmul(h, Ws, out=P)
+    h3 = h.reshape(n, rows, D1)
+    np.matmul(h3, Ws, out=P)
     np.exp(P, out=P)
     if not _gradient_rows(*args, SUM_FLOOR):
         # A logit overflowed exp or a row's terms all fell under float's normal range: softmax
         # is shift-invariant, so the row max is subtracted and the rows recomputed.
-        np.matmul(h, Ws, out=P)
+        np.matmul(h3, Ws, out=P)
         P -= P.max(axis=2, keepdims=True)
         np.exp(P, out=P)
         _gradient_rows(*args, 0.0)
-    dh = np.matmul(P, Ws[:, : D1 - 1].transpose(0, 2, 1))
-    _subtract_rows(E.reshape(m * V, D1), x.reshape(-1), dh.reshape(x.size, -1), scale.reshape(-1))
-    _scale_rows(h.reshape(x.size, D1), scale.reshape(-1))
-    Ws -= np.matmul(h.transpose(0, 2, 1), P)
+    dh = state.dh[:size]
+    np.matmul(P, Ws[:, : D1 - 1].transpose(0, 2, 1), out=dh.reshape(n, rows, D1 - 1))
+    _embedding_step(E, x, dh, scale, h)
+    grad_w = np.matmul(h3.transpose(0, 2, 1), P, out=state.grad_w[:n])
+    np.subtract(Ws, grad_w, out=Ws)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -406,19 +412,15 @@ def _gradient_rows(P, y, w, counts, first, loss, scale, floor):  # pragma: no co
 
 
 @numba.njit(cache=True, nogil=True)
-def _scale_rows(h, scale):  # pragma: no cover - compiled
-    """h[i] *= scale_i."""
-    for i in range(len(scale)):
-        h[i, :] *= scale[i]
-
-
-@numba.njit(cache=True, nogil=True)
-def _subtract_rows(E, rows, dh, scale):  # pragma: no cover - compiled
-    """E[rows_i, :D] −= scale_i · dh_i, rows repeating (np.subtract.at's sum, one pass)."""
+def _embedding_step(E, rows, dh, scale, h):  # pragma: no cover - compiled
+    """E[rows_i, :D] −= scale_i · dh_i, rows repeating (np.subtract.at's sum, one pass), and
+    h_i *= scale_i for W's gradient."""
     for i in range(len(rows)):
         r, c = rows[i], scale[i]
         for k in range(dh.shape[1]):
             E[r, k] -= c * dh[i, k]
+        for k in range(h.shape[1]):
+            h[i, k] *= c
 
 
 def train_regression(
