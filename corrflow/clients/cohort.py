@@ -12,10 +12,14 @@ Next-word clients are sorted by pair count and step through their minibatches ti
 client's s-th minibatch at tick s), so the clients still training at a tick are a prefix of the
 stack and train on views, not copies. A minibatch shorter than its step's rows (the last of an
 epoch) is padded with rows of weight zero, which contribute exact zeros. The softmax is left
-unnormalised (`_step`), and the two scatters numpy has no one-pass form for (a row's target
-entry, the embedding rows' repeated updates) are small numba loops. Regression data is padded to
-the cohort's longest and masked. No Flower message is built: the replies are the new weights the
-per-client ClientApp would send, as arrays.
+unnormalised (`_step`). The products and ``exp`` are numpy's (BLAS, numpy's vector ``exp``: numba's
+wheels have none); what numpy needs several passes or a Python loop for is a compiled numba loop:
+the data orders (`corrflow.clients.permutations`: NumPy's own generators, drawn without building
+one per client), the schedule, the rows' gather, one pass per step over the probabilities (row
+sums, target entries, the rows' gradient weights, the last minibatch's loss) and the embedding
+rows' repeated updates. The stacked weights and a step's scratch arrays are reused from round to
+round (`Workspace`). Regression data is padded to the cohort's longest and masked. No Flower
+message is built: the replies are the new weights the per-client ClientApp would send, as arrays.
 
 Per-user data is built once per process and kept (`UserData`); the synthetic generators and the
 real-format files (``--data``) both go through the task's ``user_data``.
