@@ -36,7 +36,7 @@ _POOL = 4
 _MUL_HI, _MUL_LO = _U(0x2360ED051FC65DA4), _U(0x4385DF649FCCF645)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _hashmix(value, const):  # pragma: no cover - compiled
     value = (value ^ const[0]) & _M32
     const[0] = (const[0] * _MULT_A) & _M32
@@ -44,7 +44,7 @@ def _hashmix(value, const):  # pragma: no cover - compiled
     return value ^ (value >> _U(16))
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _mix(x, y):  # pragma: no cover - compiled
     r = (_MIX_L * x - _MIX_R * y) & _M32
     return r ^ (r >> _U(16))
@@ -78,7 +78,7 @@ def _pcg_seed(entropy):  # pragma: no cover - compiled
     return out
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _mulhi(a, b):  # pragma: no cover - compiled
     a0, a1, b0, b1 = a & _M32, a >> _U(32), b & _M32, b >> _U(32)
     p00, p01, p10 = a0 * b0, a0 * b1, a1 * b0
@@ -86,7 +86,7 @@ def _mulhi(a, b):  # pragma: no cover - compiled
     return a1 * b1 + (p01 >> _U(32)) + (p10 >> _U(32)) + (mid >> _U(32))
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _step(hi, lo, inc_hi, inc_lo):  # pragma: no cover - compiled
     """PCG64's LCG: state ← state·MUL + inc (mod 2^128), as (high, low) words."""
     new_hi = _mulhi(lo, _MUL_LO) + hi * _MUL_LO + lo * _MUL_HI
@@ -95,7 +95,7 @@ def _step(hi, lo, inc_hi, inc_lo):  # pragma: no cover - compiled
     return new_hi + inc_hi + (_U(1) if out_lo < new_lo else _U(0)), out_lo
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _output(hi, lo):  # pragma: no cover - compiled
     """PCG64's XSL-RR output of a state."""
     v = hi ^ lo
