@@ -17,9 +17,9 @@ wheels have none); what numpy needs several passes or a Python loop for is a com
 the data orders (`corrflow.clients.permutations`: NumPy's own generators, drawn without building
 one per client), the schedule, the rows' gather, one pass per step over the probabilities (row
 sums, target entries, the rows' gradient weights, the last minibatch's loss) and the embedding
-rows' repeated updates. The stacked weights and a step's scratch arrays are reused from round to
-round (`Workspace`). Regression data is padded to the cohort's longest and masked. No Flower
-message is built: the replies are the new weights the per-client ClientApp would send, as arrays.
+rows' repeated updates. A step's scratch arrays are allocated once per round. Regression data is
+padded to the cohort's longest and masked. No Flower message is built: the replies are the new
+weights the per-client ClientApp would send, as arrays.
 
 Per-user data is built once per process and kept (`UserData`); the synthetic generators and the
 real-format files (``--data``) both go through the task's ``user_data``.
@@ -264,7 +264,6 @@ def train_nextword(
     steps: int,
     batch: int = NEXTWORD_BATCH,
     dtype: type = np.float32,
-    workspace: Workspace | None = None,
 ) -> CohortResult:
     """``steps`` epochs of minibatch SGD for each client of the cohort, all at once: the low-rank
     bigram model of `corrflow.clients.nextword_client` (E, W, b), mean cross-entropy per
@@ -281,8 +280,6 @@ def train_nextword(
         steps: local epochs.
         batch: the minibatch size.
         dtype: the arithmetic's float type.
-        workspace: the stacked weights and scratch arrays of an earlier call, reused when their
-            shapes fit (fresh arrays of this size cost a page fault per 4 KiB on every call).
 
     Returns:
         Per client, the update new − old (float32) and the reply's metrics
@@ -291,9 +288,22 @@ def train_nextword(
     E0, W0, b0 = (np.asarray(w, dtype) for w in weights)
     m, (V, D) = len(data), E0.shape
     plan = minibatch_schedule(data, shuffles, lr, steps, batch, V, dtype)
+    E = np.ones((m, V, D + 1), dtype)
+    E[:, :, :D] = E0
+    W = np.empty((m, D + 1, V), dtype)
+    W[:, :D], W[:, D] = W0, b0
     cap = max(1, PROBABILITY_FLOATS // (batch * V))
-    state = _stacked(E0, W0, b0, m, min(m, cap), batch, workspace)
-    E, W = state.E, state.W
+    slice_rows = min(m, cap) * batch
+    state = _Stacked(
+        E,
+        W,
+        np.empty(slice_rows * V, dtype),
+        np.full(m, np.nan),
+        np.empty((slice_rows, D + 1), dtype),
+        np.empty(slice_rows, dtype),
+        np.empty((slice_rows, D), dtype),
+        np.empty((min(m, cap), D + 1, V), dtype),
+    )
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         for t, start, stop, rows in tick_slices(plan.counts, plan.active, cap).tolist():
             _step(state, plan, t, start, stop, rows)
@@ -305,40 +315,6 @@ def train_nextword(
         slot,
         [{"num-examples": int(d[2]), "train-loss": float(loss[i])} for i, d in enumerate(data)],
     )
-
-
-@dataclass
-class Workspace:
-    """The arrays one `train_nextword` call leaves for the next (`_Stacked`); its results never
-    alias them."""
-
-    state: _Stacked | None = None
-
-
-def _stacked(E0, W0, b0, m: int, slots: int, batch: int, workspace: Workspace | None) -> _Stacked:
-    """The round's `_Stacked`: each slot's E' = [E0 | 1] and W' = [W0; b0], a fresh loss per slot,
-    and scratch for steps of up to ``slots`` slots of ``batch`` rows, in ``workspace``'s arrays
-    where their shapes fit."""
-    (V, D), dtype, rows = E0.shape, E0.dtype, slots * batch
-    state = workspace.state if workspace is not None else None
-    fits = state is not None and state.E.shape == (m, V, D + 1) and state.E.dtype == dtype
-    if not (fits and state.grad_w.shape == (slots, D + 1, V) and len(state.h) == rows):
-        state = _Stacked(
-            np.empty((m, V, D + 1), dtype),
-            np.empty((m, D + 1, V), dtype),
-            np.empty(rows * V, dtype),
-            np.empty(m),
-            np.empty((rows, D + 1), dtype),
-            np.empty(rows, dtype),
-            np.empty((rows, D), dtype),
-            np.empty((slots, D + 1, V), dtype),
-        )
-    state.E[:, :, :D], state.E[:, :, D] = E0, 1
-    state.W[:, :D], state.W[:, D] = W0, b0
-    state.loss.fill(np.nan)
-    if workspace is not None:
-        workspace.state = state
-    return state
 
 
 @dataclass

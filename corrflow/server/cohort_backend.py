@@ -21,7 +21,6 @@ import numpy as np
 
 from corrflow.clients.cohort import (
     CohortResult,
-    Workspace,
     nextword_data,
     regression_data,
     train_nextword,
@@ -133,7 +132,6 @@ class CohortTrainer:
         dtype: type = np.float32,
     ):
         self.cfg, self.names, self.canaries, self.dtype = cfg, names, canaries, dtype
-        self.workspace = Workspace()  # the stacked weights' arrays, reused round to round
         if cfg.client == "nextword":
             self.data = nextword_data(task.user_data, task.users_data)
         else:
@@ -146,13 +144,7 @@ class CohortTrainer:
         if cfg.client == "nextword":
             shuffles = [(cfg.seed, u, round_index + 1) for u in users]
             return train_nextword(
-                sent,
-                data,
-                shuffles,
-                cfg.local_lr,
-                cfg.local_steps,
-                dtype=self.dtype,
-                workspace=self.workspace,
+                sent, data, shuffles, cfg.local_lr, cfg.local_steps, dtype=self.dtype
             )
         return train_regression(sent, data, cfg.local_lr, cfg.local_steps)
 
