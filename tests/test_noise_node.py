@@ -358,7 +358,6 @@ def _files(*roots: Path):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_simulate_with_a_noise_node_keeps_epsilon_and_the_key_off_the_server(tmp_path):
     """The CLI run exits 0 with the ε of ``--secagg`` alone; the noise node's report counts 4
     rounds and its journal head is the server's; no file of the server's run directory or
@@ -404,7 +403,6 @@ def test_simulate_with_a_noise_node_keeps_epsilon_and_the_key_off_the_server(tmp
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_a_killed_noise_node_is_restarted_and_never_repeats_a_row(node, tmp_path):
     """The noise node's process is SIGKILLed right after it sent round 1's masked vector (its row
     is released: the server unmasks without it), then before round 2's collect (that attempt
@@ -444,7 +442,6 @@ def test_a_killed_noise_node_is_restarted_and_never_repeats_a_row(node, tmp_path
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_a_server_killed_mid_round_resumes_with_the_noise_node(tmp_path):
     """The server (with its noise node child) is SIGKILLed as it sends round 3's unmask stage:
     the noise node has sent round 3's row, the server released rounds 1–2 only. The rerun

@@ -266,7 +266,6 @@ def _setup_config(recipe: dict, clients: int = 3) -> dict:
 
 @pytest.mark.integration
 @pytest.mark.subprocess_cli
-@pytest.mark.xdist_group("processes")
 def test_the_noise_node_serves_through_its_relay_and_stops_with_its_supernode(tmp_path, pinned):
     """``corrflow noise-node`` starts its SuperNode with its own TLS root and authentication key
     and a node config naming its private socket; the relay gets signed SecAgg+ keys for a request

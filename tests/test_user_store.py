@@ -201,7 +201,6 @@ def _ledger_entries(out: Path) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("processes")
 def test_sigkill_around_the_stores_commit_then_resume(tmp_path):
     """A server SIGKILLed after round 2's checkpoint, before its per-user store commits (the
     store a round behind the checkpoint), resumed and SIGKILLed inside round 3's commit, its rows
