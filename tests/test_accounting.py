@@ -693,3 +693,31 @@ def test_run_privacy_memoises_and_matches_a_fresh_computation():
     assert second.epsilon == pytest.approx(
         dpa.get_epsilon_gaussian(0.8 / sens.value, 1e-5), rel=1e-9
     )
+
+
+def test_the_array_path_of_gaussian_plds_gives_dp_accountings_bits():
+    """`pld_speed` installs only where its δ(ε) grid equals dp-accounting's bit for bit; then ε of
+    a subsampled and a plain Gaussian composition is the same float as with dp-accounting's own
+    method (an independent PLD built with the original method restored)."""
+    import dp_accounting as dpa
+    from dp_accounting.pld.privacy_loss_mechanism import GaussianPrivacyLoss
+
+    from corrflow.accounting import pld_speed
+
+    assert pld_speed.install() and pld_speed._agrees()
+    events = [
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(0.9)), 20),
+        dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(2.0), 5),
+    ]
+
+    def eps(event):
+        return dpa.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event)
+
+    fast = [eps(e).get_epsilon(1e-5) for e in events]
+    patched = GaussianPrivacyLoss.get_delta_for_epsilon
+    try:
+        GaussianPrivacyLoss.get_delta_for_epsilon = pld_speed._ORIGINAL
+        slow = [eps(e).get_epsilon(1e-5) for e in events]
+    finally:
+        GaussianPrivacyLoss.get_delta_for_epsilon = patched
+    assert fast == slow and all(0 < e < 50 for e in fast)

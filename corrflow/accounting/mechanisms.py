@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from corrflow.accounting import gaussian
+from corrflow.accounting import gaussian, pld_speed
 from corrflow.errors import InvalidArgumentError, require
 
 if TYPE_CHECKING:  # dp-accounting takes ~1 s to import (scipy.signal): only the PLD paths load it
@@ -153,6 +153,7 @@ def _accountant(name: str, discretization: float = PLD_DISCRETIZATION) -> dpa.Pr
 
     require(name in ACCOUNTANTS, "accountant", f"one of {ACCOUNTANTS}", name)
     if name == "pld":
+        pld_speed.install()
         return dpa.pld.PLDAccountant(value_discretization_interval=discretization)
     return dpa.rdp.RdpAccountant()
 

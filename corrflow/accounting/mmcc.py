@@ -231,6 +231,9 @@ def row_pmf(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def _row_pld(args):
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+    from corrflow.accounting import pld_speed
+
+    pld_speed.install()  # in the worker process too (a process pool runs this)
     sigma, grid, support, masses, vdi = args
     sens = support * grid
     if support.size == 1:
