@@ -43,22 +43,17 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def _init(d: Path, node_id: str = "77", run: str = "", *extra: str, env: dict | None = None):
+    """``corrflow noise-node --init-only`` on ``d`` for the app's run config (or ``run``)."""
+    args = ["--dir", str(d), "--node-id", node_id, "--app", str(APP), "--run-config", run or RUN]
+    return _cli(*args, "--init-only", *extra, env=env)
+
+
 @pytest.fixture(scope="module")
 def pinned(tmp_path_factory) -> tuple[Path, dict]:
     """A noise node directory pinned to the loopback app's 3-round secure run (node id 77)."""
     d = tmp_path_factory.mktemp("nn") / "node"
-    done = _cli(
-        "--dir",
-        str(d),
-        "--node-id",
-        "77",
-        "--app",
-        str(APP),
-        "--run-config",
-        RUN,
-        "--init-only",
-        "--json",
-    )
+    done = _init(d, "77", RUN, "--json")
     assert done.returncode == 0, done.stderr
     return d, json.loads(done.stdout.splitlines()[-1])
 
@@ -89,29 +84,14 @@ def test_a_second_start_keeps_the_pin_and_refuses_another_run_or_id(pinned):
     """The same run config starts again with the same pin; another run's config or another node
     id exits 2 naming the flag, and the directory is unchanged."""
     d, pins = pinned
-    again = _cli(
-        "--dir",
-        str(d),
-        "--node-id",
-        "77",
-        "--app",
-        str(APP),
-        "--run-config",
-        RUN,
-        "--init-only",
-        "--json",
-    )
+    again = _init(d, "77", RUN, "--json")
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[-1]) == pins
     before = {p.name: p.read_bytes() for p in d.iterdir()}
     other = RUN.replace("num-rounds=3", "num-rounds=4").replace("epochs=3", "epochs=4")
-    refused = _cli(
-        "--dir", str(d), "--node-id", "77", "--app", str(APP), "--run-config", other, "--init-only"
-    )
+    refused = _init(d, "77", other)
     assert refused.returncode == 2 and "--run-config" in refused.stderr
     assert "pinned to another recipe" in refused.stderr and "Traceback" not in refused.stderr
-    wrong = _cli(
-        "--dir", str(d), "--node-id", "78", "--app", str(APP), "--run-config", RUN, "--init-only"
-    )
+    wrong = _init(d, "78")
     assert wrong.returncode == 2 and "--node-id" in wrong.stderr and "node id 77" in wrong.stderr
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
 
@@ -167,18 +147,7 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(tmp_path, args, fl
 def test_a_directory_under_corrflow_home_is_refused(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "CORRFLOW_HOME": str(home)}
-    done = _cli(
-        "--dir",
-        str(home / "nn"),
-        "--node-id",
-        "3",
-        "--app",
-        str(APP),
-        "--run-config",
-        RUN,
-        "--init-only",
-        env=env,
-    )
+    done = _init(home / "nn", "3", env=env)
     assert done.returncode == 2 and "error: --dir" in done.stderr
     assert not (home / "nn").exists()
 
