@@ -16,6 +16,8 @@ so a server could run its own "noise node". The guard therefore
 
 from __future__ import annotations
 
+import functools
+
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from flwr.app import Context, Message, MessageType
@@ -49,15 +51,24 @@ def pinned_noise_node(node_config) -> tuple[int, Ed25519PublicKey]:
         NoiseNodeGuardError: no pin, or a pin whose signature does not verify.
     """
     try:
-        nid = int(node_config[PIN_ID])
-        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(str(node_config[PIN_KEY])))
-        key.verify(bytes.fromhex(str(node_config[PIN_SIGNATURE])), id_message(nid))
+        pin = (str(node_config[PIN_ID]), str(node_config[PIN_KEY]), str(node_config[PIN_SIGNATURE]))
     except KeyError:
         raise NoiseNodeGuardError(
             f"no noise node pinned in the node config ({PIN_ID}, {PIN_KEY}, {PIN_SIGNATURE})"
         ) from None
+    try:
+        return _verified_pin(*pin)
     except (ValueError, InvalidSignature):
         raise NoiseNodeGuardError("the noise node's pin does not verify") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _verified_pin(node_id: str, public_key: str, signature: str) -> tuple[int, Ed25519PublicKey]:
+    """The pin's id and key once its signature verifies (a pure function of the pin's text, so
+    a client checks it once, not at every stage; a pin that fails raises and is not cached)."""
+    nid = int(node_id)
+    key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key))
+    key.verify(bytes.fromhex(signature), id_message(nid))
     return nid, key
 
 

@@ -264,15 +264,14 @@ class NoiseNode:
         modulus = int(r.config[Key.MOD_RANGE])
         vec = [np.zeros(1, np.int64), *inputs, np.zeros(len(ACTIONS), np.int64)]
         shapes = [v.shape for v in vec]
-        own = pseudo_rand_gen(r.config["seed"], modulus, shapes)
-        vec = [v + m for v, m in zip(vec, own, strict=True)]
+        for v, m in zip(vec, pseudo_rand_gen(r.config["seed"], modulus, shapes), strict=True):
+            v += m  # in place: no second copy of the d-vector per mask
+        sk1 = bytes_to_private_key(r.sk1)
         for other in srcs:  # the neighbours whose shares arrived added a mask with this node
-            key = generate_shared_key(
-                bytes_to_private_key(r.sk1), bytes_to_public_key(r.public_keys[other][0])
-            )
-            mask = pseudo_rand_gen(key, modulus, shapes)
-            sign = 1 if nid > other else -1
-            vec = [v + sign * m for v, m in zip(vec, mask, strict=True)]
+            key = generate_shared_key(sk1, bytes_to_public_key(r.public_keys[other][0]))
+            add = np.add if nid > other else np.subtract
+            for v, m in zip(vec, pseudo_rand_gen(key, modulus, shapes), strict=True):
+                add(v, m, out=v)
         vec = parameters_mod(vec, modulus)
         return {
             Key.MASKED_PARAMETERS: [ndarray_to_bytes(v) for v in vec],
@@ -294,7 +293,8 @@ class NoiseNode:
     def _draw(self, t: int, step: float) -> tuple[list[np.ndarray], dict]:
         """Row t's grid input, journaled before it is returned (a redo, a restart or a rewound
         server opens a new key segment at t first: no row is ever sent twice)."""
-        fresh = self._restarted or any(r >= t for r in self.store.sent_rounds())
+        last = self.store.last_sent_round()
+        fresh = self._restarted or (last is not None and last >= t)
         if fresh or self._gen is None or self._gen.next_round != t:
             self._gen = self._rebuild(t, fresh)
         noise = self._gen.next(t)
@@ -323,6 +323,7 @@ class NoiseNode:
             gen.begin_segment(new_secret())
         elif later:
             gen.begin_segment(later[0].key)
+        if gen.segments != self.table:  # a new segment; segment 0's key is written once
+            self.store.save_segments(gen.segments)
         self.table = gen.segments
-        self.store.save_segments(self.table)
         return gen

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections import Counter
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -76,6 +77,9 @@ class NoiseNodeStore:
                 "clients pin that id; give another node its own directory"
             )
         self.entries = self._read_journal()
+        # per-round tallies kept with the journal: a round's bookkeeping is O(1), not O(rounds)
+        self._sends = Counter(int(e["round"]) for e in self.entries)
+        self._segments = {canonical_json(e["segment"]): e["segment"] for e in self.entries}
 
     # -- identity ----------------------------------------------------------------------------------
     def _load_identity(self, node_id: int | None) -> Ed25519PrivateKey:
@@ -165,7 +169,11 @@ class NoiseNodeStore:
 
     def sent_rounds(self) -> set[int]:
         """The rounds whose rows were sent, at least once."""
-        return {int(e["round"]) for e in self.entries}
+        return set(self._sends)
+
+    def last_sent_round(self) -> int | None:
+        """The latest round whose row was sent, or None before the first."""
+        return max(self._sends) if self._sends else None
 
     def append(self, round_index: int, segment: dict, input_sha256: str) -> dict:
         """Journal that row ``round_index`` is being sent (fsynced before it leaves).
@@ -181,7 +189,7 @@ class NoiseNodeStore:
         entry = {
             "seq": len(self.entries),
             "round": int(round_index),
-            "send": sum(1 for e in self.entries if e["round"] == round_index) + 1,
+            "send": self._sends[int(round_index)] + 1,
             "segment": segment,
             "input_sha256": input_sha256,
             "prev": self.head,
@@ -194,25 +202,23 @@ class NoiseNodeStore:
             os.fsync(f.fileno())
         fsync_dir(self.dir)
         self.entries.append(entry)
+        self._sends[int(round_index)] += 1
+        self._segments.setdefault(canonical_json(segment), segment)
         return entry
 
     # -- report ------------------------------------------------------------------------------------
     def write_report(self, table: SegmentTable) -> Path:
         """noise_node_report.json: what an auditor compares with the server's report."""
-        rounds = self.sent_rounds()
-        used = {json.dumps(e["segment"], sort_keys=True) for e in self.entries}
         return write_json(
             self.dir / REPORT,
             {
                 "node_id": self.node_id,
                 "public_key": self.public_key.hex(),
                 "recipe": self.recipe(),
-                "rounds_contributed": len(rounds),
+                "rounds_contributed": len(self._sends),
                 "sends": len(self.entries),
-                "rounds_sent_more_than_once": sorted(
-                    r for r in rounds if sum(e["round"] == r for e in self.entries) > 1
-                ),
-                "key_segments": [json.loads(s) for s in sorted(used)],
+                "rounds_sent_more_than_once": sorted(r for r, n in self._sends.items() if n > 1),
+                "key_segments": [self._segments[k] for k in sorted(self._segments)],
                 "current_key_segments": [s.public() for s in table.segments],
                 "journal_head": self.head,
                 "key_derivation": f"corrflow.noise.keys version {KEY_VERSION}",
