@@ -176,7 +176,7 @@ def child_sharded(dim: int, bands: int, workers: int, rounds: int) -> dict:
     from corrflow.factorization.build import factorize, participation_for
     from corrflow.noise.prng import new_secret
     from corrflow.noise.segments import SegmentTable
-    from corrflow.run.noise import NoiseStream
+    from corrflow.run.noise import LocalNoiseStream
     from corrflow.run.noise_shards import ShardedNoiseStream
 
     fac = factorize("toeplitz", participation_for(4 * bands, 4), bands=bands)
@@ -189,7 +189,7 @@ def child_sharded(dim: int, bands: int, workers: int, rounds: int) -> dict:
                 fac, [(dim,)], SegmentTable.single(key), workers, "", Path(tmp)
             )
         else:
-            stream = NoiseStream.new(fac, [(dim,)], key)
+            stream = LocalNoiseStream.new(fac, [(dim,)], key)
         fill = time.perf_counter()
         for t in range(bands):  # steady state: every ring row written (and resident)
             stream.add(total, t, scale)

@@ -191,10 +191,10 @@ def test_a_state_from_before_block_keys_is_refused_with_the_reason(facs, tmp_pat
 
 
 def test_the_summary_names_each_noise_worker_and_what_a_compromised_one_learns(facs):
-    from corrflow.run.noise import NoiseStream
+    from corrflow.run.noise import LocalNoiseStream
     from corrflow.run.noise_trust import noise_worker_lines, noise_workers_trust
 
-    assert noise_workers_trust(NoiseStream(_single(facs["banded"]))) == {}
+    assert noise_workers_trust(LocalNoiseStream(_single(facs["banded"]))) == {}
     assert noise_worker_lines({"trust": {}}) == [] and noise_worker_lines({}) == []
     shards = plan_shards(DIM, 2, CHUNK)  # 6 chunks: 3 each
     report = {

@@ -1,15 +1,21 @@
 """The run's noise stream: σ·clip·(C⁻¹Z)_t added to round t's sum, each round once and in order,
 saved with every checkpoint and restored bit for bit.
 
-`NoiseStream` is the one interface the round uses (`NoiseStream.add`,
-`NoiseStream.skip`, ``NoiseStream.next_round``, `NoiseStream.save`), so a different
-source of the same noise plugs in here without a second path through the round: this one wraps one
-`CorrelatedNoise` in the server's process; `corrflow.run.noise_shards.ShardedNoiseStream` has
-noise workers generate it shard by shard (``add`` then adds each returned slice into the sum, never
-materialising the whole model-sized noise), and `corrflow.run.noise_shards.open_noise` picks one.
+`NoiseStream` is the one interface the round uses, a `typing.Protocol` (``lost``, ``next_round``,
+``segments``, `NoiseStream.watch`, `NoiseStream.add`, `NoiseStream.skip`, `NoiseStream.save`), so
+a different source of the same noise plugs in without a second path through the round. Three
+implementations, none inheriting from another and none with a member that only refuses:
+
+- `LocalNoiseStream` (here): one `CorrelatedNoise` in the server's process;
+- `corrflow.run.noise_shards.ShardedNoiseStream`: noise workers generate it shard by shard (``add``
+  then adds each returned slice into the sum, never materialising the whole model-sized noise);
+- `corrflow.run.noise_node_link.NoiseNodeStream`: a noise node adds it inside the secure sum (the
+  server holds no noise key; ``add`` checks the noise node's receipt for the round).
+
+`corrflow.run.noise_shards.open_noise` picks one.
 
 Every process start that resumes a checkpoint draws the rows Z_j, j ≥ the checkpoint's next round,
-with a fresh key from the operating system (`NoiseStream.restore`; `corrflow.noise.segments`);
+with a fresh key from the operating system (`LocalNoiseStream.restore`; `corrflow.noise.segments`);
 earlier rows keep the key that drew them. A run directory rolled back together with its release
 registry therefore never releases a round with the noise of an earlier release, and the segment
 table (saved in the authenticated checkpoint, each segment named in the release journal) replays
@@ -18,11 +24,13 @@ any released round exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from corrflow.errors import InvalidArgumentError
 from corrflow.factorization.base import Factorization
 from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
 from corrflow.noise.engine import RING_FILE
@@ -33,22 +41,84 @@ from corrflow.run.checkpoint import published_checkpoint
 _BLOCK = 1 << 16
 
 
-class NoiseStream:
-    """The run's (C⁻¹Z)_t, one round at a time (see the module docstring)."""
+class KeySegment(Protocol):
+    """One key segment as a stream reports it: its first round and a public form."""
+
+    @property
+    def first_round(self) -> int:
+        """The first row Z_j its key drew."""
+        ...
+
+    def public(self) -> dict:
+        """What a report or journal may show of it (never the key)."""
+        ...
+
+
+class KeySegments(Protocol):
+    """Which key segment drew each row Z_j (`corrflow.noise.segments.SegmentTable`, or the noise
+    node's receipts of them)."""
+
+    @property
+    def segments(self) -> tuple[KeySegment, ...]:
+        """The segments by increasing first round."""
+        ...
+
+    def segment_for(self, round_index: int) -> KeySegment:
+        """The segment that drew row Z_``round_index``."""
+        ...
+
+
+@runtime_checkable
+class NoiseStream(Protocol):
+    """The run's (C⁻¹Z)_t, one round at a time, as the round, the recorder and the strategies use
+    it (module docstring)."""
 
     #: Why the stream can draw no more (a lost Ray head); None while it can.
+    lost: str | None
+
+    @property
+    def next_round(self) -> int:
+        """The next round whose noise has not been added."""
+        ...
+
+    @property
+    def segments(self) -> KeySegments:
+        """Which key drew each row Z_j."""
+        ...
+
+    def watch(self, on_lost: Callable[[], None]) -> None:
+        """Call ``on_lost`` once the stream is lost (never, for a stream that cannot be)."""
+        ...
+
+    def add(self, total: Sequence[np.ndarray], t: int, scale: np.float32) -> None:
+        """total += scale·(C⁻¹Z)_t, in place; round ``t`` must be the next round."""
+        ...
+
+    def skip(self, t: int) -> None:
+        """Advance past round ``t`` without noise of the server's (a non-private baseline)."""
+        ...
+
+    def save(self, checkpoint: Path, state_dir: Path) -> None:
+        """Write the stream's state into the checkpoint being written."""
+        ...
+
+
+class LocalNoiseStream:
+    """`NoiseStream` in the server's process: one `CorrelatedNoise` (module docstring)."""
+
+    #: One in the server's process is never lost.
     lost: str | None = None
 
     def __init__(self, generator: CorrelatedNoise):
         self._gen = generator
 
-    def watch(self, on_lost) -> None:
+    def watch(self, on_lost: Callable[[], None]) -> None:
         """Call ``on_lost`` once the stream is lost; one in the server's process never is."""
 
     @classmethod
     def new(
         cls, factorization: Factorization, shapes: Sequence[tuple[int, ...]], key: bytes | None
-    ) -> NoiseStream:
+    ) -> LocalNoiseStream:
         """A stream for a new run, from ``key`` (default: a fresh secret; tests and audits fix
         one)."""
         return cls(CorrelatedNoise(factorization, shapes, 1.0, key=key or new_secret()))
@@ -56,7 +126,7 @@ class NoiseStream:
     @classmethod
     def restore(
         cls, checkpoint: Path, factorization: Factorization, key: bytes | None = None
-    ) -> NoiseStream:
+    ) -> LocalNoiseStream:
         """The stream a checkpoint saved, positioned at its next round, with a new key segment from
         that round on (IntegrityError when its files do not verify).
 
@@ -87,6 +157,16 @@ class NoiseStream:
     def generator(self) -> CorrelatedNoise:
         """The underlying generator (benchmarks measure it alone)."""
         return self._gen
+
+    @property
+    def mode(self) -> str:
+        """The generator's recursion (``banded``, ``blt``, …)."""
+        return self._gen.mode
+
+    @property
+    def dim(self) -> int:
+        """The model's trainable coordinates."""
+        return self._gen.dim
 
     def add(self, total: Sequence[np.ndarray], t: int, scale: np.float32) -> None:
         """total += scale·(C⁻¹Z)_t, in place, block by block in cache; draws round ``t`` (which must
@@ -127,7 +207,7 @@ class NoiseView:
         return self._stream.next_round
 
     @property
-    def segments(self) -> SegmentTable:
+    def segments(self) -> KeySegments:
         """Which key drew each row Z_j (immutable)."""
         return self._stream.segments
 
@@ -139,18 +219,37 @@ class NoiseView:
     @property
     def mode(self) -> str:
         """The generator's recursion (``banded``, ``blt``, …), in a stream of the server's
-        process."""
-        return self._stream.generator.mode
+        process or of noise workers."""
+        return self._drawn_here("mode").mode
 
     @property
     def dim(self) -> int:
-        """The model's trainable coordinates, in a stream of the server's process."""
-        return self._stream.generator.dim
+        """The model's trainable coordinates, in a stream of the server's process or of noise
+        workers."""
+        return self._drawn_here("dim").dim
 
     @property
     def buffer_bytes(self) -> int:
         """The generator's model-sized state, in bytes, in a stream of the server's process."""
-        return self._stream.generator.buffer_bytes
+        return self._drawn_here("buffer_bytes", workers=False).generator.buffer_bytes
+
+    def _drawn_here(self, what: str, workers: bool = True):
+        """The stream, when the server (or, with ``workers``, its noise workers) draws the noise.
+
+        Raises:
+            InvalidArgumentError: a stream that does not (the noise node's; the workers' for the
+                generator's own state).
+        """
+        from corrflow.run.noise_shards import ShardedNoiseStream
+
+        kinds = (LocalNoiseStream, ShardedNoiseStream) if workers else (LocalNoiseStream,)
+        if not isinstance(self._stream, kinds):
+            raise InvalidArgumentError(
+                "noise",
+                f"noise drawn by the server{' or its noise workers' * workers} to read {what}",
+                type(self._stream).__name__,
+            )
+        return self._stream
 
     def watch(self, on_lost) -> None:
         """Call ``on_lost`` once the stream is lost (noise workers); a stream of the server's

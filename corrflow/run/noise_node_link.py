@@ -104,8 +104,10 @@ class PublicSegments:
 
 
 class NoiseNodeStream:
-    """The run's noise as the noise node adds it inside the secure sum (module docstring)."""
+    """The run's noise as the noise node adds it inside the secure sum: the
+    `corrflow.run.noise.NoiseStream` protocol without a noise key (module docstring)."""
 
+    #: A lost noise node fails its round's secure sum instead (the round is redone).
     lost: str | None = None
 
     def __init__(self, link: NoiseNodeLink, next_round: int = 0, receipts: list | None = None):
@@ -165,11 +167,24 @@ class NoiseNodeStream:
         }
 
     def add(self, total: Sequence[np.ndarray], t: int, scale: np.float32) -> None:
-        """The noise is in ``total`` already: check the noise node's receipt for round ``t``.
+        """The noise is in ``total`` already: take the noise node's receipt for round ``t``.
 
         Raises:
             IntegrityError: no receipt of the noise node for round ``t`` (nothing is released).
         """
+        self._take_receipt(t)
+
+    def skip(self, t: int) -> None:
+        """The server adds no noise of its own in any round: as `add` (whatever the noise node
+        put in the sum is in it; its receipt is taken all the same). A run with a noise node is
+        private (``--secagg`` refuses a non-private baseline), so the round never calls this.
+
+        Raises:
+            IntegrityError: no receipt of the noise node for round ``t``.
+        """
+        self._take_receipt(t)
+
+    def _take_receipt(self, t: int) -> None:
         if self._pending is None or self._pending["round"] != t or t != self._next:
             raise IntegrityError(
                 f"round {t + 1}: the sum carries no receipt of the noise node for this round"
@@ -177,10 +192,6 @@ class NoiseNodeStream:
         self._receipts.append(self._pending)
         self._pending = None
         self._next += 1
-
-    def skip(self, t: int) -> None:
-        """Refused: a run with a noise node is private (there is no non-private baseline)."""
-        raise InvalidArgumentError("noise-node", "a private run (a noise node adds noise)", "σ = 0")
 
     @property
     def segments(self) -> PublicSegments:
