@@ -9,6 +9,9 @@ bytes for philox, 32 for chacha; c a coordinate chunk)::
     ├── segment keys               one per key segment (a restart, a redo at the noise node):
     │   │                          fresh new_secret()s, saved before a row is drawn with them
     │   ├── block keys             HMAC(seg, BLOCK_LABEL ‖ c as u64 LE)[:n]: chunk c of its rows
+    │   ├── TensorFlow seeds       SHA-256(seg ‖ t as u64 LE ‖ c as u64 LE)[:16]: chunk c of row t
+    │   │                          in the TensorFlow backend (`corrflow.noise.tf_backend`; no label
+    │   │                          in version 1: the only hash of a key with no label first)
     │   └── fingerprint            SHA-256(FINGERPRINT_LABEL ‖ seg), 32 hex digits: public, names
     │                              the segment in checkpoints, journals and reports
     ├── ring-MAC key               SHA-256(RING_LABEL ‖ run key): a checkpoint's ring-row MACs
@@ -72,6 +75,22 @@ def block_key(key: bytes, chunk: int) -> bytes:
     """
     mac = hmac.new(key, BLOCK_LABEL + int(chunk).to_bytes(8, "little"), hashlib.sha256)
     return mac.digest()[: len(key)]
+
+
+def tf_seed(key: bytes, round_index: int, chunk: int) -> bytes:
+    """The seed of the TensorFlow backend's stateless Philox draw of chunk ``chunk`` of row
+    ``round_index`` (module docstring).
+
+    Args:
+        key: the segment's key.
+        round_index: t ≥ 0.
+        chunk: c ≥ 0.
+
+    Returns:
+        16 bytes (two little-endian int64 words, TensorFlow's seed shape).
+    """
+    data = key + int(round_index).to_bytes(8, "little") + int(chunk).to_bytes(8, "little")
+    return hashlib.sha256(data).digest()[:16]
 
 
 def fingerprint(key: bytes) -> str:

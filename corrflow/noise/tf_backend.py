@@ -1,20 +1,19 @@
 """TensorFlow backend of `CorrelatedNoise`: the same modes and state,
 computed with TensorFlow ops on the default device (a GPU when TensorFlow sees one).
 
-Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by SHA-256(key, round, chunk),
-so each (round, chunk) draw is a pure function of the secret key — deterministic for a key on a
-given device, but not bit-identical to the NumPy backend (the promise is the same distribution,
-not the same bits).
+Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by
+`corrflow.noise.keys.tf_seed` (SHA-256 of the key, round and chunk), so each (round, chunk) draw is
+a pure function of the secret key — deterministic for a key on a given device, but not
+bit-identical to the NumPy backend (the promise is the same distribution, not the same bits).
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import numpy as np
 
 from corrflow.errors import InvalidArgumentError
 from corrflow.noise.engine import STATEFUL_MODES, CorrelatedNoise
+from corrflow.noise.keys import tf_seed
 from corrflow.noise.segments import SegmentedSource
 
 
@@ -38,10 +37,7 @@ class TFGaussianSource:
         self._tf = _tf()
 
     def seed(self, round_index: int, chunk: int) -> np.ndarray:
-        h = hashlib.sha256(
-            self._key + round_index.to_bytes(8, "little") + chunk.to_bytes(8, "little")
-        ).digest()
-        return np.frombuffer(h[:16], dtype="<i8").copy()
+        return np.frombuffer(tf_seed(self._key, round_index, chunk), dtype="<i8").copy()
 
     def normal(self, round_index: int, chunk: int, size: int):
         tf = self._tf
