@@ -184,7 +184,11 @@ def noise_node_round(m: int, dim: int) -> tuple[float, float]:
 
 
 def best(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
+    return fastest([fn() for _ in range(repeats)])
+
+
+def fastest(runs: list[tuple[float, float]]) -> dict:
+    """The run with the least CPU of ``runs`` ((total, clients) seconds each)."""
     total, clients = min(runs)
     return {
         "cpu_s": round(total, 3),
@@ -194,9 +198,13 @@ def best(fn, repeats: int) -> dict:
 
 
 def noise_node_case(m: int, dim: int, repeats: int) -> dict:
-    """The two noise modes at cohort ``m`` and the noise node's CPU overhead."""
-    server_noise = best(partial(secure_noise_round, m, dim), repeats)
-    node = best(partial(noise_node_round, m, dim), repeats)
+    """The two noise modes at cohort ``m`` and the noise node's CPU overhead; the modes alternate
+    (A B A B …) so that a change in the shared machine's load biases neither."""
+    runs: dict[str, list] = {"secagg_noise": [], "noise_node": []}
+    for _ in range(repeats):
+        runs["secagg_noise"].append(secure_noise_round(m, dim))
+        runs["noise_node"].append(noise_node_round(m, dim))
+    server_noise, node = fastest(runs["secagg_noise"]), fastest(runs["noise_node"])
     return {
         "secagg_noise": server_noise,
         "noise_node": node,
