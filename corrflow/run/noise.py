@@ -41,7 +41,7 @@ from corrflow.run.checkpoint import published_checkpoint
 _BLOCK = 1 << 16
 
 
-class KeySegment(Protocol):
+class KeySegmentInfo(Protocol):
     """One key segment as a stream reports it: its first round and a public form."""
 
     @property
@@ -59,11 +59,11 @@ class KeySegments(Protocol):
     node's receipts of them)."""
 
     @property
-    def segments(self) -> tuple[KeySegment, ...]:
+    def segments(self) -> tuple[KeySegmentInfo, ...]:
         """The segments by increasing first round."""
         ...
 
-    def segment_for(self, round_index: int) -> KeySegment:
+    def segment_for(self, round_index: int) -> KeySegmentInfo:
         """The segment that drew row Z_``round_index``."""
         ...
 
