@@ -230,11 +230,12 @@ class NoiseNode:
         b_shares = create_shares(seed, threshold, share_num)
         s_shares = create_shares(r.sk1, threshold, share_num)
         dsts, texts = [], []
+        sk2 = bytes_to_private_key(r.sk2)  # parsed once, not once per client
         for idx, (other, (_, pk2)) in enumerate(keys.items()):
             if other == nid:
                 r.seed_shares[nid], r.sk1_shares[nid] = b_shares[idx], s_shares[idx]
                 continue
-            key = generate_shared_key(bytes_to_private_key(r.sk2), bytes_to_public_key(pk2))
+            key = generate_shared_key(sk2, bytes_to_public_key(pk2))
             r.shared[other] = key
             text = encrypt(
                 key, share_keys_plaintext_concat(nid, other, b_shares[idx], s_shares[idx])
