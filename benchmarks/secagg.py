@@ -11,7 +11,10 @@ handlers) and the server's (the rest). The clients' training is the same trivial
 With ``--noise-node`` two more modes: ``secagg_noise`` (the secure round, then the server draws
 σ·c·(C⁻¹Z)_t and adds it, as ``--secagg`` does) and ``noise_node`` (a noise node in this process
 joins the round as one more member and adds that noise inside the sum; the clients run the guard
-mod); their CPU ratio is the noise node's overhead at the same cohort.
+mod); their CPU ratio is the noise node's overhead at the same cohort. The two modes alternate. By
+construction the noise node is one more member and every client's neighbour (its threshold
+⌈⅔·(ring + 1)⌉): at cohort 10 the round is a ``--secagg`` round of 11 members (≈ 1.2× one of 10);
+at cohort 100, ≈ +5 %. Measured numbers: docs/reference/benchmarks.md, "A noise node in the sum".
 
 Usage: python benchmarks/secagg.py [--cohorts 10,100] [--dim 100000] [--repeats 2] [--noise-node]
 """

@@ -26,8 +26,9 @@ fingerprint reveals nothing of the key.
 
 The labels are those every released row and every stored MAC and fingerprint were made with:
 changing one would change released bits or make stored checkpoints unverifiable, so they are kept
-byte for byte; a new scheme would take a new `VERSION` with new labels (the noise node's report
-names the version its rows were drawn under).
+byte for byte (tests/test_noise_keys.py pins each derivation to known answers); a new scheme would
+take a new `VERSION` with new labels (the noise node's report names the version its rows were
+drawn under).
 """
 
 from __future__ import annotations
