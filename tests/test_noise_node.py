@@ -24,6 +24,7 @@ from corrflow.clients.secagg import with_noise_node_guard, with_secure_aggregati
 from corrflow.factorization.build import factorize, participation_for
 from corrflow.noise import CorrelatedNoise
 from corrflow.noisenode.node import NoiseNode, RecipeRefusedError
+from corrflow.noisenode.protocol import PIN_SIGNATURE
 from corrflow.noisenode.store import NoiseNodeStore
 from corrflow.run.noise_node_link import NoiseNodeLink, NoiseNodeStream
 from corrflow.run.secure_sum import (
@@ -217,6 +218,8 @@ def test_a_row_is_never_sent_twice(node):
     assert report["rounds_contributed"] == 2 and report["sends"] == 3
     assert report["rounds_sent_more_than_once"] == [0]
     assert report["journal_head"] == journal[-1]["hash"]
+    # the restarted node's tallies (kept with its journal) cover the sends before its start too
+    assert sorted(s["key_fingerprint"] for s in report["key_segments"]) == sorted(prints)
 
 
 def test_the_noise_node_refuses_other_parameters_and_lone_cohorts(node):
@@ -311,6 +314,14 @@ def test_the_guard_refuses_a_round_without_the_pinned_noise_node(node):
     bare = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
     with pytest.raises(NoiseNodeGuardError, match="no noise node pinned"):
         guard_noise_node(_stage_message(5, good), bare, inner)
+    # a forged pin is refused every time, also after the true pin was verified (and remembered)
+    forged = {**pin(identity), PIN_SIGNATURE: "00" * 64}
+    for _ in range(2):
+        bad = Context(run_id=1, node_id=5, node_config=forged, state=RecordDict(), run_config={})
+        with pytest.raises(NoiseNodeGuardError, match="pin does not verify"):
+            guard_noise_node(_stage_message(5, good), bad, inner)
+    guard_noise_node(_stage_message(5, good), ctx, inner)
+    assert len(reached) == 2
 
 
 def test_the_server_refuses_to_unmask_without_the_noise_node(node):
