@@ -28,6 +28,7 @@ from corrflow.server.app import make_server_app, run_cohort_server, run_server
 from corrflow.server.cohort_backend import check_supported
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.server.noise_node_sim import check_noise_node, noise_node_grid, running_noise_node
+from corrflow.server.tensorflow_guard import tensorflow_hidden_from_engine
 from corrflow.strategies.correlated import INTERRUPTED
 
 log = logging.getLogger("corrflow")
@@ -255,19 +256,7 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
         elif backend == "inprocess":
             run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
-            from flwr.simulation import run_simulation
-
-            try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
-                run_simulation(
-                    server_app=make_server_app(cfg, stop_event=stop, **kwargs),
-                    client_app=client_app,
-                    num_supernodes=cfg.num_users,
-                    backend_config=_backend_config(cfg, verbose),
-                )
-            except RuntimeError:
-                # Ray's workers die with the terminal's SIGINT; the server did not
-                if not stop.is_set():
-                    raise
+            _run_flower_engine(cfg, stop, client_app, verbose, kwargs)
     report_path = out / "privacy_report.json"
     if not report_path.exists():
         raise RuntimeError(
@@ -285,6 +274,26 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     if report["rounds_completed"] < cfg.num_rounds:
         raise RunStoppedEarlyError(report)
     return report
+
+
+def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: dict) -> None:
+    """Flower's simulation engine (Ray) running the ServerApp and ``client_app``; the engine and its
+    workers import TensorFlow only for a Keras client (`corrflow.server.tensorflow_guard`)."""
+    hide = cfg.client != "keras"
+    with tensorflow_hidden_from_engine(hide, importing=True):
+        from flwr.simulation import run_simulation
+    try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
+        with tensorflow_hidden_from_engine(hide, importing=False):
+            run_simulation(
+                server_app=make_server_app(cfg, stop_event=stop, **kwargs),
+                client_app=client_app,
+                num_supernodes=cfg.num_users,
+                backend_config=_backend_config(cfg, verbose),
+            )
+    except RuntimeError:
+        # Ray's workers die with the terminal's SIGINT; the server did not
+        if not stop.is_set():
+            raise
 
 
 def _backend_config(cfg: RunConfig, verbose: bool = True) -> dict:
