@@ -405,7 +405,7 @@ unstick() {  # unstick NAME...: restart each SuperNode still waiting for a reply
     if [[ $name == nn-supernode ]]; then restart_noise_node; else i=$((${name#sn} - 1)); restart_supernode "$i" "$name"; fi
   done
 }
-journal_sends() { wc -l <"$nn_dir/journal.jsonl" 2>/dev/null || echo 0; }
+journal_sends() { [[ -f "$nn_dir/journal.jsonl" ]] && wc -l <"$nn_dir/journal.jsonl" || echo 0; }
 sent_beyond() { [[ $(journal_sends) -gt $1 ]]; }
 serverapp_pid() {  # the flwr-serverapp process below the SuperLink (its SuperExec spawns it)
   local p
