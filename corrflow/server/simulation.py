@@ -22,7 +22,7 @@ from corrflow.clients.secagg import secure_client_app, with_secure_aggregation
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, data_format, train_clients_count
-from corrflow.errors import DataFormatError, InvalidArgumentError, require
+from corrflow.errors import CorrflowError, DataFormatError, InvalidArgumentError, require
 from corrflow.paths import run_directory
 from corrflow.server.app import make_server_app, run_cohort_server, run_server
 from corrflow.server.cohort_backend import check_supported
@@ -220,6 +220,9 @@ def new_files_undo(out: Path):
     return undo
 
 
+#: The report's ``stopped_reason`` when Flower's simulation engine fails under a running ServerApp.
+ENGINE_FAILED = "Flower's simulation engine failed (its error is in engine.log)"
+
 #: From this population on, a run on Flower's simulation engine is warned of its cost (below).
 FLOWER_ENGINE_WARN_USERS = 5_000
 
@@ -290,10 +293,21 @@ def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: 
                 num_supernodes=cfg.num_users,
                 backend_config=_backend_config(cfg, verbose),
             )
-    except RuntimeError:
+    except RuntimeError as exc:
         # Ray's workers die with the terminal's SIGINT; the server did not
         if not stop.is_set():
-            raise
+            # The engine is gone, but the ServerApp's thread would wait node-timeout for replies
+            # that cannot come (and the process for that thread): stop it, on the record.
+            stop.reason = ENGINE_FAILED
+            stop.set()
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__
+            raise CorrflowError(
+                f"{ENGINE_FAILED.split(' (')[0]}: {type(root).__name__}: {root} (Flower's "
+                f"traceback is in {cfg.state_dir}/engine.log); nothing of the round in flight was "
+                "released, and a rerun resumes from the last checkpoint"
+            ) from exc
 
 
 def _backend_config(cfg: RunConfig, verbose: bool = True) -> dict:

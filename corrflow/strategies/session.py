@@ -118,8 +118,8 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     if spec.population_check is not None:
         spec.population_check(cfg.num_users)
     log.info("corrflow: run directory %s, identity %s", spec.run_dir, source)
-    nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
-    directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout)
+    nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout, spec.stop_event)
+    directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout, stop=spec.stop_event)
     arrays, names = model_arrays(spec.initial)
     plan = prepare(cfg, list(directory.values()), arrays, names, source)
     # A Flower app's evaluate_fn is the run's server-side evaluation: its loss is checkpointed with
