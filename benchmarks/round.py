@@ -101,7 +101,7 @@ class _Phases:
         core.collect = self._timed("collect", core.collect)
         core.release = self._timed("release", core.release)
         run._apply = self._timed("bookkeeping", run._apply)
-        run._recorder.checkpoint = self._timed("checkpoint", run._recorder.checkpoint)
+        run._store.checkpoint = self._timed("checkpoint", run._store.checkpoint)
 
     def _timed(self, name, fn):
         def run(*a, **kw):
