@@ -85,10 +85,6 @@ class Recorder:
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "state"
 
-    def state_dir_ready(self) -> None:
-        """Create ``state/`` (0700: its ledger log holds raw user ids) before a round's commit."""
-        self.checkpoint_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-
     def report(self) -> dict:
         """The privacy report (docs "Conventions", Privacy report) of the run so far, assembled by
         `corrflow.accounting.report.build_report` from the run's facts; O(rounds + cohort), never

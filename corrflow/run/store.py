@@ -82,7 +82,8 @@ class RunStore:
         Returns:
             The published checkpoint's name and digest.
         """
-        self._rec.state_dir_ready()
+        # 0700: the ledger log holds raw user ids (created by the run's first round)
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._rec.ledger_log.append(
             round_entry(
                 r.round, r.users, r.accepted, r.rejections, r.overrides, r.epsilon, r.metrics
