@@ -266,18 +266,25 @@ def test_checkpoints_of_the_earlier_layouts_resume_bit_for_bit(tmp_path):
 
 def test_a_resumed_start_writes_its_key_segments_once_beside_the_published_ones(tmp_path):
     """A restart draws a new key segment: its table goes to a file the published checkpoint does
-    not name (which keeps verifying until the new checkpoint replaces it), written once; the file
-    no checkpoint names any more is removed after it."""
-    cfg = _cfg(tmp_path / "run")
-    seen = []
-
-    def between(run_dir):
-        seen.append(checkpoint(run_dir).secret_files[SEGMENTS_FILE]["file"])
-
-    _split(cfg, 2, between=between)
-    files = checkpoint(tmp_path / "run").secret_files
-    assert seen == [SEGMENTS_FILE] and files[SEGMENTS_FILE]["file"] == f"{SEGMENTS_FILE}.1"
-    assert sorted(p.name for p in (tmp_path / "run" / "state" / "secrets").iterdir()) == sorted(
+    not name (which keeps verifying until the new checkpoint replaces it), written once by the
+    start's first round; the file no checkpoint names any more is removed after it."""
+    cfg, run_dir = _cfg(tmp_path / "run"), tmp_path / "run"
+    with RunLock(run_dir):
+        plan = prepare(cfg, USERS, INITIAL, identity="partition-id")
+        _rounds(Run.start(plan, INITIAL, open_run_directory(run_dir), noise_key=KEY), 2)
+    assert checkpoint(run_dir).secret_files[SEGMENTS_FILE]["file"] == SEGMENTS_FILE
+    stats = []
+    with RunLock(run_dir):
+        plan = prepare(cfg, USERS, INITIAL, identity="partition-id")
+        run = Run.start(plan, INITIAL, open_run_directory(run_dir))
+        assert check_resume(run_dir).checkpoint.name == "round-000002"  # nothing written yet
+        while _rounds(run, 1):
+            st = secret_file(run_dir, SEGMENTS_FILE).stat()
+            stats.append((st.st_ino, st.st_mtime_ns))
+    files = checkpoint(run_dir).secret_files
+    assert files[SEGMENTS_FILE]["file"] == f"{SEGMENTS_FILE}.1"
+    assert len(stats) == 4 and len(set(stats)) == 1  # written once, by the start's first round
+    assert sorted(p.name for p in (run_dir / "state" / "secrets").iterdir()) == sorted(
         e["file"] for e in files.values()
     )
     assert SAMPLER_KEY not in files  # an unamplified run has no sampler key

@@ -120,7 +120,7 @@ class ResumePoint:
 
 def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
     """Decide, from the files alone, whether this run directory starts a run, resumes one, or must
-    be refused (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
+    be refused (IntegrityError naming the file). Removes stale temporary checkpoint files."""
     out = Path(run_dir)
     if (refused := out / SECURE_SUM_REFUSED).exists():
         raise IntegrityError(
