@@ -61,8 +61,9 @@ class RunStore:
         self._secrets = SecretFiles(
             self.state_dir, None if published is None else published.secret_files
         )
-        # whether the previous layout's files may still be there (removed after the first publish)
-        self._old_layout = published is None or published.legacy
+        # files of the previous layout (a resumed one, or one a kill left after its conversion):
+        # removed after this start's first publish
+        self._old_layout = (self.state_dir / POINTER).exists()
         # Facts of the frozen plan every checkpoint records: computed once per start, not per round
         # (the factorization's hash reads all of its arrays).
         plan = recorder.plan
@@ -132,9 +133,8 @@ class RunStore:
             k.secret,
         )
         self._secrets.publish(secrets)
-        if self._old_layout:  # once per start: a resumed checkpoint of the previous layout
-            if (self.state_dir / POINTER).exists():
-                remove_previous_layout(self.state_dir)
+        if self._old_layout:
+            remove_previous_layout(self.state_dir)
             self._old_layout = False
         return published
 
