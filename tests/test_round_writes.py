@@ -281,8 +281,11 @@ def test_a_resumed_start_writes_its_key_segments_once_beside_the_published_ones(
         while _rounds(run, 1):
             st = secret_file(run_dir, SEGMENTS_FILE).stat()
             stats.append((st.st_ino, st.st_mtime_ns))
-    files = checkpoint(run_dir).secret_files
+    ckpt = checkpoint(run_dir)
+    files = ckpt.secret_files
     assert files[SEGMENTS_FILE]["file"] == f"{SEGMENTS_FILE}.1"
+    # a checkpoint named in a message shows its path, never its secrets
+    assert str(ckpt) == str(ckpt.path) and "b'" not in repr(ckpt)
     assert len(stats) == 4 and len(set(stats)) == 1  # written once, by the start's first round
     assert sorted(p.name for p in (run_dir / "state" / "secrets").iterdir()) == sorted(
         e["file"] for e in files.values()

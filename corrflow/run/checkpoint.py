@@ -95,11 +95,14 @@ class Checkpoint:
     path: Path
     name: str
     digest: str
-    public: dict
-    noise: dict[str, bytes]
-    secrets: dict[str, bytes]
-    secret_files: dict[str, dict] = field(default_factory=dict)
+    public: dict = field(repr=False)
+    noise: dict[str, bytes] = field(repr=False)
+    secrets: dict[str, bytes] = field(repr=False)  # never shown: not in repr, str or errors
+    secret_files: dict[str, dict] = field(default_factory=dict, repr=False)
     _arrays: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
     @property
     def state_dir(self) -> Path:

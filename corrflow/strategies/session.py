@@ -109,9 +109,9 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     source = spec.cfg.identity or ids.default_identity(grid)
     if source == "per-launch" and resume.checkpoint is not None:
         raise IntegrityError(
-            f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
-            "the nodes new identities, so the ledger could not follow them); start a new run with "
-            "--fresh"
+            f"{resume.checkpoint.path}: identity = per-launch runs cannot resume (every launch "
+            "gives the nodes new identities, so the ledger could not follow them); start a new run "
+            "with --fresh"
         )
     cfg = spec.cfg.replace(num_users=population(grid, spec, resume))
     if spec.population_check is not None:
