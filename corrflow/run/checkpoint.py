@@ -234,7 +234,7 @@ def write_checkpoint(
                 raw = json.dumps(
                     {**body, "hmac": canonical_hmac(key, body)}, sort_keys=True, indent=1
                 ).encode()
-                z.writestr(MANIFEST, raw)
+                z.writestr(_member(MANIFEST), raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, root / CHECKPOINT)
@@ -263,9 +263,16 @@ def _write_members(
     parts = {PUBLIC: json.dumps(public, sort_keys=True).encode()}
     parts.update({f"noise/{n}": data for n, data in noise.items()})
     for member, data in parts.items():
-        z.writestr(member, data)
+        z.writestr(_member(member), data)
         members[member] = hashlib.sha256(data).hexdigest()
     return members
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """A stored member with a fixed time stamp (the file's bytes depend on its content only)."""
+    info = zipfile.ZipInfo(name)  # 1980-01-01, as zipfile gives the arrays' members
+    info.compress_type = zipfile.ZIP_STORED
+    return info
 
 
 def load_checkpoint(state_dir: str | os.PathLike) -> Checkpoint | None:
