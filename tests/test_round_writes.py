@@ -39,14 +39,16 @@ SECRETS = ("report_salt", SECRET, SECRET_FILE, SEGMENTS_FILE)
 
 
 def _written(roots: list[Path], seen: set) -> tuple[list[str], set]:
-    """Files under ``roots`` whose (inode, mtime, size) was not seen before: created or changed
-    since."""
+    """Files under ``roots`` whose (inode, mtime, size, content) was not seen before: created or
+    changed since (the content too: a file rewritten in place within one tick of the file system's
+    clock keeps its mtime)."""
     now = {}
     for root in roots:
         for p in [root] if root.is_file() else root.rglob("*"):
             if p.is_file():
                 st = p.stat()
-                now[p] = (st.st_ino, st.st_mtime_ns, st.st_size)
+                digest = hashlib.sha256(p.read_bytes()).hexdigest()
+                now[p] = (st.st_ino, st.st_mtime_ns, st.st_size, digest)
     return sorted(str(p) for p, v in now.items() if v not in seen), set(now.values())
 
 
