@@ -398,13 +398,6 @@ def _arrays(data: dict[str, bytes], group: str) -> list[np.ndarray]:
     return out
 
 
-def checkpoint_round(state_dir: str | os.PathLike) -> int | None:
-    """The next round of the checkpoint in ``state_dir``, verified (None without one): what the
-    CLI asks before it starts an engine."""
-    ckpt = load_checkpoint(state_dir)
-    return None if ckpt is None else int(ckpt.public["next_round"])
-
-
 def has_checkpoint(state_dir: str | os.PathLike) -> bool:
     """Whether ``state_dir`` holds a published checkpoint (this layout or the previous one),
     unverified."""
