@@ -19,7 +19,7 @@ import pytest
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
 from corrflow.factorization import Factorization
-from corrflow.run.checkpoint import current_checkpoint, load_arrays
+from corrflow.run.checkpoint import load_checkpoint
 from corrflow.run.journal import JOURNAL, ReleaseJournal
 from corrflow.run.reading import participation_users
 
@@ -35,7 +35,7 @@ from ray_fault_run import KEY, config  # noqa: E402
 
 def _model(out: Path) -> np.ndarray:
     """The run's model at its published checkpoint, flattened."""
-    params = load_arrays(current_checkpoint(out / "state"), "model")
+    params = load_checkpoint(out / "state").arrays("model")
     return np.concatenate([p.ravel() for p in params])
 
 

@@ -203,7 +203,8 @@ def new_files_undo(out: Path):
 
     def undo() -> None:
         if not out.is_dir() or any(
-            (out / p).exists() for p in ("state/CURRENT", "release_journal.jsonl")
+            (out / p).exists()
+            for p in ("state/checkpoint.zip", "state/CURRENT", "release_journal.jsonl")
         ):
             return
         for name in set(os.listdir(out)) - (before or set()):

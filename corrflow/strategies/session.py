@@ -11,7 +11,6 @@ strategy."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -110,9 +109,9 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     source = spec.cfg.identity or ids.default_identity(grid)
     if source == "per-launch" and resume.checkpoint is not None:
         raise IntegrityError(
-            f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
-            "the nodes new identities, so the ledger could not follow them); start a new run with "
-            "--fresh"
+            f"{resume.checkpoint.path}: identity = per-launch runs cannot resume (every launch "
+            "gives the nodes new identities, so the ledger could not follow them); start a new run "
+            "with --fresh"
         )
     cfg = spec.cfg.replace(num_users=population(grid, spec, resume))
     if spec.population_check is not None:
@@ -162,9 +161,7 @@ def population(grid: Grid, spec: RunSpec, resume: ResumePoint) -> int:
     if spec.cfg.num_users is not None:
         return spec.cfg.num_users
     if resume.checkpoint is not None:
-        return int(
-            json.loads((resume.checkpoint / "state.json").read_text())["settings"]["num_users"]
-        )
+        return int(resume.checkpoint.public["settings"]["num_users"])
     count = len(ids.wait_for_nodes(grid, spec.min_nodes, spec.cfg.node_timeout))
     stable_since = time.monotonic()
     while time.monotonic() - stable_since < SETTLE_SECONDS:
