@@ -33,6 +33,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from corrflow.config import RunConfig
+from corrflow.run.checkpoint import CHECKPOINT
 from corrflow.run.resume import RunLock
 from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.strategies.session import RunSpec, prepare_run
@@ -100,7 +101,7 @@ class _Phases:
         core.collect = self._timed("collect", core.collect)
         core.release = self._timed("release", core.release)
         run._apply = self._timed("bookkeeping", run._apply)
-        run._recorder.checkpoint = self._timed("checkpoint", run._recorder.checkpoint)
+        run._store.checkpoint = self._timed("checkpoint", run._store.checkpoint)
 
     def _timed(self, name, fn):
         def run(*a, **kw):
@@ -186,8 +187,7 @@ def main() -> None:
                 ours.append(_corrflow_round(strategy, grid, r))
             gc.collect()
         state = Path(strategy.cfg.state_dir) / "state"
-        ckpt = state / (state / "CURRENT").read_text()
-        ckpt_bytes = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+        ckpt_bytes = (state / CHECKPOINT).stat().st_size
         ring = state / "noise_ring.bin"
         ring_bytes = ring.stat().st_size if ring.exists() else 0
         lock.__exit__(None, None, None)

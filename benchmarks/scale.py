@@ -69,8 +69,10 @@ from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.config import RunConfig
 from corrflow.errors import InvalidArgumentError
 from corrflow.run.clipping import ClippedSum, ExactSum, fixed_point_scale
+from corrflow.run.ledger import LedgerLog
 from corrflow.run.recorder import REPORT_EVERY, Recorder
 from corrflow.run.resume import RunLock
+from corrflow.run.store import RunStore
 from corrflow.server.inprocess import InProcessGrid, enable_offline_messages
 from corrflow.strategies.messaging import NodeDirectory, ReplyStream, pull_batch
 from corrflow.strategies.session import RunSpec, prepare_run
@@ -126,9 +128,9 @@ def _install(split: Split) -> None:
     for name in ("realized_after", "budget_exceeded", "realized"):
         setattr(RunAccounting, name, w("accounting", getattr(RunAccounting, name)))
     IncrementalSensitivity.add = w("accounting", IncrementalSensitivity.add)
-    Recorder.record_round = w("checkpoint", Recorder.record_round)
-    Recorder.checkpoint = w("checkpoint", Recorder.checkpoint)
-    Recorder.journal = w("journal", Recorder.journal)
+    LedgerLog.append = w("checkpoint", LedgerLog.append)
+    RunStore.checkpoint = w("checkpoint", RunStore.checkpoint)
+    RunStore.release = w("journal", RunStore.release)
     Recorder.write_report = w("report", Recorder.write_report)
     Recorder.write_metrics = w("report", Recorder.write_metrics)
 

@@ -1,21 +1,17 @@
 """Atomic writes: the one helper behind every file corrflow saves (reports, factorizations, plan
-caches, noise state, checkpoint pointers, vocabularies, manifests, generated data).
+caches, noise state, secrets, vocabularies, manifests, generated data; the server checkpoint,
+`corrflow.run.checkpoint`, follows the same steps for its one file).
 
 A file is written to a temporary name in its own directory, flushed and fsync-ed, then renamed over
 the target (``os.replace``, atomic on POSIX): a reader, or a server restarted after a kill, sees the
 old file or the new one, never half of one. A failed write removes its temporary file and leaves the
-target as it was. A directory of files that belong together (a server checkpoint) is written the
-same way by `atomic_directory`: filled in a temporary directory, every file fsync-ed, renamed
-into place, its parent fsync-ed."""
+target as it was."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
-import secrets
 import shutil
-import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,79 +58,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-@contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a private (0700) temporary directory beside ``path``; when the block ends without an
-    exception every file in it is fsync-ed and the directory replaces ``path`` (an existing one is
-    removed first). A failed block removes the temporary directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=TEMP_PREFIX))
-    try:
-        yield tmp
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-            elif p.is_dir():
-                fsync_dir(p)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_bytes(
-    path: str | os.PathLike,
-    data: bytes,
-    *,
-    private: bool = False,
-    same_as: str | os.PathLike | None = None,
-) -> Path:
+def write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> Path:
     """Write ``data`` to ``path`` atomically.
 
     Args:
         path: the file.
         data: its bytes.
         private: mode 0600 (secrets, noise state).
-        same_as: a file that may already hold exactly ``data`` with the same mode (a secret in the
-            previous checkpoint): when it does, ``path`` becomes a hard link to it and nothing is
-            written. Other bytes or mode, no such file, or a file system without hard links: the
-            data is written.
 
     Returns:
         ``path`` as a `Path`.
     """
-    if same_as is not None and _link_if_same(Path(same_as), Path(path), data, private):
-        return Path(path)
     with atomic_file(path, "wb", private=private) as f:
         f.write(data)
     return Path(path)
-
-
-def _link_if_same(src: Path, dst: Path, data: bytes, private: bool) -> bool:
-    """Hard-link ``src`` onto ``dst`` (atomically) when ``src`` is a regular file holding exactly
-    ``data`` with the mode `atomic_file` would give it; False, with nothing changed, otherwise."""
-    mode = 0o600 if private else 0o666 & ~_UMASK
-    try:
-        st = os.stat(src, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != mode:
-            return False
-        if st.st_size != len(data) or not hmac.compare_digest(src.read_bytes(), data):
-            return False
-        tmp = dst.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
-        os.link(src, tmp)
-    except OSError:
-        return False
-    try:
-        os.replace(tmp, dst)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        return False
-    return True
 
 
 def write_text(path: str | os.PathLike, text: str, *, private: bool = False) -> Path:

@@ -321,10 +321,12 @@ submit() {  # submit LABEL: flwr run; prints the run id
   "$py" -c 'import json, sys; d = json.loads(sys.stdin.read()); print(d["run-id"]) if d.get("success") else sys.exit(d)' \
     <<<"$answer" || die "flwr run did not start a run: $answer"
 }
-checkpoint_round() {  # rounds completed according to the server's checkpoint pointer
-  local name
-  name=$(cat "$state/CURRENT" 2>/dev/null || echo round-000000)
-  echo $((10#${name#round-}))
+checkpoint_round() {  # rounds completed according to the server's checkpoint (its manifest names round-NNNNNN)
+  "$py" - "$state/checkpoint.zip" <<'PY' 2>/dev/null || echo 0
+import json, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    print(int(json.loads(z.read("MANIFEST.json"))["checkpoint"].removeprefix("round-")))
+PY
 }
 reached() { [[ $(checkpoint_round) -ge $1 ]]; }
 run_status() { flwr_cli ls loopback --run-id "$1" --format json 2>/dev/null \
@@ -405,7 +407,7 @@ unstick() {  # unstick NAME...: restart each SuperNode still waiting for a reply
     if [[ $name == nn-supernode ]]; then restart_noise_node; else i=$((${name#sn} - 1)); restart_supernode "$i" "$name"; fi
   done
 }
-journal_sends() { wc -l <"$nn_dir/journal.jsonl" 2>/dev/null || echo 0; }
+journal_sends() { [[ -f "$nn_dir/journal.jsonl" ]] && wc -l <"$nn_dir/journal.jsonl" || echo 0; }
 sent_beyond() { [[ $(journal_sends) -gt $1 ]]; }
 serverapp_pid() {  # the flwr-serverapp process below the SuperLink (its SuperExec spawns it)
   local p

@@ -7,8 +7,19 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import pytest
+# Two xdist workers share the 2 cores the suite is sized for: a multi-threaded BLAS on top of them
+# oversubscribes the cores, and OpenBLAS's waiting threads spin — test_compare's tiny comparisons
+# took 70 CPU-s with the default 2 BLAS threads against 34 with one. One BLAS thread per process:
+# this one (set before NumPy loads its BLAS; threadpoolctl below in case it already had) and every
+# process the suite starts, Ray's workers included (they inherit the environment).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+threadpool_limits(limits=1, user_api="blas")
 
 # Runs share $CORRFLOW_HOME (the release registry, the plan cache): the suite's own, never the
 # user's. Set when this file is imported — before the test modules, whose subprocess environments

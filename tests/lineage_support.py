@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from checkpoint_support import checkpoint
 
 from corrflow.noise.engine import SEGMENTS_FILE
 from corrflow.noise.prng import fingerprint
@@ -39,9 +40,8 @@ def released(run_dir) -> list[np.ndarray]:
 
 def segments(run_dir) -> list[tuple[int, bytes]]:
     """The (first round, key) table in the run's published checkpoint."""
-    state = Path(run_dir) / "state"
-    noise = state / (state / "CURRENT").read_text().strip() / "noise"
-    return [(int(r), bytes.fromhex(k)) for r, k in json.loads((noise / SEGMENTS_FILE).read_text())]
+    table = checkpoint(run_dir).secrets[SEGMENTS_FILE]
+    return [(int(r), bytes.fromhex(k)) for r, k in json.loads(table)]
 
 
 def assert_fresh_after_restart(full, crash, restart: int) -> list[tuple[int, bytes]]:

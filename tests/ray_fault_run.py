@@ -69,14 +69,14 @@ def run(out: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
-    from corrflow.run.checkpoint import current_checkpoint, load_arrays
+    from corrflow.run.checkpoint import load_checkpoint
 
     out = sys.argv[1]
     if len(sys.argv) > 3 and sys.argv[2] == "replay":
         replay(out, sys.argv[3])
     else:
         run(out, sys.argv[2] if len(sys.argv) > 2 else "flower")
-    params = load_arrays(current_checkpoint(os.path.join(out, "state")), "model")
+    params = load_checkpoint(os.path.join(out, "state")).arrays("model")
     np.save(os.path.join(out, "final.npy"), np.concatenate([p.ravel() for p in params]))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint
 from lineage_support import assert_fresh_after_restart, assert_same_releases
 
 from corrflow.errors import IntegrityError, InvalidArgumentError
@@ -321,8 +322,7 @@ def test_blt_run_after_sigkill_draws_fresh_noise_and_replays_exactly(tmp_path):
     r = run(full)
     assert r.returncode == 0, r.stderr[-2000:]
     assert run(crash, KILL_AFTER="6").returncode == -9  # killed right after round 6's checkpoint
-    ckpt = crash / "state" / (crash / "state" / "CURRENT").read_text()
-    assert json.loads((ckpt / "state.json").read_text())["next_round"] == 7
+    assert checkpoint(crash).public["next_round"] == 7
     r = run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
     table = assert_fresh_after_restart(full, crash, 7)

@@ -21,6 +21,7 @@ from pathlib import Path
 import dp_accounting
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint
 from flwr.cli.supernode.register import try_load_public_key
 from process_support import free_ports, stop_tree
 
@@ -245,8 +246,7 @@ def _check_identities_and_epsilon(work: Path, report: dict) -> tuple[bytes, list
     pubs = [work / "pki" / "supernodes" / f"{name}.pub" for name in ("sn1", "sn2", "sn3")]
     fingerprints = ["key-" + hashlib.sha256(try_load_public_key(p)).hexdigest()[:24] for p in pubs]
     assert [r[2] for r in registered] == fingerprints
-    state = work / "server" / "state"
-    salt = (state / (state / "CURRENT").read_text().strip() / "report_salt").read_bytes()
+    salt = checkpoint(work / "server").secrets["report_salt"]
     users = participation_users(report, work / "server")
     assert set(users) == {hash_user_id(fp, salt) for fp in fingerprints}
     assert report["rounds_completed"] == ROUNDS and report["realized"]["rejections"] == 0

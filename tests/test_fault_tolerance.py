@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint, checkpoint_file, replace_member, secret_file
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from strategy_support import HANDLERS, KEY, forget_last_release
 from strategy_support import small_config as _cfg
@@ -47,10 +48,6 @@ def _finished_run(tmp_path, copy_at: int | None = None) -> tuple[RunConfig, Path
 
     run_server(InProcessGrid(HANDLERS, 12), cfg, noise_key=KEY, quiet=True, on_round_end=copy_state)
     return cfg, snapshot if copy_at else None
-
-
-def _ckpt(tmp_path) -> Path:
-    return tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
 
 
 @pytest.mark.integration
@@ -124,7 +121,7 @@ def test_lock_dies_with_a_killed_server(tmp_path):
 @pytest.mark.parametrize(
     "fault, names",
     [
-        ("delete-current", "CURRENT"),
+        ("delete-checkpoint", "checkpoint.zip: missing"),
         ("edit-state", "state.json"),
         ("edit-ledger", "ledger.jsonl"),
         ("truncate-ledger", "ledger.jsonl"),
@@ -138,13 +135,13 @@ def test_lock_dies_with_a_killed_server(tmp_path):
 )
 def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
     cfg, snapshot = _finished_run(tmp_path, copy_at=3)
-    ckpt = _ckpt(tmp_path)
-    if fault == "delete-current":
-        (tmp_path / "state" / "CURRENT").unlink()
+    ckpt = checkpoint(tmp_path)
+    if fault == "delete-checkpoint":
+        checkpoint_file(tmp_path).unlink()
     elif fault == "edit-state":
-        public = json.loads((ckpt / "state.json").read_text())
+        public = dict(ckpt.public)
         public["ledger_log"]["lines"] -= 1  # vouch for one round less of the ledger log
-        (ckpt / "state.json").write_text(json.dumps(public, sort_keys=True))
+        replace_member(tmp_path, "state.json", json.dumps(public, sort_keys=True).encode())
     elif fault in ("edit-ledger", "truncate-ledger"):  # the append-only ledger log
         log_path = tmp_path / "state" / "ledger.jsonl"
         lines = log_path.read_text().splitlines(keepends=True)
@@ -159,14 +156,14 @@ def test_tampered_or_rolled_back_state_is_refused(tmp_path, fault, names):
         shutil.rmtree(tmp_path / "state")
         shutil.copytree(snapshot, tmp_path / "state")
     elif fault == "empty-salt":
-        (ckpt / "report_salt").write_bytes(b"")
+        secret_file(tmp_path, "report_salt").write_bytes(b"")
     elif fault in (
         "edit-ring-row",
         "swap-ring-rows",
-    ):  # the banded buffer's rows, outside the checkpoint dir
+    ):  # the banded buffer's rows, outside the checkpoint file
         ring = tmp_path / "state" / "noise_ring.bin"
         raw = bytearray(ring.read_bytes())
-        rows = json.loads((ckpt / "noise" / "noise_state.json").read_text())["ring"]
+        rows = json.loads(ckpt.noise["noise_state.json"])["ring"]
         size, slot = rows["row_bytes"], rows["rows"][-1]["slot"]
         if fault == "edit-ring-row":
             raw[slot * size + 5] ^= 1
@@ -219,7 +216,7 @@ def test_fresh_moves_the_checkpoints_with_their_journal_whatever_the_run_directo
     first = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     second = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True, fresh=True)
     (moved,) = (tmp_path / "server-state" / "previous-runs").iterdir()
-    assert (moved / "state" / "CURRENT").exists() and len(
+    assert (moved / "state" / "checkpoint.zip").exists() and len(
         ReleaseJournal(moved / JOURNAL).read()
     ) == 4
     assert (moved / "privacy_report.json").exists() and (moved / "metrics.json").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint
 from strategy_support import HANDLERS, KEY
 from strategy_support import small_config as _cfg
 
@@ -85,8 +86,7 @@ def test_a_runs_epsilon_and_ledger_log_equal_a_recomputation(tmp_path):
         upto = {u: [r for r in rs if r <= t] for u, rs in ledger.selected.items()}
         want = privacy.realized({u: rs for u, rs in upto.items() if rs}).epsilon
         assert eps == pytest.approx(want, rel=1e-12)
-    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
-    public = json.loads((ckpt / "state.json").read_text())
+    public = checkpoint(tmp_path).public
     assert "ledger" not in public and "metrics_history" not in public  # O(1) in the population
     log = LedgerLog(tmp_path / "state" / LEDGER_LOG, LogPosition.from_dict(public["ledger_log"]))
     entries = log.read()

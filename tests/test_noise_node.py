@@ -513,23 +513,26 @@ def test_bad_noise_node_flags_are_refused_writing_nothing(tmp_path, extra, says)
 def test_a_checkpoint_resumes_only_with_its_own_noise_node(node, tmp_path):
     """The server's checkpoint keeps the noise node's receipts (public) and its key; another noise
     node, or a run without one, is refused."""
+    from dataclasses import replace
+
     from corrflow.errors import IntegrityError
-    from corrflow.run.noise_node_link import NODE_FILE
+    from corrflow.run.checkpoint import Checkpoint, SecretFiles
 
     stream = node.stream
     stream.receive(0, {"first_round": 0, "key_fingerprint": "ab" * 16}, "f" * 64)
     stream.add([np.zeros(DIM, np.float32)], 0, np.float32(1.0))
-    ckpt = tmp_path / "ckpt"
-    stream.save(ckpt, tmp_path)
+    secrets = SecretFiles(tmp_path)
+    noise = stream.save(tmp_path, secrets)
+    assert secrets.take() == {}  # the server holds no noise secret
+    ckpt = Checkpoint(tmp_path / "checkpoint.zip", "round-000001", "", {}, noise, {})
     back = NoiseNodeStream.restore(ckpt, stream.link)
     assert back.next_round == 1 and back.journal_head == "f" * 64
     assert back.segments.segment_for(0).public()["key_fingerprint"] == "ab" * 16
     other = NoiseNodeLink(stream.node_id, b"\x01" * 32, b"")
     with pytest.raises(IntegrityError, match="public key"):
         NoiseNodeStream.restore(ckpt, other)
-    (ckpt / "noise" / NODE_FILE).unlink()
     with pytest.raises(IntegrityError, match="without --noise-node"):
-        NoiseNodeStream.restore(ckpt, stream.link)
+        NoiseNodeStream.restore(replace(ckpt, noise={}), stream.link)
     with pytest.raises(IntegrityError, match="no receipt"):  # a sum without the node's receipt
         back.add([np.zeros(DIM, np.float32)], 1, np.float32(1.0))
 

@@ -30,7 +30,7 @@ from corrflow.clients import numpy_client
 from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError
 from corrflow.run import noise_shards
-from corrflow.run.checkpoint import current_checkpoint, load_arrays
+from corrflow.run.checkpoint import load_checkpoint
 from corrflow.run.journal import JOURNAL
 from corrflow.schemas import validate
 from corrflow.server.inprocess import InProcessGrid
@@ -146,9 +146,9 @@ def _run(cfg: RunConfig, on_round_end=None) -> None:
 
 
 def _final(out: Path) -> tuple[np.ndarray, dict]:
-    ckpt = current_checkpoint(out / "state")
+    ckpt = load_checkpoint(out / "state")
     report = json.loads((out / "privacy_report.json").read_text())
-    return np.concatenate([p.ravel() for p in load_arrays(ckpt, "model")]), report
+    return np.concatenate([p.ravel() for p in ckpt.arrays("model")]), report
 
 
 def _journal_rounds(out: Path) -> list[int]:
@@ -197,8 +197,8 @@ def test_two_noise_workers_release_the_single_process_models_bit_for_bit(ray_add
     _run(_cfg(out, 2, ray_address, FULL_DIM))
     _same_as_single(out, single)
     # each worker's shard state is on its own disk; the server's checkpoint holds none of it
-    noise = current_checkpoint(out / "state") / "noise"
-    assert sorted(p.name for p in noise.iterdir()) == ["noise_segments.key", "shards.json"]
+    ckpt = load_checkpoint(out / "state")
+    assert sorted(ckpt.noise) == ["shards.json"] and "noise_segments.key" in ckpt.secrets
     shards = sorted(p.name for p in (out / "noise-shards").iterdir())
     assert shards == ["shard-000000-000002", "shard-000002-000002"]
 
@@ -234,8 +234,8 @@ def test_a_sigkilled_worker_and_a_hung_one_are_restored_and_release_the_single_p
     assert "noise worker 0 (coordinates 0–65535)" in lost[1] and "round 6" in lost[1]
     assert "no answer within 10 s" in lost[1] and "try 1 of 2" in lost[1]
     # each worker's shard state is on its own disk; the server's checkpoint holds none of it
-    noise = current_checkpoint(out / "state") / "noise"
-    assert sorted(p.name for p in noise.iterdir()) == ["noise_segments.key", "shards.json"]
+    ckpt = load_checkpoint(out / "state")
+    assert sorted(ckpt.noise) == ["shards.json"] and "noise_segments.key" in ckpt.secrets
     shards = sorted(p.name for p in (out / "noise-shards").iterdir())
     assert shards == ["shard-000000-000001", "shard-000001-000001"]
     # the report names the workers as trust parties, each with its state at the checkpoint
@@ -243,7 +243,7 @@ def test_a_sigkilled_worker_and_a_hung_one_are_restored_and_release_the_single_p
     workers = report["trust"]["noise_workers"]
     assert workers["count"] == 2 and workers["checkpoint_round"] == 8
     assert [s["coordinates"] for s in workers["shards"]] == [[0, 65536], [65536, 70001]]
-    recorded = json.loads((noise / "shards.json").read_text())
+    recorded = json.loads(ckpt.noise["shards.json"])
     assert [s["state_sha256"] for s in workers["shards"]] == [
         s["state_sha256"] for s in recorded["shards"]
     ]

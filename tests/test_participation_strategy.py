@@ -9,6 +9,7 @@ import stat
 
 import numpy as np
 import pytest
+from checkpoint_support import secret_file
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from strategy_support import HANDLERS, KEY, forget_last_release, request_for
 from strategy_support import small_config as _cfg
@@ -217,9 +218,9 @@ def test_bminsep_cohorts_with_monte_carlo_plan(tmp_path):
     # The selections are exactly the sampler's, replayed from the private key in the checkpoint
     # (0600) — and not from the public schedule seed, which would let anyone who knows it name the
     # cohorts.
-    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
-    key = (ckpt / "sampler_secret.key").read_bytes()
-    assert len(key) == 32 and stat.S_IMODE(os.stat(ckpt / "sampler_secret.key").st_mode) == 0o600
+    key_file = secret_file(tmp_path, "sampler_secret.key")
+    key = key_file.read_bytes()
+    assert len(key) == 32 and stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
 
     def replay(private_key):
         again = CohortPlanner(
@@ -657,8 +658,7 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     # killed before the append
     journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:-1]))
     forget_last_release(tmp_path / "b")
-    state = tmp_path / "b" / "state"
-    key = (state / (state / "CURRENT").read_text() / "sampler_secret.key").read_bytes()
+    key = secret_file(tmp_path / "b", "sampler_secret.key").read_bytes()
     s = run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)
     assert s.next_round == 8 and [e.round for e in ReleaseJournal(journal).read()] == list(range(8))
     assert s.ledger.selected != other.ledger.selected
@@ -673,7 +673,6 @@ def test_amplified_cohorts_come_from_a_private_key_that_survives_a_restart(tmp_p
     # Poisson cohorts: drawn per round, not fixed
     assert len({len(c) for c in cohorts.values()}) > 1
 
-    ckpt = state / (state / "CURRENT").read_text()
-    (ckpt / "sampler_secret.key").unlink()
+    secret_file(tmp_path / "b", "sampler_secret.key").unlink()
     with pytest.raises(IntegrityError, match="sampler_secret.key"):
         run_server(InProcessGrid(HANDLERS, 12), cfg, quiet=True)

@@ -19,7 +19,7 @@ import pytest
 
 from corrflow.accounting import epsilon_of, realized_sensitivity, unamplified_event
 from corrflow.factorization import Factorization
-from corrflow.run.checkpoint import current_checkpoint, load_arrays
+from corrflow.run.checkpoint import load_checkpoint
 from corrflow.run.journal import JOURNAL, ReleaseJournal
 from corrflow.run.reading import participation_users
 
@@ -35,7 +35,7 @@ from ray_fault_run import KEY, config  # noqa: E402
 
 def _model(out: Path) -> np.ndarray:
     """The run's model at its published checkpoint, flattened."""
-    params = load_arrays(current_checkpoint(out / "state"), "model")
+    params = load_checkpoint(out / "state").arrays("model")
     return np.concatenate([p.ravel() for p in params])
 
 
@@ -287,3 +287,30 @@ def test_noise_workers_on_flowers_engine_are_refused_naming_both_flags(tmp_path)
     assert "--noise-workers: expected 0 with --backend flower" in r.stderr
     assert "--backend inprocess" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # a refusal writes nothing
+
+
+@pytest.mark.integration
+def test_a_failed_engine_ends_the_run_at_once_naming_its_cause(tmp_path):
+    """Ray refusing to start (here: a RAY_RUNTIME_ENV_HOOK that does not import) would leave the
+    ServerApp's thread probing nodes that can never answer, for node-timeout (600 s): the command
+    ends within seconds instead, exit 1, one line naming the cause, no traceback, nothing
+    trained."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "4", "--rounds", "2"]
+        + ["--epochs", "1", "--noise-multiplier", "0.5", "--out", str(out)],
+        env={**ENV, "RAY_RUNTIME_ENV_HOOK": "no_such_module_anywhere.hook"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    assert "Traceback" not in r.stderr
+    assert "error: Flower's simulation engine failed: ModuleNotFoundError" in r.stderr
+    assert "no_such_module_anywhere" in r.stderr and "engine.log" in r.stderr
+    assert (
+        not (out / "state").exists()
+        and "no_such_module_anywhere" in (out / "engine.log").read_text()
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint
 from lineage_support import KEY, released, segments
 
 from corrflow.run import registry as registry_module
@@ -266,8 +267,7 @@ def test_adopting_a_copy_of_a_live_run_is_refused(first, tmp_path):
     live, copy, home = tmp_path / "live", tmp_path / "copy", tmp_path / "h"
     shutil.copytree(first / "backup", live)
     shutil.copytree(first / "backup", copy)
-    ckpt = live / "state" / (live / "state" / "CURRENT").read_text()
-    run_id = json.loads((ckpt / "state.json").read_text())["run_id"]
+    run_id = checkpoint(live).public["run_id"]
     ReleaseRegistry(home / REGISTRY_FILE).claim(run_id, live)
     holder = subprocess.Popen(
         [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_support import checkpoint, secret_file
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 from lineage_support import assert_fresh_after_restart, assert_same_releases
 from strategy_support import HANDLERS, KEY, request_for
@@ -18,6 +19,8 @@ from corrflow.config import RunConfig, from_run_config, unprefixed_keys
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization import Factorization
 from corrflow.noise import CorrelatedNoise
+from corrflow.noise.engine import SECRET_FILE
+from corrflow.run.checkpoint import CHECKPOINT
 from corrflow.run.reading import participation_users
 from corrflow.server.app import run_server
 from corrflow.server.inprocess import InProcessGrid
@@ -87,9 +90,7 @@ def test_kill_and_restart_draws_fresh_noise_and_replays_exactly(tmp_path, uninte
     full, crash, replay = uninterrupted, tmp_path / "crash", tmp_path / "replay"
     r = _kill_run(crash, KILL_AFTER="3")
     assert r.returncode == -9  # killed after round 3's checkpoint
-    state = json.loads(
-        (crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text()
-    )
+    state = checkpoint(crash).public
     assert state["next_round"] == 4
     r = _kill_run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -115,9 +116,7 @@ def test_kill_mid_ring_row_resumes_with_fresh_noise(tmp_path, uninterrupted):
     full, crash = uninterrupted, tmp_path / "crash"
     r = _kill_run(crash, KILL_IN_RING="5")
     assert r.returncode == -9
-    state = json.loads(
-        (crash / "state" / (crash / "state" / "CURRENT").read_text() / "state.json").read_text()
-    )
+    state = checkpoint(crash).public
     assert state["next_round"] == 5  # round 5 (0-based) was not checkpointed
     r = _kill_run(crash, NOISE_KEY="os")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -327,8 +326,7 @@ def _check_run(tmp_path, cfg, report):
         and metrics[0]["round"] == -1
         and all(m["replies"] == 4 for m in metrics[1:])
     )
-    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
-    model = np.load(ckpt / "model.npz")["arr_0"]
+    model = checkpoint(tmp_path).arrays("model")[0]
     assert np.abs(model).max() > 0  # the global model moved
 
 
@@ -337,11 +335,13 @@ def test_checkpoint_is_private(tmp_path):
 
     cfg = _cfg(tmp_path, num_rounds=2, epochs=1, num_users=4)
     run_server(InProcessGrid(HANDLERS, 4), cfg, noise_key=KEY, quiet=True)
-    ckpt = tmp_path / "state" / (tmp_path / "state" / "CURRENT").read_text()
-    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
-    for name in ("report_salt", "server_secret", "noise/noise_secret.key", "../noise_ring.bin"):
-        # the ring: the banded buffer's rows
-        assert stat.S_IMODE(os.stat(ckpt / name).st_mode) == 0o600
+    state = tmp_path / "state"
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(state / "secrets").st_mode) == 0o700
+    secrets = [secret_file(tmp_path, n) for n in ("report_salt", "server_secret", SECRET_FILE)]
+    # the checkpoint, the secrets, the ring (the banded buffer's rows)
+    for path in (state / CHECKPOINT, *secrets, state / "noise_ring.bin"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     report = (tmp_path / "privacy_report.json").read_text()
     # no raw user id, no key
     assert not re.search(r"partition-\d", report) and KEY.hex() not in report

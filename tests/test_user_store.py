@@ -24,7 +24,7 @@ from corrflow.accounting.participation import (
 )
 from corrflow.accounting.report import hash_user_id
 from corrflow.errors import DataFormatError, IntegrityError
-from corrflow.run.checkpoint import current_checkpoint
+from corrflow.run.checkpoint import load_checkpoint
 from corrflow.run.ledger import GENESIS, LEDGER_LOG, LedgerLog, LogPosition, replay
 from corrflow.run.reading import participation_users
 from corrflow.run.user_store import (
@@ -189,11 +189,10 @@ def test_the_report_does_not_grow_with_the_population(tmp_path):
 
 def _ledger_entries(out: Path) -> dict:
     """Each user's entry recomputed from the ledger log at the checkpoint's position and salt."""
-    ckpt = current_checkpoint(out / "state")
-    public = json.loads((ckpt / "state.json").read_text())
-    log = LedgerLog(out / "state" / LEDGER_LOG, LogPosition.from_dict(public["ledger_log"]))
+    ckpt = load_checkpoint(out / "state")
+    log = LedgerLog(out / "state" / LEDGER_LOG, LogPosition.from_dict(ckpt.public["ledger_log"]))
     ledger, _ = replay(log.read())
-    salt = (ckpt / "report_salt").read_bytes()
+    salt = ckpt.secrets["report_salt"]
     return {
         hash_user_id(u, salt): {"rounds": sorted(rs), "min_gap": user_entry("", rs).min_gap}
         for u, rs in ledger.selected.items()
@@ -213,7 +212,7 @@ def test_sigkill_around_the_stores_commit_then_resume(tmp_path):
         env = dict(ENV, KILL_ROUND=str(kill_round), KILL_WHERE=where)
         killed = subprocess.run(helper, env=env, capture_output=True, timeout=240)
         assert killed.returncode == -9, killed.stderr[-2000:]
-        ckpt = json.loads((current_checkpoint(out / "state") / "state.json").read_text())
+        ckpt = load_checkpoint(out / "state").public
         assert ckpt["next_round"] == kill_round + 1
         if where == "before":
             with sqlite3.connect(f"{(out / STORE).as_uri()}?mode=ro", uri=True) as db:

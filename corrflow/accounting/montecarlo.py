@@ -92,8 +92,6 @@ def log_likelihood_ratio(
         InvalidArgumentError: ``band`` has another number of rows than ``y``, or ``warm`` with k_u >
             1.
     """
-    from scipy.special import logsumexp  # lazy: scipy.special slows every CLI start
-
     y = np.asarray(y)
     n, S = y.shape
     b = min_sep
@@ -122,8 +120,7 @@ def log_likelihood_ratio(
             if k_u == 1:
                 np.add(d, offset[i], out=join)
             else:
-                terms = np.outer(d, js) + (log_pmf - js**2 * sq[i] * inv2s2)
-                join[...] = logsumexp(terms, axis=1)
+                _log_sum_exp_of_lines(d, js, log_pmf - js**2 * sq[i] * inv2s2, join)
             join += buf[i % b]
             if p < 1:
                 np.add(buf[(i + 1) % b], log_skip, out=skip)
@@ -133,6 +130,29 @@ def log_likelihood_ratio(
     if not warm:
         return buf[0].astype(np.float64)
     return _warm_start_mixture(buf, b, p, k_u)
+
+
+def _log_sum_exp_of_lines(d: np.ndarray, slopes: np.ndarray, const: np.ndarray, out) -> None:
+    """out = ln Σ_j exp(d·slopes_j + const_j) for every entry of d, in float64: the k_u-term sum of
+    004 Thm 6.1 as k_u whole-vector passes (a row-wise logsumexp over an S × k_u array is several
+    times slower for the few terms k_u has); a −inf constant (a term of probability 0) adds 0.
+
+    Args:
+        d: shape (S,).
+        slopes: j = 1..k_u.
+        const: shape (k_u,), finite or −inf.
+        out: shape (S,), written (in its dtype).
+    """
+    x = d.astype(np.float64)
+    lines = [x * float(j) + float(c) for j, c in zip(slopes, const, strict=True)]
+    top = lines[0].copy()
+    for line in lines[1:]:
+        np.maximum(top, line, out=top)
+    acc = np.zeros_like(top)
+    for line in lines:
+        line -= top
+        acc += np.exp(line, out=line)
+    out[...] = top + np.log(acc)
 
 
 def _joined_items_log_pmf(k_u: int, p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -850,7 +870,8 @@ class MonteCarloAccountant:
             sigma: σ > 0.
             samples: per direction, ≥ 2.
             seed: an integer or a ``SeedSequence``.
-            workers: processes (None: up to the CPU count, one per 50,000 samples).
+            workers: processes (None: up to the CPU count, one per 2·10⁶ sampled outputs,
+                samples × rounds).
             progress: a progress line on stderr.
             keep_above: keep only losses above it (δ(ε) for ε ≥ ``keep_above`` needs no others; the
                 count of all samples is kept), to bound memory.
@@ -867,7 +888,8 @@ class MonteCarloAccountant:
             for size, child in zip(sizes, ss.spawn(len(sizes)), strict=True)
         ]
         if workers is None:
-            workers = min(os.cpu_count() or 1, max(1, samples // 50_000))
+            # a pool's start and transfers cost more than a few million outputs take to sample
+            workers = min(os.cpu_count() or 1, max(1, samples * self.rounds // 2_000_000))
         if workers > 1 and len(jobs) > 1:
             if self.scheme == "bminsep" and self.k_u == 1:
                 # Compile (or load) the kernels here, once, so that the forked workers inherit them.

@@ -26,6 +26,7 @@ from corrflow.planning.run import (
     plan_privacy,
     training_budget,
 )
+from corrflow.run.checkpoint import has_checkpoint
 from corrflow.run.noise_shards import check_ray_address
 
 #: compare's preset fields → the settings they fill for ``--preset`` (flags typed on the command
@@ -232,7 +233,7 @@ def _planned_config(
     overrides["num_users"] = recipe.population  # over --data's default (every partition)
     cfg = _checked_data(_fits(config_from_cli(settings, **recipe.strategy_settings(), **overrides)))
     install_factorization(
-        recipe, fac_path, cfg, replace=fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
+        recipe, fac_path, cfg, replace=fresh or not has_checkpoint(cfg.checkpoint_dir)
     )
     return cfg
 

@@ -21,6 +21,7 @@ from corrflow.cli.summary import run_summary
 from corrflow.config import RunConfig
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.planning.learnability import held_out_summary
+from corrflow.run.checkpoint import has_checkpoint
 from corrflow.run.resume import preflight, settings_conflict
 
 #: The engines a simulation runs on (`corrflow.server.simulation.simulate`'s ``backend``): a new
@@ -91,7 +92,7 @@ def simulate(
     except (CorrflowError, IntegrityError) as exc:
         fail(exc, settings)
     out = Path(cfg.state_dir)
-    if fresh or not (cfg.checkpoint_dir / "CURRENT").exists():  # before --out is locked
+    if fresh or not has_checkpoint(cfg.checkpoint_dir):  # before --out is locked
         try:
             check_first_round(cfg)
         except InvalidArgumentError as exc:

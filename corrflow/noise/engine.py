@@ -36,7 +36,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from corrflow.factorization.encoders import (
     ToeplitzEncoder,
 )
 from corrflow.factorization.registry import noise_mode_for
-from corrflow.fileio import atomic_file, write_bytes, write_json
+from corrflow.fileio import atomic_file, write_bytes
 from corrflow.noise.keys import fingerprint, new_secret, ring_mac_key
 from corrflow.noise.prng import make_source
 from corrflow.noise.segments import SegmentedSource, SegmentTable
@@ -551,35 +551,25 @@ def _save_ring(gen: CorrelatedNoise, ring: Path) -> dict:
     return {"file": ring.name, "slots": slots, "row_bytes": row_bytes, "rows": rows}
 
 
-def save_state(
-    gen: CorrelatedNoise,
-    directory: str | os.PathLike,
-    *,
-    ring: str | os.PathLike | None = None,
-    previous: str | os.PathLike | None = None,
-) -> Path:
-    """Write the generator's state to ``directory``: public JSON (no key) plus the key and the
-    model-sized buffer, both owner-only (0600).
+def state_parts(
+    gen: CorrelatedNoise, *, ring: str | os.PathLike | None = None
+) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """The generator's state as named files, without writing any of them (a server's checkpoint
+    packs the public ones into its one file and keeps the secret ones apart).
 
     Args:
         gen: the generator.
-        directory: created if missing.
         ring: a banded generator in a server's state directory: the buffer's rows go into that file
             in place, one new row per round instead of the whole (p−1)·d buffer, each with its own
-            MAC in the public JSON (see `_save_ring`). A BLT's B·d state changes in full every round
-            and is written in full.
-        previous: a state directory saved before (the previous checkpoint's): a key file that
-            holds the same bytes there is hard-linked from it, not written again — the key is
-            written once per run, the key segments once per process start.
+            MAC in the public JSON (see `_save_ring`) — the one file this call writes. A BLT's B·d
+            state changes in full every round and is returned in full.
 
     Returns:
-        ``directory`` as a `Path`.
-
-    Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
-    that tie them together, so a torn write is detected on restore, never used.
+        ``(public, secret)``: name → bytes. ``public``: the state's JSON (no key; `PUBLIC_FILE`,
+        holding the hashes that tie the parts together) and the model-sized buffer
+        (`BUFFER_FILE`, when there is one and no ring); ``secret``: the key (`SECRET_FILE`) and
+        the key segments (`SEGMENTS_FILE`), owner-only.
     """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     public = {
         "format": STATE_FORMAT,
         "mode": gen.mode,
@@ -593,23 +583,45 @@ def save_state(
         "factorization_sha256": gen.factorization.sha256(),
         "key_fingerprint": fingerprint(gen._key),
         "buffer_sha256": None,
+        "key_segments": gen.segments.public(),
     }
-    old = None if previous is None else Path(previous)
-    write_bytes(
-        d / SECRET_FILE,
-        gen._key.hex().encode(),
-        private=True,
-        same_as=None if old is None else old / SECRET_FILE,
-    )
-    public["key_segments"] = gen.segments.public()
-    write_bytes(
-        d / SEGMENTS_FILE,
-        gen.segments.to_private(),
-        private=True,
-        same_as=None if old is None else old / SEGMENTS_FILE,
-    )
-    public.update(save_buffer(gen, d, ring))
-    write_json(d / PUBLIC_FILE, public, indent=1, sort_keys=True)
+    files = {}
+    if gen._buffer is not None and ring is not None and gen.mode == "banded":
+        public["ring"] = _save_ring(gen, Path(ring))
+    elif gen._buffer is not None:
+        out = io.BytesIO()
+        np.save(out, gen._buffer, allow_pickle=False)
+        files[BUFFER_FILE] = out.getvalue()
+        public["buffer_sha256"] = hashlib.sha256(files[BUFFER_FILE]).hexdigest()
+    files[PUBLIC_FILE] = json.dumps(public, indent=1, sort_keys=True).encode()
+    secret = {SECRET_FILE: gen._key.hex().encode(), SEGMENTS_FILE: gen.segments.to_private()}
+    return files, secret
+
+
+def save_state(
+    gen: CorrelatedNoise, directory: str | os.PathLike, *, ring: str | os.PathLike | None = None
+) -> Path:
+    """Write the generator's state (`state_parts`) to ``directory``: public JSON (no key) plus the
+    key, the key segments and the model-sized buffer, all three owner-only (0600).
+
+    Args:
+        gen: the generator.
+        directory: created if missing.
+        ring: a banded generator's ring file (see `state_parts`).
+
+    Returns:
+        ``directory`` as a `Path`.
+
+    Each file goes through a temp file + rename; the public JSON, written last, holds the hashes
+    that tie them together, so a torn write is detected on restore, never used.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    files, secret = state_parts(gen, ring=ring)
+    for name, data in [*secret.items(), *files.items()]:
+        if name != PUBLIC_FILE:
+            write_bytes(d / name, data, private=True)
+    write_bytes(d / PUBLIC_FILE, files[PUBLIC_FILE])
     return d
 
 
@@ -686,17 +698,19 @@ def _restore_ring(gen: CorrelatedNoise, info: dict, ring: Path | None, d: Path) 
     gen._ring_known = known
 
 
-def _restore_segments(d: Path, public: dict, key: bytes) -> SegmentTable:
+def _restore_segments(where: str, public: dict, key: bytes, data: bytes | None) -> SegmentTable:
     """The key segments saved with the state, checked against its fingerprints and first key."""
-    try:
-        data = (d / SEGMENTS_FILE).read_bytes()
-    except FileNotFoundError as exc:
-        raise IntegrityError(f"{d}: incomplete noise state ({SEGMENTS_FILE} missing)") from exc
-    table = SegmentTable.from_private(data, public.get("key_segments"), str(d / SEGMENTS_FILE))
+    if data is None:
+        raise IntegrityError(f"{where}: incomplete noise state ({SEGMENTS_FILE} missing)")
+    table = SegmentTable.from_private(data, public.get("key_segments"), f"{where}/{SEGMENTS_FILE}")
     if table.segments[0].key != key:
-        raise IntegrityError(f"{d / SEGMENTS_FILE}: the first segment's key is not the state's key")
+        raise IntegrityError(
+            f"{where}/{SEGMENTS_FILE}: the first segment's key is not the state's key"
+        )
     if table.segments[-1].first_round > int(public["next_round"]):
-        raise IntegrityError(f"{d / SEGMENTS_FILE}: a segment begins after the state's next round")
+        raise IntegrityError(
+            f"{where}/{SEGMENTS_FILE}: a segment begins after the state's next round"
+        )
     return table
 
 
@@ -723,17 +737,46 @@ def restore_state(
             included), or another factorization.
     """
     d = Path(directory)
+    names = (PUBLIC_FILE, SECRET_FILE, SEGMENTS_FILE, BUFFER_FILE)
+    files = {n: (d / n).read_bytes() for n in names if (d / n).is_file()}
+    return restore_parts(files, factorization, cls, ring=ring, where=str(d))
+
+
+def restore_parts(
+    files: Mapping[str, bytes],
+    factorization: Factorization,
+    cls: type[CorrelatedNoise] = CorrelatedNoise,
+    *,
+    ring: str | os.PathLike | None = None,
+    where: str,
+) -> CorrelatedNoise:
+    """Rebuild a generator from the files `state_parts` made (public and secret together).
+
+    Args:
+        files: name → bytes.
+        factorization: the factorization the state was made for (checked by SHA-256).
+        cls: the generator class.
+        ring: the ring file the state was saved with, when it was saved with one.
+        where: where the files were read from (errors name it).
+
+    Returns:
+        The generator, positioned at the saved next round.
+
+    Raises:
+        IntegrityError: see `restore_state`.
+    """
+    missing = next((n for n in (PUBLIC_FILE, SECRET_FILE) if n not in files), None)
+    if missing is not None:
+        raise IntegrityError(f"{where}: incomplete noise state ({missing} missing)")
     try:
-        public = json.loads((d / PUBLIC_FILE).read_text())
-        key_hex = (d / SECRET_FILE).read_text().strip()
-    except FileNotFoundError as exc:
-        raise IntegrityError(f"{d}: incomplete noise state ({exc.filename} missing)") from exc
+        public = json.loads(files[PUBLIC_FILE])
+        key_hex = files[SECRET_FILE].decode().strip()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{d}: noise state is not valid JSON ({exc})") from exc
+        raise IntegrityError(f"{where}: noise state is not valid JSON ({exc})") from exc
     if public.get("format") != STATE_FORMAT:
         older = public.get("format") == "corrflow.noise-state/1"
         raise IntegrityError(
-            f"{d}: format {public.get('format')!r}, expected {STATE_FORMAT!r}"
+            f"{where}: format {public.get('format')!r}, expected {STATE_FORMAT!r}"
             + (
                 " (written by an older corrflow, which drew noise without block keys: it cannot "
                 "continue bit for bit; start a new run with --fresh)"
@@ -744,15 +787,15 @@ def restore_state(
     try:
         key = bytes.fromhex(key_hex)
     except ValueError as exc:
-        raise IntegrityError(f"{d}: the secret key file is corrupted") from exc
+        raise IntegrityError(f"{where}: the secret key file is corrupted") from exc
     if fingerprint(key) != public.get("key_fingerprint"):
         raise IntegrityError(
-            f"{d}: the secret key does not belong to this state (foreign or corrupted file)"
+            f"{where}: the secret key does not belong to this state (foreign or corrupted file)"
         )
     if public.get("factorization_sha256") != factorization.sha256():
         recorded = str(public.get("factorization_sha256"))[:16]
         raise IntegrityError(
-            f"{d}: the state was made for factorization {recorded}…, "
+            f"{where}: the state was made for factorization {recorded}…, "
             f"not {factorization.sha256()[:16]}…"
         )
     gen = cls(
@@ -765,17 +808,22 @@ def restore_state(
         chunk_size=int(public["chunk_size"]),
     )
     gen.next_round = int(public["next_round"])
-    if (d / SEGMENTS_FILE).exists() or "key_segments" in public:
-        gen._source.table = _restore_segments(d, public, key)
-    restore_buffer(gen, public, d, ring)
+    if SEGMENTS_FILE in files or "key_segments" in public:
+        gen._source.table = _restore_segments(where, public, key, files.get(SEGMENTS_FILE))
+    restore_buffer(gen, public, Path(where), ring, files.get(BUFFER_FILE))
     return gen
 
 
 def restore_buffer(
-    gen: CorrelatedNoise, public: dict, d: Path, ring: str | os.PathLike | None
+    gen: CorrelatedNoise,
+    public: dict,
+    d: Path,
+    ring: str | os.PathLike | None,
+    data: bytes | None = None,
 ) -> None:
     """Fill ``gen``'s model-sized state from what `save_buffer` wrote (``public``: its fields),
-    every row or the whole buffer checked against its MAC or hash.
+    every row or the whole buffer checked against its MAC or hash; ``data``: the buffer file's
+    bytes when they were read elsewhere (a checkpoint's member), else it is read from ``d``.
 
     Raises:
         IntegrityError: a missing, torn, edited or misshapen buffer or ring row.
@@ -786,7 +834,7 @@ def restore_buffer(
         _restore_ring(gen, public["ring"], None if ring is None else Path(ring), d)
     elif gen._buffer is not None:
         try:
-            data = (d / BUFFER_FILE).read_bytes()
+            data = (d / BUFFER_FILE).read_bytes() if data is None else data
         except FileNotFoundError as exc:
             raise IntegrityError(f"{d}: the noise buffer is missing") from exc
         if hashlib.sha256(data).hexdigest() != public.get("buffer_sha256"):

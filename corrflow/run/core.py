@@ -11,10 +11,12 @@ noise stream, the secrets and the files — and is driven round by round::
 
 ``step`` is the one place the run's state changes (a round, a stop or an override goes through
 `Run._apply`); outside the run, the state is a read-only `RunView`.
-The order inside a step — clip → sum → noise → optimizer → finite check → ledger log → checkpoint →
-release journal → registry → report and metrics (every `REPORT_EVERY` rounds, at the end and at
-every stop) — is the order that makes a kill at any point safe; a round's own writes are
-O(model + cohort), never O(population).
+A step computes the round — clip → sum → noise → optimizer → finite check — into a `RoundRecord`
+without touching disk, applies it to the state in memory, then commits it
+(`corrflow.run.store.RunStore.commit`: ledger log → checkpoint → per-user store → release journal →
+registry), then writes the report and metrics (every `REPORT_EVERY` rounds, at the end and at every
+stop): the order that makes a kill at any point safe; a round's own writes are O(model + cohort),
+never O(population).
 """
 
 from __future__ import annotations
@@ -37,14 +39,13 @@ from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
 from corrflow.run.disclosure import DisclosureView, operator_log
 from corrflow.run.journal import GENESIS
-from corrflow.run.ledger import round_entry
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream, NoiseView
 from corrflow.run.noise_node_link import NoiseNodeStream
 from corrflow.run.noise_shards import open_noise
 from corrflow.run.optimizer import MomentumServerOptimizer, check_workload_matches
 from corrflow.run.plan import RunPlan
-from corrflow.run.recorder import REPORT_EVERY, Recorder, restore
+from corrflow.run.recorder import REPORT_EVERY, Recorder
 from corrflow.run.registry import ReleaseRegistry
 from corrflow.run.resume import RUN_FILES, ResumePoint, archive_run, check_resume
 from corrflow.run.round import (
@@ -59,6 +60,7 @@ from corrflow.run.round import (
     release,
 )
 from corrflow.run.state import Override, RunSecrets, RunState, RunView, Stop
+from corrflow.run.store import RunStore, restore
 
 log = logging.getLogger("corrflow")
 
@@ -164,8 +166,8 @@ def _begin(
     registry: ReleaseRegistry,
     initial_metrics: dict,
     received,
-) -> tuple[RunState, RunSecrets, NoiseStream, Recorder]:
-    """The state, new secrets, noise stream and recorder of a new run from the trainable
+) -> tuple[RunState, RunSecrets, NoiseStream, Recorder, RunStore]:
+    """The state, new secrets, noise stream, recorder and store of a new run from the trainable
     ``params``, its id claimed in the release registry (see `Run.start`)."""
     noise = open_noise(plan.cfg, plan.factorization, plan.layout.trainable_shapes, noise_key)
     state = RunState(
@@ -177,7 +179,7 @@ def _begin(
     recorder = Recorder(plan, state, keys, noise, registry, initial_metrics)
     recorder.received = received
     registry.claim(keys.run_id, recorder.run_dir)
-    return state, keys, noise, recorder
+    return state, keys, noise, recorder, RunStore(recorder)
 
 
 def _resume(
@@ -188,10 +190,10 @@ def _resume(
     registry: ReleaseRegistry,
     initial_metrics: dict,
     received,
-) -> tuple[RunState, RunSecrets, NoiseStream, Recorder]:
-    """The state, secrets, noise stream and recorder of the checkpoint ``resume`` names, with what
-    a kill left undone completed: the registry's and the journal's last release, then the report
-    and metrics (see `Run.start`)."""
+) -> tuple[RunState, RunSecrets, NoiseStream, Recorder, RunStore]:
+    """The state, secrets, noise stream, recorder and store of the checkpoint ``resume`` names,
+    with what a kill left undone completed: the registry's and the journal's last release, then the
+    report and metrics (see `Run.start`)."""
     # A new key segment from the checkpoint's next round on: rounds after a restart never repeat
     # the noise of an earlier start (corrflow.noise.segments).
     noise = open_noise(
@@ -203,20 +205,21 @@ def _resume(
     )
     state, keys, ledger_log = restore(plan, resume.checkpoint, noise, initial_sha256)
     last = resume.journal[-1].hash if resume.journal else GENESIS
-    recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, last, ledger_log)
+    recorder = Recorder(plan, state, keys, noise, registry, initial_metrics, ledger_log)
     recorder.received = received
+    store = RunStore(recorder, resume.checkpoint, last)
     registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
     recorder.adoptions = registry.adoptions(keys.run_id)
-    _complete_releases(recorder, registry, resume, keys.run_id)
+    _complete_releases(store, registry, resume, keys.run_id)
     # The report and metrics are complete every REPORT_EVERY rounds: after a kill they may lag
     # the journal by up to REPORT_EVERY − 1 rounds; a restart completes them first.
     recorder.write_report()
     recorder.write_metrics()
-    return state, keys, noise, recorder
+    return state, keys, noise, recorder, store
 
 
 def _complete_releases(
-    recorder: Recorder, registry: ReleaseRegistry, resume: ResumePoint, run_id: str
+    store: RunStore, registry: ReleaseRegistry, resume: ResumePoint, run_id: str
 ) -> None:
     """Finish the release a kill interrupted: a journal entry the registry has not recorded, and a
     round checkpointed but not yet journaled (released now with the noise in its checkpoint)."""
@@ -224,7 +227,7 @@ def _complete_releases(
     for entry in resume.journal[registry.released(run_id) :]:
         registry.record(run_id, entry.round, entry.noise_round, entry.hash)
     if resume.unreleased_round is not None:  # checkpointed, killed before its journal entry
-        recorder.journal(resume.unreleased_round, resume.checkpoint)
+        store.release(resume.unreleased_round, resume.checkpoint)
         log.info(
             "round %d was checkpointed but not released before the restart; released now",
             resume.unreleased_round + 1,
@@ -241,11 +244,13 @@ class Run:
         keys: RunSecrets,
         noise: NoiseStream,
         recorder: Recorder,
+        store: RunStore,
         evaluate: Callable[[list[np.ndarray]], dict] | None,
         on_round_end: Callable[[dict], None] | None,
     ):
         self._plan, self._state, self._keys, self._noise = plan, state, keys, noise
-        self._recorder, self._evaluate, self._on_round_end = recorder, evaluate, on_round_end
+        self._recorder, self._store = recorder, store
+        self._evaluate, self._on_round_end = evaluate, on_round_end
         #: where reply-level events go (operator-only in an amplified run)
         self.log = operator_log(recorder.disclosure)
 
@@ -286,16 +291,16 @@ class Run:
         registry = ReleaseRegistry(plan.cfg.release_registry or None)
         initial_metrics = {"round": -1, **(evaluate(params) if evaluate else {})}
         if resume.checkpoint is None:
-            state, keys, noise, recorder = _begin(
+            state, keys, noise, recorder, store = _begin(
                 plan, params, initial_sha256, noise_key, registry, initial_metrics, received
             )
         else:
-            state, keys, noise, recorder = _resume(
+            state, keys, noise, recorder, store = _resume(
                 plan, resume, initial_sha256, noise_key, registry, initial_metrics, received
             )
         if keys.sampler_key is not None:
             plan.planner.seed_privately(keys.sampler_key)
-        return cls(plan, state, keys, noise, recorder, evaluate, on_round_end)
+        return cls(plan, state, keys, noise, recorder, store, evaluate, on_round_end)
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -413,8 +418,9 @@ class Run:
 
     def step(self, plan: RoundPlan, replies: Iterable[Reply] | SummedReplies) -> RoundRecord | None:
         """Release round ``plan.round``: clip and sum the replies, add the round's correlated
-        noise, step the server optimizer, check the new model is finite, and commit (checkpoint →
-        journal → registry → report → metrics).
+        noise, step the server optimizer, check the new model is finite — all in memory — then
+        commit (ledger log → checkpoint → journal → registry; `RunStore.commit`) and write the
+        report and metrics when due.
 
         Args:
             plan: the round's routed plan (`plan_next`, then `route`).
@@ -491,7 +497,7 @@ class Run:
 
     # -- the one place state changes ---------------------------------------------------------------
     def _apply(self, change: RoundRecord | Stop | Override) -> None:
-        """Apply a completed round (then checkpoint → journal → report → metrics), a stop, or an
+        """Apply a completed round (then its commit, the report and metrics), a stop, or an
         override."""
         s = self._state
         if isinstance(change, Override):
@@ -504,7 +510,7 @@ class Run:
             self._apply_round(change)
 
     def _apply_round(self, r: RoundRecord) -> None:
-        """O(cohort) appends to the state, then the files."""
+        """O(cohort) appends to the state, then its commit (`RunStore.commit`)."""
         s, cfg = self._state, self._plan.cfg
         followed_before = pattern_followed(s.ledger.overrides)
         if s.next_round != r.round or self._noise.next_round != r.noise_position:
@@ -527,13 +533,8 @@ class Run:
         s.metrics_history.append(r.metrics)
         if r.asked:
             s.empty_streak = 0 if r.accepted else s.empty_streak + 1
-        # ledger log → checkpoint (which vouches for the log's new position) → journal
-        self._recorder.record_round(
-            round_entry(
-                r.round, r.users, r.accepted, r.rejections, r.overrides, r.epsilon, r.metrics
-            )
-        )
-        self._recorder.journal(r.round, self._recorder.checkpoint(), r.users)
+        # ledger log → checkpoint (which vouches for the log's new position) → journal → registry
+        self._store.commit(r)
         if (
             followed_before
             and not pattern_followed(s.ledger.overrides)

@@ -18,8 +18,12 @@ Every process start that resumes a checkpoint draws the rows Z_j, j ≥ the chec
 with a fresh key from the operating system (`LocalNoiseStream.restore`; `corrflow.noise.segments`);
 earlier rows keep the key that drew them. A run directory rolled back together with its release
 registry therefore never releases a round with the noise of an earlier release, and the segment
-table (saved in the authenticated checkpoint, each segment named in the release journal) replays
-any released round exactly.
+table (a secret file the authenticated checkpoint vouches for, written once per start; each segment
+named in the release journal) replays any released round exactly.
+
+`NoiseStream.save` writes nothing into the checkpoint itself: it returns the stream's public files,
+which the checkpoint packs into its one file, and hands its secrets to the run's
+`corrflow.run.checkpoint.SecretFiles`.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ import numpy as np
 
 from corrflow.errors import InvalidArgumentError
 from corrflow.factorization.base import Factorization
-from corrflow.noise import CorrelatedNoise, new_secret, restore_state, save_state
-from corrflow.noise.engine import RING_FILE
+from corrflow.noise import CorrelatedNoise, new_secret
+from corrflow.noise.engine import RING_FILE, SECRET_FILE, SEGMENTS_FILE, restore_parts, state_parts
 from corrflow.noise.segments import SegmentTable
-from corrflow.run.checkpoint import published_checkpoint
+from corrflow.run.checkpoint import Checkpoint, SecretFiles
 
 #: Coordinates per block when adding the noise into the sum (256 KiB of float32).
 _BLOCK = 1 << 16
+#: The noise stream's secrets among the run's (`corrflow.run.checkpoint.SecretFiles`).
+NOISE_SECRETS = (SECRET_FILE, SEGMENTS_FILE)
 
 
 class KeySegmentInfo(Protocol):
@@ -98,8 +104,9 @@ class NoiseStream(Protocol):
         """Advance past round ``t`` without noise of the server's (a non-private baseline)."""
         ...
 
-    def save(self, checkpoint: Path, state_dir: Path) -> None:
-        """Write the stream's state into the checkpoint being written."""
+    def save(self, state_dir: Path, secrets: SecretFiles) -> dict[str, bytes]:
+        """The stream's state for the checkpoint being written: its public files (returned,
+        packed into the checkpoint) and its secrets (to ``secrets``)."""
         ...
 
 
@@ -125,7 +132,7 @@ class LocalNoiseStream:
 
     @classmethod
     def restore(
-        cls, checkpoint: Path, factorization: Factorization, key: bytes | None = None
+        cls, checkpoint: Checkpoint, factorization: Factorization, key: bytes | None = None
     ) -> LocalNoiseStream:
         """The stream a checkpoint saved, positioned at its next round, with a new key segment from
         that round on (IntegrityError when its files do not verify).
@@ -137,7 +144,14 @@ class LocalNoiseStream:
                 from the OS — never from anything stored, which would roll back with the run
                 directory).
         """
-        gen = restore_state(checkpoint / "noise", factorization, ring=checkpoint.parent / RING_FILE)
+        files = dict(checkpoint.noise)
+        files.update({n: checkpoint.secrets[n] for n in NOISE_SECRETS if n in checkpoint.secrets})
+        gen = restore_parts(
+            files,
+            factorization,
+            ring=checkpoint.state_dir / RING_FILE,
+            where=f"{checkpoint.path}:noise",
+        )
         if gen.next_round < gen.rounds:  # a finished run draws no more rows: no segment to open
             used = {s.key for s in gen.segments.segments}
             gen.begin_segment(key if key not in used else None)
@@ -179,17 +193,23 @@ class LocalNoiseStream:
         aligned)."""
         self._gen.skip_round()
 
-    def save(self, checkpoint: Path, state_dir: Path) -> None:
-        """Write the stream's state into a checkpoint being written (``checkpoint``) of
-        ``state_dir`` (a banded buffer's rows go into one ring file there, one row per round; the
-        key files the published checkpoint holds unchanged are linked from it)."""
-        previous = published_checkpoint(state_dir)
-        save_state(
-            self._gen,
-            checkpoint / "noise",
-            ring=state_dir / RING_FILE,
-            previous=None if previous is None else previous / "noise",
-        )
+    def save(self, state_dir: Path, secrets: SecretFiles) -> dict[str, bytes]:
+        """The stream's state for the checkpoint being written in ``state_dir``: its public files
+        (returned, packed into the checkpoint) and its secrets (the key and the key segments, to
+        ``secrets``, which writes them only when they changed: once per process start). A banded
+        buffer's rows go into one ring file in ``state_dir``, one row per round.
+
+        Args:
+            state_dir: the run's ``state/`` directory.
+            secrets: the run's secret files.
+
+        Returns:
+            The public files, name → bytes.
+        """
+        public, secret = state_parts(self._gen, ring=state_dir / RING_FILE)
+        for name, data in secret.items():
+            secrets.put(name, data)
+        return public
 
 
 class NoiseView:

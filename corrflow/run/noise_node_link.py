@@ -16,13 +16,16 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.errors import IntegrityError, InvalidArgumentError
-from corrflow.fileio import write_json
 from corrflow.run.secure_sum import secure_sum_params, wrap_probability
+
+if TYPE_CHECKING:
+    from corrflow.run.checkpoint import Checkpoint, SecretFiles
 
 #: The file of a checkpoint's ``noise/`` directory that records the noise node's receipts.
 NODE_FILE = "noise_node.json"
@@ -207,36 +210,39 @@ class NoiseNodeStream:
         """The noise node's journal head as of the last released round."""
         return self._receipts[-1]["journal_head"] if self._receipts else None
 
-    def save(self, checkpoint: Path, state_dir: Path) -> None:
-        """Write the receipts into the checkpoint being written (no secret: there is none)."""
-        d = checkpoint / "noise"
-        d.mkdir(parents=True, exist_ok=True)
-        write_json(
-            d / NODE_FILE,
-            {
-                "noise_node": self.link.public(),
-                "next_round": self._next,
-                "receipts": [{**r, "segment": r["segment"].public()} for r in self._receipts],
-            },
-        )
+    def save(self, state_dir: Path, secrets: SecretFiles) -> dict[str, bytes]:
+        """The receipts, for the checkpoint being written (no secret: there is none).
+
+        Args:
+            state_dir: the run's ``state/`` directory (unused: nothing beside the checkpoint).
+            secrets: the run's secret files (unused).
+
+        Returns:
+            The public files, name → bytes.
+        """
+        saved = {
+            "noise_node": self.link.public(),
+            "next_round": self._next,
+            "receipts": [{**r, "segment": r["segment"].public()} for r in self._receipts],
+        }
+        return {NODE_FILE: json.dumps(saved).encode()}
 
     @classmethod
-    def restore(cls, checkpoint: Path, link: NoiseNodeLink) -> NoiseNodeStream:
+    def restore(cls, checkpoint: Checkpoint, link: NoiseNodeLink) -> NoiseNodeStream:
         """The receipts a checkpoint saved; refuses another noise node than the run's.
 
         Raises:
             IntegrityError: the checkpoint's run has no noise node, or another one.
         """
-        path = checkpoint / "noise" / NODE_FILE
-        if not path.is_file():
+        if NODE_FILE not in checkpoint.noise:
             raise IntegrityError(
-                f"{checkpoint}: this run drew its noise on the server; resume it without "
+                f"{checkpoint.path}: this run drew its noise on the server; resume it without "
                 "--noise-node (its noise cannot move to a noise node mid-run)"
             )
-        saved = json.loads(path.read_text())
+        saved = json.loads(checkpoint.noise[NODE_FILE])
         if saved["noise_node"]["public_key"] != link.public_key.hex():
             raise IntegrityError(
-                f"{checkpoint}: the run's noise node had public key "
+                f"{checkpoint.path}: the run's noise node had public key "
                 f"{saved['noise_node']['public_key'][:16]}…, this one "
                 f"{link.public_key.hex()[:16]}…: resume with the run's noise node directory"
             )
@@ -332,7 +338,7 @@ def noise_node_section(noise, secure: dict | None = None) -> dict:
     }
 
 
-def open_noise_node(cfg, link, checkpoint: Path | None) -> NoiseNodeStream:
+def open_noise_node(cfg, link, checkpoint: Checkpoint | None) -> NoiseNodeStream:
     """The server's noise stream of a run with a noise node (`NoiseNodeStream`).
 
     Args:

@@ -45,7 +45,6 @@ import numpy as np
 from corrflow.config import RunConfig
 from corrflow.errors import IntegrityError, InvalidArgumentError, NoiseWorkerLostError
 from corrflow.factorization.base import Factorization
-from corrflow.fileio import write_bytes, write_json
 from corrflow.noise import new_secret
 from corrflow.noise.engine import DEFAULT_CHUNK, PUBLIC_FILE, SEGMENTS_FILE, default_mode
 from corrflow.noise.segments import SegmentTable
@@ -59,7 +58,7 @@ from corrflow.noise.shards import (
     segment_blocks,
     shard_secrets,
 )
-from corrflow.run.checkpoint import published_checkpoint
+from corrflow.run.checkpoint import Checkpoint, SecretFiles
 from corrflow.run.noise import LocalNoiseStream, NoiseStream, _add_scaled
 from corrflow.run.noise_node_link import NoiseNodeLink, open_noise_node
 
@@ -492,43 +491,39 @@ class ShardedNoiseStream:
         self._next = t + 1
         self._drawn = (self._next, digests)
 
-    def save(self, checkpoint: Path, state_dir: Path) -> None:
+    def save(self, state_dir: Path, secrets: SecretFiles) -> dict[str, bytes]:
         """Each worker checkpoints its shard on its disk; the server's checkpoint records their
-        digests and the key segments (owner-only), never noise."""
+        digests (``shards.json``, returned) and the key segments (a secret, to ``secrets``), never
+        noise.
+
+        Args:
+            state_dir: the run's ``state/`` directory.
+            secrets: the run's secret files.
+
+        Returns:
+            The public files, name → bytes.
+        """
         drawn = self._drawn
         digests = drawn[1] if drawn is not None and drawn[0] == self._next else self._each("save")
-        d = Path(checkpoint) / "noise"
-        d.mkdir(parents=True, exist_ok=True)
-        # linked, not rewritten, while the key segments are the published checkpoint's
-        previous = published_checkpoint(state_dir)
-        write_bytes(
-            d / SEGMENTS_FILE,
-            self._table.to_private(),
-            private=True,
-            same_as=None if previous is None else previous / "noise" / SEGMENTS_FILE,
-        )
-        write_json(
-            d / SHARDS_FILE,
-            {
-                "format": SHARDS_FORMAT,
-                "workers": len(self.shards),
-                "dim": self.dim,
-                "chunk_size": self._chunk,
-                "mode": self.mode,
-                "prng": self._prng,
-                "next_round": self._next,
-                "factorization_sha256": self._fac.sha256(),
-                "key_segments": self._table.public(),
-                "shards": [
-                    {"first_chunk": s.first_chunk, "chunks": s.chunks, "state_sha256": h}
-                    for s, h in zip(self.shards, digests, strict=True)
-                ],
-            },
-            indent=1,
-            sort_keys=True,
-        )
-        # From here the published checkpoint (once CURRENT names it) is where a worker restarts.
+        secrets.put(SEGMENTS_FILE, self._table.to_private())
+        info = {
+            "format": SHARDS_FORMAT,
+            "workers": len(self.shards),
+            "dim": self.dim,
+            "chunk_size": self._chunk,
+            "mode": self.mode,
+            "prng": self._prng,
+            "next_round": self._next,
+            "factorization_sha256": self._fac.sha256(),
+            "key_segments": self._table.public(),
+            "shards": [
+                {"first_chunk": s.first_chunk, "chunks": s.chunks, "state_sha256": h}
+                for s, h in zip(self.shards, digests, strict=True)
+            ],
+        }
+        # From here the checkpoint about to be published is where a worker restarts.
         self._digests, self._saved_round = list(digests), self._next
+        return {SHARDS_FILE: json.dumps(info, indent=1, sort_keys=True).encode()}
 
     def begin_segment(self, key: bytes | None) -> None:
         """A resumed run's rows from its next round on use a fresh key (`corrflow.noise.segments`),
@@ -682,7 +677,7 @@ def open_noise(
     factorization: Factorization,
     shapes: Sequence[tuple[int, ...]],
     key: bytes | NoiseNodeLink | None,
-    checkpoint: Path | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> NoiseStream:
     """The run's noise stream: in the server's process, or over ``cfg.noise_workers`` Ray actors;
     new, or restored from ``checkpoint`` with a new key segment from its next round on; or, with
@@ -711,30 +706,31 @@ def open_noise(
         return ShardedNoiseStream(
             factorization, shapes, table, workers, cfg.ray_address, root, next_round=0
         )
-    d = checkpoint / "noise"
-    sharded = (d / SHARDS_FILE).is_file()
-    if not sharded:
-        if workers and (d / PUBLIC_FILE).is_file():
+    where = f"{checkpoint.path}:noise/{SHARDS_FILE}"
+    if SHARDS_FILE not in checkpoint.noise:
+        if workers and PUBLIC_FILE in checkpoint.noise:
             raise IntegrityError(
-                f"{checkpoint}: this run generated its noise in the server's process; resume it "
-                f"without --noise-workers (corrflow.noise-workers 0): its noise state cannot move "
-                "to workers mid-run"
+                f"{checkpoint.path}: this run generated its noise in the server's process; resume "
+                "it without --noise-workers (corrflow.noise-workers 0): its noise state cannot "
+                "move to workers mid-run"
             )
         return LocalNoiseStream.restore(checkpoint, factorization, key)
-    info = json.loads((d / SHARDS_FILE).read_text())
+    info = json.loads(checkpoint.noise[SHARDS_FILE])
     n = int(info["workers"])
     if workers != n:
         raise IntegrityError(
-            f"{checkpoint}: this run's noise state is sharded over {n} noise workers, each "
+            f"{checkpoint.path}: this run's noise state is sharded over {n} noise workers, each "
             f"holding its shard on its own disk; resume it with --noise-workers {n} "
             f"(corrflow.noise-workers {n}), not {workers}"
         )
     if info.get("format") != SHARDS_FORMAT or info.get("factorization_sha256") != (
         factorization.sha256()
     ):
-        raise IntegrityError(f"{d / SHARDS_FILE}: another format or factorization")
+        raise IntegrityError(f"{where}: another format or factorization")
+    if SEGMENTS_FILE not in checkpoint.secrets:
+        raise IntegrityError(f"{where}: the key segments ({SEGMENTS_FILE}) are missing")
     table = SegmentTable.from_private(
-        (d / SEGMENTS_FILE).read_bytes(), info.get("key_segments"), str(d / SEGMENTS_FILE)
+        checkpoint.secrets[SEGMENTS_FILE], info.get("key_segments"), SEGMENTS_FILE
     )
     stream = ShardedNoiseStream(
         factorization,
@@ -752,7 +748,7 @@ def open_noise(
         (s["first_chunk"], s["chunks"]) for s in info["shards"]
     ]:
         stream.close()
-        raise IntegrityError(f"{d / SHARDS_FILE}: its shards are not this model's")
+        raise IntegrityError(f"{where}: its shards are not this model's")
     if stream.next_round < factorization.rounds:
         stream.begin_segment(key)
     return stream

@@ -7,9 +7,10 @@ a state that agrees with everything already released.
 * `check_resume`: compares the published checkpoint with the release journal by round numbers
   (never file times) and refuses — naming the file, deleting nothing — when they disagree: a journal
   ahead of the checkpoint (``state/`` restored from an older copy: its noise was already released),
-  a checkpoint more than one round ahead of the journal, a missing ``CURRENT`` after releases, a
-  checkpoint that fails its manifest or HMAC, a short salt. The one allowed gap is a round
-  checkpointed but not yet released (killed between the two writes): it is released on resume.
+  a checkpoint more than one round ahead of the journal, a missing checkpoint after releases, a
+  checkpoint that fails its manifest or HMAC (or a secret it vouches for), a short salt. The one
+  allowed gap is a round checkpointed but not yet released (killed between the two writes): it is
+  released on resume.
 * `archive_run`: ``--fresh`` moves the old run aside (never deletes it).
 """
 
@@ -29,10 +30,12 @@ from filelock import FileLock, Timeout
 from corrflow.errors import CorrflowError, IntegrityError
 from corrflow.fileio import write_json
 from corrflow.run.checkpoint import (
-    POINTER,
+    CHECKPOINT,
+    SALT,
     SECRET,
-    current_checkpoint,
-    manifest_digest,
+    SECRETS_DIR,
+    Checkpoint,
+    load_checkpoint,
     remove_stale_temporaries,
 )
 from corrflow.run.journal import JOURNAL, JournalEntry, ReleaseJournal
@@ -110,14 +113,14 @@ class RunLock:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    checkpoint: Path | None  # None: a new run
+    checkpoint: Checkpoint | None  # None: a new run
     journal: list[JournalEntry]
     unreleased_round: int | None  # a round checkpointed but not journaled (released on resume)
 
 
 def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
     """Decide, from the files alone, whether this run directory starts a run, resumes one, or must
-    be refused (IntegrityError naming the file). Removes stale temporary checkpoint directories."""
+    be refused (IntegrityError naming the file). Removes stale temporary checkpoint files."""
     out = Path(run_dir)
     if (refused := out / SECURE_SUM_REFUSED).exists():
         raise IntegrityError(
@@ -130,31 +133,31 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
     if stale:
         log.info("removed %d stale temporary checkpoint file(s) in %s", len(stale), state)
     journal = ReleaseJournal(out / JOURNAL)
-    ckpt = current_checkpoint(state)
+    ckpt = load_checkpoint(state)
     if ckpt is None:
         entries = journal.read()
         rounds = sorted(p.name for p in state.glob("round-*")) if state.is_dir() else []
         if entries:
             raise IntegrityError(
-                f"{state / POINTER}: missing, but {journal.path} records {len(entries)} released "
-                "round(s): starting over would reuse released noise. Restore the state directory, "
-                "or start a new run with --fresh (the old one is moved aside)."
+                f"{state / CHECKPOINT}: missing, but {journal.path} records {len(entries)} "
+                "released round(s): starting over would reuse released noise. Restore the state "
+                "directory, or start a new run with --fresh (the old one is moved aside)."
             )
         if rounds:
             raise IntegrityError(
-                f"{state / POINTER}: missing, but {state} holds checkpoint(s) {rounds[-1]}: "
-                "refusing to guess. Restore CURRENT, or start a new run with --fresh."
+                f"{state / CHECKPOINT}: missing, but {state} holds checkpoint(s) {rounds[-1]} of "
+                "an earlier layout without its CURRENT pointer: refusing to guess. Restore "
+                "CURRENT, or start a new run with --fresh."
             )
         return ResumePoint(None, [], None)
-    secret = (ckpt / SECRET).read_bytes()
-    entries = journal.read(secret)
-    salt = ckpt / "report_salt"
-    if len(salt.read_bytes()) < MIN_SALT_BYTES:
+    entries = journal.read(ckpt.secrets[SECRET])
+    if len(ckpt.secrets.get(SALT, b"")) < MIN_SALT_BYTES:
+        where = ckpt.secret_files.get(SALT, {}).get("file", SALT)
         raise IntegrityError(
-            f"{salt}: the report salt is shorter than {MIN_SALT_BYTES} bytes (hashed user ids "
-            "would be reversible)"
+            f"{_secret_path(ckpt, where)}: the report salt is shorter than {MIN_SALT_BYTES} bytes "
+            "(hashed user ids would be reversible)"
         )
-    public = json.loads((ckpt / "state.json").read_text())
+    public = ckpt.public
     completed = int(public["next_round"])
     released = len(entries)
     if entries and entries[0].run_id != public.get("run_id"):
@@ -164,7 +167,7 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
         )
     if released > completed:
         raise IntegrityError(
-            f"{ckpt / 'state.json'}: the checkpoint is at round {completed} but {journal.path} "
+            f"{ckpt.path}: the checkpoint is at round {completed} but {journal.path} "
             f"records {released} released rounds: this state is older than what was released "
             "(a restored copy?) and resuming would release noise twice. Restore the newest state, "
             "or start a new run with --fresh."
@@ -178,13 +181,19 @@ def check_resume(run_dir: str | os.PathLike) -> ResumePoint:
         entries
         and released == completed
         and entries[-1].checkpoint == ckpt.name
-        and entries[-1].manifest_sha256 != manifest_digest(ckpt)
+        and entries[-1].manifest_sha256 != ckpt.digest
     ):
         raise IntegrityError(
-            f"{ckpt}: differs from the checkpoint recorded in {journal.path} for round "
+            f"{ckpt.path}: differs from the checkpoint recorded in {journal.path} for round "
             f"{released - 1}"
         )
     return ResumePoint(ckpt, entries, completed - 1 if released == completed - 1 else None)
+
+
+def _secret_path(ckpt: Checkpoint, fname: str) -> Path:
+    """Where a checkpoint's secret file lies (inside a checkpoint directory of the earlier
+    layout)."""
+    return ckpt.path / fname if ckpt.legacy else ckpt.state_dir / SECRETS_DIR / fname
 
 
 def _refusal(path: Path) -> str:
@@ -208,12 +217,12 @@ def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | Non
     ("name: old → new", …), or None when they match or there is no checkpoint — so a CLI can refuse
     before starting an engine."""
     try:
-        ckpt = current_checkpoint(state_dir)
+        ckpt = load_checkpoint(state_dir)
     except IntegrityError:
         return None  # the run itself refuses, naming the file
     if ckpt is None:
         return None
-    theirs = json.loads((ckpt / "state.json").read_text()).get("settings", {})
+    theirs = ckpt.public.get("settings", {})
     diff = [
         f"{k}: {theirs.get(k)!r} → {settings.get(k)!r}"
         for k in sorted(set(theirs) | set(settings))

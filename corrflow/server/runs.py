@@ -13,7 +13,6 @@ new, since every process start draws the rows after its checkpoint with a fresh 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from corrflow.errors import InvalidArgumentError
@@ -50,7 +49,7 @@ def adopt_run(run_dir: str | Path, registry: str | Path | None = None) -> dict:
             raise InvalidArgumentError(
                 "DIR", "a run directory with a checkpoint (nothing to adopt)", str(out)
             )
-        run_id = json.loads((resume.checkpoint / "state.json").read_text())["run_id"]
+        run_id = resume.checkpoint.public["run_id"]
         reg = ReleaseRegistry(registry or None)
         _refuse_live_original(reg.run_dir(run_id), out)
         record = reg.adopt(run_id, out, [(e.round, e.noise_round, e.hash) for e in resume.journal])

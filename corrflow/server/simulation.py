@@ -22,12 +22,13 @@ from corrflow.clients.secagg import secure_client_app, with_secure_aggregation
 from corrflow.clients.tasks import task_for
 from corrflow.config import RunConfig
 from corrflow.data.federated import check_dataset, data_format, train_clients_count
-from corrflow.errors import DataFormatError, InvalidArgumentError, require
+from corrflow.errors import CorrflowError, DataFormatError, InvalidArgumentError, require
 from corrflow.paths import run_directory
 from corrflow.server.app import make_server_app, run_cohort_server, run_server
 from corrflow.server.cohort_backend import check_supported
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.server.noise_node_sim import check_noise_node, noise_node_grid, running_noise_node
+from corrflow.server.tensorflow_guard import tensorflow_hidden_from_engine
 from corrflow.strategies.correlated import INTERRUPTED
 
 log = logging.getLogger("corrflow")
@@ -202,7 +203,8 @@ def new_files_undo(out: Path):
 
     def undo() -> None:
         if not out.is_dir() or any(
-            (out / p).exists() for p in ("state/CURRENT", "release_journal.jsonl")
+            (out / p).exists()
+            for p in ("state/checkpoint.zip", "state/CURRENT", "release_journal.jsonl")
         ):
             return
         for name in set(os.listdir(out)) - (before or set()):
@@ -218,6 +220,9 @@ def new_files_undo(out: Path):
 
     return undo
 
+
+#: The report's ``stopped_reason`` when Flower's simulation engine fails under a running ServerApp.
+ENGINE_FAILED = "Flower's simulation engine failed (its error is in engine.log)"
 
 #: From this population on, a run on Flower's simulation engine is warned of its cost (below).
 FLOWER_ENGINE_WARN_USERS = 5_000
@@ -255,19 +260,7 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
         elif backend == "inprocess":
             run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
         else:
-            from flwr.simulation import run_simulation
-
-            try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
-                run_simulation(
-                    server_app=make_server_app(cfg, stop_event=stop, **kwargs),
-                    client_app=client_app,
-                    num_supernodes=cfg.num_users,
-                    backend_config=_backend_config(cfg, verbose),
-                )
-            except RuntimeError:
-                # Ray's workers die with the terminal's SIGINT; the server did not
-                if not stop.is_set():
-                    raise
+            _run_flower_engine(cfg, stop, client_app, verbose, kwargs)
     report_path = out / "privacy_report.json"
     if not report_path.exists():
         raise RuntimeError(
@@ -285,6 +278,37 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     if report["rounds_completed"] < cfg.num_rounds:
         raise RunStoppedEarlyError(report)
     return report
+
+
+def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: dict) -> None:
+    """Flower's simulation engine (Ray) running the ServerApp and ``client_app``; the engine and its
+    workers import TensorFlow only for a Keras client (`corrflow.server.tensorflow_guard`)."""
+    hide = cfg.client != "keras"
+    with tensorflow_hidden_from_engine(hide, importing=True):
+        from flwr.simulation import run_simulation
+    try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
+        with tensorflow_hidden_from_engine(hide, importing=False):
+            run_simulation(
+                server_app=make_server_app(cfg, stop_event=stop, **kwargs),
+                client_app=client_app,
+                num_supernodes=cfg.num_users,
+                backend_config=_backend_config(cfg, verbose),
+            )
+    except RuntimeError as exc:
+        # Ray's workers die with the terminal's SIGINT; the server did not
+        if not stop.is_set():
+            # The engine is gone, but the ServerApp's thread would wait node-timeout for replies
+            # that cannot come (and the process for that thread): stop it, on the record.
+            stop.reason = ENGINE_FAILED
+            stop.set()
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__
+            raise CorrflowError(
+                f"{ENGINE_FAILED.split(' (')[0]}: {type(root).__name__}: {root} (Flower's "
+                f"traceback is in {cfg.state_dir}/engine.log); nothing of the round in flight was "
+                "released, and a rerun resumes from the last checkpoint"
+            ) from exc
 
 
 def _backend_config(cfg: RunConfig, verbose: bool = True) -> dict:

@@ -374,7 +374,8 @@ def run_rounds(
         and not strategy.stopped_reason
         and strategy.next_round < strategy.cfg.num_rounds
     ):
-        why = strategy.run.noise.lost or INTERRUPTED  # the noise workers' head, or a signal
+        # the engine's failure (its ``reason``), the noise workers' head, or a signal
+        why = getattr(stop, "reason", None) or strategy.run.noise.lost or INTERRUPTED
         strategy.run.stop(
             f"{why} before round {strategy.next_round + 1} of "
             f"{strategy.cfg.num_rounds}; nothing of that round was released"

@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 
 from corrflow.errors import CorrflowError, IntegrityError
 from corrflow.protocol import PROBE_ACTION, PROBE_KEY, REPLY_KEY
+from corrflow.strategies.messaging import exchange
 
 log = logging.getLogger("corrflow")
 
@@ -52,11 +53,27 @@ def key_fingerprint(public_key: bytes) -> str:
     return "key-" + hashlib.sha256(bytes(public_key)).hexdigest()[:24]
 
 
-def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
+def wait_for_nodes(grid: Grid, expected: int, timeout: float, stop=None) -> list[int]:
     """Nodes register asynchronously, also in simulation: wait for ``expected`` of them, saying
-    so."""
+    so.
+
+    Args:
+        grid: the grid the nodes register with.
+        expected: how many.
+        timeout: seconds before giving up.
+        stop: a ``threading.Event`` that ends the wait at once (a signal, or an engine that
+            failed: its ``reason`` attribute says which).
+
+    Returns:
+        The node ids, sorted.
+
+    Raises:
+        CorrflowError: fewer nodes within ``timeout``, or ``stop`` set; nothing was trained.
+    """
     start, last = time.monotonic(), -1
     while len(nodes := sorted(int(n) for n in grid.get_node_ids())) < expected:
+        if stop is not None and stop.is_set():
+            raise _stopped(stop, f"waiting for SuperNodes ({len(nodes)} of {expected} connected)")
         if len(nodes) != last:
             log.info(
                 "waiting for %d SuperNodes (%d connected; giving up after %.0f s)",
@@ -74,12 +91,25 @@ def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
     return nodes
 
 
+def _stopped(stop, what: str) -> CorrflowError:
+    """The error of a start that ``stop`` ended before round 1, while doing ``what``."""
+    why = getattr(stop, "reason", None) or "interrupted by the operator (SIGINT/SIGTERM)"
+    return CorrflowError(f"{why}: stopped while {what}; nothing was trained")
+
+
 def resolve(
-    grid: Grid, nodes: list[int], source: str, *, timeout: float = 120.0, strict: bool = True
+    grid: Grid,
+    nodes: list[int],
+    source: str,
+    *,
+    timeout: float = 120.0,
+    strict: bool = True,
+    stop=None,
 ) -> dict[int, str]:
     """node id → stable user id for ``nodes`` under ``source``. ``strict``: a node that cannot
     report raises `IdentityError` naming it; otherwise it is left out (a node that joined
-    mid-run stays unscheduled)."""
+    mid-run stays unscheduled). ``stop`` (a ``threading.Event``) ends a probe at once, raising
+    CorrflowError."""
     if source == "per-launch":
         return {n: f"launch-node-{n}" for n in nodes}
     if source == "node-key":
@@ -92,7 +122,7 @@ def resolve(
         fix = "enable SuperNode authentication (see deploy/), or declare another identity source"
     else:
         started = time.monotonic()
-        users, errors = _probe(grid, nodes, source, timeout)
+        users, errors = _probe(grid, nodes, source, timeout, stop)
         fix = PROBE_FIX
         if any(why == NO_ANSWER for why in errors.values()):
             fix = (
@@ -119,7 +149,7 @@ def resolve(
 
 
 def _probe(
-    grid: Grid, nodes: list[int], source: str, timeout: float
+    grid: Grid, nodes: list[int], source: str, timeout: float, stop=None
 ) -> tuple[dict[int, str], dict[int, str]]:
     # A QUERY of corrflow's own action: an app without corrflow's handler answers with Flower's "no
     # query function registered" error before any of its code runs (a TRAIN probe would reach the
@@ -138,7 +168,11 @@ def _probe(
             for n in nodes[start : start + PROBE_CHUNK]
         ]
         left = max(1.0, deadline - time.monotonic())
-        _read_probe_replies(grid.send_and_receive(probes, timeout=left), users, errors)
+        if stop is None:
+            replies = grid.send_and_receive(probes, timeout=left)
+        elif (replies := exchange(grid, probes, left, stop)) is None:
+            raise _stopped(stop, "asking the SuperNodes for their identity")
+        _read_probe_replies(replies, users, errors)
     return users, errors
 
 

@@ -11,7 +11,6 @@ strategy."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -110,16 +109,16 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
     source = spec.cfg.identity or ids.default_identity(grid)
     if source == "per-launch" and resume.checkpoint is not None:
         raise IntegrityError(
-            f"{resume.checkpoint}: identity = per-launch runs cannot resume (every launch gives "
-            "the nodes new identities, so the ledger could not follow them); start a new run with "
-            "--fresh"
+            f"{resume.checkpoint.path}: identity = per-launch runs cannot resume (every launch "
+            "gives the nodes new identities, so the ledger could not follow them); start a new run "
+            "with --fresh"
         )
     cfg = spec.cfg.replace(num_users=population(grid, spec, resume))
     if spec.population_check is not None:
         spec.population_check(cfg.num_users)
     log.info("corrflow: run directory %s, identity %s", spec.run_dir, source)
-    nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout)
-    directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout)
+    nodes = ids.wait_for_nodes(grid, cfg.num_users, cfg.node_timeout, spec.stop_event)
+    directory = ids.resolve(grid, nodes, source, timeout=cfg.node_timeout, stop=spec.stop_event)
     arrays, names = model_arrays(spec.initial)
     plan = prepare(cfg, list(directory.values()), arrays, names, source)
     # A Flower app's evaluate_fn is the run's server-side evaluation: its loss is checkpointed with
@@ -162,9 +161,7 @@ def population(grid: Grid, spec: RunSpec, resume: ResumePoint) -> int:
     if spec.cfg.num_users is not None:
         return spec.cfg.num_users
     if resume.checkpoint is not None:
-        return int(
-            json.loads((resume.checkpoint / "state.json").read_text())["settings"]["num_users"]
-        )
+        return int(resume.checkpoint.public["settings"]["num_users"])
     count = len(ids.wait_for_nodes(grid, spec.min_nodes, spec.cfg.node_timeout))
     stable_since = time.monotonic()
     while time.monotonic() - stable_since < SETTLE_SECONDS:

@@ -59,6 +59,7 @@ from corrflow.fileio import write_json
 from corrflow.paths import run_directory
 from corrflow.planning.recipe import install_factorization, load_recipe
 from corrflow.progress import round_line
+from corrflow.run.checkpoint import has_checkpoint
 from corrflow.strategies.canaries import (
     MIN_CANARIES,
     CanaryGrid,
@@ -301,7 +302,7 @@ class DifferentialPrivacyCorrelatedNoise(Strategy):
             check_inner_population(self.inner, cfg.num_users)
         if self.plan is not None:
             install_factorization(
-                *self.plan, cfg, replace=self.fresh or not (cfg.checkpoint_dir / "CURRENT").exists()
+                *self.plan, cfg, replace=self.fresh or not has_checkpoint(cfg.checkpoint_dir)
             )
         auditing = self._audit_grid(grid, cfg, initial_arrays) if self.canaries else None
         if auditing is not None:

@@ -1,0 +1,78 @@
+"""Keep TensorFlow out of Flower's simulation engine when the clients do not use it.
+
+Flower 1.41/1.42's simulation engine imports TensorFlow whenever it is installed
+(``flwr.simulation.ray_transport.utils`` runs ``import tensorflow`` at import time, only to offer
+GPU memory growth): in the process that starts the engine and in every Ray worker that runs
+ClientApps. With the ``keras`` extra installed that costs about 4.5 CPU-s per process before round
+1, for clients that never touch TensorFlow.
+
+For a numpy client, corrflow therefore:
+
+- imports the engine with ``sys.modules["tensorflow"] = None`` (Python's documented way to make
+  ``import tensorflow`` raise ModuleNotFoundError, which Flower catches), removed right after, so
+  that corrflow's own optional TensorFlow use (the TensorFlow noise backend) still imports it;
+- sets ``RAY_RUNTIME_ENV_HOOK`` while the engine runs: Ray calls that hook on the runtime
+  environment Flower passes to ``ray.init`` (Flower sets its own ``runtime_env``, so the backend
+  config cannot carry one), and the hook adds a ``worker_process_setup_hook`` that does the same
+  in each worker before any actor starts.
+
+A Keras client's simulation, and a process whose ``RAY_RUNTIME_ENV_HOOK`` is set already, are left
+as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+RAY_HOOK = "RAY_RUNTIME_ENV_HOOK"
+#: Ray's per-worker setup hook (``runtime_env["worker_process_setup_hook"]``).
+WORKER_SETUP_HOOK = f"{__name__}.hide_tensorflow_in_worker"
+
+
+def with_worker_setup_hook(runtime_env: dict | None) -> dict:
+    """``RAY_RUNTIME_ENV_HOOK`` for an engine whose clients do not use TensorFlow.
+
+    Args:
+        runtime_env: the runtime environment ``ray.init`` was given (None: none).
+
+    Returns:
+        It, with ``worker_process_setup_hook`` set unless it named one.
+    """
+    return {"worker_process_setup_hook": WORKER_SETUP_HOOK, **(runtime_env or {})}
+
+
+def hide_tensorflow_in_worker() -> None:
+    """In a Ray worker of such an engine: ``import tensorflow`` fails at once (the worker's
+    ClientApps never need it; a TensorFlow already imported is kept)."""
+    sys.modules.setdefault("tensorflow", None)
+
+
+@contextmanager
+def tensorflow_hidden_from_engine(hide: bool, importing: bool) -> Iterator[None]:
+    """While the block runs, when ``hide``: with ``importing`` (and TensorFlow not imported yet),
+    ``import tensorflow`` raises ModuleNotFoundError; else (and no ``RAY_RUNTIME_ENV_HOOK`` set) a
+    Ray started in the block hides TensorFlow from its workers. Afterwards both are as they were.
+
+    Args:
+        hide: the clients do not use TensorFlow.
+        importing: the block imports the engine (rather than running it).
+    """
+    busy = "tensorflow" in sys.modules if importing else RAY_HOOK in os.environ
+    if not hide or busy:
+        yield
+        return
+    if importing:
+        sys.modules["tensorflow"] = None
+    else:
+        os.environ[RAY_HOOK] = f"{__name__}.with_worker_setup_hook"
+    try:
+        yield
+    finally:
+        if importing:
+            if "tensorflow" in sys.modules and sys.modules["tensorflow"] is None:
+                del sys.modules["tensorflow"]
+        else:
+            os.environ.pop(RAY_HOOK, None)
