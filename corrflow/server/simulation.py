@@ -221,8 +221,8 @@ def new_files_undo(out: Path):
     return undo
 
 
-#: The report's ``stopped_reason`` when Flower's simulation engine fails under a running ServerApp.
-ENGINE_FAILED = "Flower's simulation engine failed (its error is in engine.log)"
+#: Why a run stops when Flower's simulation engine fails under its running ServerApp.
+ENGINE_FAILED = "Flower's simulation engine failed"
 
 #: From this population on, a run on Flower's simulation engine is warned of its cost (below).
 FLOWER_ENGINE_WARN_USERS = 5_000
@@ -299,13 +299,13 @@ def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: 
         if not stop.is_set():
             # The engine is gone, but the ServerApp's thread would wait node-timeout for replies
             # that cannot come (and the process for that thread): stop it, on the record.
-            stop.reason = ENGINE_FAILED
+            stop.reason = f"{ENGINE_FAILED} (its error is in engine.log)"
             stop.set()
             root = exc
             while root.__cause__ is not None:
                 root = root.__cause__
             raise CorrflowError(
-                f"{ENGINE_FAILED.split(' (')[0]}: {type(root).__name__}: {root} (Flower's "
+                f"{ENGINE_FAILED}: {type(root).__name__}: {root} (Flower's "
                 f"traceback is in {cfg.state_dir}/engine.log); nothing of the round in flight was "
                 "released, and a rerun resumes from the last checkpoint"
             ) from exc
