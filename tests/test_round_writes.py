@@ -13,11 +13,19 @@ import json
 import os
 import shutil
 import stat
+import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_support import checkpoint, checkpoint_file, replace_member, secret_file
+from checkpoint_support import (
+    checkpoint,
+    checkpoint_file,
+    read_member,
+    replace_member,
+    secret_file,
+)
 from strategy_support import HANDLERS, KEY, forget_last_release
 from strategy_support import small_config as _cfg
 from test_run import INITIAL, USERS, _rounds
@@ -161,6 +169,10 @@ def _flip(path: Path, at: int) -> None:
         ("truncate", CHECKPOINT),
         ("older-copy", "older than what was released"),
         ("foreign", f"{CHECKPOINT}:MANIFEST.json: the HMAC"),
+        ("compressed", "a compressed member"),
+        ("duplicate-member", "a member name appears twice"),
+        ("non-hex-hmac", "MANIFEST.json: unreadable manifest"),
+        ("no-secret-entry", "MANIFEST.json: unreadable manifest"),
     ],
 )
 def test_an_edited_truncated_or_swapped_checkpoint_or_secret_is_refused(
@@ -198,6 +210,23 @@ def test_an_edited_truncated_or_swapped_checkpoint_or_secret_is_refused(
             plan = prepare(_cfg(other), USERS, INITIAL, identity="partition-id")
             _rounds(Run.start(plan, INITIAL, open_run_directory(other), noise_key=KEY), 2)
         shutil.copyfile(checkpoint_file(other), ckpt)
+    elif fault in ("compressed", "duplicate-member"):  # the same bytes, repacked
+        with zipfile.ZipFile(ckpt) as z:
+            parts = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+        if fault == "duplicate-member":
+            parts.insert(0, ("state.json", b"{}"))
+        method = zipfile.ZIP_DEFLATED if fault == "compressed" else zipfile.ZIP_STORED
+        with warnings.catch_warnings(), zipfile.ZipFile(ckpt, "w", method) as z:
+            warnings.simplefilter("ignore")  # zipfile warns of the duplicate name
+            for name, data in parts:
+                z.writestr(name, data)
+    elif fault in ("non-hex-hmac", "no-secret-entry"):
+        manifest = json.loads(read_member(run_dir, "MANIFEST.json"))
+        if fault == "non-hex-hmac":
+            manifest["hmac"] = "é" * 64  # hmac.compare_digest would raise TypeError on it
+        else:
+            del manifest["secrets"][SECRET]
+        replace_member(run_dir, "MANIFEST.json", json.dumps(manifest).encode())
     with pytest.raises(IntegrityError, match=names):
         check_resume(run_dir)
 
@@ -238,6 +267,20 @@ def _to_legacy_layout(state: Path, momentum_file: bool) -> None:
     lines = (run_dir / JOURNAL).read_text().splitlines(keepends=True)
     (run_dir / JOURNAL).write_text("".join(lines[:-1]))
     forget_last_release(run_dir)
+
+
+def test_previous_layout_directories_left_without_their_pointer_are_removed(tmp_path):
+    """A kill while the previous layout was being removed can leave its directories (copies of the
+    secrets) without ``CURRENT``: the next start's first round removes them."""
+    cfg, left = _cfg(tmp_path / "run"), tmp_path / "run" / "state" / "round-000001"
+
+    def leave_a_directory(run_dir: Path) -> None:
+        left.mkdir()
+        (left / SECRET).write_bytes(secret_file(run_dir, SECRET).read_bytes())
+
+    _split(cfg, 1, bytes(range(16, 32)), between=leave_a_directory)
+    assert not left.exists() and not (left.parent / POINTER).exists()
+    assert checkpoint(cfg.state_dir).public["next_round"] == cfg.num_rounds
 
 
 def test_checkpoints_of_the_earlier_layouts_resume_bit_for_bit(tmp_path):

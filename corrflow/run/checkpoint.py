@@ -5,12 +5,16 @@ never a mix.
 
 The file is an uncompressed zip (``ZIP_STORED``; `zipfile`, readable with any unzip tool, nothing
 pickled): the model and the optimizer's momentum as ``.npy`` members (``model/<i>.npy``,
-``momentum/<i>.npy``), the public state (``state.json``), the noise stream's public state
-(``noise/…``: `corrflow.noise.engine.state_parts`, a sharded stream's ``shards.json``, a noise
-node's receipts) and, last, ``MANIFEST.json``: the SHA-256 of every member and of every secret
-file the checkpoint depends on, authenticated by an HMAC keyed by the run's server secret. An
-edited, truncated or swapped checkpoint, an edited or missing secret is refused on load with an
-`IntegrityError` naming the file (and the member).
+``momentum/<i>.npy``), the run's state (``state.json``), the noise stream's state (``noise/…``:
+`corrflow.noise.engine.state_parts` — a BLT run's noise buffer among them, so the file is as
+private as the secrets and written 0600 —, a sharded stream's ``shards.json``, a noise node's
+receipts) and, last, ``MANIFEST.json``: the SHA-256 of every member and of every secret file the
+checkpoint depends on, authenticated by an HMAC keyed by the run's server secret. An edited,
+truncated or swapped checkpoint, an edited or missing secret is refused on load with an
+`IntegrityError` naming the file (and the member); so is a zip this module does not write (a
+compressed or repeated member, members larger than the file), before any member is read. The HMAC
+detects corruption, mistaken edits and another run's files, not a writer of ``state/``, who could
+replace the secrets too (docs "Threat model").
 
 The run's secrets — report salt, server secret, an amplified run's sampler key, the noise key and
 its key segments — live apart in ``state/secrets/`` (0700, each file 0600, written atomically),
@@ -301,9 +305,23 @@ def load_checkpoint(state_dir: str | os.PathLike) -> Checkpoint | None:
     return None
 
 
+def _check_entries(path: Path, z: zipfile.ZipFile) -> None:
+    """Refuse, before reading a member, a zip this module would not have written: a compressed or
+    repeated member, or members whose sizes add up to more than the file (an overlapping-entry zip
+    bomb)."""
+    infos, names = z.infolist(), z.namelist()
+    if len(set(names)) != len(names):
+        raise IntegrityError(f"{path}: a member name appears twice (not a corrflow checkpoint)")
+    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        raise IntegrityError(f"{path}: a compressed member (corrflow checkpoints are stored)")
+    if sum(i.file_size for i in infos) > path.stat().st_size:
+        raise IntegrityError(f"{path}: its members are larger than the file (overlapping entries)")
+
+
 def _load_file(path: Path) -> Checkpoint:
     try:
         with zipfile.ZipFile(path) as z:
+            _check_entries(path, z)
             raw = z.read(MANIFEST)
             data = {n: z.read(n) for n in z.namelist() if n != MANIFEST}
     except KeyError:
@@ -315,6 +333,9 @@ def _load_file(path: Path) -> Checkpoint:
         body = {k: manifest[k] for k in ("format", "checkpoint", "members", "secrets")}
         members, secret_files = dict(body["members"]), dict(body["secrets"])
         mac = str(manifest["hmac"])
+        int(mac, 16)  # a hex digest, or the comparison below could not run
+        if len(mac) != 64 or SECRET not in secret_files or PUBLIC not in members:
+            raise ValueError(f"no 64-hex-digit hmac, {SECRET} entry or {PUBLIC} member")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(f"{path}:{MANIFEST}: unreadable manifest ({exc})") from None
     if body["format"] != FORMAT:
@@ -419,11 +440,22 @@ def remove_stale_temporaries(state_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def remove_previous_layout(state_dir: str | os.PathLike) -> None:
-    """After this layout's checkpoint is published: remove the previous layout's pointer and
-    checkpoint directories (they hold copies of the secrets)."""
+def has_previous_layout(state_dir: str | os.PathLike) -> bool:
+    """Whether the previous layout's pointer or any of its checkpoint directories is left."""
     root = Path(state_dir)
-    (root / POINTER).unlink(missing_ok=True)
+    return (root / POINTER).exists() or any(p.is_dir() for p in root.glob("round-*"))
+
+
+def remove_previous_layout(state_dir: str | os.PathLike) -> None:
+    """After this layout's checkpoint is published: remove the previous layout's checkpoint
+    directories (they hold copies of the secrets), then its pointer — in that order, so that a kill
+    in between leaves something `has_previous_layout` finds and the next start removes.
+
+    Raises:
+        OSError: a directory that could not be removed (its secrets would stay behind unnoticed).
+    """
+    root = Path(state_dir)
     for old in root.glob("round-*"):
         if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old)
+    (root / POINTER).unlink(missing_ok=True)

@@ -20,13 +20,13 @@ from corrflow.accounting.report import hash_user_id
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.run.checkpoint import (
-    POINTER,
     SALT,
     SAMPLER_KEY,
     SECRET,
     Checkpoint,
     Published,
     SecretFiles,
+    has_previous_layout,
     remove_previous_layout,
     write_checkpoint,
 )
@@ -63,7 +63,7 @@ class RunStore:
         )
         # files of the previous layout (a resumed one, or one a kill left after its conversion):
         # removed after this start's first publish
-        self._old_layout = (self.state_dir / POINTER).exists()
+        self._old_layout = has_previous_layout(self.state_dir)
         # Facts of the frozen plan every checkpoint records: computed once per start, not per round
         # (the factorization's hash reads all of its arrays).
         plan = recorder.plan
