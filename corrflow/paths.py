@@ -68,7 +68,9 @@ def writable_directory(path: str | os.PathLike, flag: str) -> Path:
         raise InvalidArgumentError(flag, f"a directory path ({base} is a file)", str(p))
     if (exc := _probe_writable(base)) is not None:
         raise InvalidArgumentError(
-            flag, f"a writable directory ({base}: {exc.strerror or exc})", str(p)
+            flag,
+            f"a writable directory (creating a file in {base} failed: {exc.strerror or exc})",
+            str(p),
         )
     return p
 

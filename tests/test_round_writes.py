@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -336,3 +338,22 @@ def test_a_resumed_start_writes_its_key_segments_once_beside_the_published_ones(
         e["file"] for e in files.values()
     )
     assert SAMPLER_KEY not in files  # an unamplified run has no sampler key
+
+
+def test_a_finished_runs_rerun_checks_its_ledger_before_vouching_for_it(tmp_path):
+    """Rerunning a finished run prints its report without starting the run; its ledger log (the
+    participation the report's ε is accounted on) is still checked against the checkpoint, as a
+    resume checks it: an edited ledger is refused (exit 1, naming the file)."""
+    command = [sys.executable, "-m", "corrflow.server.cli", "simulate", "--users", "12"]
+    command += ["--rounds", "4", "--epochs", "2", "--noise-multiplier", "0.5"]
+    command += ["--backend", "inprocess", "--out", str(tmp_path / "run")]
+
+    def simulate():
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    assert (first := simulate()).returncode == 0, first.stderr[-2000:]
+    assert (again := simulate()).returncode == 0 and "already complete" in again.stderr
+    _flip(tmp_path / "run" / "state" / "ledger.jsonl", 5)
+    edited = simulate()
+    assert edited.returncode == 1 and "Traceback" not in edited.stderr
+    assert "ledger.jsonl: does not match the checkpoint's record" in edited.stderr

@@ -22,7 +22,7 @@ from corrflow.config import RunConfig
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.planning.learnability import held_out_summary
 from corrflow.run.checkpoint import has_checkpoint
-from corrflow.run.resume import preflight, settings_conflict
+from corrflow.run.resume import preflight, settings_conflict, verify_finished_ledger
 
 #: The engines a simulation runs on (`corrflow.server.simulation.simulate`'s ``backend``): a new
 # one is a line here.
@@ -123,6 +123,10 @@ def _check_resume(cfg: RunConfig, out: Path, fresh: bool) -> bool:
     if done < cfg.num_rounds:
         typer.echo(f"resuming: {done} of {cfg.num_rounds} rounds already released", err=True)
     else:
+        try:
+            verify_finished_ledger(out)
+        except CorrflowError as exc:
+            fail(exc)
         typer.echo(
             f"already complete: all {cfg.num_rounds} rounds were released; nothing to train "
             "(--fresh starts a new run)",

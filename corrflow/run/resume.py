@@ -39,6 +39,7 @@ from corrflow.run.checkpoint import (
     remove_stale_temporaries,
 )
 from corrflow.run.journal import JOURNAL, JournalEntry, ReleaseJournal
+from corrflow.run.ledger import LEDGER_LOG, LedgerLog, LogPosition
 from corrflow.run.noise_shards import SHARD_ROOT
 
 log = logging.getLogger("corrflow")
@@ -210,6 +211,24 @@ def preflight(run_dir: str | os.PathLike) -> ResumePoint:
     again."""
     with RunLock(run_dir):
         return check_resume(run_dir)
+
+
+def verify_finished_ledger(run_dir: str | os.PathLike) -> None:
+    """Check a run's ledger log against its published checkpoint, as a resume does: a rerun of a
+    finished run prints its report without starting the run, and must not vouch for a ledger that
+    was edited since (the participation its ε is accounted on).
+
+    Args:
+        run_dir: the run directory (its ``state/``).
+
+    Raises:
+        IntegrityError: the ledger log does not match the checkpoint's record of it.
+    """
+    with RunLock(run_dir):
+        ckpt = load_checkpoint(Path(run_dir) / STATE)
+        if ckpt is not None and "ledger_log" in ckpt.public:
+            position = LogPosition.from_dict(ckpt.public["ledger_log"])
+            LedgerLog(Path(run_dir) / STATE / LEDGER_LOG, position).read()
 
 
 def settings_conflict(state_dir: str | os.PathLike, settings: dict) -> str | None:
