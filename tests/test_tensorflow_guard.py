@@ -14,7 +14,7 @@ import pytest
 from corrflow.server.tensorflow_guard import (
     RAY_HOOK,
     WORKER_SETUP_HOOK,
-    tensorflow_hidden_from_engine,
+    ray_workers_without_tensorflow,
     with_worker_setup_hook,
 )
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(
 
 IMPORT_ENGINE = """
 import sys
-from corrflow.server.tensorflow_guard import tensorflow_hidden_from_engine
-with tensorflow_hidden_from_engine({hide}, importing=True):
+from corrflow.server.tensorflow_guard import tensorflow_absent
+with tensorflow_absent({hide}):
     import flwr.simulation
 from flwr.simulation.ray_transport import utils
 import importlib.util
@@ -50,15 +50,15 @@ def test_the_engine_imported_under_the_guard_leaves_tensorflow_unimported_but_im
 def test_a_ray_started_under_the_guard_hides_tensorflow_from_its_workers(monkeypatch):
     monkeypatch.delenv(RAY_HOOK, raising=False)
     flower = {"env_vars": {"PYTHONPATH": "/app"}}
-    with tensorflow_hidden_from_engine(True, importing=False):
+    with ray_workers_without_tensorflow(True):
         module, _, name = os.environ[RAY_HOOK].rpartition(".")
         hook = getattr(importlib.import_module(module), name)
         assert hook(flower) == {**flower, "worker_process_setup_hook": WORKER_SETUP_HOOK}
     assert RAY_HOOK not in os.environ
-    with tensorflow_hidden_from_engine(False, importing=False):  # a Keras client: untouched
+    with ray_workers_without_tensorflow(False):  # a Keras client: untouched
         assert RAY_HOOK not in os.environ
     monkeypatch.setenv(RAY_HOOK, "users.own_hook")  # the user's own hook is kept
-    with tensorflow_hidden_from_engine(True, importing=False):
+    with ray_workers_without_tensorflow(True):
         assert os.environ[RAY_HOOK] == "users.own_hook"
     assert os.environ[RAY_HOOK] == "users.own_hook"
     assert with_worker_setup_hook(None) == {"worker_process_setup_hook": WORKER_SETUP_HOOK}

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from corrflow.accounting.accountant import LEGACY_NAMES
-from corrflow.accounting.report import hash_user_id
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.errors import IntegrityError, InvalidArgumentError
 from corrflow.run.checkpoint import (
@@ -153,7 +152,6 @@ class RunStore:
             cohort: its users (None: read from the ledger).
         """
         rec = self._rec
-        salt = rec.keys.salt
         if cohort is None:
             cohort = (u for u, rs in rec.state.ledger.selected.items() if t in rs)
         else:
@@ -161,7 +159,7 @@ class RunStore:
             rec.users.commit_round(
                 rec.state.ledger.selected, cohort, rec.hashed, rec.ledger_log.position
             )
-        users = [hash_user_id(u, salt) for u in sorted(set(cohort))]
+        users = [rec.hashed(u) for u in sorted(set(cohort))]  # hashed once per run start
         entry = self._journal.append(
             rec.keys.secret,
             run_id=rec.keys.run_id,

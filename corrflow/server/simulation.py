@@ -28,7 +28,7 @@ from corrflow.server.app import make_server_app, run_cohort_server, run_server
 from corrflow.server.cohort_backend import check_supported
 from corrflow.server.inprocess import InProcessGrid
 from corrflow.server.noise_node_sim import check_noise_node, noise_node_grid, running_noise_node
-from corrflow.server.tensorflow_guard import tensorflow_hidden_from_engine
+from corrflow.server.tensorflow_guard import ray_workers_without_tensorflow, tensorflow_absent
 from corrflow.strategies.correlated import INTERRUPTED
 
 log = logging.getLogger("corrflow")
@@ -284,10 +284,10 @@ def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: 
     """Flower's simulation engine (Ray) running the ServerApp and ``client_app``; the engine and its
     workers import TensorFlow only for a Keras client (`corrflow.server.tensorflow_guard`)."""
     hide = cfg.client != "keras"
-    with tensorflow_hidden_from_engine(hide, importing=True):
+    with tensorflow_absent(hide):
         from flwr.simulation import run_simulation
     try:  # run_simulation is deprecated, but the only in-process engine of flwr 1.41/1.42
-        with tensorflow_hidden_from_engine(hide, importing=False):
+        with ray_workers_without_tensorflow(hide):
             run_simulation(
                 server_app=make_server_app(cfg, stop_event=stop, **kwargs),
                 client_app=client_app,

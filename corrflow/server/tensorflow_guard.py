@@ -51,28 +51,38 @@ def hide_tensorflow_in_worker() -> None:
 
 
 @contextmanager
-def tensorflow_hidden_from_engine(hide: bool, importing: bool) -> Iterator[None]:
-    """While the block runs, when ``hide``: with ``importing`` (and TensorFlow not imported yet),
-    ``import tensorflow`` raises ModuleNotFoundError; else (and no ``RAY_RUNTIME_ENV_HOOK`` set) a
-    Ray started in the block hides TensorFlow from its workers. Afterwards both are as they were.
+def tensorflow_absent(hide: bool) -> Iterator[None]:
+    """While the block runs, when ``hide`` (and TensorFlow is not imported yet), ``import
+    tensorflow`` raises ModuleNotFoundError; afterwards it imports as usual.
 
     Args:
         hide: the clients do not use TensorFlow.
-        importing: the block imports the engine (rather than running it).
     """
-    busy = "tensorflow" in sys.modules if importing else RAY_HOOK in os.environ
-    if not hide or busy:
+    if not hide or "tensorflow" in sys.modules:
         yield
         return
-    if importing:
-        sys.modules["tensorflow"] = None
-    else:
-        os.environ[RAY_HOOK] = f"{__name__}.with_worker_setup_hook"
+    sys.modules["tensorflow"] = None
     try:
         yield
     finally:
-        if importing:
-            if "tensorflow" in sys.modules and sys.modules["tensorflow"] is None:
-                del sys.modules["tensorflow"]
-        else:
-            os.environ.pop(RAY_HOOK, None)
+        if "tensorflow" in sys.modules and sys.modules["tensorflow"] is None:
+            del sys.modules["tensorflow"]
+
+
+@contextmanager
+def ray_workers_without_tensorflow(hide: bool) -> Iterator[None]:
+    """While the block runs, when ``hide`` (and no ``RAY_RUNTIME_ENV_HOOK`` is set), a Ray started
+    in it hides TensorFlow from its workers (`with_worker_setup_hook`); afterwards the variable is
+    unset again.
+
+    Args:
+        hide: the clients do not use TensorFlow.
+    """
+    if not hide or RAY_HOOK in os.environ:
+        yield
+        return
+    os.environ[RAY_HOOK] = f"{__name__}.with_worker_setup_hook"
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_HOOK, None)
