@@ -37,7 +37,7 @@ already trained.
 
 Usage: python benchmarks/utility.py [--preset quick|large|stackoverflow] [--epsilons 1,2,4,8,16]
 [--seeds 3] [--rounds N] [--kinds toeplitz] [--no-amplified] [--backend B] [--eval-every N]
-[--out DIR]
+[--jobs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -224,6 +224,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None, help="default: 1 (stackoverflow: 50)")
     ap.add_argument("--no-amplified", dest="amplified", action="store_false")
     ap.add_argument(
+        "--jobs", type=int, default=1, help="arms trained at once, one process each (default 1)"
+    )
+    ap.add_argument(
         "--out", default=None, help="keep the comparison here (default: a temporary directory)"
     )
     args = ap.parse_args()
@@ -250,6 +253,7 @@ def main() -> None:
             progress=stderr_progress,
             epsilons=epsilons,
             amplified=args.amplified,
+            jobs=args.jobs,
         )
     except (RunInterruptedError, KeyboardInterrupt):
         print(
@@ -318,6 +322,7 @@ def main() -> None:
                 "regime": regime_targets(res, res["cpu_seconds"])
                 if args.preset == "stackoverflow"
                 else None,
+                "jobs": args.jobs,
                 "wall_seconds": res["seconds"],
                 "cpu_seconds": res["cpu_seconds"],
                 "plots": res["plots"],

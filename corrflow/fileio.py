@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -92,6 +92,18 @@ def write_json(path: str | os.PathLike, obj, *, private: bool = False, **dumps) 
     file as it is encoded: a report listing every user is never held as one string as well."""
     with atomic_file(path, "w", private=private) as f:
         json.dump(obj, f, **dumps)
+    return Path(path)
+
+
+def write_json_rows(path: str | os.PathLike, rows: Iterable, *, private: bool = False) -> Path:
+    """A JSON array written atomically with one element per line: as readable as an indented
+    array of flat records, and encoded by json's C encoder (an ``indent`` falls back to the
+    pure-Python one, which dominated a 2,052-round run's metrics rewrites)."""
+    with atomic_file(path, "w", private=private) as f:
+        f.write("[")
+        for i, row in enumerate(rows):
+            f.write(("\n" if i == 0 else ",\n") + json.dumps(row))
+        f.write("\n]\n")
     return Path(path)
 
 

@@ -255,8 +255,9 @@ def test_plots_are_valid_pngs(tiny):
 def test_one_seed_reproduces_its_numbers_but_not_its_noise(tiny, tmp_path, home, monkeypatch):
     first, _, _ = tiny
     monkeypatch.setenv("CORRFLOW_HOME", str(home))  # the module's plan cache: planning is a lookup
-    # ε: the preset's (8); the backend the module's comparison ran on
-    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path, backend="cohort")
+    # ε: the preset's (8); the backend the module's comparison ran on; two arms at once, each in
+    # its own process, give what one at a time gave
+    again = compare(PRESETS["tiny"], ["toeplitz"], tmp_path, backend="cohort", jobs=2)
     assert list(again["epsilons"]) == ["8"] and set(again["epsilons"]["8"]["arms"]) == ARMS - {
         "toeplitz-amplified"
     }
@@ -319,6 +320,8 @@ def test_gap_closed_and_bad_arguments(tmp_path):
         (("--epsilons", "2,-1"), "--epsilons"),
         (("--epsilons", "2,8", "--target-epsilon", "8"), "--target-epsilon"),
         (("--epsilon", "8", "--target-epsilon", "8"), "--epsilon"),  # the deprecated spelling
+        (("--jobs", "0"), "--jobs"),
+        (("--jobs", "2", "--backend", "flower"), "--jobs"),
     ):
         proc = cli(*args, "--out", str(tmp_path / "w"))
         assert proc.returncode == 2 and flag in proc.stderr and not (tmp_path / "w").exists(), (

@@ -25,6 +25,7 @@ from corrflow.errors import CorrflowError, DataFormatError, IntegrityError, Inva
 from corrflow.factorization.registry import KINDS
 from corrflow.paths import writable_directory
 from corrflow.planning.score import Damping
+from corrflow.server.arm_pool import check_jobs
 
 #: The settings' and the presets' names for the settings compare's flags set.
 _FLAGS = {
@@ -45,6 +46,7 @@ _FLAGS = {
     "vocab-path": "--vocab",
     "kappa": "--kappa",
     "proxy-data": "--proxy-data",
+    "jobs": "--jobs",
 }
 
 PresetName = Annotated[
@@ -110,6 +112,13 @@ ProxyData = Annotated[
     ),
 ]
 ProxyVocab = Annotated[Path | None, typer.Option(help="the vocabulary of --proxy-data")]
+Jobs = Annotated[
+    int,
+    typer.Option(
+        help="arms trained at once, each in its own process (results as with 1; about one core "
+        "each; 1 with --backend flower)"
+    ),
+]
 
 
 def compare_command(
@@ -123,6 +132,7 @@ def compare_command(
     kappa: Kappa = None,
     proxy_data: ProxyData = None,
     proxy_vocab: ProxyVocab = None,
+    jobs: Jobs = 1,
     as_json: AsJson = False,
     **settings,
 ) -> None:
@@ -138,6 +148,7 @@ def compare_command(
         kind_list = _kind_list(kinds)
         values = validated_fields(cli_values(settings), "cli")
         sweep = _sweep(epsilons)
+        check_jobs(jobs, backend)
         chosen = _chosen_preset(preset, backend, seeds, values, kappa, proxy_data, proxy_vocab, out)
         record = {
             "preset": asdict(chosen),
@@ -147,7 +158,7 @@ def compare_command(
             "backend": backend,
         }
         _check_continuation(out, record)
-        result = _run_comparison(chosen, kind_list, out, sweep, record)
+        result = _run_comparison(chosen, kind_list, out, sweep, record, jobs)
         _print_result(result, out, as_json)
     except (CorrflowError, IntegrityError) as exc:
         # an arm's setting, named as typed
@@ -297,9 +308,15 @@ def _check_continuation(out: Path, record: dict) -> None:
 
 
 def _run_comparison(
-    chosen, kind_list: list[str], out: Path, sweep: tuple[float, ...] | None, record: dict
+    chosen,
+    kind_list: list[str],
+    out: Path,
+    sweep: tuple[float, ...] | None,
+    record: dict,
+    jobs: int = 1,
 ) -> dict:
-    """Train every arm (exit 130 when interrupted: the finished arms are kept)."""
+    """Train every arm, ``jobs`` at once (exit 130 when interrupted: the finished arms are
+    kept)."""
     from corrflow.server.compare import compare, stderr_progress
     from corrflow.server.simulation import RunInterruptedError, quiet_native_logs
 
@@ -316,6 +333,7 @@ def _run_comparison(
             epsilons=sweep,
             amplified=record["amplified"],
             settings=record,
+            jobs=jobs,
         )
     except (RunInterruptedError, KeyboardInterrupt):
         typer.echo(

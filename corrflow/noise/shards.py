@@ -249,7 +249,7 @@ def save_shard(gen: ShardNoise, root: str | os.PathLike) -> str:
         "factorization_sha256": gen.factorization.sha256(),
         **save_buffer(gen, d, base / RING_FILE),
     }
-    data = json.dumps(public, indent=1, sort_keys=True).encode()
+    data = json.dumps(public, sort_keys=True).encode()  # compact: the C encoder
     write_bytes(d / SHARD_STATE, data, private=True)
     for old in base.glob("round-*"):
         if old.is_dir() and int(old.name[6:]) < gen.next_round - 1:

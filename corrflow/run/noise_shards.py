@@ -523,7 +523,7 @@ class ShardedNoiseStream:
         }
         # From here the checkpoint about to be published is where a worker restarts.
         self._digests, self._saved_round = list(digests), self._next
-        return {SHARDS_FILE: json.dumps(info, indent=1, sort_keys=True).encode()}
+        return {SHARDS_FILE: json.dumps(info, sort_keys=True).encode()}
 
     def begin_segment(self, key: bytes | None) -> None:
         """A resumed run's rows from its next round on use a fresh key (`corrflow.noise.segments`),

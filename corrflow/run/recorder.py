@@ -18,7 +18,7 @@ from corrflow.accounting.report import (
     hash_user_id,
     write_report,
 )
-from corrflow.fileio import write_json
+from corrflow.fileio import write_json_rows
 from corrflow.planning.learnability import learning_section
 from corrflow.planning.regime import regime_section
 from corrflow.planning.run import total_privacy
@@ -162,4 +162,4 @@ class Recorder:
     def write_metrics(self) -> Path:
         """metrics.json: the initial model as round −1, then one entry per round, as published."""
         public = [self.disclosure.public_metrics(m) for m in self.state.metrics_history]
-        return write_json(self.run_dir / "metrics.json", [self.initial_metrics, *public], indent=1)
+        return write_json_rows(self.run_dir / "metrics.json", [self.initial_metrics, *public])

@@ -74,6 +74,7 @@ from corrflow.planning.resources import check_fits, estimate
 from corrflow.planning.run import training_budget
 from corrflow.planning.score import Damping
 from corrflow.run.journal import JOURNAL
+from corrflow.server.arm_pool import check_jobs, run_in_processes
 from corrflow.server.proxy import COHORT_CLIENTS, damping_for
 from corrflow.server.simulation import RunStoppedEarlyError, check_data_population, simulate
 from corrflow.server.verdict import DECIDED, undecided, verdict, verdict_lines
@@ -675,12 +676,14 @@ def compare(
     epsilons: tuple[float, ...] | None = None,
     amplified: bool = False,
     settings: dict | None = None,
+    jobs: int = 1,
 ) -> dict:
     """Run every arm at every ε of ``epsilons`` (default: the preset's ε) for seeds
-    0..preset.seeds−1; write ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the
-    plots against ε."""
+    0..preset.seeds−1, ``jobs`` arms at once (`corrflow.server.arm_pool`); write
+    ``comparison.json``, ``curves_eps<ε>.csv``, the per-round plots and the plots against ε."""
 
     out = Path(out_dir)
+    check_jobs(jobs, backend)
     epsilons = _checked_comparison(preset, kinds, epsilons, out)
     training = _training_budgets(preset, epsilons, out)
     started, cpu0 = time.perf_counter(), _cpu_seconds()
@@ -714,8 +717,8 @@ def compare(
                 f"ε = {eps:g}: planned {len(plans[eps].arms)} private arms in "
                 f"{planner['seconds']:.1f} s (recommended: {planner['recommended']})"
             )
-    jobs = _jobs(preset, epsilons, plans, out)
-    free, per_seed = _train_jobs(jobs, preset, backend, progress)
+    arm_jobs = _jobs(preset, epsilons, plans, out)
+    free, per_seed = _train_jobs(arm_jobs, preset, backend, progress, workers=jobs)
     result = _comparison_result(preset, kinds, backend, amplified, plans, free, per_seed)
     plots = []
     for key, entry in result["epsilons"].items():
@@ -791,32 +794,52 @@ def _jobs(preset: Preset, epsilons: tuple[float, ...], plans: dict, out: Path) -
 
 
 def _train_jobs(
-    jobs: list[tuple], preset: Preset, backend: str, progress
+    jobs: list[tuple], preset: Preset, backend: str, progress, workers: int = 1
 ) -> tuple[list[dict], dict[str, dict[str, list[dict]]]]:
-    """Train every job on ``backend`` (or keep the result an earlier, interrupted try of the same
-    comparison finished, unless it ran another configuration); the non-private results and, per
-    ε key and arm, the private ones."""
-    per_seed: dict[str, dict[str, list[dict]]] = {}
-    free: list[dict] = []
-    trained_seconds, trained = 0.0, 0
-    for i, (seed, eps, arm, run_dir) in enumerate(jobs, start=1):
-        res = _kept_result(preset, arm, seed, eps, run_dir, progress)
-        kept = res is not None
-        if not kept:
-            left = len(jobs) - i + 1
-            eta = f", ~{_duration(trained_seconds / trained * left)} left" if trained else ""
+    """Train every job on ``backend``, ``workers`` at once (or keep the result an earlier,
+    interrupted try of the same comparison finished, unless it ran another configuration); the
+    non-private results and, per ε key and arm, the private ones (in seed order, however the
+    arms finished)."""
+    results: list[dict | None] = [None] * len(jobs)
+    for i, (seed, eps, arm, run_dir) in enumerate(jobs):
+        results[i] = _kept_result(preset, arm, seed, eps, run_dir, progress)
+        if results[i] is not None:
+            _progress(progress, seed, eps, arm.name, results[i], kept=True)
+    todo = [i for i, res in enumerate(results) if res is None]
+    clock = {"seconds": 0.0, "trained": 0}
+
+    def finished(k: int, res: dict) -> None:
+        seed, eps, arm, _ = jobs[todo[k]]
+        results[todo[k]] = res
+        clock["seconds"] += res["seconds"]
+        clock["trained"] += 1
+        _progress(progress, seed, eps, arm.name, res)
+        left = len(todo) - clock["trained"]
+        if progress is not None and left:
+            eta = clock["seconds"] / clock["trained"] * left / min(workers, left)
+            progress(f"{clock['trained']} of {len(todo)} arms trained, ~{_duration(eta)} left")
+
+    calls = [(preset, jobs[i][2], jobs[i][0], jobs[i][3], backend, jobs[i][1]) for i in todo]
+    if workers > 1 and len(calls) > 1:
+        if progress is not None:
+            progress(f"training {len(calls)} arms, {min(workers, len(calls))} at once")
+        run_in_processes(run_arm, calls, workers, finished)
+    else:
+        for k, (i, call) in enumerate(zip(todo, calls, strict=True)):
+            seed, eps, arm, _ = jobs[i]
             if progress is not None:
                 progress(
-                    f"arm {i} of {len(jobs)}{eta}: {arm.name}, seed {seed}"
+                    f"arm {i + 1} of {len(jobs)}: {arm.name}, seed {seed}"
                     + ("" if eps is None else f", ε = {eps:g}")
                 )
-            res = run_arm(preset, arm, seed, run_dir, backend, eps)
-            trained_seconds, trained = trained_seconds + res["seconds"], trained + 1
+            finished(k, run_arm(*call))
+    per_seed: dict[str, dict[str, list[dict]]] = {}
+    free: list[dict] = []
+    for (_, eps, arm, _), res in zip(jobs, results, strict=True):
         if eps is None:
             free.append(res)
         else:
             per_seed.setdefault(epsilon_key(eps), {}).setdefault(arm.name, []).append(res)
-        _progress(progress, seed, eps, arm.name, res, kept=kept)
     return free, per_seed
 
 
