@@ -359,6 +359,21 @@ def test_tiny_arxiv_file_loads_and_builds_the_graph(tmp_path):
     assert len(list(reader)) == 3 and reader.filtered == 1
     assert normalize_author("Müller-Lüdenscheidt", "J.-P.", "Jr") == "muller ludenscheidt jr|j p"
     assert normalize_author("Smith", "John", key="initial") == "smith|j"
+    # a name wholly outside the Latin script keeps its letters (it was dropped from the paper's
+    # authors, escaping its bound); one with no letter at all refuses the line
+    assert normalize_author("谭九鼎") == "谭九鼎|"
+    assert normalize_author("Иванов", "И.") == "иванов|и"
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(
+        json.dumps({"id": "1", "authors": "J. Smith and 谭九鼎", "title": "t", "abstract": "a"})
+        + "\n"
+        + json.dumps({"id": "2", "authors_parsed": [["Smith", "J.", ""], ["--", "", ""]]})
+        + "\n"
+    )
+    with pytest.raises(DataFormatError, match=r"mixed.jsonl.*2.*letter or digit"):
+        list(ArxivReader(mixed))
+    skipping = ArxivReader(mixed, on_error="skip")
+    assert [p.authors for p in skipping] == [("smith|j", "谭九鼎|")] and skipping.skipped == 1
     assert split_authors("A. B. Smith (MIT), C. Jones and D. Lee") == [
         ("Smith", "A. B."),
         ("Jones", "C."),

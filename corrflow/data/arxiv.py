@@ -9,10 +9,13 @@ One line per paper, as in the public metadata snapshot::
     ["Berger", "E. L.", ""], ...], ...}
 
 Author ids come from ``authors_parsed`` when present (else from splitting ``authors``): accents and
-LaTeX accent macros removed, lower case, punctuation dropped, ``last|first``. Merging two people
-under one id only makes the per-user bound cover both (safe); splitting one person under two ids
-would weaken it, which is why ``key="initial"`` (last name + first initial, more merging) is offered
-for messy sources.
+LaTeX accent macros removed, lower case, punctuation dropped, ``last|first``; a name written wholly
+outside the Latin script keeps its own letters. A paper with an author whose last name keeps no
+letter or digit is refused (or skipped), never attributed to its other authors alone.
+
+Merging two people under one id only makes the per-user bound cover both (safe); splitting one
+person under two ids would weaken it, which is why ``key="initial"`` (last name + first initial,
+more merging) is offered for messy sources.
 """
 
 from __future__ import annotations
@@ -61,7 +64,12 @@ def _clean(name: str) -> str:
         .replace("-", " ")
         .replace(".", " ")
     )
-    return " ".join(_NOT_WORD.sub("", name).split())
+    latin = " ".join(_NOT_WORD.sub("", name).split())
+    if latin:
+        return latin
+    # a name written wholly outside the Latin script (谭九鼎, Иванов): its own letters and digits,
+    # lower-cased — dropping it would leave that author's papers unattributed to them
+    return " ".join("".join(c for c in name if c.isalnum() or c.isspace()).split())
 
 
 def normalize_author(last: str, first: str = "", suffix: str = "", key: str = "full") -> str:
@@ -142,9 +150,13 @@ class ArxivReader:
             ]
         else:
             return self._bad(line, "'authors_parsed' or a string 'authors'", None)
-        authors = tuple(dict.fromkeys(n for n in names if n.split("|")[0]))
-        if not authors:
-            return self._bad(line, "at least one author", obj.get("authors"))
+        if not names or not all(n.split("|")[0] for n in names):
+            # an author left out of a paper's authors would escape their contribution bound:
+            # the paper is refused (or skipped), never attributed to the others alone
+            return self._bad(
+                line, "authors whose last names have a letter or digit", obj.get("authors")
+            )
+        authors = tuple(dict.fromkeys(names))
         for name in ("title", "abstract", "categories"):
             if not isinstance(obj.get(name, ""), str):
                 return self._bad(line, f"a string {name!r}", obj.get(name))

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from corrflow.errors import require
 
@@ -64,7 +64,7 @@ def run_in_processes(
     Args:
         train: a module-level function (it is pickled by name).
         calls: its arguments, one tuple per arm (picklable).
-        jobs: worker processes (≥ 2; one arm at a time needs no pool).
+        jobs: worker processes (one arm at a time needs no pool, but works).
         done: called with the call's index and its result.
 
     Raises:
@@ -79,13 +79,25 @@ def run_in_processes(
         initializer=_worker_setup,
         initargs=(blas, logging.getLogger("corrflow").getEffectiveLevel()),
     )
+    waiting = iter(enumerate(calls))
+    pending: dict = {}
+
+    def top_up() -> None:
+        # never more submitted than workers: the pool would queue the rest ahead, and an arm
+        # queued there still runs after another arm's error
+        for i, args in waiting:
+            pending[pool.submit(train, *args)] = i
+            if len(pending) >= jobs:
+                return
+
     try:
-        pending = {pool.submit(train, *args): i for i, args in enumerate(calls)}
+        top_up()
         while pending:
-            finished, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
                 i = pending.pop(fut)
                 done(i, fut.result())  # an arm's error leaves through the finally below
+            top_up()
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches the workers too; a signal to this process alone must be
         # passed on, or the running arms would train to their end before the pool could close

@@ -501,13 +501,19 @@ ARM_RESULT = "arm_result.json"
 
 
 def run_arm(
-    preset: Preset, arm: Arm, seed: int, out: Path, backend: str, epsilon: float | None
+    preset: Preset,
+    arm: Arm,
+    seed: int,
+    out: Path,
+    backend: str,
+    epsilon: float | None,
+    quiet: bool = False,
 ) -> dict:
     """Train one arm for one seed in ``out``; its final metrics, verified (ε, δ) and curve (also
-    written to ``out``/`ARM_RESULT`). A run the budget guard (or anything else) stopped early
-    is returned with ``stopped`` saying why. An earlier, unfinished run in ``out`` (an interrupted
-    comparison) is moved aside, never deleted, and the arm restarts afresh (``restarted``: the
-    rounds it had released)."""
+    written to ``out``/`ARM_RESULT`); ``quiet``: without the run's line per round. A run the
+    budget guard (or anything else) stopped early is returned with ``stopped`` saying why. An
+    earlier, unfinished run in ``out`` (an interrupted comparison) is moved aside, never deleted,
+    and the arm restarts afresh (``restarted``: the rounds it had released)."""
 
     restarted = None
     if (out / "state").exists():
@@ -522,7 +528,7 @@ def run_arm(
     started = time.perf_counter()
     stopped = None
     try:
-        report = simulate(cfg, backend=backend, fresh=restarted is not None)
+        report = simulate(cfg, backend=backend, fresh=restarted is not None, quiet=quiet)
     except RunStoppedEarlyError as exc:  # the guard kept its promise: reported, not a traceback
         report = exc.report
         stopped = report.get("stopped_reason") or str(exc)
@@ -819,8 +825,13 @@ def _train_jobs(
             eta = clock["seconds"] / clock["trained"] * left / min(workers, left)
             progress(f"{clock['trained']} of {len(todo)} arms trained, ~{_duration(eta)} left")
 
-    calls = [(preset, jobs[i][2], jobs[i][0], jobs[i][3], backend, jobs[i][1]) for i in todo]
-    if workers > 1 and len(calls) > 1:
+    # side by side, the arms' lines per round would interleave unnamed: each arm's own line only
+    quiet = workers > 1 and len(todo) > 1
+    calls = [
+        (preset, arm, seed, run_dir, backend, eps, quiet)
+        for seed, eps, arm, run_dir in (jobs[i] for i in todo)
+    ]
+    if quiet:
         if progress is not None:
             progress(f"training {len(calls)} arms, {min(workers, len(calls))} at once")
         run_in_processes(run_arm, calls, workers, finished)
