@@ -172,11 +172,12 @@ def _run_simulation(
         if report.get("learning", {}).get("learned") is False:
             raise typer.Exit(code=3)
     except RunInterruptedError as exc:
-        typer.echo(
-            f"interrupted: {exc}. State and report in {out} are complete; rerun the same command "
-            "to continue.",
-            err=True,
+        kept = (
+            f"State and report in {out} are complete; rerun the same command to continue."
+            if (out / "privacy_report.json").exists()
+            else "Nothing was trained or accounted; rerun the same command to start."
         )
+        typer.echo(f"interrupted: {exc}. {kept}", err=True)
         raise typer.Exit(code=130) from None
     except (CorrflowError, IntegrityError) as exc:
         fail(exc, cfg.model_dump())

@@ -249,28 +249,38 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     if cfg.secure_aggregation:  # the clients clip, quantize and mask (Flower's SecAgg+ mod)
         handlers = {"train": with_secure_aggregation(task.handlers["train"])}
         client_app = secure_client_app(task.handlers["train"])
-    with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
-        if backend == "cohort":
-            run_cohort_server(cfg, stop_event=stop, **kwargs)
-        elif backend == "inprocess" and cfg.noise_node:
-            with running_noise_node(cfg) as node:
-                grid = noise_node_grid(cfg, task.handlers["train"], node)
-                kwargs["noise_key"] = node.link()  # the server's link; the key stays there
-                run_server(grid, cfg, stop_event=stop, **kwargs)
-        elif backend == "inprocess":
-            run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
-        else:
-            _run_flower_engine(cfg, stop, client_app, verbose, kwargs)
+    try:
+        with stop_on_signals() as stop, engine_output(out / "engine.log", verbose):
+            if backend == "cohort":
+                run_cohort_server(cfg, stop_event=stop, **kwargs)
+            elif backend == "inprocess" and cfg.noise_node:
+                with running_noise_node(cfg) as node:
+                    grid = noise_node_grid(cfg, task.handlers["train"], node)
+                    kwargs["noise_key"] = node.link()  # the server's link; the key stays there
+                    run_server(grid, cfg, stop_event=stop, **kwargs)
+            elif backend == "inprocess":
+                run_server(InProcessGrid(handlers, cfg.num_users), cfg, stop_event=stop, **kwargs)
+            else:
+                _run_flower_engine(cfg, stop, client_app, verbose, kwargs)
+    except CorrflowError as exc:
+        # a signal before round 1 (waiting for SuperNodes, probing identities) ends the start
+        # with an error from deep inside: it is still the operator's interrupt (exit 130)
+        if _interrupted(stop):
+            raise RunInterruptedError(str(exc)) from exc
+        raise
     report_path = out / "privacy_report.json"
+    if not report_path.exists() and _interrupted(stop):
+        raise RunInterruptedError(f"{INTERRUPTED} before round 1; nothing was trained")
     if not report_path.exists():
         raise RuntimeError(
             f"the simulation produced no privacy report in {out} (see the log above)"
         )
     report = json.loads(report_path.read_text())
     why = report.get("stopped_reason") or INTERRUPTED
-    # the stop event is also set by a lost Ray head (noise workers): that stop is no interrupt
+    # a lost Ray head (noise workers) or a failed engine also sets the stop event, with its reason:
+    # that stop is no interrupt, nor is a run the budget guard stopped before the signal came
     if (
-        stop.is_set()
+        _interrupted(stop)
         and report["rounds_completed"] < cfg.num_rounds
         and why.startswith(INTERRUPTED)
     ):
@@ -278,6 +288,12 @@ def _simulate(cfg: RunConfig, out: Path, backend: str, **kwargs) -> dict:
     if report["rounds_completed"] < cfg.num_rounds:
         raise RunStoppedEarlyError(report)
     return report
+
+
+def _interrupted(stop: threading.Event) -> bool:
+    """The stop event was set by a signal (an engine failure or a lost Ray head names its
+    ``reason``)."""
+    return stop.is_set() and not getattr(stop, "reason", None)
 
 
 def _run_flower_engine(cfg: RunConfig, stop, client_app, verbose: bool, kwargs: dict) -> None:

@@ -151,7 +151,13 @@ def prepare_run(grid: Grid, spec: RunSpec) -> CorrelatedNoiseStrategy:
             server,
         )
     )
-    run.noise.watch(strategies[0].stop_event.set)  # a lost Ray head stops the run (noise_shards)
+    stop = strategies[0].stop_event
+
+    def head_lost() -> None:  # a lost Ray head stops the run (noise_shards), named: no interrupt
+        stop.reason = run.noise.lost
+        stop.set()
+
+    run.noise.watch(head_lost)
     return strategies[0]
 
 
