@@ -208,6 +208,49 @@ def regime_targets(result: dict, cpu_seconds: float) -> dict:
     }
 
 
+def planner_order(result: dict, preset, root: Path) -> dict:
+    """Per ε: the private arms ordered by the planner's score (the closed-loop final error
+    σ · sens · ‖C⁻ᵀ r_κ‖ at the comparison's κ, recomputed from each arm's own factorization and σ
+    in its seed-0 run) and by its RMSE, against the order of their mean held-out loss; the pairs
+    each ranking puts the wrong way round (item 2 of the regime issue: where the score's order
+    matches the trained order and where it does not)."""
+    from corrflow.factorization.base import Factorization
+    from corrflow.planning.score import Damping, closed_loop_error, closed_loop_response
+    from corrflow.server.compare import plan_request
+
+    out = {}
+    for key, entry in result["epsilons"].items():
+        kappa = (entry["planner"].get("score") or {}).get("kappa")
+        arms = {n: a for n, a in entry["arms"].items() if n != "nonprivate"}
+        trained = sorted(arms, key=lambda n: arms[n]["loss"])
+        rankings = {"rmse": {n: arms[n]["rmse"] for n in arms if arms[n]["rmse"] is not None}}
+        if kappa is not None:
+            req = plan_request(preset, entry["epsilon"], damping=Damping(kappa, "measured"))
+            response = closed_loop_response(req.workload, req.rounds, kappa)
+            rankings["score"] = {}
+            for name, arm in arms.items():
+                run = root / f"eps{key}" / "runs" / f"{name}-seed0" / "factorization.npz"
+                fac = Factorization.load(run)
+                rankings["score"][name] = arm["noise_multiplier"] * closed_loop_error(fac, response)
+        out[key] = {"by_loss": trained, "kappa": kappa}
+        for what, values in rankings.items():
+            order = sorted(values, key=values.get)
+            wrong = [
+                [a, b]
+                for i, a in enumerate(order)
+                for b in order[i + 1 :]
+                if arms[a]["loss"] > arms[b]["loss"]
+            ]
+            pairs = len(order) * (len(order) - 1) // 2
+            out[key][what] = {
+                "order": order,
+                "values": values,
+                "pairs_wrong": wrong,
+                "agreement": 1 - len(wrong) / pairs if pairs else None,
+            }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epsilons", default=None, help="default: the preset's full sweep (FULL)")
@@ -319,6 +362,7 @@ def main() -> None:
                 "backend": backend,
                 "eval_every": eval_every,
                 "targets": targets(res),
+                "planner_order": planner_order(res, preset, root),
                 "regime": regime_targets(res, res["cpu_seconds"])
                 if args.preset == "stackoverflow"
                 else None,

@@ -654,3 +654,55 @@ def test_synthetic_users_are_the_same_text_alone_or_together(task, digest):
         h.update(np.ascontiguousarray(alone).tobytes())
         h.update(str(alone.shape).encode())
     assert h.hexdigest() == digest
+
+
+def test_a_git_history_becomes_arxiv_lines_with_every_coauthor(tmp_path):
+    """benchmarks/commit_text.py (the real commit text of the evidence page): each commit is a
+    paper of its author and every Co-authored-by trailer, read back by corrflow's arXiv reader."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = tmp_path / "repo"
+    env = {"GIT_CONFIG_GLOBAL": "/dev/null", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+    def git(*args, author="Ada Lovelace"):
+        subprocess.run(
+            ["git", "-C", str(repo), "-c", f"user.name={author}", "-c", "user.email=a@b.c", *args],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
+
+    repo.mkdir()
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "Add the noise ring\n\nRows are written in place.")
+    git(
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "Fix the sampler seed\n\nCo-authored-by: 谭九鼎 <t@x.y>\n"
+        "Co-authored-by: Ada Lovelace <a@b.c>",
+        author="Grace Hopper 🇺🇸",
+    )
+    out = tmp_path / "commits.jsonl"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "commit_text.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(repo), str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert (summary["commits"], summary["authors"], summary["multi_author_commits"]) == (2, 3, 1)
+    papers = list(ArxivReader(out))
+    assert [p.authors for p in papers] == [
+        ("hopper|grace", "谭九鼎|", "lovelace|ada"),
+        ("lovelace|ada",),
+    ]
+    assert papers[0].text == "Fix the sampler seed" and papers[1].text.endswith("in place.")
+    bad = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "none"), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "REPO" in bad.stderr
