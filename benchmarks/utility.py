@@ -225,7 +225,7 @@ def planner_order(result: dict, preset, root: Path) -> dict:
         trained = sorted(arms, key=lambda n: arms[n]["loss"])
         rankings = {"rmse": {n: arms[n]["rmse"] for n in arms if arms[n]["rmse"] is not None}}
         if kappa is not None:
-            req = plan_request(preset, entry["epsilon"], damping=Damping(kappa, "measured"))
+            req = plan_request(preset, entry["epsilon"], damping=Damping(kappa, "proxy"))
             response = closed_loop_response(req.workload, req.rounds, kappa)
             rankings["score"] = {}
             for name, arm in arms.items():
