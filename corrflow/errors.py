@@ -23,6 +23,10 @@ class InvalidArgumentError(CorrflowError, ValueError):
             msg += f", got {_short(got)}"
         super().__init__(msg)
 
+    def __reduce__(self):
+        # pickled by its fields (an error raised in a worker process reaches the parent intact)
+        return type(self), (self.field, self.expected, self.got)
+
 
 class DataFormatError(CorrflowError, ValueError):
     """A data file does not follow its format; the message names the file and the line (or table
@@ -34,9 +38,13 @@ class DataFormatError(CorrflowError, ValueError):
         self.expected = expected
         loc = f"{self.path}:{where}" if where is not None else self.path
         msg = f"{loc}: expected {expected}"
+        self.got = got
         if got is not None:
             msg += f", got {_short(got)}"
         super().__init__(msg)
+
+    def __reduce__(self):
+        return type(self), (self.path, self.where, self.expected, self.got)
 
 
 class IntegrityError(CorrflowError):

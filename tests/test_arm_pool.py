@@ -3,12 +3,13 @@ as soon as that arm finishes (not when the last one does), an arm's error stops 
 starting more, and bad --jobs values are refused by name. Real spawned processes."""
 
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from corrflow.errors import InvalidArgumentError
+from corrflow.errors import CorrflowError, InvalidArgumentError
 from corrflow.server.arm_pool import check_jobs, run_in_processes
 
 
@@ -47,6 +48,34 @@ def test_an_arms_error_stops_the_pool_from_starting_more(tmp_path):
 
 def _dispatch(what: str, *args):
     return fail(*args) if what == "fail" else nap(*args)
+
+
+class UnpicklableError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def refuse(kind: str) -> dict:
+    if kind == "field":
+        raise InvalidArgumentError("users", "a positive integer", -3)
+    if kind == "unpicklable":
+        raise UnpicklableError(1, 2)
+    if kind == "die":  # as the out-of-memory killer would: no exception, no clean-up
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(kind))
+    return {}
+
+
+def test_errors_cross_the_process_boundary_and_a_dead_worker_never_hangs():
+    with pytest.raises(InvalidArgumentError) as err:
+        run_in_processes(refuse, [("field",)], 2, lambda i, res: None)
+    assert (err.value.field, err.value.got) == ("users", -3)  # intact, not a broken pool
+    with pytest.raises(CorrflowError, match=r"UnpicklableError: 1/2"):
+        run_in_processes(refuse, [("unpicklable",)], 2, lambda i, res: None)
+    started = time.monotonic()
+    with pytest.raises(CorrflowError, match="an arm's process died"):
+        run_in_processes(refuse, [("die",), ("3",)], 2, lambda i, res: None)
+    assert time.monotonic() - started < 30
 
 
 def test_bad_jobs_are_refused_by_name():

@@ -301,6 +301,18 @@ def test_gap_closed_and_bad_arguments(tmp_path):
     with pytest.raises(InvalidArgumentError, match="epochs"):
         compare(replace(PRESETS["tiny"], epochs=3), ["toeplitz"], tmp_path / "z")
     assert not (tmp_path / "z").exists()
+    # arXiv lines (multi-attribution): refused before anything trains, not after two arms
+    from corrflow.data.arxiv import ArxivSpec, generate_arxiv
+    from corrflow.data.vocab import build_vocabulary, count_words
+
+    generate_arxiv(tmp_path / "ax.jsonl", ArxivSpec(users=400, seed=1))
+    build_vocabulary(count_words(["the of a"]), 3).save(tmp_path / "v.txt")
+    arxiv = replace(
+        PRESETS["tiny"], data_path=str(tmp_path / "ax.jsonl"), vocab_path=str(tmp_path / "v.txt")
+    )
+    with pytest.raises(InvalidArgumentError, match="data: expected a StackOverflow-format"):
+        compare(arxiv, ["toeplitz"], tmp_path / "ax")
+    assert not (tmp_path / "ax").exists()
 
     def cli(*args):
         return subprocess.run(

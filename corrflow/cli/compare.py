@@ -43,6 +43,7 @@ _FLAGS = {
     "population": "--users",
     "rounds": "--rounds",
     "data-path": "--data",
+    "data": "--data",
     "vocab-path": "--vocab",
     "kappa": "--kappa",
     "proxy-data": "--proxy-data",

@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
-from corrflow.errors import require
+from corrflow.errors import CorrflowError, require
 
 
 def check_jobs(jobs: int, backend: str) -> int:
@@ -52,6 +54,20 @@ def _worker_setup(blas_threads: int, corrflow_level: int) -> None:
     logging.getLogger("corrflow").setLevel(corrflow_level)
 
 
+def _guarded(train: Callable, *args):
+    """``train(*args)`` in a worker; an exception that would not survive the trip back (a
+    constructor pickle cannot call) comes back as a `CorrflowError` with its text instead of
+    breaking the pool."""
+    try:
+        return train(*args)
+    except Exception as exc:
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            raise CorrflowError(f"{type(exc).__name__}: {exc}") from None
+        raise
+
+
 def run_in_processes(
     train: Callable,
     calls: Sequence[tuple],
@@ -68,8 +84,9 @@ def run_in_processes(
         done: called with the call's index and its result.
 
     Raises:
-        The first exception an arm raised (after the arms already running have finished), or
-        KeyboardInterrupt (the workers get the same signal and stop their runs).
+        The first exception an arm raised (after the arms already running have finished);
+        CorrflowError when a worker process died; KeyboardInterrupt (the workers get the same
+        signal and stop their runs).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     blas = max(1, (cores or 1) // jobs)
@@ -86,7 +103,7 @@ def run_in_processes(
         # never more submitted than workers: the pool would queue the rest ahead, and an arm
         # queued there still runs after another arm's error
         for i, args in waiting:
-            pending[pool.submit(train, *args)] = i
+            pending[pool.submit(_guarded, train, *args)] = i
             if len(pending) >= jobs:
                 return
 
@@ -98,6 +115,17 @@ def run_in_processes(
                 i = pending.pop(fut)
                 done(i, fut.result())  # an arm's error leaves through the finally below
             top_up()
+    except BrokenProcessPool as exc:
+        # a worker died (killed, out of memory). The pool's own clean-up sends SIGTERM, which a
+        # run in another worker takes as "stop after this round" and then lives on idle: join
+        # would wait for ever
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            if proc.is_alive():
+                proc.kill()
+        raise CorrflowError(
+            f"an arm's process died ({exc}); the arms finished are kept, a rerun of the same "
+            "command continues"
+        ) from exc
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches the workers too; a signal to this process alone must be
         # passed on, or the running arms would train to their end before the pool could close

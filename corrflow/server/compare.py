@@ -771,6 +771,15 @@ def _checked_comparison(
             {"users": "users", "factorization": "rounds", "noise": "rounds"},
         )
     check_data_population(cfg, "users")
+    require(
+        not preset.data_path or data_format(preset.data_path) != "arxiv-jsonl",
+        "data",
+        "a StackOverflow-format SQLite file: on arXiv JSON lines a paper belongs to all its "
+        "authors (multi-attribution, 004 §6), which the DP-SGD arms' and the planner's samplers "
+        "do not cover and whose accountant gives the fixed-epoch arms another ε, so the arms "
+        "would not run at one (ε, δ); train an arXiv file with corrflow simulate --data",
+        preset.data_path,
+    )
     return epsilons
 
 
