@@ -700,6 +700,22 @@ def test_a_git_history_becomes_arxiv_lines_with_every_coauthor(tmp_path):
         ("lovelace|ada",),
     ]
     assert papers[0].text == "Fix the sampler seed" and papers[1].text.endswith("in place.")
+    # the StackOverflow format: one client per author, the co-authored commit left out
+    so = tmp_path / "commits.sqlite"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(repo), str(so), "--format", "stackoverflow"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and json.loads(proc.stdout)["left_out_multi_author"] == 1
+    with StackOverflowSQLite(so) as db:
+        posts = [
+            p.tokens
+            for split in db.splits()
+            for c in db.client_ids(split)
+            for p in db.client_posts(c, split)
+        ]
+    assert posts == ["add the noise ring rows are written in place ."]
     bad = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "none"), str(out)],
         capture_output=True,
