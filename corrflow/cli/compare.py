@@ -248,7 +248,7 @@ def _data_users(data: Path, vocab: Path | None, users: int | None) -> int:
     if not data.is_file():
         raise InvalidArgumentError(
             "--data",
-            "an existing dataset file (TFF StackOverflow SQLite or arXiv JSON lines)",
+            "an existing dataset file (TFF StackOverflow SQLite)",
             str(data),
         )
     if vocab is None or not vocab.is_file():

@@ -239,20 +239,11 @@ def arm_config(preset: Preset, arm: Arm, seed: int, out: Path):
 
 
 def data_settings(preset: Preset) -> dict:
-    """The run settings of a comparison on a dataset file (``--data``): the file and its vocabulary;
-    on arXiv JSON lines the author is the privacy unit (multi-attribution participation, k_u = 2,
-    004 §7.3)."""
+    """The run settings of a comparison on a dataset file (``--data``): the file and its vocabulary
+    (a StackOverflow-format file: `_checked_comparison` refuses arXiv lines)."""
     if not preset.data_path:
         return {}
-
-    out = {"data_path": preset.data_path, "vocab_path": preset.vocab_path}
-    if data_format(preset.data_path) == "arxiv-jsonl":
-        out.update(
-            participation="multi-attribution",
-            min_sep=preset.rounds // preset.epochs,
-            max_items_per_user=2,
-        )
-    return out
+    return {"data_path": preset.data_path, "vocab_path": preset.vocab_path}
 
 
 NONPRIVATE = Arm(
