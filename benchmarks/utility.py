@@ -212,8 +212,8 @@ def planner_order(result: dict, preset, root: Path) -> dict:
     """Per ε: the private arms ordered by the planner's score (the closed-loop final error
     σ · sens · ‖C⁻ᵀ r_κ‖ at the comparison's κ, recomputed from each arm's own factorization and σ
     in its seed-0 run) and by its RMSE, against the order of their mean held-out loss; the pairs
-    each ranking puts the wrong way round (item 2 of the regime issue: where the score's order
-    matches the trained order and where it does not)."""
+    each ranking puts the wrong way round: where the score's order matches the trained order and
+    where it does not."""
     from corrflow.factorization.base import Factorization
     from corrflow.planning.score import Damping, closed_loop_error, closed_loop_response
     from corrflow.server.compare import plan_request
@@ -273,6 +273,8 @@ def main() -> None:
         "--out", default=None, help="keep the comparison here (default: a temporary directory)"
     )
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error(f"--jobs: expected a positive integer, got {args.jobs}")
     quiet_native_logs()
     logging.getLogger("corrflow").setLevel(logging.ERROR)
     chosen = PRESETS[args.preset]  # a preset without a full sweep (tiny): its own ε and seeds
