@@ -33,7 +33,7 @@ def _updates(rng, m, scales):
 
 def _clipped(u, bound):
     """What ExactSum adds for update ``u`` (float32, as it clips): u, or u · clip_scale."""
-    norm = math.sqrt(sum(float((a.astype(np.float32) ** 2).astype(np.float64).sum()) for a in u))
+    norm = math.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in u))
     if norm <= bound:
         return u
     return [a * clip_scale(norm, bound) for a in u]
@@ -115,6 +115,54 @@ def test_blocks_zeroing_rejections_and_the_overflow_guard():
     with pytest.raises(ValueError, match="positive and finite"):
         fixed_point_scale(0, 1.0)
     assert fixed_point_scale(342_477, 1.0) == 43
+
+
+def test_the_compiled_passes_against_numpy():
+    """The compiled first pass (``clip_kernels``) forms u = fl32(a − s) in the wider dtype exactly
+    as NumPy does, its Σ u² is the float64 sum of float64 squares (to rounding), its ℓ∞ exact, for
+    float32 and float64 replies, full weights and deltas, lengths with and without a tail; the
+    second pass adds exactly trunc(fl32(u · scale) · 2^s)."""
+    from corrflow.run import clip_kernels as k
+
+    rng = np.random.default_rng(7)
+    for n in (1, 7, 8, 1_003, 70_001):
+        for dtype in (np.float32, np.float64):
+            a = rng.standard_normal(n).astype(dtype)
+            s = (a + rng.standard_normal(n).astype(dtype) * 1e-3).astype(dtype)
+            for sent in (s, None):
+                u = np.empty(n, np.float32)
+                want = (a if sent is None else a - sent).astype(np.float32)
+                sq, linf = k.copy_norms(a, u) if sent is None else k.difference_norms(a, sent, u)
+                np.testing.assert_array_equal(u, want)
+                assert linf == np.abs(want).max()
+                assert sq == pytest.approx(float(np.dot(want.astype(float), want)), rel=1e-12)
+        scale, to_int = np.float32(0.37), np.float32(2.0**40)
+        q = rng.integers(-(2**40), 2**40, n)
+        want_q = q + np.trunc((u * scale).astype(np.float32).astype(np.float64) * 2.0**40).astype(
+            np.int64
+        )
+        k.add_fixed_point(u, scale, to_int, q)
+        np.testing.assert_array_equal(q, want_q)
+
+
+def test_a_huge_finite_update_is_clipped_and_other_dtypes_take_the_numpy_pass():
+    """An update whose float32 squares overflow (|u| ~ 10³⁰) is finite, so it is clipped to the
+    bound, not refused or zeroed; a float16 reply (NumPy's pass) sums to the same bits as the same
+    values in float32 (the compiled pass)."""
+    s = fixed_point_scale(4, 1.0)
+    acc = ExactSum([(5,)], s)
+    huge = [np.array([1e30, -2e30, 0.0, 3.0, 1e30], np.float32)]
+    assert acc.add(huge, None, 1.0, 0.0) == "clipped"
+    added = acc.sums[0].astype(np.float64) * 2.0**-s
+    assert 0.99 < float(np.linalg.norm(added)) <= 1.0
+    half = [np.array([0.5, -0.25, 0.125, 1e-3, 0.0], np.float16)]
+    a16, a32 = ExactSum([(5,)], s), ExactSum([(5,)], s)
+    zero16, zero32 = [np.zeros(5, np.float16)], [np.zeros(5, np.float32)]
+    kept = a32.add([half[0].astype(np.float32)], zero32, 1.0, 0.0)
+    assert a16.add(half, zero16, 1.0, 0.0) == kept == "kept"
+    np.testing.assert_array_equal(a16.sums[0], a32.sums[0])
+    with pytest.raises(RejectedReplyError, match="NaN or Inf"):
+        a16.add([np.array([0, 0, np.inf, 0, 0], np.float16)], zero16, 1.0, 0.0)
 
 
 # -- through collect, on a real run plan -----------------------------------------------------------

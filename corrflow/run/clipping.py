@@ -1,11 +1,12 @@
 """Validation, zeroing and clipping of client replies (server side: clients' own clipping is never
 trusted).
 
-Each reply is checked and clipped one at a time: the update (reply − model sent) is formed block by
-block in a reused float32 scratch, and its ℓ∞ norm, NaN/Inf check and ℓ2 norm are taken while each
-block is in cache; a second pass scales it (when clipping) and adds it into the round's sum. No
-model-sized temporary is allocated per reply, so the reply's own buffer can be freed as soon as it
-is added. Two sums share that path:
+Each reply is checked and clipped one at a time, in two passes over its coordinates (compiled,
+`corrflow.run.clip_kernels`): the first forms the update (reply − model sent) in a reused float32
+scratch and takes its ℓ∞ norm and ℓ2 norm (Σ u² in float64, which is not finite exactly when the
+update is not: the NaN/Inf check); the second scales it (when clipping) and adds it into the round's
+sum. No model-sized temporary is allocated per reply, so the reply's own buffer can be freed as soon
+as it is added. Two sums share that path:
 
 - `ExactSum` (the run's): g = Σ clipped in int64 fixed point, exactly associative, so the round's
   sum has the same bits whatever order the replies arrive in (and after any restart), and memory is
@@ -21,8 +22,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-#: Coordinates per block of the in-cache passes (256 KiB of float32).
+#: Coordinates per block of the in-cache NumPy passes (256 KiB of float32).
 _BLOCK = 1 << 16
+#: Reply dtypes the compiled passes take (others: float16, longdouble go through NumPy).
+_COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _kernels():
+    """`corrflow.run.clip_kernels`, imported at the first reply: numba loads only when needed."""
+    from corrflow.run import clip_kernels
+
+    return clip_kernels
 
 
 class RejectedReplyError(Exception):
@@ -49,7 +59,6 @@ class _Clipper:
         self._names = (
             list(names) if names is not None else [str(i) for i in range(len(self._scratch))]
         )
-        self._square = np.empty(_BLOCK, dtype=np.float32)
 
     def add(
         self,
@@ -70,7 +79,7 @@ class _Clipper:
             a, s = replied[i].reshape(-1), None if sent is None else sent[i].reshape(-1)
             u = scratch.reshape(-1)
             hi_val, lo_val, part = self._difference(a, s, u)
-            if not (np.isfinite(hi_val) and np.isfinite(lo_val)):  # max/min propagate NaN
+            if not (np.isfinite(hi_val) and np.isfinite(lo_val) and np.isfinite(part)):
                 raise RejectedReplyError(f"array {i} ({self._names[i]}): NaN or Inf values")
             linf, sq = max(linf, hi_val, -lo_val), sq + part
         if zeroing > 0 and linf > zeroing:
@@ -95,10 +104,21 @@ class _Clipper:
         self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
     ) -> tuple[float, float, float]:
         """u = a − s rounded once to float32 (computed in the wider dtype); (max u, min u, Σ u² in
-        float64)."""
-        n = u.size
-        if n == 0:
+        float64), or (max |u|, −max |u|, Σ u²) from the compiled pass (float32 and float64
+        replies: ``clip_kernels.difference_norms``). Σ u² is not finite when some u is not."""
+        if u.size == 0:
             return 0.0, 0.0, 0.0
+        if a.dtype in _COMPILED and (s is None or s.dtype in _COMPILED):
+            kernels = _kernels()
+            sq, linf = kernels.copy_norms(a, u) if s is None else kernels.difference_norms(a, s, u)
+            return float(linf), -float(linf), float(sq)
+        return self._difference_numpy(a, s, u)
+
+    def _difference_numpy(
+        self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
+    ) -> tuple[float, float, float]:
+        """`_difference` for the other floating dtypes (float16, longdouble), block by block."""
+        n = u.size
         hi_val, lo_val, sq = -np.inf, np.inf, 0.0
         with np.errstate(over="ignore", invalid="ignore"):
             for lo in range(0, n, _BLOCK):
@@ -118,9 +138,8 @@ class _Clipper:
                 if not (np.isfinite(mx) and np.isfinite(mn)):
                     return mx, mn, np.inf
                 hi_val, lo_val = max(hi_val, mx), min(lo_val, mn)
-                # float32 squares, summed in float64
-                sqb = np.square(ub, out=self._square[: hi - lo])
-                sq += float(np.add.reduce(sqb, dtype=np.float64))
+                # float64 squares of the float32 values: no overflow, as the compiled pass
+                sq += float(np.dot(ub.astype(np.float64), ub.astype(np.float64)))
         return hi_val, lo_val, sq
 
 
@@ -207,7 +226,6 @@ class ExactSum(_Clipper):
         # only where 2^s itself is not a float32
         wide = np.float32 if -126 <= self.scale <= 127 else np.float64
         self._to_int = wide(math.ldexp(1.0, self.scale))
-        self._ints = np.empty(_BLOCK, dtype=np.int64)
 
     def _admit(self, bound: float) -> None:
         if self._admitted + bound >= self._limit:
@@ -218,21 +236,12 @@ class ExactSum(_Clipper):
         self._admitted += bound
 
     def _accumulate(self, scale: np.float32 | None) -> None:
+        # u · scale in float32, as `ClippedSum` (the ℓ2 bound is met before conversion), then the
+        # exact product by 2^s, truncated toward zero by the cast
+        factor = np.float32(1.0) if scale is None else np.float32(scale)
+        add = _kernels().add_fixed_point
         for acc, scratch in zip(self.sums, self._scratch, strict=True):
-            q, u = acc.reshape(-1), scratch.reshape(-1)
-            for lo in range(0, u.size, _BLOCK):  # scale, convert and add while in cache
-                ub = u[lo : lo + _BLOCK]
-                if scale is not None:
-                    ub *= scale  # float32, as `ClippedSum`: the ℓ2 bound is met before conversion
-                # the exact product, truncated toward zero by the cast
-                np.multiply(
-                    ub,
-                    self._to_int,
-                    out=self._ints[: ub.size],
-                    dtype=self._to_int.dtype,
-                    casting="unsafe",
-                )
-                q[lo : lo + _BLOCK] += self._ints[: ub.size]
+            add(scratch.reshape(-1), factor, self._to_int, acc.reshape(-1))
 
     def total(self) -> list[np.ndarray]:
         """The sum as float32 arrays: fl32(fl64(Q) · 2^−s), block by block.
