@@ -301,6 +301,34 @@ def test_user_id_identity_and_a_restarted_node_keep_their_ledger(tmp_path):
     assert s.directory.node_to_user[restarted["node"]] == "user-device-00"
 
 
+def test_the_node_directory_maps_a_new_listing_once_and_retries_a_failed_mapping():
+    """`NodeDirectory.refresh` reuses its set while the in-process grid lists the same tuple (no
+    population-sized work per round), maps a restarted node when the listing changes, and asks
+    again after a mapping that raised."""
+    from corrflow.strategies.messaging import NodeDirectory
+
+    grid = InProcessGrid(HANDLERS, 5)
+    calls, fail = [], [True]
+
+    def resolve(nodes):
+        calls.append(nodes)
+        if fail[0]:
+            raise IdentityError("probe failed")
+        return {n: "user-2" for n in nodes}
+
+    directory = NodeDirectory({n: f"user-{p}" for n, p in grid.nodes.items()}, resolve, b"salt")
+    first = directory.refresh(grid)
+    assert first == set(grid.nodes) and directory.refresh(grid) is first and calls == []
+    new = grid.restart_node(2)
+    with pytest.raises(IdentityError):
+        directory.refresh(grid)
+    fail[0] = False
+    online = directory.refresh(grid)
+    assert calls == [[new], [new]] and new in online
+    assert directory.node_to_user[new] == "user-2" and directory.user_to_node["user-2"] == new
+    assert directory.refresh(grid) is online and len(calls) == 2
+
+
 def test_per_launch_identity_is_marked_and_never_resumes(tmp_path):
     cfg = _cfg(tmp_path, identity="per-launch", num_rounds=2, epochs=1, num_users=4)
     run_server(InProcessGrid(HANDLERS, 4), cfg, quiet=True)

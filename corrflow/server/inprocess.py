@@ -60,6 +60,7 @@ class InProcessGrid(Grid):
         self.tamper = tamper
         self.node_config = node_config or (lambda partition: {})
         self.online = set(self.nodes)
+        self._listed: tuple[int, ...] | None = None  # sorted(online), until a node restarts
         # nodes that are no user's (a noise node): reached by id, never listed or sampled
         self.extra_nodes = dict(extra_nodes or {})
         self._run = None
@@ -84,6 +85,7 @@ class InProcessGrid(Grid):
         new, self._next_id = self._next_id, self._next_id + 7919
         self.nodes[new] = partition
         self.online.add(new)
+        self._listed = None
         return new
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
@@ -92,7 +94,9 @@ class InProcessGrid(Grid):
         )
 
     def get_node_ids(self) -> Iterable[int]:
-        return sorted(self.online)
+        if self._listed is None:  # sorting 342,477 ids every round cost 0.1 s
+            self._listed = tuple(sorted(self.online))
+        return self._listed
 
     def get_nodes(self):
         return []
