@@ -78,10 +78,10 @@ class _Clipper:
         for i, scratch in enumerate(self._scratch):
             a, s = replied[i].reshape(-1), None if sent is None else sent[i].reshape(-1)
             u = scratch.reshape(-1)
-            hi_val, lo_val, part = self._difference(a, s, u)
-            if not (np.isfinite(hi_val) and np.isfinite(lo_val) and np.isfinite(part)):
+            top, part = self._difference(a, s, u)
+            if not (np.isfinite(top) and np.isfinite(part)):
                 raise RejectedReplyError(f"array {i} ({self._names[i]}): NaN or Inf values")
-            linf, sq = max(linf, hi_val, -lo_val), sq + part
+            linf, sq = max(linf, top), sq + part
         if zeroing > 0 and linf > zeroing:
             return "zeroed"  # adds nothing: g is exactly what adding zeros would give
         norm = float(np.sqrt(sq))
@@ -102,24 +102,24 @@ class _Clipper:
 
     def _difference(
         self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
-    ) -> tuple[float, float, float]:
-        """u = a − s rounded once to float32 (computed in the wider dtype); (max u, min u, Σ u² in
-        float64), or (max |u|, −max |u|, Σ u²) from the compiled pass (float32 and float64
-        replies: ``clip_kernels.difference_norms``). Σ u² is not finite when some u is not."""
+    ) -> tuple[float, float]:
+        """u = a − s rounded once to float32 (computed in the wider dtype); (max |u|, Σ u² in
+        float64), compiled for float32 and float64 replies (``clip_kernels``). Σ u² is not finite
+        when some u is not."""
         if u.size == 0:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0
         if a.dtype in _COMPILED and (s is None or s.dtype in _COMPILED):
             kernels = _kernels()
             sq, linf = kernels.copy_norms(a, u) if s is None else kernels.difference_norms(a, s, u)
-            return float(linf), -float(linf), float(sq)
+            return float(linf), float(sq)
         return self._difference_numpy(a, s, u)
 
     def _difference_numpy(
         self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
-    ) -> tuple[float, float, float]:
+    ) -> tuple[float, float]:
         """`_difference` for the other floating dtypes (float16, longdouble), block by block."""
         n = u.size
-        hi_val, lo_val, sq = -np.inf, np.inf, 0.0
+        linf, sq = 0.0, 0.0
         with np.errstate(over="ignore", invalid="ignore"):
             for lo in range(0, n, _BLOCK):
                 hi = min(n, lo + _BLOCK)
@@ -134,13 +134,13 @@ class _Clipper:
                         dtype=np.result_type(a.dtype, s.dtype, np.float32),
                         casting="unsafe",
                     )
-                mx, mn = float(ub.max()), float(ub.min())
-                if not (np.isfinite(mx) and np.isfinite(mn)):
-                    return mx, mn, np.inf
-                hi_val, lo_val = max(hi_val, mx), min(lo_val, mn)
+                top = float(np.abs(ub).max())  # NaN propagates
+                if not np.isfinite(top):
+                    return top, np.inf
+                linf = max(linf, top)
                 # float64 squares of the float32 values: no overflow, as the compiled pass
                 sq += float(np.dot(ub.astype(np.float64), ub.astype(np.float64)))
-        return hi_val, lo_val, sq
+        return linf, sq
 
 
 class ClippedSum(_Clipper):
