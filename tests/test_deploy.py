@@ -199,13 +199,20 @@ def _loopback(work: Path, *args: str, timeout: float = 540) -> dict:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()  # the script's exit trap stops every process it started
-        stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"loopback.sh took more than {timeout:.0f} s: {stderr[-6000:]}")
-    assert proc.returncode == 0, stderr[-6000:]
+        stdout, stderr = proc.communicate(timeout=180)
+        pytest.fail(f"loopback.sh took more than {timeout:.0f} s:\n{_script_output(stderr)}")
+    assert proc.returncode == 0, _script_output(stderr)
     report_path = Path(stdout.strip().splitlines()[-1])
     assert report_path == work / "server" / "privacy_report.json"
     assert not _processes_using(work), "processes of the loopback run are still alive"
     return json.loads(report_path.read_text())
+
+
+def _script_output(stderr: str) -> str:
+    """The script's own timeline (every ``[loopback …]`` line), then the tail of what it printed on
+    failure (the ServerApps' warnings, the SuperLink's log, each SuperNode's messages)."""
+    timeline = [line for line in stderr.splitlines() if line.startswith("[loopback ")]
+    return "\n".join(timeline) + "\n--- tail of the output\n" + stderr[-8000:]
 
 
 def _gaussian_epsilon_every_round(work: Path, report: dict) -> float:

@@ -292,3 +292,40 @@ def test_reply_stream_pulls_a_few_ids_at_a_time_and_the_grid_delivers_on_pull():
     stop.set()
     with pytest.raises(RoundAbandonedError):
         list(got)
+
+
+def test_a_round_waiting_for_replies_names_the_silent_nodes(monkeypatch, caplog):
+    """A node that never answers (a SuperNode stuck on a message of an ended run) is named while the
+    round waits, well before node-timeout; the replies that came are yielded, the silent one times
+    out."""
+    from types import SimpleNamespace
+
+    from corrflow.strategies import messaging
+
+    class SlowGrid:  # a deployed grid: replies come on later pulls; node 7 never answers
+        def __init__(self):
+            self.pushed = []
+
+        def push_messages(self, msgs):
+            self.pushed = list(msgs)
+            return [f"m{i}" for i in range(len(self.pushed))]
+
+        def pull_messages(self, ids):
+            out = []
+            for i in ids:
+                m = self.pushed[int(i[1:])]
+                if m.metadata.dst_node_id != 7:  # ReplyStream reads a reply's metadata only
+                    meta = SimpleNamespace(
+                        reply_to_message_id=i, src_node_id=m.metadata.dst_node_id
+                    )
+                    out.append(SimpleNamespace(metadata=meta))
+            return out
+
+    monkeypatch.setattr(messaging, "WAIT_REPORT_S", 0.1)
+    msgs = [SimpleNamespace(metadata=SimpleNamespace(dst_node_id=n)) for n in (3, 7, 11)]
+    with caplog.at_level("WARNING", logger="corrflow"):
+        got = list(messaging.ReplyStream(SlowGrid(), msgs, 0.45, None, batch=2))
+    assert sorted(r.metadata.src_node_id for r in got) == [3, 11]
+    waits = [r.getMessage() for r in caplog.records if "still missing" in r.getMessage()]
+    assert waits and all(w.startswith("1 of 3 replies still missing") for w in waits)
+    assert "from node(s) 7;" in waits[0] and "node-timeout 0.45 s" in waits[0]

@@ -38,6 +38,9 @@ log = logging.getLogger("corrflow")
 #: so at most this much of the cohort's replies is held, whatever the cohort.
 PULL_BYTES = 128 << 20
 
+#: How often a round still waiting for replies says which nodes it waits for (seconds).
+WAIT_REPORT_S = 60.0
+
 
 class RoundAbandonedError(Exception):
     """The operator's stop arrived while the round's replies were being pulled: nothing of the round
@@ -52,7 +55,9 @@ class ReplyStream:
     what is held to ``batch`` replies. Raises `RoundAbandonedError` when ``stop`` is set.
 
     A synchronous grid (the in-process one) answers each id on its first pull: each id is pulled
-    once, and replies that answer no id (injected faults) are yielded as they come.
+    once, and replies that answer no id (injected faults) are yielded as they come. While replies
+    are missing, every `WAIT_REPORT_S` seconds a warning names the nodes still waited for: a node
+    that will never answer (a SuperNode stuck on an earlier message) is visible before node-timeout.
     """
 
     def __init__(
@@ -64,8 +69,14 @@ class ReplyStream:
         batch: int,
     ):
         self.grid, self.timeout, self.stop, self.batch = grid, timeout, stop, max(1, int(batch))
-        self.pending = dict.fromkeys(grid.push_messages(messages) if messages else ())
-        self.deadline = time.monotonic() + timeout
+        nodes = [m.metadata.dst_node_id for m in messages]
+        # message id → its node, for the wait report
+        self.pending = (
+            dict(zip(grid.push_messages(messages), nodes, strict=True)) if messages else {}
+        )
+        self.total, self.started = len(self.pending), time.monotonic()
+        self.deadline = self.started + timeout
+        self._reported = self.started
 
     def __iter__(self) -> Iterator[Message]:
         synchronous = getattr(self.grid, "synchronous", False)
@@ -88,10 +99,32 @@ class ReplyStream:
                     yield msg
                     msg = None  # noqa: F841 - release it before the next pull
             if self.pending and not arrived and not synchronous:
+                self._report_wait()
                 if self.stop is not None and self.stop.wait(0.05):
                     raise RoundAbandonedError
                 if self.stop is None:
                     time.sleep(0.05)
+
+    def _report_wait(self) -> None:
+        now = time.monotonic()
+        if now - self._reported < WAIT_REPORT_S:
+            return
+        self._reported = now
+        nodes = sorted(set(self.pending.values()))
+        shown = ", ".join(map(str, nodes[:10])) + (
+            f" and {len(nodes) - 10} more" if len(nodes) > 10 else ""
+        )
+        log.warning(
+            "%d of %d replies still missing after %.0f s, from node(s) %s; they time out in "
+            "%.0f s (node-timeout %g s). A SuperNode that stays silent may hold a message of an "
+            "ended run: restart it.",
+            len(self.pending),
+            self.total,
+            now - self.started,
+            shown,
+            max(0.0, self.deadline - now),
+            self.timeout,
+        )
 
 
 def pull_batch(layout: ModelLayout) -> int:
