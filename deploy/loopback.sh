@@ -516,7 +516,7 @@ print("journal-head", server["journal_head"], mine["journal_head"])
 sends = [json.loads(line) for line in (nn / "journal.jsonl").read_text().splitlines()]
 pairs = [(e["round"], json.dumps(e["segment"], sort_keys=True)) for e in sends]
 print("sends", len(sends), "repeated-rows", len(pairs) - len(set(pairs)))
-keys = [bytes.fromhex(k) for _, k in json.loads((nn / "keys.json").read_text())["segments"]]
+keys = [bytes.fromhex(row[1]) for row in json.loads((nn / "keys.json").read_text())["segments"]]
 found = [str(f) for root in sys.argv[4:] for f in Path(root).rglob("*") if f.is_file()
          for k in keys if k in f.read_bytes() or k.hex().encode() in f.read_bytes()]
 print("key-segments", len(keys), "key-found-in-server-files", len(found), *found)

@@ -11,7 +11,7 @@ import numpy as np
 from checkpoint_support import checkpoint
 
 from corrflow.noise.engine import SEGMENTS_FILE
-from corrflow.noise.prng import fingerprint
+from corrflow.noise.segments import KeySegment
 from corrflow.run.journal import JOURNAL, ReleaseJournal
 
 KEY = bytes(range(16))
@@ -41,7 +41,9 @@ def released(run_dir) -> list[np.ndarray]:
 def segments(run_dir) -> list[tuple[int, bytes]]:
     """The (first round, key) table in the run's published checkpoint."""
     table = checkpoint(run_dir).secrets[SEGMENTS_FILE]
-    return [(int(r), bytes.fromhex(k)) for r, k in json.loads(table)]
+    rows = json.loads(table)
+    assert all(len(row) == 3 and row[2] == 2 for row in rows)  # new keys: version 2, recorded
+    return [(int(row[0]), bytes.fromhex(row[1])) for row in rows]
 
 
 def assert_fresh_after_restart(full, crash, restart: int) -> list[tuple[int, bytes]]:
@@ -58,7 +60,7 @@ def assert_fresh_after_restart(full, crash, restart: int) -> list[tuple[int, byt
     assert [r for r, _ in table] == [0, restart] and table[0][1] == KEY and table[1][1] != KEY
     for e in ReleaseJournal(Path(crash) / JOURNAL).read():
         first, key = table[0] if e.round < restart else table[1]
-        assert e.noise_segment == {"first_round": first, "key_fingerprint": fingerprint(key)}
+        assert e.noise_segment == KeySegment(first, key).public()  # a new run: version 2
     return table
 
 

@@ -258,7 +258,7 @@ def test_secret_stays_private(facs, tmp_path, caplog):
     d = save_state(gen, tmp_path / "s")
     public = (d / "noise_state.json").read_text()
     assert KEY.hex() not in public and "secret" not in json.loads(public)
-    assert json.loads(public)["key_fingerprint"] == fingerprint(KEY)
+    assert json.loads(public)["key_fingerprint"] == fingerprint(KEY, version=2)
     for name in ("noise_secret.key", "noise_buffer.npy"):
         assert stat.S_IMODE(os.stat(d / name).st_mode) == 0o600
     assert KEY.hex() not in repr(gen) and str(KEY) not in repr(gen)
@@ -371,6 +371,24 @@ def test_cli_sample_matches_engine(facs, tmp_path):
     )
     assert bad.returncode == 2 and "--rounds" in bad.stderr
 
+    # a key made before version 2 is regenerated with --key-version 1; another version is refused
+    from typer.testing import CliRunner
+
+    from corrflow.server.cli import app
+
+    key = "000102030405060708090a0b0c0d0e0f"
+    args = ["noise", "sample", "--factorization", str(path), "--dim", "40", "--seed", key]
+    drawn = []
+    for version in (1, 2):
+        r = CliRunner().invoke(app, [*args, "--out", str(out), "--key-version", str(version)])
+        assert r.exit_code == 0, r.output
+        gen = CorrelatedNoise(fac, [(40,)], key=bytes.fromhex(key), key_version=version)
+        drawn.append(np.load(out))
+        np.testing.assert_array_equal(drawn[-1], _rows(gen, range(fac.rounds)))
+    assert not np.array_equal(*drawn)
+    r = CliRunner().invoke(app, [*args, "--out", str(out), "--key-version", "3"])
+    assert r.exit_code == 2 and "--key-version" in r.output
+
 
 def test_tensorflow_backend(facs, tmp_path):
     pytest.importorskip("tensorflow")
@@ -423,7 +441,8 @@ def _z_matrix(fac, dim, table, chunk_size):
     key, chunk by chunk."""
     z = np.empty((fac.rounds, dim))
     for j in range(fac.rounds):
-        src = PhiloxSource(table.key_for(j))
+        seg = table.segment_for(j)
+        src = PhiloxSource(seg.key, version=seg.version)
         for c, lo in enumerate(range(0, dim, chunk_size)):
             hi = min(dim, lo + chunk_size)
             z[j, lo:hi] = src.normal(j, c, hi - lo)

@@ -185,7 +185,9 @@ def test_the_noised_sum_is_the_server_noised_sum_within_half_a_step(node, m):
     plain, _ = _decode(_grid(m=m), p)  # the same T, no noise node: --secagg's sum
     table, _ = NoiseNodeStore(node.dir).segments()
     scale = SIGMA * 1.0
-    n = CorrelatedNoise(node.fac, [(DIM,)], scale, key=table.key_for(0)).next(0)[0]
+    seg = table.segments[0]
+    assert seg.version == 2  # a new noise node's key: the current derivation
+    n = CorrelatedNoise(node.fac, [(DIM,)], scale, key=seg.key, key_version=seg.version).next(0)[0]
     n = n.astype(np.float64)
     assert np.max(np.abs(noised - (plain + n))) <= p.step / 2 * (1 + 1e-6)
     assert np.max(np.abs(noised - (plain + n))) > 0  # the noise is on the grid, not exact
@@ -403,9 +405,9 @@ def test_simulate_with_a_noise_node_keeps_epsilon_and_the_key_off_the_server(tmp
 
     validate("privacy-report", json.loads((tmp_path / "nn" / "privacy_report.json").read_text()))
     assert "never holds a noiseless sum" in ours["secure_aggregation"]["noiseless_sum"]
-    keys = [
-        bytes.fromhex(k) for _, k in json.loads((node_dir / "keys.json").read_text())["segments"]
-    ]
+    rows = json.loads((node_dir / "keys.json").read_text())["segments"]
+    assert all(len(row) == 3 and row[2] == 2 for row in rows)  # new keys: version 2, recorded
+    keys = [bytes.fromhex(row[1]) for row in rows]
     secrets = [*keys, *(k.hex().encode() for k in keys), (node_dir / "identity.key").read_bytes()]
     for path in _files(tmp_path / "nn", home):
         data = path.read_bytes()

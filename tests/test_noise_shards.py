@@ -68,7 +68,7 @@ def test_block_keys_are_not_the_key_and_a_worker_draws_only_its_chunks(facs):
     secrets = shard_secrets(table, shard, "philox")
     held = {k for _, blocks in secrets.segments for k in blocks.values()} | {secrets.mac_key}
     assert KEY not in held and len(held) == shard.chunks + 1
-    assert secrets.segments[0][1][2] == block_key(KEY, 2) != block_key(KEY, 3)
+    assert secrets.segments[0][1][2] == block_key(KEY, 2, version=2) != block_key(KEY, 3, version=2)
     worker = PhiloxSource(blocks=secrets.segments[0][1])
     np.testing.assert_array_equal(
         worker.generator(5, 2).standard_normal(10, dtype=np.float32),
@@ -128,7 +128,10 @@ def test_shard_state_saves_restores_and_takes_a_new_segment(facs, name, tmp_path
         5,
         digests[0],
     )
-    late.add_segment(segment_blocks(new_key, shards[0]))
+    late.add_segment(segment_blocks(table.segments[-1], shards[0]), table.segments[-1].info())
+    # a worker knows its segments' public forms only (no key): the server's, segment for segment
+    assert [s.public() for s in late.segments.segments] == table.public()
+    assert table.public()[1]["derivation"] == 2
     again = restore_shard(
         tmp_path / "w", fac, shards[0], shard_secrets(table, shards[0], "philox"), 5, digests[0]
     )

@@ -217,7 +217,9 @@ def test_a_resumed_run_draws_fresh_noise_and_replays_exactly(tmp_path):
     assert segments(run_dir) == [(0, KEY), (3, later)]
     journal = ReleaseJournal(run_dir / JOURNAL).read()
     assert [e.noise_segment["first_round"] for e in journal] == [0, 0, 0, 3, 3, 3]
-    assert {e.noise_segment["key_fingerprint"] for e in journal[3:]} == {fingerprint(later)}
+    assert {e.noise_segment["key_fingerprint"] for e in journal[3:]} == {
+        fingerprint(later, version=2)
+    }
     with RunLock(run_dir):  # a start of the finished run draws no rows: it opens no segment
         run = Run.start(
             prepare(_cfg(run_dir), USERS, INITIAL, identity="partition-id"),

@@ -11,6 +11,8 @@ import typer
 from corrflow.cli.common import AsJson, emit, fail, load_factorization
 from corrflow.errors import CorrflowError, IntegrityError, InvalidArgumentError
 from corrflow.noise import CorrelatedNoise, key_from_seed
+from corrflow.noise.keys import VERSION as KEY_VERSION
+from corrflow.noise.keys import VERSIONS as KEY_VERSIONS
 
 noise_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Correlated-noise audits.")
 
@@ -33,11 +35,20 @@ def noise_sample(
     chunk_size: Annotated[
         int, typer.Option(help="coordinates per PRNG chunk (must match the server's)")
     ] = 1 << 20,
+    key_version: Annotated[
+        int,
+        typer.Option(
+            help="the key's derivation version: a key segment's `derivation` in the run's state "
+            "(1 where absent: keys made before version 2)"
+        ),
+    ] = KEY_VERSION,
     as_json: AsJson = False,
 ) -> None:
     """Write rows R..R+N−1 of the unit-σ noise stream, exactly as the server computes them for that
     key."""
     try:
+        if key_version not in KEY_VERSIONS:
+            raise InvalidArgumentError("--key-version", f"one of {KEY_VERSIONS}", key_version)
         fac = load_factorization(factorization, "--factorization")
         if dim < 1:
             raise InvalidArgumentError("--dim", "a positive integer", dim)
@@ -55,6 +66,7 @@ def noise_sample(
             [(dim,)],
             1.0,
             key=key_from_seed(seed, prng),
+            key_version=key_version,
             prng=prng,
             mode=mode,
             chunk_size=chunk_size,

@@ -54,9 +54,11 @@ from corrflow.factorization.encoders import (
 )
 from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes
+from corrflow.noise.keys import VERSION as KEY_VERSION
+from corrflow.noise.keys import VERSIONS as KEY_VERSIONS
 from corrflow.noise.keys import fingerprint, new_secret, ring_mac_key
 from corrflow.noise.prng import make_source
-from corrflow.noise.segments import SegmentedSource, SegmentTable
+from corrflow.noise.segments import PublicSegments, SegmentedSource, SegmentTable
 
 #: Coordinates per block of z (float32): it stays in L2 while the block's state rows stream past.
 # The compiled kernels (`corrflow.noise.kernels`) are imported at the first stateful step: numba's
@@ -126,6 +128,8 @@ class CorrelatedNoise:
         stddev: σ, multiplying the unit-variance noise (the server passes σ·clip).
         key: the secret key (default: a fresh one from the OS, `new_secret`); pass one only for
             audits and restores.
+        key_version: the derivation version ``key`` was made under (`corrflow.noise.keys`): a
+            stored key's own; a new key's is the current one.
         prng: ``"philox"`` (default) or ``"chacha"`` (ChaCha20, the ``secure`` extra).
         mode: override the mode `default_mode` picks (``dense`` works for any encoder up to a size
             limit).
@@ -144,6 +148,7 @@ class CorrelatedNoise:
         stddev: float = 1.0,
         *,
         key: bytes | None = None,
+        key_version: int = KEY_VERSION,
         prng: str = "philox",
         mode: str | None = None,
         chunk_size: int = DEFAULT_CHUNK,
@@ -174,7 +179,7 @@ class CorrelatedNoise:
             # Row Z_j comes from the key of its segment (corrflow.noise.segments): one key until a
             # restart opens a new segment.
             self._source = SegmentedSource(
-                SegmentTable.single(self._key), partial(make_source, prng)
+                SegmentTable.single(self._key, key_version), partial(make_source, prng)
             )
         self.mode = default_mode(factorization) if mode is None else mode
         require(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
@@ -234,7 +239,7 @@ class CorrelatedNoise:
     @property
     def mac_key(self) -> bytes:
         """The key of the ring rows' MACs (`save_state`), derived from the noise key."""
-        return ring_mac_key(self._key)
+        return ring_mac_key(self._key, version=self.segments.run_version)
 
     @property
     def buffer_bytes(self) -> int:
@@ -298,25 +303,33 @@ class CorrelatedNoise:
         return self._split(flat)
 
     @property
-    def segments(self) -> SegmentTable:
-        """Which key drew each row Z_j (`corrflow.noise.segments`)."""
+    def segments(self) -> SegmentTable | PublicSegments:
+        """Which key drew each row Z_j (`corrflow.noise.segments`): the keys' table, or, for a
+        noise worker's shard (no key), their public forms."""
         return self._source.table
 
-    def begin_segment(self, key: bytes | None = None) -> None:
+    def begin_segment(self, key: bytes | None = None, version: int = KEY_VERSION) -> None:
         """Draw the rows Z_j, j ≥ the next round, with a new key (default: fresh from the OS);
         earlier rows keep the key that drew them. A server calls this on every start that resumes a
         checkpoint, so that rounds after a restart never repeat the noise of an earlier start.
 
         Args:
-            key: for tests only; a key the table already holds is refused.
+            key: a stored segment's key when its rows are replayed (a noise node's rebuild), or a
+                test's; a key the table already holds is refused.
+            version: that key's derivation version (a key made now: the current one).
         """
+        require(
+            self._key is not None,
+            "begin_segment",
+            "a generator that holds its key (a noise worker's shard takes add_segment)",
+        )
         key = new_secret(self.prng) if key is None else key
         require(
             isinstance(key, bytes) and len(key) == len(self._key),
             "noise_key",
             f"{len(self._key)} secret bytes",
         )
-        self._source.table = self.segments.extend(self.next_round, key)
+        self._source.table = self.segments.extend(self.next_round, key, version)
 
     def skip_round(self) -> None:
         """Advance past the next round without releasing noise (non-private baselines keep rounds
@@ -581,7 +594,7 @@ def state_parts(
         "chunk_size": gen.chunk_size,
         "dtype": "float32",
         "factorization_sha256": gen.factorization.sha256(),
-        "key_fingerprint": fingerprint(gen._key),
+        "key_fingerprint": fingerprint(gen._key, version=gen.segments.run_version),
         "buffer_sha256": None,
         "key_segments": gen.segments.public(),
     }
@@ -790,7 +803,13 @@ def restore_parts(
         key = bytes.fromhex(key_hex)
     except ValueError as exc:
         raise IntegrityError(f"{where}: the secret key file is corrupted") from exc
-    if fingerprint(key) != public.get("key_fingerprint"):
+    # the run key's derivation version is segment 0's (absent before versions: 1); the public
+    # state is authenticated with the checkpoint, and the segments are checked against it below
+    segments = public.get("key_segments") or [{}]
+    version = segments[0].get("derivation", 1) if isinstance(segments[0], dict) else 1
+    if version not in KEY_VERSIONS:
+        raise IntegrityError(f"{where}: unknown key derivation version {version!r}")
+    if fingerprint(key, version=version) != public.get("key_fingerprint"):
         raise IntegrityError(
             f"{where}: the secret key does not belong to this state (foreign or corrupted file)"
         )
@@ -805,6 +824,7 @@ def restore_parts(
         public["shapes"],
         public["stddev"],
         key=key,
+        key_version=version,
         prng=public["prng"],
         mode=public["mode"],
         chunk_size=int(public["chunk_size"]),

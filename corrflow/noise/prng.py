@@ -11,8 +11,8 @@ row can be regenerated in any order, exactly. Two sources:
   256-bit block key, (j, c) placed in the counter's high words — a cryptographically secure
   counter-based generator.
 
-Block keys: chunk c of every row is drawn with ``block_key(key, c)`` = HMAC-SHA256(key, label ‖ c)
-(`corrflow.noise.keys`, where every noise key is derived),
+Block keys: chunk c of every row is drawn with ``block_key(key, c)``, an HMAC-SHA256 of the key
+(`corrflow.noise.keys`, where every noise key is derived under the key's derivation version),
 never with the secret key itself. A noise worker that generates a shard of the coordinates (McKenna,
 "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", arXiv
 2405.15913, §3.3) is given the block keys of its chunks only: it draws exactly the bits the single
@@ -31,6 +31,7 @@ from corrflow.errors import IntegrityError, InvalidArgumentError, require
 # block_key, fingerprint and new_secret are re-exported: their home is corrflow.noise.keys
 from corrflow.noise.keys import (  # noqa: F401
     KEY_BYTES,
+    VERSION,
     block_key,
     fingerprint,
     new_secret,
@@ -44,7 +45,14 @@ class _BlockKeys:
     """Block keys by chunk: derived from the secret key (and cached), or only the given ones (a
     noise worker's)."""
 
-    def __init__(self, key: bytes | None, blocks: Mapping[int, bytes] | None, size: int, prng: str):
+    def __init__(
+        self,
+        key: bytes | None,
+        blocks: Mapping[int, bytes] | None,
+        size: int,
+        prng: str,
+        version: int,
+    ):
         require(
             (key is None) != (blocks is None), "seed", "either the secret key or its block keys"
         )
@@ -54,7 +62,7 @@ class _BlockKeys:
             "seed",
             f"{size} secret bytes for {prng}",
         )
-        self._key = key
+        self._key, self._version = key, version
         self._cache: dict[int, bytes] = {} if blocks is None else dict(blocks)
 
     def get(self, chunk: int) -> bytes:
@@ -62,7 +70,7 @@ class _BlockKeys:
         if k is None:
             if self._key is None:
                 raise IntegrityError(f"noise chunk {chunk} is not one of this worker's blocks")
-            k = self._cache[chunk] = block_key(self._key, chunk)
+            k = self._cache[chunk] = block_key(self._key, chunk, version=self._version)
         return k
 
 
@@ -85,13 +93,21 @@ class PhiloxSource:
 
     Args:
         key: the secret key (each chunk is drawn with its block key, `block_key`).
+        version: the key's derivation version (`corrflow.noise.keys`; a new key's is the current
+            one); with ``key`` only.
         blocks: instead of the key, the block keys of some chunks (a noise worker's shard).
     """
 
     name = "philox"
 
-    def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
-        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["philox"], "philox")
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        version: int = VERSION,
+        blocks: Mapping[int, bytes] | None = None,
+    ):
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["philox"], "philox", version)
 
     def generator(self, round_index: int, chunk: int) -> np.random.Generator:
         key = np.frombuffer(self._block_keys.get(chunk), dtype="<u8")
@@ -108,13 +124,21 @@ class ChaChaSource:
 
     Args:
         key: the 32-byte secret key (each chunk is drawn with its block key, `block_key`).
+        version: the key's derivation version (`corrflow.noise.keys`; a new key's is the current
+            one); with ``key`` only.
         blocks: instead of the key, the block keys of some chunks (a noise worker's shard).
     """
 
     name = "chacha"
 
-    def __init__(self, key: bytes | None = None, *, blocks: Mapping[int, bytes] | None = None):
-        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["chacha"], "chacha")
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        version: int = VERSION,
+        blocks: Mapping[int, bytes] | None = None,
+    ):
+        self._block_keys = _BlockKeys(key, blocks, KEY_BYTES["chacha"], "chacha", version)
         try:
             from randomgen import ChaCha
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
@@ -134,18 +158,20 @@ class ChaChaSource:
         return self.generator(round_index, chunk).standard_normal(size, dtype=np.float32)
 
 
-def make_source(prng: str, key: bytes) -> GaussianSource:
+def make_source(prng: str, key: bytes, version: int) -> GaussianSource:
     """The Gaussian source for a PRNG name.
 
     Args:
         prng: ``"philox"`` or ``"chacha"``.
         key: the secret key.
+        version: its derivation version (`corrflow.noise.keys`).
 
     Returns:
         A source whose ``normal(round, chunk, size)`` is a pure function of (key, round, chunk).
     """
     require(prng in PRNGS, "prng", f"one of {PRNGS}", prng)
-    return PhiloxSource(key) if prng == "philox" else ChaChaSource(key)
+    source = PhiloxSource if prng == "philox" else ChaChaSource
+    return source(key, version=version)
 
 
 def make_block_source(prng: str, blocks: Mapping[int, bytes]) -> GaussianSource:

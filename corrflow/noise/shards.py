@@ -42,7 +42,7 @@ from corrflow.noise.engine import (
 )
 from corrflow.noise.keys import block_key, shard_mac_key
 from corrflow.noise.prng import make_block_source
-from corrflow.noise.segments import SegmentTable
+from corrflow.noise.segments import KeySegment, PublicSegment, PublicSegments, SegmentTable
 
 SHARD_FORMAT = "corrflow.noise-shard/1"
 SHARD_STATE = "shard_state.json"
@@ -108,21 +108,23 @@ def plan_shards(dim: int, workers: int, chunk_size: int = DEFAULT_CHUNK) -> tupl
 @dataclass(frozen=True)
 class ShardSecrets:
     """What one worker is given: per key segment its first round and the block keys of the shard's
-    chunks, and the key of its ring rows' MACs — never the noise key."""
+    chunks, the key of its ring rows' MACs, and the segments' public forms — never the noise
+    key."""
 
     prng: str
     segments: tuple[tuple[int, Mapping[int, bytes]], ...]
     mac_key: bytes
+    public: tuple[PublicSegment, ...]
 
     def __repr__(self) -> str:  # keys stay out of logs
         return f"ShardSecrets(prng={self.prng!r}, segments={[s for s, _ in self.segments]})"
 
 
-def segment_blocks(key: bytes, shard: Shard) -> dict[int, bytes]:
-    """The block keys of a shard's chunks under one segment's key."""
-    return {
-        c: block_key(key, c) for c in range(shard.first_chunk, shard.first_chunk + shard.chunks)
-    }
+def segment_blocks(segment: KeySegment, shard: Shard) -> dict[int, bytes]:
+    """The block keys of a shard's chunks under one segment's key (its derivation version)."""
+    key, version = segment.key, segment.version
+    chunks = range(shard.first_chunk, shard.first_chunk + shard.chunks)
+    return {c: block_key(key, c, version=version) for c in chunks}
 
 
 def shard_secrets(table: SegmentTable, shard: Shard, prng: str) -> ShardSecrets:
@@ -136,28 +138,38 @@ def shard_secrets(table: SegmentTable, shard: Shard, prng: str) -> ShardSecrets:
     Returns:
         The worker's `ShardSecrets`.
     """
-    segs = tuple((s.first_round, segment_blocks(s.key, shard)) for s in table.segments)
-    mac = shard_mac_key(table.segments[0].key, shard.first_chunk, shard.chunks)
-    return ShardSecrets(prng, segs, mac)
+    segs = tuple((s.first_round, segment_blocks(s, shard)) for s in table.segments)
+    run = table.segments[0]
+    mac = shard_mac_key(run.key, shard.first_chunk, shard.chunks, version=run.version)
+    return ShardSecrets(prng, segs, mac, tuple(s.info() for s in table.segments))
 
 
 class ShardSource:
-    """A worker's Gaussian source: row t's chunk c from the block key of t's segment."""
+    """A worker's Gaussian source: row t's chunk c from the block key of t's segment; ``table``:
+    the segments' public forms (the worker holds no key)."""
 
     def __init__(self, secrets: ShardSecrets):
+        require(
+            [p.first_round for p in secrets.public] == [f for f, _ in secrets.segments],
+            "secrets",
+            "the public form of each key segment",
+        )
         self._prng = secrets.prng
         self._firsts: list[int] = []
         self._sources: list = []
-        for first, blocks in secrets.segments:
-            self.extend(first, blocks)
+        self.table = PublicSegments(())
+        for (_, blocks), segment in zip(secrets.segments, secrets.public, strict=True):
+            self.extend(blocks, segment)
 
-    def extend(self, first_round: int, blocks: Mapping[int, bytes]) -> None:
-        """Draw rows ≥ ``first_round`` with a new segment's block keys (later segments dropped, as
-        `SegmentTable.extend` drops them)."""
+    def extend(self, blocks: Mapping[int, bytes], segment: PublicSegment) -> None:
+        """Draw rows ≥ ``segment.first_round`` with a new segment's block keys (later segments
+        dropped, as `SegmentTable.extend` drops them)."""
+        first_round = segment.first_round
         keep = bisect_right(self._firsts, first_round - 1)
         self._firsts, self._sources = self._firsts[:keep], self._sources[:keep]
         self._firsts.append(int(first_round))
         self._sources.append(make_block_source(self._prng, dict(blocks)))
+        self.table = self.table.extend(segment)
 
     def generator(self, round_index: int, chunk: int):
         i = bisect_right(self._firsts, round_index) - 1
@@ -206,14 +218,16 @@ class ShardNoise(CorrelatedNoise):
     def mac_key(self) -> bytes:
         return self._mac_key
 
-    @property
-    def segments(self) -> SegmentTable:
-        raise IntegrityError("a noise worker holds block keys, not the run's key segments")
-
-    def add_segment(self, blocks: Mapping[int, bytes]) -> None:
+    def add_segment(self, blocks: Mapping[int, bytes], segment: PublicSegment) -> None:
         """Draw the rows from the next round on with a new segment's block keys (a resumed run's
-        fresh key, `CorrelatedNoise.begin_segment`)."""
-        self._source.extend(self.next_round, blocks)
+        fresh key, `CorrelatedNoise.begin_segment`); ``segment``: its public form."""
+        require(
+            segment.first_round == self.next_round,
+            "segment",
+            f"a segment from round {self.next_round}, the worker's next round",
+            segment.first_round,
+        )
+        self._source.extend(blocks, segment)
 
 
 def _round_dir(root: Path, shard: Shard, next_round: int) -> Path:

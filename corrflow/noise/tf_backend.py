@@ -2,8 +2,8 @@
 computed with TensorFlow ops on the default device (a GPU when TensorFlow sees one).
 
 Randomness: ``tf.random.stateless_normal(..., alg="philox")`` seeded by
-`corrflow.noise.keys.tf_seed` (SHA-256 of the key, round and chunk), so each (round, chunk) draw is
-a pure function of the secret key — deterministic for a key on a given device, but not
+`corrflow.noise.keys.tf_seed` (derived from the key, round and chunk), so each (round, chunk) draw
+is a pure function of the secret key — deterministic for a key on a given device, but not
 bit-identical to the NumPy backend (the promise is the same distribution, not the same bits).
 """
 
@@ -28,16 +28,18 @@ def _tf():
 
 
 class TFGaussianSource:
-    """Stateless Philox draws on the TensorFlow device, keyed by (secret key, round, chunk)."""
+    """Stateless Philox draws on the TensorFlow device, keyed by (secret key, round, chunk) under
+    the key's derivation ``version``."""
 
     name = "tf-philox"
 
-    def __init__(self, key: bytes):
-        self._key = key
+    def __init__(self, key: bytes, version: int):
+        self._key, self._version = key, version
         self._tf = _tf()
 
     def seed(self, round_index: int, chunk: int) -> np.ndarray:
-        return np.frombuffer(tf_seed(self._key, round_index, chunk), dtype="<i8").copy()
+        seed = tf_seed(self._key, round_index, chunk, version=self._version)
+        return np.frombuffer(seed, dtype="<i8").copy()
 
     def normal(self, round_index: int, chunk: int, size: int):
         tf = self._tf

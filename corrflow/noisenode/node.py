@@ -313,17 +313,19 @@ class NoiseNode:
         scale = float(recipe["noise_multiplier"]) * float(recipe["clip_norm"])
         shapes = [tuple(s) for s in recipe["shapes"]]
         first = self.table.segments[0]
-        gen = CorrelatedNoise(self.factorization(), shapes, scale, key=first.key)
+        gen = CorrelatedNoise(
+            self.factorization(), shapes, scale, key=first.key, key_version=first.version
+        )
         for j in range(t):
             seg = [s for s in self.table.segments if s.first_round == j and j > 0]
             if seg:
-                gen.begin_segment(seg[0].key)
+                gen.begin_segment(seg[0].key, seg[0].version)
             gen.next(j)
         later = [s for s in self.table.segments if s.first_round == t and t > 0]
         if fresh:
             gen.begin_segment(new_secret())
         elif later:
-            gen.begin_segment(later[0].key)
+            gen.begin_segment(later[0].key, later[0].version)
         if gen.segments != self.table:  # a new segment; segment 0's key is written once
             self.store.save_segments(gen.segments)
         self.table = gen.segments

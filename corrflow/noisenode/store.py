@@ -33,7 +33,6 @@ from corrflow.errors import IntegrityError
 from corrflow.fileio import fsync_dir, read_jsonl, write_bytes, write_json
 from corrflow.hashing import canonical_json
 from corrflow.noise import new_secret
-from corrflow.noise.keys import VERSION as KEY_VERSION
 from corrflow.noise.segments import KeySegment, SegmentTable
 
 GENESIS = "0" * 64
@@ -140,13 +139,16 @@ class NoiseNodeStore:
             table = SegmentTable.single(new_secret())
             self.save_segments(table)
             return table, False
-        raw = json.loads(path.read_text())["segments"]
-        return SegmentTable(tuple(KeySegment(int(f), bytes.fromhex(k)) for f, k in raw)), True
+        try:
+            raw = json.loads(path.read_text())["segments"]
+            return SegmentTable(tuple(KeySegment.from_row(row) for row in raw)), True
+        except (ValueError, TypeError, KeyError) as exc:
+            raise IntegrityError(f"{path}: unreadable noise key segments ({exc})") from None
 
     def save_segments(self, table: SegmentTable) -> None:
         """Write the key segments (0600), before any row is drawn with a new one."""
         path = self.dir / KEYS
-        rows = [[s.first_round, s.key.hex()] for s in table.segments]
+        rows = [s.private() for s in table.segments]
         write_json(path, {"segments": rows}, private=True)
 
     # -- journal -----------------------------------------------------------------------------------
@@ -221,7 +223,9 @@ class NoiseNodeStore:
                 "key_segments": [self._segments[k] for k in sorted(self._segments)],
                 "current_key_segments": [s.public() for s in table.segments],
                 "journal_head": self.head,
-                "key_derivation": f"corrflow.noise.keys version {KEY_VERSION}",
+                # each segment's own version is in its public form (absent: 1)
+                "key_derivation": "corrflow.noise.keys version "
+                + ", ".join(str(v) for v in sorted({seg.version for seg in table.segments})),
                 "journal_entries": len(self.entries),
                 "rule": "a row counts as released once a masked vector containing it was sent; "
                 "a row is never sent twice (a redo draws it afresh under a new key segment)",

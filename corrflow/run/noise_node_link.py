@@ -22,6 +22,7 @@ import numpy as np
 
 from corrflow.accounting.noise_scale import noise_std_per_round
 from corrflow.errors import IntegrityError, InvalidArgumentError
+from corrflow.noise.segments import PublicSegment, PublicSegments
 from corrflow.run.secure_sum import secure_sum_params, wrap_probability
 
 if TYPE_CHECKING:
@@ -80,32 +81,6 @@ class NoiseNodeLink:
         }
 
 
-@dataclass(frozen=True)
-class PublicSegment:
-    """A key segment as the server knows it: first round and the key's fingerprint."""
-
-    first_round: int
-    key_fingerprint: str
-
-    def public(self) -> dict:
-        """The public form (hex for bytes)."""
-        return {"first_round": self.first_round, "key_fingerprint": self.key_fingerprint}
-
-
-@dataclass(frozen=True)
-class PublicSegments:
-    """The noise node's key segments of the released rows, as it reported them."""
-
-    segments: tuple[PublicSegment, ...]
-
-    def segment_for(self, round_index: int) -> PublicSegment:
-        """The segment that drew row ``round_index`` (IntegrityError when none)."""
-        found = [s for s in self.segments if s.first_round <= round_index]
-        if not found:
-            raise IntegrityError(f"no noise node receipt covers round {round_index + 1}")
-        return found[-1]
-
-
 class NoiseNodeStream:
     """The run's noise as the noise node adds it inside the secure sum: the
     `corrflow.run.noise.NoiseStream` protocol without a noise key (module docstring)."""
@@ -160,12 +135,13 @@ class NoiseNodeStream:
 
         Args:
             round_index: t.
-            segment: the key segment that drew row Z_t ({"first_round", "key_fingerprint"}).
+            segment: the key segment that drew row Z_t ({"first_round", "key_fingerprint"} and,
+                from version 2, "derivation").
             journal_head: the head hash of the noise node's journal after it sent row t.
         """
         self._pending = {
             "round": int(round_index),
-            "segment": PublicSegment(int(segment["first_round"]), str(segment["key_fingerprint"])),
+            "segment": PublicSegment.from_public(segment),
             "journal_head": str(journal_head),
         }
 
@@ -203,7 +179,7 @@ class NoiseNodeStream:
         for r in self._receipts:
             seen[r["segment"].first_round] = r["segment"]  # a later receipt supersedes
         firsts = sorted(seen)
-        return PublicSegments(tuple(seen[f] for f in firsts))
+        return PublicSegments(tuple(seen[f] for f in firsts), "noise node receipt")
 
     @property
     def journal_head(self) -> str | None:
@@ -246,7 +222,9 @@ class NoiseNodeStream:
                 f"{saved['noise_node']['public_key'][:16]}…, this one "
                 f"{link.public_key.hex()[:16]}…: resume with the run's noise node directory"
             )
-        receipts = [{**r, "segment": PublicSegment(**r["segment"])} for r in saved["receipts"]]
+        receipts = [
+            {**r, "segment": PublicSegment.from_public(r["segment"])} for r in saved["receipts"]
+        ]
         return cls(link, int(saved["next_round"]), receipts)
 
     def node_report(self) -> dict:

@@ -47,7 +47,7 @@ from corrflow.errors import IntegrityError, InvalidArgumentError, NoiseWorkerLos
 from corrflow.factorization.base import Factorization
 from corrflow.noise import new_secret
 from corrflow.noise.engine import DEFAULT_CHUNK, PUBLIC_FILE, SEGMENTS_FILE, default_mode
-from corrflow.noise.segments import SegmentTable
+from corrflow.noise.segments import PublicSegment, SegmentTable
 from corrflow.noise.shards import (
     Shard,
     ShardNoise,
@@ -145,9 +145,10 @@ class NoiseWorker:
         self._gen.skip_round()
         return self.save()
 
-    def add_segment(self, blocks: dict[int, bytes]) -> None:
-        """Rows from the next round on use a new key segment's block keys."""
-        self._gen.add_segment(blocks)
+    def add_segment(self, blocks: dict[int, bytes], segment: PublicSegment) -> None:
+        """Rows from the next round on use a new key segment's block keys (``segment``: its
+        public form)."""
+        self._gen.add_segment(blocks, segment)
 
     def save(self) -> str:
         """Checkpoint the shard's state; returns its digest for the server's checkpoint."""
@@ -532,7 +533,8 @@ class ShardedNoiseStream:
         key = key if key is not None and key not in used else new_secret(self._prng)
         self._table = self._table.extend(self._next, key)
         for s, a in zip(self.shards, self._actors, strict=True):
-            self._get(a.add_segment.remote(segment_blocks(key, s)))
+            segment = self._table.segments[-1]
+            self._get(a.add_segment.remote(segment_blocks(segment, s), segment.info()))
 
 
 def _join(address: str, store_bytes: int) -> bool:
