@@ -195,7 +195,7 @@ def test_poisson_four_band_monte_carlo_beats_mmcc():
     # MMCC ε, and the default accountant uses it and lists MMCC's.
     fac = factorize("toeplitz", participation_for(16, 4, 4, kind="min-sep"), bands=4)
     spec = SamplingSpec("poisson", 1000, 100)
-    res = account(fac, delta=1e-2, noise_multiplier=1.5, sampling=spec, seed=4)
+    res = account(fac, delta=1e-2, noise_multiplier=3.0, sampling=spec, seed=4)
     acc = res["accountant"]
     bounds = {b["accountant"]: b for b in acc["bounds"]}
     assert res["guarantee"] is True and res["delta"] == 1e-2
@@ -214,7 +214,7 @@ def test_budget_spent_falls_back_to_mmcc_by_name(capsys):
     res = account(
         fac,
         delta=1e-2,
-        noise_multiplier=1.5,
+        noise_multiplier=3.0,
         sampling=spec,
         seed=4,
         mc_samples=100,

@@ -4,13 +4,15 @@ refused naming the difference; `corrflow report` re-prints a finished arm's summ
 processes and a real SIGINT."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from typer.testing import CliRunner
+
+from corrflow.cli import app
 
 CLI = [sys.executable, "-m", "corrflow.server.cli"]
 ARGS = ["compare", "--preset", "tiny", "--rounds", "16", "--users", "80"]
@@ -35,11 +37,10 @@ def test_compare_interrupted_then_resumed(tmp_path):
     assert proc.returncode == 130, first
     assert "Traceback" not in first and "rerun the same command" in first
 
-    changed = subprocess.run(
-        [*CLI, *ARGS[:-1], "96", "--out", str(out)], capture_output=True, text=True, timeout=120
-    )
-    assert changed.returncode == 2, changed.stderr
-    assert "--out" in changed.stderr and "users: 80 then, 96 now" in changed.stderr
+    # in this process (the refusal comes before any training): a CLI start saved
+    changed = CliRunner().invoke(app, [*ARGS[:-1], "96", "--out", str(out)])
+    assert changed.exit_code == 2, changed.output
+    assert "--out" in changed.output and "users: 80 then, 96 now" in changed.output
 
     again = subprocess.run(
         [*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600
@@ -58,10 +59,8 @@ def test_compare_interrupted_then_resumed(tmp_path):
     assert not result["stopped"]
 
     run = out / "eps8" / "runs" / "toeplitz-seed0"
-    rep = subprocess.run(
-        [*CLI, "report", str(run)], capture_output=True, text=True, timeout=120, env={**os.environ}
-    )
-    assert rep.returncode == 0, rep.stderr
+    rep = CliRunner().invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0, rep.output
     assert "privacy     ε = " in rep.stdout and "16 completed" in rep.stdout
     assert (run / "run.png").stat().st_size > 0
 
