@@ -145,23 +145,24 @@ stop_tree() {  # stop_tree PID: SIGTERM it (it shuts down its children), then wh
 cleanup() {
   local rc=$? i run_id
   trap - EXIT INT TERM
-  if [[ $rc -ne 0 ]] && declare -F flwr_cli >/dev/null; then
+  set +e  # the clean-up runs to its end and exits with the status that brought it here
+  if [[ $rc -ne 0 && $rc -ne 130 && -n "${cli_home:-}" ]]; then
     # the ServerApps' own logs (what a round still waits for), while the SuperLink still serves them
     for run_id in "${run1:-}" "${run2:-}" "${run3:-}"; do
       [[ -n "$run_id" ]] || continue
-      timeout 30 bash -c "$(declare -f flwr_cli); cli_home='$cli_home' bin='$bin'; flwr_cli log $run_id loopback --show" \
-        >"$logs/serverapp-$run_id.log" 2>&1 || true
+      FLWR_HOME="$cli_home" timeout 30 "$bin/flwr" log "$run_id" loopback --show \
+        >"$logs/serverapp-$run_id.log" 2>&1
     done
   fi
   for ((i = ${#started[@]} - 1; i >= 0; i--)); do stop_tree "${started[$i]}"; done
   if [[ $rc -ne 0 ]]; then
     say "exit $rc; logs in $logs"
     for f in "$logs"/serverapp-*.log; do
-      [[ -f "$f" ]] && { echo "--- corrflow in $f" >&2; grep -E 'corrflow|round |WARNING|ERROR|still missing' "$f" | tail -n 15 >&2; }
+      [[ -f "$f" ]] && { echo "--- corrflow in $f" >&2; { grep -E 'corrflow|round |WARNING|ERROR|still missing' "$f" || true; } | tail -n 15 >&2; }
     done
     [[ -f "$logs/superlink.log" ]] && { echo "--- tail of $logs/superlink.log" >&2; tail -n 25 "$logs/superlink.log" >&2; }
     for f in "$logs"/sn[123].log "$logs"/nn-supernode.log; do  # what each SuperNode received and answered, run by run
-      [[ -f "$f" ]] && { echo "--- messages in $f" >&2; grep -E 'RUN |Receiving|Sending|ERROR|Ignoring' "$f" | tail -n 30 >&2; }
+      [[ -f "$f" ]] && { echo "--- messages in $f" >&2; { grep -E 'RUN |Receiving|Sending|ERROR|Ignoring' "$f" || true; } | tail -n 30 >&2; }
     done
   fi
   exit "$rc"

@@ -306,8 +306,10 @@ def test_a_round_waiting_for_replies_names_the_silent_nodes(monkeypatch, caplog)
         def __init__(self):
             self.pushed = []
 
-        def push_messages(self, msgs):
+        def push_messages(self, msgs):  # as Flower's grids: each pushed message gets its id
             self.pushed = list(msgs)
+            for i, m in enumerate(self.pushed):
+                m.metadata.message_id = f"m{i}"
             return [f"m{i}" for i in range(len(self.pushed))]
 
         def pull_messages(self, ids):

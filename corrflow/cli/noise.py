@@ -84,6 +84,7 @@ def noise_sample(
                 "dim": dim,
                 "mode": gen.mode,
                 "prng": prng,
+                "key_version": key_version,
                 "factorization_sha256": fac.sha256(),
             },
             as_json,

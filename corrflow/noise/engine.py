@@ -330,6 +330,9 @@ class CorrelatedNoise:
             f"{len(self._key)} secret bytes",
         )
         self._source.table = self.segments.extend(self.next_round, key, version)
+        # at round 0 the new segment replaces segment 0: it is the run key now (its MAC keys,
+        # fingerprint and secret file follow it, with its version)
+        self._key = self._source.table.segments[0].key
 
     def skip_round(self) -> None:
         """Advance past the next round without releasing noise (non-private baselines keep rounds

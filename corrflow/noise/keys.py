@@ -38,8 +38,9 @@ version 2 resumes bit for bit while its new segments are version 2. tests/test_n
 both versions to known answers.
 
 Audit keys (``corrflow noise sample --seed TEXT``) are not in the tree: they are a public hash of
-a user's text, SHA-256("corrflow-seed:" ‖ text)[:n], kept so that a recorded audit seed draws the
-same sample in every version; no run's key is ever made this way.
+a user's text, SHA-256("corrflow-seed:" ‖ text)[:n], unchanged so that a recorded audit seed gives
+the same key; no run's key is ever made this way. The rows drawn from that key follow the sample's
+``--key-version`` (default: the current one; 1 reproduces a sample recorded before version 2).
 """
 
 from __future__ import annotations

@@ -48,12 +48,19 @@ class PublicSegment:
 
     @classmethod
     def from_public(cls, segment: Mapping) -> PublicSegment:
-        """Parse `public`'s form (a receipt's or a checkpoint's)."""
-        return cls(
-            int(segment["first_round"]),
-            str(segment["key_fingerprint"]),
-            int(segment.get("derivation", 1)),
-        )
+        """Parse `public`'s form (a receipt's or a checkpoint's); IntegrityError when malformed or
+        of an unknown derivation version."""
+        try:
+            out = cls(
+                int(segment["first_round"]),
+                str(segment["key_fingerprint"]),
+                int(segment.get("derivation", 1)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise IntegrityError(f"a malformed key segment {segment!r} ({exc})") from None
+        if out.derivation not in VERSIONS:
+            raise IntegrityError(f"key segment of unknown derivation version {out.derivation}")
+        return out
 
 
 @dataclass(frozen=True)

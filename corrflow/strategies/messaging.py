@@ -69,11 +69,14 @@ class ReplyStream:
         batch: int,
     ):
         self.grid, self.timeout, self.stop, self.batch = grid, timeout, stop, max(1, int(batch))
-        nodes = [m.metadata.dst_node_id for m in messages]
-        # message id → its node, for the wait report
-        self.pending = (
-            dict(zip(grid.push_messages(messages), nodes, strict=True)) if messages else {}
-        )
+        messages = list(messages)
+        ids = list(grid.push_messages(messages)) if messages else []
+        # message id → its node, for the wait report (a grid sets each pushed message's id, and
+        # may leave out one it could not store: only the returned ids are waited for)
+        node_of = {
+            getattr(m.metadata, "message_id", None): m.metadata.dst_node_id for m in messages
+        }
+        self.pending = {i: node_of.get(i) for i in ids}
         self.total, self.started = len(self.pending), time.monotonic()
         self.deadline = self.started + timeout
         self._reported = self.started
@@ -110,7 +113,8 @@ class ReplyStream:
         if now - self._reported < WAIT_REPORT_S:
             return
         self._reported = now
-        nodes = sorted(set(self.pending.values()))
+        nodes = sorted({n for n in self.pending.values() if n is not None})
+        nodes += ["an unknown node"] * any(n is None for n in self.pending.values())
         shown = ", ".join(map(str, nodes[:10])) + (
             f" and {len(nodes) - 10} more" if len(nodes) > 10 else ""
         )

@@ -57,7 +57,9 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
+from corrflow.errors import IntegrityError
 from corrflow.fileio import write_json
+from corrflow.noise.segments import PublicSegment
 from corrflow.noisenode.protocol import (
     HEAD_KEY,
     RECIPE_KEY,
@@ -660,8 +662,8 @@ def _receipt(record) -> tuple[dict, str]:
     try:
         segment = json.loads(str(record[SEGMENT_KEY]))
         head = str(record[HEAD_KEY])
-        int(segment["first_round"]), str(segment["key_fingerprint"])
-    except (KeyError, TypeError, ValueError):
+        PublicSegment.from_public(segment)  # a receipt of a known form and derivation version
+    except (KeyError, TypeError, ValueError, AttributeError, IntegrityError):
         raise SecureSumError(
             f"{Stage.COLLECT_MASKED_VECTORS}: the noise node sent no receipt of its row", True
         ) from None
