@@ -55,10 +55,9 @@ from corrflow.factorization.encoders import (
 from corrflow.factorization.registry import noise_mode_for
 from corrflow.fileio import atomic_file, write_bytes
 from corrflow.noise.keys import VERSION as KEY_VERSION
-from corrflow.noise.keys import VERSIONS as KEY_VERSIONS
 from corrflow.noise.keys import fingerprint, new_secret, ring_mac_key
 from corrflow.noise.prng import make_source
-from corrflow.noise.segments import PublicSegments, SegmentedSource, SegmentTable
+from corrflow.noise.segments import PublicSegment, PublicSegments, SegmentedSource, SegmentTable
 
 #: Coordinates per block of z (float32): it stays in L2 while the block's state rows stream past.
 # The compiled kernels (`corrflow.noise.kernels`) are imported at the first stateful step: numba's
@@ -808,10 +807,11 @@ def restore_parts(
         raise IntegrityError(f"{where}: the secret key file is corrupted") from exc
     # the run key's derivation version is segment 0's (absent before versions: 1); the public
     # state is authenticated with the checkpoint, and the segments are checked against it below
-    segments = public.get("key_segments") or [{}]
-    version = segments[0].get("derivation", 1) if isinstance(segments[0], dict) else 1
-    if version not in KEY_VERSIONS:
-        raise IntegrityError(f"{where}: unknown key derivation version {version!r}")
+    listed = public.get("key_segments")
+    try:
+        version = PublicSegment.from_public(listed[0]).derivation if listed else 1
+    except IntegrityError as exc:
+        raise IntegrityError(f"{where}: {exc}") from None
     if fingerprint(key, version=version) != public.get("key_fingerprint"):
         raise IntegrityError(
             f"{where}: the secret key does not belong to this state (foreign or corrupted file)"

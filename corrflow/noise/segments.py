@@ -116,12 +116,11 @@ class KeySegment:
 
     @classmethod
     def from_row(cls, row) -> KeySegment:
-        """Parse `private`'s row (raises ValueError or TypeError when malformed)."""
+        """Parse `private`'s row (raises ValueError or TypeError when malformed, an unknown
+        version included)."""
         if not isinstance(row, list) or len(row) not in (2, 3):
             raise ValueError(f"a segment is [first round, key hex(, version)], not {row!r}")
         version = int(row[2]) if len(row) == 3 else 1
-        if version not in VERSIONS:
-            raise ValueError(f"key derivation version {version}, expected one of {VERSIONS}")
         return cls(int(row[0]), bytes.fromhex(row[1]), version)
 
 
