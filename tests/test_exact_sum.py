@@ -15,7 +15,7 @@ from strategy_support import small_config as _cfg
 
 from corrflow.run import Reply, Run, RunLock, open_run_directory, prepare
 from corrflow.run.clipping import ExactSum, RejectedReplyError, clip_scale, fixed_point_scale
-from corrflow.run.round import collect, sum_scale
+from corrflow.run.round import collect
 
 SHAPES = [(3_001,), (4, 5)]  # crosses no block: the block-crossing case is the next test's
 
@@ -242,7 +242,7 @@ def test_collect_is_order_free_first_accepted_wins_and_streams(tmp_path):
 
         out = collect(run.plan, routed, pulled(), run.state.params, lambda *a: None)
         assert len(out.accepted) == len(nodes)
-        assert sum_scale(run.plan) == fixed_point_scale(12, 0.5) == 59
+        assert run.plan.sum_scale == fixed_point_scale(12, 0.5) == 59
 
 
 # -- the transport side: replies pulled a few ids at a time ----------------------------------------

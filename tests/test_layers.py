@@ -251,7 +251,7 @@ def test_the_run_state_is_read_only_outside_the_run(tmp_path):
     """What the strategy (or anyone) reads is a view: assigning, appending or writing an array
     raises, and the view reads through (a round's change shows without a new view)."""
     state = RunState([np.zeros(3, np.float32)], [np.zeros(3, np.float32)], Ledger())
-    state.ledger.select(0, ["a", "b"])
+    state.ledger.record_round(0, ["a", "b"], [], [], [], None)
     view = RunView(state)
     with pytest.raises(AttributeError):
         view.next_round += 0
@@ -267,7 +267,7 @@ def test_the_run_state_is_read_only_outside_the_run(tmp_path):
         view.params[0][0] = 1.0
     with pytest.raises(AttributeError):
         view.metrics_history.append({})
-    state.ledger.select(1, ["a"])
+    state.ledger.record_round(1, ["a"], [], [], [], None)
     assert view.ledger.selected == {"a": [0, 1], "b": [0]} and view.ledger.selected["a"] == [0, 1]
     assert {"a": [0, 1], "b": [0]} == view.ledger.selected
 

@@ -359,3 +359,51 @@ def test_a_finished_runs_rerun_checks_its_ledger_before_vouching_for_it(tmp_path
     edited = simulate()
     assert edited.returncode == 1 and "Traceback" not in edited.stderr
     assert "ledger.jsonl: does not match the checkpoint's record" in edited.stderr
+
+
+def test_a_rounds_compute_side_calls_at_most_60_functions_in_15_files(tmp_path):
+    """Round 3 of the plain loop, traced: `Run.step` outside `RunStore.commit` — check, clip and
+    sum the replies, draw the noise, step the optimizer, account ε, apply the record in memory —
+    calls at most 60 of corrflow's functions, in at most 15 files (37 in 14 when this was
+    written); the commit is the one place that writes. Comprehensions are left out of the count
+    (Python 3.12 inlines them)."""
+    from test_run import NODE, _client
+
+    from corrflow.run.store import RunStore
+
+    root = str(Path(__import__("corrflow").__file__).parent) + os.sep
+    called: set[tuple[str, str, int]] = set()
+    depth = {"step": 0, "commit": 0}
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event not in ("call", "return") or not code.co_filename.startswith(root):
+            return
+        where = (code.co_filename[len(root) :], code.co_name, code.co_firstlineno)
+        edge = 1 if event == "call" else -1
+        if where[:2] == ("run/core.py", "step"):
+            depth["step"] += edge
+        elif code is RunStore.commit.__code__:
+            depth["commit"] += edge
+        elif event == "call" and depth["step"] and not depth["commit"] and where[1][0] != "<":
+            called.add(where)
+
+    cfg = _cfg(tmp_path / "run", num_rounds=6, epochs=2)
+    with RunLock(cfg.state_dir):
+        plan = prepare(cfg, USERS, INITIAL, identity="partition-id")
+        run = Run.start(plan, INITIAL, open_run_directory(cfg.state_dir), noise_key=KEY)
+        for t in range(3):
+            routed = run.plan_next().route(NODE, set(NODE.values()))
+            replies = [_client(run, n) for n in routed.expected]
+            if t == 2:
+                sys.setprofile(profile)
+            try:
+                assert run.step(routed, replies) is not None
+            finally:
+                sys.setprofile(None)
+    files = sorted({f for f, _, _ in called})
+    shown = sorted(f"{f}:{name}" for f, name, _ in called)
+    assert 20 <= len(called) <= 60, shown
+    assert len(files) <= 15, files
+    assert "run/store.py" not in files and "run/disclosure.py" not in files, files
+    assert {"run/round.py", "run/clipping.py", "noise/engine.py", "run/optimizer.py"} <= set(files)

@@ -195,10 +195,45 @@ class RunAccounting:
         """
         if not self.target_epsilon:
             return None
+        eps = self.after_round(selected, overrides, round_index, users, tracker).epsilon
+        return eps if self.over_budget(eps) else None
+
+    def after_round(
+        self,
+        selected: Mapping[str, Sequence[int]],
+        overrides: Iterable[Mapping],
+        round_index: int,
+        users: Iterable[str],
+        tracker: IncrementalSensitivity | None = None,
+    ) -> RealizedPrivacy:
+        """ε after a prospective round (nothing changes).
+
+        Args:
+            selected: user → rounds contributed to so far.
+            overrides: the override records, the round's included.
+            round_index: the round, 0-based.
+            users: its cohort.
+            tracker: the run's incremental sensitivity at ``selected`` (O(cohort); without it, a
+                pass over every user).
+
+        Returns:
+            The `RealizedPrivacy` after the round.
+        """
         if tracker is not None:
-            eps = self.realized_after(tracker, selected, overrides, round_index, users).epsilon
-        else:
-            eps = self.realized(with_round(selected, round_index, users), overrides).epsilon
-        if eps is not None and eps > self.target_epsilon * (1 + BUDGET_TOLERANCE):
-            return eps
-        return None
+            return self.realized_after(tracker, selected, overrides, round_index, users)
+        return self.realized(with_round(selected, round_index, users), overrides)
+
+    def over_budget(self, epsilon: float | None) -> bool:
+        """Whether a realised ε exceeds the target (to a relative `BUDGET_TOLERANCE`).
+
+        Args:
+            epsilon: ε after a prospective round (None: a non-private run).
+
+        Returns:
+            False without a target or without ε.
+        """
+        return bool(
+            self.target_epsilon
+            and epsilon is not None
+            and epsilon > self.target_epsilon * (1 + BUDGET_TOLERANCE)
+        )

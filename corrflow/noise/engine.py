@@ -273,18 +273,13 @@ class CorrelatedNoise:
                 f"the model shapes fixed at start {list(self.shapes)}",
                 [tuple(s) for s in shapes],
             )
-        require(
-            isinstance(round_index, int | np.integer) and round_index >= 0,
-            "round_index",
-            "a non-negative integer",
-            round_index,
-        )
-        require(
-            round_index < self.rounds,
-            "round_index",
-            f"< {self.rounds}: the factorization has only {self.rounds} rounds",
-            round_index,
-        )
+        if not (isinstance(round_index, int | np.integer) and 0 <= round_index < self.rounds):
+            raise InvalidArgumentError(
+                "round_index",
+                f"an integer in [0, {self.rounds}): the factorization has only {self.rounds} "
+                "rounds",
+                round_index,
+            )
         if round_index == self.next_round:
             flat = self._advance(round_index)
             self.next_round += 1
@@ -361,6 +356,9 @@ class CorrelatedNoise:
 
     # -- modes -------------------------------------------------------------------------------------
     def _chunks(self):
+        """(chunk, lo, hi) of the model's coordinates: each chunk's draws z come from the
+        counter-based stream of (round, chunk) of the row's key (`self._source.generator`), one
+        cache-sized `BLOCK` at a time."""
         for c, lo in enumerate(range(0, self.dim, self.chunk_size), start=self.first_chunk):
             yield c, lo, min(self.dim, lo + self.chunk_size)
 
@@ -373,16 +371,6 @@ class CorrelatedNoise:
         else:
             self._stateless(t, out)
         return out
-
-    def _generator(self, round_index: int, chunk: int) -> np.random.Generator:
-        """The draws z of (round, chunk): the one place the engine turns its key into noise."""
-        return self._source.generator(round_index, chunk)
-
-    def _blocks(self, lo: int, hi: int):
-        """Cache-sized blocks [a, b) of the chunk [lo, hi) (`BLOCK`
-        coordinates)."""
-        for a in range(lo, hi, BLOCK):
-            yield a, min(hi, a + BLOCK)
 
     def _blt_step(self, t: int, out: np.ndarray, buf: np.ndarray) -> None:
         """One round of MXZ24 Alg. 3 for C⁻¹ (module docstring): y = z_t − Σ_j ω_j S_j; S_j ← θ_j
@@ -397,8 +385,9 @@ class CorrelatedNoise:
 
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draw = self._generator(t, c)
-            for a, b in self._blocks(lo, hi):
+            draw = self._source.generator(t, c)
+            for a in range(lo, hi, BLOCK):
+                b = min(hi, a + BLOCK)
                 zb = z[: b - a]
                 draw.standard_normal(out=zb, dtype=np.float32)
                 blt_block(zb, buf, decay, weight, gain, a, out)
@@ -420,8 +409,9 @@ class CorrelatedNoise:
 
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draw = self._generator(t, c)
-            for a, b in self._blocks(lo, hi):
+            draw = self._source.generator(t, c)
+            for a in range(lo, hi, BLOCK):
+                b = min(hi, a + BLOCK)
                 zb = z[: b - a]
                 draw.standard_normal(out=zb, dtype=np.float32)
                 banded_block(zb, buf, slots, weights, diag, gain, slot, a, out)
@@ -445,8 +435,9 @@ class CorrelatedNoise:
         scales = [np.float32(coef * self.stddev) for _, coef in terms]
         z = np.empty(min(BLOCK, self.dim), dtype=np.float32)
         for c, lo, hi in self._chunks():
-            draws = [self._generator(j, c) for j, _ in terms]
-            for a, b in self._blocks(lo, hi):
+            draws = [self._source.generator(j, c) for j, _ in terms]
+            for a in range(lo, hi, BLOCK):
+                b = min(hi, a + BLOCK)
                 dst, zb = out[a:b], z[: b - a]
                 for i, (draw, scale) in enumerate(zip(draws, scales, strict=True)):
                     if i == 0:

@@ -17,6 +17,7 @@ exactly from the checkpoint. Each segment keeps the derivation version its key w
 from __future__ import annotations
 
 import json
+import sys
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -221,6 +222,8 @@ class SegmentedSource:
         self._factory = factory
         self._sources: dict[bytes, GaussianSource] = {}
         self.table = table
+        # (table, rows of the last row's segment, its source): valid while ``table`` is the table
+        self._last: tuple = (None, range(0), None)
 
     @property
     def name(self) -> str:
@@ -237,5 +240,14 @@ class SegmentedSource:
 
     def generator(self, round_index: int, chunk: int):
         """The (round, chunk) stream's generator, from the key of the row's segment (for sources
-        that draw block by block)."""
-        return self._source(self.table.segment_for(round_index)).generator(round_index, chunk)
+        that draw block by block). The segment of the last row drawn is kept: a round's chunks,
+        and the rounds after it until the next segment, look nothing up."""
+        table, rounds, source = self._last
+        if table is not self.table or round_index not in rounds:
+            table = self.table
+            i = table.index_of(round_index)
+            segments = table.segments
+            end = segments[i + 1].first_round if i + 1 < len(segments) else sys.maxsize
+            source = self._source(segments[i])
+            self._last = (table, range(segments[i].first_round, end), source)
+        return source.generator(round_index, chunk)

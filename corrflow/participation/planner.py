@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from corrflow.choices import Participation, values
-from corrflow.errors import require
+from corrflow.errors import InvalidArgumentError, require
 from corrflow.participation.samplers import (
     BMinSepSampler,
     CyclicPoissonSampler,
@@ -220,7 +220,8 @@ class CohortPlanner:
             The item ids of round t, sorted. Rounds are drawn in order; an earlier round is replayed
             from the seed.
         """
-        require(0 <= t < self.rounds, "round", f"in [0, {self.rounds})", t)
+        if not 0 <= t < self.rounds:
+            raise InvalidArgumentError("round", f"in [0, {self.rounds})", t)
         if self.kind == "fixed-epoch":
             return sorted(self.items[i] for i in self.groups[t % self.min_sep])
         # an old round: replay from the seed
@@ -275,20 +276,6 @@ class SeparationMonitor:
     def __init__(self, min_sep: int):
         self.min_sep = int(min_sep)
 
-    @staticmethod
-    def last_round(rounds: Sequence[int], before: int) -> int | None:
-        """The latest of ``rounds`` before a round.
-
-        Args:
-            rounds: rounds a user was included in.
-            before: the round to look back from.
-
-        Returns:
-            The latest round < ``before``, or None.
-        """
-        earlier = [r for r in rounds if r < before]
-        return max(earlier) if earlier else None
-
     def gap(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
         """The gap a participation in round t would have.
 
@@ -298,10 +285,10 @@ class SeparationMonitor:
             t: the round.
 
         Returns:
-            t minus the user's latest earlier included round, or None if it would be their first.
+            t minus the user's latest included round before t, or None if it would be their first.
         """
-        last = self.last_round(included.get(user, ()), t)
-        return None if last is None else t - last
+        earlier = [r for r in included.get(user, ()) if r < t]
+        return t - max(earlier) if earlier else None
 
     def violates(self, included: Mapping[str, Sequence[int]], user: str, t: int) -> int | None:
         """Whether including ``user`` in round t breaks the design min-sep.

@@ -28,10 +28,15 @@ _BLOCK = 1 << 16
 _COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _kernels():
+_KERNELS = None
+
+
+def _load_kernels():
     """`corrflow.run.clip_kernels`, imported at the first reply: numba loads only when needed."""
+    global _KERNELS
     from corrflow.run import clip_kernels
 
+    _KERNELS = clip_kernels
     return clip_kernels
 
 
@@ -73,51 +78,47 @@ class _Clipper:
         delta). Returns "kept", "clipped" or "zeroed" (zero threshold ``zeroing`` on ℓ∞; 0 disables
         it). Raises `RejectedReplyError` — before changing ``total`` — for NaN/Inf values (or
         a difference beyond float32), and for an update that needs clipping when ``allow_clip`` is
-        False."""
+        False.
+
+        The first pass forms u = a − s rounded once to float32 (computed in the wider dtype) with
+        max |u| and Σ u² in float64 (not finite exactly when some u is not): compiled for float32
+        and float64 replies (``clip_kernels``), block by block in NumPy for the others."""
+        kernels = _KERNELS or _load_kernels()
         linf, sq = 0.0, 0.0
         for i, scratch in enumerate(self._scratch):
             a, s = replied[i].reshape(-1), None if sent is None else sent[i].reshape(-1)
             u = scratch.reshape(-1)
-            top, part = self._difference(a, s, u)
+            if u.size == 0:
+                continue
+            if a.dtype in _COMPILED and (s is None or s.dtype in _COMPILED):
+                part, top = (
+                    kernels.copy_norms(a, u) if s is None else kernels.difference_norms(a, s, u)
+                )
+            else:
+                top, part = self._difference_numpy(a, s, u)
             if not (np.isfinite(top) and np.isfinite(part)):
                 raise RejectedReplyError(f"array {i} ({self._names[i]}): NaN or Inf values")
-            linf, sq = max(linf, top), sq + part
+            linf, sq = max(linf, float(top)), sq + float(part)
         if zeroing > 0 and linf > zeroing:
             return "zeroed"  # adds nothing: g is exactly what adding zeros would give
         norm = float(np.sqrt(sq))
         if norm > bound and not allow_clip:
             raise RejectedReplyError("needs clipping")
-        self._admit(bound)
-        if norm > bound:
-            self._accumulate(clip_scale(norm, bound))
-            return "clipped"
-        self._accumulate(None)
-        return "kept"
+        clipped = norm > bound
+        self._accumulate(clip_scale(norm, bound) if clipped else None, bound, kernels)
+        return "clipped" if clipped else "kept"
 
-    def _admit(self, bound: float) -> None:
-        """Raise `RejectedReplyError` when an update of ℓ2 ≤ ``bound`` cannot be added."""
-
-    def _accumulate(self, scale: np.float32 | None) -> None:
+    def _accumulate(self, scale: np.float32 | None, bound: float, kernels) -> None:
+        """Add the scratch, times ``scale`` (None: as it is), into the sum; ``bound`` is the
+        update's ℓ2 bound. Raises `RejectedReplyError`, changing nothing, when it cannot be
+        added."""
         raise NotImplementedError
-
-    def _difference(
-        self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
-    ) -> tuple[float, float]:
-        """u = a − s rounded once to float32 (computed in the wider dtype); (max |u|, Σ u² in
-        float64), compiled for float32 and float64 replies (``clip_kernels``). Σ u² is not finite
-        when some u is not."""
-        if u.size == 0:
-            return 0.0, 0.0
-        if a.dtype in _COMPILED and (s is None or s.dtype in _COMPILED):
-            kernels = _kernels()
-            sq, linf = kernels.copy_norms(a, u) if s is None else kernels.difference_norms(a, s, u)
-            return float(linf), float(sq)
-        return self._difference_numpy(a, s, u)
 
     def _difference_numpy(
         self, a: np.ndarray, s: np.ndarray | None, u: np.ndarray
     ) -> tuple[float, float]:
-        """`_difference` for the other floating dtypes (float16, longdouble), block by block."""
+        """The first pass of `add` for the other floating dtypes (float16, longdouble), block by
+        block: (max |u|, Σ u² in float64)."""
         n = u.size
         linf, sq = 0.0, 0.0
         with np.errstate(over="ignore", invalid="ignore"):
@@ -153,7 +154,7 @@ class ClippedSum(_Clipper):
         super().__init__(shapes, names)
         self.total = [np.zeros(s, dtype=np.float32) for s in shapes]
 
-    def _accumulate(self, scale: np.float32 | None) -> None:
+    def _accumulate(self, scale: np.float32 | None, bound: float, kernels) -> None:
         for acc, scratch in zip(self.total, self._scratch, strict=True):
             g, u = acc.reshape(-1), scratch.reshape(-1)
             if scale is None:
@@ -227,21 +228,18 @@ class ExactSum(_Clipper):
         wide = np.float32 if -126 <= self.scale <= 127 else np.float64
         self._to_int = wide(math.ldexp(1.0, self.scale))
 
-    def _admit(self, bound: float) -> None:
+    def _accumulate(self, scale: np.float32 | None, bound: float, kernels) -> None:
         if self._admitted + bound >= self._limit:
             raise RejectedReplyError(
                 f"the round's exact sum is full: Σ ℓ2 bounds {self._admitted + bound:g} would "
                 f"reach 2^{63 - self.scale} (fixed point 2^{self.scale})"
             )
         self._admitted += bound
-
-    def _accumulate(self, scale: np.float32 | None) -> None:
         # u · scale in float32, as `ClippedSum` (the ℓ2 bound is met before conversion), then the
         # exact product by 2^s, truncated toward zero by the cast
         factor = np.float32(1.0) if scale is None else np.float32(scale)
-        add = _kernels().add_fixed_point
         for acc, scratch in zip(self.sums, self._scratch, strict=True):
-            add(scratch.reshape(-1), factor, self._to_int, acc.reshape(-1))
+            kernels.add_fixed_point(scratch.reshape(-1), factor, self._to_int, acc.reshape(-1))
 
     def total(self) -> list[np.ndarray]:
         """The sum as float32 arrays: fl32(fl64(Q) · 2^−s), block by block.

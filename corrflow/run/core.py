@@ -11,12 +11,12 @@ noise stream, the secrets and the files — and is driven round by round::
 
 ``step`` is the one place the run's state changes (a round, a stop or an override goes through
 `Run._apply`); outside the run, the state is a read-only `RunView`.
-A step computes the round — clip → sum → noise → optimizer → finite check — into a `RoundRecord`
-without touching disk, applies it to the state in memory, then commits it
-(`corrflow.run.store.RunStore.commit`: ledger log → checkpoint → per-user store → release journal →
-registry), then writes the report and metrics (every `REPORT_EVERY` rounds, at the end and at every
-stop): the order that makes a kill at any point safe; a round's own writes are O(model + cohort),
-never O(population).
+A step computes the round — clip → sum → noise → optimizer → finite check, with the ε that
+``plan_next`` computed for the budget guard — into a `RoundRecord` without touching disk, applies it
+to the state in memory, then commits it (`corrflow.run.store.RunStore.commit`: ledger log →
+checkpoint → per-user store → release journal → registry → the operator's round line), then writes
+the report and metrics (every `REPORT_EVERY` rounds, at the end and at every stop): the order that
+makes a kill at any point safe; a round's own writes are O(model + cohort), never O(population).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import numpy as np
 from corrflow.accounting.policy import RunAccounting, pattern_followed
 from corrflow.accounting.tracking import IncrementalSensitivity
 from corrflow.config import RunConfig
-from corrflow.errors import IntegrityError, NoiseWorkerLostError, require
+from corrflow.errors import IntegrityError, InvalidArgumentError, NoiseWorkerLostError, require
 from corrflow.fileio import write_text
 from corrflow.planning import build_planner, load_or_build_factorization, plan_privacy
 from corrflow.planning.learnability import check_learnable
 from corrflow.planning.run import mechanism_notes
-from corrflow.run.disclosure import DisclosureView, operator_log
+from corrflow.run.disclosure import Disclosure, DisclosureView, operator_log
 from corrflow.run.journal import GENESIS
 from corrflow.run.model import ModelLayout, arrays_sha256
 from corrflow.run.noise import NoiseStream, NoiseView
@@ -210,7 +210,9 @@ def _resume(
     store = RunStore(recorder, resume.checkpoint, last)
     registry.check(keys.run_id, recorder.run_dir, len(resume.journal))
     recorder.adoptions = registry.adoptions(keys.run_id)
-    _complete_releases(store, registry, resume, keys.run_id)
+    _complete_releases(
+        store, registry, resume, keys.run_id, recorder.disclosure, state.metrics_history
+    )
     # The report and metrics are complete every REPORT_EVERY rounds: after a kill they may lag
     # the journal by up to REPORT_EVERY − 1 rounds; a restart completes them first.
     recorder.write_report()
@@ -219,7 +221,12 @@ def _resume(
 
 
 def _complete_releases(
-    store: RunStore, registry: ReleaseRegistry, resume: ResumePoint, run_id: str
+    store: RunStore,
+    registry: ReleaseRegistry,
+    resume: ResumePoint,
+    run_id: str,
+    disclosure: Disclosure,
+    metrics_history: list[dict],
 ) -> None:
     """Finish the release a kill interrupted: a journal entry the registry has not recorded, and a
     round checkpointed but not yet journaled (released now with the noise in its checkpoint)."""
@@ -228,6 +235,8 @@ def _complete_releases(
         registry.record(run_id, entry.round, entry.noise_round, entry.hash)
     if resume.unreleased_round is not None:  # checkpointed, killed before its journal entry
         store.release(resume.unreleased_round, resume.checkpoint)
+        if metrics_history:  # its operator line (`RunStore.commit` writes it after the release)
+            disclosure.record_round(metrics_history[-1])
         log.info(
             "round %d was checkpointed but not released before the restart; released now",
             resume.unreleased_round + 1,
@@ -251,6 +260,8 @@ class Run:
         self._plan, self._state, self._keys, self._noise = plan, state, keys, noise
         self._recorder, self._store = recorder, store
         self._evaluate, self._on_round_end = evaluate, on_round_end
+        # the round `plan_next` issued last: (round, users, overrides, its realised privacy)
+        self._planned: tuple | None = None
         #: where reply-level events go (operator-only in an amplified run)
         self.log = operator_log(recorder.disclosure)
 
@@ -408,12 +419,15 @@ class Run:
         plan = plan_round(
             self._plan, t, s.ledger.selected, s.pending_overrides.get(t, []), self.log.warning
         )
-        reason = budget_reason(
-            self._plan, plan, s.ledger.selected, s.ledger.overrides, s.sensitivity
+        # the realised privacy after the round: the guard's, then the round's record (`step`)
+        privacy = self._plan.accounting.after_round(
+            s.ledger.selected, [*s.ledger.overrides, *plan.overrides], t, plan.users, s.sensitivity
         )
+        reason = budget_reason(self._plan, plan, privacy.epsilon)
         if reason is not None:
             self._apply(Stop(reason))
             return None
+        self._planned = (t, plan.users, plan.overrides, privacy)
         return plan
 
     def step(self, plan: RoundPlan, replies: Iterable[Reply] | SummedReplies) -> RoundRecord | None:
@@ -436,20 +450,31 @@ class Run:
             InvalidArgumentError: a plan that is not the run's next round, or a stopped run.
         """
         started, s = time.perf_counter(), self._state
-        require(
-            plan.round == s.next_round and not s.stopped_reason,
-            "plan",
-            f"the plan of round {s.next_round + 1}, the run's next (and a run not stopped)",
-            plan.round + 1,
-        )
+        if plan.round != s.next_round or s.stopped_reason:
+            raise InvalidArgumentError(
+                "plan",
+                f"the plan of round {s.next_round + 1}, the run's next (and a run not stopped)",
+                plan.round + 1,
+            )
         summed = (
             replies
             if isinstance(replies, SummedReplies)
             else collect(self._plan, plan, replies, s.params, self.log.warning)
         )
+        # the guard's privacy when this is the plan it was computed for (else computed again)
+        planned, self._planned = self._planned, None
+        privacy = None
+        if planned is not None and planned[:3] == (plan.round, plan.users, plan.overrides):
+            privacy = planned[3]
         try:
             record = release(
-                self._plan, plan, summed, s, self._noise, lambda: time.perf_counter() - started
+                self._plan,
+                plan,
+                summed,
+                s,
+                self._noise,
+                lambda: time.perf_counter() - started,
+                privacy,
             )
         except NoiseWorkerLostError as lost:  # nothing of the round was released
             self._apply(Stop(str(lost)))
@@ -512,28 +537,22 @@ class Run:
     def _apply_round(self, r: RoundRecord) -> None:
         """O(cohort) appends to the state, then its commit (`RunStore.commit`)."""
         s, cfg = self._state, self._plan.cfg
-        followed_before = pattern_followed(s.ledger.overrides)
+        # only a round's own override records can leave the sampler's pattern
+        followed_before = bool(r.overrides) and pattern_followed(s.ledger.overrides)
         if s.next_round != r.round or self._noise.next_round != r.noise_position:
             raise IntegrityError(
                 f"round {r.round + 1} does not follow the run's state (next round "
                 f"{s.next_round + 1}, noise at {self._noise.next_round})"
             )
         s.pending_overrides.pop(r.round, None)
-        s.ledger.overrides.extend(r.overrides)
         s.sensitivity.add(s.ledger.selected, r.round, r.users)  # reads the patterns before it
-        s.ledger.select(r.round, r.users)
-        for who, reason in r.rejections:
-            s.ledger.reject(r.round, who, reason)
-        for key in r.accepted:
-            s.ledger.accept(r.round, key)
-        s.ledger.epsilon_history.append(r.epsilon)
-        self._recorder.disclosure.record_round(r.metrics)
+        s.ledger.record_round(r.round, r.users, r.accepted, r.rejections, r.overrides, r.epsilon)
         s.params, s.momentum, s.next_round = r.params, r.momentum, r.round + 1
-        s.ledger.rounds_completed = s.next_round
         s.metrics_history.append(r.metrics)
         if r.asked:
             s.empty_streak = 0 if r.accepted else s.empty_streak + 1
         # ledger log → checkpoint (which vouches for the log's new position) → journal → registry
+        # → the operator's round line
         self._store.commit(r)
         if (
             followed_before

@@ -25,17 +25,35 @@ class Ledger:
     rounds_completed: int = 0
     epsilon_history: list[float] = field(default_factory=list)
 
-    def select(self, round_index: int, users: list[str]) -> None:
-        """Record round ``round_index`` for each listed user; a user listed m times contributes m
-        items in it."""
+    def record_round(
+        self,
+        round_index: int,
+        users: Iterable[str],
+        accepted: Iterable[str],
+        rejections: Iterable[Sequence],
+        overrides: Iterable[dict],
+        epsilon: float | None,
+    ) -> None:
+        """Add round ``round_index``, which completes it.
+
+        Args:
+            round_index: the round, after every recorded one.
+            users: who was selected (a user listed m times contributes m items in it).
+            accepted: the ids whose update was accepted.
+            rejections: (who, reason) of each rejection.
+            overrides: the round's override records.
+            epsilon: the realised ε after the round (None: a non-private run).
+        """
+        self.overrides.extend(overrides)
         for u in users:
             self.selected.setdefault(u, []).append(round_index)
-
-    def accept(self, round_index: int, user: str) -> None:
-        self.replied.setdefault(user, []).append(round_index)
-
-    def reject(self, round_index: int, user: str | None, reason: str) -> None:
-        self.rejections.append({"round": round_index, "user": user, "reason": reason})
+        self.rejections.extend(
+            {"round": round_index, "user": who, "reason": why} for who, why in rejections
+        )
+        for key in accepted:
+            self.replied.setdefault(key, []).append(round_index)
+        self.epsilon_history.append(epsilon)
+        self.rounds_completed = round_index + 1
 
     def to_dict(self) -> dict:
         return {
@@ -195,13 +213,9 @@ def replay(entries: Iterable[dict]) -> tuple[Ledger, list[dict]]:
             completed = ledger.rounds_completed
             continue
         t = int(e["round"])
-        ledger.overrides.extend(e["overrides"])
-        ledger.select(t, e["selected"])
-        for who, why in e["rejections"]:
-            ledger.reject(t, who, why)
-        for key in e["accepted"]:
-            ledger.accept(t, key)
-        ledger.epsilon_history.append(e["epsilon"])
+        ledger.record_round(
+            t, e["selected"], e["accepted"], e["rejections"], e["overrides"], e["epsilon"]
+        )
         completed = t + 1
         metrics.append(e["metrics"])
     return replace(ledger, rounds_completed=completed), metrics

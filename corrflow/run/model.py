@@ -14,7 +14,7 @@ converts ``ArrayRecord``s to and from the arrays and names used here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,13 +51,13 @@ class ModelLayout:
             tuple(a.copy() for i, a in enumerate(arrays) if i not in trainable),
         )
 
-    @property
-    def trainable_shapes(self) -> list[tuple[int, ...]]:
-        return [self.shapes[i] for i in self.trainable]
+    #: the trainable arrays' shapes and names, in order (derived once)
+    trainable_shapes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
+    trainable_names: tuple[str, ...] = field(init=False, compare=False)
 
-    @property
-    def trainable_names(self) -> list[str]:
-        return [self.keys[i] for i in self.trainable]
+    def __post_init__(self):
+        object.__setattr__(self, "trainable_shapes", tuple(self.shapes[i] for i in self.trainable))
+        object.__setattr__(self, "trainable_names", tuple(self.keys[i] for i in self.trainable))
 
     def trainable_arrays(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The trainable arrays of a whole model, as float32 copies."""
@@ -71,9 +71,12 @@ class ModelLayout:
             out.append(trained[i].astype(dtype, copy=False) if i in trained else next(frozen))
         return out
 
-    def check_names(self, names: Sequence[str]) -> None:
-        """RejectedReplyError unless a reply's array names are the model's (or all-digit names of
-        the same count: a list-based client's)."""
+    def reply_arrays(self, names: Sequence[str], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The trainable arrays of a reply, checked: its array ``names`` are the model's (or
+        all-digit names of the same count: a list-based client's), and its ``arrays`` (all of the
+        model's, in order) have the model's shapes and floating dtypes. RejectedReplyError when
+        they cannot be used. The update is formed by `corrflow.run.clipping.ExactSum`: reply −
+        model sent for full weights, the reply itself for deltas."""
         keys = tuple(names)
         if keys != self.keys and not (
             all(k.isdigit() for k in keys) and len(keys) == len(self.keys)
@@ -81,16 +84,9 @@ class ModelLayout:
             raise RejectedReplyError(
                 f"array names {list(keys)[:4]}… differ from the model's {list(self.keys)[:4]}…"
             )
-        if len(keys) != len(self.keys):
-            raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(keys)}")
-
-    def reply_arrays(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The trainable arrays of a reply's ``arrays`` (all of the model's, in order), checked for
-        dtype and shape (RejectedReplyError when they cannot be used). The update is formed by
-        `ClippedSum`: reply − model sent for full weights, the reply
-        itself for deltas."""
-        if len(arrays) != len(self.keys):
-            raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {len(arrays)}")
+        for count in (len(keys), len(arrays)):
+            if count != len(self.keys):
+                raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {count}")
         out = []
         for i in self.trainable:
             a = arrays[i]

@@ -9,7 +9,7 @@ noise-to-signal ratio ρ). Nothing here changes while the run trains: the changi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from corrflow.accounting.policy import RunAccounting
 from corrflow.config import RunConfig
 from corrflow.factorization.base import Factorization
 from corrflow.participation.planner import CohortPlanner, SeparationMonitor
+from corrflow.run.clipping import fixed_point_scale
 from corrflow.run.model import ModelLayout
 from corrflow.run.optimizer import MomentumServerOptimizer
 
@@ -37,14 +38,28 @@ class RunPlan:
     notes: tuple[str, ...] = ()  # what was built where it differs from what the settings name
     rho: float | None = None  # the pre-flight noise-to-signal ratio (the report's learning section)
 
-    @property
-    def sigma(self) -> float:
-        """σ, the noise multiplier: the noise added to a round's sum is σ·clip·(C⁻¹Z)_t."""
-        return float(self.accounting.plan.noise_multiplier)
+    # Facts of the plan every round reads, derived once here (a round never recomputes them).
+    #: σ, the noise multiplier: the noise added to a round's sum is σ·clip·(C⁻¹Z)_t.
+    sigma: float = field(init=False, compare=False)
+    #: the separation policy's check of the design min-sep b
+    monitor: SeparationMonitor = field(init=False, compare=False)
+    #: the exponent s of the round's exact sum (`corrflow.run.clipping.ExactSum`), fixed for the
+    # run: s = ⌊62 − log₂(items · clip)⌋, with the cohort cap taken as every item of the
+    # population once — the most a round can accept (a reply per item id at most; a Poisson or
+    # b-min-sep cohort and operator overrides have no smaller hard bound)
+    sum_scale: int = field(init=False, compare=False)
+    #: replies are full weights (the update is reply − model sent), not deltas
+    replies_are_weights: bool = field(init=False, compare=False)
 
-    @property
-    def monitor(self) -> SeparationMonitor:
-        return SeparationMonitor(self.planner.min_sep)
+    def __post_init__(self):
+        derived = {
+            "sigma": float(self.accounting.plan.noise_multiplier),
+            "monitor": SeparationMonitor(self.planner.min_sep),
+            "sum_scale": fixed_point_scale(len(self.planner.items), self.cfg.clip_norm),
+            "replies_are_weights": self.cfg.reply_kind == "weights",
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def planned_cohort(self, t: int) -> np.float32:
         """The planned cohort size of round ``t`` — not the number of replies, which must not

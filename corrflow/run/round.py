@@ -28,9 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from corrflow.accounting.policy import with_round
-from corrflow.accounting.tracking import IncrementalSensitivity
-from corrflow.run.clipping import ExactSum, RejectedReplyError, fixed_point_scale
+from corrflow.accounting.tracking import RealizedPrivacy
+from corrflow.run.clipping import ExactSum, RejectedReplyError
 from corrflow.run.noise import NoiseStream
 from corrflow.run.plan import RunPlan
 
@@ -63,9 +62,9 @@ class Reply:
 @dataclass(frozen=True)
 class RoundPlan:
     """Round t before anything is committed: included items, the users behind them (with
-    multiplicity), the override/separation records, the rejections found so far, and — once
-    routed — which node trains which item(s) (``expected``: node → item, or items cross-silo) and
-    who is behind each of those nodes."""
+    multiplicity), the override/separation records, the rejections found so far, the planned
+    cohort size, and — once routed — which node trains which item(s) (``expected``: node → item, or
+    items cross-silo) and who is behind each of those nodes."""
 
     round: int
     items: tuple[str, ...]
@@ -74,6 +73,8 @@ class RoundPlan:
     rejections: tuple[tuple[str | None, str], ...] = ()  # (item or user, reason)
     expected: Mapping[int, str | tuple[str, ...]] = field(default_factory=lambda: _FROZEN_EMPTY)
     owners: Mapping[int, str] = field(default_factory=lambda: _FROZEN_EMPTY)  # node → user behind
+    #: the denominator of x̂_t, the planned cohort size (None: `RunPlan.planned_cohort`)
+    planned_cohort: np.float32 | None = None
 
     def route(
         self,
@@ -177,12 +178,12 @@ def plan_round(
     """Sampled items plus operator overrides (``forced``), after the separation policy (``reject``:
     an item whose users would break min-sep is left out; ``accept-and-account``: included and
     recorded)."""
-    sampled = run.planner.cohort(t)
+    planner, monitor = run.planner, run.monitor
+    sampled = planner.cohort(t)
     forced = [i for i in forced if i not in sampled]
-    monitor = run.monitor
     items, users, overrides, rejections = [], [], [], []
     for item in sampled + forced:
-        owners = run.planner.users_of(item)
+        owners = planner.users_of(item)
         gaps = {u: g for u in owners if (g := monitor.violates(selected, u, t)) is not None}
         source = "override" if item in forced else "sampler"
         if gaps or source == "override":
@@ -219,26 +220,27 @@ def plan_round(
                 continue
         items.append(item)
         users.extend(owners)
-    return RoundPlan(t, tuple(items), tuple(users), tuple(overrides), tuple(rejections))
-
-
-def budget_reason(
-    run: RunPlan,
-    plan: RoundPlan,
-    selected: Mapping[str, Sequence[int]],
-    overrides: Sequence[dict],
-    tracker: IncrementalSensitivity | None = None,
-) -> str | None:
-    """Why round ``plan.round`` must not happen (it would exceed the target ε), else None.
-    ``tracker``: the run's incremental sensitivity (the guard in O(cohort))."""
-    eps = run.accounting.budget_exceeded(
-        selected, [*overrides, *plan.overrides], plan.round, plan.users, tracker
+    # the planned cohort, not the number of replies, is x̂_t's denominator
+    cohort = len(sampled) if planner.kind == "fixed-epoch" else planner.expected
+    return RoundPlan(
+        t,
+        tuple(items),
+        tuple(users),
+        tuple(overrides),
+        tuple(rejections),
+        planned_cohort=np.float32(cohort),
     )
-    if eps is None:
+
+
+def budget_reason(run: RunPlan, plan: RoundPlan, epsilon: float | None) -> str | None:
+    """Why round ``plan.round`` must not happen — ``epsilon``, the realised ε after it
+    (`corrflow.accounting.policy.RunAccounting.realized_after`), would exceed the target — else
+    None."""
+    if not run.accounting.over_budget(epsilon):
         return None
     return (
-        f"budget guard: round {plan.round + 1} of {run.cfg.num_rounds} would spend ε = {eps:.4f} > "
-        f"target {run.accounting.target_epsilon:g}"
+        f"budget guard: round {plan.round + 1} of {run.cfg.num_rounds} would spend ε = "
+        f"{epsilon:.4f} > target {run.accounting.target_epsilon:g}"
         + (
             ""
             if run.accounting.target_epsilon == run.cfg.target_epsilon
@@ -267,21 +269,6 @@ def check_reply(plan: RoundPlan, reply: Reply) -> tuple[str, int]:
     return key, items
 
 
-def sum_scale(run: RunPlan) -> int:
-    """The exponent s of the run's exact sum (`ExactSum`): fixed for the run, from the clip norm and
-    the cohort cap — every item of the population once, the most a round can accept (a reply per
-    item id at most; a Poisson or b-min-sep cohort and operator overrides have no smaller hard
-    bound).
-
-    Args:
-        run: the run's plan.
-
-    Returns:
-        s = ⌊62 − log₂(items · clip)⌋.
-    """
-    return fixed_point_scale(len(run.planner.items), run.cfg.clip_norm)
-
-
 def collect(
     run: RunPlan,
     plan: RoundPlan,
@@ -296,10 +283,10 @@ def collect(
     A node that was sent a request (``plan.expected``) and did not answer is recorded as timed out.
     Accepted ids are listed in id order, rejections in (who, reason) order. Changes no state."""
     layout = run.layout
-    exact = ExactSum(layout.trainable_shapes, sum_scale(run), layout.trainable_names)
+    exact = ExactSum(layout.trainable_shapes, run.sum_scale, layout.trainable_names)
     counts = {"kept": 0, "clipped": 0, "zeroed": 0, "rejected": 0}
     rejections: list[tuple[str | None, str]] = []
-    model_sent = layout.sent(params) if run.cfg.reply_kind == "weights" else None
+    model_sent = layout.sent(params) if run.replies_are_weights else None
     answered: set[int] = set()
     accepted: dict[str, int] = {}  # id → the position of the reply that counts
     take = _Take(run, plan, exact, model_sent, counts, rejections, log_warning)
@@ -356,20 +343,29 @@ class _Take:
                 reply.details,
             )
             return
+        silo, clip = run.item_home is not None, run.cfg.clip_norm
         try:
             if key in accepted:
                 raise RejectedReplyError("duplicate reply")
-            action = _add(
-                run,
-                self.exact,
-                reply,
+            if reply.undecodable is not None:
+                raise RejectedReplyError(f"undecodable arrays ({reply.undecodable})")
+            # cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check
+            # the bound (a silo's update is never clipped by the server)
+            action = self.exact.add(
+                run.layout.reply_arrays(reply.names, reply.arrays),
                 self.model_sent,
-                items,
-                run.cfg.clip_norm,
-                run.item_home is not None,
+                items * clip * (1 + 1e-5 if silo else 1),
+                run.cfg.zeroing_factor * clip,
+                allow_clip=not silo,
             )
         except RejectedReplyError as exc:
-            _reject(self.counts, self.rejections, key, exc.reason, t, reply.node, warn)
+            reason = exc.reason
+            if reason == "needs clipping":
+                reason = (
+                    f"per-item clipping not honoured: the sum of {items} items exceeds "
+                    f"{items} × clip-norm = {items * clip:g}"
+                )
+            _reject(self.counts, self.rejections, key, reason, t, reply.node, warn)
             return
         if action == "zeroed":
             warn(
@@ -380,38 +376,6 @@ class _Take:
             )
         self.counts[action] += 1
         accepted[key] = index
-
-
-def _add(
-    run: RunPlan,
-    clipped: ExactSum,
-    reply: Reply,
-    model_sent: Sequence[np.ndarray] | None,
-    items: int,
-    clip: float,
-    silo: bool,
-) -> str:
-    """Add one reply's update to the clipped sum; "kept", "clipped" or "zeroed"."""
-    run.layout.check_names(reply.names)
-    if reply.undecodable is not None:
-        raise RejectedReplyError(f"undecodable arrays ({reply.undecodable})")
-    # Cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check the bound.
-    bound = items * clip * (1 + 1e-5 if silo else 1)
-    try:
-        return clipped.add(
-            run.layout.reply_arrays(reply.arrays),
-            model_sent,
-            bound,
-            run.cfg.zeroing_factor * clip,
-            allow_clip=not silo,
-        )
-    except RejectedReplyError as exc:
-        if exc.reason != "needs clipping":
-            raise
-        raise RejectedReplyError(
-            f"per-item clipping not honoured: the sum of {items} items exceeds "
-            f"{items} × clip-norm = {items * clip:g}"
-        ) from None
 
 
 def _reject(
@@ -440,7 +404,7 @@ def noisy_update(
 ) -> list[np.ndarray]:
     """x̂_t = (Σ clipped + σ·clip·(C⁻¹Z)_t) / planned cohort size, formed in the sum (which it takes
     over); draws round t's noise."""
-    cohort = run.planned_cohort(plan.round)
+    cohort = run.planned_cohort(plan.round) if plan.planned_cohort is None else plan.planned_cohort
     total = summed.total
     if run.sigma > 0:
         noise.add(total, plan.round, np.float32(run.sigma * run.cfg.clip_norm))
@@ -458,31 +422,35 @@ def release(
     state: Any,
     noise: NoiseStream,
     seconds: Callable[[], float],
+    privacy: RealizedPrivacy | None = None,
 ) -> RoundRecord:
     """The round's record: its noisy update through the server optimizer, the realised ε after it,
     and its metrics. ``state``: the run's state before the round (read only: a
     `RunState` or its view); ``seconds``: the time the round has taken so
-    far (a metric)."""
+    far (a metric); ``privacy``: the realised privacy after the round when the budget guard has
+    computed it for this plan (`corrflow.run.core.Run.plan_next`), else computed here."""
     ledger = state.ledger
     new_params, new_m = run.optimizer.step(
         state.params, state.momentum, noisy_update(run, plan, summed, noise), plan.round
     )
-    overrides = [*ledger.overrides, *plan.overrides]
-    tracker = getattr(state, "sensitivity", None)
-    eps = (
-        run.accounting.realized(with_round(ledger.selected, plan.round, plan.users), overrides)
-        if tracker is None
-        else run.accounting.realized_after(
-            tracker, ledger.selected, overrides, plan.round, plan.users
+    if privacy is None:
+        privacy = run.accounting.after_round(
+            ledger.selected,
+            [*ledger.overrides, *plan.overrides],
+            plan.round,
+            plan.users,
+            getattr(state, "sensitivity", None),
         )
-    ).epsilon
+    eps = privacy.epsilon
     rejections = (*plan.rejections, *summed.rejections)
     reasons = Counter(reason_class(r) for _, r in rejections)
     metrics = {
         "round": plan.round,
         "replies": len(summed.accepted),
         "accepted": len(summed.accepted),
-        "cohort": float(run.planned_cohort(plan.round)),
+        "cohort": float(
+            run.planned_cohort(plan.round) if plan.planned_cohort is None else plan.planned_cohort
+        ),
         **summed.counts,
         "rejected": len(rejections),
         "top_rejection": reasons.most_common(1)[0][0] if reasons else None,

@@ -3,8 +3,9 @@ computed (a `corrflow.run.round.RoundRecord`, already applied to the run's state
 the order that makes a kill at any point safe — ledger log → checkpoint → per-user store → release
 journal → release registry — before the round's model leaves the server (docs "Conventions",
 Files). A round after the first writes six files: the ledger log, the one checkpoint file, the
-noise ring (a banded noise's), the per-user store, the journal and the registry; the run's secrets
-are written once per process start (`corrflow.run.checkpoint.SecretFiles`).
+noise ring (a banded noise's), the per-user store, the journal and the registry (then a line of
+the operator's ``rounds.jsonl``, a log); the run's secrets are written once per process start
+(`corrflow.run.checkpoint.SecretFiles`).
 
 `restore` reads a verified checkpoint back into the run's state and secrets.
 """
@@ -74,7 +75,8 @@ class RunStore:
 
     def commit(self, r: RoundRecord) -> Published:
         """Make round ``r`` durable: its ledger-log line, then the checkpoint (which vouches for
-        the log's new position), then its release (`release`).
+        the log's new position), then its release (`release`), then the operator's
+        ``rounds.jsonl`` line.
 
         Args:
             r: the round, already applied to the run's state.
@@ -91,6 +93,8 @@ class RunStore:
         )
         ckpt = self.checkpoint()
         self.release(r.round, ckpt, r.users)
+        # the operator's line of a released round (a round killed before its release has none)
+        self._rec.disclosure.record_round(r.metrics)
         return ckpt
 
     def checkpoint(self) -> Published:

@@ -210,15 +210,20 @@ class CorrelatedNoiseStrategy(Strategy):
         if plan is None:  # the budget guard stopped the run
             return []
         t = plan.round
-        user_config, sent = inner_train_config(self.inner, t + 1, arrays, config, grid)
+        user_config, sent = (
+            (dict(config or {}), True)
+            if self.inner is None
+            else inner_train_config(self.inner, t + 1, arrays, config, grid)
+        )
         if not sent and "inner-config" not in self._said:
             self._said.add("inner-config")
             log.warning(
                 "the inner strategy's configure_train sent no message (fraction_train = 0?): "
                 "corrflow's cohort trains with the train_config alone"
             )
-        plan = plan.route(self.directory.user_to_node, online, self.run.plan.item_home)
-        messages = train_messages(self.cfg, plan, arrays, user_config)
+        run_plan = self.run.plan
+        plan = plan.route(self.directory.user_to_node, online, run_plan.item_home)
+        messages = train_messages(run_plan.cfg, plan, arrays, user_config)
         self.inflight.put(plan, messages)
         return messages
 
@@ -236,7 +241,7 @@ class CorrelatedNoiseStrategy(Strategy):
             planned.
         """
         plan, sent = self.inflight.take()
-        if plan is None or plan.round != self.next_round or self.stopped_reason:
+        if plan is None or self.run.done:  # not planned, or the run stopped while it waited
             return None, None
         node_to_user = self.directory.node_to_user
         # Each reply is summed as it arrives (``replies`` may pull them); the inner strategy's
@@ -265,7 +270,7 @@ class CorrelatedNoiseStrategy(Strategy):
             # none when no reply was accepted or the strategy aggregates none.
             contents = [kept[i] for i in record.accepted_replies] if kept is not None else []
             metrics = inner_metrics(self.inner, contents) if contents else None
-        return self.initial_arrays(), metrics
+        return model_record(self.run.plan.layout, record.params), metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         """Federated evaluation is the inner strategy's (its metrics are computed on clients' data

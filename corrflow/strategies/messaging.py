@@ -84,8 +84,9 @@ class ReplyStream:
     def __iter__(self) -> Iterator[Message]:
         synchronous = getattr(self.grid, "synchronous", False)
         while self.pending and time.monotonic() < self.deadline:
-            arrived = False
-            for ids in _chunks(list(self.pending), self.batch):
+            arrived, waiting = False, list(self.pending)
+            for lo in range(0, len(waiting), self.batch):
+                ids = waiting[lo : lo + self.batch]
                 if self.stop is not None and self.stop.is_set():
                     raise RoundAbandonedError
                 if not synchronous and time.monotonic() >= self.deadline:
@@ -143,11 +144,6 @@ def pull_batch(layout: ModelLayout) -> int:
     """
     size = 4 * max(1, sum(math.prod(s) for s in layout.shapes))
     return max(1, min(256, PULL_BYTES // size))
-
-
-def _chunks(ids: list[str], n: int) -> Iterator[list[str]]:
-    for i in range(0, len(ids), n):
-        yield ids[i : i + n]
 
 
 def exchange(
