@@ -151,6 +151,37 @@ def test_sigkill_at_any_moment_then_resume_reports_what_an_uninterrupted_run_doe
     assert _normalised(resumed, out) == _normalised(uninterrupted, whole)
     assert len(resumed["lineage"]["key_segments"]) > 1  # it did restart
     assert REPORT_EVERY > 1
+    operator_lines = (out / "operator" / "rounds.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in operator_lines] == list(range(8))
+
+
+def test_a_kill_between_a_release_and_its_operator_line_is_completed_at_the_restart(tmp_path):
+    """The operator's ``rounds.jsonl`` line is written after the round's release: a kill between
+    the two — here the last line cut, torn half-way — leaves a released round without its line,
+    and the restart writes it (on a line of its own) before the next round; every round has one
+    line, once."""
+    from test_run import INITIAL, NODE, USERS, _client
+
+    from corrflow.run import Run, RunLock, open_run_directory, prepare
+
+    cfg = _cfg(tmp_path / "run", num_rounds=6)
+    lines = tmp_path / "run" / "operator" / "rounds.jsonl"
+    for count in (3, None):
+        with RunLock(cfg.state_dir):
+            plan = prepare(cfg, USERS, INITIAL, identity="partition-id")
+            run = Run.start(plan, INITIAL, open_run_directory(cfg.state_dir), noise_key=KEY)
+            while (count is None or run.state.next_round < count) and (
+                round_plan := run.plan_next()
+            ) is not None:
+                routed = round_plan.route(NODE, set(NODE.values()))
+                run.step(routed, [_client(run, n) for n in routed.expected])
+        if count is not None:
+            text = lines.read_text().splitlines(keepends=True)
+            assert [json.loads(line)["round"] for line in text] == [0, 1, 2]
+            lines.write_text("".join(text[:-1]) + text[-1][:10])  # round 3's line, torn
+    rounds = [json.loads(line)["round"] for line in lines.read_text().splitlines()[3:]]
+    assert lines.read_text().splitlines()[2] == text[-1][:10]
+    assert rounds == [2, 3, 4, 5]
 
 
 def test_report_command_says_when_the_journal_is_ahead_of_the_report(tmp_path):

@@ -170,3 +170,37 @@ def test_a_version_1_state_resumes_bit_for_bit_and_its_new_segments_are_version_
     ]
     again = restore_state(d2, fac)
     np.testing.assert_array_equal(again.next(4)[0], cont.next(4)[0])
+
+
+def test_rows_drawn_by_numpy_integer_rounds_across_segments_are_the_int_rounds():
+    """The engine remembers the segment of the last row it drew: after `begin_segment` a row comes
+    from the new key (identity mode: row t is z_t / C_tt, the row of a generator keyed with the new
+    key alone), a NumPy integer round draws the rows a Python int does, and a replay of an earlier
+    segment's row looks it up again (a lookup by ``in range(…)`` once made a NumPy integer round
+    scan toward sys.maxsize: a hang, in C, that no alarm interrupts)."""
+    import numpy as np
+
+    from corrflow.factorization import factorize, participation_for
+    from corrflow.noise.engine import CorrelatedNoise
+
+    other = bytes(range(16, 32))
+    participation = participation_for(16, 4)
+    for kind, kw in (("dpsgd", {}), ("bifr", {"bands": 4}), ("toeplitz", {"bands": 3})):
+        fac = factorize(kind, participation, **kw)
+        drawn = {}
+        for as_round in (int, np.int64):
+            gen = CorrelatedNoise(fac, [(50,)], key=KEY, chunk_size=16)
+            rows = [gen.next(as_round(t))[0].copy() for t in range(3)]
+            gen.begin_segment(other)
+            rows += [gen.next(as_round(t))[0].copy() for t in range(3, 6)]
+            rows.append(gen.next(as_round(1), replay=True)[0].copy())
+            drawn[as_round] = rows
+        for a, b in zip(drawn[int], drawn[np.int64], strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(drawn[int][6], drawn[int][1])  # replayed, same key
+        if kind == "dpsgd":
+            alone = CorrelatedNoise(fac, [(50,)], key=other, chunk_size=16)
+            alone.skip_to(3)
+            np.testing.assert_array_equal(drawn[int][3], alone.next(3)[0])
+            first = CorrelatedNoise(fac, [(50,)], key=KEY, chunk_size=16)
+            assert not np.array_equal(drawn[int][3], (first.skip_to(3), first.next(3))[1][0])

@@ -364,7 +364,7 @@ def test_a_finished_runs_rerun_checks_its_ledger_before_vouching_for_it(tmp_path
 def test_a_rounds_compute_side_calls_at_most_60_functions_in_15_files(tmp_path):
     """Round 3 of the plain loop, traced: `Run.step` outside `RunStore.commit` — check, clip and
     sum the replies, draw the noise, step the optimizer, account ε, apply the record in memory —
-    calls at most 60 of corrflow's functions, in at most 15 files (37 in 14 when this was
+    calls at most 60 of corrflow's functions, in at most 15 files (36 in 14 when this was
     written); the commit is the one place that writes. Comprehensions are left out of the count
     (Python 3.12 inlines them)."""
     from test_run import NODE, _client

@@ -17,7 +17,7 @@ exactly from the checkpoint. Each segment keeps the derivation version its key w
 from __future__ import annotations
 
 import json
-import sys
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -223,7 +223,7 @@ class SegmentedSource:
         self._sources: dict[bytes, GaussianSource] = {}
         self.table = table
         # (table, rows of the last row's segment, its source): valid while ``table`` is the table
-        self._last: tuple = (None, range(0), None)
+        self._last: tuple = (None, 0, 0, None)
 
     @property
     def name(self) -> str:
@@ -242,12 +242,14 @@ class SegmentedSource:
         """The (round, chunk) stream's generator, from the key of the row's segment (for sources
         that draw block by block). The segment of the last row drawn is kept: a round's chunks,
         and the rounds after it until the next segment, look nothing up."""
-        table, rounds, source = self._last
-        if table is not self.table or round_index not in rounds:
+        table, first, end, source = self._last
+        # comparisons, not ``in range(…)``: a NumPy integer round would make that a linear scan
+        if table is not self.table or not first <= round_index < end:
             table = self.table
             i = table.index_of(round_index)
             segments = table.segments
-            end = segments[i + 1].first_round if i + 1 < len(segments) else sys.maxsize
+            first = segments[i].first_round
+            end = segments[i + 1].first_round if i + 1 < len(segments) else math.inf
             source = self._source(segments[i])
-            self._last = (table, range(segments[i].first_round, end), source)
+            self._last = (table, first, end, source)
         return source.generator(round_index, chunk)

@@ -32,7 +32,8 @@ _KERNELS = None
 
 
 def _load_kernels():
-    """`corrflow.run.clip_kernels`, imported at the first reply: numba loads only when needed."""
+    """`corrflow.run.clip_kernels`, imported at a process's first reply (numba loads only when a
+    reply is summed, never at import)."""
     global _KERNELS
     from corrflow.run import clip_kernels
 

@@ -228,19 +228,20 @@ def _complete_releases(
     disclosure: Disclosure,
     metrics_history: list[dict],
 ) -> None:
-    """Finish the release a kill interrupted: a journal entry the registry has not recorded, and a
-    round checkpointed but not yet journaled (released now with the noise in its checkpoint)."""
+    """Finish the release a kill interrupted: a journal entry the registry has not recorded, a
+    round checkpointed but not yet journaled (released now with the noise in its checkpoint), and
+    the operator's ``rounds.jsonl`` line of a released round."""
     # Killed between the journal's append and the registry's record: record it now.
     for entry in resume.journal[registry.released(run_id) :]:
         registry.record(run_id, entry.round, entry.noise_round, entry.hash)
     if resume.unreleased_round is not None:  # checkpointed, killed before its journal entry
         store.release(resume.unreleased_round, resume.checkpoint)
-        if metrics_history:  # its operator line (`RunStore.commit` writes it after the release)
-            disclosure.record_round(metrics_history[-1])
         log.info(
             "round %d was checkpointed but not released before the restart; released now",
             resume.unreleased_round + 1,
         )
+    # killed after a release, before its operator line (`RunStore.commit` writes it last)
+    disclosure.complete_rounds(metrics_history)
 
 
 class Run:
@@ -432,9 +433,10 @@ class Run:
 
     def step(self, plan: RoundPlan, replies: Iterable[Reply] | SummedReplies) -> RoundRecord | None:
         """Release round ``plan.round``: clip and sum the replies, add the round's correlated
-        noise, step the server optimizer, check the new model is finite — all in memory — then
-        commit (ledger log → checkpoint → journal → registry; `RunStore.commit`) and write the
-        report and metrics when due.
+        noise, step the server optimizer, check the new model is finite — all in memory, with the
+        ε `plan_next` computed for this plan — then commit (ledger log → checkpoint → journal →
+        registry → the operator's round line; `RunStore.commit`) and write the report and metrics
+        when due.
 
         Args:
             plan: the round's routed plan (`plan_next`, then `route`).

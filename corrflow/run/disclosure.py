@@ -72,6 +72,37 @@ class Disclosure:
         )
         _append_private(self._dir() / "rounds.jsonl", line + "\n")
 
+    def complete_rounds(self, metrics_history: list[dict]) -> int:
+        """At a restart, append the lines of released rounds that ``rounds.jsonl`` lacks: a round
+        is released before its line is written (`corrflow.run.store.RunStore.commit`), so a kill
+        between the two leaves the last released round without one. Only the file's tail is read.
+
+        Args:
+            metrics_history: every released round's metrics, in order (round i's at index i).
+
+        Returns:
+            The number of lines appended.
+        """
+        path = self._dir() / "rounds.jsonl"
+        last, torn = -1, False
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                tail = f.read()
+            torn = bool(tail) and not tail.endswith(b"\n")
+            for raw in reversed(tail.splitlines()):
+                try:
+                    last = int(json.loads(raw)["round"])
+                    break
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by a kill, or cut by the tail's start
+        missing = [m for m in metrics_history if int(m.get("round", -1)) > last]
+        if missing and torn:
+            _append_private(path, "\n")  # a torn last line stays on its own line
+        for metrics in missing:
+            self.record_round(metrics)
+        return len(missing)
+
     def public_report(self, report: dict, app_metrics: list[str] = ()) -> dict:
         """The report as published: amplified runs keep ε, δ, accountant, settings and rounds, and
         point to the operator's participation file for the rest; every run lists what it publishes

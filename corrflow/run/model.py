@@ -71,22 +71,29 @@ class ModelLayout:
             out.append(trained[i].astype(dtype, copy=False) if i in trained else next(frozen))
         return out
 
-    def reply_arrays(self, names: Sequence[str], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The trainable arrays of a reply, checked: its array ``names`` are the model's (or
-        all-digit names of the same count: a list-based client's), and its ``arrays`` (all of the
-        model's, in order) have the model's shapes and floating dtypes. RejectedReplyError when
-        they cannot be used. The update is formed by `corrflow.run.clipping.ExactSum`: reply −
-        model sent for full weights, the reply itself for deltas."""
-        keys = tuple(names)
-        if keys != self.keys and not (
-            all(k.isdigit() for k in keys) and len(keys) == len(self.keys)
-        ):
+    def reply_arrays(
+        self,
+        names: Sequence[str],
+        arrays: Sequence[np.ndarray],
+        undecodable: str | None = None,
+    ) -> list[np.ndarray]:
+        """The trainable arrays of a reply, checked in this order: its array ``names`` are the
+        model's (or all-digit names of the same count: a list-based client's); its arrays could be
+        decoded (``undecodable``: why not); its ``arrays`` (all of the model's, in order) have the
+        model's shapes and floating dtypes. RejectedReplyError when they cannot be used. The update
+        is formed by `corrflow.run.clipping.ExactSum`: reply − model sent for full weights, the
+        reply itself for deltas."""
+        keys, expected = tuple(names), len(self.keys)
+        if keys != self.keys and not (all(k.isdigit() for k in keys) and len(keys) == expected):
             raise RejectedReplyError(
                 f"array names {list(keys)[:4]}… differ from the model's {list(self.keys)[:4]}…"
             )
-        for count in (len(keys), len(arrays)):
-            if count != len(self.keys):
-                raise RejectedReplyError(f"expected {len(self.keys)} arrays, got {count}")
+        if len(keys) != expected:
+            raise RejectedReplyError(f"expected {expected} arrays, got {len(keys)}")
+        if undecodable is not None:
+            raise RejectedReplyError(f"undecodable arrays ({undecodable})")
+        if len(arrays) != expected:
+            raise RejectedReplyError(f"expected {expected} arrays, got {len(arrays)}")
         out = []
         for i in self.trainable:
             a = arrays[i]

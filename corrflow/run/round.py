@@ -347,12 +347,10 @@ class _Take:
         try:
             if key in accepted:
                 raise RejectedReplyError("duplicate reply")
-            if reply.undecodable is not None:
-                raise RejectedReplyError(f"undecodable arrays ({reply.undecodable})")
             # cross-silo sums of per-item-clipped updates: allow float32 rounding, then re-check
             # the bound (a silo's update is never clipped by the server)
             action = self.exact.add(
-                run.layout.reply_arrays(reply.names, reply.arrays),
+                run.layout.reply_arrays(reply.names, reply.arrays, reply.undecodable),
                 self.model_sent,
                 items * clip * (1 + 1e-5 if silo else 1),
                 run.cfg.zeroing_factor * clip,

@@ -93,7 +93,8 @@ class RunStore:
         )
         ckpt = self.checkpoint()
         self.release(r.round, ckpt, r.users)
-        # the operator's line of a released round (a round killed before its release has none)
+        # the operator's line, once the round is released (a restart writes it when a kill came
+        # between the two: `Disclosure.complete_rounds`)
         self._rec.disclosure.record_round(r.metrics)
         return ckpt
 

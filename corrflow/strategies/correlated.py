@@ -238,7 +238,7 @@ class CorrelatedNoiseStrategy(Strategy):
 
         Returns:
             (the new global model, the round's metrics), or (None, None) for a round that was not
-            planned.
+            planned or a run that stopped while its replies were awaited.
         """
         plan, sent = self.inflight.take()
         if plan is None or self.run.done:  # not planned, or the run stopped while it waited
