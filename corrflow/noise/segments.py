@@ -222,7 +222,8 @@ class SegmentedSource:
         self._factory = factory
         self._sources: dict[bytes, GaussianSource] = {}
         self.table = table
-        # (table, rows of the last row's segment, its source): valid while ``table`` is the table
+        # (table, first and end row of the last row's segment, its source): valid while ``table`` is
+        # the table
         self._last: tuple = (None, 0, 0, None)
 
     @property
